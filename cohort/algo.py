@@ -1,0 +1,194 @@
+"""The mathematics of GRPO as small pure functions.
+
+Everything here is a function of tensors with no hidden state, so each can be tested against an
+independent float64 computation. Sources:
+
+- GRPO: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
+  Language Models", §4.1 and Algorithm 1.
+- Clipped surrogate: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7.
+- k1/k2/k3 KL estimators: J. Schulman, "Approximating KL Divergence" (2020, blog note).
+- Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective".
+- DAPO: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale".
+- GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+ScaleRewards = Literal["group", "batch", "none"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
+
+SCALE_CHOICES = ("group", "batch", "none")
+KL_CHOICES = ("k1", "k2", "k3")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+
+
+def group_advantages(rewards: Tensor, group_size: int, scale: ScaleRewards = "group", eps: float = 1e-4) -> Tensor:
+    """Group-relative advantage of each completion (DeepSeekMath §4.1.2, outcome supervision).
+
+    `rewards` is `[B]`, group-contiguous: completions `i*G … i*G+G-1` answer the same prompt.
+    Each reward is centred on its group's mean; `scale` picks the divisor:
+
+    - ``"group"``: the group's standard deviation (Bessel-corrected, torch's default) + eps — GRPO;
+    - ``"batch"``: the standard deviation of the whole batch + eps;
+    - ``"none"``: no division — Dr. GRPO, which argues the std term biases towards easy/hard prompts.
+
+    Worked example, G = 2, two prompts::
+
+        rewards = [1., 0.,   1., 1.]
+        means   = [0.5,      1.0]
+        stds    = [0.7071,   0.0]         # std([1, 0]) with Bessel's correction
+        group   → [0.7070, -0.7070, 0., 0.]   # (1 - 0.5) / (0.7071 + 1e-4)
+        none    → [0.5, -0.5, 0., 0.]
+
+    A group whose rewards are all equal gets zero advantage: it carries no learning signal.
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, got {tuple(rewards.shape)}")
+    grouped = rewards.view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"scale must be one of {SCALE_CHOICES}, got {scale!r}")
+    return centred.reshape(-1)
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ (Schulman 2020).
+
+    With log-ratio r = ref_logp − logp:
+
+    - k1 = −r = logp − ref_logp   (unbiased, can be negative)
+    - k2 = ½ r²                   (biased, low variance)
+    - k3 = exp(r) − r − 1         (unbiased, always ≥ 0; the one DeepSeekMath eq. 4 uses)
+
+    Worked example: logp = log 0.5, ref_logp = log 0.25 → r = −0.693;
+    k1 = 0.693, k2 = 0.240, k3 = 0.5 + 0.693 − 1 = 0.193.
+    """
+    log_ratio = ref_logp - logp
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    raise ValueError(f"estimator must be one of {KL_CHOICES}, got {estimator!r}")
+
+
+def aggregate_loss(
+    per_token: Tensor,
+    mask: Tensor,
+    loss_type: LossType = "grpo",
+    max_completion_length: int | None = None,
+    num_tokens: float | None = None,
+) -> Tensor:
+    """Reduce a `[B, T]` per-token loss to a scalar: every length-normalisation choice lives here.
+
+    - ``"grpo"`` (DeepSeekMath eq. 3): mean over each completion's own tokens, then mean over
+      completions — a token of a short completion weighs more than one of a long completion.
+    - ``"bnpo"`` / ``"dapo"`` (DAPO §3.3, token-level): sum over all tokens ÷ number of tokens, so every
+      token weighs the same. `num_tokens` overrides the divisor (DAPO divides by the token count
+      of the whole accumulated batch, not of one micro-batch).
+    - ``"dr_grpo"`` (Dr. GRPO §3.1): sum over all tokens ÷ (B × max_completion_length), a constant,
+      so no length bias at all.
+
+    Worked example, B = 2, mask rows of length 1 and 3, every token's loss = its row index + 1::
+
+        grpo    → (1/1 + 6/3) / 2 = 1.5
+        dapo    → (1 + 6) / 4   = 1.75
+        dr_grpo → (1 + 6) / (2 × 4) = 0.875   # max_completion_length = 4
+    """
+    mask = mask.to(per_token.dtype)
+    masked = per_token * mask
+    if loss_type == "grpo":
+        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
+    if loss_type in ("bnpo", "dapo"):
+        divisor = num_tokens if num_tokens is not None else mask.sum().clamp(min=1.0)
+        return masked.sum() / divisor
+    if loss_type == "dr_grpo":
+        length = max_completion_length if max_completion_length is not None else per_token.shape[1]
+        return masked.sum() / (per_token.shape[0] * length)
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+@dataclass
+class PolicyLossStats:
+    """Diagnostics of one `policy_loss` call, each averaged over completion tokens."""
+
+    kl: float  # mean k3 KL to the reference (0 when no reference)
+    clip_ratio_low: float  # fraction of tokens with ρ < 1−ε and A < 0 (the clip is active)
+    clip_ratio_high: float  # fraction of tokens with ρ > 1+ε_high and A > 0
+    clip_ratio: float  # fraction of tokens where either clip is active
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "kl": self.kl,
+            "clip_ratio/low_mean": self.clip_ratio_low,
+            "clip_ratio/high_mean": self.clip_ratio_high,
+            "clip_ratio/region_mean": self.clip_ratio,
+        }
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logp: Tensor | None = None,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    loss_type: LossType = "grpo",
+    max_completion_length: int | None = None,
+    num_tokens: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The GRPO objective (DeepSeekMath eq. 3), negated so that minimising it is ascent.
+
+    Shapes: `logp`, `old_logp`, `ref_logp`, `mask` are `[B, T]`; `advantages` is `[B]` (one per
+    completion, broadcast over its tokens). Per token::
+
+        ρ = exp(logp − old_logp)
+        loss = −[ min(ρ·A, clip(ρ, 1−ε, 1+ε_high)·A) − β · k3(logp, ref_logp) ]
+
+    then reduced by `aggregate_loss(loss_type)`. ε_high=None means ε (symmetric clip); DAPO's
+    "clip-higher" sets ε_high > ε. At μ = 1 (one update per rollout) ρ = 1 and only its gradient
+    matters: ∇ρ = ∇logp, so the loss is the REINFORCE estimator with group baselines.
+
+    Worked example, one token, A = 1, ε = 0.2: ρ = 1.5 → min(1.5, 1.2) = 1.2 → loss −1.2 (the
+    clip is active; no gradient flows). ρ = 0.5 → min(0.5, 0.8) = 0.5 → loss −0.5.
+    """
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages.unsqueeze(1).to(logp.dtype)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * adv
+    per_token = -torch.min(unclipped, clipped)
+    kl = None
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, "k3")
+        if beta != 0.0:
+            per_token = per_token + beta * kl
+    loss = aggregate_loss(per_token, mask, loss_type, max_completion_length, num_tokens)
+
+    with torch.no_grad():
+        fmask = mask.to(logp.dtype)
+        n = fmask.sum().clamp(min=1.0)
+        low = ((ratio < 1.0 - epsilon) & (adv < 0)).to(logp.dtype)
+        high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(logp.dtype)
+        stats = PolicyLossStats(
+            kl=float((kl * fmask).sum() / n) if kl is not None else 0.0,
+            clip_ratio_low=float((low * fmask).sum() / n),
+            clip_ratio_high=float((high * fmask).sum() / n),
+            clip_ratio=float(((low + high).clamp(max=1.0) * fmask).sum() / n),
+        )
+    return loss, stats.as_dict()

@@ -1,0 +1,101 @@
+"""The `cohort` command: train (the default), eval, sft, report, chat, generate.
+
+Bad input is a `CohortError`: printed as one line, exit code 2, no traceback (unless --debug).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .errors import CohortError
+
+USAGE = """usage: cohort [train] [--option value ...]   GRPO training (no options: the built-in task)
+       cohort eval --model DIR --task NAME [--split test] [--limit N] [--num_samples k]
+       cohort sft --model DIR --data_files FILE [--output_dir DIR] [--max_steps N]
+       cohort report RUN_DIR [RUN_DIR ...] [--out DIR]
+       cohort chat MODEL_DIR            cohort generate MODEL_DIR --prompts FILE
+add --debug to any command for a full traceback on errors; `cohort train --help` lists every option"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
+    if command in ("-h", "--help", "help") or (argv[:1] in (["-h"], ["--help"]) and command != "train"):
+        print(USAGE)
+        return 0
+    commands = {"train": _train, "eval": _eval, "sft": _sft, "report": _report, "chat": _chat, "generate": _generate}
+    if command not in commands:
+        print(f"cohort: unknown command {command!r}; choose one of {', '.join(commands)}", file=sys.stderr)
+        return 2
+    try:
+        return commands[command](argv) or 0
+    except CohortError as error:
+        if debug:
+            raise
+        print(f"cohort: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cohort: interrupted", file=sys.stderr)
+        return 130
+
+
+def _train(argv: list[str]) -> int:
+    from .config import config_help, parse_config
+    from .tasks import get_task
+    from .trainer import GRPOTrainer
+
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage: cohort train [--config file.yaml] [--option value ...]\n\noptions:\n" + config_help())
+        return 0
+    task_name = _peek(argv, "task") or "arithmetic"
+    task = get_task(task_name)
+    defaults = dict(getattr(task, "default_config", {})) if _peek(argv, "model") is None else {}
+    args = parse_config(argv, defaults=defaults)
+    train_rows, eval_rows = task_rows(task, args)
+    trainer = GRPOTrainer(args.model, None, train_rows, args=args, eval_dataset=eval_rows, task=task)
+    trainer.train()
+    return 0
+
+
+def task_rows(task, args):
+    """The task's training rows and held-out rows, from the options that apply to it."""
+    options = dict(seed=args.seed, data_files=args.data_files, subset=args.subset, levels=args.levels)
+    train = task.load("train", **options)
+    held_out = task.load("test", **{**options, "subset": None, "size": args.eval_limit})
+    return train, held_out[: args.eval_limit] if args.eval_limit else None
+
+
+def _peek(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        key, _, inline = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if key.replace("-", "_") == name:
+            return inline or (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def _eval(argv: list[str]) -> int:
+    raise CohortError("cohort eval is not available yet")
+
+
+def _sft(argv: list[str]) -> int:
+    raise CohortError("cohort sft is not available yet")
+
+
+def _report(argv: list[str]) -> int:
+    from .report import main as report_main
+
+    return report_main(argv)
+
+
+def _chat(argv: list[str]) -> int:
+    raise CohortError("cohort chat is not available yet")
+
+
+def _generate(argv: list[str]) -> int:
+    raise CohortError("cohort generate is not available yet")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""The fast sampler: KV cache, continuous batching, device-side sampling, CUDA-graph decode.
+
+`make_sampler(model, tokenizer)` is the one entry point the trainer needs: our own `CausalLM`
+gets the `Engine`; any other model gets Hugging Face `generate` (`HFGenerateSampler`).
+"""
+
+from __future__ import annotations
+
+from cohort.engine.engine import Engine
+from cohort.rollout import Sampler
+
+__all__ = ["Engine", "make_sampler"]
+
+
+def make_sampler(model, tokenizer=None, **engine_options) -> Sampler:
+    """An `Engine` for cohort's `CausalLM` (also inside a PEFT wrapper), else `HFGenerateSampler`.
+
+    `engine_options` go to `Engine` (max_batch_size, max_seq_len, use_cuda_graph, ...) and are
+    ignored by the fallback, which prints one notice line saying it is in use.
+    """
+    from cohort.models.modeling import CausalLM
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if isinstance(base, CausalLM):
+        # A PEFT model's LoRA layers live inside the base modules, so sampling the base samples the adapter too.
+        return Engine(base, tokenizer, **engine_options)
+    from cohort.rollout import HFGenerateSampler
+
+    print(f"cohort: {type(base).__name__} is not one of cohort's own models; sampling with Hugging Face "
+          "generate (slower, no sampling log-probs)")
+    return HFGenerateSampler(model, tokenizer)

@@ -1,0 +1,326 @@
+"""`Engine`: the fast `Sampler` for cohort's own `CausalLM`.
+
+One preallocated `KVCache` (a row per slot), batched prefill of admitted prompts into their rows,
+then decode steps over the occupied slots with sampling on the device. Finished sequences are
+noticed every `check_interval` steps (one host sync), retired, and waiting sequences take their
+rows (continuous batching, see `scheduler.py`). On CUDA each decode step is a captured CUDA graph
+(`graphs.py`). The model's own weights are used in place: no copy, so the policy being trained
+samples its rollouts, as GRPO requires (DeepSeekMath 2024, Algorithm 1, step "sample G outputs").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from cohort.engine.graphs import DecodeGraphs
+from cohort.engine.sampling import sample_from_logits
+from cohort.engine.scheduler import Scheduler, batch_buckets, round_up_to_bucket
+from cohort.engine.sequence import Sequence, SlotState, find_stop_string
+from cohort.errors import CohortError
+from cohort.models.cache import KVCache
+from cohort.rollout import Rollout, SamplingParams
+
+KV_LENGTH_STEP = 128  # cache lengths are rounded up to this so few (width, length) graphs exist
+
+
+@contextlib.contextmanager
+def sampling_mode(model: torch.nn.Module):
+    """Eval mode and inference mode while sampling; the caller's train/eval mode afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)
+
+
+class Engine:
+    """KV-cache sampler with continuous batching; implements `cohort.rollout.Sampler`.
+
+    max_batch_size: most sequences decoded at once (KV-cache rows).
+    max_seq_len: prompt + completion tokens per row; None sizes the cache per call to the longest
+        prompt + max_new_tokens (rounded up to 128 so later calls can reuse it).
+    use_cuda_graph: None = on when the model is on CUDA.
+    check_interval: decode steps between host syncs (finished rows are retired at these points).
+    prefill_tokens: most (padded) prompt tokens per prefill forward.
+    verify_graphs: compare each captured CUDA graph with an eager step (a self-check; slower).
+    """
+
+    def __init__(self, model, tokenizer=None, max_batch_size: int = 256, max_seq_len: int | None = None,
+                 use_cuda_graph: bool | None = None, check_interval: int = 16, prefill_tokens: int = 16384,
+                 verify_graphs: bool = False):
+        if max_batch_size < 1:
+            raise CohortError(f"max_batch_size={max_batch_size}: it must be at least 1")
+        if check_interval < 1:
+            raise CohortError(f"check_interval={check_interval}: it must be at least 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        if use_cuda_graph is None:
+            use_cuda_graph = self.device.type == "cuda"
+        if use_cuda_graph and self.device.type != "cuda":
+            raise CohortError(f"use_cuda_graph=True needs the model on CUDA, it is on {self.device}; pass False")
+        self.use_cuda_graph = use_cuda_graph
+        # Graph mode pads decode steps to a few widths and KV lengths (few graphs to capture);
+        # tests set this on the CPU to exercise that padding without CUDA.
+        self.bucketed = use_cuda_graph
+        self.check_interval = check_interval
+        self.prefill_tokens = prefill_tokens
+        self.cache: KVCache | None = None
+        self.state: SlotState | None = None
+        self.graphs = DecodeGraphs(self._decode_logits, enabled=use_cuda_graph, verify=verify_graphs)
+        self._weights_key = None
+        self.stats: dict[str, float] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # ---- public ------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
+        """G = num_generations completions per prompt, rows group-contiguous (see `Sampler`)."""
+        self._validate(prompt_ids, num_generations, params)
+        max_len = self._sequence_capacity(prompt_ids, params)
+        sequences = [
+            Sequence(index=i * num_generations + g, prompt=list(prompt),
+                     limit=min(params.max_new_tokens, max_len - len(prompt)))
+            for i, prompt in enumerate(prompt_ids) for g in range(num_generations)
+        ]
+        num_slots = min(self.max_batch_size, len(sequences))
+        buckets = batch_buckets(self.max_batch_size) if self.bucketed else None
+        rows = round_up_to_bucket(num_slots, buckets) if buckets else num_slots
+        started = time.perf_counter()
+        self.stats = dict(decode_steps=0, decode_row_steps=0, prefill_forwards=0, prefill_tokens=0, checks=0,
+                          slot_moves=0)
+        with sampling_mode(self.model):
+            self._prepare(rows, max_len, params)
+            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,)).item())
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            scheduler = Scheduler(num_slots, [b for b in buckets if b <= rows] if buckets else None)
+            scheduler.add(sequences)
+            self._run(scheduler, params, generator)
+        self.stats["seconds"] = time.perf_counter() - started
+        self.stats["graph_captures"] = self.graphs.captures
+        return _assemble(sequences, params.pad_token_id)
+
+    def capture_graphs(self, num_sequences: int, max_len: int, max_new_tokens: int, pad_token_id: int = 0) -> int:
+        """Capture ahead of time the decode graphs a call with `num_sequences` sequences of up to
+        `max_len` tokens will need at full width (one per KV-length bucket), so that call spends
+        no time capturing. Returns how many graphs exist; 0 without CUDA graphs."""
+        if not self.graphs.enabled:
+            return 0
+        rows = round_up_to_bucket(min(num_sequences, self.max_batch_size), batch_buckets(self.max_batch_size))
+        max_len = self.max_seq_len or -(-max_len // KV_LENGTH_STEP) * KV_LENGTH_STEP  # as generate() sizes it
+        with sampling_mode(self.model):
+            self._prepare(rows, max_len, SamplingParams(max_new_tokens=max_new_tokens, pad_token_id=pad_token_id))
+            for cache_len in sorted({*range(KV_LENGTH_STEP, max_len, KV_LENGTH_STEP), max_len}):
+                self.graphs(rows, cache_len)  # every slot is empty: the replay only rewrites position 0
+        return len(self.graphs.graphs)
+
+    def release(self) -> None:
+        """Free the KV cache, slot state and CUDA graphs (they are rebuilt by the next call)."""
+        self.graphs.clear()
+        self.cache = self.state = None
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _validate(self, prompt_ids, num_generations: int, params: SamplingParams) -> None:
+        if num_generations < 1:
+            raise CohortError(f"num_generations={num_generations}: it must be at least 1")
+        if not prompt_ids:
+            raise CohortError("generate() got no prompts; pass at least one list of token ids")
+        if params.max_new_tokens < 1:
+            raise CohortError(f"max_new_tokens={params.max_new_tokens}: it must be at least 1")
+        if params.temperature < 0:
+            raise CohortError(f"temperature={params.temperature}: it must be >= 0 (0 = greedy)")
+        if not 0.0 < params.top_p <= 1.0:
+            raise CohortError(f"top_p={params.top_p}: it must be in (0, 1]")
+        if not 0.0 <= params.min_p < 1.0:
+            raise CohortError(f"min_p={params.min_p}: it must be in [0, 1)")
+        if params.stop and self.tokenizer is None:
+            raise CohortError("stop strings need a tokenizer: pass tokenizer= to the Engine or drop `stop`")
+        for i, prompt in enumerate(prompt_ids):
+            if len(prompt) == 0:
+                raise CohortError(f"prompt {i} is empty; every prompt needs at least one token")
+
+    def _sequence_capacity(self, prompt_ids, params: SamplingParams) -> int:
+        longest = max(len(p) for p in prompt_ids)
+        if self.max_seq_len is not None:
+            if longest >= self.max_seq_len:
+                raise CohortError(f"a prompt has {longest} tokens, max_seq_len is {self.max_seq_len}: "
+                                  "shorten the prompts or raise max_seq_len")
+            return self.max_seq_len
+        needed = longest + params.max_new_tokens
+        if self.cache is not None and self.cache.max_len >= needed:
+            return self.cache.max_len
+        return -(-needed // KV_LENGTH_STEP) * KV_LENGTH_STEP
+
+    def _prepare(self, rows: int, max_len: int, params: SamplingParams) -> None:
+        """Reuse the cache, slot state and graphs when they fit, else reallocate them."""
+        if self.device.type != "cuda":  # the model moved off the GPU after the Engine was built
+            self.graphs.enabled = self.use_cuda_graph = False
+        cache_fits = (self.cache is not None and self.cache.num_rows >= rows and self.cache.max_len == max_len
+                      and self.cache.dtype == self.model.dtype and self.cache.device == self.device)
+        if not cache_fits:
+            self.release()  # drop the old cache (and the graphs reading it) before allocating anew
+            self.cache = KVCache.for_model(self.model, rows, max_len)
+        if self.state is None or not self.state.fits(self.cache.num_rows, params.max_new_tokens, params.pad_token_id):
+            width = max(params.max_new_tokens, self.state.max_new_tokens if self.state is not None else 0)
+            self.graphs.clear()
+            self.state = SlotState(self.cache.num_rows, width, params.pad_token_id, self.device)
+        # Graphs read the weights by address too: recapture if the model's tensors were replaced
+        # (in-place optimizer updates keep the addresses, so the usual case recaptures nothing).
+        weights_key = tuple(p.data_ptr() for p in self.model.parameters())
+        if weights_key != self._weights_key:
+            self.graphs.clear()
+            self._weights_key = weights_key
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _run(self, scheduler: Scheduler, params: SamplingParams, generator: torch.Generator) -> None:
+        eos_ids = torch.tensor(params.eos_token_ids, dtype=torch.long, device=self.device) if params.eos_token_ids else None
+        while True:
+            self._check(scheduler, params)
+            admitted = scheduler.admit()
+            if admitted:
+                self._prefill(admitted, params, generator, eos_ids)
+            self._compact(scheduler)
+            if scheduler.done:
+                break
+            running = [scheduler.slots[s] for s in scheduler.running_slots()]
+            steps = min(self.check_interval, max(seq.limit - seq.generated for seq in running))
+            if steps <= 0:
+                continue
+            width = scheduler.width()
+            # A query at position p reads keys 0..p; a sequence's p starts at prompt + generated - 1
+            # and grows while it is unfinished, at most until its limit.
+            furthest = max(len(seq.prompt) + seq.generated - 1 + min(steps, seq.limit - seq.generated)
+                           for seq in running)
+            if self.bucketed:
+                furthest = -(-furthest // KV_LENGTH_STEP) * KV_LENGTH_STEP
+            cache_len = max(1, min(furthest, self.cache.max_len))
+            for _ in range(steps):
+                logits = self.graphs(width, cache_len)
+                tokens, logprobs = sample_from_logits(logits, params.temperature, params.top_k, params.top_p,
+                                                      params.min_p, generator)
+                self.state.advance(width, tokens, logprobs, eos_ids)
+            self.stats["decode_steps"] += steps
+            self.stats["decode_row_steps"] += steps * width
+
+    def _decode_logits(self, width: int, cache_len: int) -> torch.Tensor:
+        """One decode step over slots [0, width): logits [width, V] of each slot's next token.
+
+        Reads only persistent tensors (slot state, cache, weights), so it can be graph-captured.
+        Slot s is cache row s, which is the model's default row for batch row s.
+        """
+        state = self.state
+        logits = self.model(state.next_token[:width, None], state.position[:width, None],
+                            kv_cache=self.cache, cache_len=cache_len)
+        return logits[:, 0]
+
+    def _prefill(self, admitted: list[Sequence], params: SamplingParams, generator: torch.Generator,
+                 eos_ids: torch.Tensor | None) -> None:
+        """Run the prompts into their cache rows, in chunks of at most `prefill_tokens` padded tokens,
+        and sample each one's first token from its last prompt position."""
+        admitted = sorted(admitted, key=lambda seq: len(seq.prompt))  # similar lengths pad less
+        start = 0
+        while start < len(admitted):
+            end = start + 1
+            while end < len(admitted) and (end + 1 - start) * len(admitted[end].prompt) <= self.prefill_tokens:
+                end += 1
+            self._prefill_chunk(admitted[start:end], params, generator, eos_ids)
+            start = end
+
+    def _prefill_chunk(self, chunk: list[Sequence], params: SamplingParams, generator: torch.Generator,
+                       eos_ids: torch.Tensor | None) -> None:
+        lengths = [len(seq.prompt) for seq in chunk]
+        width = max(lengths)
+        # Right padding: pad tokens sit at positions after the prompt, so no real token attends to
+        # them, and the keys they write are overwritten by the completion before anything reads them.
+        input_ids = torch.full((len(chunk), width), params.pad_token_id, dtype=torch.long)
+        for row, seq in enumerate(chunk):
+            input_ids[row, : len(seq.prompt)] = torch.tensor(seq.prompt, dtype=torch.long)
+        input_ids = input_ids.to(self.device)
+        positions = torch.arange(width, device=self.device).expand(len(chunk), width)
+        slots = torch.tensor([seq.slot for seq in chunk], dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, kv_cache=self.cache, cache_rows=slots, return_hidden=True,
+                            cache_len=width)
+        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        # Logits only at each prompt's last position: the full [B, T, V] tensor would be huge.
+        logits = self.model.lm_head(hidden[torch.arange(len(chunk), device=self.device), last])
+        tokens, logprobs = sample_from_logits(logits, params.temperature, params.top_k, params.top_p,
+                                              params.min_p, generator)
+        limits = torch.tensor([seq.limit for seq in chunk], dtype=torch.long, device=self.device)
+        self.state.start(slots, tokens, logprobs, torch.tensor(lengths, device=self.device), limits, eos_ids)
+        for seq in chunk:
+            seq.generated = 1
+        self.stats["prefill_forwards"] += 1
+        self.stats["prefill_tokens"] += len(chunk) * width
+
+    def _check(self, scheduler: Scheduler, params: SamplingParams) -> None:
+        """The host sync: read progress and retire finished sequences (EOS, length, stop string)."""
+        running = scheduler.running_slots()
+        if not running:
+            return
+        self.stats["checks"] += 1
+        state, width = self.state, running[-1] + 1
+        progress = torch.stack([state.finished[:width].long(), state.generated[:width]]).cpu()
+        longest = int(progress[1].max())
+        tokens = state.tokens[:width, :longest].cpu() if params.stop else None
+        retiring: list[tuple[Sequence, int, str | None]] = []
+        for slot in running:
+            seq = scheduler.slots[slot]
+            seq.generated = int(progress[1, slot])
+            cut = None
+            if params.stop:
+                cut = find_stop_string(self.tokenizer, tokens[slot, : seq.generated].tolist(),
+                                       seq.stop_checked_upto, params.stop)
+                seq.stop_checked_upto = seq.generated
+            if cut is not None:
+                retiring.append((seq, cut, "stop"))
+            elif progress[0, slot]:
+                retiring.append((seq, seq.generated, None))
+        if retiring:
+            slots = torch.tensor([seq.slot for seq, _, _ in retiring], dtype=torch.long, device=self.device)
+            rows_tokens, rows_logprobs = state.tokens[slots].cpu(), state.logprobs[slots].cpu()
+            eos = set(params.eos_token_ids)
+            for row, (seq, count, reason) in enumerate(retiring):
+                seq.tokens = rows_tokens[row, :count].clone()
+                seq.logprobs = rows_logprobs[row, :count].clone()
+                seq.finish_reason = reason or ("stop" if int(seq.tokens[-1]) in eos else "length")
+                scheduler.retire(seq)
+            state.clear(slots)
+
+    def _compact(self, scheduler: Scheduler) -> None:
+        """Pack the running sequences into the narrowest bucket once no waiting one can fill the holes."""
+        if scheduler.waiting:
+            return
+        moves = scheduler.compaction_moves()
+        if moves:
+            source = torch.tensor([s for s, _ in moves], dtype=torch.long, device=self.device)
+            target = torch.tensor([t for _, t in moves], dtype=torch.long, device=self.device)
+            state = self.state
+            self.cache.k[:, target] = self.cache.k[:, source]
+            self.cache.v[:, target] = self.cache.v[:, source]
+            state.move(source, target)
+            scheduler.apply_moves(moves)
+            self.stats["slot_moves"] += len(moves)
+
+
+def _assemble(sequences: list[Sequence], pad_token_id: int) -> Rollout:
+    """Right-pad the finished sequences into the Rollout tensors (on the CPU, like HFGenerateSampler)."""
+    sequences = sorted(sequences, key=lambda seq: seq.index)
+    length = max(len(seq.tokens) for seq in sequences)
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    logprobs = torch.zeros((len(sequences), length), dtype=torch.float32)
+    for row, seq in enumerate(sequences):
+        count = len(seq.tokens)
+        ids[row, :count] = seq.tokens
+        mask[row, :count] = 1
+        logprobs[row, :count] = seq.logprobs
+    return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs,
+                   finish_reasons=[seq.finish_reason for seq in sequences])

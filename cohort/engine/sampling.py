@@ -1,0 +1,99 @@
+"""Token sampling on the device: temperature, top-k, top-p, min-p, greedy.
+
+Small pure functions over a `[B, V]` float logits tensor. Filters return new logits with the
+removed tokens set to -inf; the order of application follows Hugging Face's logits warpers
+(temperature, top-k, top-p, min-p). The recorded log-prob of a sampled token is taken from the
+temperature-scaled distribution *before* filtering, as the `Rollout` contract in
+docs/architecture.md specifies (it is the distribution the GRPO importance ratio refers to).
+
+References: top-k (Fan et al. 2018, "Hierarchical Neural Story Generation"), top-p / nucleus
+(Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration"), min-p (Nguyen et al.
+2024, "Turning Up the Heat: Min-p Sampling for Creative and Coherent LLM Outputs").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def scale_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Divide logits by the temperature (temperature 0 is greedy and is handled by the caller)."""
+    if temperature == 1.0:
+        return logits
+    return logits / temperature
+
+
+def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the `top_k` largest logits of each row (ties with the k-th value are kept); 0 = off."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, NEG_INF)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most probable tokens whose probability mass reaches `top_p`.
+
+    A token is kept when the mass of the tokens ranked strictly above it is below `top_p`, so the
+    most probable token is always kept. 1.0 = off.
+    """
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, sorted_index = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_above = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    remove_sorted = mass_above >= top_p
+    remove_sorted[..., 0] = False
+    remove = torch.zeros_like(remove_sorted).scatter_(-1, sorted_index, remove_sorted)
+    return logits.masked_fill(remove, NEG_INF)
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Keep tokens whose probability is at least `min_p` times the row's largest probability; 0 = off."""
+    if min_p <= 0.0:
+        return logits
+    # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p): no softmax needed.
+    threshold = logits.amax(dim=-1, keepdim=True) + math.log(min_p)
+    return logits.masked_fill(logits < threshold, NEG_INF)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Apply top-k, then top-p, then min-p (Hugging Face's warper order)."""
+    return min_p_filter(top_p_filter(top_k_filter(logits, top_k), top_p), min_p)
+
+
+def sample_from_logits(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; return `(tokens [B] long, logprobs [B] float32)`.
+
+    Temperature 0 means greedy (argmax); its log-prob is then taken at temperature 1. Sampling
+    uses the Gumbel-max trick (Gumbel 1954; Maddison et al. 2014): argmax(l_i - log E_i) with
+    E_i ~ Exp(1) picks token i with probability softmax(l)_i, so no softmax or cumulative sum of
+    the filtered logits is needed, and the noise comes from `generator` so a seeded generator
+    reproduces the draw. Filtered tokens have l_i = -inf and are never picked.
+    """
+    logits = logits.float()
+    if temperature <= 0.0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, _token_logprobs(logits, tokens)
+    scaled = scale_by_temperature(logits, temperature)
+    filtered = filter_logits(scaled, top_k, top_p, min_p)
+    # Clamp: a zero draw would make -log E infinite.
+    log_noise = torch.empty_like(filtered).exponential_(generator=generator).clamp_min_(1e-20).log_()
+    tokens = (filtered - log_noise).argmax(dim=-1)
+    return tokens, _token_logprobs(scaled, tokens)
+
+
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] per row, without materialising the full log-softmax."""
+    return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)

@@ -1,0 +1,136 @@
+"""Per-sequence state: the host-side record of one completion and the device-side slot tensors.
+
+A *slot* is one row of the preallocated KV cache. While a sequence runs, its decode state lives
+in device tensors indexed by its slot (`SlotState`), so a decode step needs no host round trip;
+the host-side `Sequence` is brought up to date only at check time (every few steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sequence:
+    """One completion to generate: output row `index` of the Rollout, from `prompt`."""
+
+    index: int
+    prompt: list[int]
+    limit: int  # most new tokens it may produce (max_new_tokens, or less near max_seq_len)
+    slot: int | None = None
+    generated: int = 0  # tokens generated so far, as of the last check
+    stop_checked_upto: int = 0  # generated tokens already scanned for stop strings
+    tokens: torch.Tensor | None = None  # final generated tokens (CPU long), set when finished
+    logprobs: torch.Tensor | None = None  # their sampling log-probs (CPU float32)
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def find_stop_string(tokenizer, tokens: list[int], checked_upto: int, stop: list[str]) -> int | None:
+    """How many of `tokens` to keep when a stop string appears in their text, else None.
+
+    The kept tokens end with the token that completes the earliest stop string. Only text that
+    can involve tokens after `checked_upto` (those not scanned at an earlier check) is decoded:
+    the window reaches back far enough to hold any stop string even when each character spans
+    several byte tokens (4 bytes per UTF-8 character at most).
+    """
+    if checked_upto >= len(tokens):
+        return None
+    lookback = 4 * max(len(s) for s in stop) + 4
+    window_start = max(0, checked_upto - lookback)
+
+    def has_stop(end: int) -> bool:
+        text = tokenizer.decode(tokens[window_start:end], skip_special_tokens=False)
+        return any(s in text for s in stop)
+
+    if not has_stop(len(tokens)):
+        return None
+    for end in range(checked_upto + 1, len(tokens) + 1):
+        if has_stop(end):
+            return end
+    return len(tokens)
+
+
+class SlotState:
+    """Device tensors holding every slot's decode state, updated in place by each decode step.
+
+    For the sequence in slot `s`: `next_token[s]` is its last generated token, at absolute position
+    `position[s]` (= prompt length + generated count - 1), the input of the next decode step;
+    `generated[s]` counts its tokens so far, stored in `tokens[s, :generated[s]]` with their
+    log-probs in `logprobs[s, ...]`; `finished[s]` turns true on EOS or at `limit[s]` tokens.
+    An empty slot is finished, at position 0, so a decode step over it writes only its own row.
+    The buffers have one spare column so a finished row's ignored write never clobbers a token.
+    The tensors are allocated once; CUDA graphs read the same storage on every replay.
+    """
+
+    def __init__(self, num_slots: int, max_new_tokens: int, pad_token_id: int, device: torch.device):
+        self.num_slots = num_slots
+        self.max_new_tokens = max_new_tokens
+        self.pad_token_id = pad_token_id
+        long = dict(dtype=torch.long, device=device)
+        self.next_token = torch.full((num_slots,), pad_token_id, **long)
+        self.position = torch.zeros(num_slots, **long)
+        self.generated = torch.zeros(num_slots, **long)
+        self.limit = torch.ones(num_slots, **long)
+        self.finished = torch.ones(num_slots, dtype=torch.bool, device=device)
+        self.tokens = torch.full((num_slots, max_new_tokens + 1), pad_token_id, **long)
+        self.logprobs = torch.zeros(num_slots, max_new_tokens + 1, dtype=torch.float32, device=device)
+
+    def fits(self, num_slots: int, max_new_tokens: int, pad_token_id: int) -> bool:
+        return (
+            num_slots <= self.num_slots
+            and max_new_tokens <= self.max_new_tokens
+            and pad_token_id == self.pad_token_id
+        )
+
+    def per_slot_tensors(self) -> list[torch.Tensor]:
+        return [self.next_token, self.position, self.generated, self.limit, self.finished, self.tokens, self.logprobs]
+
+    def start(self, slots: torch.Tensor, first_tokens: torch.Tensor, first_logprobs: torch.Tensor,
+              prompt_lengths: torch.Tensor, limits: torch.Tensor, eos_ids: torch.Tensor | None) -> None:
+        """Install freshly prefilled sequences: their first sampled token sits at position = prompt length."""
+        self.next_token[slots] = first_tokens
+        self.position[slots] = prompt_lengths
+        self.generated[slots] = 1
+        self.limit[slots] = limits
+        self.tokens[slots] = self.pad_token_id
+        self.logprobs[slots] = 0.0
+        self.tokens[slots, 0] = first_tokens
+        self.logprobs[slots, 0] = first_logprobs
+        done = limits <= 1
+        if eos_ids is not None:
+            done = done | torch.isin(first_tokens, eos_ids)
+        self.finished[slots] = done
+
+    def advance(self, width: int, tokens: torch.Tensor, logprobs: torch.Tensor, eos_ids: torch.Tensor | None) -> None:
+        """Record one decode step's sampled `tokens` for slots [0, width); finished slots stay unchanged."""
+        active = ~self.finished[:width]
+        column = self.generated[:width, None]
+        self.tokens[:width].scatter_(1, column, torch.where(active, tokens, self.pad_token_id)[:, None])
+        self.logprobs[:width].scatter_(1, column, torch.where(active, logprobs, 0.0)[:, None])
+        step = active.long()
+        self.generated[:width] += step
+        self.position[:width] += step
+        self.next_token[:width] = torch.where(active, tokens, self.next_token[:width])
+        done = self.generated[:width] >= self.limit[:width]
+        if eos_ids is not None:
+            done = done | torch.isin(tokens, eos_ids)
+        self.finished[:width] |= active & done
+
+    def clear(self, slots: torch.Tensor) -> None:
+        """Mark slots empty (finished, position 0) so decode steps over them stay harmless."""
+        self.finished[slots] = True
+        self.position[slots] = 0
+        self.generated[slots] = 0
+        self.next_token[slots] = self.pad_token_id
+
+    def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy the state of slots `source` to slots `target` (compaction), then clear `source`."""
+        for tensor in self.per_slot_tensors():
+            tensor[target] = tensor[source]
+        self.clear(source)

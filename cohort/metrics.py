@@ -1,0 +1,223 @@
+"""Training metrics on disk: `metrics.jsonl`, `completions.jsonl`, and optional TensorBoard / W&B.
+
+`metrics.jsonl` holds one JSON object per logged step, `{"step": int, "time": float, <name>: float, ...}`
+(docs/architecture.md, "Metrics"). Metric names follow TRL's `GRPOTrainer` where TRL has one
+(`reward`, `reward_std`, `rewards/<func>/mean`, `kl`, `entropy`, `clip_ratio/low_mean`,
+`completions/mean_length`, ...), so plots and habits carry over between the two.
+
+Every line is flushed as soon as it is written: a run killed mid-way (Ctrl-C, OOM, preemption) keeps
+every step it logged, and `read_metrics` drops a half-written last line instead of failing.
+JSON has no NaN or infinity, so non-finite values are written as `null`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from cohort.errors import CohortError
+
+METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"
+KNOWN_REPORTERS = ("none", "tensorboard", "wandb", "all")
+
+
+def _json_value(value: Any) -> Any:
+    """A JSON-safe copy of `value`: tensors / numpy scalars become Python numbers, NaN/inf become None."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(key): _json_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(item) for item in value]
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # torch / numpy scalar
+        value = value.item()
+    if isinstance(value, int):
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return number if math.isfinite(number) else None
+
+
+def parse_report_to(report_to: list[str] | tuple[str, ...] | str | None) -> set[str]:
+    """TRL-style `report_to`: "none", "all", one name, a comma-separated string or a list of names."""
+    if report_to is None:
+        return set()
+    names = report_to.split(",") if isinstance(report_to, str) else list(report_to)
+    names = {name.strip().lower() for name in names if name and name.strip()}
+    unknown = names - set(KNOWN_REPORTERS)
+    if unknown:
+        raise CohortError(
+            f"report_to={sorted(unknown)} is not supported: use any of {', '.join(KNOWN_REPORTERS)}"
+        )
+    if "all" in names:
+        return {"tensorboard", "wandb"}
+    return names - {"none"}
+
+
+def _wandb_is_configured(wandb: Any) -> bool:
+    """True when W&B can log without prompting: an API key, a saved login, or offline/disabled mode."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in ("offline", "disabled"):
+        return True
+    try:
+        return bool(wandb.api.api_key)  # set by `wandb login` (~/.netrc)
+    except Exception:  # noqa: BLE001 - any failure here just means "not logged in"
+        return False
+
+
+class MetricsLogger:
+    """Appends metrics to `<output_dir>/metrics.jsonl` (always) and to TensorBoard / W&B when asked.
+
+    `report_to` takes TRL's values ("none", "tensorboard", "wandb", "all", or a list). A requested
+    backend that is missing or unconfigured is skipped with a one-line notice on stderr; the JSONL
+    files are always written, so `cohort report` works without either.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        report_to: list[str] | str = "none",
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+    ):
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.run_name = run_name or self.output_dir.name
+        self.notices: list[str] = []
+        self._metrics_file = open(self.output_dir / METRICS_FILE, "a", encoding="utf-8")
+        self._completions_file = None
+        self._tensorboard = None
+        self._wandb_run = None
+        reporters = parse_report_to(report_to)
+        if "tensorboard" in reporters:
+            self._tensorboard = self._open_tensorboard()
+        if "wandb" in reporters:
+            self._wandb_run = self._open_wandb(config)
+
+    def _notice(self, message: str) -> None:
+        self.notices.append(message)
+        print(f"cohort: {message}", file=sys.stderr, flush=True)
+
+    def _open_tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            self._notice("TensorBoard logging skipped: `pip install tensorboard` to enable it")
+            return None
+        return SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+
+    def _open_wandb(self, config: dict[str, Any] | None):
+        try:
+            import wandb
+        except ImportError:
+            self._notice("W&B logging skipped: `pip install wandb` and `wandb login` to enable it")
+            return None
+        if not _wandb_is_configured(wandb):
+            self._notice("W&B logging skipped: set WANDB_API_KEY or run `wandb login` to enable it")
+            return None
+        return wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "cohort"),
+            name=self.run_name,
+            dir=str(self.output_dir),
+            config=_json_value(config or {}),
+        )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Append one line `{"step", "time", **metrics}` and flush it; returns the record as written."""
+        record = {"step": int(step), "time": time.time()}
+        record.update({str(name): _json_value(value) for name, value in metrics.items()})
+        self._metrics_file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._metrics_file.flush()
+        numbers = {
+            name: value
+            for name, value in record.items()
+            if name not in ("step", "time") and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+        }
+        if self._tensorboard is not None:
+            for name, value in numbers.items():
+                self._tensorboard.add_scalar(name, value, global_step=record["step"])
+            self._tensorboard.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(numbers, step=record["step"])
+        return record
+
+    def log_completions(self, step: int, rows: Iterable[dict[str, Any]]) -> None:
+        """Append sampled completions, one line each: `{"step", "prompt", "completion", "rewards", "advantage"}`.
+
+        `rewards` maps each reward function's name to its score (None where it did not score the sample).
+        """
+        if self._completions_file is None:
+            self._completions_file = open(self.output_dir / COMPLETIONS_FILE, "a", encoding="utf-8")
+        lines = [
+            json.dumps({"step": int(step), **_json_value(dict(row))}, ensure_ascii=False, allow_nan=False)
+            for row in rows
+        ]
+        if lines:
+            self._completions_file.write("\n".join(lines) + "\n")
+            self._completions_file.flush()
+
+    def close(self) -> None:
+        for handle in (self._metrics_file, self._completions_file):
+            if handle is not None and not handle.closed:
+                handle.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All objects in a JSONL file. A truncated last line (a run killed mid-write) is dropped;
+    a broken line anywhere else is an error naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise CohortError(f"{path} does not exist: pass a run directory written by `cohort train`")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # the run was killed while writing this line
+                break
+            raise CohortError(
+                f"{path} line {number} is not valid JSON: the file is corrupt; delete that line"
+            ) from None
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of `<run_dir>/metrics.jsonl` (or of the file itself when given a file path).
+
+    Values written as null (NaN / inf when logged) come back as None.
+    """
+    path = Path(run_dir)
+    return read_jsonl(path if path.is_file() else path / METRICS_FILE)
+
+
+def read_completions(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of `<run_dir>/completions.jsonl`; an empty list when the run logged none."""
+    path = Path(run_dir) / COMPLETIONS_FILE
+    return read_jsonl(path) if path.is_file() else []

@@ -1,0 +1,80 @@
+"""Resolve what the user named as a model into (model, tokenizer), and save it back.
+
+Order of preference: the built-in tiny model when nothing is named; our own implementation
+(`cohort.models`, which the fast engine samples from) for the families it supports; otherwise
+Hugging Face's `AutoModelForCausalLM`, sampled through `generate`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import CohortError
+
+
+def _hf_model_type(path: Path) -> str | None:
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            return json.loads(config.read_text()).get("model_type")
+        except json.JSONDecodeError:
+            raise CohortError(f"{config} is not valid JSON; the model folder is damaged") from None
+    return None
+
+
+def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl: str = "auto", log=print):
+    """(model, tokenizer) on `device`. `model`: None, an nn.Module, a folder, a .gguf file or a hub id."""
+    from . import models
+
+    device = torch.device(device or "cpu")
+    if isinstance(model, torch.nn.Module):
+        if processing_class is None:
+            raise CohortError("a model object needs its tokenizer: pass processing_class=tokenizer")
+        return model.to(device), processing_class
+    if model is None:
+        from .tiny import tiny_model_dir
+
+        model = str(tiny_model_dir(log=log))
+    spec = str(model)
+    path = Path(spec).expanduser()
+    tokenizer = processing_class or models.load_tokenizer(spec)
+    torch_dtype = None if dtype == "auto" else dtype
+    model_type = _hf_model_type(path) if path.is_dir() else None
+    use_own = impl == "cohort" or (impl == "auto" and (path.suffix == ".gguf" or model_type is None
+                                                      or models.is_supported({"model_type": model_type})))
+    if use_own:
+        policy = models.from_pretrained(spec, dtype=torch_dtype or "float32", device=device)
+    else:
+        policy = _load_hf(spec, torch_dtype, device)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return policy, tokenizer
+
+
+def _load_hf(spec: str, dtype, device):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=getattr(torch, dtype) if dtype else torch.float32,
+                                                     trust_remote_code=False)
+    except OSError as error:
+        raise CohortError(f"cannot load a model from {spec!r}: {str(error).splitlines()[0]}") from None
+    return model.to(device)
+
+
+def save_policy(model, tokenizer, out_dir: Path) -> Path:
+    """An ordinary Hugging Face folder (config.json, model.safetensors, tokenizer files)."""
+    from .models import CausalLM, save_pretrained
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(model, CausalLM):
+        save_pretrained(model, out_dir)
+    else:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir

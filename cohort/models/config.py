@@ -1,0 +1,187 @@
+"""`ModelConfig`: the decoder hyper-parameters, named as in Hugging Face `config.json`.
+
+One dataclass covers the four supported families; what differs between them is derived here
+(q/k/v bias, per-head q/k norm, which layers use a sliding window) so `modeling.py` needs no
+`model_type` branches. Both `config.json` RoPE layouts are read: transformers 4.x
+(`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from cohort.errors import CohortError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# Keys we derive ourselves on output; everything else unknown is kept in `extra` for the round trip.
+_DERIVED_KEYS = {"rope_parameters", "rope_scaling", "rope_theta", "architectures", "torch_dtype", "dtype"}
+
+
+def is_supported(hf_config: dict) -> bool:
+    """True when `hf_config` (a parsed HF config.json) names a model type we implement."""
+    return isinstance(hf_config, dict) and hf_config.get("model_type") in SUPPORTED_MODEL_TYPES
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer hyper-parameters; attribute names equal transformers' config names."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope parameters without rope_theta; None = plain RoPE
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # "full_attention" / "sliding_attention" per layer
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ---- what differs between families ------------------------------------------------------
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen2 always has q/k/v biases (and none on o_proj); the others follow `attention_bias`."""
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias and self.model_type != "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 RMS-normalises each head of q and k before RoPE (Qwen3 technical report, 2025)."""
+        return self.model_type == "qwen3"
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "default")
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The sliding-window width of a layer, or None for full causal attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer_index] == "sliding_attention" else None
+
+    # ---- config.json conversion ------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> "ModelConfig":
+        """Build from a parsed HF config.json; CohortError for an unsupported model type or RoPE type."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise CohortError(
+                f"unsupported model_type {model_type!r}: cohort implements {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                "pick a model of one of these families"
+            )
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [key for key in required if hf.get(key) is None]
+        if missing:
+            raise CohortError(f"model config.json lacks {', '.join(missing)}; it is not a complete {model_type} config")
+        heads = hf["num_attention_heads"]
+        rope_theta, rope_scaling = _read_rope(hf)
+        sliding_window, layer_types = _read_sliding_window(hf, model_type)
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            hidden_act=hf.get("hidden_act", "silu"),
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+            torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            extra={k: v for k, v in hf.items() if k not in known and k not in _DERIVED_KEYS},
+        )
+
+    def to_hf_dict(self) -> dict:
+        """A config.json dict that transformers 4.x (rope_theta/rope_scaling) and 5.x (rope_parameters) load."""
+        out = dict(self.extra)
+        for f in dataclasses.fields(self):
+            if f.name not in ("extra", "rope_scaling", "rope_theta", "layer_types"):
+                out[f.name] = getattr(self, f.name)
+        if self.layer_types is not None:
+            out["layer_types"] = list(self.layer_types)
+        if self.model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = self.sliding_window is not None
+        out["architectures"] = [ARCHITECTURES[self.model_type]]
+        out["rope_theta"] = self.rope_theta
+        out["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        if self.torch_dtype is None:
+            out.pop("torch_dtype")
+        return out
+
+
+def _read_rope(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from either config.json RoPE layout."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CohortError(
+            f"unsupported RoPE type {rope_type!r} in config.json: cohort implements {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return rope_theta, None
+    if rope_type in ("llama3", "yarn"):
+        # transformers' fallbacks when the pretraining length is not given (modeling_rope_utils.py)
+        original = hf.get("original_max_position_embeddings")
+        params.setdefault("original_max_position_embeddings", original or hf.get("max_position_embeddings", 2048))
+    return rope_theta, {"rope_type": rope_type, **params}
+
+
+def _read_sliding_window(hf: dict, model_type: str) -> tuple[int | None, list[str] | None]:
+    """Sliding window width and per-layer attention kinds, by each family's rules in transformers."""
+    window = hf.get("sliding_window")
+    if model_type == "llama" or window is None:
+        return None, None
+    if model_type in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window", False):
+            return None, None
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            first_sliding = hf.get("max_window_layers", hf["num_hidden_layers"])
+            layer_types = [
+                "sliding_attention" if i >= first_sliding else "full_attention" for i in range(hf["num_hidden_layers"])
+            ]
+        return int(window), list(layer_types)
+    return int(window), None  # mistral: every layer

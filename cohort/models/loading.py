@@ -1,0 +1,201 @@
+"""Load models (HF folder, hub id, GGUF file) into `CausalLM`, and save HF folders.
+
+Weights are read only from safetensors (or GGUF), never from pickle files. A saved folder is an
+ordinary transformers checkpoint: config.json + model.safetensors, a tied lm_head not stored twice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from cohort.errors import CohortError
+from cohort.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, is_supported
+from cohort.models.modeling import CausalLM
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+             "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.model", "chat_template*"]
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype, default: torch.dtype = torch.float32) -> torch.dtype:
+    """A torch dtype from a dtype, a name ("bfloat16", "bf16", ...) or None/"auto" (-> default)."""
+    if dtype is None or dtype == "auto":
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise CohortError(f"unknown dtype {dtype!r}: use one of float32, bfloat16, float16")
+    return DTYPES[name]
+
+
+def _find_model(path_or_id, gguf_file: str | None) -> tuple[str, Path]:
+    """("hf", folder) or ("gguf", file) for a local path or hub id; downloads hub ids."""
+    path = Path(path_or_id).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", path
+    if path.is_dir():
+        if gguf_file is not None:
+            if not (path / gguf_file).is_file():
+                raise CohortError(f"no GGUF file {gguf_file!r} in {path}: check the file name")
+            return "gguf", path / gguf_file
+        if (path / "config.json").is_file():
+            return "hf", path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0]
+        if ggufs:
+            names = ", ".join(p.name for p in ggufs)
+            raise CohortError(f"{path} holds several GGUF files ({names}): name one, e.g. {path / ggufs[0].name}")
+        raise CohortError(f"{path} is not a model folder: it has no config.json (nor a .gguf file)")
+    if path.exists():
+        raise CohortError(f"{path} is not a model: give a folder with config.json + *.safetensors or a .gguf file")
+    if HUB_ID.match(str(path_or_id)) and not str(path_or_id).startswith("."):
+        return "hf", _download(str(path_or_id), gguf_file)
+    raise CohortError(
+        f"no model at {path_or_id!r}: give a local folder (config.json + *.safetensors), a .gguf file, "
+        "or a Hugging Face hub id like HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+
+
+def _download(repo_id: str, gguf_file: str | None = None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = HUB_FILES + ([gguf_file] if gguf_file else [])
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except ImportError as error:
+        raise CohortError(f"cannot fetch {repo_id!r}: huggingface_hub is not installed (pip install cohort[hub])") from error
+    except Exception as error:  # network, auth, missing repo: all user-fixable
+        raise CohortError(f"cannot fetch {repo_id!r} from the Hugging Face hub: {type(error).__name__}: {error}") from error
+
+
+def read_hf_config(folder: Path) -> ModelConfig:
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise CohortError(f"cannot read {folder / 'config.json'}: {error}") from error
+    if not is_supported(hf):
+        raise CohortError(
+            f"{folder} has model_type {hf.get('model_type')!r}, which cohort does not implement; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return ModelConfig.from_hf_dict(hf)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as error:
+            raise CohortError(f"cannot read {index}: {error}; re-download the model") from error
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CohortError(f"{folder} lacks weight shards {', '.join(absent)} named in {index.name}; re-download it")
+        return files
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+    hint = f" (found {', '.join(pickled)}: cohort never loads pickle files; convert to safetensors)" if pickled else ""
+    raise CohortError(f"{folder} has no *.safetensors weights{hint}")
+
+
+def read_safetensors(files: list[Path], device="cpu") -> dict[str, torch.Tensor]:
+    state = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as reader:
+                for name in reader.keys():
+                    state[name] = reader.get_tensor(name)
+        except Exception as error:  # safetensors raises its own SafetensorError / OSError for bad headers
+            raise CohortError(f"corrupt or unreadable safetensors file {file}: {error}; re-download or re-save it") from error
+    return state
+
+
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device,
+                source: str) -> CausalLM:
+    """A `CausalLM` holding `state` (HF names), checked for missing / unexpected / misshapen tensors."""
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # transformers also uses the embedding then
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing:
+        raise CohortError(f"{source} lacks tensors {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}; "
+                          "the checkpoint is incomplete or not a standard transformers layout")
+    if unexpected:
+        raise CohortError(f"{source} has tensors this {config.model_type} config does not use: "
+                          f"{', '.join(unexpected[:5])}; check that config.json matches the weights")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    try:
+        model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as error:
+        raise CohortError(f"{source} tensor shapes do not match its config: {error}".splitlines()[0]) from error
+    model.tie_weights()
+    return model.to(device=device)
+
+
+def from_pretrained(path_or_id, dtype=None, device=None, gguf_file: str | None = None) -> CausalLM:
+    """Load a local HF folder (config.json + safetensors, sharded or not), a hub id or a GGUF file.
+
+    dtype None / "auto" keeps the checkpoint's dtype (config.json's torch_dtype; float32 for GGUF,
+    whose quantised weights are dequantised); device None = CPU. Returns the model in eval mode.
+    """
+    device = torch.device(device or "cpu")
+    kind, path = _find_model(path_or_id, gguf_file)
+    if kind == "gguf":
+        from cohort.models.gguf import load_gguf
+
+        config, state = load_gguf(path)
+        model = build_model(config, state, resolve_dtype(dtype), device, str(path))
+    else:
+        config = read_hf_config(path)
+        stored = resolve_dtype(config.torch_dtype) if config.torch_dtype in DTYPES else torch.float32
+        model = build_model(config, read_safetensors(_safetensors_files(path)), resolve_dtype(dtype, stored),
+                            device, str(path))
+    model.config.torch_dtype = str(model.dtype).removeprefix("torch.")
+    return model.eval()
+
+
+def save_pretrained(model: CausalLM, out_dir) -> Path:
+    """Write config.json + model.safetensors that transformers' AutoModelForCausalLM loads."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_hf_dict()
+    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def load_tokenizer(path_or_id, gguf_file: str | None = None):
+    """The HF tokenizer of a model folder, hub id or GGUF file (transformers reads GGUF vocabularies)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path_or_id).expanduser()
+    has_tokenizer_files = any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    kind, path = ("hf", folder) if gguf_file is None and has_tokenizer_files else _find_model(path_or_id, gguf_file)
+    try:
+        if kind == "gguf":
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as error:
+        raise CohortError(f"cannot load a tokenizer from {path}: {type(error).__name__}: {error}".splitlines()[0]) from error

@@ -1,0 +1,335 @@
+"""Our decoder: Llama, Mistral, Qwen2 and Qwen3 in one small module.
+
+All four are the Llama block (Touvron et al. 2023): pre-RMSNorm (Zhang & Sennrich 2019), rotary
+position embeddings (Su et al. 2021, "RoFormer"), grouped-query attention (Ainslie et al. 2023)
+and a SwiGLU MLP (Shazeer 2020). The family differences are config flags (see `config.py`): Qwen2
+has q/k/v biases, Qwen3 RMS-normalises each q/k head, Mistral/Qwen2 may use a sliding window.
+
+Parameter names equal transformers' (`model.layers.0.self_attn.q_proj.weight`, ...) so a state
+dict moves between the two unchanged. Attention goes through `F.scaled_dot_product_attention`.
+With a `KVCache` the forward has static shapes and no host sync, so a decode step is CUDA-graph
+capturable: keys are written with `index_put_` and the mask is built from `position_ids`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from cohort.models.cache import KVCache
+from cohort.models.config import ModelConfig
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 like transformers' LlamaRMSNorm."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] float32, attention_factor) for the config's RoPE variant, by the
+    formulas of transformers' modeling_rope_utils: linear = position interpolation (Chen et al.
+    2023); llama3 = Llama 3.1's wavelength-banded scaling; yarn = YaRN (Peng et al. 2023).
+    "dynamic" NTK only changes frequencies beyond max_position_embeddings; within it, it is the
+    default, which is what we compute (longer contexts are not supported for it)."""
+    dim = config.head_dim
+    base = config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    params = config.rope_scaling or {}
+    rope_type = config.rope_type
+    if rope_type == "linear":
+        return inv_freq / params["factor"], 1.0
+    if rope_type == "llama3":
+        factor, old_len = params["factor"], params["original_max_position_embeddings"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn_inverse_frequencies(config, inv_freq)
+    return inv_freq, 1.0
+
+
+def _yarn_inverse_frequencies(config: ModelConfig, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    params, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    old_len = params["original_max_position_embeddings"]
+    factor = params.get("factor") or config.max_position_embeddings / old_len
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            attention_factor = mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(params.get("beta_fast") or 32), correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (inv_freq / factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions; inv_freq stays float32 whatever dtype the model is cast to."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self._inv_freq_fp32, self.attention_factor = rope_inverse_frequencies(config)
+        self.register_buffer("inv_freq", self._inv_freq_fp32.clone(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq_fp32.to(self.inv_freq.device)  # undo any dtype cast
+        return self
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, head_dim/2]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, heads, T, D] by the position angles (the rotate-half layout of HF checkpoints)."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, qkv_bias = config.hidden_size, config.qkv_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, kv_cache=None, cache_rows=None, position_ids=None,
+                write_mask=None, cache_len=None):
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        if kv_cache is not None:
+            kv_cache.write(self.layer_index, cache_rows, position_ids, k, v, write_mask)
+            k = kv_cache.k[self.layer_index, :, :, :cache_len].index_select(0, cache_rows)
+            v = kv_cache.v[self.layer_index, :, :, :cache_len].index_select(0, cache_rows)
+        out = grouped_query_attention(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def grouped_query_attention(q, k, v, mask):
+    """SDPA with q [B, H, T, D] and k/v [B, H_kv, S, D], query head h using kv head h // (H / H_kv).
+
+    With a mask, the query groups are folded into the query-length axis ([B, H_kv, group*T, D])
+    so the keys/values (e.g. the whole KV cache) are never copied per head; plain causal
+    attention (no mask) repeats k/v instead because is_causal needs T queries against T keys."""
+    batch, heads, length, dim = q.shape
+    group = heads // k.shape[1]
+    if group == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    if mask is None:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    folded_q = q.reshape(batch, k.shape[1], group * length, dim)
+    folded_mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(mask.shape[0], 1, group * length, -1)
+    out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask)
+    return out.reshape(batch, heads, length, dim)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(act(gate(x)) * up(x)) (Shazeer 2020)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_index)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, **cache_args):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, **cache_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+def _padding_causal_mask(length: int, attention_mask, window: int | None, device) -> torch.Tensor | None:
+    """Bool mask [B or 1, 1, T, T] by token index (HF semantics); None when plain causal suffices."""
+    if attention_mask is None and (window is None or length <= window):
+        return None
+    index = torch.arange(length, device=device)
+    allowed = index[None, :] <= index[:, None]
+    if window is not None:
+        allowed = allowed & (index[None, :] > index[:, None] - window)
+    allowed = allowed[None, None]
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, None, :]
+        # a pad query would see no key at all (NaN softmax): let it see itself; its output is ignored
+        allowed = allowed | torch.eye(length, dtype=torch.bool, device=device)
+    return allowed
+
+
+def _cache_mask(position_ids: torch.Tensor, cache_len: int, window: int | None) -> torch.Tensor:
+    """Bool mask [B, 1, T, cache_len]: a query at position p sees its row's keys at positions <= p."""
+    key_positions = torch.arange(cache_len, device=position_ids.device)
+    allowed = key_positions <= position_ids[:, :, None]
+    if window is not None:
+        allowed = allowed & (key_positions > position_ids[:, :, None] - window)
+    return allowed[:, None]
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM with the Model contract of docs/architecture.md."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self._config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.gradient_checkpointing = False
+        self.apply(self._init_weights)
+        self.tie_weights()
+
+    @staticmethod
+    def _init_weights(module: nn.Module, std: float = 0.02) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def tie_weights(self) -> None:
+        if self._config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def config(self) -> ModelConfig:
+        return self._config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+
+    def gradient_checkpointing_enable(self, **_ignored) -> None:
+        self.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.gradient_checkpointing = False
+
+    def save_pretrained(self, out_dir, **kwargs) -> None:
+        from cohort.models.loading import save_pretrained
+
+        save_pretrained(self, out_dir, **kwargs)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, *, kv_cache: KVCache | None = None,
+                cache_rows: torch.Tensor | None = None, return_hidden: bool = False,
+                cache_len: int | None = None) -> torch.Tensor:
+        """Logits [B, T, V], or final normed hidden states [B, T, H] with `return_hidden`.
+
+        Without `kv_cache`: causal attention by token index, `attention_mask` [B, T] (1 = real,
+        0 = pad) hides pad keys as in transformers; `position_ids` default to 0..T-1 and only
+        place RoPE. With `kv_cache`: token t of row b is written at cache row `cache_rows[b]`
+        (default b), position `position_ids[b, t]`, and attends to that row's keys at positions
+        <= its own (and > its own - window for sliding layers); `attention_mask` then only stops
+        pad tokens from writing. `cache_len` (static, > every position in position_ids) limits
+        attention to the first cache_len slots.
+        """
+        batch, length = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(position_ids, hidden.dtype)
+        windows = {self._config.layer_sliding_window(i) for i in range(self._config.num_hidden_layers)}
+        cache_args = {}
+        if kv_cache is None:
+            masks = {w: _padding_causal_mask(length, attention_mask, w, input_ids.device) for w in windows}
+        else:
+            if cache_rows is None:
+                cache_rows = torch.arange(batch, device=input_ids.device)
+            cache_len = kv_cache.max_len if cache_len is None else cache_len
+            masks = {w: _cache_mask(position_ids, cache_len, w) for w in windows}
+            cache_args = dict(kv_cache=kv_cache, cache_rows=cache_rows, position_ids=position_ids,
+                              write_mask=attention_mask, cache_len=cache_len)
+        for i, layer in enumerate(self.model.layers):
+            mask = masks[self._config.layer_sliding_window(i)]
+            if self.gradient_checkpointing and self.training and kv_cache is None:
+                hidden = checkpoint(layer, hidden, cos, sin, mask, use_reentrant=False)
+            else:
+                hidden = layer(hidden, cos, sin, mask, **cache_args)
+        hidden = self.model.norm(hidden)
+        return hidden if return_hidden else self.lm_head(hidden)

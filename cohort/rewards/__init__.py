@@ -1,0 +1,32 @@
+"""Reward functions (`rules`) and the runner that calls them safely and combines them (`runner`).
+
+`RewardRunner` / `RewardOutput` are imported lazily: they need torch, and the per-sample scoring
+worker processes import this package without wanting torch.
+"""
+
+from .rules import (
+    REWARD_FUNCS,
+    accuracy_reward,
+    canonical_answer,
+    completion_text,
+    extract_answer,
+    format_reward,
+    lenient_format_reward,
+    reasoning_steps_reward,
+    resolve_reward,
+    tag_count_reward,
+)
+
+__all__ = [
+    "REWARD_FUNCS", "RewardOutput", "RewardRunner", "RewardWarning", "accuracy_reward", "canonical_answer",
+    "completion_text", "extract_answer", "format_reward", "lenient_format_reward", "reasoning_steps_reward",
+    "resolve_reward", "tag_count_reward",
+]
+
+
+def __getattr__(name):
+    if name in ("RewardRunner", "RewardOutput", "RewardWarning"):
+        from . import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,418 @@
+"""Calls reward functions safely and combines them by weight (TRL's `GRPOTrainer._calculate_rewards`).
+
+The combined reward of sample i is Σ_f w_f · r_f(i), where a function's None ("does not score this
+sample") counts as 0 — TRL's `nansum` over the `[B, F]` table. A reward function is user code, so one
+that raises, hangs or returns NaN must not end a long run: the affected samples get None (NaN in the
+table) and a warning, once per function and kind of fault. A contract breach that would make every
+step wrong — the wrong number of values, a non-numeric value, a missing dataset column — raises
+`CohortError` instead.
+
+Time limits. A whole-batch call runs in a daemon thread and is abandoned after `timeout_s` (Python
+cannot kill a thread; the abandoned one runs on in the background). A function that carries a
+`score_sample` attribute (`accuracy_reward` does) is instead scored one sample at a time in worker
+*processes*: a sample that exceeds `timeout_s` gets None and its process is killed and replaced, so a
+pathological expression (math-verify on `9^{9^{9^9}}`) costs one sample, not the batch, and leaves no
+runaway computation behind. The workers are plain `python -c` subprocesses talking JSON lines, so they
+re-import neither torch nor the user's `__main__` script.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import CohortError
+from .rules import completion_text, resolve_reward
+
+
+class RewardWarning(UserWarning):
+    """A reward function failed on some samples; those samples were scored None."""
+
+
+@dataclass
+class RewardOutput:
+    rewards: torch.Tensor  # [B] float32: Σ_f w_f · r_f, a function's None counting as 0 (TRL's nansum)
+    per_function: torch.Tensor  # [B, F] float32, NaN where a function returned None / failed
+    metrics: dict[str, float]  # rewards/<name>/mean, rewards/<name>/std (over non-NaN), reward, reward_std
+
+
+_FIXED_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def _function_name(func: Callable) -> str:
+    target = getattr(func, "func", func)  # functools.partial
+    return getattr(target, "__name__", None) or type(target).__name__
+
+
+class RewardRunner:
+    """Runs a list of reward functions on a batch and combines them by weight.
+
+    `reward_funcs` are callables or names `resolve_reward` understands; `reward_weights` default to 1.0
+    each; `timeout_s` limits each whole-batch call, and each sample of a per-sample function."""
+
+    def __init__(self, reward_funcs: list[Callable | str], reward_weights: list[float] | None = None,
+                 timeout_s: float = 10.0, sample_workers: int = 2):
+        if not reward_funcs:
+            raise CohortError("no reward functions given; name at least one (--reward_funcs)")
+        self.funcs = [resolve_reward(f) for f in reward_funcs]
+        if reward_weights is None:
+            reward_weights = [1.0] * len(self.funcs)
+        if len(reward_weights) != len(self.funcs):
+            raise CohortError(f"{len(reward_weights)} reward weights for {len(self.funcs)} reward functions; "
+                              "give one weight per function (--reward_weights)")
+        self.weights = torch.tensor([float(w) for w in reward_weights], dtype=torch.float32)
+        if not bool(torch.isfinite(self.weights).all()):
+            raise CohortError(f"reward weights must be finite numbers, got {list(reward_weights)} (--reward_weights)")
+        if timeout_s is None or not timeout_s > 0:
+            raise CohortError(f"reward timeout must be a positive number of seconds, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.names = _unique([_function_name(f) for f in self.funcs])
+        self._warned: set[tuple[str, str]] = set()
+        self._pool = _SampleWorkerPool(max(1, sample_workers), self.timeout_s, self._warn)
+
+    # ------------------------------------------------------------------------------------ checking
+
+    def required_columns(self, func: Callable) -> list[str]:
+        """Keyword arguments without default that the function needs beyond prompts/completions/ids."""
+        try:
+            params = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):  # builtins without a signature: nothing to check
+            return []
+        return [p.name for p in params
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+                and p.name not in _FIXED_ARGUMENTS]
+
+    def check_columns(self, columns) -> None:
+        """Raise `CohortError` when a reward function needs a dataset column that is missing. The trainer
+        can call this with the dataset's column names before the first (expensive) generation."""
+        available = sorted(columns)
+        for name, func in zip(self.names, self.funcs):
+            for column in self.required_columns(func):
+                if column not in columns:
+                    raise CohortError(f"reward {name!r} needs dataset column {column!r}; the dataset has "
+                                      f"columns {available}; add that column to the data or drop the reward")
+
+    # ------------------------------------------------------------------------------------- calling
+
+    def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]] | None,
+                 columns: dict[str, list]) -> RewardOutput:
+        # TRL passes every dataset column but these; a column with one of their names would collide.
+        columns = {k: v for k, v in (columns or {}).items() if k not in _FIXED_ARGUMENTS + ("prompt",)}
+        self.check_columns(columns)
+        batch = len(completions)
+        for column, values in columns.items():
+            if len(values) != batch:
+                raise ValueError(f"column {column!r} has {len(values)} values for {batch} completions")
+        table = torch.full((batch, len(self.funcs)), float("nan"), dtype=torch.float32)
+        for j, (name, func) in enumerate(zip(self.names, self.funcs)):
+            if _importable_elsewhere(getattr(func, "score_sample", None)) and self._pool.available:
+                values = self._pool.score(name, func.score_sample, completions, columns)
+            else:
+                kwargs = _accepted_kwargs(func, dict(prompts=prompts, completions=completions,
+                                                     completion_ids=completion_ids, **columns))
+                values = self._call_with_timeout(name, func, kwargs, completions)
+            table[:, j] = torch.tensor(self._check_values(name, values, batch, completions), dtype=torch.float32)
+        unscored = torch.isnan(table).all(dim=1)
+        if batch and bool(unscored.any()):
+            first = int(unscored.nonzero()[0])
+            self._warn("*", "unscored", f"no reward function scored {int(unscored.sum())} of {batch} samples; "
+                       "their reward is 0", completions[first])
+        rewards = (table * self.weights).nansum(dim=1)
+        return RewardOutput(rewards=rewards, per_function=table, metrics=self._metrics(table, rewards))
+
+    def _call_with_timeout(self, name, func, kwargs, completions) -> list:
+        """Call `func(**kwargs)` in a daemon thread; all-None if it raises or outlives `timeout_s`."""
+        box: dict = {}
+
+        def target():
+            try:
+                box["values"] = func(**kwargs)
+            except BaseException as e:  # noqa: BLE001 — any failure of user code becomes None
+                box["error"] = e
+
+        thread = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            self._warn(name, "timeout", f"reward {name!r} took longer than {self.timeout_s:g}s on a batch of "
+                       f"{len(completions)}; the batch gets None for it (its thread is left running)",
+                       completions[0] if completions else None)
+            return [None] * len(completions)
+        if "error" in box:
+            e = box["error"]
+            self._warn(name, "raised", f"reward {name!r} raised {type(e).__name__}: {e}; the batch gets None "
+                       "for it", completions[0] if completions else None)
+            return [None] * len(completions)
+        return box["values"]
+
+    def _check_values(self, name, values, batch, completions) -> list[float]:
+        try:
+            values = list(values.tolist() if hasattr(values, "tolist") else values)
+        except TypeError:
+            raise CohortError(f"reward {name!r} returned a {type(values).__name__}, not a list of floats; "
+                              "return one float or None per completion") from None
+        if len(values) != batch:
+            raise CohortError(f"reward {name!r} returned {len(values)} values for {batch} completions; "
+                              "return one float or None per completion")
+        out = []
+        for i, value in enumerate(values):
+            if value is None:
+                out.append(math.nan)
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                try:
+                    value = float(value)  # numpy / torch scalars
+                except (TypeError, ValueError):
+                    raise CohortError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for sample "
+                                      f"{i}; return a float or None per completion") from None
+            if not math.isfinite(value):
+                self._warn(name, "nan", f"reward {name!r} returned {value} for sample {i}; treated as None",
+                           completions[i])
+                value = math.nan
+            out.append(float(value))
+        return out
+
+    def _metrics(self, table: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
+        metrics = {}
+        for j, name in enumerate(self.names):
+            mean, std = _nan_mean_std(table[:, j])
+            metrics[f"rewards/{name}/mean"] = mean
+            metrics[f"rewards/{name}/std"] = std
+        metrics["reward"], metrics["reward_std"] = _nan_mean_std(rewards)
+        return metrics
+
+    def _warn(self, name: str, kind: str, message: str, completion=None) -> None:
+        """One warning per function and kind of fault, showing the offending completion (truncated)."""
+        if (name, kind) in self._warned:
+            return
+        self._warned.add((name, kind))
+        if completion is not None:
+            text = completion_text(completion)
+            shown = text if len(text) <= 200 else text[:200] + f"… ({len(text)} chars)"
+            message += f"; completion: {shown!r}"
+        warnings.warn(message + " (further faults of this kind are not reported)", RewardWarning, stacklevel=3)
+
+    def close(self) -> None:
+        """Stop the per-sample worker processes (also done at garbage collection and exit)."""
+        self._pool.close()
+
+    def __del__(self):
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close()
+
+
+def _unique(names: list[str]) -> list[str]:
+    """Duplicates get a suffix: [f, f, g] → [f, f_2, g]."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        candidate = name if seen[name] == 1 else f"{name}_{seen[name]}"
+        while candidate in out or (candidate != name and candidate in names):
+            seen[name] += 1
+            candidate = f"{name}_{seen[name]}"
+        out.append(candidate)
+    return out
+
+
+def _accepted_kwargs(func: Callable, kwargs: dict) -> dict:
+    """All of `kwargs` for a function with **kwargs (TRL's convention); else only the names it takes."""
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _importable_elsewhere(score_sample) -> bool:
+    """A per-sample function a worker process can import by name (not one defined in `__main__`)."""
+    module = getattr(score_sample, "__module__", None)
+    qualname = getattr(score_sample, "__qualname__", "")
+    return callable(score_sample) and module not in (None, "__main__") and "<" not in qualname
+
+
+def _nan_mean_std(values: torch.Tensor) -> tuple[float, float]:
+    """Mean and unbiased std over the non-NaN entries (std 0 for one value; NaN, NaN for none)."""
+    kept = values[~torch.isnan(values)].double()
+    if kept.numel() == 0:
+        return math.nan, math.nan
+    std = kept.std(unbiased=True).item() if kept.numel() > 1 else 0.0
+    return kept.mean().item(), std
+
+
+# ------------------------------------------------------------------------------ per-sample workers
+
+_WORKER_STARTUP_S = 120.0  # starting python and importing the scoring code; never charged to a sample
+_WORKER_COMMAND = ("import os, sys; replies = os.fdopen(os.dup(1), 'w'); os.dup2(2, 1); "
+                   "from cohort.rewards.rules import serve_sample_scoring; "
+                   "serve_sample_scoring(sys.stdin, replies)")
+
+
+class _Worker:
+    """One scoring subprocess; a reader thread forwards its reply lines into the pool's queue.
+
+    `job` is what it is doing: None (idle), ("load", fn) or ("sample", i); `deadline` bounds the job,
+    or the start-up while not `ready`."""
+
+    def __init__(self, replies: queue.Queue):
+        env = dict(os.environ)
+        # The child imports what the parent can: cohort itself and the module of a user's score_sample.
+        package_root = str(Path(__file__).resolve().parents[2])
+        paths = [package_root] + [p for p in sys.path if p and os.path.isdir(p)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env["OMP_NUM_THREADS"] = "1"
+        self.process = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
+        self.ready = False
+        self.loaded: set[str] = set()
+        self.job: tuple[str, object] | None = None
+        self.deadline = time.monotonic() + _WORKER_STARTUP_S
+        threading.Thread(target=self._forward, args=(self.process.stdout, replies), daemon=True).start()
+
+    def _forward(self, stream, replies: queue.Queue) -> None:
+        try:
+            for line in stream:
+                replies.put((self, line))
+        except (OSError, ValueError):  # the stream was closed under us by kill()
+            pass
+        replies.put((self, None))  # EOF: the process ended
+
+    def send(self, job: tuple[str, object], request: dict, timeout_s: float) -> None:
+        self.job, self.deadline = job, time.monotonic() + timeout_s
+        self.process.stdin.write(json.dumps(request, default=str) + "\n")
+        self.process.stdin.flush()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        for stream in (self.process.stdin, self.process.stdout):
+            try:
+                stream.close()
+            except (OSError, ValueError):
+                pass
+
+
+class _GiveUp(Exception):
+    """The workers cannot do the job (cannot start, cannot import the function)."""
+
+
+class _SampleWorkerPool:
+    """Scores a per-sample function over a batch in a few subprocesses, one sample per request, killing
+    and replacing a worker whose sample exceeds the time limit. If the workers cannot be used at all,
+    it scores in this process instead (with a warning) for the rest of the run."""
+
+    def __init__(self, size: int, timeout_s: float, warn: Callable):
+        self.size, self.timeout_s, self.warn = size, timeout_s, warn
+        self.replies: queue.Queue = queue.Queue()
+        self.workers: list[_Worker] = []
+        self.available = True
+
+    def score(self, name: str, score_sample: Callable, completions: list, columns: dict) -> list:
+        fn = f"{score_sample.__module__}:{score_sample.__qualname__}"
+        params = list(inspect.signature(score_sample).parameters)[1:]  # the first one takes the completion
+        requests = [{"fn": fn, "args": [completion_text(c)],
+                     "kwargs": {p: columns[p][i] for p in params if p in columns}}
+                    for i, c in enumerate(completions)]
+        values: list = [None] * len(completions)
+        pending = list(range(len(completions)))[::-1]  # a stack: pop() gives samples in order
+        try:
+            while len(self.workers) < self.size:
+                self.workers.append(_Worker(self.replies))
+            self._run(name, fn, requests, values, pending, completions)
+        except (_GiveUp, OSError) as e:
+            left = sorted(set(pending) | {w.job[1] for w in self.workers if w.job and w.job[0] == "sample"})
+            self.available = False
+            self.close()
+            self.warn(name, "workers", f"reward worker processes failed ({e}); scoring {name!r} in this "
+                      "process without a per-sample time limit from now on")
+            for i in left:
+                try:
+                    values[i] = score_sample(requests[i]["args"][0], **requests[i]["kwargs"])
+                except Exception as error:  # noqa: BLE001 — user code: None, as in the workers
+                    values[i] = None
+                    self.warn(name, "raised", f"reward {name!r} raised {type(error).__name__}: {error} on "
+                              f"sample {i}; that sample gets None for it", completions[i])
+        return values
+
+    def _run(self, name, fn, requests, values, pending, completions) -> None:
+        while pending or any(w.job for w in self.workers):
+            for w in self.workers:  # hand work to idle, ready workers; load the function first
+                if w.ready and w.job is None:
+                    if fn not in w.loaded:
+                        w.send(("load", fn), {"load": fn}, _WORKER_STARTUP_S)
+                    elif pending:
+                        i = pending.pop()
+                        w.send(("sample", i), requests[i], self.timeout_s)
+            waiting = [w.deadline for w in self.workers if w.job or not w.ready]
+            try:
+                worker, line = self.replies.get(timeout=max(0.0, min(waiting, default=60.0) - time.monotonic()))
+            except queue.Empty:
+                self._expire(name, fn, values, completions)
+                continue
+            if worker not in self.workers:  # a late line from a worker already replaced
+                continue
+            if line is None:  # the process ended
+                if not worker.ready or (worker.job and worker.job[0] == "load"):
+                    raise _GiveUp(f"a worker exited while starting or importing {fn}")
+                self._replace(worker, name, values, completions, "died", "lost its worker process")
+                continue
+            reply = json.loads(line)
+            job, worker.job = worker.job, None
+            if reply.get("ready"):
+                worker.ready = True
+            elif job and job[0] == "load":
+                if "error" in reply:
+                    raise _GiveUp(f"cannot import {fn} in a worker: {reply['error']}")
+                worker.loaded.add(fn)
+            elif job and job[0] == "sample":
+                i = job[1]
+                if "error" in reply:
+                    self.warn(name, "raised", f"reward {name!r} raised {reply['error']} on sample {i}; that "
+                              "sample gets None for it", completions[i])
+                else:
+                    values[i] = reply["value"]
+
+    def _expire(self, name, fn, values, completions) -> None:
+        now = time.monotonic()
+        for w in list(self.workers):
+            if now < w.deadline:
+                continue
+            if not w.ready or (w.job and w.job[0] == "load"):
+                raise _GiveUp(f"a worker did not start or import {fn} within {_WORKER_STARTUP_S:g}s")
+            if w.job and w.job[0] == "sample":
+                self._replace(w, name, values, completions, "timeout",
+                              f"took longer than {self.timeout_s:g}s on one sample")
+
+    def _replace(self, worker: _Worker, name, values, completions, kind: str, what: str) -> None:
+        i = worker.job[1] if worker.job and worker.job[0] == "sample" else None
+        worker.kill()
+        self.workers[self.workers.index(worker)] = _Worker(self.replies)
+        if i is not None:
+            values[i] = None
+            self.warn(name, kind, f"reward {name!r} {what} (sample {i}); that sample gets None for it",
+                      completions[i])
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+        self.workers = []

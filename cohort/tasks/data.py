@@ -1,0 +1,146 @@
+"""Loading dataset rows: local JSON Lines / JSON / Parquet files, or a Hugging Face Hub dataset.
+
+Rows are plain dicts (one per example), the shape every task's `load` returns. Errors name the file
+(and for JSON Lines the line number) and the fix, as `CohortError`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+from ..errors import CohortError
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def load_rows(data_files: str | list[str] | dict[str, str], split: str | None = None) -> list[dict]:
+    """All rows of the given files, in order.
+
+    `data_files` is a path, a glob (`data/*.jsonl`), a list of them, or a mapping split → path(s) as in
+    `datasets.load_dataset(data_files=...)`; with a mapping, `split` picks the entry (it may be left out
+    when the mapping has a single entry)."""
+    if isinstance(data_files, dict):
+        if split is None and len(data_files) == 1:
+            split = next(iter(data_files))
+        if split not in data_files:
+            raise CohortError(f"data_files has splits {sorted(data_files)}, not {split!r}; "
+                              "add that split to --data_files or choose one of those")
+        data_files = data_files[split]
+    paths = [data_files] if isinstance(data_files, (str, Path)) else list(data_files)
+    if not paths:
+        raise CohortError("data_files is empty; pass at least one .jsonl, .json or .parquet file (--data_files)")
+    rows: list[dict] = []
+    for path in _expand(paths):
+        rows.extend(_read_file(path))
+    return rows
+
+
+def _expand(paths) -> list[Path]:
+    """Paths with globs expanded, each checked to exist."""
+    out = []
+    for path in map(str, paths):
+        if any(c in path for c in "*?["):
+            matches = sorted(glob.glob(path))
+            if not matches:
+                raise CohortError(f"data file pattern {path!r} matches no file; check the path (--data_files)")
+            out.extend(Path(m) for m in matches)
+            continue
+        p = Path(path).expanduser()
+        if not p.is_file():
+            what = "is a directory, not a file" if p.is_dir() else "not found"
+            raise CohortError(f"data file {path!r} {what}; pass the path of a .jsonl, .json or .parquet file "
+                              "(--data_files)")
+        out.append(p)
+    return out
+
+
+def _read_file(path: Path) -> list[dict]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        rows = _read_jsonl(path, path.read_text(encoding="utf-8"))
+    elif suffix == ".json":
+        rows = _read_json(path)
+    elif suffix == ".parquet":
+        rows = _read_parquet(path)
+    else:
+        raise CohortError(f"data file {str(path)!r} has extension {path.suffix or '(none)'!r}; "
+                          f"use one of {list(SUFFIXES)}")
+    if not rows:
+        raise CohortError(f"data file {str(path)!r} has no rows; check that it is the file you meant")
+    return rows
+
+
+def _read_jsonl(path: Path, text: str) -> list[dict]:
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CohortError(f"{path}:{number}: not valid JSON ({e.msg}, column {e.colno}); "
+                              "each line of a .jsonl file must be one JSON object") from None
+        if not isinstance(row, dict):
+            raise CohortError(f"{path}:{number}: a JSON {type(row).__name__}, not an object; "
+                              "each line of a .jsonl file must be one JSON object like {\"question\": ...}")
+        rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> list[dict]:
+    """A list of objects, a mapping column → list of values, or (as `datasets` accepts) JSON Lines."""
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        return []
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # several top-level values: JSON Lines saved as .json
+            return _read_jsonl(path, text)
+        raise CohortError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno}); fix the file") from None
+    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+        lengths = {len(v) for v in data.values()}
+        if len(lengths) != 1:
+            raise CohortError(f"{path}: columns have different lengths {sorted(lengths)}; "
+                              "a column-wise .json file needs lists of equal length")
+        columns = list(data)
+        return [dict(zip(columns, values)) for values in zip(*data.values())]
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
+        raise CohortError(f"{path}: expected a list of JSON objects (one per example); "
+                          "reshape the file or save it as .jsonl")
+    return data
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CohortError(f"reading {str(path)!r} needs pyarrow; pip install pyarrow "
+                          "(or convert the file to .jsonl)") from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow's ArrowInvalid etc. for a damaged file
+        raise CohortError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+
+
+def load_hub_dataset(name: str, config: str | None, split: str) -> list[dict]:
+    """Rows of a Hugging Face Hub dataset split via `datasets.load_dataset(name, config, split=split)`.
+
+    Raises `CohortError` when `datasets` is not installed or the dataset cannot be fetched (offline,
+    unknown name, unknown split), suggesting a local file instead."""
+    try:
+        import datasets
+    except ImportError:
+        raise CohortError(f"loading hub dataset {name!r} needs the datasets package; pip install datasets, "
+                          "or pass a local file with --data_files") from None
+    try:
+        dataset = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # offline, gated, missing split…: all end the same way for the user
+        message = str(e).splitlines()[0][:300] if str(e) else ""
+        raise CohortError(f"could not load hub dataset {name!r} (config {config!r}, split {split!r}): "
+                          f"{type(e).__name__}: {message}; pass a local file with --data_files") from None
+    return [dict(row) for row in dataset]
