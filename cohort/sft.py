@@ -49,8 +49,12 @@ def encode_sft_row(row: dict, tokenizer) -> tuple[list[int], list[int]]:
     return prompt, completion
 
 
-def sft_train(model, tokenizer, rows: list[dict], config: SFTConfig, log=print) -> list[float]:
-    """Train `model` in place on `rows`; returns the loss of every step."""
+def sft_train(model, tokenizer, rows: list[dict], config: SFTConfig, log=print, should_stop=None,
+              check_every: int = 25) -> list[float]:
+    """Train `model` in place on `rows`; returns the loss of every step.
+
+    `should_stop(step) -> bool`, asked every `check_every` steps, ends training early (e.g. once a
+    validation accuracy is reached)."""
     if not rows:
         raise CohortError("SFT data is empty: give at least one row")
     device = next(model.parameters()).device
@@ -80,6 +84,12 @@ def sft_train(model, tokenizer, rows: list[dict], config: SFTConfig, log=print) 
         losses.append(float(loss.detach()))
         if config.logging_steps and step % config.logging_steps == 0:
             log(f"SFT step {step}/{config.max_steps}: loss={sum(losses[-config.logging_steps:]) / config.logging_steps:.4f}")
+        if should_stop is not None and step % check_every == 0:
+            model.eval()
+            stop = should_stop(step)
+            model.train()
+            if stop:
+                break
     model.eval()
     return losses
 

@@ -107,6 +107,64 @@ def test_cache_rows_are_independent(checkpoints):
         assert (alone - ours(ids[:1])).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("family", ["qwen2_sliding", "qwen3_head_dim_32"])
+def test_default_cache_rows_decode_matches_full_forward(checkpoints, family):
+    """cache_rows=None (rows 0..B-1, how the engine decodes): the write scatters in place, the read
+    is a view of the cache, and prefill + decode still give the full forward's logits."""
+    ours = from_pretrained(checkpoints[family][1])
+    ids, _, _ = _padding_batch()
+    lengths = [7, 4]
+    cache = KVCache.for_model(ours, num_rows=3, max_len=32)
+    prefill_mask = (torch.arange(7)[None] < torch.tensor(lengths)[:, None]).long()
+    with torch.no_grad():
+        full = ours(ids)
+        prefill = ours(ids[:, :7], attention_mask=prefill_mask, kv_cache=cache)
+        assert cache.k[:, 1, :, 4:7].abs().max() == 0  # pad tokens did not write
+        assert cache.k[:, 2].abs().max() == 0 and cache.v[:, 2].abs().max() == 0  # rows >= B untouched
+        for b, n in enumerate(lengths):
+            assert (prefill[b, :n] - full[b, :n]).abs().max() <= 1e-4
+        steps = torch.tensor(lengths)
+        for _ in range(LENGTH - max(lengths)):
+            token = ids[torch.arange(2), steps][:, None]
+            logits = ours(token, steps[:, None], kv_cache=cache, cache_len=16)
+            assert (logits[:, 0] - full[torch.arange(2), steps]).abs().max() <= 1e-4
+            steps = steps + 1
+    keys, _ = cache.keys_values(0, None, 2, 16)
+    assert keys.data_ptr() == cache.k.data_ptr()  # a view: decode copies no cache rows
+    with pytest.raises(CohortError, match="cache_rows"):
+        ours(ids[:, :1].repeat(2, 1), kv_cache=cache)  # 4 rows into a 3-row cache
+
+
+def _reference_gqa(q, k, v, mask):
+    """Textbook GQA: every query head gets its own copy of its kv head, then softmax(qk^T/sqrt(d))v."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("native_gqa", [False, True])
+def test_grouped_query_attention_matches_repeated_heads(monkeypatch, native_gqa):
+    from cohort.models import modeling
+
+    monkeypatch.setattr(modeling, "_native_gqa_is_fast", lambda q: native_gqa)  # CPU math runs enable_gqa too
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 5, 8, generator=generator)
+    k, v = torch.randn(2, 2, 9, 8, generator=generator), torch.randn(2, 2, 9, 8, generator=generator)
+    causal_q = q[:, :, :5]
+    assert torch.allclose(modeling.grouped_query_attention(causal_q, k[:, :, :5], v[:, :, :5], None),
+                          _reference_gqa(causal_q, k[:, :, :5], v[:, :, :5], None), atol=1e-5)
+    per_query_mask = torch.rand(2, 1, 5, 9, generator=generator) < 0.7
+    per_query_mask[..., 0] = True  # every query sees at least one key
+    assert torch.allclose(modeling.grouped_query_attention(q, k, v, per_query_mask),
+                          _reference_gqa(q, k, v, per_query_mask), atol=1e-5)
+    decode_mask = torch.arange(9)[None, None, None] <= torch.tensor([3, 8])[:, None, None, None]  # [B, 1, 1, S]
+    assert torch.allclose(modeling.grouped_query_attention(q[:, :, :1], k, v, decode_mask),
+                          _reference_gqa(q[:, :, :1], k, v, decode_mask), atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama_tied_llama3_rope", "qwen2_sliding", "qwen3_head_dim_32"])
 def test_save_pretrained_loads_in_transformers(checkpoints, family, tmp_path):
     reference, folder = checkpoints[family]

@@ -50,11 +50,16 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def write(self, layer: int, cache_rows: torch.Tensor, position_ids: torch.Tensor,
+    def write(self, layer: int, cache_rows: torch.Tensor | None, position_ids: torch.Tensor,
               keys: torch.Tensor, values: torch.Tensor, write_mask: torch.Tensor | None = None) -> None:
         """Store `keys`/`values` `[B, kv_heads, T, head_dim]` of batch row b, token t at
-        `[layer, cache_rows[b], :, position_ids[b, t]]`. Where `write_mask[b, t]` is 0 (a pad token)
-        the slot keeps its old content. No host sync, so it can run inside a CUDA graph."""
+        `[layer, cache_rows[b], :, position_ids[b, t]]` (`cache_rows` None: row b). Where
+        `write_mask[b, t]` is 0 (a pad token) the slot keeps its old content. In place, static
+        shapes, no host sync, so it can run inside a CUDA graph."""
+        if cache_rows is None:
+            self._scatter(self.k[layer, : keys.shape[0]], position_ids, keys, write_mask)
+            self._scatter(self.v[layer, : values.shape[0]], position_ids, values, write_mask)
+            return
         rows = cache_rows[:, None].expand_as(position_ids)
         new_k, new_v = keys.transpose(1, 2), values.transpose(1, 2)  # [B, T, kv_heads, head_dim]
         if write_mask is not None:
@@ -64,3 +69,24 @@ class KVCache:
         # advanced indices on dims 0 and 2 put the broadcast [B, T] dims first: value is [B, T, H, D]
         self.k[layer][rows, :, position_ids] = new_k.to(self.k.dtype)
         self.v[layer][rows, :, position_ids] = new_v.to(self.v.dtype)
+
+    @staticmethod
+    def _scatter(rows_view: torch.Tensor, position_ids: torch.Tensor, new: torch.Tensor,
+                 write_mask: torch.Tensor | None) -> None:
+        """rows_view [B, kv_heads, max_len, head_dim] (a view of the cache) gets new [B, kv_heads, T,
+        head_dim] at positions position_ids [B, T] along its length axis, written in place."""
+        index = position_ids[:, None, :, None].expand(new.shape)
+        new = new.to(rows_view.dtype)
+        if write_mask is not None:
+            new = torch.where(write_mask.bool()[:, None, :, None], new, rows_view.gather(2, index))
+        rows_view.scatter_(2, index, new)
+
+    def keys_values(self, layer: int, cache_rows: torch.Tensor | None, batch: int,
+                    cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[batch, kv_heads, cache_len, head_dim]` of the given cache rows. With
+        `cache_rows` None (rows 0..batch-1, the decode case) they are views of the cache, so a decode
+        step reads each cached key once instead of copying the rows first."""
+        keys, values = self.k[layer, :, :, :cache_len], self.v[layer, :, :, :cache_len]
+        if cache_rows is None:
+            return keys[:batch], values[:batch]
+        return keys.index_select(0, cache_rows), values.index_select(0, cache_rows)

@@ -8,7 +8,9 @@ has q/k/v biases, Qwen3 RMS-normalises each q/k head, Mistral/Qwen2 may use a sl
 Parameter names equal transformers' (`model.layers.0.self_attn.q_proj.weight`, ...) so a state
 dict moves between the two unchanged. Attention goes through `F.scaled_dot_product_attention`.
 With a `KVCache` the forward has static shapes and no host sync, so a decode step is CUDA-graph
-capturable: keys are written with `index_put_` and the mask is built from `position_ids`.
+capturable: keys are written in place (`scatter_`, or `index_put_` for explicit cache rows) and the
+mask is built from `position_ids`. Decode (default cache rows 0..B-1) reads the cache as a view and
+folds grouped-query heads instead of expanding k/v, so a step reads each cached key once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from cohort.errors import CohortError
 from cohort.models.cache import KVCache
 from cohort.models.config import ModelConfig
 
@@ -157,29 +160,43 @@ class Attention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         if kv_cache is not None:
             kv_cache.write(self.layer_index, cache_rows, position_ids, k, v, write_mask)
-            k = kv_cache.k[self.layer_index, :, :, :cache_len].index_select(0, cache_rows)
-            v = kv_cache.v[self.layer_index, :, :, :cache_len].index_select(0, cache_rows)
+            k, v = kv_cache.keys_values(self.layer_index, cache_rows, batch, cache_len)
         out = grouped_query_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
-def grouped_query_attention(q, k, v, mask):
-    """SDPA with q [B, H, T, D] and k/v [B, H_kv, S, D], query head h using kv head h // (H / H_kv).
+def _native_gqa_is_fast(q: torch.Tensor) -> bool:
+    """Whether SDPA's `enable_gqa` reaches a kernel that shares k/v heads itself: FlashAttention
+    (CUDA, half precision) does; the other backends repeat k/v internally or fall back to the math
+    kernel, so there an explicit repeat into the memory-efficient kernel is no worse."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
-    With a mask, the query groups are folded into the query-length axis ([B, H_kv, group*T, D])
-    so the keys/values (e.g. the whole KV cache) are never copied per head; plain causal
-    attention (no mask) repeats k/v instead because is_causal needs T queries against T keys."""
+
+def grouped_query_attention(q, k, v, mask):
+    """SDPA with q [B, H, T, D] and k/v [B, H_kv, S, D], query head h using kv head h // (H / H_kv)
+    (Ainslie et al. 2023).
+
+    With a mask (padding, sliding window, or the KV cache's position mask) the `group` query heads
+    of a kv head are folded into the query-length axis, q -> [B, H_kv, group*T, D], so keys and
+    values (e.g. a view of the whole KV cache) are read once per kv head and never copied. A
+    decode mask [B, 1, 1, S] broadcasts over the folded queries as it is. Plain causal attention
+    (no mask) cannot fold (is_causal aligns T queries with T keys): it uses SDPA's native GQA where
+    FlashAttention serves it, else repeats k/v."""
     batch, heads, length, dim = q.shape
-    group = heads // k.shape[1]
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
     if group == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
     if mask is None:
+        if _native_gqa_is_fast(q):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    folded_q = q.reshape(batch, k.shape[1], group * length, dim)
-    folded_mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(mask.shape[0], 1, group * length, -1)
-    out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask)
-    return out.reshape(batch, heads, length, dim)
+    folded_q = q.reshape(batch, kv_heads, group * length, dim)
+    if mask.shape[-2] > 1:  # one mask row per query: repeat it for each head of the group
+        mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(mask.shape[0], 1, group * length, -1)
+    out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=mask)
+    return out.view(batch, heads, length, dim)
 
 
 class MLP(nn.Module):
@@ -304,10 +321,11 @@ class CausalLM(nn.Module):
         Without `kv_cache`: causal attention by token index, `attention_mask` [B, T] (1 = real,
         0 = pad) hides pad keys as in transformers; `position_ids` default to 0..T-1 and only
         place RoPE. With `kv_cache`: token t of row b is written at cache row `cache_rows[b]`
-        (default b), position `position_ids[b, t]`, and attends to that row's keys at positions
-        <= its own (and > its own - window for sliding layers); `attention_mask` then only stops
-        pad tokens from writing. `cache_len` (static, > every position in position_ids) limits
-        attention to the first cache_len slots.
+        (default b, and then the cache is read as a view, never copied), position
+        `position_ids[b, t]`, and attends to that row's keys at positions <= its own (and > its
+        own - window for sliding layers); `attention_mask` then only stops pad tokens from writing.
+        `cache_len` (static, > every position in position_ids) limits attention to the first
+        cache_len slots.
         """
         batch, length = input_ids.shape
         if position_ids is None:
@@ -319,8 +337,9 @@ class CausalLM(nn.Module):
         if kv_cache is None:
             masks = {w: _padding_causal_mask(length, attention_mask, w, input_ids.device) for w in windows}
         else:
-            if cache_rows is None:
-                cache_rows = torch.arange(batch, device=input_ids.device)
+            if cache_rows is None and batch > kv_cache.num_rows:
+                raise CohortError(f"batch of {batch} rows does not fit a KVCache of {kv_cache.num_rows} rows: "
+                                  "pass cache_rows or allocate more rows")
             cache_len = kv_cache.max_len if cache_len is None else cache_len
             masks = {w: _cache_mask(position_ids, cache_len, w) for w in windows}
             cache_args = dict(kv_cache=kv_cache, cache_rows=cache_rows, position_ids=position_ids,

@@ -1,0 +1,29 @@
+"""`cohort train` with no arguments: the built-in task, end to end, as a user runs it (one seed in CI)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_default_job_learns(tmp_path):
+    env = dict(os.environ, COHORT_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-m", "cohort", "train", "--output_dir", str(tmp_path / "run"), "--quiet"],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("Step 1/600: Loss=") and "μ_iters=1" in line for line in lines)
+    assert any(line.startswith("Iteration 1: avg loss=") for line in lines)
+    assert lines[-1].startswith("held-out accuracy: ") and lines[-1].endswith("(200 problems)")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert set(summary) >= {"accuracy_before", "accuracy_after", "seconds", "steps"}
+    assert summary["steps"] == 600
+    # GRPO must really improve held-out accuracy on problems it never trained on.
+    assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.05, summary
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "run")
+    AutoTokenizer.from_pretrained(tmp_path / "run")
