@@ -105,20 +105,17 @@ def tiny_model_dir(log=print, spec: dict = TINY_SPEC) -> Path:
     # Addition is learnt in a sudden phase transition whose step count shifts with floating-point
     # details (thread count, BLAS). So the warm start stops at a measured skill, not at a step count:
     # once greedy accuracy on validation problems of the hardest level reaches the target.
-    from .rollout import HFGenerateSampler, SamplingParams
+    from .evaluate import evaluate
+    from .rollout import HFGenerateSampler
 
     validation = task.load("validation", levels=[max(spec["sft_levels"])], size=100)
-    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in validation]
     sampler = HFGenerateSampler(model, tokenizer)
 
     def reached_target(step: int) -> bool:
         if step < spec["sft_min_steps"]:
             return False
-        out = sampler.generate(prompts, 1, SamplingParams(max_new_tokens=8, temperature=0.0, pad_token_id=0,
-                                                          eos_token_ids=[tokenizer.eos_token_id]))
-        texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-                 for ids, m in zip(out.completion_ids, out.completion_mask)]
-        accuracy = sum(task.is_correct(t, r) for t, r in zip(texts, validation)) / len(validation)
+        accuracy = evaluate(sampler, tokenizer, task, validation,
+                            lambda p: tokenizer(p, add_special_tokens=False)["input_ids"], max_new_tokens=8).accuracy
         if accuracy >= spec["sft_target_accuracy"]:
             log(f"SFT step {step}: validation accuracy {100 * accuracy:.0f}% ≥ target; warm start done")
             return True
