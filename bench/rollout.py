@@ -128,8 +128,9 @@ def time_hf(hf_model, prompts: torch.Tensor, new_tokens: int) -> dict:
     return dict(seconds=seconds, tokens=(out.shape[1] - prompts.shape[1]) * prompts.shape[0])
 
 
-def time_engine(model, prompts: torch.Tensor, new_tokens: int, max_batch: int, check_interval: int) -> dict:
-    engine = Engine(model, max_batch_size=max_batch, check_interval=check_interval)
+def time_engine(model, prompts: torch.Tensor, new_tokens: int, max_batch: int, check_interval: int,
+                compile_step: bool | None = None) -> dict:
+    engine = Engine(model, max_batch_size=max_batch, check_interval=check_interval, compile_step=compile_step)
     prompt_list = prompts.tolist()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, eos_token_ids=[], seed=0)
     captured = engine.capture_graphs(len(prompt_list), prompts.shape[1] + new_tokens, new_tokens)
@@ -141,7 +142,7 @@ def time_engine(model, prompts: torch.Tensor, new_tokens: int, max_batch: int, c
     rollout = engine.generate(prompt_list, 1, params)
     synchronize()
     seconds = time.perf_counter() - start
-    stats = dict(engine.stats, graphs_precaptured=captured)
+    stats = dict(engine.stats, graphs_precaptured=captured, compiled=engine.compile_step)
     engine.release()
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
     return dict(seconds=seconds, tokens=int(rollout.completion_mask.sum()), peak_gib=peak, stats=stats)
@@ -162,8 +163,20 @@ def run_benchmark(args) -> list[dict]:
             mean_context = args.prompt_len + (args.new_tokens + 1) / 2
             floor_bytes = weight_bytes(model) + kv_bytes_per_token(model) * size * mean_context
             row["floor_ms_per_step"] = 1000 * floor_bytes / bandwidth
+            if args.compile in ("off", "both"):  # the engine without torch.compile: graphs of the plain step
+                try:
+                    plain = time_engine(model, prompts, args.new_tokens, min(size, args.max_batch),
+                                        args.check_interval, compile_step=False)
+                    row.update(plain_tok_s=plain["tokens"] / plain["seconds"],
+                               plain_ms_per_step=1000 * plain["seconds"] / args.new_tokens)
+                except Exception as error:  # noqa: BLE001
+                    row["plain_error"] = f"{type(error).__name__}: {error}"[:300]
+                empty_cache()
             try:
-                engine = time_engine(model, prompts, args.new_tokens, min(size, args.max_batch), args.check_interval)
+                if args.compile == "off":
+                    raise RuntimeError("skipped (--compile off)")
+                engine = time_engine(model, prompts, args.new_tokens, min(size, args.max_batch), args.check_interval,
+                                     compile_step=True)
                 row.update(engine_tok_s=engine["tokens"] / engine["seconds"],
                            engine_ms_per_step=1000 * engine["seconds"] / args.new_tokens,
                            engine_peak_gib=engine["peak_gib"], engine_stats=engine["stats"])
@@ -177,6 +190,8 @@ def run_benchmark(args) -> list[dict]:
                     row.update(hf_tok_s=hf["tokens"] / hf["seconds"], hf_ms_per_step=1000 * hf["seconds"] / args.new_tokens)
                     if "engine_tok_s" in row:
                         row["speedup"] = row["engine_tok_s"] / row["hf_tok_s"]
+                    if "plain_tok_s" in row:
+                        row["plain_speedup"] = row["plain_tok_s"] / row["hf_tok_s"]
                 except Exception as error:  # noqa: BLE001
                     row["hf_error"] = f"{type(error).__name__}: {error}"[:300]
                 empty_cache()
@@ -197,9 +212,12 @@ def run_check(args) -> list[dict]:
         lengths = torch.randint(16, 129, (16,), generator=generator).tolist()
         prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
         report = dict(model=f"qwen2.5-{name}-shape", prompts=len(prompts), new_tokens=64)
-        graphs = Engine(model, max_batch_size=8, check_interval=8, verify_graphs=True)  # 32 sequences: 4 waves
-        eager = Engine(model, max_batch_size=8, check_interval=8, use_cuda_graph=False)
+        compiled = args.compile != "off"
+        graphs = Engine(model, max_batch_size=8, check_interval=8, verify_graphs=True,  # 32 sequences: 4 waves
+                        compile_step=compiled)
+        eager = Engine(model, max_batch_size=8, check_interval=8, use_cuda_graph=False, compile_step=compiled)
         eager.bucketed = True  # the same step shapes as the graphs, so the same kernels: equal tokens expected
+        report["compiled"] = compiled
         for label, temperature in (("greedy", 0.0), ("sampled", 1.0)):
             params = SamplingParams(max_new_tokens=64, temperature=temperature, eos_token_ids=[], seed=5)
             try:
@@ -243,11 +261,13 @@ def markdown(results: list[dict]) -> str:
     def fmt(row, key, spec):
         return format(row[key], spec) if key in row else "-"
 
-    lines = ["| model | seqs | HF tok/s | HF ms/step | engine tok/s | engine ms/step | speed-up | floor ms/step "
-             "| % of floor | engine peak GiB |", "|" + " --- |" * 10]
+    lines = ["| model | seqs | HF tok/s | HF ms/step | uncompiled engine ms/step (speed-up) | engine tok/s "
+             "| engine ms/step | speed-up | floor ms/step | % of floor | engine peak GiB |", "|" + " --- |" * 11]
     for row in results:
+        plain = (f"{row['plain_ms_per_step']:.2f} ({row['plain_speedup']:.1f}×)" if "plain_speedup" in row
+                 else fmt(row, "plain_ms_per_step", ".2f"))
         lines.append("| " + " | ".join([
-            row["model"], str(row["sequences"]), fmt(row, "hf_tok_s", ",.0f"), fmt(row, "hf_ms_per_step", ".1f"),
+            row["model"], str(row["sequences"]), fmt(row, "hf_tok_s", ",.0f"), fmt(row, "hf_ms_per_step", ".1f"), plain,
             fmt(row, "engine_tok_s", ",.0f"), fmt(row, "engine_ms_per_step", ".2f"), fmt(row, "speedup", ".1f"),
             fmt(row, "floor_ms_per_step", ".2f"),
             format(100 * row["engine_floor_fraction"], ".0f") if "engine_floor_fraction" in row else "-",
@@ -268,6 +288,8 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="0.5B only, 64 and 256 sequences, 128 new tokens")
     parser.add_argument("--check", action="store_true", help="correctness of the CUDA path, no timing")
     parser.add_argument("--device", default="cuda", help="cpu only to smoke-test this script with --models tiny")
+    parser.add_argument("--compile", choices=("on", "off", "both"), default="both",
+                        help="engine with a torch.compile'd decode step, without, or both (default)")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.sizes, args.new_tokens = "0.5b", "64,256", 128

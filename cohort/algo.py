@@ -9,7 +9,9 @@ independent float64 computation. Sources:
 - k1/k2/k3 KL estimators: J. Schulman, "Approximating KL Divergence" (2020, blog note).
 - Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective".
 - DAPO: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale".
-- GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization".
+- GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv 2507.18071).
+- GAE: Schulman et al. 2015, "High-Dimensional Continuous Control Using Generalized Advantage
+  Estimation"; clipped value loss as in OpenAI baselines' PPO2 / Ziegler et al. 2019.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
 SCALE_CHOICES = ("group", "batch", "none")
 KL_CHOICES = ("k1", "k2", "k3")
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+IMPORTANCE_LEVELS = ("token", "sequence")
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: ScaleRewards = "group", eps: float = 1e-4) -> Tensor:
@@ -151,11 +154,15 @@ def policy_loss(
     loss_type: LossType = "grpo",
     max_completion_length: int | None = None,
     num_tokens: float | None = None,
+    importance_sampling_level: str = "token",
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO objective (DeepSeekMath eq. 3), negated so that minimising it is ascent.
 
-    Shapes: `logp`, `old_logp`, `ref_logp`, `mask` are `[B, T]`; `advantages` is `[B]` (one per
-    completion, broadcast over its tokens). Per token::
+    Shapes: `logp`, `old_logp`, `ref_logp`, `mask`, `entropy` are `[B, T]`; `advantages` is `[B]`
+    (one per completion, broadcast over its tokens) or `[B, T]` (one per token, as PPO's GAE gives).
+    Per token::
 
         ρ = exp(logp − old_logp)
         loss = −[ min(ρ·A, clip(ρ, 1−ε, 1+ε_high)·A) − β · k3(logp, ref_logp) ]
@@ -166,10 +173,20 @@ def policy_loss(
 
     Worked example, one token, A = 1, ε = 0.2: ρ = 1.5 → min(1.5, 1.2) = 1.2 → loss −1.2 (the
     clip is active; no gradient flows). ρ = 0.5 → min(0.5, 0.8) = 0.5 → loss −0.5.
+
+    `importance_sampling_level="sequence"` replaces ρ by GSPO's sequence ratio
+    (`sequence_log_ratio`); the clip then acts on whole completions. `entropy_coef` > 0 subtracts
+    coef · entropy per token (an exploration bonus), reduced by the same aggregation.
     """
     eps_high = epsilon if epsilon_high is None else epsilon_high
-    ratio = torch.exp(logp - old_logp)
-    adv = advantages.unsqueeze(1).to(logp.dtype)
+    if importance_sampling_level == "token":
+        log_ratio = logp - old_logp
+    elif importance_sampling_level == "sequence":
+        log_ratio = sequence_log_ratio(logp, old_logp, mask)
+    else:
+        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_LEVELS}, got {importance_sampling_level!r}")
+    ratio = torch.exp(log_ratio)
+    adv = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).to(logp.dtype)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * adv
     per_token = -torch.min(unclipped, clipped)
@@ -178,6 +195,10 @@ def policy_loss(
         kl = kl_penalty(logp, ref_logp, "k3")
         if beta != 0.0:
             per_token = per_token + beta * kl
+    if entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError("entropy_coef != 0 needs the per-token entropy (with its gradient)")
+        per_token = per_token - entropy_coef * entropy
     loss = aggregate_loss(per_token, mask, loss_type, max_completion_length, num_tokens)
 
     with torch.no_grad():
@@ -192,3 +213,90 @@ def policy_loss(
             clip_ratio=float(((low + high).clamp(max=1.0) * fmask).sum() / n),
         )
     return loss, stats.as_dict()
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's importance log-ratio, `[B, T]`, in the paper's stop-gradient token form (its "GSPO-token").
+
+    The sequence ratio is the geometric mean of the token ratios over the completion's own tokens::
+
+        log s_i = (1/|y_i|) Σ_t (logp_t − old_logp_t)
+
+    and every token t of completion i gets ``log s_i,t = sg[log s_i] + logp_t − sg[logp_t]``. Its value
+    equals log s_i on every token, and ∇ s_i,t = s_i · ∇logp_t, so with one advantage per completion and
+    the per-completion mean ("grpo" aggregation) the gradient is s_i · A_i · mean_t ∇logp_t — exactly
+    the gradient of GSPO's sequence-level objective s_i · A_i.
+
+    Worked example: token log-ratios [0.1, 0.3, (padding)] → log s = 0.2 on both tokens.
+    """
+    fmask = mask.to(logp.dtype)
+    token_log_ratio = (logp - old_logp) * fmask
+    seq = token_log_ratio.sum(dim=1, keepdim=True) / fmask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return seq.detach() + logp - logp.detach()
+
+
+def overlong_penalty(lengths: Tensor, max_completion_length: int, buffer_length: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, §3.4 "Overlong Reward Shaping"), added to the reward.
+
+    With L_max = `max_completion_length` and L_cache = `buffer_length`, for a completion of |y| tokens::
+
+        0                                 if |y| ≤ L_max − L_cache
+        ((L_max − L_cache) − |y|) / L_cache   if L_max − L_cache < |y| ≤ L_max
+        −1                                if |y| > L_max
+
+    times `factor`. Worked example, L_max = 8, L_cache = 2: |y| = 6 → 0, 7 → −0.5, 8 → −1, 9 → −1.
+    """
+    if buffer_length <= 0 or buffer_length > max_completion_length:
+        raise ValueError(f"buffer_length must lie in [1, max_completion_length={max_completion_length}], got {buffer_length}")
+    lengths = lengths.to(torch.float64)
+    start = max_completion_length - buffer_length
+    inside = (start - lengths) / buffer_length
+    penalty = torch.where(lengths <= start, torch.zeros_like(lengths), inside)
+    penalty = torch.where(lengths > max_completion_length, torch.full_like(lengths, -1.0), penalty)
+    return penalty * factor
+
+
+def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2015, eq. 16) over each completion's tokens.
+
+    `rewards`, `values`, `mask` are `[B, T]`; token t of row b is the action taken in state
+    (prompt, y_<t) whose value is `values[b, t]`. Past the last masked token the value is 0 (the
+    episode ended). Backwards over t::
+
+        δ_t = r_t + γ V_{t+1} − V_t          A_t = δ_t + γ λ A_{t+1}          returns_t = A_t + V_t
+
+    Masked positions get advantage and return 0. Worked example, one row, rewards [0, 1], values
+    [0.5, 0.5], γ = λ = 1: δ = [0, 0.5], A = [0.5, 0.5], returns = [1, 1].
+    """
+    fmask = mask.to(values.dtype)
+    rewards, values = rewards.to(values.dtype) * fmask, values * fmask
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        # A masked position (padding after EOS) passes nothing back: the episode is over there.
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = (delta + gamma * lam * next_advantage) * fmask[:, t]
+        advantages[:, t] = advantage
+        next_value, next_advantage = values[:, t], advantage
+    return advantages, (advantages + values) * fmask
+
+
+def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x − mean) / std over the masked entries (PPO's advantage normalisation); masked-out stay 0."""
+    fmask = mask.to(values.dtype)
+    n = fmask.sum().clamp(min=1.0)
+    mean = (values * fmask).sum() / n
+    var = ((values - mean).square() * fmask).sum() / (n - 1).clamp(min=1.0)
+    return (values - mean) / (var.sqrt() + eps) * fmask
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range: float = 0.2) -> Tensor:
+    """Clipped value loss, token mean: ½ · max((V − R)², (V_clip − R)²) with
+    V_clip = V_old + clip(V − V_old, −c, c) (OpenAI baselines PPO2; Ziegler et al. 2019).
+
+    Worked example: V_old = 0, V = 1, R = 1, c = 0.2 → V_clip = 0.2 → ½ · max(0, 0.64) = 0.32.
+    """
+    clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    per_token = 0.5 * torch.max((values - returns).square(), (clipped - returns).square())
+    return aggregate_loss(per_token, mask, "dapo")

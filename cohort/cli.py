@@ -10,8 +10,8 @@ import sys
 from .errors import CohortError
 
 USAGE = """usage: cohort [train] [--option value ...]   GRPO training (no options: the built-in task)
-       cohort eval --model DIR --task NAME [--split test] [--limit N] [--num_samples k]
-       cohort sft --model DIR --data_files FILE [--output_dir DIR] [--max_steps N]
+       cohort eval --model DIR --task NAME [--split test] [--limit N] [--num_samples k] [--output FILE]
+       cohort sft --model DIR --data_files FILE [--output_dir DIR] [--max_steps N] [--learning_rate LR]
        cohort report RUN_DIR [RUN_DIR ...] [--out DIR]
        cohort chat MODEL_DIR            cohort generate MODEL_DIR --prompts FILE
 add --debug to any command for a full traceback on errors; `cohort train --help` lists every option"""
@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"cohort: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("cohort: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # cohort.checkpoint.TrainingInterrupted: SIGINT/SIGTERM, checkpoint saved
+        print(f"cohort: {stop}" if str(stop) else "cohort: interrupted", file=sys.stderr)
+        return getattr(stop, "exit_code", 130)
 
 
 def _train(argv: list[str]) -> int:
@@ -76,11 +76,17 @@ def _peek(argv: list[str], name: str) -> str | None:
 
 
 def _eval(argv: list[str]) -> int:
-    raise CohortError("cohort eval is not available yet")
+    from .eval_cli import run_eval
+
+    run_eval(argv)
+    return 0
 
 
 def _sft(argv: list[str]) -> int:
-    raise CohortError("cohort sft is not available yet")
+    from .sft import run_sft
+
+    run_sft(argv)
+    return 0
 
 
 def _report(argv: list[str]) -> int:
@@ -90,11 +96,15 @@ def _report(argv: list[str]) -> int:
 
 
 def _chat(argv: list[str]) -> int:
-    raise CohortError("cohort chat is not available yet")
+    from .chat import chat_main
+
+    return chat_main(argv)
 
 
 def _generate(argv: list[str]) -> int:
-    raise CohortError("cohort generate is not available yet")
+    from .chat import generate_main
+
+    return generate_main(argv)
 
 
 if __name__ == "__main__":

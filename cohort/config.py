@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .algo import LOSS_TYPES, SCALE_CHOICES
+from .algo import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_CHOICES
 from .errors import CohortError
 
 
@@ -40,6 +40,32 @@ class GRPOConfig:
     reward_funcs: list[str] | None = None  # names or module:function; None → the task's own
     reward_weights: list[float] | None = None
     reward_timeout: float = 10.0
+
+    # Algorithm breadth (issue 10): DAPO, GSPO, entropy bonus. Defaults leave plain GRPO unchanged.
+    dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, sample more prompts to refill
+    max_resample_tries: int = 4  # extra sampling rounds per step for dynamic_sampling
+    overlong_buffer_length: int = 0  # DAPO soft overlong punishment over the last N tokens (0 = off)
+    overlong_penalty_factor: float = 1.0  # scale of that penalty (reaches −factor at max_completion_length)
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length leave the loss
+    importance_sampling_level: str = "token"  # token (GRPO) | sequence (GSPO)
+    entropy_coef: float = 0.0  # entropy bonus: loss −= coef · mean token entropy
+
+    # Learned reward model r_φ (issue 7): a reward_funcs entry that is a model folder or object, trained
+    # online on rule-labelled samples with replay (Algorithm 1, line 12). See cohort/rewards/model.py.
+    rm_updates_per_step: int = 0  # k: r_φ optimizer steps after each policy step (0 = frozen, as in TRL)
+    rm_buffer_size: int = 4096  # replay buffer bound, in samples
+    rm_buffer_policy: str = "fifo"  # fifo (newest kept) | reservoir (uniform over all seen)
+    rm_replay_ratio: float = 0.5  # fraction of each r_φ mini-batch drawn from the buffer
+    rm_batch_size: int = 32  # samples (pointwise) or pairs (pairwise) per r_φ mini-batch
+    rm_learning_rate: float = 1e-4
+    rm_loss: str = "pointwise"  # pointwise (BCE on the label) | pairwise (Bradley-Terry within a group)
+    rm_label_fraction: float = 1.0  # fraction of each step's groups given rule labels (costly labels)
+    rm_train_steps: int = 0  # train r_φ only during the first N steps, then freeze it (0 = always)
+    rm_max_length: int = 512  # r_φ reads at most this many tokens (the end of prompt + completion)
+    rm_scorer: str = "head"  # head (scalar head on the last token) | likelihood (a·log π_φ(completion|prompt)+b)
+    rm_head_learning_rate: float | None = None  # the score head's learning rate (None = rm_learning_rate)
+    rm_warmup_batches: int = 0  # before step 1: label this many batches of the initial policy, train r_φ on them
+    rm_warmup_updates: int = 200  # r_φ mini-batch updates in that warm-up (after a head-only linear probe)
 
     # Sampling.
     max_prompt_length: int = 512
@@ -72,6 +98,19 @@ class GRPOConfig:
     eval_limit: int = 200  # held-out problems for accuracy
     report_to: str = "none"
     quiet: bool = False
+
+    # Never lose a run (issue 8, docs/reliability.md): checkpoints, resume, local faults, safe loading.
+    save_total_limit: int = 2  # keep the newest N checkpoint-<step> folders (0 = keep all)
+    resume: bool = False  # continue from the newest complete checkpoint in output_dir
+    resume_from_checkpoint: str | None = None  # a checkpoint-<step> folder, or "latest" (= --resume)
+    overwrite_output_dir: bool = False  # start over in an output_dir that holds an earlier run's checkpoints
+    max_consecutive_nonfinite: int = 5  # this many non-finite updates in a row: save a checkpoint and stop
+    trust_remote_code: bool = False  # let transformers run Python code shipped with a model repo
+    model_impl: str = "auto"  # auto | cohort (our models + the fast engine) | hf (transformers + HF generate)
+
+    # Curriculum (issue 3, cohort/curriculum.py): stages {task, steps, <load options>} trained in turn;
+    # YAML list or `--curriculum arithmetic:50,gsm8k:200`. None → the one task above for every step.
+    curriculum: list[dict] | None = None
 
     @property
     def generation_batch_size(self) -> int:
@@ -110,6 +149,12 @@ class GRPOConfig:
         for name in ("ref_reset_steps", "save_steps", "eval_steps", "warmup_steps", "eval_limit"):
             if getattr(self, name) < 0:
                 bad(f"{name}={getattr(self, name)} must be ≥ 0")
+        if self.save_total_limit < 0 or self.max_consecutive_nonfinite < 1:
+            bad(f"save_total_limit={self.save_total_limit} must be ≥ 0 and max_consecutive_nonfinite="
+                f"{self.max_consecutive_nonfinite} at least 1")
+        if self.overwrite_output_dir and (self.resume or self.resume_from_checkpoint):
+            bad("overwrite_output_dir and resume contradict each other: resume continues the earlier run, "
+                "overwrite_output_dir deletes it; pass only one")
         if self.temperature < 0:
             bad(f"temperature={self.temperature} must be ≥ 0")
         if not 0 < self.top_p <= 1:
@@ -120,8 +165,36 @@ class GRPOConfig:
             bad(f"unknown lr_scheduler_type {self.lr_scheduler_type!r}; choose constant, cosine or linear")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             bad(f"unknown device {self.device!r}; choose auto, cpu or cuda")
+        if self.model_impl not in ("auto", "cohort", "hf"):
+            bad(f"unknown model_impl {self.model_impl!r}; choose auto, cohort or hf")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             bad(f"unknown dtype {self.dtype!r}; choose auto, float32 or bfloat16")
+        if self.importance_sampling_level not in IMPORTANCE_LEVELS:
+            bad(f"unknown importance_sampling_level {self.importance_sampling_level!r}; choose token or sequence")
+        if self.max_resample_tries < 0:
+            bad(f"max_resample_tries={self.max_resample_tries} must be ≥ 0")
+        if not 0 <= self.overlong_buffer_length <= self.max_completion_length:
+            bad(f"overlong_buffer_length={self.overlong_buffer_length} must lie in [0, max_completion_length="
+                f"{self.max_completion_length}]")
+        if self.rm_loss not in ("pointwise", "pairwise") or self.rm_buffer_policy not in ("fifo", "reservoir"):
+            bad(f"rm_loss={self.rm_loss!r} / rm_buffer_policy={self.rm_buffer_policy!r}: choose pointwise or pairwise / "
+                "fifo or reservoir")
+        if not 0 <= self.rm_replay_ratio < 1 or not 0 < self.rm_label_fraction <= 1:
+            bad(f"rm_replay_ratio={self.rm_replay_ratio} must lie in [0, 1) and rm_label_fraction="
+                f"{self.rm_label_fraction} in (0, 1]")
+        for name in ("rm_buffer_size", "rm_batch_size", "rm_max_length"):
+            if getattr(self, name) < 1:
+                bad(f"{name}={getattr(self, name)} must be at least 1")
+        if self.rm_updates_per_step < 0 or self.rm_train_steps < 0 or self.rm_learning_rate <= 0:
+            bad("rm_updates_per_step and rm_train_steps must be ≥ 0 and rm_learning_rate > 0")
+        if self.rm_scorer not in ("head", "likelihood") or self.rm_warmup_batches < 0 or self.rm_warmup_updates < 0:
+            bad(f"rm_scorer={self.rm_scorer!r} must be head or likelihood; rm_warmup_batches / rm_warmup_updates ≥ 0")
+        if self.rm_head_learning_rate is not None and self.rm_head_learning_rate <= 0:
+            bad(f"rm_head_learning_rate={self.rm_head_learning_rate} must be > 0")
+        if self.curriculum is not None:
+            from .curriculum import parse_curriculum
+
+            self.curriculum = parse_curriculum(self.curriculum)
         if self.reward_weights is not None and self.reward_funcs is not None and len(self.reward_weights) != len(self.reward_funcs):
             bad(f"{len(self.reward_weights)} reward_weights for {len(self.reward_funcs)} reward_funcs; give one weight per function")
         return self
@@ -138,6 +211,10 @@ def _fields() -> dict[str, dataclasses.Field]:
 
 def _convert(name: str, raw, annotation) -> object:
     """Turn a string (CLI) or YAML value into the field's type, or a one-line error."""
+    if name == "curriculum":  # a list of stage mappings, or the compact TASK:STEPS,… string
+        from .curriculum import parse_curriculum
+
+        return parse_curriculum(raw)
     hint = typing.get_type_hints(GRPOConfig)[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     optional = type(None) in typing.get_args(hint)

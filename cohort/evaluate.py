@@ -19,7 +19,7 @@ from .rollout import SamplingParams
 @dataclass
 class EvalResult:
     accuracy: float  # pass@1, greedy
-    format_rate: float  # fraction of greedy completions with a parseable answer
+    format_rate: float  # fraction of greedy completions in the task's answer format (`task.follows_format`)
     mean_length: float  # greedy completion length in tokens
     num_questions: int
     pass_at_k: float | None = None
@@ -43,6 +43,13 @@ def _answer_of(task, text: str) -> str | None:
     return extract(text)
 
 
+def _follows_format(task, text: str) -> bool:
+    """The task's own format check (GSM8K: the strict <think>/<answer> layout); else "an answer can be
+    extracted", which for tasks without a fixed layout is the best notion of format there is."""
+    check = getattr(task, "follows_format", None)
+    return bool(check(text)) if check is not None else _answer_of(task, text) is not None
+
+
 def evaluate(sampler, tokenizer, task, rows: list[dict], encode_prompt, *, max_new_tokens: int = 256,
              num_samples: int = 1, temperature: float = 1.0, batch_size: int = 256, seed: int = 0,
              records_path: str | Path | None = None) -> EvalResult:
@@ -64,6 +71,7 @@ def evaluate(sampler, tokenizer, task, rows: list[dict], encode_prompt, *, max_n
             text = _decode(tokenizer, greedy, i)
             record = {"prompt": row["prompt"], "solution": row.get("solution"), "completion": text,
                       "correct": bool(task.is_correct(text, row)), "answer": _answer_of(task, text),
+                      "format_ok": _follows_format(task, text),
                       "length": int(greedy.completion_mask[i].sum())}
             if samples is not None:
                 texts = [_decode(tokenizer, samples, i * num_samples + j) for j in range(num_samples)]
@@ -74,7 +82,7 @@ def evaluate(sampler, tokenizer, task, rows: list[dict], encode_prompt, *, max_n
     n = len(records)
     result = EvalResult(
         accuracy=sum(r["correct"] for r in records) / n,
-        format_rate=sum(r["answer"] is not None for r in records) / n,
+        format_rate=sum(r["format_ok"] for r in records) / n,
         mean_length=sum(r["length"] for r in records) / n,
         num_questions=n, k=num_samples, records=records,
     )

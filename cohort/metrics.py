@@ -75,9 +75,10 @@ def _wandb_is_configured(wandb: Any) -> bool:
 class MetricsLogger:
     """Appends metrics to `<output_dir>/metrics.jsonl` (always) and to TensorBoard / W&B when asked.
 
-    `report_to` takes TRL's values ("none", "tensorboard", "wandb", "all", or a list). A requested
-    backend that is missing or unconfigured is skipped with a one-line notice on stderr; the JSONL
-    files are always written, so `cohort report` works without either.
+    `report_to` takes TRL's values ("none", "tensorboard", "wandb", "all", or a list). A backend named
+    explicitly that is not installed (or, for W&B, not logged in) is a `CohortError` before training
+    starts, naming the fix; "all" means "those that are available" and skips the others with a
+    one-line notice. The JSONL files are always written, so `cohort report` works without either.
     """
 
     def __init__(
@@ -96,10 +97,19 @@ class MetricsLogger:
         self._tensorboard = None
         self._wandb_run = None
         reporters = parse_report_to(report_to)
+        names = report_to.split(",") if isinstance(report_to, str) else list(report_to or [])
+        self._strict = "all" not in {str(name).strip().lower() for name in names}
         if "tensorboard" in reporters:
             self._tensorboard = self._open_tensorboard()
         if "wandb" in reporters:
             self._wandb_run = self._open_wandb(config)
+
+    def _unavailable(self, message: str) -> None:
+        """A requested backend cannot be used: an error when it was named, a notice under "all"."""
+        if self._strict:
+            self._metrics_file.close()
+            raise CohortError(f"report_to asks for {message}")
+        self._notice(f"report_to=all: skipping {message}")
 
     def _notice(self, message: str) -> None:
         self.notices.append(message)
@@ -109,7 +119,7 @@ class MetricsLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            self._notice("TensorBoard logging skipped: `pip install tensorboard` to enable it")
+            self._unavailable("tensorboard, which is not installed: `pip install tensorboard`, or drop it from report_to")
             return None
         return SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
 
@@ -117,10 +127,11 @@ class MetricsLogger:
         try:
             import wandb
         except ImportError:
-            self._notice("W&B logging skipped: `pip install wandb` and `wandb login` to enable it")
+            self._unavailable("wandb, which is not installed: `pip install wandb` and `wandb login`, or drop it from report_to")
             return None
         if not _wandb_is_configured(wandb):
-            self._notice("W&B logging skipped: set WANDB_API_KEY or run `wandb login` to enable it")
+            self._unavailable("wandb, which is not logged in: set WANDB_API_KEY, run `wandb login` or set "
+                              "WANDB_MODE=offline")
             return None
         return wandb.init(
             project=os.environ.get("WANDB_PROJECT", "cohort"),
@@ -180,6 +191,85 @@ class MetricsLogger:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+# -- throughput, memory, MFU ----------------------------------------------------------------------
+
+# Dense bf16 tensor-core peak of common training GPUs, in FLOP/s (vendor datasheets, no sparsity).
+# Matched by substring of torch.cuda.get_device_name(); the first match wins, so specific names go first.
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM / NVL
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+)
+
+
+def peak_flops(device) -> float | None:
+    """The device's dense bf16 peak FLOP/s from `PEAK_BF16_FLOPS`; None on CPU or an unknown GPU."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def peak_memory_gib(device, reset: bool = True) -> float:
+    """Peak memory since the last reset, in GiB: CUDA `max_memory_allocated` (then reset, so each
+    step reports its own peak); on CPU the process's peak resident set size (ru_maxrss, lifetime)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    import resource
+
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return maxrss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def throughput_metrics(model, device, phase_seconds: dict[str, float], prompt_tokens: int, completion_tokens: int,
+                       num_iterations: int, logprob_passes: int) -> dict[str, float | None]:
+    """Tokens per second of each phase, peak memory, and the update's model FLOPs utilisation.
+
+    - `tokens_per_second/sampling`: completion tokens generated per second of sampling;
+    - `tokens_per_second/logprobs`: prompt + completion tokens scored per second by the no-grad
+      passes (log π_old when μ > 1, log π_ref when β > 0), when there are any;
+    - `tokens_per_second/update`: prompt + completion tokens through forward + backward per second,
+      counting each of the μ updates;
+    - `mfu`: 6·N·(update tokens) / update seconds / the GPU's peak bf16 FLOP/s (Kaplan et al. 2020's
+      6N FLOPs per trained token, N = all parameters, attention FLOPs left out); None on CPU.
+    """
+    tokens = prompt_tokens + completion_tokens
+    update_tokens = tokens * num_iterations
+
+    def rate(count: float, phase: str) -> float | None:
+        seconds = phase_seconds.get(phase)
+        return count / seconds if seconds and seconds > 0 else None
+
+    out: dict[str, float | None] = {
+        "tokens_per_second/sampling": rate(completion_tokens, "sampling"),
+        "tokens_per_second/update": rate(update_tokens, "update"),
+    }
+    if logprob_passes:
+        out["tokens_per_second/logprobs"] = rate(tokens * logprob_passes, "logprobs")
+    peak = peak_flops(device)
+    update_rate = out["tokens_per_second/update"]
+    num_params = sum(p.numel() for p in model.parameters())
+    out["mfu"] = 6 * num_params * update_rate / peak if peak and update_rate else None
+    out["peak_memory_gib"] = peak_memory_gib(device)
+    return out
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

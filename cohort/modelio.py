@@ -25,8 +25,10 @@ def _hf_model_type(path: Path) -> str | None:
     return None
 
 
-def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl: str = "auto", log=print):
-    """(model, tokenizer) on `device`. `model`: None, an nn.Module, a folder, a .gguf file or a hub id."""
+def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl: str = "auto", log=print,
+                trust_remote_code: bool = False):
+    """(model, tokenizer) on `device`. `model`: None, an nn.Module, a folder, a .gguf file or a hub id.
+    Python code shipped with a model repo runs only when the user asks for it (--trust_remote_code)."""
     from . import models
 
     device = torch.device(device or "cpu")
@@ -40,7 +42,7 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
         model = str(tiny_model_dir(log=log))
     spec = str(model)
     path = Path(spec).expanduser()
-    tokenizer = processing_class or models.load_tokenizer(spec)
+    tokenizer = processing_class or models.load_tokenizer(spec, trust_remote_code=trust_remote_code)
     torch_dtype = None if dtype == "auto" else dtype
     model_type = _hf_model_type(path) if path.is_dir() else None
     use_own = impl == "cohort" or (impl == "auto" and (path.suffix == ".gguf" or model_type is None
@@ -48,18 +50,23 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
     if use_own:
         policy = models.from_pretrained(spec, dtype=torch_dtype or "float32", device=device)
     else:
-        policy = _load_hf(spec, torch_dtype, device)
+        policy = _load_hf(spec, torch_dtype, device, trust_remote_code)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return policy, tokenizer
 
 
-def _load_hf(spec: str, dtype, device):
+def _load_hf(spec: str, dtype, device, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=getattr(torch, dtype) if dtype else torch.float32,
-                                                     trust_remote_code=False)
+                                                     trust_remote_code=trust_remote_code)
+    except ValueError as error:  # custom code refused, or a model_type transformers does not know
+        if "trust_remote_code" in str(error):
+            raise CohortError(f"{spec!r} needs its own Python code to load; cohort runs it only with "
+                              "--trust_remote_code (pass it only for a model repo you trust)") from None
+        raise CohortError(f"cannot load a model from {spec!r}: {str(error).splitlines()[0]}") from None
     except OSError as error:
         raise CohortError(f"cannot load a model from {spec!r}: {str(error).splitlines()[0]}") from None
     return model.to(device)

@@ -24,12 +24,11 @@ from rich.progress import (
     TaskID,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.progress import Progress as RichProgress
 from rich.text import Text
 
-PHASES = ("sampling", "rewards", "update", "eval")
+PHASES = ("sampling", "rewards", "logprobs", "update", "eval")
 
 
 def _running_in_ci() -> bool:
@@ -38,12 +37,33 @@ def _running_in_ci() -> bool:
 
 
 class _RateColumn(ProgressColumn):
-    """Items per second of a bar, in that bar's unit (`12.5 seq/s`)."""
+    """Items per second of a bar, in that bar's unit (`12.5 seq/s`): the rate `show_rates` gave for
+    the phase's last run, else rich's running estimate from the bar's advances."""
 
     def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
-        unit = task.fields.get("unit", "it")
+        measured = task.fields.get("last_rate"), task.fields.get("last_unit", "it")
+        speed, unit = task.finished_speed or task.speed, task.fields.get("unit", "it")
+        if measured[0] is not None and (task.finished or speed is None):
+            speed, unit = measured
         return Text("" if speed is None else f"{speed:,.1f} {unit}/s", style="progress.data.speed")
+
+
+class _EtaColumn(ProgressColumn):
+    """Time left: rich's estimate where the bar advances (the step bar); for a phase that runs as one
+    opaque call (sampling a whole batch) the previous run's duration minus the time spent so far."""
+
+    def render(self, task: Task) -> Text:
+        if task.finished:
+            return Text("0:00:00", style="progress.remaining")
+        remaining = task.time_remaining
+        expected = task.fields.get("expected")
+        if remaining is None and expected is not None and task.elapsed is not None:
+            remaining = max(0.0, expected - task.elapsed)
+        if remaining is None:
+            return Text("-:--:--", style="progress.remaining")
+        minutes, seconds = divmod(int(remaining + 0.5), 60)
+        hours, minutes = divmod(minutes, 60)
+        return Text(f"{hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
 
 
 class Progress:
@@ -60,12 +80,14 @@ class Progress:
     def __init__(self, total_steps: int, quiet: bool = False, file: IO[str] | None = None):
         self.total_steps = int(total_steps)
         self.durations: dict[str, float] = {}
+        self._rates: dict[str, tuple[float, str]] = {}  # phase → (last measured rate, its unit)
         self._file = file if file is not None else sys.stdout
         self._silenced = False
         console = Console(file=self._file, highlight=False)
         self.live = not quiet and console.is_terminal and not _running_in_ci()
         self._bars: RichProgress | None = None
         self._bar_ids: dict[str, TaskID] = {}
+        self._started = False
         if self.live:
             self._bars = RichProgress(
                 TextColumn("{task.description:>9}"),
@@ -74,16 +96,22 @@ class Progress:
                 _RateColumn(),
                 TimeElapsedColumn(),
                 TextColumn("eta"),
-                TimeRemainingColumn(),
+                _EtaColumn(),
                 console=console,
             )
             self._bar_ids["steps"] = self._bars.add_task("steps", total=self.total_steps, unit="step")
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> "Progress":
-        if self._bars is not None:
-            self._bars.start()
+        self.start()
         return self
+
+    def start(self) -> None:
+        """Start drawing the bars (idempotent; the first phase or line starts them too, so a caller
+        that never enters the context manager, like the trainer, still gets them)."""
+        if self._bars is not None and not self._started:
+            self._started = True
+            self._bars.start()
 
     def __exit__(self, *exc_info) -> None:
         self.close()
@@ -107,9 +135,12 @@ class Progress:
         """Show `name`'s bar (restarted, `total` items, or a pulse when unknown) while the block runs;
         on exit the bar shows as complete and `durations[name]` gets the block's wall time."""
         started = time.perf_counter()
+        self.start()
         if self._bars is not None:
             bar_id = self._bar(name)
-            self._bars.reset(bar_id, total=total, completed=0, visible=True, unit=unit)
+            last_rate, last_unit = self._rates.get(name, (None, unit))
+            self._bars.reset(bar_id, total=total, completed=0, visible=True, unit=unit,
+                             expected=self.durations.get(name), last_rate=last_rate, last_unit=last_unit)
             if total is None:  # rich's reset keeps the old total; None makes the bar pulse
                 self._task(bar_id).total = None
         try:
@@ -123,6 +154,16 @@ class Progress:
 
     def _task(self, bar_id: TaskID) -> Task:
         return next(task for task in self._bars.tasks if task.id == bar_id)
+
+    def show_rates(self, seconds: dict[str, float], counts: dict[str, tuple[float, str]]) -> dict[str, float]:
+        """Set each phase bar's rate to `count / seconds[phase]` in `unit` (`counts[phase] = (count, unit)`),
+        shown until that phase runs again with new figures; returns the rates."""
+        rates = {name: count / seconds[name] for name, (count, _) in counts.items() if seconds.get(name)}
+        for name, rate in rates.items():
+            self._rates[name] = (rate, counts[name][1])
+            if self._bars is not None:
+                self._bars.update(self._bar(name), last_rate=rate, last_unit=counts[name][1])
+        return rates
 
     def advance(self, name: str, n: float = 1) -> None:
         """Move phase `name`'s bar forward by `n` items (sequences sampled, rewards scored, ...)."""
@@ -140,6 +181,7 @@ class Progress:
         """Print one line of text as it is (no markup), above the bars when they are shown."""
         if self._silenced:
             return
+        self.start()
         try:
             if self._bars is not None:
                 self._bars.console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -69,7 +69,8 @@ PLOTS = (
     PlotSpec("loss", "Loss", "loss", ("loss",)),
     PlotSpec("grad_norm", "Gradient norm", "norm", ("grad_norm",)),
     PlotSpec("learning_rate", "Learning rate", "learning rate", ("learning_rate",)),
-    PlotSpec("memory", "Peak accelerator memory", "GiB", ("peak_memory_gib",)),
+    PlotSpec("memory", "Peak memory (CUDA: max allocated per step; CPU: process max RSS)", "GiB",
+             ("peak_memory_gib",)),
     PlotSpec("mfu", "Model FLOPs utilisation", "fraction of peak", ("mfu",)),
 )
 
@@ -124,11 +125,13 @@ def _labels(directories: Sequence[Path]) -> list[str]:
     return [f"{Path(d).resolve().parent.name}/{Path(d).resolve().name}" for d in directories]
 
 
-def plot(spec: PlotSpec, runs: Sequence[Run], path: Path) -> bool:
-    """Draw `spec` for all runs into `path` (PNG of FIGURE_PIXELS); False when no run has its metrics."""
+def plot(spec: PlotSpec, runs: Sequence[Run], path: Path) -> list[dict[str, Any]]:
+    """Draw `spec` for all runs into `path` (PNG of FIGURE_PIXELS). Returns the curves drawn, each
+    `{"run", "metric", "label", "steps", "values"}`; an empty list (and no file) when no run has them."""
     available = {key for run in runs for record in run.metrics for key in record}
     names = spec.metric_names(available)
     lines = []  # (label, line style, steps, values); runs differ by line style too, so equal curves show
+    drawn: list[dict[str, Any]] = []
     for run_index, run in enumerate(runs):
         for name in names:
             steps, values = run.series(name)
@@ -137,8 +140,10 @@ def plot(spec: PlotSpec, runs: Sequence[Run], path: Path) -> bool:
                 parts += [spec.legend_name(name)] if len(names) > 1 else []
                 style = LINE_STYLES[run_index % len(LINE_STYLES)]
                 lines.append((" · ".join(parts) or name, style, steps, values))
+                drawn.append({"run": run.label, "metric": name, "label": lines[-1][0], "steps": steps,
+                              "values": values})
     if not lines:
-        return False
+        return []
     figure = Figure(figsize=FIGURE_INCHES, dpi=FIGURE_DPI, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
@@ -153,7 +158,7 @@ def plot(spec: PlotSpec, runs: Sequence[Run], path: Path) -> bool:
     if len(lines) > 1:
         axes.legend(fontsize="small")
     figure.savefig(path, format="png", metadata={"Software": None})  # no tool URL in the file
-    return True
+    return drawn
 
 
 def _number(value: Any, digits: int = 4) -> str:
@@ -267,7 +272,8 @@ def _page(runs: Sequence[Run], figures: list[tuple[str, bytes]], skipped: list[s
 
 
 def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> Path:
-    """Write `<out_dir>/index.html` and one PNG per plotted metric group; returns the HTML path.
+    """Write `<out_dir>/index.html`, one PNG per plotted metric group and `figures.json` (the data
+    of every curve drawn, by PNG name, for checking or re-plotting); returns the HTML path.
 
     `out_dir` defaults to `<run>/report` for one run and `./report` for several.
     """
@@ -279,14 +285,17 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = No
         out_dir = directories[0] / "report" if len(directories) == 1 else Path("report")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures, skipped = [], []
+    figures, skipped, data = [], [], {}
     for spec in PLOTS:
         png_path = out_dir / f"{spec.slug}.png"
-        if plot(spec, runs, png_path):
+        curves = plot(spec, runs, png_path)
+        if curves:
             figures.append((spec.title, png_path.read_bytes()))
+            data[png_path.name] = {"title": spec.title, "curves": curves}
         else:
             skipped.append(f"{spec.title} ({', '.join(spec.keys or (spec.pattern,))})")
             png_path.unlink(missing_ok=True)  # a stale PNG from an earlier report would mislead
+    (out_dir / "figures.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     page_path = out_dir / "index.html"
     page_path.write_text(_page(runs, figures, skipped), encoding="utf-8")
     return page_path

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from cohort.engine import Engine, make_sampler
-from cohort.engine.sampling import min_p_filter, sample_from_logits, top_k_filter, top_p_filter
+from cohort.engine.sampling import gumbel_noise, min_p_filter, sample_from_logits, top_k_filter, top_p_filter
 from cohort.engine.scheduler import Scheduler
 from cohort.engine.sequence import Sequence, find_stop_string
 from cohort.errors import CohortError
@@ -275,8 +275,7 @@ def test_min_p_keeps_tokens_above_a_fraction_of_the_top():
 def test_sample_frequencies_follow_the_filtered_distribution():
     base = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
     logits = base.expand(40000, 6)
-    generator = torch.Generator().manual_seed(0)
-    tokens, logprobs = sample_from_logits(logits, temperature=0.8, top_k=4, generator=generator)
+    tokens, logprobs = sample_from_logits(logits, temperature=0.8, top_k=4, seed=torch.tensor(11))
     expected = probabilities(base / 0.8)[:4]
     expected = expected / expected.sum()
     counts = torch.bincount(tokens, minlength=6).double() / tokens.numel()
@@ -284,6 +283,26 @@ def test_sample_frequencies_follow_the_filtered_distribution():
     assert torch.allclose(counts[:4], expected, atol=0.01)
     # log-probs are of the temperature-scaled distribution before filtering
     assert torch.allclose(logprobs, torch.log_softmax(base / 0.8, -1)[tokens], atol=1e-6)
+
+
+def test_counter_based_noise_is_gumbel_and_keyed_by_seed_draw_and_row():
+    rows = torch.arange(3000)
+    noise = gumbel_noise(torch.tensor(5), torch.tensor(2), rows, 400).double()
+    # Gumbel(0, 1): mean = Euler–Mascheroni constant, std = π/√6
+    assert abs(noise.mean().item() - 0.5772157) < 0.01
+    assert abs(noise.std().item() - math.pi / math.sqrt(6)) < 0.01
+    uniform = torch.exp(-torch.exp(-noise))  # back to U(0, 1): every tenth of the range equally full
+    counts = torch.histc(uniform.float(), bins=10, min=0, max=1) / uniform.numel()
+    assert (counts - 0.1).abs().max() < 0.003
+    # a row's numbers depend only on (seed, draw, row): the same whatever else is in the batch
+    some = gumbel_noise(torch.tensor(5), torch.tensor(2), torch.tensor([7, 2999]), 400)
+    assert torch.equal(some, noise[[7, 2999]].float())
+    for other in (gumbel_noise(torch.tensor(6), torch.tensor(2), rows, 400),
+                  gumbel_noise(torch.tensor(5), torch.tensor(3), rows, 400)):
+        correlation = torch.corrcoef(torch.stack([noise.flatten().float(), other.flatten()]))[0, 1]
+        assert abs(correlation.item()) < 0.01
+    neighbours = torch.corrcoef(torch.stack([noise[:-1].flatten(), noise[1:].flatten()]))[0, 1]
+    assert abs(neighbours.item()) < 0.01
 
 
 def test_greedy_takes_the_argmax():
@@ -312,3 +331,42 @@ def test_bad_input_raises_cohort_error(qwen_pair):
         engine.generate([[1], []], 1, SamplingParams())
     with pytest.raises(CohortError, match="max_seq_len"):
         engine.generate([[1] * 8], 1, SamplingParams())
+
+
+# ---- fused projections: one GEMM for q/k/v and for gate/up, no weight copy --------------------
+def test_fused_projections_share_storage_and_follow_training(tmp_path):
+    torch.manual_seed(3)
+    config = transformers.Qwen2Config(**TINY, tie_word_embeddings=True)  # Qwen2: q/k/v carry biases
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "m")
+    model = from_pretrained(tmp_path / "m")
+    reference = from_pretrained(tmp_path / "m")
+    ids = torch.tensor([PROMPTS[2]])
+    names_before = list(model.state_dict())
+    model.fuse_projections()
+    attn = model.model.layers[0].self_attn
+    weight, bias = attn.fused_qkv
+    # q, k and v are consecutive slices of the fused matrix: the same memory, not a copy
+    assert weight.data_ptr() == attn.q_proj.weight.data_ptr()
+    assert torch.equal(weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+    assert list(model.state_dict()) == names_before
+    with torch.no_grad():
+        assert torch.allclose(model(ids), reference(ids), atol=1e-5)  # the fused path
+    # training uses the separate parameters, and its in-place updates show in the fused view
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for net, opt in ((model, optimizer), (reference, reference_optimizer)):
+        net(ids).logsumexp(-1).mean().backward()
+        opt.step()
+    assert attn.q_proj.weight.grad is not None
+    assert torch.equal(attn.fused_qkv[0][: attn.q_proj.weight.shape[0]], attn.q_proj.weight)
+    with torch.no_grad():
+        assert torch.allclose(model(ids), reference(ids), atol=1e-5)
+    model.save_pretrained(tmp_path / "saved")  # safetensors accepts the slices (saved as copies)
+    assert torch.allclose(from_pretrained(tmp_path / "saved")(ids), reference(ids), atol=1e-5)
+    # a parameter given its own storage again: the stale view is not used, and fusing re-points it
+    attn.q_proj.weight.data = attn.q_proj.weight.data.clone() + 1.0
+    with torch.no_grad():
+        unfused = model(ids)
+        model.fuse_projections()
+        assert torch.allclose(model(ids), unfused, atol=1e-5)

@@ -119,6 +119,17 @@ def test_is_correct_and_solved_completion(data_file):
         assert format_reward(None, [completion]) == [1.0] and task.is_correct(completion, row)
 
 
+@pytest.mark.parametrize("completion, follows", [
+    ("<think>\nadd them\n</think>\n<answer>\n7\n</answer>", True),
+    ([{"role": "assistant", "content": "<think>\nadd\n</think>\n<answer>\n7\n</answer><|im_end|>"}], True),
+    ("<think>add</think><answer>7</answer>", False),  # the lenient layout is not the format `cohort eval` counts
+    ("The answer is 7.", False),
+    ("<think>\nx\n</think>\n<answer>\n7\n</answer>\n<answer>\n8\n</answer>", False),
+])
+def test_follows_format_is_the_strict_layout(completion, follows):
+    assert GSM8KTask.follows_format(completion) is follows
+
+
 def test_rows_missing_columns_and_bad_split(tmp_path):
     path = tmp_path / "other.jsonl"
     path.write_text(json.dumps({"problem": "x", "answer": "#### 1"}) + "\n")

@@ -1,5 +1,6 @@
 """metrics.jsonl / completions.jsonl writing and reading, and the progress display's plain-text mode."""
 
+import html
 import io
 import json
 import math
@@ -120,10 +121,19 @@ def test_report_to_parsing():
         parse_report_to("mlflow")
 
 
-def test_unavailable_backends_give_one_notice_each_and_jsonl_still_works(tmp_path, monkeypatch, capsys):
+def test_a_named_backend_that_is_missing_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
     monkeypatch.setitem(sys.modules, "wandb", None)
-    with MetricsLogger(tmp_path, report_to=["tensorboard", "wandb"]) as logger:
+    with pytest.raises(CohortError, match=r"tensorboard, which is not installed: `pip install tensorboard`"):
+        MetricsLogger(tmp_path / "a", report_to="tensorboard")
+    with pytest.raises(CohortError, match=r"wandb, which is not installed: `pip install wandb`"):
+        MetricsLogger(tmp_path / "b", report_to=["wandb"])
+
+
+def test_report_to_all_skips_missing_backends_with_one_notice_each(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with MetricsLogger(tmp_path, report_to="all") as logger:
         logger.log(1, {"reward": 1.0})
     assert len(logger.notices) == 2
     assert "tensorboard" in logger.notices[0].lower() and "wandb" in logger.notices[1].lower()
@@ -187,6 +197,26 @@ def test_progress_on_a_terminal_shows_bars_and_lines(monkeypatch):
     out = terminal.getvalue()
     assert "Step 1/2: Loss=0.5" in out and "sampling" in out and "seq/s" in out
     assert progress.durations["sampling"] >= 0
+
+
+def test_phase_bars_show_measured_rates_and_an_eta_from_the_last_run(monkeypatch):
+    from cohort.progress import _EtaColumn, _RateColumn
+
+    monkeypatch.delenv("CI", raising=False)
+    with Progress(total_steps=2, file=_FakeTerminal()) as progress:
+        with progress.phase("sampling"):  # one opaque call: no advances, so rich has no rate of its own
+            time.sleep(0.02)
+        rates = progress.show_rates(progress.durations, {"sampling": (1000, "tok"), "update": (5, "tok")})
+        assert rates == {"sampling": pytest.approx(1000 / progress.durations["sampling"])}  # update never ran
+        bar = progress._task(progress._bar_ids["sampling"])
+        assert _RateColumn().render(bar).plain == f"{rates['sampling']:,.1f} tok/s"
+        assert _EtaColumn().render(bar).plain == "0:00:00"  # finished
+        progress.durations["sampling"] = 125.0  # as if the last sampling phase took 2 min 5 s
+        with progress.phase("sampling"):
+            bar = progress._task(progress._bar_ids["sampling"])
+            assert bar.fields["expected"] == 125.0
+            assert _EtaColumn().render(bar).plain in ("0:02:05", "0:02:04")
+            assert _RateColumn().render(bar).plain.endswith("tok/s")  # the last run's rate stays shown
 
 
 def test_progress_in_ci_is_plain_even_on_a_terminal(monkeypatch):
@@ -254,11 +284,226 @@ def test_wandb_gets_finite_metrics_when_configured(tmp_path, monkeypatch):
     assert fake.finished == 1 and logger.notices == []
 
 
-def test_wandb_without_login_is_skipped_with_a_notice(tmp_path, monkeypatch):
+def test_wandb_without_login_is_an_error_naming_the_fix(tmp_path, monkeypatch):
     fake = _FakeWandb(api_key=None)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    with pytest.raises(CohortError, match="WANDB_API_KEY"):
+        MetricsLogger(tmp_path, report_to="wandb")
+    assert fake.inits == []
+    monkeypatch.setenv("WANDB_MODE", "offline")  # offline runs need no login
     with MetricsLogger(tmp_path, report_to="wandb") as logger:
         logger.log(1, {"reward": 0.5})
-    assert fake.inits == [] and len(logger.notices) == 1 and "WANDB_API_KEY" in logger.notices[0]
+    assert fake.logged == [(1, {"reward": 0.5})]
+
+
+# -- every metric of a tiny training run, present and meaning what it says ---------------------------
+
+G, BATCH, MAX_NEW = 4, 8, 4
+
+
+def first_is_digit(prompts, completions, completion_ids=None, **_):
+    return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
+
+
+def has_space(prompts, completions, completion_ids=None, **_):
+    return [1.0 if " " in c else 0.0 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from cohort.tiny import build_model, build_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def tiny_run(tiny_dir, output_dir, **overrides):
+    """Train 3 steps; returns (trainer, history, rollouts captured from the sampler, one per step)."""
+    from cohort import GRPOConfig, GRPOTrainer
+    from cohort.tasks import get_task
+
+    torch.set_num_threads(1)
+    task = get_task("arithmetic")
+    rows = task.load("train", levels=[2], size=64, seed=0)
+    held_out = task.load("test", levels=[2], size=6, seed=0)
+    args = dict(num_generations=G, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+                max_completion_length=MAX_NEW, max_steps=3, learning_rate=3e-3, output_dir=str(output_dir),
+                quiet=True, seed=0, beta=0.1, log_completions_steps=1, temperature=1.0)
+    args.update(overrides)
+    trainer = GRPOTrainer(tiny_dir, [first_is_digit, has_space], rows, args=GRPOConfig(**args),
+                          eval_dataset=held_out, task=task)
+    rollouts, generate = [], trainer.sampler.generate
+
+    def capturing_generate(prompt_ids, num_generations, params):
+        rollout = generate(prompt_ids, num_generations, params)
+        if num_generations == G:  # training rollouts, not the greedy evaluation
+            rollouts.append(rollout)
+        return rollout
+
+    trainer.sampler.generate = capturing_generate
+    history = trainer.train()
+    return trainer, history, rollouts
+
+
+@pytest.fixture(scope="module")
+def kl_run(tiny_dir, tmp_path_factory):
+    """β > 0, μ = 1."""
+    return tiny_run(tiny_dir, tmp_path_factory.mktemp("kl_run"))
+
+
+@pytest.fixture(scope="module")
+def clip_run(tiny_dir, tmp_path_factory):
+    """β = 0, μ = 2 with a tight clip range and a large step, so the second update clips."""
+    return tiny_run(tiny_dir, tmp_path_factory.mktemp("clip_run"), beta=0.0, num_iterations=2, epsilon=0.01,
+                    learning_rate=3e-2)
+
+
+ISSUE_METRICS = ("reward", "reward_std", "rewards/first_is_digit/mean", "rewards/first_is_digit/std",
+                 "rewards/has_space/mean", "rewards/has_space/std", "frac_reward_zero_std", "kl", "entropy",
+                 "clip_ratio/low_mean", "clip_ratio/high_mean", "completions/mean_length",
+                 "completions/clipped_ratio", "step_time", "informative", "tokens_per_second/sampling",
+                 "tokens_per_second/logprobs", "tokens_per_second/update", "peak_memory_gib", "mfu")
+
+
+def test_every_metric_of_the_issue_is_logged_each_step(kl_run):
+    trainer, _, _ = kl_run
+    records = read_metrics(trainer.args.output_dir)
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for record in steps:
+        missing = [name for name in ISSUE_METRICS if name not in record]
+        assert not missing, missing
+        assert record["mfu"] is None  # CPU: no peak FLOP/s to divide by
+    evals = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 3]  # before training and after the last step
+    summary = json.loads((Path(trainer.args.output_dir) / "summary.json").read_text())
+    assert [r["eval/accuracy"] for r in evals] == [summary["accuracy_before"], summary["accuracy_after"]]
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
+
+
+def test_reward_statistics_match_the_logged_completions(kl_run):
+    """Recomputed from completions.jsonl (every completion of each step is logged here, in group order)."""
+    trainer, _, _ = kl_run
+    records = {r["step"]: r for r in read_metrics(trainer.args.output_dir) if "reward" in r}
+    completions = read_completions(trainer.args.output_dir)
+    for step, record in records.items():
+        rows = [c for c in completions if c["step"] == step]
+        assert len(rows) == BATCH
+        rewards = np.array([c["rewards"]["first_is_digit"] + c["rewards"]["has_space"] for c in rows])
+        assert rewards == pytest.approx([c["reward"] for c in rows])
+        groups = rewards.reshape(-1, G)
+        all_equal = np.array([len(set(g)) == 1 for g in groups])
+        assert record["frac_reward_zero_std"] == pytest.approx(all_equal.mean())
+        assert record["informative"] == pytest.approx(1 - all_equal.mean())
+        assert record["reward"] == pytest.approx(rewards.mean())
+        assert record["reward_std"] == pytest.approx(groups.std(axis=1, ddof=1).mean(), abs=1e-6)
+        for name in ("first_is_digit", "has_space"):
+            scores = np.array([c["rewards"][name] for c in rows])
+            assert record[f"rewards/{name}/mean"] == pytest.approx(scores.mean())
+            assert record[f"rewards/{name}/std"] == pytest.approx(scores.std(ddof=1), abs=1e-6)  # unbiased, as TRL
+            assert all(c["completion"][:1].isdigit() == bool(c["rewards"]["first_is_digit"]) for c in rows)
+
+
+def test_length_clipping_and_throughput_match_the_rollouts(kl_run):
+    trainer, _, rollouts = kl_run
+    records = [r for r in read_metrics(trainer.args.output_dir) if "reward" in r]
+    assert len(rollouts) == len(records) == 3
+    for record, rollout in zip(records, rollouts):
+        lengths = rollout.completion_mask.sum(dim=1).float()
+        assert record["completions/mean_length"] == pytest.approx(float(lengths.mean()))
+        truncated = [not bool((ids[:int(n)] == trainer.tokenizer.eos_token_id).any())
+                     for ids, n in zip(rollout.completion_ids, lengths)]
+        assert record["completions/clipped_ratio"] == pytest.approx(np.mean(truncated))
+        assert record["tokens_per_second/sampling"] == pytest.approx(float(lengths.sum()) / record["time/sampling"])
+        phases = sum(record[f"time/{p}"] for p in ("sampling", "rewards", "logprobs", "update"))
+        assert phases <= record["step_time"] + 1e-6
+
+
+def test_kl_is_zero_when_the_reference_equals_the_policy_then_positive(kl_run, clip_run):
+    records = [r for r in read_metrics(kl_run[0].args.output_dir) if "reward" in r]
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: π_ref is a copy of π_θ
+    assert all(r["kl"] >= 0 for r in records)  # the k3 estimator is non-negative
+    assert records[-1]["kl"] > 1e-6  # the policy has moved away from the reference
+    clip_records = [r for r in read_metrics(clip_run[0].args.output_dir) if "reward" in r]
+    assert all("kl" not in r for r in clip_records)  # β = 0: there is no reference model
+
+
+def test_clip_ratios_are_zero_at_one_update_and_positive_when_the_policy_moves(kl_run, clip_run):
+    for record in (r for r in read_metrics(kl_run[0].args.output_dir) if "reward" in r):
+        assert record["clip_ratio/low_mean"] == 0.0 and record["clip_ratio/high_mean"] == 0.0  # μ = 1: ρ ≡ 1
+    moved = [r for r in read_metrics(clip_run[0].args.output_dir) if "reward" in r]
+    assert all(0.0 <= r["clip_ratio/low_mean"] <= 1 and 0.0 <= r["clip_ratio/high_mean"] <= 1 for r in moved)
+    assert sum(r["clip_ratio/low_mean"] + r["clip_ratio/high_mean"] for r in moved) > 0
+
+
+def test_entropy_is_that_of_a_near_uniform_random_model(kl_run):
+    """A freshly initialised model (logits ≈ 0) samples from a nearly uniform distribution: entropy ≈ log V."""
+    trainer, _, _ = kl_run
+    log_vocab = math.log(trainer.model.config.vocab_size)
+    first = next(r for r in read_metrics(trainer.args.output_dir) if "reward" in r)
+    assert 0.9 * log_vocab < first["entropy"] <= log_vocab + 1e-4
+
+
+def test_peak_memory_is_the_process_maximum_rss_on_cpu(kl_run):
+    import resource
+
+    record = next(r for r in read_metrics(kl_run[0].args.output_dir) if "reward" in r)
+    now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB (Linux)
+    assert 0.01 < record["peak_memory_gib"] <= now + 1e-9
+
+
+def test_mfu_is_six_n_tokens_over_time_and_peak(monkeypatch):
+    from cohort import metrics
+
+    model = torch.nn.Linear(10, 10)  # 110 parameters
+    monkeypatch.setattr(metrics, "peak_flops", lambda device: 1e6)
+    out = metrics.throughput_metrics(model, "cpu", {"sampling": 2.0, "update": 4.0, "logprobs": 1.0},
+                                     prompt_tokens=30, completion_tokens=10, num_iterations=2, logprob_passes=1)
+    assert out["tokens_per_second/sampling"] == 10 / 2.0
+    assert out["tokens_per_second/update"] == (30 + 10) * 2 / 4.0
+    assert out["tokens_per_second/logprobs"] == 40 / 1.0
+    assert out["mfu"] == pytest.approx(6 * 110 * 20.0 / 1e6)
+    monkeypatch.setattr(metrics, "peak_flops", lambda device: None)
+    assert metrics.throughput_metrics(model, "cpu", {}, 1, 1, 1, 0)["mfu"] is None
+
+
+def test_peak_flops_table_prefers_the_specific_name(monkeypatch):
+    from cohort import metrics
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, expected in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                           ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla T4", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert metrics.peak_flops("cuda") == expected
+    assert metrics.peak_flops("cpu") is None
+
+
+def test_report_of_a_tiny_run_draws_every_figure_the_issue_names(kl_run, tmp_path):
+    """`cohort report` on a real run's output: reward per function, accuracy, KL, entropy, length, clip
+    fractions, throughput (each phase), memory; non-blank PNGs; the completions table."""
+    from matplotlib.image import imread
+
+    from cohort.report import main as report_main
+
+    trainer, _, _ = kl_run
+    assert report_main([trainer.args.output_dir, "--out", str(tmp_path)]) == 0
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    for name in ("reward", "reward_per_function", "accuracy", "kl", "entropy", "completion_length",
+                 "clip_fractions", "throughput", "memory", "step_time"):
+        image = imread(tmp_path / f"{name}.png")[..., :3]
+        assert image.std() > 0.01, f"{name}.png is blank"
+        assert figures[f"{name}.png"]["curves"], name
+    throughput = {c["metric"] for c in figures["throughput.png"]["curves"]}
+    assert throughput == {"tokens_per_second/sampling", "tokens_per_second/logprobs", "tokens_per_second/update"}
+    accuracy = figures["accuracy.png"]["curves"][0]
+    assert accuracy["steps"] == [0, 3]
+    page = (tmp_path / "index.html").read_text()
+    first = read_completions(trainer.args.output_dir)[0]
+    assert "<table class='completions'>" in page and "first_is_digit" in page and "has_space" in page
+    assert html.escape(first["prompt"]) in page and html.escape(first["completion"]) in page
+    assert "mfu.png" not in figures  # no MFU on CPU: that figure is skipped, not drawn empty

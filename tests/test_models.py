@@ -130,7 +130,7 @@ def test_default_cache_rows_decode_matches_full_forward(checkpoints, family):
             assert (logits[:, 0] - full[torch.arange(2), steps]).abs().max() <= 1e-4
             steps = steps + 1
     keys, _ = cache.keys_values(0, None, 2, 16)
-    assert keys.data_ptr() == cache.k.data_ptr()  # a view: decode copies no cache rows
+    assert keys.data_ptr() == cache.k_layers[0].data_ptr()  # a view: decode copies no cache rows
     with pytest.raises(CohortError, match="cache_rows"):
         ours(ids[:, :1].repeat(2, 1), kv_cache=cache)  # 4 rows into a 3-row cache
 

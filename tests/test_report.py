@@ -203,3 +203,50 @@ def test_page_renders_in_headless_chromium(tmp_path):
     # the embedded PNGs were decoded and drawn: the reward line's blue is on screen
     blue = np.abs(image - np.array(to_rgb("C0"))).max(axis=-1) < 0.1
     assert blue.sum() > 500
+
+
+def test_each_figure_holds_exactly_the_logged_series(tmp_path):
+    """figures.json (the data behind every PNG) equals what metrics.jsonl says, read here with plain json."""
+    a = write_run(tmp_path / "a", lambda s: s / STEPS, extra={7: {"kl": float("nan")}})
+    b = write_run(tmp_path / "b", lambda s: 1 - s / STEPS)
+    page = build_report([a, b], tmp_path / "both")
+    figures = json.loads((page.parent / "figures.json").read_text())
+    assert set(figures) == {p.name for p in page.parent.glob("*.png")}
+    logged = {run.name: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+              for run in (a, b)}
+    checked = 0
+    for name, figure in figures.items():
+        for curve in figure["curves"]:
+            records = [r for r in logged[curve["run"]] if r.get(curve["metric"]) is not None]
+            assert curve["steps"] == [r["step"] for r in records], (name, curve["metric"])
+            assert curve["values"] == pytest.approx([r[curve["metric"]] for r in records]), (name, curve["metric"])
+            checked += 1
+    assert checked >= 2 * 6  # both runs, every figure
+    kl_a = next(c for c in figures["kl.png"]["curves"] if c["run"] == "a")
+    assert 7 not in kl_a["steps"] and len(kl_a["steps"]) == STEPS - 1  # the NaN step is left out
+    per_function = {(c["run"], c["metric"]) for c in figures["reward_per_function.png"]["curves"]}
+    assert per_function == {(r, f"rewards/{f}/mean") for r in ("a", "b") for f in ("accuracy", "format")}
+
+
+def test_the_guide_lists_only_options_and_metrics_that_exist():
+    """docs/guide.md: every option named in the Algorithm-1 table and every cohort name in the TRL
+    tables is a GRPOConfig field, and the "same name" rows really pair equal names."""
+    import dataclasses
+
+    from cohort.config import GRPOConfig
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text()
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    algorithm = guide.split("## 2. Algorithm 1")[1].split("Beyond the paper")[0]
+    option_cells = [row.split("|")[2] for row in algorithm.splitlines() if row.startswith("| ") and "---" not in row][1:]
+    named = {name for cell in option_cells for name in re.findall(r"`([a-z_0-9]+)`", cell)}
+    assert named and named <= fields, named - fields
+    trl = guide.split("## 4. From TRL")[1]
+    same, different = trl.split("Different names or no equivalent:")
+    cohort_cells = [row.split("|")[2] for row in (same + different).splitlines()
+                    if row.startswith("| ") and "---" not in row and "cohort |" not in row]
+    listed = {name for cell in cohort_cells for name in re.findall(r"`([a-z_0-9]+)`", cell)}
+    assert len(listed) > 30 and listed - fields == set(), listed - fields
+    same_rows = [row.split("|")[1:3] for row in same.splitlines() if row.startswith("| `")]
+    for trl_cell, cohort_cell in same_rows:  # "same name" rows really are the same names
+        assert re.findall(r"`(\w+)`", trl_cell) == re.findall(r"`(\w+)`", cohort_cell)

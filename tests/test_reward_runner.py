@@ -222,3 +222,64 @@ def test_weight_count_mismatch_is_an_error():
         RewardRunner([length_reward], reward_weights=[1.0, 2.0])
     with pytest.raises(CohortError, match="unknown reward 'nope'"):
         RewardRunner(["nope"])
+
+
+# ------------------------------------------------------- end to end: faulty rewards in a training run
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from cohort.tiny import build_model, build_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_faults")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def nan_first_reward(prompts, completions, **_):
+    return [math.nan] + [1.0] * (len(completions) - 1)
+
+
+def short_hang_reward(prompts, completions, **_):
+    time.sleep(30)
+    return [0.0] * len(completions)
+
+
+def test_training_goes_on_past_raising_nan_and_hanging_rewards(tiny_dir, tmp_path):
+    from cohort import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                      max_completion_length=3, max_steps=2, learning_rate=1e-4, reward_timeout=0.5,
+                      output_dir=str(tmp_path), quiet=True, device="cpu")
+    trainer = GRPOTrainer(tiny_dir, [raising_reward, nan_first_reward, short_hang_reward, length_reward],
+                          [{"prompt": f"{i}+1=?"} for i in range(4)], args=args, log=lambda *_: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = trainer.train()
+    assert [r["step"] for r in history] == [1, 2]  # both steps ran
+    messages = [str(w.message) for w in caught if issubclass(w.category, RewardWarning)]
+    for name, fault in (("raising_reward", "ValueError: boom"), ("nan_first_reward", "returned nan"),
+                        ("short_hang_reward", "took longer than 0.5s")):
+        hits = [m for m in messages if name in m and fault in m]
+        assert len(hits) == 1, (name, messages)  # once per function and fault, over both steps
+        assert "completion: '" in hits[0]  # shows the offending completion
+    for record in history:
+        assert math.isnan(record["rewards/raising_reward/mean"]) and math.isnan(record["rewards/short_hang_reward/mean"])
+        assert record["rewards/nan_first_reward/mean"] == 1.0  # the NaN sample left out, the rest scored
+        assert math.isfinite(record["loss"]) and math.isfinite(record["reward"])
+
+
+def test_wrong_length_stops_the_cli_run_with_one_line_naming_the_function(tiny_dir, tmp_path, monkeypatch, capsys):
+    from cohort.cli import main
+
+    (tmp_path / "cohort_test_short_reward.py").write_text(
+        "def one_short(prompts, completions, **_):\n    return [1.0] * (len(completions) - 1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["train", "--model", tiny_dir, "--reward_funcs", "cohort_test_short_reward:one_short",
+                 "--num_generations", "2", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+                 "--max_completion_length", "3", "--max_steps", "2", "--levels", "2", "--eval_limit", "0",
+                 "--output_dir", str(tmp_path / "run"), "--quiet", "--device", "cpu"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "one_short" in err[0] and "returned 3 values for 4 completions" in err[0]

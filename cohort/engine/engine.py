@@ -3,8 +3,9 @@
 One preallocated `KVCache` (a row per slot), batched prefill of admitted prompts into their rows,
 then decode steps over the occupied slots with sampling on the device. Finished sequences are
 noticed every `check_interval` steps (one host sync), retired, and waiting sequences take their
-rows (continuous batching, see `scheduler.py`). On CUDA each decode step is a captured CUDA graph
-(`graphs.py`). The model's own weights are used in place: no copy, so the policy being trained
+rows (continuous batching, see `scheduler.py`). On CUDA each decode step (forward, sampling and
+slot-state update) is a captured CUDA graph (`graphs.py`) whose elementwise pieces are
+torch.compile'd fused kernels (`cohort.models.kernels`), so it launches a few kernels per layer. The model's own weights are used in place: no copy, so the policy being trained
 samples its rollouts, as GRPO requires (DeepSeekMath 2024, Algorithm 1, step "sample G outputs").
 """
 
@@ -21,18 +22,20 @@ from cohort.engine.scheduler import Scheduler, batch_buckets, round_up_to_bucket
 from cohort.engine.sequence import Sequence, SlotState, find_stop_string
 from cohort.errors import CohortError
 from cohort.models.cache import KVCache
+from cohort.models.kernels import fused_kernels, triton_available
 from cohort.rollout import Rollout, SamplingParams
 
 KV_LENGTH_STEP = 128  # cache lengths are rounded up to this so few (width, length) graphs exist
 
 
 @contextlib.contextmanager
-def sampling_mode(model: torch.nn.Module):
-    """Eval mode and inference mode while sampling; the caller's train/eval mode afterwards."""
+def sampling_mode(model: torch.nn.Module, fused: bool = False):
+    """Eval mode, inference mode and (when asked) the compiled fused kernels while sampling; the
+    caller's train/eval mode afterwards."""
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), fused_kernels(fused):
             yield
     finally:
         model.train(was_training)
@@ -48,11 +51,14 @@ class Engine:
     check_interval: decode steps between host syncs (finished rows are retired at these points).
     prefill_tokens: most (padded) prompt tokens per prefill forward.
     verify_graphs: compare each captured CUDA graph with an eager step (a self-check; slower).
+    compile_step: use torch.compile'd fused kernels for norms, rotary, SwiGLU and sampling (None =
+        on with CUDA graphs when triton is importable). If compilation fails, one notice is
+        printed and the plain ops are used.
     """
 
     def __init__(self, model, tokenizer=None, max_batch_size: int = 256, max_seq_len: int | None = None,
                  use_cuda_graph: bool | None = None, check_interval: int = 16, prefill_tokens: int = 16384,
-                 verify_graphs: bool = False):
+                 verify_graphs: bool = False, compile_step: bool | None = None):
         if max_batch_size < 1:
             raise CohortError(f"max_batch_size={max_batch_size}: it must be at least 1")
         if check_interval < 1:
@@ -73,7 +79,11 @@ class Engine:
         self.prefill_tokens = prefill_tokens
         self.cache: KVCache | None = None
         self.state: SlotState | None = None
-        self.graphs = DecodeGraphs(self._decode_logits, enabled=use_cuda_graph, verify=verify_graphs)
+        if compile_step is None:
+            compile_step = use_cuda_graph and triton_available()
+        self.compile_step = compile_step
+        self.graphs = DecodeGraphs(self._decode_step, enabled=use_cuda_graph,
+                                   state=lambda: self.state.step_tensors(), verify=verify_graphs)
         self._weights_key = None
         self.stats: dict[str, float] = {}
 
@@ -84,6 +94,9 @@ class Engine:
     # ---- public ------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
         """G = num_generations completions per prompt, rows group-contiguous (see `Sampler`)."""
+        return self._generate(prompt_ids, num_generations, params)
+
+    def _generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
         self._validate(prompt_ids, num_generations, params)
         max_len = self._sequence_capacity(prompt_ids, params)
         sequences = [
@@ -94,16 +107,18 @@ class Engine:
         num_slots = min(self.max_batch_size, len(sequences))
         buckets = batch_buckets(self.max_batch_size) if self.bucketed else None
         rows = round_up_to_bucket(num_slots, buckets) if buckets else num_slots
+        if self.device.type == "cuda" and hasattr(self.model, "fuse_projections"):
+            self.model.fuse_projections()  # fewer, larger GEMMs per step; a no-op once fused
         started = time.perf_counter()
         self.stats = dict(decode_steps=0, decode_row_steps=0, prefill_forwards=0, prefill_tokens=0, checks=0,
                           slot_moves=0)
-        with sampling_mode(self.model):
+        with sampling_mode(self.model, fused=self.compile_step):
             self._prepare(rows, max_len, params)
-            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,)).item())
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+            seed = params.seed if params.seed is not None else int(torch.randint(2**31, (1,)).item())
+            self.state.begin(seed, list(params.eos_token_ids or []))
             scheduler = Scheduler(num_slots, [b for b in buckets if b <= rows] if buckets else None)
             scheduler.add(sequences)
-            self._run(scheduler, params, generator)
+            self._run(scheduler, params)
         self.stats["seconds"] = time.perf_counter() - started
         self.stats["graph_captures"] = self.graphs.captures
         return _assemble(sequences, params.pad_token_id)
@@ -116,10 +131,11 @@ class Engine:
             return 0
         rows = round_up_to_bucket(min(num_sequences, self.max_batch_size), batch_buckets(self.max_batch_size))
         max_len = self.max_seq_len or -(-max_len // KV_LENGTH_STEP) * KV_LENGTH_STEP  # as generate() sizes it
-        with sampling_mode(self.model):
-            self._prepare(rows, max_len, SamplingParams(max_new_tokens=max_new_tokens, pad_token_id=pad_token_id))
+        params = SamplingParams(max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
+        with sampling_mode(self.model, fused=self.compile_step):
+            self._prepare(rows, max_len, params)
             for cache_len in sorted({*range(KV_LENGTH_STEP, max_len, KV_LENGTH_STEP), max_len}):
-                self.graphs(rows, cache_len)  # every slot is empty: the replay only rewrites position 0
+                self.graphs(rows, cache_len, _sampling_key(params))  # every slot is empty: a no-op step
         return len(self.graphs.graphs)
 
     def release(self) -> None:
@@ -180,13 +196,13 @@ class Engine:
             self._weights_key = weights_key
 
     # ---- the loop ----------------------------------------------------------------------------
-    def _run(self, scheduler: Scheduler, params: SamplingParams, generator: torch.Generator) -> None:
-        eos_ids = torch.tensor(params.eos_token_ids, dtype=torch.long, device=self.device) if params.eos_token_ids else None
+    def _run(self, scheduler: Scheduler, params: SamplingParams) -> None:
+        sampling = _sampling_key(params)
         while True:
             self._check(scheduler, params)
             admitted = scheduler.admit()
             if admitted:
-                self._prefill(admitted, params, generator, eos_ids)
+                self._prefill(admitted, params)
             self._compact(scheduler)
             if scheduler.done:
                 break
@@ -203,26 +219,27 @@ class Engine:
                 furthest = -(-furthest // KV_LENGTH_STEP) * KV_LENGTH_STEP
             cache_len = max(1, min(furthest, self.cache.max_len))
             for _ in range(steps):
-                logits = self.graphs(width, cache_len)
-                tokens, logprobs = sample_from_logits(logits, params.temperature, params.top_k, params.top_p,
-                                                      params.min_p, generator)
-                self.state.advance(width, tokens, logprobs, eos_ids)
+                self.graphs(width, cache_len, sampling)
             self.stats["decode_steps"] += steps
             self.stats["decode_row_steps"] += steps * width
 
-    def _decode_logits(self, width: int, cache_len: int) -> torch.Tensor:
-        """One decode step over slots [0, width): logits [width, V] of each slot's next token.
+    def _decode_step(self, width: int, cache_len: int, sampling: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step over slots [0, width): forward the last tokens, sample the next ones,
+        record them in the slot state. Returns (tokens [width], log-probs [width]).
 
         Reads only persistent tensors (slot state, cache, weights), so it can be graph-captured.
         Slot s is cache row s, which is the model's default row for batch row s.
         """
         state = self.state
         logits = self.model(state.next_token[:width, None], state.position[:width, None],
-                            kv_cache=self.cache, cache_len=cache_len)
-        return logits[:, 0]
+                            kv_cache=self.cache, cache_len=cache_len)[:, 0]
+        tokens, logprobs = sample_from_logits(logits, *sampling, seed=state.seed, draw=state.draw,
+                                              rows=state.slot_ids[:width])
+        state.advance(width, tokens, logprobs)
+        state.draw += 1
+        return tokens, logprobs
 
-    def _prefill(self, admitted: list[Sequence], params: SamplingParams, generator: torch.Generator,
-                 eos_ids: torch.Tensor | None) -> None:
+    def _prefill(self, admitted: list[Sequence], params: SamplingParams) -> None:
         """Run the prompts into their cache rows, in chunks of at most `prefill_tokens` padded tokens,
         and sample each one's first token from its last prompt position."""
         admitted = sorted(admitted, key=lambda seq: len(seq.prompt))  # similar lengths pad less
@@ -231,11 +248,10 @@ class Engine:
             end = start + 1
             while end < len(admitted) and (end + 1 - start) * len(admitted[end].prompt) <= self.prefill_tokens:
                 end += 1
-            self._prefill_chunk(admitted[start:end], params, generator, eos_ids)
+            self._prefill_chunk(admitted[start:end], params)
             start = end
 
-    def _prefill_chunk(self, chunk: list[Sequence], params: SamplingParams, generator: torch.Generator,
-                       eos_ids: torch.Tensor | None) -> None:
+    def _prefill_chunk(self, chunk: list[Sequence], params: SamplingParams) -> None:
         lengths = [len(seq.prompt) for seq in chunk]
         width = max(lengths)
         # Right padding: pad tokens sit at positions after the prompt, so no real token attends to
@@ -246,15 +262,18 @@ class Engine:
         input_ids = input_ids.to(self.device)
         positions = torch.arange(width, device=self.device).expand(len(chunk), width)
         slots = torch.tensor([seq.slot for seq in chunk], dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, kv_cache=self.cache, cache_rows=slots, return_hidden=True,
-                            cache_len=width)
+        # Plain ops here: a prefill runs once per prompt, not worth compiled variants for every length.
+        with fused_kernels(False):
+            hidden = self.model(input_ids, positions, kv_cache=self.cache, cache_rows=slots, return_hidden=True,
+                                cache_len=width)
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
         # Logits only at each prompt's last position: the full [B, T, V] tensor would be huge.
         logits = self.model.lm_head(hidden[torch.arange(len(chunk), device=self.device), last])
-        tokens, logprobs = sample_from_logits(logits, params.temperature, params.top_k, params.top_p,
-                                              params.min_p, generator)
+        tokens, logprobs = sample_from_logits(logits, *_sampling_key(params), seed=self.state.seed,
+                                              draw=self.state.draw, rows=slots)
+        self.state.draw += 1
         limits = torch.tensor([seq.limit for seq in chunk], dtype=torch.long, device=self.device)
-        self.state.start(slots, tokens, logprobs, torch.tensor(lengths, device=self.device), limits, eos_ids)
+        self.state.start(slots, tokens, logprobs, torch.tensor(lengths, device=self.device), limits)
         for seq in chunk:
             seq.generated = 1
         self.stats["prefill_forwards"] += 1
@@ -303,11 +322,15 @@ class Engine:
             source = torch.tensor([s for s, _ in moves], dtype=torch.long, device=self.device)
             target = torch.tensor([t for _, t in moves], dtype=torch.long, device=self.device)
             state = self.state
-            self.cache.k[:, target] = self.cache.k[:, source]
-            self.cache.v[:, target] = self.cache.v[:, source]
+            self.cache.move_rows(source, target)
             state.move(source, target)
             scheduler.apply_moves(moves)
             self.stats["slot_moves"] += len(moves)
+
+
+def _sampling_key(params: SamplingParams) -> tuple:
+    """The sampling settings a decode step bakes in (part of a CUDA graph's key)."""
+    return (params.temperature, params.top_k, params.top_p, params.min_p)
 
 
 def _assemble(sequences: list[Sequence], pad_token_id: int) -> Rollout:

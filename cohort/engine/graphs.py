@@ -6,8 +6,10 @@ torch.cuda.graphs). The step reads its inputs from tensors whose storage never c
 `SlotState` and the `KVCache`), so a graph captured once stays valid for every later replay;
 graphs are captured lazily, the first time a bucket is needed, and share one memory pool.
 
-Only the model forward is captured. Sampling runs eagerly after it, so a seeded
-`torch.Generator` drives it without registering generator state with the graph.
+The whole step is captured: model forward, sampling (its random numbers come from a counter-based
+hash of device tensors, see `sampling.gumbel_noise`, so no generator state is involved) and the
+slot-state update. A replay therefore changes state; warm-up and capture runs restore the state
+tensors they touched, so capturing a graph never advances decoding.
 """
 
 from __future__ import annotations
@@ -17,36 +19,40 @@ from typing import Callable
 
 import torch
 
-DecodeStep = Callable[[int, int], torch.Tensor]  # (width, cache_len) -> logits [width, V]
+DecodeStep = Callable[..., tuple[torch.Tensor, ...]]  # step(*key) -> output tensors (tokens, log-probs)
 
 
 class DecodeGraphs:
-    """Runs `step(width, cache_len)` eagerly, or through a captured CUDA graph when `enabled`.
+    """Runs `step(*key)` eagerly, or through a CUDA graph captured once per key when `enabled`
+    (key: width, KV length, sampling settings: everything that is baked into the kernels).
 
+    `state` returns the tensors a step writes besides the KV cache (whose rewrites are
+    idempotent); they are restored after warm-up and capture.
     `verify=True` compares each freshly captured graph's first replay with an eager run of the
     same step and raises on a mismatch (the self-check the benchmark's --check mode turns on).
     When capture itself fails (a model that syncs with the host, say), one notice is printed
     and the step runs eagerly from then on, so sampling still works, only slower.
     """
 
-    def __init__(self, step: DecodeStep, enabled: bool, verify: bool = False, warmup_runs: int = 2):
+    def __init__(self, step: DecodeStep, enabled: bool, state: Callable[[], list[torch.Tensor]],
+                 verify: bool = False, warmup_runs: int = 2):
         self.step = step
+        self.state = state
         self.enabled = enabled
         self.verify = verify
         self.warmup_runs = warmup_runs
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.pool = None
         self.captures = 0
         self.max_verify_error = 0.0
 
-    def __call__(self, width: int, cache_len: int) -> torch.Tensor:
+    def __call__(self, *key) -> tuple[torch.Tensor, ...]:
         if not self.enabled:
-            return self.step(width, cache_len)
-        key = (width, cache_len)
+            return self.step(*key)
         entry = self.graphs.get(key)
         if entry is None:
             try:
-                entry = self._capture(width, cache_len)
+                entry = self._capture(key)
             except Exception as error:  # noqa: BLE001 - any capture failure degrades to eager
                 if self.verify:
                     raise
@@ -54,39 +60,53 @@ class DecodeGraphs:
                       "decoding without CUDA graphs", file=sys.stderr)
                 self.enabled = False
                 self.graphs.clear()
-                return self.step(width, cache_len)
+                return self.step(*key)
             self.graphs[key] = entry
-        graph, logits = entry
+        graph, outputs = entry
         graph.replay()
-        return logits
+        return outputs
 
-    def _capture(self, width: int, cache_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm up on a side stream first (cuBLAS handles, lazy kernels), as the PyTorch docs advise.
-        # Re-running the step is harmless: it rewrites the same keys/values at the same positions.
+    def _capture(self, key: tuple) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+        tensors = self.state()
+        saved = [t.clone() for t in tensors]
+
+        def restore() -> None:
+            for tensor, value in zip(tensors, saved):
+                tensor.copy_(value)
+
+        # Warm up on a side stream first (cuBLAS handles, lazy kernels, torch.compile), as the
+        # PyTorch docs advise. Each run starts from the saved state and rewrites the same keys and
+        # values at the same positions, so it leaves no trace once the state is restored.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self.warmup_runs):
-                eager_logits = self.step(width, cache_len)
+                restore()
+                eager = [t.clone() for t in self.step(*key)]
+            restore()
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.step(width, cache_len)
+            outputs = self.step(*key)
+        restore()
         self.captures += 1
         if self.verify:
-            expected = eager_logits.float().clone()
             graph.replay()
-            error = (logits.float() - expected).abs().max().item()
-            scale = expected.abs().max().item() + 1e-6
-            self.max_verify_error = max(self.max_verify_error, error / scale)
-            if error > 1e-2 * scale:
-                raise RuntimeError(
-                    f"CUDA graph self-check failed at width {width}, cache_len {cache_len}: "
-                    f"max |graph - eager| = {error:.3g} (logit scale {scale:.3g})"
-                )
-        return graph, logits
+            for got, expected in zip(outputs, eager):
+                if not got.is_floating_point():  # sampled tokens: the replay must draw the same ones
+                    if not torch.equal(got, expected):
+                        raise RuntimeError(f"CUDA graph self-check failed at {key}: the replay sampled other tokens")
+                    continue
+                error = (got.float() - expected.float()).abs().max().item()
+                scale = expected.float().abs().max().item() + 1e-6
+                self.max_verify_error = max(self.max_verify_error, error / scale)
+                if error > 1e-2 * scale:
+                    raise RuntimeError(f"CUDA graph self-check failed at {key}: max |graph - eager| = "
+                                       f"{error:.3g} (scale {scale:.3g})")
+            restore()
+        return graph, tuple(outputs)
 
     def clear(self) -> None:
         """Drop every captured graph (the cache or state they read was reallocated)."""

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from cohort.models.kernels import fused
+
 NEG_INF = float("-inf")
 
 
@@ -66,31 +68,79 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
     return min_p_filter(top_p_filter(top_k_filter(logits, top_k), top_p), min_p)
 
 
+def _int32(constant: int) -> int:
+    """A 32-bit constant as the signed int32 with the same bits."""
+    return constant - (1 << 32) if constant >= 1 << 31 else constant
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixing function (Wellons' "lowbias32", from the hash-prospector search):
+    every input bit flips each output bit with probability ≈ 1/2. On int32 tensors: products wrap
+    modulo 2^32 and the masks make the right shifts logical, so the bits are those of the
+    unsigned original."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _int32(0x846CA68B)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def gumbel_noise(seed: torch.Tensor, draw: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, vocab] from a counter-based generator (Salmon et al. 2011,
+    "Parallel random numbers: as easy as 1, 2, 3"): the number for (seed, draw, row, token) is a
+    hash of those four integers, not the next output of a stateful generator.
+
+    That makes a draw reproducible from the seed alone, independent of scheduling and of any
+    global RNG, and lets a captured CUDA graph sample: `seed` and `draw` are device tensors the
+    graph reads (and the engine increments `draw` inside it), so no generator state has to be
+    registered with the graph. Under torch.compile it is one elementwise kernel.
+    seed, draw: integer scalars; rows: integer [B] (the KV-cache slot of each row).
+    """
+    seed, draw, rows = seed.to(torch.int32), draw.to(torch.int32), rows.to(torch.int32)
+    row_key = hash32(seed ^ hash32(draw * _int32(0x9E3779B9) + rows))  # [B]
+    token = torch.arange(vocab, device=rows.device, dtype=torch.int32)
+    bits = hash32(row_key[:, None] ^ hash32(token * _int32(0x85EBCA6B))[None, :])  # [B, vocab]
+    uniform = (((bits >> 8) & 0xFFFFFF).float() + 0.5) * (1.0 / 16777216.0)  # 24 bits → (0, 1)
+    return -torch.log(-torch.log(uniform))
+
+
 def sample_from_logits(
     logits: torch.Tensor,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
-    generator: torch.Generator | None = None,
+    seed: torch.Tensor | None = None,
+    draw: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; return `(tokens [B] long, logprobs [B] float32)`.
 
     Temperature 0 means greedy (argmax); its log-prob is then taken at temperature 1. Sampling
-    uses the Gumbel-max trick (Gumbel 1954; Maddison et al. 2014): argmax(l_i - log E_i) with
-    E_i ~ Exp(1) picks token i with probability softmax(l)_i, so no softmax or cumulative sum of
-    the filtered logits is needed, and the noise comes from `generator` so a seeded generator
-    reproduces the draw. Filtered tokens have l_i = -inf and are never picked.
+    uses the Gumbel-max trick (Gumbel 1954; Maddison et al. 2014): argmax(l_i + g_i) with g_i ~
+    Gumbel(0, 1) picks token i with probability softmax(l)_i, so no softmax or cumulative sum of
+    the filtered logits is needed. The noise is `gumbel_noise(seed, draw, rows)`: the same
+    (seed, draw, rows) give the same tokens (defaults: seed 0, draw 0, rows 0..B-1). Filtered
+    tokens have l_i = -inf and are never picked.
     """
+    device = logits.device
+    seed = torch.zeros((), dtype=torch.int64, device=device) if seed is None else seed
+    draw = torch.zeros((), dtype=torch.int64, device=device) if draw is None else draw
+    rows = torch.arange(logits.shape[0], device=device) if rows is None else rows
+    # A few fused kernels when the engine turns them on (see cohort.models.kernels): the noise
+    # (elementwise), then one pass that reduces logits + noise to the token and its log-prob.
+    noise = None if temperature <= 0.0 else fused("gumbel_noise", gumbel_noise)(seed, draw, rows, logits.shape[-1])
+    return fused("sample", _sample)(logits, temperature, top_k, top_p, min_p, noise)
+
+
+def _sample(logits, temperature: float, top_k: int, top_p: float, min_p: float, noise):
     logits = logits.float()
     if temperature <= 0.0:
         tokens = logits.argmax(dim=-1)
         return tokens, _token_logprobs(logits, tokens)
     scaled = scale_by_temperature(logits, temperature)
     filtered = filter_logits(scaled, top_k, top_p, min_p)
-    # Clamp: a zero draw would make -log E infinite.
-    log_noise = torch.empty_like(filtered).exponential_(generator=generator).clamp_min_(1e-20).log_()
-    tokens = (filtered - log_noise).argmax(dim=-1)
+    tokens = (filtered + noise).argmax(dim=-1)
     return tokens, _token_logprobs(scaled, tokens)
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cohort.errors import CohortError
+
 
 @dataclass
 class Sequence:
@@ -65,8 +67,12 @@ class SlotState:
     log-probs in `logprobs[s, ...]`; `finished[s]` turns true on EOS or at `limit[s]` tokens.
     An empty slot is finished, at position 0, so a decode step over it writes only its own row.
     The buffers have one spare column so a finished row's ignored write never clobbers a token.
-    The tensors are allocated once; CUDA graphs read the same storage on every replay.
+    The tensors are allocated once; CUDA graphs read the same storage on every replay. So are the
+    sampling inputs a captured step reads: the seed, the draw counter (one per sampling call, the
+    counter of `gumbel_noise`) and up to `MAX_EOS_IDS` EOS ids (padded with -1, which never matches).
     """
+
+    MAX_EOS_IDS = 8
 
     def __init__(self, num_slots: int, max_new_tokens: int, pad_token_id: int, device: torch.device):
         self.num_slots = num_slots
@@ -80,6 +86,20 @@ class SlotState:
         self.finished = torch.ones(num_slots, dtype=torch.bool, device=device)
         self.tokens = torch.full((num_slots, max_new_tokens + 1), pad_token_id, **long)
         self.logprobs = torch.zeros(num_slots, max_new_tokens + 1, dtype=torch.float32, device=device)
+        self.slot_ids = torch.arange(num_slots, **long)
+        self.seed = torch.zeros((), **long)
+        self.draw = torch.zeros((), **long)
+        self.eos_ids = torch.full((self.MAX_EOS_IDS,), -1, **long)
+
+    def begin(self, seed: int, eos_token_ids: list[int]) -> None:
+        """Set the sampling inputs of one generate() call (in place: graphs keep reading them)."""
+        if len(eos_token_ids) > self.MAX_EOS_IDS:
+            raise CohortError(f"{len(eos_token_ids)} EOS token ids given; at most {self.MAX_EOS_IDS} are supported")
+        self.seed.fill_(seed & 0x7FFFFFFF)
+        self.draw.zero_()
+        self.eos_ids.fill_(-1)
+        if eos_token_ids:
+            self.eos_ids[: len(eos_token_ids)] = torch.tensor(eos_token_ids, dtype=torch.long)
 
     def fits(self, num_slots: int, max_new_tokens: int, pad_token_id: int) -> bool:
         return (
@@ -91,8 +111,12 @@ class SlotState:
     def per_slot_tensors(self) -> list[torch.Tensor]:
         return [self.next_token, self.position, self.generated, self.limit, self.finished, self.tokens, self.logprobs]
 
+    def step_tensors(self) -> list[torch.Tensor]:
+        """Everything a decode step writes besides the KV cache (what a graph warm-up must restore)."""
+        return [*self.per_slot_tensors(), self.draw]
+
     def start(self, slots: torch.Tensor, first_tokens: torch.Tensor, first_logprobs: torch.Tensor,
-              prompt_lengths: torch.Tensor, limits: torch.Tensor, eos_ids: torch.Tensor | None) -> None:
+              prompt_lengths: torch.Tensor, limits: torch.Tensor) -> None:
         """Install freshly prefilled sequences: their first sampled token sits at position = prompt length."""
         self.next_token[slots] = first_tokens
         self.position[slots] = prompt_lengths
@@ -102,12 +126,9 @@ class SlotState:
         self.logprobs[slots] = 0.0
         self.tokens[slots, 0] = first_tokens
         self.logprobs[slots, 0] = first_logprobs
-        done = limits <= 1
-        if eos_ids is not None:
-            done = done | torch.isin(first_tokens, eos_ids)
-        self.finished[slots] = done
+        self.finished[slots] = (limits <= 1) | torch.isin(first_tokens, self.eos_ids)
 
-    def advance(self, width: int, tokens: torch.Tensor, logprobs: torch.Tensor, eos_ids: torch.Tensor | None) -> None:
+    def advance(self, width: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Record one decode step's sampled `tokens` for slots [0, width); finished slots stay unchanged."""
         active = ~self.finished[:width]
         column = self.generated[:width, None]
@@ -117,9 +138,7 @@ class SlotState:
         self.generated[:width] += step
         self.position[:width] += step
         self.next_token[:width] = torch.where(active, tokens, self.next_token[:width])
-        done = self.generated[:width] >= self.limit[:width]
-        if eos_ids is not None:
-            done = done | torch.isin(tokens, eos_ids)
+        done = (self.generated[:width] >= self.limit[:width]) | torch.isin(tokens, self.eos_ids)
         self.finished[:width] |= active & done
 
     def clear(self, slots: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
 """`KVCache`: preallocated key/value storage for incremental decoding.
 
-One tensor pair for all layers, `[layers, rows, kv_heads, max_len, head_dim]`, allocated once so
+A key and a value tensor per layer, `[rows, kv_heads, max_len, head_dim]`, allocated once so
 a decode step writes in place and has static shapes (a CUDA graph can capture it). A *row* is one
 sequence slot; the sampler decides which sequence lives in which row (`cache_rows` in
 `CausalLM.forward`) and at which positions its tokens go (`position_ids`).
@@ -16,9 +16,21 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        shape = (num_layers, num_rows, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # One allocation per layer rather than one 5-D tensor: a layer's cache is then a base
+        # tensor, not a view, so torch.compile can write it in place (an in-place write into a
+        # view of a graph input is functionalised into a copy of the whole base).
+        shape = (num_rows, num_kv_heads, max_len, head_dim)
+        self.k_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """All keys `[layers, rows, kv_heads, max_len, head_dim]` (a stacked copy, for inspection)."""
+        return torch.stack(self.k_layers)
+
+    @property
+    def v(self) -> torch.Tensor:
+        return torch.stack(self.v_layers)
 
     @classmethod
     def for_model(cls, model, num_rows: int, max_len: int, dtype: torch.dtype | None = None) -> "KVCache":
@@ -29,64 +41,59 @@ class KVCache:
 
     @property
     def num_layers(self) -> int:
-        return self.k.shape[0]
+        return len(self.k_layers)
 
     @property
     def num_rows(self) -> int:
-        return self.k.shape[1]
+        return self.k_layers[0].shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k_layers[0].shape[2]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k.dtype
+        return self.k_layers[0].dtype
 
     @property
     def device(self) -> torch.device:
-        return self.k.device
+        return self.k_layers[0].device
 
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return 2 * self.num_layers * self.k_layers[0].numel() * self.k_layers[0].element_size()
+
+    def move_rows(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy cache rows `source` to rows `target` in every layer (the sampler's compaction)."""
+        for keys, values in zip(self.k_layers, self.v_layers):
+            keys[target] = keys[source]
+            values[target] = values[source]
 
     def write(self, layer: int, cache_rows: torch.Tensor | None, position_ids: torch.Tensor,
               keys: torch.Tensor, values: torch.Tensor, write_mask: torch.Tensor | None = None) -> None:
         """Store `keys`/`values` `[B, kv_heads, T, head_dim]` of batch row b, token t at
-        `[layer, cache_rows[b], :, position_ids[b, t]]` (`cache_rows` None: row b). Where
-        `write_mask[b, t]` is 0 (a pad token) the slot keeps its old content. In place, static
-        shapes, no host sync, so it can run inside a CUDA graph."""
+        `[cache_rows[b], :, position_ids[b, t]]` of the layer's cache (`cache_rows` None: row b).
+        Where `write_mask[b, t]` is 0 (a pad token) the slot keeps its old content. In place, static
+        shapes, no host sync, so it can run inside a CUDA graph (and under torch.compile, as one
+        in-place index_put per tensor)."""
         if cache_rows is None:
-            self._scatter(self.k[layer, : keys.shape[0]], position_ids, keys, write_mask)
-            self._scatter(self.v[layer, : values.shape[0]], position_ids, values, write_mask)
-            return
+            cache_rows = torch.arange(keys.shape[0], device=position_ids.device)
         rows = cache_rows[:, None].expand_as(position_ids)
+        layer_k, layer_v = self.k_layers[layer], self.v_layers[layer]
         new_k, new_v = keys.transpose(1, 2), values.transpose(1, 2)  # [B, T, kv_heads, head_dim]
         if write_mask is not None:
             keep_new = write_mask.bool()[:, :, None, None]
-            new_k = torch.where(keep_new, new_k, self.k[layer][rows, :, position_ids])
-            new_v = torch.where(keep_new, new_v, self.v[layer][rows, :, position_ids])
+            new_k = torch.where(keep_new, new_k, layer_k[rows, :, position_ids])
+            new_v = torch.where(keep_new, new_v, layer_v[rows, :, position_ids])
         # advanced indices on dims 0 and 2 put the broadcast [B, T] dims first: value is [B, T, H, D]
-        self.k[layer][rows, :, position_ids] = new_k.to(self.k.dtype)
-        self.v[layer][rows, :, position_ids] = new_v.to(self.v.dtype)
-
-    @staticmethod
-    def _scatter(rows_view: torch.Tensor, position_ids: torch.Tensor, new: torch.Tensor,
-                 write_mask: torch.Tensor | None) -> None:
-        """rows_view [B, kv_heads, max_len, head_dim] (a view of the cache) gets new [B, kv_heads, T,
-        head_dim] at positions position_ids [B, T] along its length axis, written in place."""
-        index = position_ids[:, None, :, None].expand(new.shape)
-        new = new.to(rows_view.dtype)
-        if write_mask is not None:
-            new = torch.where(write_mask.bool()[:, None, :, None], new, rows_view.gather(2, index))
-        rows_view.scatter_(2, index, new)
+        layer_k[rows, :, position_ids] = new_k.to(layer_k.dtype)
+        layer_v[rows, :, position_ids] = new_v.to(layer_v.dtype)
 
     def keys_values(self, layer: int, cache_rows: torch.Tensor | None, batch: int,
                     cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values `[batch, kv_heads, cache_len, head_dim]` of the given cache rows. With
         `cache_rows` None (rows 0..batch-1, the decode case) they are views of the cache, so a decode
         step reads each cached key once instead of copying the rows first."""
-        keys, values = self.k[layer, :, :, :cache_len], self.v[layer, :, :, :cache_len]
+        keys, values = self.k_layers[layer][:, :, :cache_len], self.v_layers[layer][:, :, :cache_len]
         if cache_rows is None:
             return keys[:batch], values[:batch]
         return keys.index_select(0, cache_rows), values.index_select(0, cache_rows)

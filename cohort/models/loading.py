@@ -179,14 +179,15 @@ def save_pretrained(model: CausalLM, out_dir) -> Path:
     config = model.config.to_hf_dict()
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    # copy=True: parameters may be slices of one fused buffer (fusion.py), which safetensors refuses
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
-def load_tokenizer(path_or_id, gguf_file: str | None = None):
+def load_tokenizer(path_or_id, gguf_file: str | None = None, trust_remote_code: bool = False):
     """The HF tokenizer of a model folder, hub id or GGUF file (transformers reads GGUF vocabularies)."""
     from transformers import AutoTokenizer
 
@@ -196,6 +197,6 @@ def load_tokenizer(path_or_id, gguf_file: str | None = None):
     try:
         if kind == "gguf":
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as error:
         raise CohortError(f"cannot load a tokenizer from {path}: {type(error).__name__}: {error}".splitlines()[0]) from error

@@ -23,7 +23,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cohort.errors import CohortError
+from cohort.models import kernels
 from cohort.models.cache import KVCache
+from cohort.models.fusion import fused_weight
 from cohort.models.config import ModelConfig
 
 ACTIVATIONS = {
@@ -43,10 +45,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -125,14 +124,6 @@ class RotaryEmbedding(nn.Module):
         return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, heads, T, D] by the position angles (the rotate-half layout of HF checkpoints)."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
@@ -147,17 +138,28 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.fused_qkv = None  # (weight, bias) view of q/k/v as one matrix, see fusion.py
+
+    def fuse(self) -> None:
+        self.fused_qkv = fused_weight([self.q_proj, self.k_proj, self.v_proj])
+
+    def project_qkv(self, x):
+        fused = self.fused_qkv
+        if fused is not None and not torch.is_grad_enabled() and fused[0].data_ptr() == self.q_proj.weight.data_ptr():
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return F.linear(x, *fused).split([q_size, kv_size, kv_size], dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x, cos, sin, mask, kv_cache=None, cache_rows=None, position_ids=None,
                 write_mask=None, cache_len=None):
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project_qkv(x)
+        q = q.reshape(batch, length, self.num_heads, self.head_dim)
+        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        q, k = kernels.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         if kv_cache is not None:
             kv_cache.write(self.layer_index, cache_rows, position_ids, k, v, write_mask)
             k, v = kv_cache.keys_values(self.layer_index, cache_rows, batch, cache_len)
@@ -196,7 +198,7 @@ def grouped_query_attention(q, k, v, mask):
     if mask.shape[-2] > 1:  # one mask row per query: repeat it for each head of the group
         mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(mask.shape[0], 1, group * length, -1)
     out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=mask)
-    return out.view(batch, heads, length, dim)
+    return out.reshape(batch, heads, length, dim)
 
 
 class MLP(nn.Module):
@@ -209,9 +211,21 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.act = ACTIVATIONS[config.hidden_act]
+        self.is_silu = config.hidden_act == "silu"
+        self.fused_gate_up = None  # (weight, bias) view of gate/up as one matrix, see fusion.py
+
+    def fuse(self) -> None:
+        self.fused_gate_up = fused_weight([self.gate_proj, self.up_proj])
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        fused = self.fused_gate_up
+        if fused is not None and not torch.is_grad_enabled() and fused[0].data_ptr() == self.gate_proj.weight.data_ptr():
+            gate, up = F.linear(x, *fused).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.is_silu:
+            return self.down_proj(kernels.swiglu_gate(gate, up))
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -300,6 +314,13 @@ class CausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+
+    def fuse_projections(self) -> None:
+        """Let no-grad forwards read q/k/v and gate/up as one matrix each (fusion.py); idempotent,
+        and cheap when already fused. Call it outside inference mode (it may re-point parameters)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def gradient_checkpointing_enable(self, **_ignored) -> None:
         self.gradient_checkpointing = True

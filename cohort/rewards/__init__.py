@@ -18,9 +18,10 @@ from .rules import (
 )
 
 __all__ = [
-    "REWARD_FUNCS", "RewardOutput", "RewardRunner", "RewardWarning", "accuracy_reward", "canonical_answer",
+    "REWARD_FUNCS", "RewardModelReward", "RewardOutput", "RewardRunner", "RewardWarning", "accuracy_reward",
+    "canonical_answer",
     "completion_text", "extract_answer", "format_reward", "lenient_format_reward", "reasoning_steps_reward",
-    "resolve_reward", "tag_count_reward",
+    "resolve_reward", "tag_count_reward", "task_labeller",
 ]
 
 
@@ -29,4 +30,8 @@ def __getattr__(name):
         from . import runner
 
         return getattr(runner, name)
+    if name in ("RewardModelReward", "task_labeller"):  # the learned reward model r_φ (issue 7)
+        from . import model
+
+        return getattr(model, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -306,6 +306,10 @@ class _Worker:
         except subprocess.TimeoutExpired:
             pass
         for stream in (self.process.stdin, self.process.stdout):
+            if stream is self.process.stdout and sys.is_finalizing():
+                # At interpreter exit the reader thread may hold this stream's lock while blocked in a
+                # read; closing it then aborts Python. The killed process gives that read EOF anyway.
+                continue
             try:
                 stream.close()
             except (OSError, ValueError):

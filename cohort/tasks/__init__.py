@@ -18,3 +18,14 @@ def get_task(name: str):
         raise CohortError(f"unknown task {name!r}; choose one of {sorted(TASKS)} (--task)")
     module, attr = TASKS[name].split(":")
     return getattr(importlib.import_module(module), attr)()
+
+
+def prompt_text(tokenizer, prompt) -> str:
+    """The text a model sees for a prompt: a string as is; chat messages through the tokenizer's chat
+    template (with the assistant turn opened), or, for a tokenizer without one, the message contents
+    one per line. Training, evaluation and SFT all encode prompts with this, so they see the same text."""
+    if not isinstance(prompt, list):
+        return prompt
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return "\n".join(m["content"] for m in prompt) + "\n"

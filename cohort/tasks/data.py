@@ -144,3 +144,23 @@ def load_hub_dataset(name: str, config: str | None, split: str) -> list[dict]:
         raise CohortError(f"could not load hub dataset {name!r} (config {config!r}, split {split!r}): "
                           f"{type(e).__name__}: {message}; pass a local file with --data_files") from None
     return [dict(row) for row in dataset]
+
+
+def check_prompt_column(rows: list[dict], source: str) -> None:
+    """Every row has a `prompt` that is a string or a list of {"role", "content"} chat messages;
+    otherwise a `CohortError` naming the first bad row and what it holds."""
+    for index, row in enumerate(rows):
+        if "prompt" not in row:
+            raise CohortError(f"{source} row {index} has no 'prompt' column (columns: {sorted(row)}); "
+                              "rename the prompt column to 'prompt'")
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            continue
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt):
+            continue
+        shown = repr(prompt)
+        shown = shown if len(shown) <= 60 else shown[:60] + "…"
+        raise CohortError(f"{source} row {index}: 'prompt' is a {type(prompt).__name__} ({shown}); it must be a "
+                          "string or a list of {'role': ..., 'content': ...} messages")

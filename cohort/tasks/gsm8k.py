@@ -97,6 +97,11 @@ class GSM8KTask:
                    solution=gold_number(answer), question=str(raw["question"]), answer=answer)
         return row
 
+    @staticmethod
+    def follows_format(completion) -> bool:
+        """The strict DeepSeek-R1 layout that `format_reward` rewards (`cohort eval`'s format rate)."""
+        return format_reward(None, [completion])[0] == 1.0
+
     def is_correct(self, completion, row: dict) -> bool:
         return accuracy_reward(None, [completion], solution=[row["solution"]])[0] == 1.0
 

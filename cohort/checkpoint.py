@@ -1,0 +1,501 @@
+"""Never lose a run: atomic checkpoints, exact resume, faults that stay local (docs/reliability.md).
+
+`<output_dir>/checkpoint-<step>/` holds everything the next step depends on — the policy as a Hugging
+Face folder, π_ref (β > 0), optimizer + LR-scheduler state, every RNG state, the data position, the
+metric history, stateful reward functions — so a run killed at any moment (SIGKILL, OOM, preemption)
+and resumed gives the same metrics and weights as one never interrupted. It is written into a hidden
+temporary folder beside it, each file fsynced, `complete.json` (sizes and sha256 of every file) last,
+then renamed into place (atomic on POSIX): a crash mid-write leaves the previous checkpoint the newest
+complete one. A folder without `complete.json`, or differing from it, is skipped on resume.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import CohortError
+from .metrics import COMPLETIONS_FILE, METRICS_FILE
+from .modelio import save_policy
+
+PREFIX = "checkpoint-"
+MARKER = "complete.json"
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+REFERENCE_FILE = "reference.safetensors"
+REWARD_DIR = "reward_funcs"
+EXTRA_FILE = "trainer_extra.pt"
+TEMP_PREFIX = ".tmp-checkpoint-"
+TRASH_PREFIX = ".trash-checkpoint-"
+FORMAT_VERSION = 1
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT / SIGTERM arrived; a checkpoint was saved. The CLI exits with 128 + the signal number. A
+    KeyboardInterrupt, so code that lets Ctrl-C through lets this through too."""
+
+    def __init__(self, signum: int, checkpoint: Path):
+        self.signum, self.checkpoint = signum, checkpoint
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {_step_of(checkpoint)}; checkpoint "
+                         f"saved in {checkpoint} — continue the run with --resume")
+
+
+# ---- the trainer's entry points ----------------------------------------------------------------
+
+def prepare_output_dir(args, log=print) -> None:
+    """Before any heavy work: output_dir is writable, and a run there is not overwritten by accident."""
+    out = Path(args.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise CohortError(f"output_dir {str(out)!r} is not writable ({error.strerror or error}); choose a folder "
+                          "you can write to (--output_dir)") from None
+    _remove_leftovers(out)
+    if args.resume_from_checkpoint not in (None, "latest"):
+        reason = check_checkpoint(Path(args.resume_from_checkpoint))
+        if reason:
+            raise CohortError(f"cannot resume from {args.resume_from_checkpoint}: it is {reason}; pass a complete "
+                              "checkpoint-<step> folder or --resume to pick the newest complete one")
+    existing = list_checkpoints(out)
+    if existing and not (args.resume or args.resume_from_checkpoint):
+        if not args.overwrite_output_dir:
+            raise CohortError(f"output_dir {str(out)!r} already holds checkpoints of an earlier run (newest: "
+                              f"{existing[-1].name}); pass --resume to continue it, --overwrite_output_dir to "
+                              "start over, or choose another --output_dir")
+        log(f"overwrite_output_dir: removing {len(existing)} checkpoint(s) and the metrics of the earlier run in {out}")
+        for folder in existing:
+            shutil.rmtree(folder)
+        _truncate_logs(out, {METRICS_FILE: 0, COMPLETIONS_FILE: 0}, log)
+
+
+def resume(trainer) -> None:
+    """Install the SIGINT/SIGTERM handlers; with --resume / resume_from_checkpoint, load a checkpoint."""
+    trainer.stop_request = StopRequest()
+    trainer.stop_request.install()
+    args = trainer.args
+    spec = args.resume_from_checkpoint or ("latest" if args.resume else None)
+    if spec is None:
+        return
+    out = Path(args.output_dir)
+    folder = newest_complete(out, trainer.log) if spec == "latest" else Path(spec)
+    if folder is None:
+        trainer.log(f"no complete checkpoint in {out}: starting the run from step 0")
+        _truncate_logs(out, {METRICS_FILE: 0, COMPLETIONS_FILE: 0}, trainer.log)  # lines of no checkpoint
+        return
+    load_checkpoint(trainer, folder)
+    trainer.log(f"resumed from {folder} at step {trainer.step}")
+
+
+def maybe_save(trainer) -> None:
+    """End of a step: save every save_steps and at the last step; stop on a signal or on too many
+    non-finite updates in a row (after saving, so nothing is lost)."""
+    args, step = trainer.args, trainer.step
+    stop = getattr(trainer, "stop_request", None)
+    too_many_faults = trainer.nonfinite_in_a_row >= args.max_consecutive_nonfinite
+    due = (args.save_steps and step % args.save_steps == 0) or step == args.max_steps
+    if due or too_many_faults or (stop is not None and stop.signum is not None):
+        folder = save_checkpoint(trainer)
+    if too_many_faults:
+        finish(trainer, early=True)
+        raise CohortError(f"{trainer.nonfinite_in_a_row} updates in a row had a non-finite loss or gradient (up to "
+                          f"step {step}); stopped with the last finite weights in {folder}: lower --learning_rate, "
+                          "lower --max_grad_norm, or check the reward functions for inf/NaN")
+    if stop is not None and stop.signum is not None:
+        finish(trainer, early=True)
+        raise TrainingInterrupted(stop.signum, folder)
+
+
+def update_is_finite(trainer, loss: float, grad_norm) -> bool:
+    """False (and the gradients dropped, the skip counted) when the loss or the gradient norm is NaN/inf:
+    one bad batch must not poison the weights and the Adam moments for the rest of the run."""
+    if np.isfinite(loss) and bool(torch.isfinite(torch.as_tensor(grad_norm)).all()):
+        trainer.nonfinite_in_a_row = 0
+        return True
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.skipped_steps += 1
+    trainer.nonfinite_in_a_row += 1
+    trainer.log(f"step {trainer.step}: non-finite loss ({loss}) or gradient norm ({float(grad_norm)}): update "
+                f"skipped ({trainer.nonfinite_in_a_row} in a row, {trainer.skipped_steps} in all)")
+    return False
+
+
+def finish(trainer, early: bool = False) -> None:
+    """SIGINT/SIGTERM back to their previous handlers; leaving train() early, close the logs and display."""
+    if early:
+        trainer.metrics.close()
+        trainer.progress.close()
+    if getattr(trainer, "stop_request", None) is not None:
+        trainer.stop_request.uninstall()
+
+
+class StopRequest:
+    """SIGINT / SIGTERM during training: note it, finish the current step, save, stop. A second one stops
+    at once (the previous handler, e.g. KeyboardInterrupt, takes over). Nothing is printed inside the
+    handler: writing to a stream the main thread is writing to would raise a reentrant-call error."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for signum in self.SIGNALS:
+            self.previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            return
+        previous = self.previous.get(signum, signal.SIG_DFL)
+        self.uninstall()
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+# ---- writing -----------------------------------------------------------------------------------
+
+def save_checkpoint(trainer) -> Path:
+    """Write checkpoint-<step> atomically, then keep the newest save_total_limit checkpoints."""
+    out, step = Path(trainer.args.output_dir), trainer.step
+    final = out / f"{PREFIX}{step}"
+    if getattr(trainer, "saved_step", None) == step and check_checkpoint(final, hashes=False) is None:
+        return final  # already saved at this step (a signal arrived on a save step)
+    _remove_leftovers(out)
+    temp = out / f"{TEMP_PREFIX}{step}-{os.getpid()}"
+    try:
+        temp.mkdir()
+        _write_contents(trainer, temp)
+        _write_manifest(temp, step)
+        _replace_folder(temp, final)
+    except Exception as error:
+        shutil.rmtree(temp, ignore_errors=True)
+        previous = [c.name for c in list_checkpoints(out) if c != final]
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        if _is_disk_full(error):
+            raise CohortError(f"disk full while saving {final.name} in {out}: free space there (or lower "
+                              f"--save_total_limit), then continue with --resume; {kept}") from error
+        if isinstance(error, OSError):
+            raise CohortError(f"cannot save {final.name} in {out} ({error.strerror or error}); make the folder "
+                              f"writable, then continue with --resume; {kept}") from error
+        raise
+    trainer.saved_step = step
+    prune_checkpoints(out, trainer.args.save_total_limit)
+    return final
+
+
+def _write_contents(trainer, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_policy(trainer.model, trainer.tokenizer, folder)
+    if trainer.ref_model is not None:
+        state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in trainer.ref_model.state_dict().items()}
+        save_file(_untied(state), str(folder / REFERENCE_FILE))
+    _save_optimizer(trainer, folder / OPTIMIZER_FILE)
+    if callable(getattr(trainer, "extra_checkpoint_state", None)):  # a subclass's own state (PPO's critic)
+        torch.save(trainer.extra_checkpoint_state(), folder / EXTRA_FILE)
+    for index, func in enumerate(trainer.rewards.funcs):
+        if callable(getattr(func, "state_dict", None)) and callable(getattr(func, "load_state_dict", None)):
+            (folder / REWARD_DIR / str(index)).mkdir(parents=True)
+            torch.save(func.state_dict(), folder / REWARD_DIR / str(index) / "state.pt")
+    out = Path(trainer.args.output_dir)
+    state = {
+        "format": FORMAT_VERSION,
+        "step": trainer.step,
+        "model_shapes": {k: list(v.shape) for k, v in trainer.model.state_dict().items()},
+        "data_order": list(trainer.data_order),
+        "data_rng": _python_state(trainer.data_rng.getstate()),
+        "python_random": _python_state(random.getstate()),
+        "numpy_random": _numpy_state(),
+        "torch_random": torch.get_rng_state().tolist(),
+        "cuda_random": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else None,
+        "history": trainer.history,
+        "accuracy_before": trainer.accuracy_before,
+        "skipped_steps": trainer.skipped_steps,
+        "nonfinite_in_a_row": trainer.nonfinite_in_a_row,
+        # metrics.jsonl / completions.jsonl are flushed per line: their sizes now mark this step's end.
+        "file_sizes": {name: (out / name).stat().st_size if (out / name).exists() else 0
+                       for name in (METRICS_FILE, COMPLETIONS_FILE)},
+        "config": trainer.args.to_dict(),
+    }
+    (folder / TRAINER_STATE).write_text(json.dumps(state, default=_plain) + "\n")
+
+
+def _save_optimizer(trainer, path: Path) -> None:
+    torch.save({"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()}, path)
+
+
+def _write_manifest(folder: Path, step: int) -> None:
+    """Fsync every file and record its size and sha256; complete.json itself is written last."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        files[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path, fsync=True)}
+    marker = folder / MARKER
+    with open(marker, "w") as handle:
+        json.dump({"format": FORMAT_VERSION, "step": step, "files": files}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    for directory in sorted({p.parent for p in folder.rglob("*")} | {folder}):
+        _fsync_dir(directory)
+
+
+def _replace_folder(temp: Path, final: Path) -> None:
+    """rename(temp → final); an existing final (an old fork of this step) is moved aside first."""
+    trash = None
+    if final.exists():
+        trash = final.parent / f"{TRASH_PREFIX}{final.name}-{os.getpid()}"
+        os.rename(final, trash)
+    os.rename(temp, final)
+    _fsync_dir(final.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def prune_checkpoints(out: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints (0 keeps all); older broken ones go too."""
+    if keep <= 0:
+        return
+    folders = list_checkpoints(out)
+    complete = [f for f in folders if check_checkpoint(f, hashes=False) is None]
+    if len(complete) <= keep:
+        return
+    oldest_kept = _step_of(complete[-keep])
+    for folder in folders:
+        if _step_of(folder) < oldest_kept:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Temporary folders of writes that were killed midway (nothing refers to them)."""
+    for path in out.glob(".*-checkpoint-*"):
+        if path.is_dir() and path.name.startswith((TEMP_PREFIX, TRASH_PREFIX)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- finding and checking ----------------------------------------------------------------------
+
+def list_checkpoints(out: Path) -> list[Path]:
+    """checkpoint-<step> folders in `out`, oldest first (complete or not)."""
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    found = [p for p in out.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
+    return sorted(found, key=_step_of)
+
+
+def check_checkpoint(folder: Path, hashes: bool = True) -> str | None:
+    """None when `folder` is a complete, intact checkpoint, else why not ("incomplete (…)", "corrupt (…)")."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "not a folder" if folder.exists() else "missing"
+    marker = folder / MARKER
+    if not marker.is_file():
+        return f"incomplete (no {MARKER}: its write was interrupted)"
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"corrupt ({MARKER} is not a valid manifest)"
+    if TRAINER_STATE not in files:
+        return f"corrupt ({MARKER} lists no {TRAINER_STATE})"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"corrupt ({name} is missing)"
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            return f"corrupt ({name} has {size} bytes, its manifest says {expected['bytes']})"
+        if hashes and _sha256(path) != expected["sha256"]:
+            return f"corrupt ({name} differs from its manifest's sha256)"
+    return None
+
+
+def newest_complete(out: Path, log=print) -> Path | None:
+    """The newest checkpoint that passes `check_checkpoint`; each newer broken one is reported in one line."""
+    for folder in reversed(list_checkpoints(out)):
+        reason = check_checkpoint(folder)
+        if reason is None:
+            return folder
+        log(f"skipping {folder.name}: {reason}")
+    return None
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+def load_checkpoint(trainer, folder: Path) -> None:
+    """Restore everything `_write_contents` saved into an already-built trainer."""
+    from .models.loading import _safetensors_files, read_safetensors
+
+    folder = Path(folder)
+    state = json.loads((folder / TRAINER_STATE).read_text())
+    _check_same_model(trainer.model, state.get("model_shapes", {}), folder)
+    _load_weights(trainer.model, read_safetensors(_safetensors_files(folder)), folder)  # sharded or not
+    if trainer.ref_model is not None:
+        if (folder / REFERENCE_FILE).is_file():
+            _load_weights(trainer.ref_model, read_safetensors([folder / REFERENCE_FILE]), folder)
+        else:  # the checkpoint was written with β = 0: start a fresh outer iteration from the policy
+            trainer.ref_model.load_state_dict(trainer.model.state_dict())
+    saved = _torch_load(folder / OPTIMIZER_FILE)
+    trainer.optimizer.load_state_dict(saved["optimizer"])
+    trainer.scheduler.load_state_dict(saved["scheduler"])
+    if (folder / EXTRA_FILE).is_file() and callable(getattr(trainer, "load_extra_checkpoint_state", None)):
+        trainer.load_extra_checkpoint_state(_torch_load(folder / EXTRA_FILE))
+    trainer.step = int(state["step"])
+    trainer.saved_step = trainer.step
+    if getattr(trainer, "curriculum", None) is not None and trainer.step > 0:
+        trainer.curriculum.enter(trainer)  # the checkpoint's stage: its rows and rewards, before their state
+    for index, func in enumerate(trainer.rewards.funcs):
+        path = folder / REWARD_DIR / str(index) / "state.pt"
+        if path.is_file() and callable(getattr(func, "load_state_dict", None)):
+            func.load_state_dict(_torch_load(path))
+    trainer.data_order = [int(i) for i in state["data_order"]]
+    trainer.data_rng.setstate(_python_state(state["data_rng"], restore=True))
+    random.setstate(_python_state(state["python_random"], restore=True))
+    np.random.set_state(_numpy_state(state["numpy_random"]))
+    torch.set_rng_state(torch.tensor(state["torch_random"], dtype=torch.uint8))
+    if state.get("cuda_random") and torch.cuda.is_available() and len(state["cuda_random"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda_random"]])
+    trainer.history = state["history"]
+    _report_changed_options(state.get("config", {}), trainer.args.to_dict(), trainer.log)
+    trainer.accuracy_before = state.get("accuracy_before")
+    trainer.skipped_steps = int(state.get("skipped_steps", 0))
+    trainer.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+    if folder.parent.resolve() == Path(trainer.args.output_dir).resolve():
+        _truncate_logs(Path(trainer.args.output_dir), state.get("file_sizes", {}), trainer.log)
+
+
+def _report_changed_options(saved: dict, current: dict, log) -> None:
+    """One line naming the options that differ from the checkpoint's run (the resumed run then differs too)."""
+    ignored = {"resume", "resume_from_checkpoint", "overwrite_output_dir", "output_dir", "quiet", "report_to"}
+    changed = [f"{k}: {saved[k]!r} → {current[k]!r}" for k in sorted(saved.keys() & current.keys())
+               if k not in ignored and saved[k] != current[k]]
+    if changed:
+        log(f"resuming with changed options ({'; '.join(changed)})")
+
+
+def _check_same_model(model, saved_shapes: dict, folder: Path) -> None:
+    current = {k: list(v.shape) for k, v in model.state_dict().items()}
+    for name in sorted(set(current) | set(saved_shapes)):
+        if current.get(name) != saved_shapes.get(name):
+            raise CohortError(f"{folder} was saved from another model ({name}: shape {saved_shapes.get(name)} there, "
+                              f"{current.get(name)} here); resume with the --model it was trained from, or use "
+                              "another --output_dir")
+
+
+def _load_weights(model, state: dict, folder: Path) -> None:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # A tied lm_head is stored once (as the embedding it shares storage with); loading that fills it.
+    current = model.state_dict()
+    loaded_storage = {current[k].data_ptr() for k in state if k in current}
+    untied_missing = [k for k in missing if current[k].data_ptr() not in loaded_storage]
+    if untied_missing or unexpected:
+        raise CohortError(f"{folder} does not match this model (missing {sorted(untied_missing)[:3]}, "
+                          f"unexpected {sorted(unexpected)[:3]}); resume with the --model it was trained from")
+
+
+def _torch_load(path: Path):
+    """Tensors and plain containers only: weights_only=True refuses pickled code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # UnpicklingError for anything but tensors / plain data
+        raise CohortError(f"cannot load {path} with torch.load(weights_only=True): {type(error).__name__}; "
+                          "it is damaged or holds more than tensors and plain data") from None
+
+
+def _truncate_logs(out: Path, sizes: dict, log) -> None:
+    """Cut metrics.jsonl / completions.jsonl back to their size at the checkpoint: the lines the killed
+    attempt wrote after it are written again, identically, by the resumed run."""
+    for name, size in sizes.items():
+        path = out / name
+        if path.exists() and path.stat().st_size >= size:
+            os.truncate(path, size)  # the logger's append-mode handle keeps writing at the new end
+        elif path.exists():
+            log(f"{name} is shorter than when the checkpoint was saved; appending to it as it is")
+
+
+# ---- small helpers -----------------------------------------------------------------------------
+
+def _plain(value):
+    """JSON for a metric someone logged as a tensor / numpy scalar."""
+    return value.item() if hasattr(value, "item") else str(value)
+
+
+def _step_of(folder: Path) -> int:
+    return int(Path(folder).name[len(PREFIX):])
+
+
+def _untied(state: dict) -> dict:
+    """safetensors refuses two names for one storage: keep the first name of each."""
+    seen, out = set(), {}
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor
+    return out
+
+
+def _python_state(state, restore: bool = False):
+    """random.Random state ↔ JSON: (version, tuple of 625 ints, gauss_next)."""
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss) if restore else [version, list(internal), gauss]
+
+
+def _numpy_state(saved=None):
+    """numpy's legacy global state ↔ JSON: (name, 624 uint32 keys, pos, has_gauss, cached_gaussian)."""
+    if saved is None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return saved[0], np.array(saved[1], dtype=np.uint32), *saved[2:]
+
+
+def _sha256(path: Path, fsync: bool = False) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+        if fsync:
+            os.fsync(handle.fileno())
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    """ENOSPC / EDQUOT, also when a library wrapped it (torch.save: "file write failed", safetensors:
+    "No space left on device")."""
+    for e in (error, error.__cause__, error.__context__):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+    text = str(error)
+    return "No space left" in text or "os error 28" in text or "file write failed" in text

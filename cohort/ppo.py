@@ -1,0 +1,177 @@
+"""PPO with a learned critic and GAE: the baseline GRPO was designed to remove.
+
+PPO (Schulman et al. 2017) as used for language models (Ziegler et al. 2019; Ouyang et al. 2022,
+InstructGPT): each completion token is an action; the reward is 0 on every token except the
+last, which gets the task reward, and −β·KL(π_old ‖ π_ref) per token (the k1 estimate) when β > 0;
+a critic V(prompt, y_<t) turns those rewards into per-token advantages by GAE (Schulman et al.
+2015). GRPO (DeepSeekMath §4.1) replaces the critic with the group mean — so this file is what
+the comparison in bench/algorithms.py measures: the critic's memory and compute.
+
+The critic is a *separate copy* of the policy with a scalar head on its final hidden states, not a
+head on the policy's own trunk. That is the classic setup (InstructGPT, OpenRLHF and verl's
+defaults): policy and value losses do not fight over shared weights, and its cost — a second
+model, its optimizer state and its forward/backward passes — is exactly what GRPO saves.
+
+`PPOTrainer` subclasses `GRPOTrainer` and overrides only two steps of Algorithm 1: the log-prob
+phase (where it also runs the critic and computes GAE advantages, which need those forward
+passes) and the update (policy update, then a critic update). Sampling, rewards, logging and
+evaluation are the GRPO trainer's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .algo import gae_advantages, kl_penalty, value_loss, whiten
+from .config import GRPOConfig
+from .errors import CohortError
+from .logprobs import supports_hidden
+from .trainer import Batch, GRPOTrainer
+
+
+@dataclass
+class PPOConfig(GRPOConfig):
+    # PPO (issue 10). TRL's PPOConfig names where they exist; β (`beta`) is TRL's kl_coef.
+    gamma: float = 1.0  # discount per token
+    lam: float = 0.95  # GAE λ
+    cliprange_value: float = 0.2  # clip of the value update around the rollout-time values
+    critic_learning_rate: float | None = None  # None → learning_rate
+    whiten_advantages: bool = True  # normalise GAE advantages over the batch's tokens
+    loss_type: str = "dapo"  # PPO's usual token-mean over the batch
+
+    def validate(self) -> "PPOConfig":
+        super().validate()
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise CohortError(f"{name}={getattr(self, name)} must lie in [0, 1]")
+        if self.cliprange_value <= 0:
+            raise CohortError(f"cliprange_value={self.cliprange_value} must be positive")
+        if self.critic_learning_rate is not None and self.critic_learning_rate <= 0:
+            raise CohortError(f"critic_learning_rate={self.critic_learning_rate} must be positive")
+        return self
+
+
+class ValueModel(nn.Module):
+    """A copy of the policy's decoder with a scalar head: V(prompt, y_<t) for each completion token."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.body = copy.deepcopy(policy)
+        hidden_size = policy.lm_head.weight.shape[1]  # our CausalLM and HF causal LMs both have lm_head
+        self.value_head = nn.Linear(hidden_size, 1)
+        # Start from V ≡ 0 so the first advantages are the plain returns, not noise from a random head.
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+        for p in self.body.parameters():
+            p.requires_grad_(True)
+        # Our CausalLM returns the final hidden states itself; Hugging Face models give them on request.
+        self.own_model = supports_hidden(policy) or "return_hidden" in inspect.signature(policy.forward).parameters
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int) -> torch.Tensor:
+        """`[B, num_completion]`: the value before each of the last `num_completion` tokens (the
+        hidden state at column P−1+t, the one whose logits predict completion token t)."""
+        position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        if self.own_model:
+            hidden = self.body(input_ids, position_ids=position_ids, attention_mask=attention_mask, return_hidden=True)
+        else:
+            out = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            output_hidden_states=True)
+            hidden = out.hidden_states[-1]
+        hidden = hidden[:, -num_completion - 1 : -1]
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+
+class PPOTrainer(GRPOTrainer):
+    def __init__(self, model, reward_funcs=None, train_dataset=None, args: PPOConfig | None = None, **kwargs):
+        args = args if args is not None else PPOConfig()
+        if not isinstance(args, PPOConfig):
+            raise CohortError("PPOTrainer needs a PPOConfig (it adds gamma, lam, cliprange_value, ...); "
+                              "build one with PPOConfig(**your_options)")
+        super().__init__(model, reward_funcs, train_dataset, args=args, **kwargs)
+        self.critic = ValueModel(self.model).to(self.device)
+        self.critic_optimizer = torch.optim.AdamW(
+            self.critic.parameters(), lr=args.critic_learning_rate or args.learning_rate,
+            weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2))
+        self.value_targets: tuple[torch.Tensor, torch.Tensor] | None = None  # (V_old, returns) of this rollout
+
+    # ---- the two overridden steps of Algorithm 1 ------------------------------------------------
+    @torch.no_grad()
+    def reference_logprobs(self, batch: Batch) -> None:
+        """log π_old / log π_ref as GRPO, then the critic's values and GAE advantages (they need them)."""
+        args = self.args
+        super().reference_logprobs(batch)
+        mask = batch.rollout.completion_mask.float()
+        token_rewards = torch.zeros_like(mask)
+        last = (mask.sum(dim=1).long() - 1).clamp(min=0)
+        token_rewards[torch.arange(len(last)), last] = batch.rewards.float()
+        metrics = {}
+        if batch.ref_logp is not None:
+            old = batch.old_logp if batch.old_logp is not None else self._logprobs_no_grad(self.model, batch)
+            kl = kl_penalty(old, batch.ref_logp, "k1") * mask  # per-token KL in the reward (InstructGPT)
+            token_rewards = token_rewards - args.beta * kl
+            metrics["kl"] = float(kl.sum() / mask.sum().clamp(min=1))
+            batch.ref_logp = None  # the KL lives in the reward; the policy loss must not add it again
+        values = self._values_no_grad(batch)
+        advantages, returns = gae_advantages(token_rewards, values, mask, args.gamma, args.lam)
+        if args.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        batch.advantages = advantages
+        self.value_targets = (values, returns)
+        metrics["ppo/value_mean"] = float((values * mask).sum() / mask.sum().clamp(min=1))
+        metrics["ppo/return_mean"] = float((returns * mask).sum() / mask.sum().clamp(min=1))
+        batch.reward_metrics = {**(batch.reward_metrics or {}), **metrics}
+
+    def update(self, batch: Batch) -> dict:
+        stats = super().update(batch)  # the clipped policy surrogate on GAE advantages (per token)
+        stats.update(self.update_critic(batch))
+        return stats
+
+    # ---- critic ------------------------------------------------------------------------------
+    def update_critic(self, batch: Batch) -> dict:
+        """One optimizer step of the clipped value loss, token mean over the whole rollout."""
+        args = self.args
+        old_values, returns = self.value_targets
+        self.critic.train()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        keep = self.loss_rows(batch)
+        total_tokens = float((batch.rollout.completion_mask * keep.unsqueeze(1)).sum())
+        loss_sum = 0.0
+        for start in range(0, len(batch.rows), args.per_device_train_batch_size):
+            idx = slice(start, start + args.per_device_train_batch_size)
+            input_ids, attention_mask, completion, mask = self._micro_batch(batch, idx)
+            width = completion.shape[1]
+            loss_mask = mask * keep[idx].unsqueeze(1).to(self.device)
+            tokens = float(loss_mask.sum())
+            if tokens == 0:
+                continue
+            values = self.critic(input_ids, attention_mask, width)
+            loss = value_loss(values, old_values[idx, :width].to(self.device), returns[idx, :width].to(self.device),
+                              loss_mask, args.cliprange_value)
+            (loss * tokens / max(total_tokens, 1.0)).backward()  # token mean over the whole rollout
+            loss_sum += float(loss.detach()) * tokens / max(total_tokens, 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), args.max_grad_norm)
+        self.critic_optimizer.step()
+        return {"value_loss": loss_sum, "critic_grad_norm": float(grad_norm)}
+
+    @torch.no_grad()
+    def _values_no_grad(self, batch: Batch) -> torch.Tensor:
+        full = torch.zeros(batch.rollout.completion_ids.shape, dtype=torch.float32)
+        self.critic.eval()
+        for start in range(0, len(batch.rows), self.args.per_device_train_batch_size):
+            idx = slice(start, start + self.args.per_device_train_batch_size)
+            input_ids, attention_mask, completion, mask = self._micro_batch(batch, idx)
+            values = self.critic(input_ids, attention_mask, completion.shape[1]) * mask
+            full[idx, : values.shape[1]] = values.cpu()
+        return full
+
+    def completion_samples(self, batch: Batch, limit: int = 8) -> list[dict]:
+        """As GRPO's, with each completion's per-token advantages summarised by their mean."""
+        mask = batch.rollout.completion_mask.float()
+        per_completion = (batch.advantages * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return super().completion_samples(dataclasses.replace(batch, advantages=per_completion), limit)

@@ -1,0 +1,132 @@
+"""Curriculum: parsing (CLI and YAML), stage boundaries, and a real trainer run that switches prompts
+and reward functions at the boundary and logs `curriculum/stage` and `informative`."""
+
+import json
+
+import pytest
+import torch
+
+from cohort import GRPOConfig, GRPOTrainer
+from cohort.config import parse_config
+from cohort.curriculum import Curriculum, parse_curriculum
+from cohort.errors import CohortError
+from cohort.tasks import get_task
+from cohort.tiny import TINY_SPEC, build_model, build_tokenizer
+
+torch.set_num_threads(1)
+
+
+def test_compact_cli_form_and_yaml_agree(tmp_path):
+    from_cli = parse_config(["--curriculum", "arithmetic:50,gsm8k:200"]).curriculum
+    assert from_cli == [{"task": "arithmetic", "steps": 50}, {"task": "gsm8k", "steps": 200}]
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("curriculum:\n  - {task: arithmetic, steps: 50, levels: '1,2'}\n  - task: gsm8k\n    steps: 200\n")
+    from_yaml = parse_config(["--config", str(yaml_file)]).curriculum
+    assert from_yaml == [{"task": "arithmetic", "steps": 50, "levels": "1,2"}, {"task": "gsm8k", "steps": 200}]
+    assert GRPOConfig().validate().curriculum is None
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ("arithmetic", "is not TASK:STEPS"),
+    ("arithmetic:ten", "steps must be a positive whole number"),
+    ("arithmetic:0", "steps must be a positive whole number"),
+    ("arithmetic:2.5", "steps must be a positive whole number"),
+    ("algebra:5", "unknown task 'algebra'"),
+    ([{"task": "arithmetic"}], "needs 'task' and 'steps'"),
+    ([{"task": "arithmetic", "steps": 3, "level": 2}], "unknown option(s) ['level']"),
+    ({"task": "arithmetic"}, "must be a list of stages"),
+])
+def test_bad_curricula_are_one_line_errors(raw, fragment):
+    with pytest.raises(CohortError) as error:
+        parse_curriculum(raw)
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_stage_boundaries():
+    curriculum = Curriculum([{"task": "arithmetic", "steps": 2}, {"task": "gsm8k", "steps": 3}], GRPOConfig())
+    # steps 1-2 → stage 0, 3-5 → stage 1, and the last stage continues past its steps
+    assert [curriculum.stage_at(s) for s in range(1, 9)] == [0, 0, 1, 1, 1, 1, 1, 1]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_curriculum")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0, spec=dict(TINY_SPEC, max_position_embeddings=1024)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+class RecordingTrainer(GRPOTrainer):
+    """Remembers each step's prompts and rewards, to check the logged metrics independently."""
+
+    def next_prompts(self):
+        rows = super().next_prompts()
+        self.seen = getattr(self, "seen", []) + [(self.step, rows)]
+        return rows
+
+    def score(self, batch):
+        super().score(batch)
+        self.scored = getattr(self, "scored", []) + [(self.step, batch.rewards.clone())]
+
+
+def _args(tmp_path, **overrides):
+    base = dict(num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                max_completion_length=6, max_prompt_length=1024, max_steps=4, learning_rate=1e-4,
+                output_dir=str(tmp_path), quiet=True, seed=0, device="cpu")
+    base.update(overrides)
+    return GRPOConfig(**base)
+
+
+def test_trainer_switches_prompts_and_rewards_at_the_boundary(tiny_dir, tmp_path):
+    data = tmp_path / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Add {a} and {a}.", "answer": f"x\n#### {2 * a}"}) + "\n"
+                            for a in range(6)))
+    stages = [{"task": "arithmetic", "steps": 2, "levels": "2"}, {"task": "gsm8k", "steps": 2, "data_files": str(data)}]
+    task = get_task("arithmetic")
+    trainer = RecordingTrainer(tiny_dir, None, task.load("train", levels=[3], size=20), task=task,
+                               args=_args(tmp_path / "run", curriculum=stages), log=lambda *_: None)
+    trainer.train()
+    for step, rows in trainer.seen:
+        if step <= 2:
+            assert all(r["level"] == 2 for r in rows)  # the stage's own levels, not the run's level 3
+        else:
+            assert all(r["question"].startswith("Add ") for r in rows)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in metrics if "loss" in r}
+    assert [steps[s]["curriculum/stage"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    for s in (1, 2):  # arithmetic's reward function only
+        assert "rewards/answer_reward/mean" in steps[s] and "rewards/format_reward/mean" not in steps[s]
+    for s in (3, 4):  # GSM8K's default mix
+        assert {"rewards/format_reward/mean", "rewards/tag_count_reward/mean", "rewards/accuracy_reward/mean"} <= set(steps[s])
+        assert "rewards/answer_reward/mean" not in steps[s]
+    _check_informative(trainer, steps)
+
+
+def _check_informative(trainer, steps) -> list[float]:
+    """`informative` = fraction of groups whose rewards are not all equal, recomputed from the scored rewards."""
+    values = []
+    for step, rewards in trainer.scored:
+        groups = rewards.view(-1, 4)
+        expected = float((groups.max(dim=1).values != groups.min(dim=1).values).float().mean())
+        assert steps[step]["informative"] == pytest.approx(expected)
+        assert steps[step]["frac_reward_zero_std"] == pytest.approx(1 - expected)
+        values.append(expected)
+    return values
+
+
+def first_char_is_digit(prompts, completions, **_):
+    return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
+
+
+def test_explicit_reward_funcs_are_kept_for_every_stage(tiny_dir, tmp_path):
+    stages = [{"task": "arithmetic", "steps": 1, "levels": "2"}, {"task": "arithmetic", "steps": 1, "levels": "4"}]
+    trainer = RecordingTrainer(tiny_dir, first_char_is_digit, [{"prompt": "1+1=?"}],
+                               args=_args(tmp_path, curriculum=stages, max_steps=3, max_completion_length=3), log=lambda *_: None)
+    runner = trainer.rewards
+    trainer.train()
+    assert trainer.rewards is runner and trainer.rewards.names == ["first_char_is_digit"]
+    assert [{r["level"] for r in rows} for _, rows in trainer.seen] == [{2}, {4}, {4}]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    informative = _check_informative(trainer, {r["step"]: r for r in metrics if "loss" in r})
+    assert any(0 < v for v in informative)  # a random policy's digit-or-not reward splits some groups

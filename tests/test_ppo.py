@@ -1,0 +1,116 @@
+"""PPO with a separate critic and GAE, on a tiny random model: advantages against an independent
+loop, the critic learns its returns, and the trainer reuses GRPO's loop."""
+
+import pytest
+import torch
+
+from cohort.errors import CohortError
+from cohort.config import GRPOConfig
+from cohort.ppo import PPOConfig, PPOTrainer
+from cohort.tiny import build_model, build_tokenizer
+
+PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n"} for a in range(10) for b in range(10)]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def digit_first(prompts, completions, completion_ids=None, **_):
+    return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
+
+
+def _trainer(tiny_dir, tmp_path, **overrides):
+    base = dict(num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                max_completion_length=4, max_steps=2, learning_rate=1e-3, output_dir=str(tmp_path), quiet=True,
+                seed=0, beta=0.1, gamma=0.9, lam=0.8, whiten_advantages=False)
+    base.update(overrides)
+    return PPOTrainer(tiny_dir, digit_first, PROMPTS, args=PPOConfig(**base))
+
+
+def _rollout(trainer):
+    batch = trainer.sample_batch(trainer.next_prompts())
+    trainer.score(batch)
+    return batch
+
+
+def test_ppo_advantages_are_gae_of_terminal_reward_minus_kl(tiny_dir, tmp_path):
+    trainer = _trainer(tiny_dir, tmp_path)
+    with torch.no_grad():  # a non-zero critic and a reference unlike the policy, so every term matters
+        trainer.critic.value_head.weight.normal_(0, 0.5)
+        trainer.critic.value_head.bias.fill_(0.3)
+        for p in trainer.ref_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = _rollout(trainer)
+    with torch.no_grad():
+        old = trainer._logprobs_no_grad(trainer.model, batch)
+        ref = trainer._logprobs_no_grad(trainer.ref_model, batch)
+        values = trainer._values_no_grad(batch)
+    trainer.reference_logprobs(batch)
+    gamma, lam, beta = 0.9, 0.8, 0.1
+    mask = batch.rollout.completion_mask
+    for b in range(len(batch.rows)):
+        n = int(mask[b].sum())
+        rewards = [-beta * float(old[b, t] - ref[b, t]) for t in range(n)]
+        rewards[n - 1] += float(batch.rewards[b])
+        running, want = 0.0, [0.0] * n
+        for t in reversed(range(n)):
+            next_value = float(values[b, t + 1]) if t + 1 < n else 0.0
+            running = rewards[t] + gamma * next_value - float(values[b, t]) + gamma * lam * running
+            want[t] = running
+        assert batch.advantages[b, :n].tolist() == pytest.approx(want, abs=1e-5)
+        assert batch.advantages[b, n:].abs().sum() == 0
+        assert trainer.value_targets[1][b, :n].tolist() == pytest.approx(
+            [a + float(values[b, t]) for t, a in enumerate(want)], abs=1e-5)
+    assert batch.ref_logp is None  # the KL is in the reward, not added to the loss a second time
+    assert batch.reward_metrics["kl"] > 0
+
+
+def test_critic_learns_the_returns(tiny_dir, tmp_path):
+    trainer = _trainer(tiny_dir, tmp_path, critic_learning_rate=3e-3, cliprange_value=10.0, beta=0.0)
+    batch = _rollout(trainer)
+    trainer.reference_logprobs(batch)
+    losses = [trainer.update_critic(batch)["value_loss"] for _ in range(15)]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_value_clip_stops_the_gradient_only_when_the_clipped_error_is_larger(tiny_dir, tmp_path):
+    """V sits 1 below V_old, clip c = 0.1, so V_clip = V + 0.9. Return 5 below V: the clipped error (5.9)
+    beats the unclipped one (5) and is constant in V, so no gradient. Return 5 above V: the unclipped
+    error (5) beats the clipped one (4.1), and the gradient flows."""
+    trainer = _trainer(tiny_dir, tmp_path, cliprange_value=0.1, beta=0.0)
+    batch = _rollout(trainer)
+    trainer.reference_logprobs(batch)
+    values, _ = trainer.value_targets
+    for offset, want_gradient in ((-5.0, False), (5.0, True)):
+        trainer.value_targets = (values + 1.0, values + offset)
+        stats = trainer.update_critic(batch)
+        assert stats["value_loss"] == pytest.approx(0.5 * 5.0**2 if want_gradient else 0.5 * 5.9**2, rel=1e-4)
+        assert (stats["critic_grad_norm"] > 0) == want_gradient
+
+
+def test_ppo_training_moves_policy_and_separate_critic(tiny_dir, tmp_path):
+    trainer = _trainer(tiny_dir, tmp_path, whiten_advantages=True, num_iterations=2)
+    policy_before = [p.detach().clone() for p in trainer.model.parameters()]
+    critic_before = [p.detach().clone() for p in trainer.critic.parameters()]
+    # The critic is a copy, not a view of the policy's weights.
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(trainer.critic.body.parameters(), trainer.model.parameters()))
+    history = trainer.train()
+    assert len(history) == 2 and all("value_loss" in h and "ppo/value_mean" in h for h in history)
+    assert any(not torch.equal(a, p) for a, p in zip(policy_before, trainer.model.parameters()))
+    assert any(not torch.equal(a, p) for a, p in zip(critic_before, trainer.critic.parameters()))
+
+
+def test_ppo_config_validation(tiny_dir, tmp_path):
+    with pytest.raises(CohortError):
+        PPOConfig(lam=1.5).validate()
+    with pytest.raises(CohortError):
+        PPOConfig(cliprange_value=0).validate()
+    with pytest.raises(CohortError, match="PPOConfig"):
+        PPOTrainer(tiny_dir, digit_first, PROMPTS, args=GRPOConfig(output_dir=str(tmp_path)))
