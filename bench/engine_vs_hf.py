@@ -27,7 +27,8 @@ import numpy as np
 def run(impl: str, seed: int, args, root: Path) -> dict:
     out = root / f"{impl}-seed{seed}"
     command = [sys.executable, "-m", "cohort", "train", "--model_impl", impl, "--seed", str(seed),
-               "--max_steps", str(args.max_steps), "--output_dir", str(out), "--quiet", "true"]
+               "--max_steps", str(args.max_steps), "--output_dir", str(out), "--quiet", "true",
+               "--logging_steps", "1"]
     started = time.perf_counter()
     subprocess.run(command, check=True)
     seconds = time.perf_counter() - started

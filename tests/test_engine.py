@@ -370,3 +370,4 @@ def test_fused_projections_share_storage_and_follow_training(tmp_path):
         unfused = model(ids)
         model.fuse_projections()
         assert torch.allclose(model(ids), unfused, atol=1e-5)
+
