@@ -2,8 +2,8 @@
 
 Runs the engine on the random-init Qwen2.5-0.5B shape (as bench/rollout.py) with CUDA graphs off,
 so every kernel is visible to the profiler, fused kernels on or off, and prints the kernels that
-take most of the GPU time per decode step, plus the step's total kernel time against its wall time
-(the gap is launch overhead, which the CUDA graph removes).
+take most of the GPU time per decode step. The prefill is taken out: a run of 1 new token (prefill
+and first sample) is profiled too, and the per-step figures are (long run − that) ÷ (steps − 1).
 
     python bench/profile_decode.py --sequences 256 --steps 32
 """
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,23 +35,33 @@ def main(argv=None) -> None:
     _, model = build_models("0.5b")
     prompts = torch.randint(0, model.config.vocab_size, (args.sequences, args.prompt_len)).tolist()
     for fused in (True, False):
-        engine = Engine(model, max_batch_size=args.sequences, use_cuda_graph=False, compile_step=fused)
+        engine = Engine(model, max_batch_size=args.sequences, use_cuda_graph=False, compile_kernels=fused)
         engine.bucketed = True
-        params = SamplingParams(max_new_tokens=args.steps, temperature=1.0, eos_token_ids=[], seed=0)
-        engine.generate(prompts, 1, params)  # warm-up (and compilation)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            engine.generate(prompts, 1, params)
-            torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        kernel_us = sum(e.self_device_time_total for e in events)
-        print(f"\n== fused kernels {'on' if fused else 'off'}: {args.sequences} sequences, {args.steps} steps; "
-              f"kernel time {kernel_us / args.steps / 1000:.3f} ms per step ==")
-        events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-        for e in events[: args.top]:
-            print(f"{e.self_device_time_total / args.steps / 1000:8.4f} ms/step  {e.count / args.steps:6.1f} calls/step  "
-                  f"{e.key[:110]}")
+        engine.generate(prompts, 1, SamplingParams(max_new_tokens=args.steps, eos_token_ids=[], seed=0))  # warm-up
+        long, short = (kernel_times(engine, prompts, n) for n in (args.steps, 1))
+        decode_steps = args.steps - 1
+        per_step = {}
+        for key, (us, calls) in long.items():
+            prefill_us, prefill_calls = short.get(key, (0.0, 0))
+            per_step[key] = ((us - prefill_us) / decode_steps, (calls - prefill_calls) / decode_steps)
+        total_ms = sum(t for t, _ in per_step.values()) / 1000
+        print(f"\n== fused kernels {'on' if fused else 'off'}: {args.sequences} sequences; "
+              f"kernel time {total_ms:.3f} ms per decode step ==")
+        for key, (us, calls) in sorted(per_step.items(), key=lambda kv: kv[1][0], reverse=True)[: args.top]:
+            print(f"{us / 1000:8.4f} ms/step  {calls:6.1f} calls/step  {key[:110]}")
         engine.release()
+
+
+def kernel_times(engine, prompts, new_tokens: int) -> dict[str, tuple[float, int]]:
+    """{kernel name: (GPU µs, launches)} of one generate() call. Only CUDA kernels are counted, not
+    the aten ops that launch them, so nothing is counted twice."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, eos_token_ids=[], seed=0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, 1, params)
+        torch.cuda.synchronize()
+    return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0}
 
 
 if __name__ == "__main__":

@@ -129,8 +129,8 @@ def time_hf(hf_model, prompts: torch.Tensor, new_tokens: int) -> dict:
 
 
 def time_engine(model, prompts: torch.Tensor, new_tokens: int, max_batch: int, check_interval: int,
-                compile_step: bool | None = None) -> dict:
-    engine = Engine(model, max_batch_size=max_batch, check_interval=check_interval, compile_step=compile_step)
+                compile_kernels: bool | None = None) -> dict:
+    engine = Engine(model, max_batch_size=max_batch, check_interval=check_interval, compile_kernels=compile_kernels)
     prompt_list = prompts.tolist()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, eos_token_ids=[], seed=0)
     captured = engine.capture_graphs(len(prompt_list), prompts.shape[1] + new_tokens, new_tokens)
@@ -142,7 +142,7 @@ def time_engine(model, prompts: torch.Tensor, new_tokens: int, max_batch: int, c
     rollout = engine.generate(prompt_list, 1, params)
     synchronize()
     seconds = time.perf_counter() - start
-    stats = dict(engine.stats, graphs_precaptured=captured, compiled=engine.compile_step)
+    stats = dict(engine.stats, graphs_precaptured=captured, compiled=engine.compile_kernels)
     engine.release()
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
     return dict(seconds=seconds, tokens=int(rollout.completion_mask.sum()), peak_gib=peak, stats=stats)
@@ -166,7 +166,7 @@ def run_benchmark(args) -> list[dict]:
             if args.compile in ("off", "both"):  # the engine without torch.compile: graphs of the plain step
                 try:
                     plain = time_engine(model, prompts, args.new_tokens, min(size, args.max_batch),
-                                        args.check_interval, compile_step=False)
+                                        args.check_interval, compile_kernels=False)
                     row.update(plain_tok_s=plain["tokens"] / plain["seconds"],
                                plain_ms_per_step=1000 * plain["seconds"] / args.new_tokens)
                 except Exception as error:  # noqa: BLE001
@@ -176,7 +176,7 @@ def run_benchmark(args) -> list[dict]:
                 if args.compile == "off":
                     raise RuntimeError("skipped (--compile off)")
                 engine = time_engine(model, prompts, args.new_tokens, min(size, args.max_batch), args.check_interval,
-                                     compile_step=True)
+                                     compile_kernels=True)
                 row.update(engine_tok_s=engine["tokens"] / engine["seconds"],
                            engine_ms_per_step=1000 * engine["seconds"] / args.new_tokens,
                            engine_peak_gib=engine["peak_gib"], engine_stats=engine["stats"])
@@ -214,8 +214,8 @@ def run_check(args) -> list[dict]:
         report = dict(model=f"qwen2.5-{name}-shape", prompts=len(prompts), new_tokens=64)
         compiled = args.compile != "off"
         graphs = Engine(model, max_batch_size=8, check_interval=8, verify_graphs=True,  # 32 sequences: 4 waves
-                        compile_step=compiled)
-        eager = Engine(model, max_batch_size=8, check_interval=8, use_cuda_graph=False, compile_step=compiled)
+                        compile_kernels=compiled)
+        eager = Engine(model, max_batch_size=8, check_interval=8, use_cuda_graph=False, compile_kernels=compiled)
         eager.bucketed = True  # the same step shapes as the graphs, so the same kernels: equal tokens expected
         report["compiled"] = compiled
         for label, temperature in (("greedy", 0.0), ("sampled", 1.0)):

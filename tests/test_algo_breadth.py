@@ -305,19 +305,8 @@ def test_fill_informative_needs_no_refill_when_full():
 
 from cohort import GRPOConfig, GRPOTrainer  # noqa: E402
 from cohort.dynamic_sampling import select_groups  # noqa: E402
-from cohort.tiny import build_model, build_tokenizer  # noqa: E402
 
 PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n", "a": a} for a in range(10) for b in range(10)]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("tiny")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def digit_first(prompts, completions, completion_ids=None, **_):

@@ -11,18 +11,8 @@ import torch
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.cli import main
 from cohort.rewards.rules import accuracy_reward, format_reward
-from cohort.tiny import build_model, build_tokenizer
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_eval")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def _printed(out: str, label: str) -> float:

@@ -311,17 +311,6 @@ def has_space(prompts, completions, completion_ids=None, **_):
     return [1.0 if " " in c else 0.0 for c in completions]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from cohort.tiny import build_model, build_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def tiny_run(tiny_dir, output_dir, **overrides):
     """Train 3 steps; returns (trainer, history, rollouts captured from the sampler, one per step)."""
     from cohort import GRPOConfig, GRPOTrainer

@@ -7,19 +7,8 @@ import torch
 from cohort.errors import CohortError
 from cohort.config import GRPOConfig
 from cohort.ppo import PPOConfig, PPOTrainer
-from cohort.tiny import build_model, build_tokenizer
 
 PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n"} for a in range(10) for b in range(10)]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("tiny")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def digit_first(prompts, completions, completion_ids=None, **_):

@@ -226,17 +226,6 @@ def test_weight_count_mismatch_is_an_error():
 
 # ------------------------------------------------------- end to end: faulty rewards in a training run
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from cohort.tiny import build_model, build_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny_faults")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def nan_first_reward(prompts, completions, **_):
     return [math.nan] + [1.0] * (len(completions) - 1)
 

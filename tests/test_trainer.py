@@ -1,21 +1,10 @@
 """The trainer's Algorithm-1 structure and real learning on the tiny model."""
 
-import pytest
 import torch
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort.tiny import build_model, build_tokenizer
 
 PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n"} for a in range(10) for b in range(10)]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def _args(tmp_path, **overrides):

@@ -51,14 +51,14 @@ class Engine:
     check_interval: decode steps between host syncs (finished rows are retired at these points).
     prefill_tokens: most (padded) prompt tokens per prefill forward.
     verify_graphs: compare each captured CUDA graph with an eager step (a self-check; slower).
-    compile_step: use torch.compile'd fused kernels for norms, rotary, SwiGLU and sampling (None =
+    compile_kernels: use torch.compile'd fused kernels for norms, rotary, SwiGLU and sampling (None =
         on with CUDA graphs when triton is importable). If compilation fails, one notice is
         printed and the plain ops are used.
     """
 
     def __init__(self, model, tokenizer=None, max_batch_size: int = 256, max_seq_len: int | None = None,
                  use_cuda_graph: bool | None = None, check_interval: int = 16, prefill_tokens: int = 16384,
-                 verify_graphs: bool = False, compile_step: bool | None = None):
+                 verify_graphs: bool = False, compile_kernels: bool | None = None):
         if max_batch_size < 1:
             raise CohortError(f"max_batch_size={max_batch_size}: it must be at least 1")
         if check_interval < 1:
@@ -79,9 +79,9 @@ class Engine:
         self.prefill_tokens = prefill_tokens
         self.cache: KVCache | None = None
         self.state: SlotState | None = None
-        if compile_step is None:
-            compile_step = use_cuda_graph and triton_available()
-        self.compile_step = compile_step
+        if compile_kernels is None:
+            compile_kernels = use_cuda_graph and triton_available()
+        self.compile_kernels = compile_kernels
         self.graphs = DecodeGraphs(self._decode_step, enabled=use_cuda_graph,
                                    state=lambda: self.state.step_tensors(), verify=verify_graphs)
         self._weights_key = None
@@ -94,9 +94,6 @@ class Engine:
     # ---- public ------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
         """G = num_generations completions per prompt, rows group-contiguous (see `Sampler`)."""
-        return self._generate(prompt_ids, num_generations, params)
-
-    def _generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
         self._validate(prompt_ids, num_generations, params)
         max_len = self._sequence_capacity(prompt_ids, params)
         sequences = [
@@ -107,12 +104,10 @@ class Engine:
         num_slots = min(self.max_batch_size, len(sequences))
         buckets = batch_buckets(self.max_batch_size) if self.bucketed else None
         rows = round_up_to_bucket(num_slots, buckets) if buckets else num_slots
-        if self.device.type == "cuda" and hasattr(self.model, "fuse_projections"):
-            self.model.fuse_projections()  # fewer, larger GEMMs per step; a no-op once fused
         started = time.perf_counter()
         self.stats = dict(decode_steps=0, decode_row_steps=0, prefill_forwards=0, prefill_tokens=0, checks=0,
                           slot_moves=0)
-        with sampling_mode(self.model, fused=self.compile_step):
+        with sampling_mode(self.model, fused=self.compile_kernels):
             self._prepare(rows, max_len, params)
             seed = params.seed if params.seed is not None else int(torch.randint(2**31, (1,)).item())
             self.state.begin(seed, list(params.eos_token_ids or []))
@@ -132,7 +127,7 @@ class Engine:
         rows = round_up_to_bucket(min(num_sequences, self.max_batch_size), batch_buckets(self.max_batch_size))
         max_len = self.max_seq_len or -(-max_len // KV_LENGTH_STEP) * KV_LENGTH_STEP  # as generate() sizes it
         params = SamplingParams(max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
-        with sampling_mode(self.model, fused=self.compile_step):
+        with sampling_mode(self.model, fused=self.compile_kernels):
             self._prepare(rows, max_len, params)
             for cache_len in sorted({*range(KV_LENGTH_STEP, max_len, KV_LENGTH_STEP), max_len}):
                 self.graphs(rows, cache_len, _sampling_key(params))  # every slot is empty: a no-op step
@@ -179,6 +174,11 @@ class Engine:
         """Reuse the cache, slot state and graphs when they fit, else reallocate them."""
         if self.device.type != "cuda":  # the model moved off the GPU after the Engine was built
             self.graphs.enabled = self.use_cuda_graph = False
+        elif hasattr(self.model, "fuse_projections"):
+            # Fewer, larger GEMMs per step; a no-op once fused. It may re-point parameters, which
+            # must not become inference tensors (training uses them next), hence outside inference mode.
+            with torch.inference_mode(False):
+                self.model.fuse_projections()
         cache_fits = (self.cache is not None and self.cache.num_rows >= rows and self.cache.max_len == max_len
                       and self.cache.dtype == self.model.dtype and self.cache.device == self.device)
         if not cache_fits:

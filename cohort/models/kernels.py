@@ -52,9 +52,6 @@ def swiglu_gate_plain(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_PLAIN = {"rms_norm": rms_norm_plain, "rotate": rotate_plain, "swiglu_gate": swiglu_gate_plain}
-
-
 def fused(name: str, plain):
     """The compiled version of `plain` when fused kernels are on, else `plain` itself. If compiling
     it fails (no triton, an op the backend cannot generate), one notice, and `plain` from then on."""
@@ -111,7 +108,3 @@ def fused_kernels(on: bool = True):
         yield
     finally:
         _state["on"] = previous
-
-
-def fused_kernels_on() -> bool:
-    return _state["on"]

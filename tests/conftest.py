@@ -1,0 +1,18 @@
+"""Fixtures shared by several test modules."""
+
+import pytest
+import torch
+
+from cohort.tiny import build_model, build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A freshly initialised built-in tiny model (character tokenizer, seed 0) saved as an HF folder;
+    one per test module, so no module sees another's changes."""
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
