@@ -268,27 +268,32 @@ def load_yaml(path: str) -> dict:
     return data
 
 
-def parse_config(argv: list[str], defaults: dict | None = None) -> GRPOConfig:
-    """`--field value` / `--field=value` / `--flag` pairs (and `--config file.yaml`) → GRPOConfig."""
-    fields = _fields()
-    values: dict = dict(defaults or {})
-    cli: dict = {}
+def option_pairs(argv: list[str], command: str = ""):
+    """Yield (name, value) for `--name value` / `--name=value` / bare `--name` (value None) arguments,
+    dashes in names read as underscores; anything else is a one-line `CohortError`. Shared by
+    `cohort train` (`parse_config`) and `cohort eval` / `cohort sft` (`eval_cli.parse_options`)."""
+    prefix = f"cohort {command}: " if command else ""
     i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise CohortError(f"unexpected argument {arg!r}; options look like --name value")
-        key, _, inline = arg[2:].partition("=")
-        key = key.replace("-", "_")
-        if inline or "=" in arg:
+            raise CohortError(f"{prefix}unexpected argument {arg!r}; options look like --name value")
+        key, has_inline, inline = arg[2:].partition("=")
+        value = None
+        if has_inline:
             value = inline
         elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             value = argv[i + 1]
             i += 1
-        else:
-            value = "true"  # a bare flag
-        cli[key] = value
+        yield key.replace("-", "_"), value
         i += 1
+
+
+def parse_config(argv: list[str], defaults: dict | None = None) -> GRPOConfig:
+    """`--field value` / `--field=value` / `--flag` pairs (and `--config file.yaml`) → GRPOConfig."""
+    fields = _fields()
+    values: dict = dict(defaults or {})
+    cli = {key: "true" if value is None else value for key, value in option_pairs(argv)}  # bare flag = true
     if "config" in cli:
         for key, value in load_yaml(cli.pop("config")).items():
             key = str(key).replace("-", "_")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .config import option_pairs
 from .errors import CohortError
 
 
@@ -35,25 +36,13 @@ def parse_options(argv: list[str], options: dict[str, Option], command: str) -> 
     """`--name value` / `--name=value` pairs (dashes or underscores) → {name: typed value}; unknown
     names and unconvertible values raise a one-line `CohortError` naming the option."""
     values = {name: option.default for name, option in options.items()}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise CohortError(f"cohort {command}: unexpected argument {arg!r}; options look like --name value")
-        key, has_inline, inline = arg[2:].partition("=")
-        key = key.replace("-", "_")
+    for key, raw in option_pairs(argv, command):
         if key not in options:
             raise CohortError(f"cohort {command}: unknown option --{key}; choose from "
                               + ", ".join(f"--{n}" for n in options))
-        if has_inline:
-            raw = inline
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            raw = argv[i + 1]
-            i += 1
-        else:
+        if raw is None:
             raise CohortError(f"cohort {command}: --{key} needs a value")
         values[key] = _convert(command, key, raw, options[key].type)
-        i += 1
     return values
 
 
