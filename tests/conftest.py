@@ -2,8 +2,14 @@
 
 import pytest
 import torch
+from transformers.utils import logging as transformers_logging
 
 from cohort.tiny import build_model, build_tokenizer
+
+# transformers binds its log handler to whatever sys.stderr is when its logger is first used. Bind it
+# now, to pytest's session-wide capture, not to one test's capsys stream: that stream is closed when
+# its test ends, and a later warning would print "--- Logging error ---" and a traceback instead.
+transformers_logging.get_logger("transformers")
 
 
 @pytest.fixture(scope="module")
