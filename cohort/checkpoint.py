@@ -64,7 +64,9 @@ def prepare_output_dir(args, log=print) -> None:
     except OSError as error:
         raise CohortError(f"output_dir {str(out)!r} is not writable ({error.strerror or error}); choose a folder "
                           "you can write to (--output_dir)") from None
-    _remove_leftovers(out)
+    first_rank = int(os.environ.get("RANK", "0")) == 0  # several processes: rank 0 alone cleans and deletes
+    if first_rank:
+        _remove_leftovers(out)
     if args.resume_from_checkpoint not in (None, "latest"):
         reason = check_checkpoint(Path(args.resume_from_checkpoint))
         if reason:
@@ -76,6 +78,8 @@ def prepare_output_dir(args, log=print) -> None:
             raise CohortError(f"output_dir {str(out)!r} already holds checkpoints of an earlier run (newest: "
                               f"{existing[-1].name}); pass --resume to continue it, --overwrite_output_dir to "
                               "start over, or choose another --output_dir")
+        if not first_rank:
+            return
         log(f"overwrite_output_dir: removing {len(existing)} checkpoint(s) and the metrics of the earlier run in {out}")
         for folder in existing:
             shutil.rmtree(folder)
@@ -91,10 +95,13 @@ def resume(trainer) -> None:
     if spec is None:
         return
     out = Path(args.output_dir)
-    folder = newest_complete(out, trainer.log) if spec == "latest" else Path(spec)
+    parallel = _parallel(trainer)
+    folder = newest_complete(out, trainer.log) if spec == "latest" and parallel.is_main else Path(spec)
+    folder = parallel.broadcast_object(folder)  # rank 0 checked the hashes; every rank loads the same folder
     if folder is None:
         trainer.log(f"no complete checkpoint in {out}: starting the run from step 0")
-        _truncate_logs(out, {METRICS_FILE: 0, COMPLETIONS_FILE: 0}, trainer.log)  # lines of no checkpoint
+        if parallel.is_main:
+            _truncate_logs(out, {METRICS_FILE: 0, COMPLETIONS_FILE: 0}, trainer.log)  # lines of no checkpoint
         return
     load_checkpoint(trainer, folder)
     trainer.log(f"resumed from {folder} at step {trainer.step}")
@@ -105,6 +112,9 @@ def maybe_save(trainer) -> None:
     non-finite updates in a row (after saving, so nothing is lost)."""
     args, step = trainer.args, trainer.step
     stop = getattr(trainer, "stop_request", None)
+    parallel = _parallel(trainer)
+    if stop is not None and parallel.world_size > 1:  # all ranks stop at the same step, or none does
+        stop.signum = next((s for s in parallel.gather_objects(stop.signum) if s is not None), None)
     too_many_faults = trainer.nonfinite_in_a_row >= args.max_consecutive_nonfinite
     due = (args.save_steps and step % args.save_steps == 0) or step == args.max_steps
     if due or too_many_faults or (stop is not None and stop.signum is not None):
@@ -180,16 +190,39 @@ class StopRequest:
 # ---- writing -----------------------------------------------------------------------------------
 
 def save_checkpoint(trainer) -> Path:
-    """Write checkpoint-<step> atomically, then keep the newest save_total_limit checkpoints."""
+    """Write checkpoint-<step> atomically, then keep the newest save_total_limit checkpoints.
+
+    Several ranks: every rank hands over its part (its RNG states; under FSDP2 the gathered optimizer
+    state and fp32 weights), rank 0 alone writes, and a failure there is raised on every rank."""
     out, step = Path(trainer.args.output_dir), trainer.step
     final = out / f"{PREFIX}{step}"
     if getattr(trainer, "saved_step", None) == step and check_checkpoint(final, hashes=False) is None:
         return final  # already saved at this step (a signal arrived on a save step)
+    parallel = _parallel(trainer)
+    shared = {"optimizer": parallel.optimizer_state(trainer.train_model, trainer.optimizer) if parallel.fsdp else None,
+              "rank_random": parallel.gather_objects(_random_state()) if parallel.world_size > 1 else None}
+    failure = None
+    if parallel.is_main:
+        try:
+            _write_checkpoint(trainer, out, final, shared)
+        except BaseException as error:  # noqa: BLE001 - told to the other ranks, then raised here
+            failure = error
+    message = parallel.broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise CohortError(f"rank 0 failed to save {final.name} ({message}); see its error above")
+    trainer.saved_step = step
+    return final
+
+
+def _write_checkpoint(trainer, out: Path, final: Path, shared: dict) -> None:
+    step = trainer.step
     _remove_leftovers(out)
     temp = out / f"{TEMP_PREFIX}{step}-{os.getpid()}"
     try:
         temp.mkdir()
-        _write_contents(trainer, temp)
+        _write_contents(trainer, temp, shared)
         _write_manifest(temp, step)
         _replace_folder(temp, final)
     except Exception as error:
@@ -203,19 +236,20 @@ def save_checkpoint(trainer) -> Path:
             raise CohortError(f"cannot save {final.name} in {out} ({error.strerror or error}); make the folder "
                               f"writable, then continue with --resume; {kept}") from error
         raise
-    trainer.saved_step = step
     prune_checkpoints(out, trainer.args.save_total_limit)
-    return final
 
 
-def _write_contents(trainer, folder: Path) -> None:
+def _write_contents(trainer, folder: Path, shared: dict | None = None) -> None:
     from safetensors.torch import save_file
 
     save_policy(trainer.model, trainer.tokenizer, folder)
     if trainer.ref_model is not None:
         state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in trainer.ref_model.state_dict().items()}
         save_file(_untied(state), str(folder / REFERENCE_FILE))
-    _save_optimizer(trainer, folder / OPTIMIZER_FILE)
+    if shared and shared["optimizer"] is not None:  # FSDP2: gathered from every rank's shard
+        _save_optimizer(trainer, folder / OPTIMIZER_FILE, shared["optimizer"])
+    else:
+        _save_optimizer(trainer, folder / OPTIMIZER_FILE)
     if callable(getattr(trainer, "extra_checkpoint_state", None)):  # a subclass's own state (PPO's critic)
         torch.save(trainer.extra_checkpoint_state(), folder / EXTRA_FILE)
     for index, func in enumerate(trainer.rewards.funcs):
@@ -229,10 +263,9 @@ def _write_contents(trainer, folder: Path) -> None:
         "model_shapes": {k: list(v.shape) for k, v in trainer.model.state_dict().items()},
         "data_order": list(trainer.data_order),
         "data_rng": _python_state(trainer.data_rng.getstate()),
-        "python_random": _python_state(random.getstate()),
-        "numpy_random": _numpy_state(),
-        "torch_random": torch.get_rng_state().tolist(),
-        "cuda_random": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else None,
+        **_random_state(),  # rank 0's, and with several ranks each rank's in rank_random
+        "world_size": _parallel(trainer).world_size,
+        "rank_random": shared["rank_random"] if shared else None,
         "history": trainer.history,
         "accuracy_before": trainer.accuracy_before,
         "skipped_steps": trainer.skipped_steps,
@@ -245,8 +278,31 @@ def _write_contents(trainer, folder: Path) -> None:
     (folder / TRAINER_STATE).write_text(json.dumps(state, default=_plain) + "\n")
 
 
-def _save_optimizer(trainer, path: Path) -> None:
-    torch.save({"optimizer": trainer.optimizer.state_dict(), "scheduler": trainer.scheduler.state_dict()}, path)
+def _save_optimizer(trainer, path: Path, gathered: dict | None = None) -> None:
+    optimizer = gathered if gathered is not None else trainer.optimizer.state_dict()
+    torch.save({"optimizer": optimizer, "scheduler": trainer.scheduler.state_dict()}, path)
+
+
+def _random_state() -> dict:
+    """This process's RNG states (Python, numpy, torch, CUDA) as JSON."""
+    return {"python_random": _python_state(random.getstate()), "numpy_random": _numpy_state(),
+            "torch_random": torch.get_rng_state().tolist(),
+            "cuda_random": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_initialized() else None}
+
+
+def _restore_random(state: dict) -> None:
+    random.setstate(_python_state(state["python_random"], restore=True))
+    np.random.set_state(_numpy_state(state["numpy_random"]))
+    torch.set_rng_state(torch.tensor(state["torch_random"], dtype=torch.uint8))
+    if state.get("cuda_random") and torch.cuda.is_available() and len(state["cuda_random"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda_random"]])
+
+
+def _parallel(trainer):
+    """The trainer's `Parallel` (cohort/distributed.py); one process when it has none."""
+    from .distributed import Parallel
+
+    return getattr(trainer, "parallel", None) or Parallel()
 
 
 def _write_manifest(folder: Path, step: int) -> None:
@@ -348,19 +404,30 @@ def newest_complete(out: Path, log=print) -> Path | None:
 
 def load_checkpoint(trainer, folder: Path) -> None:
     """Restore everything `_write_contents` saved into an already-built trainer."""
+    from .lora import ADAPTER_WEIGHTS, has_lora, load_adapter_state_dict
     from .models.loading import _safetensors_files, read_safetensors
 
     folder = Path(folder)
     state = json.loads((folder / TRAINER_STATE).read_text())
+    parallel = _parallel(trainer)
+    if state.get("world_size", 1) != parallel.world_size:
+        raise CohortError(f"{folder} was written by {state.get('world_size', 1)} process(es), this run has "
+                          f"{parallel.world_size}; resume with --nproc_per_node {state.get('world_size', 1)}")
     _check_same_model(trainer.model, state.get("model_shapes", {}), folder)
-    _load_weights(trainer.model, read_safetensors(_safetensors_files(folder)), folder)  # sharded or not
+    if has_lora(trainer.model):  # the base weights never change: only the adapters come back
+        load_adapter_state_dict(trainer.model, read_safetensors([folder / ADAPTER_WEIGHTS]), folder)
+    else:
+        _load_weights(trainer.model, read_safetensors(_safetensors_files(folder)), folder)  # sharded or not
     if trainer.ref_model is not None:
         if (folder / REFERENCE_FILE).is_file():
             _load_weights(trainer.ref_model, read_safetensors([folder / REFERENCE_FILE]), folder)
         else:  # the checkpoint was written with β = 0: start a fresh outer iteration from the policy
             trainer.ref_model.load_state_dict(trainer.model.state_dict())
     saved = _torch_load(folder / OPTIMIZER_FILE)
-    trainer.optimizer.load_state_dict(saved["optimizer"])
+    if parallel.fsdp:  # the full state and fp32 weights into this rank's shards
+        parallel.load_optimizer_state(trainer.train_model, trainer.optimizer, saved["optimizer"])
+    else:
+        trainer.optimizer.load_state_dict(saved["optimizer"])
     trainer.scheduler.load_state_dict(saved["scheduler"])
     if (folder / EXTRA_FILE).is_file() and callable(getattr(trainer, "load_extra_checkpoint_state", None)):
         trainer.load_extra_checkpoint_state(_torch_load(folder / EXTRA_FILE))
@@ -374,17 +441,13 @@ def load_checkpoint(trainer, folder: Path) -> None:
             func.load_state_dict(_torch_load(path))
     trainer.data_order = [int(i) for i in state["data_order"]]
     trainer.data_rng.setstate(_python_state(state["data_rng"], restore=True))
-    random.setstate(_python_state(state["python_random"], restore=True))
-    np.random.set_state(_numpy_state(state["numpy_random"]))
-    torch.set_rng_state(torch.tensor(state["torch_random"], dtype=torch.uint8))
-    if state.get("cuda_random") and torch.cuda.is_available() and len(state["cuda_random"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda_random"]])
+    _restore_random(state["rank_random"][parallel.rank] if state.get("rank_random") else state)
     trainer.history = state["history"]
     _report_changed_options(state.get("config", {}), trainer.args.to_dict(), trainer.log)
     trainer.accuracy_before = state.get("accuracy_before")
     trainer.skipped_steps = int(state.get("skipped_steps", 0))
     trainer.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
-    if folder.parent.resolve() == Path(trainer.args.output_dir).resolve():
+    if folder.parent.resolve() == Path(trainer.args.output_dir).resolve() and parallel.is_main:
         _truncate_logs(Path(trainer.args.output_dir), state.get("file_sizes", {}), trainer.log)
 
 

@@ -10,6 +10,7 @@ import sys
 from .errors import CohortError
 
 USAGE = """usage: cohort [train] [--option value ...]   GRPO training (no options: the built-in task)
+       cohort train --nproc_per_node N [...]    the same on N processes (GPUs) through torchrun; --fsdp shards
        cohort eval --model DIR --task NAME [--split test] [--limit N] [--num_samples k] [--output FILE]
        cohort sft --model DIR --data_files FILE [--output_dir DIR] [--max_steps N] [--learning_rate LR]
        cohort report RUN_DIR [RUN_DIR ...] [--out DIR]
@@ -47,16 +48,88 @@ def _train(argv: list[str]) -> int:
     from .trainer import GRPOTrainer
 
     if argv[:1] in (["-h"], ["--help"]):
-        print("usage: cohort train [--config file.yaml] [--option value ...]\n\noptions:\n" + config_help())
+        print("usage: cohort train [--config file.yaml] [--nproc_per_node N] [--option value ...]\n\noptions:\n"
+              + config_help())
         return 0
+    argv, processes = _pop_option(argv, "nproc_per_node")
     task_name = _peek(argv, "task") or "arithmetic"
     task = get_task(task_name)
     defaults = dict(getattr(task, "default_config", {})) if _peek(argv, "model") is None else {}
-    args = parse_config(argv, defaults=defaults)
+    args = parse_config(argv, defaults=defaults)  # bad options fail here, once, before any rank starts
+    if processes is not None and processes != "1":
+        return _launch(argv, processes, args)
     train_rows, eval_rows = task_rows(task, args)
-    trainer = GRPOTrainer(args.model, None, train_rows, args=args, eval_dataset=eval_rows, task=task)
-    trainer.train()
+    try:
+        trainer = GRPOTrainer(args.model, None, train_rows, args=args, eval_dataset=eval_rows, task=task)
+        trainer.train()
+    except RuntimeError as error:  # several ranks: a collective failed because another rank died or hung
+        raise _lost_rank(error) from error
     return 0
+
+
+def _lost_rank(error: RuntimeError) -> Exception:
+    """A one-line CohortError for a failed collective under torchrun; any other error unchanged."""
+    import os
+
+    import torch.distributed as dist
+
+    text = str(error)
+    failed_collective = isinstance(error, getattr(dist, "DistError", ())) or any(
+        marker in text for marker in ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out"))
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not failed_collective:
+        return error
+    first_line = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
+    return CohortError(f"rank {os.environ.get('RANK', '?')} stopped: a collective with the other ranks failed "
+                       f"({first_line}); another rank died or hung (torchrun's report names it; --ddp_timeout "
+                       "bounds the wait)")
+
+
+def _launch(argv: list[str], processes: str, args) -> int:
+    """`cohort train --nproc_per_node N ...`: run `torchrun --standalone --nproc_per_node N -m cohort
+    train ...` (torch.distributed.run, PyTorch's launcher and its failure handling) and wait for it."""
+    import os
+    import signal
+    import subprocess
+
+    if not processes.isdigit() or int(processes) < 1:
+        raise CohortError(f"--nproc_per_node {processes!r}: give the number of processes, e.g. --nproc_per_node 2")
+    if os.environ.get("WORLD_SIZE"):
+        raise CohortError("--nproc_per_node launches torchrun, but this process already runs under torchrun; "
+                          "leave --nproc_per_node out")
+    if args.model is None:  # build the warm-started tiny model once, not in every rank at the same time
+        from .tiny import tiny_model_dir
+
+        tiny_model_dir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+               "-m", "cohort", "train", *argv]
+    child = subprocess.Popen(command)
+    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731 - SIGTERM to us reaches the ranks
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        while True:
+            try:
+                code = child.wait()
+                break
+            except KeyboardInterrupt:  # Ctrl-C reached torchrun too (same process group): wait for it
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if code != 0:
+        print(f"cohort: error: the {processes} training processes stopped with exit code {code} (torchrun's report "
+              "above names the rank that failed first)", file=sys.stderr)
+    return code
+
+
+def _pop_option(argv: list[str], name: str) -> tuple[list[str], str | None]:
+    """`argv` without `--name value` / `--name=value`, and that value (None when absent)."""
+    for i, arg in enumerate(argv):
+        key, has_inline, inline = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if key.replace("-", "_") == name:
+            if has_inline:
+                return argv[:i] + argv[i + 1:], inline
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+            return argv[:i] + argv[i + 2:], value
+    return argv, None
 
 
 def task_rows(task, args):

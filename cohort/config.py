@@ -86,9 +86,24 @@ class GRPOConfig:
     per_device_train_batch_size: int = 16  # completions per micro-batch
     gradient_accumulation_steps: int = 4  # micro-batches per optimizer step
     gradient_checkpointing: bool = False
+    # Update-phase memory (issue 5): micro-batches are bucketed by length; this caps each one's padded
+    # tokens as well (0 = rows only). Out of GPU memory, both halve and the step is redone.
+    max_tokens_per_micro_batch: int = 0
+    torch_compile: bool = False  # compile each decoder layer's training forward/backward (our models; needs triton on GPU)
+    free_sampling_memory: bool = False  # on GPU, free the engine's KV cache and graphs after each rollout (slower)
+    # LoRA through peft (TRL's ModelConfig names); π_ref is then the same model with adapters off.
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] | None = None  # None → every attention and MLP projection
     seed: int = 42
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda (several processes under torchrun: one GPU each, cuda:LOCAL_RANK)
+    # Several processes (issue 6, cohort/distributed.py; launch with torchrun or --nproc_per_node N): DDP
+    # by default; fsdp shards parameters, gradients and optimizer state (FSDP2) for models one GPU can't train.
+    fsdp: bool = False
+    ddp_timeout: int = 1800  # seconds a collective waits for the other ranks before failing (transformers' name)
+    dtype: str = "auto"  # auto (bf16 weights + fp32 master weights and AdamW state on GPU; fp32 on CPU) | float32 | bfloat16
 
     # Book-keeping.
     logging_steps: int = 1
@@ -136,6 +151,14 @@ class GRPOConfig:
             bad(f"unknown loss_type {self.loss_type!r}; choose one of {list(LOSS_TYPES)}")
         if self.scale_rewards not in SCALE_CHOICES:
             bad(f"unknown scale_rewards {self.scale_rewards!r}; choose one of {list(SCALE_CHOICES)}")
+        if self.use_peft and self.ref_reset_steps:
+            bad("ref_reset_steps with --use_peft is not supported: π_ref is the base model under the adapters; "
+                "drop --ref_reset_steps or train without LoRA")
+        if self.use_peft and self.lora_r < 1:
+            bad(f"lora_r={self.lora_r}: the LoRA rank must be at least 1")
+        if self.max_tokens_per_micro_batch < 0:
+            bad(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is negative; use 0 (no token cap) or a "
+                "token budget such as 16384")
         if self.beta < 0:
             bad(f"beta={self.beta} is negative; the KL coefficient must be ≥ 0")
         if not 0 < self.epsilon < 1:
@@ -155,6 +178,8 @@ class GRPOConfig:
         if self.overwrite_output_dir and (self.resume or self.resume_from_checkpoint):
             bad("overwrite_output_dir and resume contradict each other: resume continues the earlier run, "
                 "overwrite_output_dir deletes it; pass only one")
+        if self.ddp_timeout < 1:
+            bad(f"ddp_timeout={self.ddp_timeout} must be at least 1 second")
         if self.temperature < 0:
             bad(f"temperature={self.temperature} must be ≥ 0")
         if not 0 < self.top_p <= 1:

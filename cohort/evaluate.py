@@ -27,6 +27,19 @@ class EvalResult:
     k: int = 1
     records: list[dict] = field(default_factory=list)
 
+    def summed(self, all_reduce_sums) -> "EvalResult":
+        """The result over every rank's questions: `all_reduce_sums(list of floats)` sums each count
+        over ranks (cohort/distributed.py); `records` stay this rank's own."""
+        sampled = self.pass_at_k is not None
+        counts = [len(self.records), sum(r["correct"] for r in self.records), sum(r["format_ok"] for r in self.records),
+                  sum(r["length"] for r in self.records), (self.pass_at_k or 0.0) * len(self.records),
+                  (self.maj_at_k or 0.0) * len(self.records)]
+        n, correct, format_ok, length, passed, majority = all_reduce_sums(counts)
+        n_safe = max(n, 1.0)
+        return EvalResult(accuracy=correct / n_safe, format_rate=format_ok / n_safe, mean_length=length / n_safe,
+                          num_questions=int(n), pass_at_k=passed / n_safe if sampled else None,
+                          maj_at_k=majority / n_safe if sampled else None, k=self.k, records=self.records)
+
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         out = {f"{prefix}accuracy": self.accuracy, f"{prefix}format_rate": self.format_rate,
                f"{prefix}mean_length": self.mean_length}
@@ -79,12 +92,12 @@ def evaluate(sampler, tokenizer, task, rows: list[dict], encode_prompt, *, max_n
                 record.update(samples=texts, sample_correct=verdicts,
                               majority_correct=majority_vote([_answer_of(task, t) for t in texts], verdicts))
             records.append(record)
-    n = len(records)
+    n = max(len(records), 1)  # a rank given no rows (more ranks than rows) reports zeros of 0 questions
     result = EvalResult(
         accuracy=sum(r["correct"] for r in records) / n,
         format_rate=sum(r["format_ok"] for r in records) / n,
         mean_length=sum(r["length"] for r in records) / n,
-        num_questions=n, k=num_samples, records=records,
+        num_questions=len(records), k=num_samples, records=records,
     )
     if num_samples > 1:
         result.pass_at_k = sum(pass_at_k(num_samples, sum(r["sample_correct"]), num_samples) for r in records) / n

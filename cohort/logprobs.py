@@ -1,33 +1,108 @@
-"""Per-token log-probabilities of given tokens, without materialising `[B, T, vocab]` in float32.
+"""Per-token log-probabilities of sampled completions, without a `[B, T, vocab]` float32 tensor.
 
-A float32 logits tensor at 16 × 1024 × 151,936 is 10 GB. We take the final hidden states once and
-apply the LM head over chunks of the sequence, keeping only the selected token's log-prob (and
-the entropy, for logging) per position. Our own models expose the hidden states
-(`return_hidden=True`); Hugging Face models fall back to their logits, restricted to the
-completion positions.
+A float32 logits tensor at 16 × 1024 × 151,936 is 10 GB. Three choices keep the update phase's
+memory and time proportional to the tokens that matter:
+
+- **Length bucketing** (`plan_micro_batches`): rows sorted by length fill micro-batches under a
+  row and a token budget, so a batch of mostly short completions does not pay for its longest one.
+- **Right padding** (`pack_micro_batch`): each row is [prompt | completion | pad]. Causal attention
+  never looks right, so pads need no attention mask and SDPA runs its mask-free (flash) kernel;
+  positions are plain 0..L-1, as when the tokens were sampled.
+- **A chunked LM head** (`lm_head_logprobs`): the head is applied to the completion tokens'
+  hidden states a chunk of rows at a time, keeping only log π(token) and the entropy; the backward
+  recomputes each chunk's logits instead of storing them (as Liger-Kernel's fused linear
+  cross-entropy does for SFT). Peak memory is one chunk's logits, whatever the vocabulary × length.
+
+Our own models give their final hidden states (`return_hidden=True`); other Hugging Face models
+fall back to their logits, cut to the completion positions before any float32 copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import sys
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+CHUNK_BYTES = 512 * 2**20  # float32 logits per LM-head chunk: 512 MiB (≈880 rows at a 152k vocabulary)
 
 
 @dataclass
 class TokenLogprobs:
-    logp: Tensor  # [B, T] log π(token_t | prefix), float32
+    logp: Tensor  # [B, T] log π(token_t | prefix), float32, 0 where mask = 0
     entropy: Tensor | None  # [B, T] entropy of π(· | prefix), float32, when asked for
 
 
-def selected_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, with_entropy: bool = False):
-    """log softmax(logits / temperature)[token] for each position, in float32.
+@dataclass
+class MicroBatch:
+    """Rows `rows` of a rollout, right-padded for one forward pass."""
 
-    `logits` `[..., V]`, `tokens` `[...]`. Uses logsumexp rather than a full log_softmax so only
-    one `[..., V]` float32 temporary exists at a time.
+    rows: list[int]  # indices into the rollout, in this micro-batch's order
+    input_ids: Tensor  # [b, L] long: prompt, completion, then pad
+    completion_ids: Tensor  # [b, T] long, T = the longest completion here
+    completion_mask: Tensor  # [b, T] 1 on completion tokens
+    prompt_lengths: Tensor  # [b] long
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device) -> "MicroBatch":
+        return MicroBatch(self.rows, self.input_ids.to(device), self.completion_ids.to(device),
+                          self.completion_mask.to(device), self.prompt_lengths.to(device))
+
+
+def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
+    """Split rows into micro-batches of similar length: at most `max_rows` rows each and, when
+    `max_tokens` > 0, at most `max_tokens` padded tokens (rows × the longest row) each.
+
+    Rows are taken longest first, so each micro-batch's padding is only the difference between
+    neighbours in the sorted order. Deterministic (ties keep row order). A single row longer than
+    `max_tokens` still gets a micro-batch of its own.
+
+    >>> plan_micro_batches([5, 100, 6, 90], max_rows=2)
+    [[1, 3], [2, 0]]
     """
+    if max_rows < 1:
+        raise ValueError(f"max_rows={max_rows}: a micro-batch needs at least one row")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    plans: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        too_many_tokens = max_tokens > 0 and (len(current) + 1) * longest > max_tokens
+        if current and (len(current) >= max_rows or too_many_tokens):
+            plans.append(current)
+            current = []
+        current.append(i)
+    if current:
+        plans.append(current)
+    return plans
+
+
+def pack_micro_batch(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor,
+                     rows: list[int], pad_id: int) -> MicroBatch:
+    """Rows `rows` as [prompt | completion | pad], trimmed to the longest row."""
+    lengths = completion_mask[rows].sum(dim=1).tolist()
+    width = max(1, max(lengths))
+    total = max(len(prompt_ids[r]) + n for r, n in zip(rows, lengths))
+    input_ids = torch.full((len(rows), total), pad_id, dtype=torch.long)
+    for i, (r, n) in enumerate(zip(rows, lengths)):
+        prompt = prompt_ids[r]
+        input_ids[i, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+        input_ids[i, len(prompt): len(prompt) + n] = completion_ids[r, :n].cpu()
+    return MicroBatch(rows=list(rows), input_ids=input_ids, completion_ids=completion_ids[rows, :width].cpu(),
+                      completion_mask=completion_mask[rows, :width].cpu(),
+                      prompt_lengths=torch.tensor([len(prompt_ids[r]) for r in rows], dtype=torch.long))
+
+
+def selected_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, with_entropy: bool = False):
+    """log softmax(logits / temperature)[token] for each position, in float32 (and the entropy).
+
+    The plain computation: `logits` `[..., V]`, `tokens` `[...]`. Reference for the chunked path,
+    and the path for models that only give logits."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -40,60 +115,170 @@ def selected_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, 
     return logp, entropy
 
 
+def _chunk_rows(vocab: int) -> int:
+    return max(64, CHUNK_BYTES // (4 * vocab))
+
+
+def _chunk_forward(logits: Tensor, tokens: Tensor, inv_temperature: float):
+    """(log π(token), entropy, logsumexp) of one chunk's logits [n, V], in float32."""
+    z = logits.float() * inv_temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logp, entropy, lse
+
+
+def _chunk_backward(logits: Tensor, tokens: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
+                    grad_entropy: Tensor, inv_temperature: float) -> Tensor:
+    """∂loss/∂logits [n, V] in the logits' dtype: with z = logits/T and p = softmax(z),
+    ∂logp/∂z = onehot(token) − p and ∂H/∂z = −p ⊙ (log p + H)."""
+    log_p = logits.float() * inv_temperature - lse[:, None]
+    p = log_p.exp()
+    onehot = torch.arange(logits.shape[-1], device=logits.device)[None, :] == tokens[:, None]
+    grad_z = torch.where(onehot, grad_logp[:, None], 0.0) - p * (grad_logp[:, None]
+                                                                 + grad_entropy[:, None] * (log_p + entropy[:, None]))
+    return (grad_z * inv_temperature).to(logits.dtype)
+
+
+def _chunk_backward_logp_only(logits: Tensor, tokens: Tensor, lse: Tensor, grad_logp: Tensor,
+                              inv_temperature: float) -> Tensor:
+    """`_chunk_backward` when the entropy carries no gradient (it is only logged): one term less."""
+    p = (logits.float() * inv_temperature - lse[:, None]).exp()
+    onehot = torch.arange(logits.shape[-1], device=logits.device)[None, :] == tokens[:, None]
+    grad_z = (onehot.float() - p) * grad_logp[:, None]
+    return (grad_z * inv_temperature).to(logits.dtype)
+
+
+_compiled: dict[str, object] = {}
+
+
+def _maybe_compiled(name: str, plain, tensor: Tensor):
+    """On a GPU, `plain` through torch.compile: the float32 work over [n, vocab] logits becomes one
+    or two fused kernels that read the bf16 logits once, instead of a dozen full passes (at a 152k
+    vocabulary the logits of one 512-token completion are 300 MB in float32). Plain on CPU, and
+    after a compilation failure (one notice)."""
+    if not tensor.is_cuda or _compiled.get(name) is False:
+        return plain
+    if name not in _compiled:
+        # Static shapes first (the vocabulary never changes); a second row count makes torch.compile
+        # recompile once with the row dimension alone dynamic.
+        _compiled[name] = torch.compile(plain)
+    compiled = _compiled[name]
+
+    def call(*args):
+        try:
+            return compiled(*args)
+        except Exception as error:  # no triton, or an op inductor cannot lower
+            _compiled[name] = False
+            print(f"cohort: compiling the LM-head log-prob kernel failed ({type(error).__name__}); "
+                  "using plain ops", file=sys.stderr)
+            return plain(*args)
+
+    return call
+
+
+class _ChunkedLMHead(torch.autograd.Function):
+    """(log π(token), entropy) per row of `hidden` [N, H] under the head `weight` [V, H].
+
+    Only N floats per output and the logsumexp are kept; each chunk's logits are recomputed in
+    the backward pass (one extra GEMM) instead of being stored."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, chunk: int,
+                with_entropy: bool):
+        ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) gets None, not zeros
+        logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
+        stats = _maybe_compiled("forward", _chunk_forward, hidden)
+        for start in range(0, hidden.shape[0], chunk):
+            part = slice(start, start + chunk)
+            logp[part], entropy[part], lse[part] = stats(hidden[part] @ weight.T, tokens[part], 1.0 / temperature)
+        if not with_entropy:
+            entropy.zero_()
+        ctx.save_for_backward(hidden, weight, tokens, entropy, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, tokens, entropy, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
+        if grad_entropy is None:
+            logits_grad = _maybe_compiled("backward_logp", _chunk_backward_logp_only, hidden)
+        else:
+            logits_grad = _maybe_compiled("backward", _chunk_backward, hidden)
+        inv_temperature = 1.0 / ctx.temperature
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            logits = hidden[part] @ weight.T
+            if grad_entropy is None:
+                grad_logits = logits_grad(logits, tokens[part], lse[part], grad_logp[part], inv_temperature)
+            else:
+                grad_logits = logits_grad(logits, tokens[part], lse[part], entropy[part], grad_logp[part],
+                                          grad_entropy[part].float(), inv_temperature)
+            if need_hidden:
+                grad_hidden[part] = grad_logits @ weight
+            if need_weight:  # accumulated in the GEMM itself, in the weight's dtype (bf16 on a GPU)
+                grad_weight.addmm_(grad_logits.T, hidden[part])
+        return grad_hidden, grad_weight if need_weight else None, None, None, None, None
+
+
+def lm_head_logprobs(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float = 1.0,
+                     chunk_rows: int | None = None, with_entropy: bool = True) -> tuple[Tensor, Tensor]:
+    """Chunked (log π(token), entropy), each [N] float32, for hidden states [N, H] and tokens [N]
+    (the entropy is zeros unless `with_entropy`)."""
+    chunk = chunk_rows or _chunk_rows(weight.shape[0])
+    return _ChunkedLMHead.apply(hidden, weight, tokens, float(temperature), int(chunk), bool(with_entropy))
+
+
 def supports_hidden(model) -> bool:
-    return getattr(model, "supports_return_hidden", False)
+    """Our CausalLM can return its final hidden states instead of logits."""
+    from .models import CausalLM
+
+    return isinstance(model, CausalLM) or isinstance(getattr(model, "module", None), CausalLM)
 
 
-def causal_logits(model, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None) -> Tensor:
-    """Logits from either our CausalLM (a tensor) or a Hugging Face model (an output object)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    return out if isinstance(out, Tensor) else out.logits
+def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, with_entropy: bool = False,
+                         chunk_rows: int | None = None) -> TokenLogprobs:
+    """Log-probs (and entropies) of `micro`'s completion tokens under `model`, [b, T] float32.
 
-
-def completion_logprobs(
-    model,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    completion_ids: Tensor,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    chunk_size: int = 256,
-) -> TokenLogprobs:
-    """Log-probs of `completion_ids` `[B, T]`, the last T columns of `input_ids` `[B, P+T]`.
-
-    The logits at column P−1+t predict completion token t. Position ids follow the attention mask
-    (left-padded prompts start at position 0), matching how the sampler produced the tokens.
-    """
-    num_completion = completion_ids.shape[1]
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    `model` may be a DDP/FSDP wrapper: its forward is what is called (the gradient hooks live
+    there); the LM head weight is read from the wrapped module."""
+    mask = micro.completion_mask.bool()
+    rows, cols = mask.nonzero(as_tuple=True)
+    # hidden state at column prompt_length − 1 + t predicts completion token t
+    source = micro.prompt_lengths[rows] - 1 + cols
+    tokens = micro.completion_ids[rows, cols]
+    logp = torch.zeros(mask.shape, dtype=torch.float32, device=micro.input_ids.device)
+    entropy = torch.zeros_like(logp) if with_entropy else None
     if supports_hidden(model):
-        hidden = model(input_ids, position_ids=position_ids, attention_mask=attention_mask, return_hidden=True)
-        hidden = hidden[:, -num_completion - 1 : -1]
-        head = model.lm_head.weight
-        parts_logp, parts_ent = [], []
-        for start in range(0, num_completion, chunk_size):
-            logits = F.linear(hidden[:, start : start + chunk_size], head)
-            logp, ent = selected_logprobs(logits, completion_ids[:, start : start + chunk_size], temperature, with_entropy)
-            parts_logp.append(logp)
-            parts_ent.append(ent)
-        logp = torch.cat(parts_logp, dim=1)
-        entropy = torch.cat(parts_ent, dim=1) if with_entropy else None
-        return TokenLogprobs(logp, entropy)
-    logits = causal_logits(model, input_ids, attention_mask, position_ids)[:, -num_completion - 1 : -1]
-    logp, entropy = selected_logprobs(logits, completion_ids, temperature, with_entropy)
+        inner = getattr(model, "module", model)
+        hidden = model(micro.input_ids, return_hidden=True)
+        token_logp, token_entropy = lm_head_logprobs(hidden[rows, source], inner.lm_head.weight, tokens, temperature,
+                                                     chunk_rows, with_entropy)
+    else:
+        out = model(input_ids=micro.input_ids)
+        logits = out if isinstance(out, Tensor) else out.logits
+        token_logp, token_entropy = selected_logprobs(logits[rows, source], tokens, temperature, with_entropy)
+    logp = logp.index_put((rows, cols), token_logp)
+    if with_entropy:
+        entropy = entropy.index_put((rows, cols), token_entropy)
     return TokenLogprobs(logp, entropy)
 
 
-def pack_prompt_completion(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, pad_id: int):
-    """[left-padded prompt | completion] rows and their attention mask, for the log-prob passes."""
-    width = max(len(p) for p in prompt_ids)
-    batch = len(prompt_ids)
-    prompt = torch.full((batch, width), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((batch, width), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        prompt[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        prompt_mask[i, width - len(p) :] = 1
-    input_ids = torch.cat([prompt, completion_ids.cpu()], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask.cpu().long()], dim=1)
-    return input_ids, attention_mask
+def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, *,
+                     pad_id: int, max_rows: int, max_tokens: int = 0, temperature: float = 1.0) -> Tensor:
+    """[B, T] float32 log-probs of a whole rollout's completions, no gradient (log π_old, log π_ref):
+    length-bucketed micro-batches under inference mode, scattered back to rollout order on CPU."""
+    device = next(model.parameters()).device
+    full = torch.zeros(completion_ids.shape, dtype=torch.float32)
+    lengths = [len(p) + int(n) for p, n in zip(prompt_ids, completion_mask.sum(dim=1).tolist())]
+    with torch.inference_mode():
+        for rows in plan_micro_batches(lengths, max_rows, max_tokens):
+            micro = pack_micro_batch(prompt_ids, completion_ids, completion_mask, rows, pad_id).to(device)
+            logp = micro_batch_logprobs(model, micro, temperature=temperature).logp
+            full[rows, : logp.shape[1]] = logp.cpu()
+    return full

@@ -73,15 +73,20 @@ def _load_hf(spec: str, dtype, device, trust_remote_code: bool = False):
 
 
 def save_policy(model, tokenizer, out_dir: Path) -> Path:
-    """An ordinary Hugging Face folder (config.json, model.safetensors, tokenizer files)."""
+    """An ordinary Hugging Face folder (config.json, model.safetensors, tokenizer files); with
+    LoRA the adapters merged into the weights, plus the adapters alone in peft's format."""
+    from .lora import has_lora, merged_state_dict, save_adapter
     from .models import CausalLM, save_pretrained
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    state = merged_state_dict(model) if has_lora(model) else None
     if isinstance(model, CausalLM):
-        save_pretrained(model, out_dir)
+        save_pretrained(model, out_dir, state=state)
     else:
-        model.save_pretrained(out_dir, safe_serialization=True)
+        model.save_pretrained(out_dir, safe_serialization=True, **({"state_dict": state} if state else {}))
+    if state is not None:
+        save_adapter(model, out_dir, base_model=getattr(model, "name_or_path", None))
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -31,7 +31,7 @@ from torch import nn
 from .algo import gae_advantages, kl_penalty, value_loss, whiten
 from .config import GRPOConfig
 from .errors import CohortError
-from .logprobs import supports_hidden
+from .logprobs import MicroBatch, supports_hidden
 from .trainer import Batch, GRPOTrainer
 
 
@@ -73,17 +73,16 @@ class ValueModel(nn.Module):
         # Our CausalLM returns the final hidden states itself; Hugging Face models give them on request.
         self.own_model = supports_hidden(policy) or "return_hidden" in inspect.signature(policy.forward).parameters
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion: int) -> torch.Tensor:
-        """`[B, num_completion]`: the value before each of the last `num_completion` tokens (the
-        hidden state at column P−1+t, the one whose logits predict completion token t)."""
-        position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    def forward(self, micro: MicroBatch) -> torch.Tensor:
+        """`[b, T]`: the value before each completion token t of a right-padded micro-batch (the
+        hidden state at column prompt_length − 1 + t, the one whose logits predict token t)."""
         if self.own_model:
-            hidden = self.body(input_ids, position_ids=position_ids, attention_mask=attention_mask, return_hidden=True)
+            hidden = self.body(micro.input_ids, return_hidden=True)
         else:
-            out = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            output_hidden_states=True)
-            hidden = out.hidden_states[-1]
-        hidden = hidden[:, -num_completion - 1 : -1]
+            hidden = self.body(input_ids=micro.input_ids, output_hidden_states=True).hidden_states[-1]
+        steps = torch.arange(micro.completion_ids.shape[1], device=hidden.device)
+        index = (micro.prompt_lengths[:, None] - 1 + steps).clamp(max=hidden.shape[1] - 1)  # past the end: masked
+        hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
 
@@ -142,16 +141,15 @@ class PPOTrainer(GRPOTrainer):
         keep = self.loss_rows(batch)
         total_tokens = float((batch.rollout.completion_mask * keep.unsqueeze(1)).sum())
         loss_sum = 0.0
-        for start in range(0, len(batch.rows), args.per_device_train_batch_size):
-            idx = slice(start, start + args.per_device_train_batch_size)
-            input_ids, attention_mask, completion, mask = self._micro_batch(batch, idx)
-            width = completion.shape[1]
-            loss_mask = mask * keep[idx].unsqueeze(1).to(self.device)
+        for rows in self.micro_batch_plan(batch, self.micro_rows, self.micro_tokens):
+            micro = self.pack(batch, rows)
+            width = micro.completion_ids.shape[1]
+            loss_mask = micro.completion_mask * keep[rows].unsqueeze(1).to(self.device)
             tokens = float(loss_mask.sum())
             if tokens == 0:
                 continue
-            values = self.critic(input_ids, attention_mask, width)
-            loss = value_loss(values, old_values[idx, :width].to(self.device), returns[idx, :width].to(self.device),
+            values = self.critic(micro)
+            loss = value_loss(values, old_values[rows, :width].to(self.device), returns[rows, :width].to(self.device),
                               loss_mask, args.cliprange_value)
             (loss * tokens / max(total_tokens, 1.0)).backward()  # token mean over the whole rollout
             loss_sum += float(loss.detach()) * tokens / max(total_tokens, 1.0)
@@ -163,11 +161,10 @@ class PPOTrainer(GRPOTrainer):
     def _values_no_grad(self, batch: Batch) -> torch.Tensor:
         full = torch.zeros(batch.rollout.completion_ids.shape, dtype=torch.float32)
         self.critic.eval()
-        for start in range(0, len(batch.rows), self.args.per_device_train_batch_size):
-            idx = slice(start, start + self.args.per_device_train_batch_size)
-            input_ids, attention_mask, completion, mask = self._micro_batch(batch, idx)
-            values = self.critic(input_ids, attention_mask, completion.shape[1]) * mask
-            full[idx, : values.shape[1]] = values.cpu()
+        for rows in self.micro_batch_plan(batch, self.micro_rows, self.micro_tokens):
+            micro = self.pack(batch, rows)
+            values = self.critic(micro) * micro.completion_mask
+            full[rows, : values.shape[1]] = values.float().cpu()
         return full
 
     def completion_samples(self, batch: Batch, limit: int = 8) -> list[dict]:

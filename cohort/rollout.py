@@ -24,6 +24,10 @@ class SamplingParams:
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int = 0
     seed: int | None = None
+    # Global index of this call's first completion (the engine keys its sampling noise by global
+    # completion index and token index): a rank sampling rows [o, o + n) of a batch split over
+    # several processes passes o, and draws exactly what one process sampling the whole batch would.
+    sequence_offset: int = 0
 
 
 @dataclass

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .errors import CohortError
-from .logprobs import completion_logprobs, pack_prompt_completion
+from .logprobs import micro_batch_logprobs, pack_micro_batch
 from .tasks import prompt_text
 
 
@@ -83,9 +83,9 @@ def sft_train(model, tokenizer, rows: list[dict], config: SFTConfig, log=print, 
         for i, (_, c) in enumerate(batch):
             completion[i, : len(c)] = torch.tensor(c)
             mask[i, : len(c)] = 1
-        input_ids, attention_mask = pack_prompt_completion([p for p, _ in batch], completion, mask, pad)
-        logp = completion_logprobs(model, input_ids.to(device), attention_mask.to(device), completion.to(device)).logp
-        loss = -(logp * mask.to(device)).sum() / mask.sum()
+        micro = pack_micro_batch([p for p, _ in batch], completion, mask, list(range(len(batch))), pad).to(device)
+        logp = micro_batch_logprobs(model, micro).logp
+        loss = -(logp * micro.completion_mask).sum() / mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)

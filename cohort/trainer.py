@@ -9,17 +9,19 @@
         μ times: update π_θ on the clipped surrogate − β·KL          (update)
         update r_φ by continuous training with replay                (learned reward models only)
 
-Everything the loop calls is a short method below it; the maths lives in `algo.py`.
+Everything the loop calls is a short method below it; the maths lives in `algo.py`, the log-probs
+and micro-batching in `logprobs.py`, what each step reports in `step_log.py`.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
+import os
 import random
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +32,12 @@ from . import checkpoint
 from .algo import group_advantages, overlong_penalty, policy_loss
 from .dynamic_sampling import fill_informative
 from .config import GRPOConfig
+from .distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from .errors import CohortError
-from .logprobs import completion_logprobs, pack_prompt_completion
+from .lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args
+from .logprobs import MicroBatch, micro_batch_logprobs, pack_micro_batch, plan_micro_batches, rollout_logprobs
 from .modelio import load_policy, save_policy
+from .precision import clip_grad_norm, make_optimizer, resolve_dtype
 from .rewards.model import prepare_reward_funcs, warm_up_reward_models
 from .rewards.runner import RewardRunner
 from .rollout import Rollout, SamplingParams
@@ -40,8 +45,9 @@ from .engine import make_sampler
 from .evaluate import evaluate
 from .curriculum import Curriculum
 from .tasks import prompt_text
-from .metrics import MetricsLogger, throughput_metrics
-from .progress import PHASES, Progress
+from .metrics import MetricsLogger
+from .step_log import StepLog
+from .progress import Progress
 from .tasks.data import check_prompt_column
 
 
@@ -61,17 +67,27 @@ class Batch:
     reward_metrics: dict | None = None
 
 
-class GRPOTrainer:
+NO_GRAD_FACTOR = 2  # no-grad log-prob passes (π_old, π_ref) use micro-batches this many times larger
+
+
+class GRPOTrainer(StepLog):
     def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
-                 processing_class=None, eval_dataset=None, task=None, log=print):
+                 processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None):
         self.args = args = (args or GRPOConfig()).validate()
         self.task = task
         self.log = log
         _seed_everything(args.seed)
         checkpoint.prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
-        self.device = _pick_device(args.device)
-        self.model, self.tokenizer = load_policy(model, processing_class, device=self.device, dtype=args.dtype, log=log,
+        self.parallel = Parallel.from_env(args.device, args.ddp_timeout)  # torchrun's ranks (cohort/distributed.py)
+        self.device = self.parallel.device
+        self.model, self.tokenizer = load_policy(model, processing_class, device=self.device, log=log,
+                                                 dtype=resolve_dtype(args.dtype, self.device),
                                                  trust_remote_code=args.trust_remote_code, impl=args.model_impl)
+        peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
+        if peft_config is not None:  # LoRA: adapters injected in place; π_ref = the base model (adapters off)
+            if args.ref_reset_steps:
+                raise CohortError("ref_reset_steps with LoRA is not supported: π_ref is the base model under the adapters")
+            apply_lora(self.model, peft_config)
         if self.tokenizer.eos_token_id is None:
             raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -92,23 +108,37 @@ class GRPOTrainer:
         self.train_rows = _as_rows(train_dataset, "train_dataset")
         self.eval_rows = _as_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         self.rewards.check_columns(set(self.train_rows[0]))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                           betas=(args.adam_beta1, args.adam_beta2))
+        check_parallel_options(args, self.parallel)
+        if args.torch_compile and hasattr(self.model, "compile_for_training"):
+            self.model.compile_for_training()  # fused elementwise work, fewer saved activations
+        if args.gradient_checkpointing:  # recompute each layer in the backward: activations ∝ layers, not ops
+            self.model.gradient_checkpointing_enable()
+        # What the training forward calls: the model itself, DDP around it on several ranks, or with
+        # --fsdp a sharded copy (self.model then stays the full copy the engine samples and saves).
+        self.train_model = self.parallel.wrap(self.model, fsdp=args.fsdp)
+        # bf16 weights on a GPU: the optimizer keeps fp32 masters and moments (cohort/precision.py).
+        self.optimizer = make_optimizer(self.train_model, args)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         # β = 0 needs no reference at all: skip the copy and its forward passes.
-        self.ref_model = self._frozen_copy() if args.beta > 0 else None
+        self.uses_reference = args.beta > 0
+        self.ref_model = self._frozen_copy() if self.uses_reference and not has_lora(self.model) else None
+        self.micro_rows, self.micro_tokens = args.per_device_train_batch_size, args.max_tokens_per_micro_batch
+        self.oom_retries = 0
         self.sampler = make_sampler(self.model, self.tokenizer)
         self.data_rng = random.Random(args.seed)
         self.data_order: list[int] = []
         self.history: list[dict] = []
         self.step = 0
         self.phase_times: dict[str, float] = {}
+        self.phase_peaks: dict[str, float] = {}  # GiB, CUDA only
         self.accuracy_before = self.accuracy_after = None
         self.skipped_steps = self.nonfinite_in_a_row = 0  # updates skipped for a non-finite loss / gradient
+        self.sequence_offset = 0  # global index of this rank's first completion in the step's batch
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsLogger(args.output_dir, args.report_to, config=args.to_dict())
-        self.progress = Progress(args.max_steps, quiet=args.quiet)
-        self.log = self.progress.print if log is print else log
+        main = self.parallel.is_main  # rank 0 alone logs, prints and saves
+        self.metrics = MetricsLogger(args.output_dir, args.report_to, config=args.to_dict()) if main else SilentMetrics()
+        self.progress = Progress(args.max_steps, quiet=args.quiet) if main else Progress(0, True, open(os.devnull, "w"))
+        self.log = (self.progress.print if log is print else log) if main else silent
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def train(self) -> list[dict]:
@@ -146,16 +176,19 @@ class GRPOTrainer:
 
     # ---- the steps of the loop ---------------------------------------------------------------
     def next_prompts(self) -> list[dict]:
-        """The next prompts_per_step rows, walking a shuffled order of the data (epochs repeat)."""
+        """This rank's prompts_per_step rows of the next prompts_per_step × ranks, walking a shuffled
+        order of the data (epochs repeat). Every rank walks the same order and takes its own
+        contiguous block of whole prompts, so a prompt's G completions stay on one rank."""
         if self.curriculum is not None:
             self.curriculum.enter(self)  # at a stage boundary: that stage's rows (and reward functions)
         rows = []
-        while len(rows) < self.args.prompts_per_step:
+        while len(rows) < self.args.prompts_per_step * self.parallel.world_size:
             if not self.data_order:
                 self.data_order = list(range(len(self.train_rows)))
                 self.data_rng.shuffle(self.data_order)
             rows.append(self.train_rows[self.data_order.pop()])
-        return rows
+        self.sequence_offset = self.args.prompts_per_step * self.parallel.rank * self.args.num_generations
+        return self.parallel.shard(rows)
 
     def sample_batch(self, rows: list[dict]) -> Batch:
         args, G = self.args, self.args.num_generations
@@ -163,9 +196,12 @@ class GRPOTrainer:
         params = SamplingParams(
             max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, min_p=args.min_p, eos_token_ids=[self.tokenizer.eos_token_id],
-            pad_token_id=self.pad_id, seed=self.data_rng.randrange(2**31),
+            pad_token_id=self.pad_id, seed=self.data_rng.randrange(2**31),  # the same on every rank
+            sequence_offset=self.sequence_offset,  # global index of this rank's first completion
         )
         rollout = self.sampler.generate(prompt_ids, G, params)
+        if self.args.free_sampling_memory and self.device.type == "cuda" and hasattr(self.sampler, "release"):
+            self.sampler.release()  # KV cache and decode graphs out of the update's memory (recaptured next step)
         texts = [self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
                  for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
         chat = isinstance(rows[0]["prompt"], list)
@@ -201,54 +237,94 @@ class GRPOTrainer:
         batch.reward_metrics = {**(batch.reward_metrics or {}), **stats}
         return batch
 
-    @torch.no_grad()
     def reference_logprobs(self, batch: Batch) -> None:
         """π_old's log-probs are needed only when μ > 1 (at μ = 1, π_old = π_θ and ρ ≡ 1)."""
         if self.args.num_iterations > 1:
-            batch.old_logp = self._logprobs_no_grad(self.model, batch)
+            batch.old_logp = self.with_oom_retry(lambda: self._logprobs_no_grad(self.model, batch))
         if self.ref_model is not None:
-            batch.ref_logp = self._logprobs_no_grad(self.ref_model, batch)
+            batch.ref_logp = self.with_oom_retry(lambda: self._logprobs_no_grad(self.ref_model, batch))
+        elif self.uses_reference:  # LoRA: the reference is this very model with its adapters switched off
+            with adapters_disabled(self.model):
+                batch.ref_logp = self.with_oom_retry(lambda: self._logprobs_no_grad(self.model, batch))
 
     def update(self, batch: Batch) -> dict:
-        """One optimizer step over the whole rollout, in micro-batches (gradient accumulation)."""
+        """One optimizer step over the whole rollout (μ of these per rollout)."""
+        return self.with_oom_retry(lambda: self._accumulate_and_step(batch))
+
+    def _accumulate_and_step(self, batch: Batch) -> dict:
+        """Gradient accumulation over length-bucketed micro-batches, then one optimizer step.
+
+        The loss normalisers (completions; tokens for DAPO) are global over the rollout and over
+        ranks, so the micro-batch split never changes the gradient."""
         args = self.args
-        self.model.train()
+        self.train_model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total = len(batch.rows)
         keep_rows = self.loss_rows(batch)
+        local_rows = len(batch.rows)
+        total = self.parallel.all_reduce_sum(local_rows)
         mask_all = batch.rollout.completion_mask * keep_rows.unsqueeze(1)
-        num_tokens = max(float(mask_all.sum()), 1.0) if args.loss_type == "dapo" else None
+        num_tokens = max(self.parallel.all_reduce_sum(float(mask_all.sum())), 1.0) if args.loss_type == "dapo" else None
+        world = self.parallel.world_size
+        plans = self.micro_batch_plan(batch, self.micro_rows, self.micro_tokens)
         sums: dict[str, float] = {}
-        for start in range(0, total, args.per_device_train_batch_size):
-            idx = slice(start, start + args.per_device_train_batch_size)
-            input_ids, attention_mask, completion, mask = self._micro_batch(batch, idx)
-            out = completion_logprobs(self.model, input_ids, attention_mask, completion,
-                                      temperature=args.temperature or 1.0, with_entropy=True)
-            width = completion.shape[1]  # the micro-batch is trimmed to its longest completion
-            old = batch.old_logp[idx, :width].to(self.device) if batch.old_logp is not None else out.logp.detach()
-            ref = batch.ref_logp[idx, :width].to(self.device) if batch.ref_logp is not None else None
-            advantages = batch.advantages[idx] if batch.advantages.dim() == 1 else batch.advantages[idx, :width]
-            loss_mask = mask * keep_rows[idx].unsqueeze(1).to(self.device)  # truncated rows out, when asked
-            loss, stats = policy_loss(
-                out.logp, old, advantages.to(self.device), loss_mask, ref_logp=ref, epsilon=args.epsilon,
-                epsilon_high=args.epsilon_high, beta=args.beta, loss_type=args.loss_type,
-                max_completion_length=args.max_completion_length, num_tokens=num_tokens,
-                importance_sampling_level=args.importance_sampling_level, entropy=out.entropy,
-                entropy_coef=args.entropy_coef,
-            )
-            # Token-level DAPO already divides by the whole batch's tokens; the others average micro-batches.
-            weight = 1.0 if args.loss_type == "dapo" else completion.shape[0] / total
-            (loss * weight).backward()
-            stats["loss"] = float(loss.detach()) * (1.0 if args.loss_type != "dapo" else total / completion.shape[0])
+        for i, rows in enumerate(plans):
+            micro = self.pack(batch, rows)
+            with self.parallel.no_sync(self.train_model, last=i == len(plans) - 1):  # DDP reduces after the last backward
+                out = micro_batch_logprobs(self.train_model, micro, temperature=args.temperature or 1.0,
+                                           with_entropy=True)
+                width = micro.completion_ids.shape[1]
+                old = batch.old_logp[rows, :width].to(self.device) if batch.old_logp is not None else out.logp.detach()
+                ref = batch.ref_logp[rows, :width].to(self.device) if batch.ref_logp is not None else None
+                advantages = batch.advantages[rows] if batch.advantages.dim() == 1 else batch.advantages[rows, :width]
+                mask = micro.completion_mask
+                loss_mask = mask * keep_rows[rows].unsqueeze(1).to(self.device)  # truncated rows out, when asked
+                loss, stats = policy_loss(
+                    out.logp, old, advantages.to(self.device), loss_mask, ref_logp=ref, epsilon=args.epsilon,
+                    epsilon_high=args.epsilon_high, beta=args.beta, loss_type=args.loss_type,
+                    max_completion_length=args.max_completion_length, num_tokens=num_tokens,
+                    importance_sampling_level=args.importance_sampling_level, entropy=out.entropy,
+                    entropy_coef=args.entropy_coef,
+                )
+                # Token-level DAPO already divides by the whole batch's tokens; the others average
+                # micro-batches by their share of completions. DDP averages over ranks: × world.
+                weight = (1.0 if args.loss_type == "dapo" else len(rows) / total) * world
+                (loss * weight).backward()
+            share = len(rows) / local_rows
+            stats["loss"] = float(loss.detach()) * (1.0 if args.loss_type != "dapo" else 1 / share)
             stats["entropy"] = float((out.entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v * completion.shape[0] / total
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+                sums[k] = sums.get(k, 0.0) + v * share
+        grad_norm = clip_grad_norm(self.optimizer, self.train_model, args.max_grad_norm)  # FSDP2: the sharded grads
         if checkpoint.update_is_finite(self, sums.get("loss", 0.0), grad_norm):  # NaN/inf: skip, count
             self.optimizer.step()
             self.scheduler.step()  # as transformers' Trainer: the schedule advances with real updates only
         sums["grad_norm"] = float(grad_norm)
+        sums["micro_batches"] = len(plans)
         return sums
+
+    def with_oom_retry(self, work):
+        """Run `work()`; if the GPU runs out of memory, halve the micro-batch and run it again.
+
+        The halved size is kept for the rest of the run. The retried work starts from zeroed
+        gradients and an untouched optimizer, so its result is that of the smaller size from the
+        start. Several ranks cannot retry alone (the others would wait in an all-reduce)."""
+        while True:
+            try:
+                return work()
+            except torch.cuda.OutOfMemoryError:
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.parallel.world_size > 1 or (self.micro_rows == 1 and not self.micro_tokens):
+                    raise
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                before = (self.micro_rows, self.micro_tokens)
+                self.micro_rows = max(1, self.micro_rows // 2)
+                self.micro_tokens //= 2
+                self.oom_retries += 1
+                self.log(f"out of GPU memory with micro-batches of {before[0]} completions"
+                         f"{f' / {before[1]} tokens' if before[1] else ''}: retrying with {self.micro_rows}"
+                         f"{f' / {self.micro_tokens} tokens' if self.micro_tokens else ''}")
 
     def loss_rows(self, batch: Batch) -> torch.Tensor:
         """[B] 1/0: which completions enter the loss (TRL's mask_truncated_completions drops those cut at the limit)."""
@@ -294,25 +370,23 @@ class GRPOTrainer:
                 "raise --max_prompt_length or filter long prompts")
         return ids
 
-    def _micro_batch(self, batch: Batch, idx: slice):
-        completion = batch.rollout.completion_ids[idx]
-        mask = batch.rollout.completion_mask[idx]
-        width = int(mask.sum(dim=1).max().clamp(min=1))  # trim padding columns no row uses
-        completion, mask = completion[:, :width], mask[:, :width]
-        input_ids, attention_mask = pack_prompt_completion(batch.prompt_ids[idx], completion, mask, self.pad_id)
-        return (input_ids.to(self.device), attention_mask.to(self.device), completion.to(self.device),
-                mask.to(self.device))
+    def micro_batch_plan(self, batch: Batch, max_rows: int, max_tokens: int) -> list[list[int]]:
+        """Rows of the rollout grouped by length into micro-batches (cohort/logprobs.py)."""
+        lengths = [len(p) + int(n) for p, n in zip(batch.prompt_ids, batch.rollout.completion_mask.sum(dim=1).tolist())]
+        return plan_micro_batches(lengths, max_rows, max_tokens)
+
+    def pack(self, batch: Batch, rows: list[int]) -> MicroBatch:
+        """Rows `rows` right-padded as [prompt | completion | pad], on the training device."""
+        return pack_micro_batch(batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask,
+                                rows, self.pad_id).to(self.device)
 
     def _logprobs_no_grad(self, model, batch: Batch) -> torch.Tensor:
-        full = torch.zeros(batch.rollout.completion_ids.shape, dtype=torch.float32)
+        """[B, T] log-probs under `model` in inference mode; no activations are kept, so the
+        micro-batches are NO_GRAD_FACTOR times larger than the training ones."""
         model.eval()
-        for start in range(0, len(batch.rows), self.args.per_device_train_batch_size):
-            idx = slice(start, start + self.args.per_device_train_batch_size)
-            input_ids, attention_mask, completion, mask = self._micro_batch(batch, idx)
-            logp = completion_logprobs(model, input_ids, attention_mask, completion,
-                                       temperature=self.args.temperature or 1.0).logp
-            full[idx, : logp.shape[1]] = logp.float().cpu()
-        return full
+        return rollout_logprobs(model, batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask,
+                                pad_id=self.pad_id, max_rows=self.micro_rows * NO_GRAD_FACTOR,
+                                max_tokens=self.micro_tokens * NO_GRAD_FACTOR, temperature=self.args.temperature or 1.0)
 
     def _frozen_copy(self):
         ref = copy.deepcopy(self.model)
@@ -332,94 +406,14 @@ class GRPOTrainer:
             return 1.0 - progress
         return 1.0
 
-    def success(self, batch: Batch) -> float:
-        """Fraction of completions that solve their problem (the task's verifier), else reward > 0."""
-        task = self.curriculum.task if self.curriculum is not None else self.task  # the rows' own task
-        if task is not None and hasattr(task, "is_correct"):
-            texts = [c if isinstance(c, str) else c[-1]["content"] for c in batch.completions]
-            return float(np.mean([task.is_correct(t, r) for t, r in zip(texts, batch.rows)]))
-        return float((batch.rewards > 0).float().mean())
-
-    @contextmanager
-    def phase(self, name: str):
-        """Time one phase of the step (device work included) and show it on the progress display."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        with self.progress.phase(name if name in PHASES else "update"):
-            yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.phase_times[name] = time.perf_counter() - started
-
-    def record_step(self, batch: Batch, losses: list[dict], seconds: float) -> None:
-        G = self.args.num_generations
-        grouped = batch.rewards.view(-1, G)
-        lengths = batch.rollout.completion_mask.sum(dim=1).float()
-        record = {"step": self.step}
-        record.update({k: sum(d[k] for d in losses) / len(losses) for k in losses[0]})
-        if self.ref_model is None:
-            record.pop("kl", None)  # β = 0: no reference model, no KL to report (as TRL)
-        record.update(batch.reward_metrics)
-        if self.curriculum is not None:
-            record.update(self.curriculum.metrics())  # curriculum/stage
-        zero_std = torch.isclose(grouped.std(dim=1), torch.zeros(())).float()  # all-equal groups (TRL's test)
-        record.update({
-            "reward": float(batch.rewards.mean()),
-            "reward_std": float(grouped.std(dim=1).mean()),
-            "frac_reward_zero_std": float(zero_std.mean()),
-            "informative": float(1 - zero_std.mean()),
-            "success": self.success(batch),
-            "completions/mean_length": float(lengths.mean()),
-            "completions/clipped_ratio": float(np.mean([r == "length" for r in batch.rollout.finish_reasons])),
-            "learning_rate": self.scheduler.get_last_lr()[0],
-            "num_iterations": len(losses),
-            "skipped_steps": self.skipped_steps,
-            "step_time": seconds,
-        })
-        prompt_tokens, completion_tokens = sum(len(p) for p in batch.prompt_ids), int(lengths.sum())
-        record.update(throughput_metrics(  # tokens/s per phase, peak memory, MFU (cohort/metrics.py)
-            self.model, self.device, self.phase_times, prompt_tokens, completion_tokens, len(losses),
-            logprob_passes=int(self.args.num_iterations > 1) + int(self.ref_model is not None)))
-        self.progress.show_rates(self.phase_times, {  # the phase bars' rates
-            "sampling": (completion_tokens, "tok"), "rewards": (len(batch.rows), "seq"),
-            "update": ((prompt_tokens + completion_tokens) * len(losses), "tok")})
-        record.update({f"time/{k}": v for k, v in self.phase_times.items()})
-        self.phase_times = {}
-        self.history.append(record)
-        if self.step % self.args.logging_steps == 0 or self.step == self.args.max_steps:
-            self.metrics.log(self.step, record)
-        if self.step == 1 or self.step % self.args.log_completions_steps == 0:
-            self.metrics.log_completions(self.step, self.completion_samples(batch))
-        self.progress.step_done(self.step, f"Step {self.step}/{self.args.max_steps}: Loss={record['loss']:.4f}, "
-                                           f"Success={100 * record['success']:.2f}%, μ_iters={record['num_iterations']}")
-
-    def completion_samples(self, batch: Batch, limit: int = 8) -> list[dict]:
-        rows = []
-        for i in range(min(limit, len(batch.rows))):
-            scores = batch.per_function[i].tolist()
-            rows.append({"prompt": batch.rows[i]["prompt"], "completion": batch.completions[i],
-                         "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(self.rewards.names, scores)},
-                         "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i])})
-        return rows
-
-    def log_iteration_summary(self, final: bool = False) -> None:
-        M = self.args.ref_reset_steps or self.args.max_steps
-        recent = self.history[-((self.step - 1) % M + 1 if final else M):] if self.history else []
-        if not recent:
-            return
-        iteration = (recent[0]["step"] - 1) // M + 1
-        self.log(f"Iteration {iteration}: avg loss={np.mean([r['loss'] for r in recent]):.4f}, "
-                 f"success={100 * np.mean([r['success'] for r in recent]):.2f}%, "
-                 f"avg reward={np.mean([r['reward'] for r in recent]):.4f}")
-
     def evaluate_held_out(self) -> float | None:
         """Greedy accuracy on the held-out rows (None without eval_dataset or a task verifier)."""
         if not self.eval_rows or self.task is None:
             return None
-        with self.phase("eval"):
-            result = evaluate(self.sampler, self.tokenizer, self.task, self.eval_rows, self.encode_prompt,
-                              max_new_tokens=self.args.max_completion_length)
+        with self.phase("eval"):  # each rank evaluates its block of the rows; the counts are summed
+            result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.shard(self.eval_rows),
+                              self.encode_prompt, max_new_tokens=self.args.max_completion_length)
+            result = result.summed(self.parallel.all_reduce_sums)
         self.metrics.log(self.step, result.metrics())
         self.log(f"eval (step {self.step}): accuracy={100 * result.accuracy:.1f}% on {result.num_questions} problems")
         return result.accuracy
@@ -428,6 +422,11 @@ class GRPOTrainer:
         """Final policy as a Hugging Face folder, summary.json, and the held-out accuracy line."""
         out = Path(self.args.output_dir)
         self.save_model(out)
+        self.parallel.close()  # the last collective was save_model's barrier
+        if not self.parallel.is_main:  # rank 0 alone writes the summary and prints
+            self.progress.close()
+            checkpoint.finish(self)
+            return
         summary = {"accuracy_before": self.accuracy_before, "accuracy_after": self.accuracy_after,
                    "seconds": round(seconds, 2), "steps": self.step,
                    "final_reward": self.history[-1]["reward"] if self.history else None}
@@ -440,7 +439,12 @@ class GRPOTrainer:
                      f"({len(self.eval_rows)} problems)")
 
     def save_model(self, output_dir: str | None = None) -> Path:
-        return save_policy(self.model, self.tokenizer, Path(output_dir or self.args.output_dir))
+        """The policy as a Hugging Face folder, written by rank 0 (the others wait for it)."""
+        out = Path(output_dir or self.args.output_dir)
+        if self.parallel.is_main:
+            save_policy(self.model, self.tokenizer, out)
+        self.parallel.barrier()
+        return out
 
 
 def _as_rows(dataset, name: str) -> list[dict]:
@@ -453,14 +457,6 @@ def _as_rows(dataset, name: str) -> list[dict]:
         raise CohortError(f"{name} has no 'prompt' column (columns: {sorted(rows[0])}); rename the prompt column to 'prompt'")
     check_prompt_column(rows, name)  # wrong types fail here, not mid-run
     return rows
-
-
-def _pick_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if spec.startswith("cuda") and not torch.cuda.is_available():
-        raise CohortError(f"device {spec!r} asked for, but no CUDA GPU is available; use --device cpu")
-    return torch.device(spec)
 
 
 def _seed_everything(seed: int) -> None:

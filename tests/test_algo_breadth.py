@@ -380,10 +380,11 @@ def test_gspo_update_equals_grpo_update_on_policy(tiny_dir, tmp_path):
 
 def test_entropy_bonus_raises_entropy(tiny_dir, tmp_path):
     def mean_entropy(trainer, batch):
-        input_ids, attention_mask, completion, mask = trainer._micro_batch(batch, slice(0, len(batch.rows)))
-        from cohort.logprobs import completion_logprobs
+        from cohort.logprobs import micro_batch_logprobs
 
-        out = completion_logprobs(trainer.model, input_ids, attention_mask, completion, with_entropy=True)
+        micro = trainer.pack(batch, list(range(len(batch.rows))))
+        mask = micro.completion_mask
+        out = micro_batch_logprobs(trainer.model, micro, with_entropy=True)
         assert out.entropy.requires_grad  # the bonus can only work if the entropy carries a gradient
         return float((out.entropy.detach() * mask).sum() / mask.sum())
 

@@ -233,10 +233,10 @@ class Engine:
         state = self.state
         logits = self.model(state.next_token[:width, None], state.position[:width, None],
                             kv_cache=self.cache, cache_len=cache_len)[:, 0]
-        tokens, logprobs = sample_from_logits(logits, *sampling, seed=state.seed, draw=state.draw,
-                                              rows=state.slot_ids[:width])
+        # The noise of token `generated[s]` of global sequence `sequence[s]`: independent of the slot.
+        tokens, logprobs = sample_from_logits(logits, *sampling, seed=state.seed, draw=state.generated[:width],
+                                              rows=state.sequence[:width])
         state.advance(width, tokens, logprobs)
-        state.draw += 1
         return tokens, logprobs
 
     def _prefill(self, admitted: list[Sequence], params: SamplingParams) -> None:
@@ -269,11 +269,13 @@ class Engine:
         last = torch.tensor([n - 1 for n in lengths], device=self.device)
         # Logits only at each prompt's last position: the full [B, T, V] tensor would be huge.
         logits = self.model.lm_head(hidden[torch.arange(len(chunk), device=self.device), last])
+        # Token 0 of each sequence, keyed by its global index (params.sequence_offset + its row).
+        sequences = torch.tensor([params.sequence_offset + seq.index for seq in chunk], dtype=torch.long,
+                                 device=self.device)
         tokens, logprobs = sample_from_logits(logits, *_sampling_key(params), seed=self.state.seed,
-                                              draw=self.state.draw, rows=slots)
-        self.state.draw += 1
+                                              draw=torch.zeros_like(sequences), rows=sequences)
         limits = torch.tensor([seq.limit for seq in chunk], dtype=torch.long, device=self.device)
-        self.state.start(slots, tokens, logprobs, torch.tensor(lengths, device=self.device), limits)
+        self.state.start(slots, tokens, logprobs, torch.tensor(lengths, device=self.device), limits, sequences)
         for seq in chunk:
             seq.generated = 1
         self.stats["prefill_forwards"] += 1

@@ -90,11 +90,14 @@ def gumbel_noise(seed: torch.Tensor, draw: torch.Tensor, rows: torch.Tensor, voc
     "Parallel random numbers: as easy as 1, 2, 3"): the number for (seed, draw, row, token) is a
     hash of those four integers, not the next output of a stateful generator.
 
-    That makes a draw reproducible from the seed alone, independent of scheduling and of any
-    global RNG, and lets a captured CUDA graph sample: `seed` and `draw` are device tensors the
-    graph reads (and the engine increments `draw` inside it), so no generator state has to be
-    registered with the graph. Under torch.compile it is one elementwise kernel.
-    seed, draw: integer scalars; rows: integer [B] (the KV-cache slot of each row).
+    The engine passes row = the *global* index of the sequence (its row in the whole batch, over
+    all ranks) and draw = the index of the token being drawn within that sequence, so a
+    completion's tokens depend on the seed, its prompt and its index only: not on which KV slot
+    it occupies, how many sequences share a decode step, nor on how the batch is split over
+    processes (cohort/distributed.py). No generator state is involved, so a captured CUDA graph
+    can sample: `seed`, `draw` and `rows` are device tensors the graph reads. Under
+    torch.compile it is one elementwise kernel.
+    seed: integer scalar; draw: integer scalar or [B]; rows: integer [B].
     """
     seed, draw, rows = seed.to(torch.int32), draw.to(torch.int32), rows.to(torch.int32)
     row_key = hash32(seed ^ hash32(draw * _int32(0x9E3779B9) + rows))  # [B]
@@ -120,7 +123,8 @@ def sample_from_logits(
     uses the Gumbel-max trick (Gumbel 1954; Maddison et al. 2014): argmax(l_i + g_i) with g_i ~
     Gumbel(0, 1) picks token i with probability softmax(l)_i, so no softmax or cumulative sum of
     the filtered logits is needed. The noise is `gumbel_noise(seed, draw, rows)`: the same
-    (seed, draw, rows) give the same tokens (defaults: seed 0, draw 0, rows 0..B-1). Filtered
+    (seed, draw, rows) give the same tokens (defaults: seed 0, draw 0, rows 0..B-1; draw may be a
+    [B] tensor, one token index per row). Filtered
     tokens have l_i = -inf and are never picked.
     """
     device = logits.device

@@ -68,8 +68,12 @@ class SlotState:
     An empty slot is finished, at position 0, so a decode step over it writes only its own row.
     The buffers have one spare column so a finished row's ignored write never clobbers a token.
     The tensors are allocated once; CUDA graphs read the same storage on every replay. So are the
-    sampling inputs a captured step reads: the seed, the draw counter (one per sampling call, the
-    counter of `gumbel_noise`) and up to `MAX_EOS_IDS` EOS ids (padded with -1, which never matches).
+    sampling inputs a captured step reads: the seed, `sequence[s]` (the global index of the
+    sequence in slot s: the `rows` key of `gumbel_noise`, whose `draw` key is `generated[s]`, the
+    index of the token being drawn) and up to `MAX_EOS_IDS` EOS ids (padded with -1, which never
+    matches). Keying the noise by sequence and token index, never by slot or step count, makes
+    the tokens independent of scheduling (batch size, slots, compaction) and of the split of a
+    batch over ranks.
     """
 
     MAX_EOS_IDS = 8
@@ -86,9 +90,8 @@ class SlotState:
         self.finished = torch.ones(num_slots, dtype=torch.bool, device=device)
         self.tokens = torch.full((num_slots, max_new_tokens + 1), pad_token_id, **long)
         self.logprobs = torch.zeros(num_slots, max_new_tokens + 1, dtype=torch.float32, device=device)
-        self.slot_ids = torch.arange(num_slots, **long)
+        self.sequence = torch.zeros(num_slots, **long)
         self.seed = torch.zeros((), **long)
-        self.draw = torch.zeros((), **long)
         self.eos_ids = torch.full((self.MAX_EOS_IDS,), -1, **long)
 
     def begin(self, seed: int, eos_token_ids: list[int]) -> None:
@@ -96,7 +99,6 @@ class SlotState:
         if len(eos_token_ids) > self.MAX_EOS_IDS:
             raise CohortError(f"{len(eos_token_ids)} EOS token ids given; at most {self.MAX_EOS_IDS} are supported")
         self.seed.fill_(seed & 0x7FFFFFFF)
-        self.draw.zero_()
         self.eos_ids.fill_(-1)
         if eos_token_ids:
             self.eos_ids[: len(eos_token_ids)] = torch.tensor(eos_token_ids, dtype=torch.long)
@@ -109,15 +111,18 @@ class SlotState:
         )
 
     def per_slot_tensors(self) -> list[torch.Tensor]:
-        return [self.next_token, self.position, self.generated, self.limit, self.finished, self.tokens, self.logprobs]
+        return [self.next_token, self.position, self.generated, self.limit, self.finished, self.tokens, self.logprobs,
+                self.sequence]
 
     def step_tensors(self) -> list[torch.Tensor]:
         """Everything a decode step writes besides the KV cache (what a graph warm-up must restore)."""
-        return [*self.per_slot_tensors(), self.draw]
+        return self.per_slot_tensors()
 
     def start(self, slots: torch.Tensor, first_tokens: torch.Tensor, first_logprobs: torch.Tensor,
-              prompt_lengths: torch.Tensor, limits: torch.Tensor) -> None:
-        """Install freshly prefilled sequences: their first sampled token sits at position = prompt length."""
+              prompt_lengths: torch.Tensor, limits: torch.Tensor, sequences: torch.Tensor) -> None:
+        """Install freshly prefilled sequences (global indices `sequences`): their first sampled token
+        sits at position = prompt length."""
+        self.sequence[slots] = sequences
         self.next_token[slots] = first_tokens
         self.position[slots] = prompt_lengths
         self.generated[slots] = 1

@@ -172,15 +172,17 @@ def from_pretrained(path_or_id, dtype=None, device=None, gguf_file: str | None =
     return model.eval()
 
 
-def save_pretrained(model: CausalLM, out_dir) -> Path:
-    """Write config.json + model.safetensors that transformers' AutoModelForCausalLM loads."""
+def save_pretrained(model: CausalLM, out_dir, state: dict | None = None) -> Path:
+    """Write config.json + model.safetensors that transformers' AutoModelForCausalLM loads
+    (`state`: the tensors to write instead of the model's own, e.g. LoRA-merged weights)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = model.config.to_hf_dict()
     config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     # copy=True: parameters may be slices of one fused buffer (fusion.py), which safetensors refuses
-    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    state = state if state is not None else model.state_dict()
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

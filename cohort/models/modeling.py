@@ -8,9 +8,11 @@ has q/k/v biases, Qwen3 RMS-normalises each q/k head, Mistral/Qwen2 may use a sl
 Parameter names equal transformers' (`model.layers.0.self_attn.q_proj.weight`, ...) so a state
 dict moves between the two unchanged. Attention goes through `F.scaled_dot_product_attention`.
 With a `KVCache` the forward has static shapes and no host sync, so a decode step is CUDA-graph
-capturable: keys are written in place (`scatter_`, or `index_put_` for explicit cache rows) and the
-mask is built from `position_ids`. Decode (default cache rows 0..B-1) reads the cache as a view and
-folds grouped-query heads instead of expanding k/v, so a step reads each cached key once.
+capturable: keys are written in place (`index_put_`) and the mask is built from `position_ids`.
+Decode (default cache rows 0..B-1) reads the cache as a view and folds grouped-query heads instead
+of expanding k/v, so a step reads each cached key once. With fused kernels on and autograd off
+(sampling), the same math is regrouped into fewer kernels (`kernels.py`: residual add + RMSNorm,
+norm + rotary + cache write, the attention mask built once per step).
 """
 
 from __future__ import annotations
@@ -156,13 +158,22 @@ class Attention(nn.Module):
         q, k, v = self.project_qkv(x)
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
-        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = kernels.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        if kv_cache is not None:
-            kv_cache.write(self.layer_index, cache_rows, position_ids, k, v, write_mask)
-            k, v = kv_cache.keys_values(self.layer_index, cache_rows, batch, cache_len)
+        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
+        if kv_cache is not None and cache_rows is None and write_mask is None and kernels.fused_path():
+            # decode: norm, rotary and cache write as one piece (kernels.rotate_and_cache)
+            has_norms = hasattr(self, "q_norm")
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if has_norms else (None, None, 0.0)
+            q = kernels.rotate_and_cache(q, k, v, cos, sin, *norms, kv_cache.k_layers[self.layer_index],
+                                         kv_cache.v_layers[self.layer_index], position_ids)
+            k, v = kv_cache.keys_values(self.layer_index, None, batch, cache_len)
+        else:
+            v = v.transpose(1, 2)
+            if hasattr(self, "q_norm"):
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = kernels.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            if kv_cache is not None:
+                kv_cache.write(self.layer_index, cache_rows, position_ids, k, v, write_mask)
+                k, v = kv_cache.keys_values(self.layer_index, cache_rows, batch, cache_len)
         out = grouped_query_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
@@ -240,6 +251,15 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, **cache_args)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, residual, normed, cos, sin, mask, next_norm: RMSNorm, **cache_args):
+        """`forward` regrouped for the sampling path: takes the residual stream and its input norm
+        already applied, returns (residual, next_norm(residual)), each residual add computed with
+        the norm after it (kernels.add_rms_norm), the last one with the next layer's input norm."""
+        residual, normed = kernels.add_rms_norm(residual, self.self_attn(normed, cos, sin, mask, **cache_args),
+                                                self.post_attention_layernorm.weight,
+                                                self.post_attention_layernorm.eps)
+        return kernels.add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps)
+
 
 class DecoderModel(nn.Module):
     """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
@@ -277,6 +297,10 @@ def _cache_mask(position_ids: torch.Tensor, cache_len: int, window: int | None) 
     return allowed[:, None]
 
 
+def _call(layer, hidden, cos, sin, mask):
+    return layer(hidden, cos, sin, mask)
+
+
 class CausalLM(nn.Module):
     """Decoder-only LM with the Model contract of docs/architecture.md."""
 
@@ -286,6 +310,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        self.training_layer_call = None  # a CompiledLayerCall after compile_for_training()
         self.apply(self._init_weights)
         self.tie_weights()
 
@@ -319,14 +344,23 @@ class CausalLM(nn.Module):
         """Let no-grad forwards read q/k/v and gate/up as one matrix each (fusion.py); idempotent,
         and cheap when already fused. Call it outside inference mode (it may re-point parameters)."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            # LoRA (peft) wraps projections in its own layers: a fused matrix would skip the adapters
+            if all(type(m) is nn.Linear for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)):
+                layer.self_attn.fuse()
+            if all(type(m) is nn.Linear for m in (layer.mlp.gate_proj, layer.mlp.up_proj)):
+                layer.mlp.fuse()
 
     def gradient_checkpointing_enable(self, **_ignored) -> None:
         self.gradient_checkpointing = True
 
     def gradient_checkpointing_disable(self) -> None:
         self.gradient_checkpointing = False
+
+    def compile_for_training(self) -> None:
+        """Run each decoder layer compiled in full-sequence forwards (training_compile.py)."""
+        from cohort.models.training_compile import CompiledLayerCall
+
+        self.training_layer_call = CompiledLayerCall()
 
     def save_pretrained(self, out_dir, **kwargs) -> None:
         from cohort.models.loading import save_pretrained
@@ -362,14 +396,35 @@ class CausalLM(nn.Module):
                 raise CohortError(f"batch of {batch} rows does not fit a KVCache of {kv_cache.num_rows} rows: "
                                   "pass cache_rows or allocate more rows")
             cache_len = kv_cache.max_len if cache_len is None else cache_len
-            masks = {w: _cache_mask(position_ids, cache_len, w) for w in windows}
+            if kernels.fused_path():  # the additive form SDPA would rebuild in every layer, built once
+                masks = {w: kernels.cache_attention_bias(position_ids, cache_len, w, hidden.dtype) for w in windows}
+            else:
+                masks = {w: _cache_mask(position_ids, cache_len, w) for w in windows}
             cache_args = dict(kv_cache=kv_cache, cache_rows=cache_rows, position_ids=position_ids,
                               write_mask=attention_mask, cache_len=cache_len)
-        for i, layer in enumerate(self.model.layers):
-            mask = masks[self._config.layer_sliding_window(i)]
-            if self.gradient_checkpointing and self.training and kv_cache is None:
-                hidden = checkpoint(layer, hidden, cos, sin, mask, use_reentrant=False)
-            else:
-                hidden = layer(hidden, cos, sin, mask, **cache_args)
-        hidden = self.model.norm(hidden)
+        if kernels.fused_path():
+            hidden = self._fused_layers(hidden, cos, sin, masks, cache_args)
+        else:
+            compiled = self.training_layer_call if kv_cache is None else None
+            for i, layer in enumerate(self.model.layers):
+                mask = masks[self._config.layer_sliding_window(i)]
+                if self.gradient_checkpointing and self.training and kv_cache is None:
+                    hidden = checkpoint(compiled or _call, layer, hidden, cos, sin, mask, use_reentrant=False)
+                elif compiled is not None:
+                    hidden = compiled(layer, hidden, cos, sin, mask)
+                else:
+                    hidden = layer(hidden, cos, sin, mask, **cache_args)
+            hidden = self.model.norm(hidden)
         return hidden if return_hidden else self.lm_head(hidden)
+
+    def _fused_layers(self, hidden, cos, sin, masks, cache_args) -> torch.Tensor:
+        """The decoder layers and final norm on the sampling path: the residual add ending each
+        layer is fused with the next layer's input norm, the last one with the final norm
+        (DecoderLayer.forward_fused). Returns the final normed hidden states."""
+        layers = self.model.layers
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        normed = layers[0].input_layernorm(hidden)
+        for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
+            mask = masks[self._config.layer_sliding_window(i)]
+            hidden, normed = layer.forward_fused(hidden, normed, cos, sin, mask, next_norm, **cache_args)
+        return normed

@@ -1,0 +1,139 @@
+"""Tables of bench/grpo_step.py: the per-model text printed as each part ends, and the markdown
+written to $OUT/grpo_step.md. Pure functions of the results dict (see grpo_step.py)."""
+
+from __future__ import annotations
+
+
+def summarize(entry: dict) -> dict:
+    """One model's comparison: steady s/step of both, TRL/cohort speed-up, peaks, cohort's phases."""
+    trl, cohort = entry.get("trl") or {}, entry.get("cohort") or {}
+    t, c = trl.get("steady_seconds"), cohort.get("steady_seconds")
+    out = dict(trl_seconds=t, cohort_seconds=c, speedup=t / c if t and c else None,
+               trl_peak_gib=trl.get("peak_gib"), cohort_peak_gib=cohort.get("peak_gib"))
+    if out["trl_peak_gib"] is not None and out["cohort_peak_gib"] is not None:
+        out["cohort_memory_not_higher"] = out["cohort_peak_gib"] <= out["trl_peak_gib"]
+    steady_phases = cohort.get("steady") or {}
+    out.update({k: steady_phases.get(k) for k in ("time/sampling", "time/rewards", "time/logprobs", "time/update",
+                                                   "mfu", "tokens_per_second/sampling", "tokens_per_second/update")})
+    return out
+
+
+def fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
+
+
+def first_step(result: dict):
+    steps = result.get("step_seconds") or []
+    return steps[0] if steps else None
+
+
+def comparison_text(label: str, entry: dict, run: dict) -> str:
+    trl, cohort, s = entry.get("trl") or {}, entry.get("cohort") or {}, entry["summary"]
+    head = (f"{label} shape: {run['prompts']} prompts × {run['generations']} generations, {run['prompt_len']}-token "
+            f"prompts, {run['completion_len']}-token completions")
+    rows = [f"{'':22}{'TRL ' + str(trl.get('trl', '')):>14}{'cohort':>12}",
+            f"{'status':22}{trl.get('status', '-'):>14}{cohort.get('status', '-'):>12}",
+            f"{'s/step (steady)':22}{fmt(s['trl_seconds'], '.2f'):>14}{fmt(s['cohort_seconds'], '.2f'):>12}",
+            f"{'first step s':22}{fmt(first_step(trl), '.1f'):>14}{fmt(first_step(cohort), '.1f'):>12}",
+            f"{'peak GiB':22}{fmt(s['trl_peak_gib'], '.1f'):>14}{fmt(s['cohort_peak_gib'], '.1f'):>12}",
+            f"speed-up TRL/cohort: {fmt(s['speedup'], '.2f', '×')}",
+            "cohort phases (steady s): " + ", ".join(f"{k} {fmt(s['time/' + k], '.2f')}"
+                                                     for k in ("sampling", "rewards", "logprobs", "update")),
+            f"cohort update MFU {fmt(s['mfu'] and 100 * s['mfu'], '.1f', '%')}, update "
+            f"{fmt(s['tokens_per_second/update'], ',.0f')} tok/s, sampling {fmt(s['tokens_per_second/sampling'], ',.0f')} tok/s"]
+    rows.append(cohort_details(cohort))
+    for who, result in (("TRL", trl), ("cohort", cohort)):
+        if result.get("error"):
+            rows.append(f"{who} error: {result['error']}")
+        rows += [f"{who} note: {n}" for n in result.get("notes", [])]
+    return head + "\n" + "\n".join(rows)
+
+
+def cohort_details(result: dict) -> str:
+    """What the cohort run actually used: dtypes, reference copy, checkpointing, micro-batching."""
+    micro = ", ".join(f"{k} {v:g}" for k, v in (result.get("micro_batch") or {}).items())
+    return (f"cohort: params {result.get('param_dtype')}, optimizer params/moments {result.get('optimizer_param_dtype')}/"
+            f"{result.get('optimizer_state_dtype')}, reference copy {result.get('reference_copy')}, gradient "
+            f"checkpointing {result.get('gradient_checkpointing')}" + (f", last step: {micro}" if micro else ""))
+
+
+def lora_text(result: dict) -> str:
+    run = result.get("batch", {})
+    return (f"LoRA, Qwen2.5-7B shape ({run.get('prompts')} prompts × {run.get('generations')}, "
+            f"{run.get('completion_len')} tokens): {result.get('status')}, {fmt(result.get('steady_seconds'), '.2f')} s/step "
+            f"steady (first {fmt(first_step(result), '.1f')} s), peak {fmt(result.get('peak_gib'), '.1f')} GiB, "
+            f"trainable {fmt(result.get('trainable'), ',')} of {fmt(result.get('parameters'), ',')} parameters, "
+            f"route: {result.get('lora_route')}" + (f"\n{cohort_details(result)}" if result.get("param_dtype") else "")
+            + (f"\nerror: {result['error']}" if result.get("error") else ""))
+
+
+def batch_line(results: dict) -> str:
+    run, options = results["batch"], results["options"]
+    return (f"{run['prompts']} prompts × {run['generations']} generations, {run['prompt_len']}-token prompts, "
+            f"{run['completion_len']}-token completions, β = 0.04, μ = 1, per-device batch {run['per_device']} × "
+            f"{run['grad_accum']} accumulation; steady state = mean of steps 2..n; cohort options: {options}")
+
+
+def markdown(results: dict) -> str:
+    versions = ", ".join(f"{p} {results[p]}" for p in ("torch", "transformers", "trl") if results.get(p))
+    lines = [f"GRPO step, cohort vs TRL: {results.get('device') or 'device unknown'}, {results['date']}; {versions}"
+             + (" (CPU smoke run: tiny shapes, numbers mean nothing)" if results["smoke"] else "")]
+    if results["comparisons"]:
+        lines += ["", batch_line(results), "",
+                  "| model | TRL s/step | cohort s/step | speed-up | TRL / cohort first step s | TRL peak GiB | cohort "
+                  "peak GiB | cohort sampling / rewards / logprobs / update s | update MFU | update tok/s | sampling tok/s |",
+                  "|" + " --- |" * 11]
+    for label, entry in results["comparisons"].items():
+        s = entry.get("summary") or {}
+        if not s:
+            continue
+        phases = " / ".join(fmt(s.get(f"time/{k}"), ".2f") for k in ("sampling", "rewards", "logprobs", "update"))
+        lines.append(f"| {label} | {fmt(s['trl_seconds'], '.2f')} | {fmt(s['cohort_seconds'], '.2f')} | "
+                     f"{fmt(s['speedup'], '.2f', '×')} | {fmt(first_step(entry.get('trl') or {}), '.1f')} / "
+                     f"{fmt(first_step(entry.get('cohort') or {}), '.1f')} | {fmt(s['trl_peak_gib'], '.1f')} | {fmt(s['cohort_peak_gib'], '.1f')} | "
+                     f"{phases} | {fmt(s['mfu'] and 100 * s['mfu'], '.1f', '%')} | "
+                     f"{fmt(s['tokens_per_second/update'], ',.0f')} | {fmt(s['tokens_per_second/sampling'], ',.0f')} |")
+    lines += [f"\n{label}: {cohort_details(entry['cohort'])}" for label, entry in results["comparisons"].items()
+              if (entry.get("cohort") or {}).get("param_dtype")]
+    lora = results.get("lora_7b")
+    if lora:
+        lines += ["", "| LoRA | status | s/step | first step s | peak GiB | trainable / all parameters | route |",
+                  "|" + " --- |" * 7,
+                  f"| Qwen2.5-7B shape | {lora.get('status')} | {fmt(lora.get('steady_seconds'), '.2f')} | "
+                  f"{fmt(first_step(lora), '.1f')} | {fmt(lora.get('peak_gib'), '.1f')} | {fmt(lora.get('trainable'), ',')} / "
+                  f"{fmt(lora.get('parameters'), ',')} | {lora.get('lora_route', '-')} |"]
+    full = results.get("max_full_param")
+    if full:
+        run = full["batch"]
+        lines += ["", f"Full-parameter probes: 2 steps of {run['prompts']} prompts × {run['generations']}, "
+                      f"{run['completion_len']}-token completions, per-device batch {run['per_device']}", "",
+                  "| full-parameter shape | result | parameters | s/step | peak GiB | last step micro-batching |",
+                  "|" + " --- |" * 6]
+        for name, probe in full["probes"].items():
+            micro = ", ".join(f"{k} {v:g}" for k, v in (probe.get("micro_batch") or {}).items()) or "-"
+            lines.append(f"| Qwen2.5-{name} | {'fits' if probe.get('fits') else probe.get('status')} | "
+                         f"{fmt(probe.get('parameters'), ',')} | {fmt(probe.get('steady_seconds'), '.2f')} | "
+                         f"{fmt(probe.get('peak_gib'), '.1f')} | {micro} |")
+        lines.append(f"\nLargest full-parameter shape that fits, of those tried: {full['largest_fitting'] or 'none'}")
+    if results["notes"]:
+        lines += ["", "Notes:"] + [f"- {n}" for n in results["notes"]]
+    return "\n".join(lines)
+
+
+def unfinished_flags(results: dict, args) -> str:
+    """Command-line flags that repeat only the parts that were skipped or cut short."""
+    unfinished = ("skipped", "timeout")
+    models = [label.removeprefix("qwen2.5-") for label, entry in results["comparisons"].items()
+              if any((entry.get(k) or {}).get("status") in unfinished for k in ("build", "cohort", "trl"))]
+    models += [m for m in args.models if f"qwen2.5-{m}" not in results["comparisons"]]
+    flags = [f"--models {','.join(models)}" if models else "--models none"]
+    if args.lora_7b and (results.get("lora_7b") or {}).get("status", "skipped") in unfinished:
+        flags.append("--lora-7b")
+    probes = (results.get("max_full_param") or {}).get("probes", {})
+    search_ended = any(p.get("status") in ("oom", "error", "crashed") for p in probes.values())  # larger: not tried
+    todo = [] if search_ended else [m for m in args.max_full_param
+                                    if (probes.get(m) or {}).get("status", "skipped") in unfinished]
+    if todo:
+        flags.append(f"--max-full-param {','.join(todo)}")
+    return " ".join(flags) if models or len(flags) > 1 else ""
+

@@ -1,0 +1,407 @@
+"""One measured run of bench/grpo_step.py, in its own process (fresh CUDA memory statistics).
+
+    python bench/grpo_step_worker.py SPEC.json RESULT.json
+
+SPEC["kind"] is one of
+- "build":  a random-init Qwen2.5-shaped model folder (bf16 safetensors) with the synthetic
+            word-level tokenizer of ../shared/bench/trl_baseline.py (EOS = t{V-1}, pad = t{V-2});
+- "trl":    TRL's GRPOTrainer configured as trl_baseline.py, on that folder;
+- "cohort": cohort's GRPOTrainer on that folder, or on a model built directly on the device
+            (SPEC["source"] == "module": no safetensors written), with LoRA when SPEC["lora"] is set
+            (TRL's way: GRPOTrainer(peft_config=LoraConfig(...))).
+RESULT.json is rewritten after every step, so a run killed by the time budget still leaves the
+steps it finished. Every number is measured here; the driver only tabulates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cohort from this checkout
+
+# Qwen2.5 shapes (their config.json), random weights. `SMOKE` replaces them with tiny ones for the CPU check.
+def _shape(hidden: int, inner: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool) -> dict:
+    return dict(hidden_size=hidden, intermediate_size=inner, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, vocab_size=vocab, tie_word_embeddings=tied)
+
+
+QWEN = {
+    "0.5b": _shape(896, 4864, 24, 14, 2, 151936, True),
+    "1.5b": _shape(1536, 8960, 28, 12, 2, 151936, True),
+    "3b": _shape(2048, 11008, 36, 16, 2, 151936, True),
+    "7b": _shape(3584, 18944, 28, 28, 4, 152064, False),
+}
+SMOKE = {
+    "0.5b": _shape(64, 128, 2, 4, 2, 1000, True),
+    "1.5b": _shape(96, 192, 2, 4, 2, 1000, True),
+    "3b": _shape(128, 256, 2, 4, 2, 1000, True),
+    "7b": _shape(128, 256, 3, 4, 2, 1000, False),
+}
+COMMON = dict(max_position_embeddings=32768, rope_theta=1e6)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+BETA, LEARNING_RATE = 0.04, 1e-6
+# TRL 1.16's GRPOConfig default; the loss normalisation costs the same in any variant.
+LOSS_TYPE = "dapo"
+
+
+# ---- the shared inputs: tokenizer, prompts, reward -----------------------------------------
+
+def make_tokenizer(vocab: int):
+    """trl_baseline.py's tokenizer: word 't<i>' is token i, whitespace-split, EOS t{V-1}, pad t{V-2}."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{vocab - 1}", pad_token=f"t{vocab - 2}",
+                                   unk_token="t0")
+
+
+def make_prompts(vocab: int, rows: int, length: int) -> list[dict]:
+    """trl_baseline.py's dataset: `rows` prompts of `length` random words (= tokens), never EOS or pad."""
+    rng = random.Random(0)
+    return [{"prompt": " ".join(f"t{rng.randrange(vocab - 2)}" for _ in range(length))} for _ in range(rows)]
+
+
+def make_reward(completion_len: int):
+    def reward_distinct(completions, **kwargs):
+        """trl_baseline.py's reward: the fraction of distinct words over the completion budget."""
+        return [len(set(c.split())) / float(completion_len) for c in completions]
+
+    return reward_distinct
+
+
+def hf_config(shape: dict):
+    from transformers import Qwen2Config
+
+    vocab = shape["vocab_size"]
+    return Qwen2Config(**shape, **COMMON, eos_token_id=vocab - 1, pad_token_id=vocab - 2)
+
+
+# ---- measurement helpers -----------------------------------------------------------------------
+
+class Recorder:
+    """The result dict, rewritten to disk after every change (a killed run keeps what it measured)."""
+
+    def __init__(self, path: str, spec: dict):
+        self.path = Path(path)
+        self.cuda = spec["device"] == "cuda"
+        self.peak_bytes = 0
+        self.result = dict(kind=spec["kind"], label=spec.get("label"), status="running", notes=[],
+                           torch=torch.__version__)
+        if self.cuda:
+            self.result["device"] = torch.cuda.get_device_name()
+
+    def observe_peak(self) -> None:
+        """Fold the peak since the last reset into the process peak (cohort resets it every step)."""
+        if self.cuda:
+            self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated())
+            self.result["peak_gib"] = round(self.peak_bytes / 2**30, 2)
+
+    def note(self, text: str) -> None:
+        print(f"note: {text}", flush=True)
+        self.result["notes"].append(text)
+
+    def save(self, **fields) -> None:
+        self.result.update(fields)
+        self.observe_peak()
+        partial = self.path.with_suffix(".partial")
+        partial.write_text(json.dumps(self.result, indent=1, default=str))
+        partial.replace(self.path)  # atomic: a worker killed mid-write leaves the previous record whole
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def steady(values: list[float]) -> float | None:
+    """Mean of the steps after the first (the first pays compilation, graph capture, allocator warm-up)."""
+    rest = [v for v in values[1:] if v is not None]
+    return sum(rest) / len(rest) if rest else None
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+# ---- kind: build -------------------------------------------------------------------------------
+
+def run_build(spec: dict, rec: Recorder) -> None:
+    """Random-init Qwen2ForCausalLM saved as bf16 safetensors + the tokenizer, as trl_baseline.py.
+    Initialised on the device in bf16 (trl_baseline.py: fp32 on the CPU, then cast): the same
+    N(0, 0.02) weights in distribution, and seconds instead of minutes for the 1.5B shape."""
+    from transformers import Qwen2ForCausalLM
+
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(spec["device"]):
+            model = Qwen2ForCausalLM(hf_config(spec["shape"]))
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(spec["folder"])
+    make_tokenizer(spec["shape"]["vocab_size"]).save_pretrained(spec["folder"])
+    import transformers
+
+    rec.save(status="ok", parameters=sum(p.numel() for p in model.parameters()), transformers=transformers.__version__,
+             seconds=round(time.perf_counter() - started, 1))
+
+
+# ---- kind: trl ---------------------------------------------------------------------------------
+
+def run_trl(spec: dict, rec: Recorder) -> None:
+    """TRL 1.16 GRPOTrainer exactly as trl_baseline.py configures it (output_dir, max_steps and the
+    progress bar aside); per-step wall time from a callback around each optimizer step."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+
+    device, run = spec["device"], spec["run"]
+    vocab = spec["shape"]["vocab_size"]
+    times: list[float] = []
+    log_records: list[dict] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            synchronize(device)
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            synchronize(device)
+            times.append(time.perf_counter() - self.started)
+            print(f"trl step {state.global_step}: {times[-1]:.2f} s", flush=True)
+            rec.save(step_seconds=[round(t, 3) for t in times], steady_seconds=steady(times))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs:
+                log_records.append(numeric(logs))
+
+    rec.save(trl=trl.__version__)
+    dataset = Dataset.from_list(make_prompts(vocab, run["rows"], run["prompt_len"]))
+    bf16 = device == "cuda"  # CPU smoke: fp32 (bf16 autocast on a CPU proves nothing about the GPU run)
+    if not bf16:
+        rec.note("CPU: TRL runs with bf16=False")
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=run["per_device"],
+        gradient_accumulation_steps=run["grad_accum"], num_generations=run["generations"],
+        max_completion_length=run["completion_len"], beta=BETA, learning_rate=LEARNING_RATE, bf16=bf16,
+        logging_steps=1, max_steps=run["steps"], report_to=[], save_strategy="no", gradient_checkpointing=True,
+        temperature=1.0, top_k=0, top_p=1.0, disable_tqdm=True, use_cpu=device == "cpu")
+    started = time.perf_counter()
+    trainer = GRPOTrainer(model=spec["folder"], reward_funcs=[make_reward(run["completion_len"])], args=args,
+                          train_dataset=dataset, processing_class=make_tokenizer(vocab), callbacks=[StepTimer()])
+    setup = time.perf_counter() - started
+    trainer.train()
+    last = next((r for r in reversed(log_records) if "completions/mean_length" in r), {})  # not the summary log
+    keep = ("completions/mean_length", "completions/clipped_ratio", "reward", "kl", "entropy", "loss")
+    rec.save(status="ok", setup_seconds=round(setup, 1), total_seconds=round(time.perf_counter() - started, 1),
+             last_log={k: v for k, v in last.items() if k in keep})
+    shutil.rmtree(args.output_dir, ignore_errors=True)  # save_strategy="no": nothing of value there
+
+
+# ---- kind: cohort ------------------------------------------------------------------------------
+
+def build_module(shape: dict, device: str):
+    """cohort's own CausalLM with random init, built directly on the device (bf16 on CUDA, as the
+    stored folders are; fp32 on CPU, cohort's CPU default): no 15 GB of safetensors for a 7B shape."""
+    from cohort.models import CausalLM, ModelConfig
+
+    vocab = shape["vocab_size"]
+    config = ModelConfig.from_hf_dict({"model_type": "qwen2", **shape, **COMMON, "eos_token_id": vocab - 1,
+                                       "pad_token_id": vocab - 2})
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
+    try:
+        with torch.device(device):
+            model = CausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.to(device)
+
+
+def cohort_config(spec: dict, rec: Recorder):
+    """GRPOConfig for the run; new fields (max_tokens_per_micro_batch, LoRA) only where they exist."""
+    from cohort import GRPOConfig
+
+    run = spec["run"]
+    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    options = dict(
+        output_dir=tempfile.mkdtemp(prefix="cohort-bench-"), per_device_train_batch_size=run["per_device"],
+        gradient_accumulation_steps=run["grad_accum"], num_generations=run["generations"],
+        max_prompt_length=run["prompt_len"], max_completion_length=run["completion_len"], beta=BETA,
+        num_iterations=1, learning_rate=LEARNING_RATE, temperature=1.0, top_k=0, top_p=1.0, dtype="auto",
+        max_steps=run["steps"], loss_type=LOSS_TYPE, gradient_checkpointing=spec["gradient_checkpointing"],
+        eval_steps=0, save_steps=0, log_completions_steps=10**6, report_to="none", seed=0, device=spec["device"])
+    if spec.get("micro_batch_tokens") is not None:
+        if "max_tokens_per_micro_batch" in fields:
+            options["max_tokens_per_micro_batch"] = spec["micro_batch_tokens"]
+        else:
+            rec.note("GRPOConfig has no max_tokens_per_micro_batch yet: --micro-batch-tokens ignored")
+    for key, value in (spec.get("cohort_options") or {}).items():
+        if key in fields:
+            options[key] = value
+        else:
+            rec.note(f"--cohort-options: GRPOConfig has no field {key!r}: ignored")
+    route = lora_route(fields) if spec.get("lora") else None
+    if route == "config fields":
+        lora = spec["lora"]
+        options.update(use_peft=True, lora_r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0,
+                       lora_target_modules=LORA_TARGETS)
+    unknown = [k for k in options if k not in fields]
+    for key in unknown:
+        rec.note(f"GRPOConfig has no field {key!r}: not set")
+        options.pop(key)
+    config = GRPOConfig(**options)
+    if config.prompts_per_step != run["prompts"]:
+        raise RuntimeError(f"cohort would sample {config.prompts_per_step} prompts per step, not {run['prompts']}")
+    return config, route
+
+
+def lora_route(config_fields) -> str:
+    """How this cohort takes LoRA: TRL's GRPOTrainer(peft_config=LoraConfig), else the config fields
+    (use_peft, lora_r, ...); neither: a RuntimeError, which ends the LoRA part only."""
+    from cohort import GRPOTrainer
+
+    if "peft_config" in inspect.signature(GRPOTrainer.__init__).parameters:
+        return "peft_config argument"
+    if "use_peft" in config_fields:
+        return "config fields"
+    raise RuntimeError("cohort's GRPOTrainer has neither peft_config= nor GRPOConfig.use_peft: no LoRA to measure")
+
+
+def run_cohort(spec: dict, rec: Recorder) -> None:
+    from cohort import GRPOTrainer
+
+    device, run = spec["device"], spec["run"]
+    vocab = spec["shape"]["vocab_size"]
+    tokenizer = make_tokenizer(vocab)
+    rows = make_prompts(vocab, run["rows"], run["prompt_len"])
+    lengths = {len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows[:8]}
+    if lengths != {run["prompt_len"]}:
+        raise RuntimeError(f"prompts tokenise to {sorted(lengths)} tokens, not {run['prompt_len']}")
+    config, route = cohort_config(spec, rec)
+    started = time.perf_counter()
+    model = spec["folder"] if spec["source"] == "folder" else build_module(spec["shape"], device)
+    trainer_options: dict = {}
+    if route == "peft_config argument":
+        from peft import LoraConfig
+
+        trainer_options["peft_config"] = LoraConfig(r=spec["lora"]["r"], lora_alpha=spec["lora"]["alpha"],
+                                                    target_modules=LORA_TARGETS, lora_dropout=0.0, bias="none")
+    if route:
+        rec.save(lora_route=route)
+
+    class BenchTrainer(GRPOTrainer):
+        """cohort's trainer, minus checkpoints and the final save (a 1.5B run's optimizer state alone
+        is 12 GB of disk writes that no step time includes); a record written after every step."""
+
+        def maybe_save_checkpoint(self) -> None:
+            pass
+
+        def save_model(self, output_dir=None):
+            return Path(output_dir or self.args.output_dir)
+
+        def record_step(self, batch, losses, seconds):
+            rec.observe_peak()  # before the trainer's own metrics reset the CUDA peak
+            super().record_step(batch, losses, seconds)
+            step_peak = self.history[-1].get("peak_memory_gib")  # the largest of the step's phase peaks
+            if step_peak is not None:
+                rec.peak_bytes = max(rec.peak_bytes, int(step_peak * 2**30))
+                rec.result["peak_gib"] = round(rec.peak_bytes / 2**30, 2)
+            history = [numeric(r) for r in self.history]
+            rec.save(history=history, **cohort_summary(history))  # complete after every step
+
+    trainer = BenchTrainer(model=model, reward_funcs=[make_reward(run["completion_len"])], train_dataset=rows,
+                           args=config, processing_class=tokenizer, **trainer_options)
+    setup = time.perf_counter() - started
+    describe_model(trainer, spec, rec)
+    rec.save(setup_seconds=round(setup, 1), config={k: getattr(config, k) for k in (
+        "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "max_prompt_length",
+        "max_completion_length", "beta", "loss_type", "dtype", "gradient_checkpointing")})
+    trainer.train()
+    describe_optimizer(trainer, rec)
+    rec.save(status="ok", total_seconds=round(time.perf_counter() - started, 1))
+    shutil.rmtree(config.output_dir, ignore_errors=True)  # metrics.jsonl only: no checkpoint was written
+
+
+def numeric(record: dict) -> dict:
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def base_model(trainer):
+    model = trainer.model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def describe_model(trainer, spec: dict, rec: Recorder) -> None:
+    """Parameter counts and dtypes; turns gradient checkpointing on if asked and the trainer did not."""
+    model, base = trainer.model, base_model(trainer)
+    params = list(model.parameters())
+    rec.save(parameters=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
+             param_dtype=str(params[0].dtype).removeprefix("torch."),
+             reference_copy=getattr(trainer, "ref_model", None) is not None)
+    if trainer.args.gradient_checkpointing and not getattr(base, "gradient_checkpointing", True):
+        base.gradient_checkpointing_enable()
+        rec.note("the trainer did not apply gradient_checkpointing=True to the model; the bench enabled it")
+    rec.save(gradient_checkpointing=bool(getattr(base, "gradient_checkpointing", False)),
+             torch_compile=bool(getattr(trainer.args, "torch_compile", False)),
+             max_tokens_per_micro_batch=getattr(trainer.args, "max_tokens_per_micro_batch", None))
+
+
+def describe_optimizer(trainer, rec: Recorder) -> None:
+    """dtype of the tensors AdamW updates (fp32 = master weights) and of its moments."""
+    optimizer = getattr(trainer, "optimizer", None)
+    if optimizer is None:
+        return
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    state = optimizer.state.get(first, {}) if first is not None else {}
+    moment = state.get("exp_avg")
+    rec.save(optimizer_param_dtype=str(first.dtype).removeprefix("torch.") if first is not None else None,
+             optimizer_state_dtype=str(moment.dtype).removeprefix("torch.") if moment is not None else None)
+
+
+def cohort_summary(history: list[dict]) -> dict:
+    """Per-step wall times, steady-state means of the phase times / rates / MFU, and the last
+    step's micro-batching (count, OOM retries) from the trainer's own records."""
+    keys = sorted({k for r in history for k in r if k.startswith(("time/", "tokens_per_second/")) or k == "mfu"})
+    return dict(step_seconds=[round(r.get("step_time", float("nan")), 3) for r in history],
+                steady_seconds=steady([r.get("step_time") for r in history]),
+                steady={k: steady([r.get(k) for r in history]) for k in keys},
+                micro_batch={k: v for k, v in (history[-1] if history else {}).items() if "micro" in k or "oom" in k})
+
+
+# ---- entry point ---------------------------------------------------------------------------------
+
+def main(spec_path: str, result_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    rec = Recorder(result_path, spec)
+    rec.save()
+    try:
+        {"build": run_build, "trl": run_trl, "cohort": run_cohort}[spec["kind"]](spec, rec)
+        return 0
+    except Exception as error:  # noqa: BLE001 - the driver reports it; an OOM is a result, not a crash
+        traceback.print_exc()
+        oom = is_oom(error)
+        rec.save(status="oom" if oom else "error", error=f"{type(error).__name__}: {error}"[:500])
+        return 0 if oom else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,106 @@
+"""Where a GRPO step's GPU time goes: torch.profiler over one steady-state step of cohort.
+
+Builds bench/grpo_step.py's random-init Qwen2.5 shape (in memory) and its 32 prompts × 8 generations,
+512-token configuration, runs `--warmup` steps, then profiles one more and prints, per phase
+(sampling, logprobs, update), its wall time and the CUDA kernels that take the most time, and the
+update's FLOPs against its seconds. Diagnosis for issue 5, not a benchmark of record.
+
+    python bench/profile_step.py --model 0.5b --options torch_compile=true
+    python bench/profile_step.py --smoke          # CPU, tiny shape: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpo_step import _options  # noqa: E402
+from grpo_step_worker import QWEN, SMOKE, build_module, make_prompts, make_reward, make_tokenizer  # noqa: E402
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="0.5b")
+    parser.add_argument("--options", default="", help="GRPOConfig fields, e.g. torch_compile=true")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    from cohort import GRPOConfig, GRPOTrainer
+
+    device = "cpu" if args.smoke else "cuda"
+    shape = (SMOKE if args.smoke else QWEN)[args.model]
+    prompts, gens, completion = (4, 4, 16) if args.smoke else (32, 8, 512)
+    tokenizer = make_tokenizer(shape["vocab_size"])
+    model = build_module(shape, device)
+    options = dict(per_device_train_batch_size=prompts, gradient_accumulation_steps=gens, num_generations=gens,
+                   max_prompt_length=128, max_completion_length=completion, beta=0.04, learning_rate=1e-6,
+                   loss_type="dapo", gradient_checkpointing=True, max_steps=args.warmup + 1, eval_steps=0,
+                   save_steps=0, log_completions_steps=10**6, output_dir="/tmp/profile-step", device=device,
+                   overwrite_output_dir=True, quiet=True, seed=0)
+    options.update(_options(args.options))
+    trainer = GRPOTrainer(model, [make_reward(completion)], make_prompts(shape["vocab_size"], prompts * 8,
+                                                                         16 if args.smoke else 128),
+                          args=GRPOConfig(**options), processing_class=tokenizer)
+    trainer.args.max_steps = args.warmup
+    trainer.train()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    phases = {}
+    original = trainer.phase
+
+    def timed_phase(name):  # a profiler range per phase, so kernels are attributed to it
+        class Ranged:
+            def __enter__(self):
+                self.range = torch.profiler.record_function(f"phase::{name}")
+                self.range.__enter__()
+                self.inner = original(name)
+                self.inner.__enter__()
+                self.started = time.perf_counter()
+
+            def __exit__(self, *exc):
+                self.inner.__exit__(*exc)
+                phases[name] = time.perf_counter() - self.started
+                self.range.__exit__(*exc)
+        return Ranged()
+
+    trainer.phase = timed_phase
+    trainer.args.max_steps = args.warmup + 1
+    step = trainer.step + 1
+    with torch.profiler.profile(activities=activities) as prof:
+        trainer.step = step
+        with trainer.phase("sampling"):
+            batch = trainer.sample_batch(trainer.next_prompts())
+        with trainer.phase("rewards"):
+            trainer.score(batch)
+        from cohort.algo import group_advantages
+
+        batch.advantages = group_advantages(batch.rewards, trainer.args.num_generations, trainer.args.scale_rewards)
+        with trainer.phase("logprobs"):
+            trainer.reference_logprobs(batch)
+        with trainer.phase("update"):
+            stats = trainer.update(batch)
+    print(json.dumps({"phases_s": {k: round(v, 3) for k, v in phases.items()}, "micro_batches": stats.get("micro_batches")}))
+    tokens = sum(len(p) for p in batch.prompt_ids) + int(batch.rollout.completion_mask.sum())
+    params = sum(p.numel() for p in trainer.model.parameters())
+    if "update" in phases:
+        print(f"update: {tokens} tokens, 6·N·tokens = {6 * params * tokens / 1e12:.1f} TFLOP in {phases['update']:.2f} s "
+              f"= {6 * params * tokens / phases['update'] / 1e12:.0f} TFLOP/s")
+    events = prof.key_averages()
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[: args.top]
+    total = sum(getattr(e, key, 0) for e in events)
+    print(f"top {args.top} ops by self {('CUDA' if device == 'cuda' else 'CPU')} time (all phases, total {total / 1e3:.0f} ms):")
+    for e in rows:
+        print(f"  {getattr(e, key, 0) / 1e3:9.1f} ms  {e.count:7d}×  {e.key[:110]}")
+    if device == "cuda":
+        print(f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()
