@@ -131,6 +131,20 @@ class PPOTrainer(GRPOTrainer):
         stats.update(self.update_critic(batch))
         return stats
 
+    # ---- checkpoints: the critic is part of the run ------------------------------------------------
+    def extra_checkpoint_state(self) -> dict:
+        """The critic and its optimizer, in every checkpoint (trainer_extra.pt), so --resume continues
+        PPO exactly rather than with a fresh value function."""
+        return {"critic": {k: v.detach().to("cpu", copy=True) for k, v in self.critic.state_dict().items()},
+                "critic_optimizer": self.critic_optimizer.state_dict()}
+
+    def load_extra_checkpoint_state(self, state: dict) -> None:
+        if "critic" not in state:
+            raise CohortError("this checkpoint has no critic state (it was written by GRPOTrainer); resume it with "
+                              "GRPOTrainer or start the PPO run afresh")
+        self.critic.load_state_dict(state["critic"])
+        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
     # ---- critic ------------------------------------------------------------------------------
     def update_critic(self, batch: Batch) -> dict:
         """One optimizer step of the clipped value loss, token mean over the whole rollout."""
