@@ -132,12 +132,26 @@ def _pop_option(argv: list[str], name: str) -> tuple[list[str], str | None]:
     return argv, None
 
 
-def task_rows(task, args):
-    """The task's training rows and held-out rows, from the options that apply to it."""
+def task_rows(task, args, log=print):
+    """The task's training rows and held-out rows, from the options that apply to it.
+
+    `--data_files` is the training data only: the held-out rows come from `--eval_data_files`, else
+    from the task's own test split (never from the training file, which would score memorised
+    answers as held-out accuracy). Without either, there is no held-out evaluation, said in one line."""
     options = dict(seed=args.seed, data_files=args.data_files, subset=args.subset, levels=args.levels)
     train = task.load("train", **options)
-    held_out = task.load("test", **{**options, "subset": None, "size": args.eval_limit})
-    return train, held_out[: args.eval_limit] if args.eval_limit else None
+    if not args.eval_limit:
+        return train, None
+    held_out_options = {**options, "data_files": args.eval_data_files, "subset": None, "size": args.eval_limit}
+    try:
+        held_out = task.load("test", **held_out_options)
+    except CohortError as error:
+        if args.eval_data_files is not None:
+            raise
+        log(f"no held-out evaluation: the task's test split is not available ({error}); "
+            "pass --eval_data_files to evaluate on a file")
+        return train, None
+    return train, held_out[: args.eval_limit]
 
 
 def _peek(argv: list[str], name: str) -> str | None:

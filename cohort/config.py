@@ -22,7 +22,8 @@ class GRPOConfig:
     # What to train, on what.
     model: str | None = None  # local HF folder, hub id or .gguf; None → the built-in tiny model
     task: str = "arithmetic"
-    data_files: str | None = None  # local JSONL/parquet for the task (e.g. GSM8K)
+    data_files: str | None = None  # local JSONL/parquet of training rows for the task (e.g. GSM8K)
+    eval_data_files: str | None = None  # held-out rows; None → the task's own test split (never data_files)
     subset: int | None = None  # use N training rows
     levels: str = "3"  # arithmetic: difficulty levels trained on
     output_dir: str = "runs/cohort"

@@ -172,3 +172,42 @@ def test_hub_is_the_fallback_source(monkeypatch):
     monkeypatch.setattr(gsm8k, "load_hub_dataset", offline_hub)
     with pytest.raises(CohortError, match="no local gsm8k 'train' file.*--data_files"):
         GSM8KTask().load("train")
+
+
+def _write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_training_file_is_never_the_held_out_split(tmp_path, monkeypatch):
+    """`--data_files` is training data; held-out rows come from --eval_data_files, else the task's own
+    test split, else none (one line) — never from the training file."""
+    import cohort.tasks.gsm8k as gsm8k
+    from cohort.cli import task_rows
+    from cohort.config import GRPOConfig
+
+    train_file = _write_rows(tmp_path / "train.jsonl", ROWS[:2])
+    eval_file = _write_rows(tmp_path / "eval.jsonl", ROWS[3:])
+    args = GRPOConfig(task="gsm8k", data_files=train_file, eval_data_files=eval_file, eval_limit=10)
+    train, held_out = task_rows(GSM8KTask(), args)
+    assert [r["question"] for r in train] == [r["question"] for r in ROWS[:2]]
+    assert [r["question"] for r in held_out] == [ROWS[3]["question"]]
+
+    # no eval file and no test split anywhere: no held-out evaluation, said once
+    monkeypatch.setattr(gsm8k, "default_data_files", lambda split: None)
+    monkeypatch.setattr(gsm8k, "load_hub_dataset", lambda *a, **k: (_ for _ in ()).throw(CohortError("offline")))
+    lines = []
+    train, held_out = task_rows(GSM8KTask(), GRPOConfig(task="gsm8k", data_files=train_file), log=lines.append)
+    assert held_out is None and len(train) == 2
+    assert len(lines) == 1 and "--eval_data_files" in lines[0]
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="../shared/data/gsm8k is not present")
+def test_held_out_defaults_to_the_real_test_split_not_the_training_file(tmp_path):
+    from cohort.cli import task_rows
+    from cohort.config import GRPOConfig
+
+    train_file = _write_rows(tmp_path / "train.jsonl", ROWS)
+    _, held_out = task_rows(GSM8KTask(), GRPOConfig(task="gsm8k", data_files=train_file, eval_limit=5))
+    test_questions = [r["question"] for r in GSM8KTask().load("test")[:5]]
+    assert [r["question"] for r in held_out] == test_questions
