@@ -103,6 +103,8 @@ def resume(trainer) -> None:
         if parallel.is_main:
             _truncate_logs(out, {METRICS_FILE: 0, COMPLETIONS_FILE: 0}, trainer.log)  # lines of no checkpoint
         return
+    from .checkpoint_load import load_checkpoint  # the reading half of the format (it imports this module)
+
     load_checkpoint(trainer, folder)
     trainer.log(f"resumed from {folder} at step {trainer.step}")
 
@@ -400,94 +402,7 @@ def newest_complete(out: Path, log=print) -> Path | None:
     return None
 
 
-# ---- loading -----------------------------------------------------------------------------------
-
-def load_checkpoint(trainer, folder: Path) -> None:
-    """Restore everything `_write_contents` saved into an already-built trainer."""
-    from .lora import ADAPTER_WEIGHTS, has_lora, load_adapter_state_dict
-    from .models.loading import _safetensors_files, read_safetensors
-
-    folder = Path(folder)
-    state = json.loads((folder / TRAINER_STATE).read_text())
-    parallel = _parallel(trainer)
-    if state.get("world_size", 1) != parallel.world_size:
-        raise CohortError(f"{folder} was written by {state.get('world_size', 1)} process(es), this run has "
-                          f"{parallel.world_size}; resume with --nproc_per_node {state.get('world_size', 1)}")
-    _check_same_model(trainer.model, state.get("model_shapes", {}), folder)
-    if has_lora(trainer.model):  # the base weights never change: only the adapters come back
-        load_adapter_state_dict(trainer.model, read_safetensors([folder / ADAPTER_WEIGHTS]), folder)
-    else:
-        _load_weights(trainer.model, read_safetensors(_safetensors_files(folder)), folder)  # sharded or not
-    if trainer.ref_model is not None:
-        if (folder / REFERENCE_FILE).is_file():
-            _load_weights(trainer.ref_model, read_safetensors([folder / REFERENCE_FILE]), folder)
-        else:  # the checkpoint was written with β = 0: start a fresh outer iteration from the policy
-            trainer.ref_model.load_state_dict(trainer.model.state_dict())
-    saved = _torch_load(folder / OPTIMIZER_FILE)
-    if parallel.fsdp:  # the full state and fp32 weights into this rank's shards
-        parallel.load_optimizer_state(trainer.train_model, trainer.optimizer, saved["optimizer"])
-    else:
-        trainer.optimizer.load_state_dict(saved["optimizer"])
-    trainer.scheduler.load_state_dict(saved["scheduler"])
-    if (folder / EXTRA_FILE).is_file() and callable(getattr(trainer, "load_extra_checkpoint_state", None)):
-        trainer.load_extra_checkpoint_state(_torch_load(folder / EXTRA_FILE))
-    trainer.step = int(state["step"])
-    trainer.saved_step = trainer.step
-    if getattr(trainer, "curriculum", None) is not None and trainer.step > 0:
-        trainer.curriculum.enter(trainer)  # the checkpoint's stage: its rows and rewards, before their state
-    for index, func in enumerate(trainer.rewards.funcs):
-        path = folder / REWARD_DIR / str(index) / "state.pt"
-        if path.is_file() and callable(getattr(func, "load_state_dict", None)):
-            func.load_state_dict(_torch_load(path))
-    trainer.data_order = [int(i) for i in state["data_order"]]
-    trainer.data_rng.setstate(_python_state(state["data_rng"], restore=True))
-    _restore_random(state["rank_random"][parallel.rank] if state.get("rank_random") else state)
-    trainer.history = state["history"]
-    _report_changed_options(state.get("config", {}), trainer.args.to_dict(), trainer.log)
-    trainer.accuracy_before = state.get("accuracy_before")
-    trainer.skipped_steps = int(state.get("skipped_steps", 0))
-    trainer.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
-    if folder.parent.resolve() == Path(trainer.args.output_dir).resolve() and parallel.is_main:
-        _truncate_logs(Path(trainer.args.output_dir), state.get("file_sizes", {}), trainer.log)
-
-
-def _report_changed_options(saved: dict, current: dict, log) -> None:
-    """One line naming the options that differ from the checkpoint's run (the resumed run then differs too)."""
-    ignored = {"resume", "resume_from_checkpoint", "overwrite_output_dir", "output_dir", "quiet", "report_to"}
-    changed = [f"{k}: {saved[k]!r} → {current[k]!r}" for k in sorted(saved.keys() & current.keys())
-               if k not in ignored and saved[k] != current[k]]
-    if changed:
-        log(f"resuming with changed options ({'; '.join(changed)})")
-
-
-def _check_same_model(model, saved_shapes: dict, folder: Path) -> None:
-    current = {k: list(v.shape) for k, v in model.state_dict().items()}
-    for name in sorted(set(current) | set(saved_shapes)):
-        if current.get(name) != saved_shapes.get(name):
-            raise CohortError(f"{folder} was saved from another model ({name}: shape {saved_shapes.get(name)} there, "
-                              f"{current.get(name)} here); resume with the --model it was trained from, or use "
-                              "another --output_dir")
-
-
-def _load_weights(model, state: dict, folder: Path) -> None:
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # A tied lm_head is stored once (as the embedding it shares storage with); loading that fills it.
-    current = model.state_dict()
-    loaded_storage = {current[k].data_ptr() for k in state if k in current}
-    untied_missing = [k for k in missing if current[k].data_ptr() not in loaded_storage]
-    if untied_missing or unexpected:
-        raise CohortError(f"{folder} does not match this model (missing {sorted(untied_missing)[:3]}, "
-                          f"unexpected {sorted(unexpected)[:3]}); resume with the --model it was trained from")
-
-
-def _torch_load(path: Path):
-    """Tensors and plain containers only: weights_only=True refuses pickled code."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # UnpicklingError for anything but tensors / plain data
-        raise CohortError(f"cannot load {path} with torch.load(weights_only=True): {type(error).__name__}; "
-                          "it is damaged or holds more than tensors and plain data") from None
-
+# ---- loading: cohort/checkpoint_load.py ----------------------------------------------------------
 
 def _truncate_logs(out: Path, sizes: dict, log) -> None:
     """Cut metrics.jsonl / completions.jsonl back to their size at the checkpoint: the lines the killed
