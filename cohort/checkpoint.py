@@ -244,9 +244,14 @@ def _write_checkpoint(trainer, out: Path, final: Path, shared: dict) -> None:
 def _write_contents(trainer, folder: Path, shared: dict | None = None) -> None:
     from safetensors.torch import save_file
 
+    from .lora import base_state_dict, has_lora
+
     save_policy(trainer.model, trainer.tokenizer, folder)
     if trainer.ref_model is not None:
         state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in trainer.ref_model.state_dict().items()}
+        save_file(_untied(state), str(folder / REFERENCE_FILE))
+    elif has_lora(trainer.model) and trainer.args.ref_reset_steps:  # resets fold adapters into the base
+        state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in base_state_dict(trainer.model).items()}
         save_file(_untied(state), str(folder / REFERENCE_FILE))
     if shared and shared["optimizer"] is not None:  # FSDP2: gathered from every rank's shard
         _save_optimizer(trainer, folder / OPTIMIZER_FILE, shared["optimizer"])

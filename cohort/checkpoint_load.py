@@ -21,7 +21,7 @@ from .errors import CohortError
 
 def load_checkpoint(trainer, folder: Path) -> None:
     """Restore everything `_write_contents` saved into an already-built trainer."""
-    from .lora import ADAPTER_WEIGHTS, has_lora, load_adapter_state_dict
+    from .lora import ADAPTER_WEIGHTS, has_lora, load_adapter_state_dict, load_base_state_dict
     from .models.loading import _safetensors_files, read_safetensors
 
     folder = Path(folder)
@@ -31,7 +31,9 @@ def load_checkpoint(trainer, folder: Path) -> None:
         raise CohortError(f"{folder} was written by {state.get('world_size', 1)} process(es), this run has "
                           f"{parallel.world_size}; resume with --nproc_per_node {state.get('world_size', 1)}")
     _check_same_model(trainer.model, state.get("model_shapes", {}), folder)
-    if has_lora(trainer.model):  # the base weights never change: only the adapters come back
+    if has_lora(trainer.model):  # the adapters, and the base when π_ref resets have folded adapters into it
+        if (folder / REFERENCE_FILE).is_file():
+            load_base_state_dict(trainer.model, read_safetensors([folder / REFERENCE_FILE]))
         load_adapter_state_dict(trainer.model, read_safetensors([folder / ADAPTER_WEIGHTS]), folder)
     else:
         _load_weights(trainer.model, read_safetensors(_safetensors_files(folder)), folder)  # sharded or not

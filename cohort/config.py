@@ -152,9 +152,6 @@ class GRPOConfig:
             bad(f"unknown loss_type {self.loss_type!r}; choose one of {list(LOSS_TYPES)}")
         if self.scale_rewards not in SCALE_CHOICES:
             bad(f"unknown scale_rewards {self.scale_rewards!r}; choose one of {list(SCALE_CHOICES)}")
-        if self.use_peft and self.ref_reset_steps:
-            bad("ref_reset_steps with --use_peft is not supported: π_ref is the base model under the adapters; "
-                "drop --ref_reset_steps or train without LoRA")
         if self.use_peft and self.lora_r < 1:
             bad(f"lora_r={self.lora_r}: the LoRA rank must be at least 1")
         if self.max_tokens_per_micro_batch < 0:

@@ -5,6 +5,8 @@ model stays the same object: the engine samples from it (base weight + B·A per 
 trainer updates only A and B, and checkpoints and the final folder are written by the same code.
 With LoRA there is no second copy of the weights for π_ref: the reference log-probs come from the
 same model with the adapters switched off (`adapters_disabled`), which is exactly π_θ at step 0.
+Algorithm 1's π_ref ← π_θ (`--ref_reset_steps`) merges the adapters into the base weights and
+zeroes B (`merge_into_base`): the base is then the current policy, and the adapters start over.
 
 What is saved: an ordinary Hugging Face folder with the adapters merged into the weights
 (W + s·B·A, computed on the side; the live model is untouched), plus an `adapter/` subfolder in
@@ -91,6 +93,37 @@ def adapters_disabled(model: torch.nn.Module):
     finally:
         for layer in layers:
             layer.enable_adapters(True)
+
+
+@torch.no_grad()
+def merge_into_base(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """π_ref ← π_θ for LoRA: W ← W + s·B·A in every adapted layer, then B ← 0, so the policy is
+    unchanged and "adapters off" is now the current policy. Returns the adapter parameters, whose
+    optimizer state no longer fits them."""
+    from peft.tuners.lora import LoraLayer
+
+    touched = []
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            for adapter in module.active_adapters:
+                base.weight.add_(module.get_delta_weight(adapter).to(base.weight.dtype))
+                module.lora_B[adapter].weight.zero_()
+                touched += [module.lora_A[adapter].weight, module.lora_B[adapter].weight]
+    return touched
+
+
+def base_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base (non-adapter) weights under the model's plain names: π_ref, once resets changed it."""
+    return {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if "lora_" not in k}
+
+
+@torch.no_grad()
+def load_base_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    for key, tensor in model.state_dict().items():
+        plain = key.replace(".base_layer.", ".")
+        if "lora_" not in key and plain in state:
+            tensor.copy_(state[plain])
 
 
 def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from .dynamic_sampling import fill_informative
 from .config import GRPOConfig
 from .distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from .errors import CohortError
-from .lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args
+from .lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
 from .logprobs import MicroBatch, micro_batch_logprobs, pack_micro_batch, plan_micro_batches, rollout_logprobs
 from .modelio import load_policy, save_policy
 from .precision import clip_grad_norm, make_optimizer, resolve_dtype
@@ -85,8 +85,6 @@ class GRPOTrainer(StepLog):
                                                  trust_remote_code=args.trust_remote_code, impl=args.model_impl)
         peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
         if peft_config is not None:  # LoRA: adapters injected in place; π_ref = the base model (adapters off)
-            if args.ref_reset_steps:
-                raise CohortError("ref_reset_steps with LoRA is not supported: π_ref is the base model under the adapters")
             apply_lora(self.model, peft_config)
         if self.tokenizer.eos_token_id is None:
             raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
@@ -356,8 +354,12 @@ class GRPOTrainer(StepLog):
         checkpoint.maybe_save(self)
 
     def reset_reference(self) -> None:
+        """π_ref ← π_θ: copy the weights, or with LoRA fold the adapters into the base (lora.py)."""
         if self.ref_model is not None:
             self.ref_model.load_state_dict(self.model.state_dict())
+        elif has_lora(self.model) and self.uses_reference:
+            for param in merge_into_base(self.model):
+                self.optimizer.state.pop(param, None)  # B restarts at 0: its AdamW moments start over too
         self.log_iteration_summary()
 
     # ---- helpers -----------------------------------------------------------------------------

@@ -105,8 +105,31 @@ def test_lora_reference_logprobs_equal_base_model_logprobs(tiny_dir, tmp_path):
     assert torch.allclose(batch.ref_logp, want, atol=1e-5)
 
 
-def test_lora_bad_targets_and_reference_reset_fail_clearly(tiny_dir, tmp_path):
+def test_lora_bad_targets_fail_clearly(tiny_dir, tmp_path):
     with pytest.raises(CohortError, match="match no module"):
         _trainer(tiny_dir, tmp_path / "a", lora_target_modules=["qkv"])
-    with pytest.raises(CohortError, match="ref_reset_steps"):
-        _trainer(tiny_dir, tmp_path / "b", ref_reset_steps=5)
+
+
+def test_lora_reference_reset_folds_the_adapters_into_the_base(tiny_dir, tmp_path):
+    """π_ref ← π_θ with LoRA: the policy is unchanged, 'adapters off' becomes it, B restarts at 0."""
+    trainer = _trainer(tiny_dir, tmp_path)
+    trainer.train()
+    ids = torch.tensor([[3, 5, 7, 9, 11, 4]])
+    policy = _logits(trainer.model, ids)
+    with adapters_disabled(trainer.model):
+        assert not torch.allclose(_logits(trainer.model, ids), policy, atol=1e-3)  # π_ref ≠ π_θ before
+    trainer.reset_reference()
+    assert torch.allclose(_logits(trainer.model, ids), policy, atol=1e-5)
+    with adapters_disabled(trainer.model):
+        assert torch.allclose(_logits(trainer.model, ids), policy, atol=1e-5)
+    assert all(torch.all(p == 0) for n, p in trainer.model.named_parameters() if "lora_B" in n)
+
+
+def test_lora_resume_across_reference_resets_is_exact(tiny_dir, tmp_path):
+    full = _trainer(tiny_dir, tmp_path / "full", max_steps=5, ref_reset_steps=2)
+    full.train()
+    _trainer(tiny_dir, tmp_path / "part", max_steps=3, ref_reset_steps=2, save_total_limit=0).train()
+    resumed = _trainer(tiny_dir, tmp_path / "part", max_steps=5, ref_reset_steps=2, resume=True)
+    resumed.train()
+    for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
