@@ -128,7 +128,7 @@ def worker(spec_path: str) -> None:
             return Path(output_dir or self.args.output_dir)
 
         def record_step(self, batch, losses, seconds):
-            super().record_step(batch, losses, seconds)  # FSDP2's gather of the new weights included
+            super().record_step(batch, losses, seconds)
             stamps.append(time.perf_counter())
 
     started = time.perf_counter()
@@ -140,7 +140,7 @@ def worker(spec_path: str) -> None:
         return
     history = [{k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
                for r in trainer.history]
-    first = history[0]["step_time"] + history[0].get("time/gather", 0.0)
+    first = history[0]["step_time"]  # FSDP2's gather of the new weights is inside the step
     step_seconds = [first] + [b - a for a, b in zip(stamps, stamps[1:])]
     tokens = [r["completions/mean_length"] * completions for r in history]
     warmup = min(run.get("warmup_steps", 1), len(step_seconds) - 1)  # steps that still capture graphs

@@ -82,6 +82,13 @@ def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -
     return plans
 
 
+def plan_rollout(prompt_ids: list[list[int]], completion_mask: Tensor, max_rows: int,
+                 max_tokens: int = 0) -> list[list[int]]:
+    """`plan_micro_batches` over a rollout's rows, each as long as its prompt plus its completion."""
+    lengths = [len(p) + int(n) for p, n in zip(prompt_ids, completion_mask.sum(dim=1).tolist())]
+    return plan_micro_batches(lengths, max_rows, max_tokens)
+
+
 def pack_micro_batch(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor,
                      rows: list[int], pad_id: int) -> MicroBatch:
     """Rows `rows` as [prompt | completion | pad], trimmed to the longest row."""
@@ -103,16 +110,11 @@ def selected_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, 
 
     The plain computation: `logits` `[..., V]`, `tokens` `[...]`. Reference for the chunked path,
     and the path for models that only give logits."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = None
     if with_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        entropy = lse - (probs * logits).sum(-1)
-    return logp, entropy
+        logp, entropy, _ = _chunk_forward(logits, tokens, 1.0 / temperature)
+        return logp, entropy
+    z = logits.float() * (1.0 / temperature)
+    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1), None
 
 
 def _chunk_rows(vocab: int) -> int:
@@ -275,9 +277,8 @@ def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor,
     length-bucketed micro-batches under inference mode, scattered back to rollout order on CPU."""
     device = next(model.parameters()).device
     full = torch.zeros(completion_ids.shape, dtype=torch.float32)
-    lengths = [len(p) + int(n) for p, n in zip(prompt_ids, completion_mask.sum(dim=1).tolist())]
     with torch.inference_mode():
-        for rows in plan_micro_batches(lengths, max_rows, max_tokens):
+        for rows in plan_rollout(prompt_ids, completion_mask, max_rows, max_tokens):
             micro = pack_micro_batch(prompt_ids, completion_ids, completion_mask, rows, pad_id).to(device)
             logp = micro_batch_logprobs(model, micro, temperature=temperature).logp
             full[rows, : logp.shape[1]] = logp.cpu()

@@ -149,21 +149,12 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state under its plain names, each adapted weight replaced by W + s·B·A."""
     from peft.tuners.lora import LoraLayer
 
-    merged: dict[str, torch.Tensor] = {}
+    merged = base_state_dict(model)
     for module_name, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            base = module.get_base_layer()
-            weight = base.weight.detach().float()
-            for adapter in module.active_adapters:
-                weight = weight + module.get_delta_weight(adapter).detach().float()
-            merged[f"{module_name}.weight"] = weight.to(base.weight.dtype)
-            if getattr(base, "bias", None) is not None:
-                merged[f"{module_name}.bias"] = base.bias.detach()
-    for name, tensor in model.state_dict().items():
-        if "lora_" in name:
-            continue
-        plain = name.replace(".base_layer.", ".")
-        merged.setdefault(plain, tensor)
+            weight = module.get_base_layer().weight
+            delta = sum(module.get_delta_weight(adapter).detach().float() for adapter in module.active_adapters)
+            merged[f"{module_name}.weight"] = (weight.detach().float() + delta).to(weight.dtype)
     return merged
 
 

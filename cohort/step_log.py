@@ -47,9 +47,6 @@ class StepLog:
         self.phase_times[name] = time.perf_counter() - started
 
     def record_step(self, batch: Batch, losses: list[dict], seconds: float) -> None:
-        if self.parallel.fsdp:  # the updated shards, gathered into the full copy the engine samples from
-            with self.phase("gather"):
-                self.parallel.refresh_sampling_model()
         G = self.args.num_generations
         grouped = batch.rewards.view(-1, G)
         lengths = batch.rollout.completion_mask.sum(dim=1).float()

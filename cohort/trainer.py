@@ -35,7 +35,7 @@ from .config import GRPOConfig
 from .distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from .errors import CohortError
 from .lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
-from .logprobs import MicroBatch, micro_batch_logprobs, pack_micro_batch, plan_micro_batches, rollout_logprobs
+from .logprobs import MicroBatch, micro_batch_logprobs, pack_micro_batch, plan_rollout, rollout_logprobs
 from .modelio import load_policy, save_policy
 from .precision import clip_grad_norm, make_optimizer, resolve_dtype
 from .rewards.model import prepare_reward_funcs, warm_up_reward_models
@@ -161,6 +161,9 @@ class GRPOTrainer(StepLog):
                 self.reference_logprobs(batch)  # log π_old (μ > 1) and log π_ref (β > 0), once per step
             with self.phase("update"):
                 losses = [self.update(batch) for _ in range(args.num_iterations)]  # μ policy updates
+            if self.parallel.fsdp:
+                with self.phase("gather"):  # FSDP2: the updated shards into the full copy the engine samples
+                    self.parallel.refresh_sampling_model()
             with self.phase("reward_model"):
                 self.update_reward_models(batch)  # r_φ: continuous training with replay (learned r_φ only)
             self.record_step(batch, losses, time.perf_counter() - started)
@@ -311,7 +314,7 @@ class GRPOTrainer(StepLog):
                 return work()
             except torch.cuda.OutOfMemoryError:
                 self.optimizer.zero_grad(set_to_none=True)
-                if self.parallel.world_size > 1 or (self.micro_rows == 1 and not self.micro_tokens):
+                if self.parallel.world_size > 1 or self.micro_rows == 1:  # one row: no smaller micro-batch exists
                     raise
                 gc.collect()
                 if torch.cuda.is_available():
@@ -374,8 +377,7 @@ class GRPOTrainer(StepLog):
 
     def micro_batch_plan(self, batch: Batch, max_rows: int, max_tokens: int) -> list[list[int]]:
         """Rows of the rollout grouped by length into micro-batches (cohort/logprobs.py)."""
-        lengths = [len(p) + int(n) for p, n in zip(batch.prompt_ids, batch.rollout.completion_mask.sum(dim=1).tolist())]
-        return plan_micro_batches(lengths, max_rows, max_tokens)
+        return plan_rollout(batch.prompt_ids, batch.rollout.completion_mask, max_rows, max_tokens)
 
     def pack(self, batch: Batch, rows: list[int]) -> MicroBatch:
         """Rows `rows` right-padded as [prompt | completion | pad], on the training device."""

@@ -84,6 +84,18 @@ class Crash(BaseException):
     """Stands for a process dying mid-way: not an Exception, so no cleanup code catches it."""
 
 
+def crash_in_step(trainer, step: int) -> None:
+    """Make `trainer` die (as a killed process would) inside its update of step `step`."""
+    update = trainer.update
+
+    def dies(batch):
+        if trainer.step == step:
+            raise Crash()
+        return update(batch)
+
+    trainer.update = dies
+
+
 def test_checkpoint_holds_everything_and_its_manifest_is_true(model_dir, tmp_path):
     trainer = trainer_for(model_dir, tmp_path, max_steps=4, save_total_limit=0)
     trainer.train()
@@ -131,14 +143,7 @@ def test_same_seed_same_run_and_crash_resume_is_exact(model_dir, tmp_path):
     assert without_wall_clock(jsonl(tmp_path / "a/metrics.jsonl")) == without_wall_clock(jsonl(tmp_path / "b/metrics.jsonl"))
 
     crashed = trainer_for(model_dir, tmp_path / "c", **options)
-    update = crashed.update
-
-    def dies_in_step_5(batch):
-        if crashed.step == 5:
-            raise Crash()
-        return update(batch)
-
-    crashed.update = dies_in_step_5
+    crash_in_step(crashed, 5)
     with pytest.raises(Crash):
         crashed.train()
     assert max(r["step"] for r in jsonl(tmp_path / "c/metrics.jsonl")) == 4  # steps past the checkpoint were logged
@@ -164,14 +169,7 @@ def test_resume_inside_a_curriculum_stage_is_exact(model_dir, tmp_path):
     reference = trainer_for(model_dir, tmp_path / "ref", **options)
     reference.train()
     crashed = trainer_for(model_dir, tmp_path / "run", **options)
-    update = crashed.update
-
-    def dies_in_step_6(batch):
-        if crashed.step == 6:
-            raise Crash()
-        return update(batch)
-
-    crashed.update = dies_in_step_6
+    crash_in_step(crashed, 6)
     with pytest.raises(Crash):
         crashed.train()
     resumed = trainer_for(model_dir, tmp_path / "run", resume=True, **options)

@@ -270,10 +270,15 @@ def test_reward_model_mixes_with_a_rule_by_weight(tokenizer):
     assert "rewards/reward_model/mean" in out.metrics
 
 
+def _policy_folder(tokenizer, path):
+    """The built-in tiny policy (seed 0) saved as an HF folder: a reward-model folder to pass by path."""
+    build_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def test_trainer_takes_a_folder_in_reward_funcs_and_trains_it_each_step(tokenizer, tmp_path):
-    policy_dir = tmp_path / "policy"
-    build_model(tokenizer, seed=0).save_pretrained(policy_dir)
-    tokenizer.save_pretrained(policy_dir)
+    policy_dir = _policy_folder(tokenizer, tmp_path / "policy")
     task = ArithmeticTask()
     rows = task.load("train", levels=[3], size=32)
     args = GRPOConfig(num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=1,
@@ -361,9 +366,7 @@ def test_warm_up_holds_out_groups_learns_and_fills_the_buffer(tokenizer, scorer)
 
 
 def test_trainer_warm_up_trains_r_phi_before_step_one_and_leaves_the_data_stream_alone(tokenizer, tmp_path):
-    policy_dir = tmp_path / "policy"
-    build_model(tokenizer, seed=0).save_pretrained(policy_dir)
-    tokenizer.save_pretrained(policy_dir)
+    policy_dir = _policy_folder(tokenizer, tmp_path / "policy")
     task = ArithmeticTask()
     rows = task.load("train", levels=[3], size=32)
     common = dict(num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=1,

@@ -101,11 +101,17 @@ def cache_attention_bias_plain(position_ids: torch.Tensor, cache_len: int, windo
     key at position j (j <= p, and j > p - window for a sliding window), HIDDEN_KEY_BIAS elsewhere.
     A boolean mask passed to SDPA is converted to this form inside every call, i.e. in every layer;
     built once it serves all layers of a step."""
+    return torch.where(cache_keys_visible(position_ids, cache_len, window), 0.0, HIDDEN_KEY_BIAS).to(dtype)[:, None]
+
+
+def cache_keys_visible(position_ids: torch.Tensor, cache_len: int, window: int | None) -> torch.Tensor:
+    """Bool [B, T, cache_len]: whether the query at position p sees the key at position j of its
+    cache row (j <= p, and j > p - window for a sliding window)."""
     key_positions = torch.arange(cache_len, device=position_ids.device)
-    allowed = key_positions <= position_ids[:, :, None]
+    visible = key_positions <= position_ids[:, :, None]
     if window is not None:
-        allowed = allowed & (key_positions > position_ids[:, :, None] - window)
-    return torch.where(allowed, 0.0, HIDDEN_KEY_BIAS).to(dtype)[:, None]
+        visible = visible & (key_positions > position_ids[:, :, None] - window)
+    return visible
 
 
 def fused_path() -> bool:

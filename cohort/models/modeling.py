@@ -28,6 +28,7 @@ from cohort.errors import CohortError
 from cohort.models import kernels
 from cohort.models.cache import KVCache
 from cohort.models.fusion import fused_weight
+from cohort.models.training_compile import run_layer
 from cohort.models.config import ModelConfig
 
 ACTIVATIONS = {
@@ -290,15 +291,7 @@ def _padding_causal_mask(length: int, attention_mask, window: int | None, device
 
 def _cache_mask(position_ids: torch.Tensor, cache_len: int, window: int | None) -> torch.Tensor:
     """Bool mask [B, 1, T, cache_len]: a query at position p sees its row's keys at positions <= p."""
-    key_positions = torch.arange(cache_len, device=position_ids.device)
-    allowed = key_positions <= position_ids[:, :, None]
-    if window is not None:
-        allowed = allowed & (key_positions > position_ids[:, :, None] - window)
-    return allowed[:, None]
-
-
-def _call(layer, hidden, cos, sin, mask):
-    return layer(hidden, cos, sin, mask)
+    return kernels.cache_keys_visible(position_ids, cache_len, window)[:, None]
 
 
 class CausalLM(nn.Module):
@@ -409,7 +402,7 @@ class CausalLM(nn.Module):
             for i, layer in enumerate(self.model.layers):
                 mask = masks[self._config.layer_sliding_window(i)]
                 if self.gradient_checkpointing and self.training and kv_cache is None:
-                    hidden = checkpoint(compiled or _call, layer, hidden, cos, sin, mask, use_reentrant=False)
+                    hidden = checkpoint(compiled or run_layer, layer, hidden, cos, sin, mask, use_reentrant=False)
                 elif compiled is not None:
                     hidden = compiled(layer, hidden, cos, sin, mask)
                 else:

@@ -23,14 +23,16 @@ import torch.utils.checkpoint
 _CONTROL_FLOW = tuple(c for c in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if c)
 
 
-def _run_layer(layer, hidden, cos, sin, mask):
+def run_layer(layer, hidden, cos, sin, mask):
+    """A decoder layer's full-sequence forward as a function of the layer (what is compiled, and what
+    activation checkpointing recomputes)."""
     return layer(hidden, cos, sin, mask)
 
 
 class CompiledLayerCall:
     def __init__(self):
         # Shapes static at first; the first new batch or length recompiles with those dimensions dynamic.
-        self.compiled = torch.compile(_run_layer)
+        self.compiled = torch.compile(run_layer)
         self.failed = False
 
     def __call__(self, layer, hidden, cos, sin, mask):
