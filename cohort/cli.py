@@ -5,6 +5,7 @@ Bad input is a `CohortError`: printed as one line, exit code 2, no traceback (un
 
 from __future__ import annotations
 
+import os
 import sys
 
 from .errors import CohortError
@@ -58,7 +59,9 @@ def _train(argv: list[str]) -> int:
     args = parse_config(argv, defaults=defaults)  # bad options fail here, once, before any rank starts
     if processes is not None and processes != "1":
         return _launch(argv, processes, args)
-    train_rows, eval_rows = task_rows(task, args)
+    # under torchrun every rank loads the rows; rank 0 alone says what it found
+    quiet = os.environ.get("RANK", "0") != "0"
+    train_rows, eval_rows = task_rows(task, args, log=(lambda *_: None) if quiet else print)
     try:
         trainer = GRPOTrainer(args.model, None, train_rows, args=args, eval_dataset=eval_rows, task=task)
         trainer.train()
@@ -69,8 +72,6 @@ def _train(argv: list[str]) -> int:
 
 def _lost_rank(error: RuntimeError) -> Exception:
     """A one-line CohortError for a failed collective under torchrun; any other error unchanged."""
-    import os
-
     import torch.distributed as dist
 
     text = str(error)
@@ -87,7 +88,6 @@ def _lost_rank(error: RuntimeError) -> Exception:
 def _launch(argv: list[str], processes: str, args) -> int:
     """`cohort train --nproc_per_node N ...`: run `torchrun --standalone --nproc_per_node N -m cohort
     train ...` (torch.distributed.run, PyTorch's launcher and its failure handling) and wait for it."""
-    import os
     import signal
     import subprocess
 

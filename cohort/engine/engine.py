@@ -5,7 +5,9 @@ then decode steps over the occupied slots with sampling on the device. Finished 
 noticed every `check_interval` steps (one host sync), retired, and waiting sequences take their
 rows (continuous batching, see `scheduler.py`). On CUDA each decode step (forward, sampling and
 slot-state update) is a captured CUDA graph (`graphs.py`) whose elementwise pieces are
-torch.compile'd fused kernels (`cohort.models.kernels`), so it launches a few kernels per layer. The model's own weights are used in place: no copy, so the policy being trained
+torch.compile'd fused kernels (`cohort.models.kernels`), whose attention is a Triton flash-decoding
+kernel (`cohort.models.decode_attention`) and whose sampling is one Triton pass over the logits
+(`triton_sampling.py`), so it launches a few kernels per layer. The model's own weights are used in place: no copy, so the policy being trained
 samples its rollouts, as GRPO requires (DeepSeekMath 2024, Algorithm 1, step "sample G outputs").
 """
 

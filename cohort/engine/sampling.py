@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from cohort.models.kernels import fused
+from cohort.engine.triton_sampling import gumbel_sample
+from cohort.models.kernels import fused, triton_kernel_on
 
 NEG_INF = float("-inf")
 
@@ -103,7 +104,10 @@ def gumbel_noise(seed: torch.Tensor, draw: torch.Tensor, rows: torch.Tensor, voc
     row_key = hash32(seed ^ hash32(draw * _int32(0x9E3779B9) + rows))  # [B]
     token = torch.arange(vocab, device=rows.device, dtype=torch.int32)
     bits = hash32(row_key[:, None] ^ hash32(token * _int32(0x85EBCA6B))[None, :])  # [B, vocab]
-    uniform = (((bits >> 8) & 0xFFFFFF).float() + 0.5) * (1.0 / 16777216.0)  # 24 bits → (0, 1)
+    # 23 bits: (n + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1). With 24 bits the
+    # largest n + 0.5 rounds up to 2^24, u = 1 and g = +inf: that token would win whatever its
+    # logit (one draw in ~110 at a 152k vocabulary).
+    uniform = (((bits >> 9) & 0x7FFFFF).float() + 0.5) * (1.0 / 8388608.0)
     return -torch.log(-torch.log(uniform))
 
 
@@ -131,10 +135,17 @@ def sample_from_logits(
     seed = torch.zeros((), dtype=torch.int64, device=device) if seed is None else seed
     draw = torch.zeros((), dtype=torch.int64, device=device) if draw is None else draw
     rows = torch.arange(logits.shape[0], device=device) if rows is None else rows
-    # A few fused kernels when the engine turns them on (see cohort.models.kernels): the noise
-    # (elementwise), then one pass that reduces logits + noise to the token and its log-prob.
-    noise = None if temperature <= 0.0 else fused("gumbel_noise", gumbel_noise)(seed, draw, rows, logits.shape[-1])
-    return fused("sample", _sample)(logits, temperature, top_k, top_p, min_p, noise)
+    # One compiled function when the engine turns fused kernels on (see cohort.models.kernels): the
+    # noise is recomputed inside the reduction that picks the token, never stored as a [B, V] tensor.
+    if temperature <= 0.0:
+        return fused("sample", _sample)(logits, temperature, top_k, top_p, min_p, None)
+    if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0 and triton_kernel_on(logits):
+        return gumbel_sample(logits, temperature, seed, draw, rows)  # one pass, hand-written (triton_sampling.py)
+    return fused("sample_gumbel", _sample_gumbel)(logits, temperature, top_k, top_p, min_p, seed, draw, rows)
+
+
+def _sample_gumbel(logits, temperature: float, top_k: int, top_p: float, min_p: float, seed, draw, rows):
+    return _sample(logits, temperature, top_k, top_p, min_p, gumbel_noise(seed, draw, rows, logits.shape[-1]))
 
 
 def _sample(logits, temperature: float, top_k: int, top_p: float, min_p: float, noise):

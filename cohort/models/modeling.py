@@ -27,6 +27,8 @@ from torch.utils.checkpoint import checkpoint
 from cohort.errors import CohortError
 from cohort.models import kernels
 from cohort.models.cache import KVCache
+from cohort.models.decode_attention import SUPPORTED_HEAD_DIMS as DECODE_KERNEL_HEAD_DIMS
+from cohort.models.decode_attention import decode_attention
 from cohort.models.fusion import fused_weight
 from cohort.models.training_compile import run_layer
 from cohort.models.config import ModelConfig
@@ -142,6 +144,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.fused_qkv = None  # (weight, bias) view of q/k/v as one matrix, see fusion.py
+        self.sliding_window = config.layer_sliding_window(layer_index)
 
     def fuse(self) -> None:
         self.fused_qkv = fused_weight([self.q_proj, self.k_proj, self.v_proj])
@@ -154,7 +157,7 @@ class Attention(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x, cos, sin, mask, kv_cache=None, cache_rows=None, position_ids=None,
-                write_mask=None, cache_len=None):
+                write_mask=None, cache_len=None, decode_kernel=False):
         batch, length, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
@@ -164,8 +167,11 @@ class Attention(nn.Module):
             # decode: norm, rotary and cache write as one piece (kernels.rotate_and_cache)
             has_norms = hasattr(self, "q_norm")
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if has_norms else (None, None, 0.0)
-            q = kernels.rotate_and_cache(q, k, v, cos, sin, *norms, kv_cache.k_layers[self.layer_index],
-                                         kv_cache.v_layers[self.layer_index], position_ids)
+            cache_k, cache_v = kv_cache.k_layers[self.layer_index], kv_cache.v_layers[self.layer_index]
+            q = kernels.rotate_and_cache(q, k, v, cos, sin, *norms, cache_k, cache_v, position_ids)
+            if decode_kernel:  # one query per row: flash-decoding straight from the cache (decode_attention.py)
+                out = decode_attention(q, cache_k, cache_v, position_ids, cache_len, self.sliding_window)
+                return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
             k, v = kv_cache.keys_values(self.layer_index, None, batch, cache_len)
         else:
             v = v.transpose(1, 2)
@@ -389,12 +395,18 @@ class CausalLM(nn.Module):
                 raise CohortError(f"batch of {batch} rows does not fit a KVCache of {kv_cache.num_rows} rows: "
                                   "pass cache_rows or allocate more rows")
             cache_len = kv_cache.max_len if cache_len is None else cache_len
-            if kernels.fused_path():  # the additive form SDPA would rebuild in every layer, built once
+            # A decode step (one token per row, default cache rows) on the sampling path attends
+            # through the Triton kernel, which masks by position itself: no mask to build.
+            decode_kernel = (length == 1 and cache_rows is None and attention_mask is None
+                             and self._config.head_dim in DECODE_KERNEL_HEAD_DIMS and kernels.triton_kernel_on(hidden))
+            if decode_kernel:
+                masks = dict.fromkeys(windows)
+            elif kernels.fused_path():  # the additive form SDPA would rebuild in every layer, built once
                 masks = {w: kernels.cache_attention_bias(position_ids, cache_len, w, hidden.dtype) for w in windows}
             else:
                 masks = {w: _cache_mask(position_ids, cache_len, w) for w in windows}
             cache_args = dict(kv_cache=kv_cache, cache_rows=cache_rows, position_ids=position_ids,
-                              write_mask=attention_mask, cache_len=cache_len)
+                              write_mask=attention_mask, cache_len=cache_len, decode_kernel=decode_kernel)
         if kernels.fused_path():
             hidden = self._fused_layers(hidden, cos, sin, masks, cache_args)
         else:
