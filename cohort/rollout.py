@@ -58,23 +58,52 @@ def completion_mask_from_eos(ids: torch.Tensor, eos_token_ids: list[int]) -> tup
     return (eos_before == 0).long(), is_eos.any(dim=1)
 
 
+def find_stop_string(tokenizer, tokens: list[int], checked_upto: int, stop: list[str]) -> int | None:
+    """How many of `tokens` to keep when a stop string appears in their text, else None.
+
+    The kept tokens end with the token that completes the earliest stop string. Only text that
+    can involve tokens after `checked_upto` (those not scanned at an earlier check) is decoded:
+    the window reaches back far enough to hold any stop string even when each character spans
+    several byte tokens (4 bytes per UTF-8 character at most). The tokens are decoded together
+    (a character split over byte tokens decodes right), and the cut is found by bisection: once
+    a prefix's text holds a stop string every longer prefix's does, so O(log n) decodes.
+    """
+    if checked_upto >= len(tokens):
+        return None
+    lookback = 4 * max(len(s) for s in stop) + 4
+    window_start = max(0, checked_upto - lookback)
+
+    def has_stop(end: int) -> bool:
+        text = tokenizer.decode(tokens[window_start:end], skip_special_tokens=False)
+        return any(s in text for s in stop)
+
+    if not has_stop(len(tokens)):
+        return None
+    low, high = checked_upto, len(tokens)  # has_stop(high) holds; the cut is in (low, high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if has_stop(middle):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
 def apply_stop_strings(
     ids: torch.Tensor, mask: torch.Tensor, stop: list[str], tokenizer
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut each row after the token that completes the first stop string; returns (mask, stopped)."""
+    """Cut each row after the token that completes the first stop string (as the engine does,
+    `find_stop_string`); returns (mask, stopped)."""
     stopped = torch.zeros(ids.shape[0], dtype=torch.bool)
     if not stop:
         return mask, stopped
     mask = mask.clone()
     for row in range(ids.shape[0]):
         length = int(mask[row].sum())
-        text = ""
-        for t in range(length):
-            text += tokenizer.decode([int(ids[row, t])])
-            if any(s in text for s in stop):
-                mask[row, t + 1 :] = 0
-                stopped[row] = True
-                break
+        keep = find_stop_string(tokenizer, ids[row, :length].tolist(), 0, stop)
+        if keep is not None:
+            mask[row, keep:] = 0
+            stopped[row] = True
     return mask, stopped
 
 

@@ -13,10 +13,10 @@ import transformers
 from cohort.engine import Engine, make_sampler
 from cohort.engine.sampling import gumbel_noise, min_p_filter, sample_from_logits, top_k_filter, top_p_filter
 from cohort.engine.scheduler import Scheduler
-from cohort.engine.sequence import Sequence, find_stop_string
+from cohort.engine.sequence import Sequence
 from cohort.errors import CohortError
 from cohort.models import from_pretrained
-from cohort.rollout import HFGenerateSampler, SamplingParams
+from cohort.rollout import HFGenerateSampler, SamplingParams, apply_stop_strings, find_stop_string
 
 torch.set_num_threads(1)
 
@@ -177,6 +177,40 @@ def test_find_stop_string_scans_only_new_tokens_and_the_lookback():
     assert find_stop_string(tokenizer, [0, 1, 2], 0, ["zz"]) is None
     assert find_stop_string(tokenizer, [0, 1, 2, 13], 3, ["cd"]) == 4  # spans the previous check
     assert find_stop_string(tokenizer, [0, 1, 2], 3, ["bc"]) is None  # nothing new to scan
+
+
+def test_find_stop_string_cuts_at_the_shortest_prefix_holding_a_stop_string():
+    """The bisection's cut equals a scan of every prefix, on random token strings."""
+    tokenizer, generator = CharTokenizer(), torch.Generator().manual_seed(0)
+    for _ in range(200):
+        tokens = torch.randint(0, 10, (int(torch.randint(1, 30, (1,), generator=generator)),),
+                               generator=generator).tolist()
+        stop = ["".join("abcdefghij"[int(i)] for i in torch.randint(0, 10, (2,), generator=generator))]
+        expected = next((n for n in range(1, len(tokens) + 1) if stop[0] in tokenizer.decode(tokens[:n])), None)
+        assert find_stop_string(tokenizer, tokens, 0, stop) == expected
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: a character like "é" spans two tokens."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_hf_fallback_stop_strings_decode_characters_split_over_tokens():
+    """The HF fallback cuts where the engine would: after the token completing the first stop
+    string, with the tokens decoded together (decoded one by one, "é" would be two "�")."""
+    texts = ["abc café! more", "no stop here", "é!é!", "!"]
+    rows = [list(text.encode()) for text in texts]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, tokens in enumerate(rows):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        mask[row, : len(tokens)] = 1
+    cut_mask, stopped = apply_stop_strings(ids, mask, ["é!"], ByteTokenizer())
+    assert stopped.tolist() == [True, False, True, False]
+    kept = [ByteTokenizer().decode(ids[row, : int(cut_mask[row].sum())].tolist()) for row in range(len(rows))]
+    assert kept == ["abc café!", "no stop here", "é!", "!"]
 
 
 def test_max_seq_len_caps_the_completion(qwen_pair):

@@ -15,8 +15,10 @@ import pytest
 import torch
 import transformers
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are (re)decorated below
+if torch.cuda.is_available():  # the CPU helpers of test_kernels build CPU tensors; the GPU has its own check
+    pytest.skip("runs the kernels in Triton's CPU interpreter; on a GPU, `python bench/rollout.py --check` "
+                "covers this path", allow_module_level=True)
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are (re)decorated below
 pytest.importorskip("triton", reason="triton is not installed: the engine's Triton kernels need it")
 
 from test_kernels import FAMILIES, TINY, build, decode_run  # noqa: E402
@@ -26,10 +28,9 @@ from cohort.engine import triton_sampling  # noqa: E402
 from cohort.models import decode_attention as decode_module  # noqa: E402
 from cohort.models import CausalLM, ModelConfig, kernels, modeling  # noqa: E402
 
-if not torch.cuda.is_available():
-    # cohort was imported (conftest) before TRITON_INTERPRET was set: decorate the kernels again.
-    decode_module = importlib.reload(decode_module)
-    triton_sampling = importlib.reload(triton_sampling)
+# cohort was imported (conftest) before TRITON_INTERPRET was set: decorate the kernels again.
+decode_module = importlib.reload(decode_module)
+triton_sampling = importlib.reload(triton_sampling)
 
 
 def on_any_device(tensor: torch.Tensor) -> bool:

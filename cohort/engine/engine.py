@@ -21,11 +21,11 @@ import torch
 from cohort.engine.graphs import DecodeGraphs
 from cohort.engine.sampling import sample_from_logits
 from cohort.engine.scheduler import Scheduler, batch_buckets, round_up_to_bucket
-from cohort.engine.sequence import Sequence, SlotState, find_stop_string
+from cohort.engine.sequence import Sequence, SlotState
 from cohort.errors import CohortError
 from cohort.models.cache import KVCache
 from cohort.models.kernels import fused_kernels, triton_available
-from cohort.rollout import Rollout, SamplingParams
+from cohort.rollout import Rollout, SamplingParams, find_stop_string
 
 KV_LENGTH_STEP = 128  # cache lengths are rounded up to this so few (width, length) graphs exist
 

@@ -33,31 +33,6 @@ class Sequence:
         return self.finish_reason is not None
 
 
-def find_stop_string(tokenizer, tokens: list[int], checked_upto: int, stop: list[str]) -> int | None:
-    """How many of `tokens` to keep when a stop string appears in their text, else None.
-
-    The kept tokens end with the token that completes the earliest stop string. Only text that
-    can involve tokens after `checked_upto` (those not scanned at an earlier check) is decoded:
-    the window reaches back far enough to hold any stop string even when each character spans
-    several byte tokens (4 bytes per UTF-8 character at most).
-    """
-    if checked_upto >= len(tokens):
-        return None
-    lookback = 4 * max(len(s) for s in stop) + 4
-    window_start = max(0, checked_upto - lookback)
-
-    def has_stop(end: int) -> bool:
-        text = tokenizer.decode(tokens[window_start:end], skip_special_tokens=False)
-        return any(s in text for s in stop)
-
-    if not has_stop(len(tokens)):
-        return None
-    for end in range(checked_upto + 1, len(tokens) + 1):
-        if has_stop(end):
-            return end
-    return len(tokens)
-
-
 class SlotState:
     """Device tensors holding every slot's decode state, updated in place by each decode step.
 
