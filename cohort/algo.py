@@ -125,14 +125,15 @@ def aggregate_loss(
 
 @dataclass
 class PolicyLossStats:
-    """Diagnostics of one `policy_loss` call, each averaged over completion tokens."""
+    """Diagnostics of one `policy_loss` call, each averaged over completion tokens. 0-dim tensors
+    on the loss's device, so a loop over micro-batches can sum them without waiting for the GPU."""
 
-    kl: float  # mean k3 KL to the reference (0 when no reference)
-    clip_ratio_low: float  # fraction of tokens with ρ < 1−ε and A < 0 (the clip is active)
-    clip_ratio_high: float  # fraction of tokens with ρ > 1+ε_high and A > 0
-    clip_ratio: float  # fraction of tokens where either clip is active
+    kl: Tensor  # mean k3 KL to the reference (0 when no reference)
+    clip_ratio_low: Tensor  # fraction of tokens with ρ < 1−ε and A < 0 (the clip is active)
+    clip_ratio_high: Tensor  # fraction of tokens with ρ > 1+ε_high and A > 0
+    clip_ratio: Tensor  # fraction of tokens where either clip is active
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Tensor]:
         return {
             "kl": self.kl,
             "clip_ratio/low_mean": self.clip_ratio_low,
@@ -207,10 +208,10 @@ def policy_loss(
         low = ((ratio < 1.0 - epsilon) & (adv < 0)).to(logp.dtype)
         high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(logp.dtype)
         stats = PolicyLossStats(
-            kl=float((kl * fmask).sum() / n) if kl is not None else 0.0,
-            clip_ratio_low=float((low * fmask).sum() / n),
-            clip_ratio_high=float((high * fmask).sum() / n),
-            clip_ratio=float(((low + high).clamp(max=1.0) * fmask).sum() / n),
+            kl=(kl * fmask).sum() / n if kl is not None else torch.zeros((), device=logp.device),
+            clip_ratio_low=(low * fmask).sum() / n,
+            clip_ratio_high=(high * fmask).sum() / n,
+            clip_ratio=((low + high).clamp(max=1.0) * fmask).sum() / n,
         )
     return loss, stats.as_dict()
 

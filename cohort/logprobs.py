@@ -37,21 +37,37 @@ class TokenLogprobs:
 
 @dataclass
 class MicroBatch:
-    """Rows `rows` of a rollout, right-padded for one forward pass."""
+    """Rows `rows` of a rollout, right-padded for one forward pass. Every index a forward needs is
+    computed on the CPU when the micro-batch is packed, so using it on a GPU needs no host sync."""
 
     rows: list[int]  # indices into the rollout, in this micro-batch's order
     input_ids: Tensor  # [b, L] long: prompt, completion, then pad
     completion_ids: Tensor  # [b, T] long, T = the longest completion here
     completion_mask: Tensor  # [b, T] 1 on completion tokens
     prompt_lengths: Tensor  # [b] long
+    row_index: Tensor  # [b] long: `rows` as a tensor, to gather per-rollout tensors on the device
+    token_rows: Tensor  # [n] long: the micro-batch row of each completion token (row-major order)
+    token_cols: Tensor  # [n] long: its column in the completion
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
     def to(self, device) -> "MicroBatch":
-        return MicroBatch(self.rows, self.input_ids.to(device), self.completion_ids.to(device),
-                          self.completion_mask.to(device), self.prompt_lengths.to(device))
+        """The tensors on `device`. To a GPU they go from pinned memory without blocking: a plain
+        copy from pageable memory would wait for every queued kernel first, so the GPU would idle
+        while the host queues each micro-batch's forward."""
+        device = torch.device(device)
+        return MicroBatch(self.rows, *(to_device(t, device) for t in (
+            self.input_ids, self.completion_ids, self.completion_mask, self.prompt_lengths, self.row_index,
+            self.token_rows, self.token_cols)))
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """`tensor` on `device`; CPU → CUDA through pinned memory without a host sync."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
@@ -100,9 +116,12 @@ def pack_micro_batch(prompt_ids: list[list[int]], completion_ids: Tensor, comple
         prompt = prompt_ids[r]
         input_ids[i, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
         input_ids[i, len(prompt): len(prompt) + n] = completion_ids[r, :n].cpu()
+    mask = completion_mask[rows, :width].cpu()
+    token_rows, token_cols = mask.bool().nonzero(as_tuple=True)
     return MicroBatch(rows=list(rows), input_ids=input_ids, completion_ids=completion_ids[rows, :width].cpu(),
-                      completion_mask=completion_mask[rows, :width].cpu(),
-                      prompt_lengths=torch.tensor([len(prompt_ids[r]) for r in rows], dtype=torch.long))
+                      completion_mask=mask,
+                      prompt_lengths=torch.tensor([len(prompt_ids[r]) for r in rows], dtype=torch.long),
+                      row_index=torch.tensor(list(rows), dtype=torch.long), token_rows=token_rows, token_cols=token_cols)
 
 
 def selected_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, with_entropy: bool = False):
@@ -249,12 +268,11 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
 
     `model` may be a DDP/FSDP wrapper: its forward is what is called (the gradient hooks live
     there); the LM head weight is read from the wrapped module."""
-    mask = micro.completion_mask.bool()
-    rows, cols = mask.nonzero(as_tuple=True)
+    rows, cols = micro.token_rows, micro.token_cols  # the mask's nonzeros, found on the CPU: no sync here
     # hidden state at column prompt_length − 1 + t predicts completion token t
     source = micro.prompt_lengths[rows] - 1 + cols
     tokens = micro.completion_ids[rows, cols]
-    logp = torch.zeros(mask.shape, dtype=torch.float32, device=micro.input_ids.device)
+    logp = torch.zeros(micro.completion_mask.shape, dtype=torch.float32, device=micro.input_ids.device)
     entropy = torch.zeros_like(logp) if with_entropy else None
     if supports_hidden(model):
         inner = getattr(model, "module", model)
@@ -274,12 +292,13 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
 def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, *,
                      pad_id: int, max_rows: int, max_tokens: int = 0, temperature: float = 1.0) -> Tensor:
     """[B, T] float32 log-probs of a whole rollout's completions, no gradient (log π_old, log π_ref):
-    length-bucketed micro-batches under inference mode, scattered back to rollout order on CPU."""
+    length-bucketed micro-batches under inference mode, scattered back to rollout order on the
+    model's device and copied to the CPU once, at the end (one host sync per pass)."""
     device = next(model.parameters()).device
-    full = torch.zeros(completion_ids.shape, dtype=torch.float32)
+    full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
     with torch.inference_mode():
         for rows in plan_rollout(prompt_ids, completion_mask, max_rows, max_tokens):
             micro = pack_micro_batch(prompt_ids, completion_ids, completion_mask, rows, pad_id).to(device)
             logp = micro_batch_logprobs(model, micro, temperature=temperature).logp
-            full[rows, : logp.shape[1]] = logp.cpu()
-    return full
+            full[micro.row_index, : logp.shape[1]] = logp
+    return full.cpu()

@@ -35,7 +35,7 @@ from .config import GRPOConfig
 from .distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from .errors import CohortError
 from .lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
-from .logprobs import MicroBatch, micro_batch_logprobs, pack_micro_batch, plan_rollout, rollout_logprobs
+from .logprobs import MicroBatch, micro_batch_logprobs, pack_micro_batch, plan_rollout, rollout_logprobs, to_device
 from .modelio import load_policy, save_policy
 from .precision import clip_grad_norm, make_optimizer, resolve_dtype
 from .rewards.model import prepare_reward_funcs, warm_up_reward_models
@@ -267,20 +267,26 @@ class GRPOTrainer(StepLog):
         num_tokens = max(self.parallel.all_reduce_sum(float(mask_all.sum())), 1.0) if args.loss_type == "dapo" else None
         world = self.parallel.world_size
         plans = self.micro_batch_plan(batch, self.micro_rows, self.micro_tokens)
-        sums: dict[str, float] = {}
+        # The step's per-row tensors go to the device once; each micro-batch gathers its rows there.
+        # Nothing in the loop waits for the GPU: statistics stay tensors until the loop has ended.
+        old_all, ref_all, advantages_all, keep_all = (
+            None if t is None else to_device(t, self.device)
+            for t in (batch.old_logp, batch.ref_logp, batch.advantages, keep_rows))
+        sums: dict[str, torch.Tensor] = {}
         for i, rows in enumerate(plans):
             micro = self.pack(batch, rows)
+            index = micro.row_index
             with self.parallel.no_sync(self.train_model, last=i == len(plans) - 1):  # DDP reduces after the last backward
                 out = micro_batch_logprobs(self.train_model, micro, temperature=args.temperature or 1.0,
                                            with_entropy=True)
                 width = micro.completion_ids.shape[1]
-                old = batch.old_logp[rows, :width].to(self.device) if batch.old_logp is not None else out.logp.detach()
-                ref = batch.ref_logp[rows, :width].to(self.device) if batch.ref_logp is not None else None
-                advantages = batch.advantages[rows] if batch.advantages.dim() == 1 else batch.advantages[rows, :width]
+                old = old_all[index, :width] if old_all is not None else out.logp.detach()
+                ref = ref_all[index, :width] if ref_all is not None else None
+                advantages = advantages_all[index] if advantages_all.dim() == 1 else advantages_all[index, :width]
                 mask = micro.completion_mask
-                loss_mask = mask * keep_rows[rows].unsqueeze(1).to(self.device)  # truncated rows out, when asked
+                loss_mask = mask * keep_all[index].unsqueeze(1)  # truncated rows out, when asked
                 loss, stats = policy_loss(
-                    out.logp, old, advantages.to(self.device), loss_mask, ref_logp=ref, epsilon=args.epsilon,
+                    out.logp, old, advantages, loss_mask, ref_logp=ref, epsilon=args.epsilon,
                     epsilon_high=args.epsilon_high, beta=args.beta, loss_type=args.loss_type,
                     max_completion_length=args.max_completion_length, num_tokens=num_tokens,
                     importance_sampling_level=args.importance_sampling_level, entropy=out.entropy,
@@ -291,17 +297,21 @@ class GRPOTrainer(StepLog):
                 weight = (1.0 if args.loss_type == "dapo" else len(rows) / total) * world
                 (loss * weight).backward()
             share = len(rows) / local_rows
-            stats["loss"] = float(loss.detach()) * (1.0 if args.loss_type != "dapo" else 1 / share)
-            stats["entropy"] = float((out.entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+            stats["loss"] = loss.detach() * (1.0 if args.loss_type != "dapo" else 1 / share)
+            stats["entropy"] = (out.entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v * share
+                sums[k] = sums[k] + v * share if k in sums else v * share
         grad_norm = clip_grad_norm(self.optimizer, self.train_model, args.max_grad_norm)  # FSDP2: the sharded grads
-        if checkpoint.update_is_finite(self, sums.get("loss", 0.0), grad_norm):  # NaN/inf: skip, count
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
+            grad_norm = grad_norm.full_tensor()
+        names = list(sums)
+        values = torch.stack([sums[k].float() for k in names] + [torch.as_tensor(grad_norm).float().to(self.device)])
+        record = dict(zip(names + ["grad_norm"], values.tolist()))  # the step's one host sync
+        if checkpoint.update_is_finite(self, record.get("loss", 0.0), record["grad_norm"]):  # NaN/inf: skip, count
             self.optimizer.step()
             self.scheduler.step()  # as transformers' Trainer: the schedule advances with real updates only
-        sums["grad_norm"] = float(grad_norm)
-        sums["micro_batches"] = len(plans)
-        return sums
+        record["micro_batches"] = len(plans)
+        return record
 
     def with_oom_retry(self, work):
         """Run `work()`; if the GPU runs out of memory, halve the micro-batch and run it again.
