@@ -31,7 +31,7 @@ from torch import nn
 from .algo import gae_advantages, kl_penalty, value_loss, whiten
 from .config import GRPOConfig
 from .errors import CohortError
-from .logprobs import MicroBatch, supports_hidden
+from .logprobs import MicroBatch, supports_hidden, to_device
 from .trainer import Batch, GRPOTrainer
 
 
@@ -153,33 +153,36 @@ class PPOTrainer(GRPOTrainer):
         self.critic.train()
         self.critic_optimizer.zero_grad(set_to_none=True)
         keep = self.loss_rows(batch)
-        total_tokens = float((batch.rollout.completion_mask * keep.unsqueeze(1)).sum())
-        loss_sum = 0.0
+        token_mask = batch.rollout.completion_mask * keep.unsqueeze(1)  # on the CPU: counts need no GPU sync
+        total_tokens = max(float(token_mask.sum()), 1.0)
+        # as GRPO's update: the step's tensors on the device once, statistics read back once at the end
+        old_values, returns, keep = (to_device(t, self.device) for t in (old_values, returns, keep))
+        loss_sum = torch.zeros((), device=self.device)
         for rows in self.micro_batch_plan(batch, self.micro_rows, self.micro_tokens):
-            micro = self.pack(batch, rows)
-            width = micro.completion_ids.shape[1]
-            loss_mask = micro.completion_mask * keep[rows].unsqueeze(1).to(self.device)
-            tokens = float(loss_mask.sum())
+            tokens = float(token_mask[rows].sum())
             if tokens == 0:
                 continue
+            micro = self.pack(batch, rows)
+            width, index = micro.completion_ids.shape[1], micro.row_index
+            loss_mask = micro.completion_mask * keep[index].unsqueeze(1)
             values = self.critic(micro)
-            loss = value_loss(values, old_values[rows, :width].to(self.device), returns[rows, :width].to(self.device),
-                              loss_mask, args.cliprange_value)
-            (loss * tokens / max(total_tokens, 1.0)).backward()  # token mean over the whole rollout
-            loss_sum += float(loss.detach()) * tokens / max(total_tokens, 1.0)
+            loss = value_loss(values, old_values[index, :width], returns[index, :width], loss_mask, args.cliprange_value)
+            (loss * tokens / total_tokens).backward()  # token mean over the whole rollout
+            loss_sum = loss_sum + loss.detach() * tokens / total_tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), args.max_grad_norm)
         self.critic_optimizer.step()
-        return {"value_loss": loss_sum, "critic_grad_norm": float(grad_norm)}
+        value_loss_mean, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.device).float()]).tolist()
+        return {"value_loss": value_loss_mean, "critic_grad_norm": grad_norm}
 
     @torch.no_grad()
     def _values_no_grad(self, batch: Batch) -> torch.Tensor:
-        full = torch.zeros(batch.rollout.completion_ids.shape, dtype=torch.float32)
+        full = torch.zeros(batch.rollout.completion_ids.shape, dtype=torch.float32, device=self.device)
         self.critic.eval()
         for rows in self.micro_batch_plan(batch, self.micro_rows, self.micro_tokens):
             micro = self.pack(batch, rows)
             values = self.critic(micro) * micro.completion_mask
-            full[rows, : values.shape[1]] = values.float().cpu()
-        return full
+            full[micro.row_index, : values.shape[1]] = values.float()
+        return full.cpu()  # one copy back, after every micro-batch
 
     def completion_samples(self, batch: Batch, limit: int = 8) -> list[dict]:
         """As GRPO's, with each completion's per-token advantages summarised by their mean."""
