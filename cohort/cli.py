@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"cohort: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as stop:  # cohort.checkpoint.TrainingInterrupted: SIGINT/SIGTERM, checkpoint saved
+    except KeyboardInterrupt as stop:  # cohort.run_guard.TrainingInterrupted: SIGINT/SIGTERM, checkpoint saved
         print(f"cohort: {stop}" if str(stop) else "cohort: interrupted", file=sys.stderr)
         return getattr(stop, "exit_code", 130)
 

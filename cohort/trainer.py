@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import run_guard
 from .algo import group_advantages, overlong_penalty, policy_loss
 from .dynamic_sampling import fill_informative
 from .config import GRPOConfig
@@ -77,7 +77,7 @@ class GRPOTrainer(StepLog):
         self.task = task
         self.log = log
         _seed_everything(args.seed)
-        checkpoint.prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
+        run_guard.prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
         self.parallel = Parallel.from_env(args.device, args.ddp_timeout)  # torchrun's ranks (cohort/distributed.py)
         self.device = self.parallel.device
         self.model, self.tokenizer = load_policy(model, processing_class, device=self.device, log=log,
@@ -307,7 +307,7 @@ class GRPOTrainer(StepLog):
         names = list(sums)
         values = torch.stack([sums[k].float() for k in names] + [torch.as_tensor(grad_norm).float().to(self.device)])
         record = dict(zip(names + ["grad_norm"], values.tolist()))  # the step's one host sync
-        if checkpoint.update_is_finite(self, record.get("loss", 0.0), record["grad_norm"]):  # NaN/inf: skip, count
+        if run_guard.update_is_finite(self, record.get("loss", 0.0), record["grad_norm"]):  # NaN/inf: skip, count
             self.optimizer.step()
             self.scheduler.step()  # as transformers' Trainer: the schedule advances with real updates only
         record["micro_batches"] = len(plans)
@@ -359,12 +359,12 @@ class GRPOTrainer(StepLog):
                 batch.reward_metrics[key if key not in batch.reward_metrics else f"{func.__name__}/{key}"] = value
 
     def resume(self) -> None:
-        """Load the checkpoint --resume / resume_from_checkpoint names (cohort/checkpoint.py)."""
-        checkpoint.resume(self)
+        """Load the checkpoint --resume / resume_from_checkpoint names (cohort/run_guard.py)."""
+        run_guard.resume(self)
 
     def maybe_save_checkpoint(self) -> None:
-        """checkpoint-<step> every save_steps and at the last step (cohort/checkpoint.py)."""
-        checkpoint.maybe_save(self)
+        """checkpoint-<step> every save_steps and at the last step (cohort/run_guard.py)."""
+        run_guard.maybe_save(self)
 
     def reset_reference(self) -> None:
         """π_ref ← π_θ: copy the weights, or with LoRA fold the adapters into the base (lora.py)."""
@@ -439,7 +439,7 @@ class GRPOTrainer(StepLog):
         self.parallel.close()  # the last collective was save_model's barrier
         if not self.parallel.is_main:  # rank 0 alone writes the summary and prints
             self.progress.close()
-            checkpoint.finish(self)
+            run_guard.finish(self)
             return
         summary = {"accuracy_before": self.accuracy_before, "accuracy_after": self.accuracy_after,
                    "seconds": round(seconds, 2), "steps": self.step,
@@ -447,7 +447,7 @@ class GRPOTrainer(StepLog):
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.metrics.close()
         self.progress.close()
-        checkpoint.finish(self)  # SIGINT / SIGTERM back to their previous handlers
+        run_guard.finish(self)  # SIGINT / SIGTERM back to their previous handlers
         if self.accuracy_before is not None:
             self.log(f"held-out accuracy: {100 * self.accuracy_before:.1f}% -> {100 * self.accuracy_after:.1f}% "
                      f"({len(self.eval_rows)} problems)")

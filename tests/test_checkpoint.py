@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort import checkpoint as ckpt
+from cohort import run_guard
 from cohort.errors import CohortError
 from cohort.tasks.arithmetic import ArithmeticTask
 from cohort.tiny import build_model, build_tokenizer
@@ -274,7 +275,7 @@ def test_sigterm_saves_a_checkpoint_then_stops(model_dir, tmp_path):
         return digit_share(prompts, completions)
 
     trainer = trainer_for(model_dir, tmp_path, reward=sends_sigterm_in_step_3, max_steps=8, save_steps=5)
-    with pytest.raises(ckpt.TrainingInterrupted) as stop:
+    with pytest.raises(run_guard.TrainingInterrupted) as stop:
         trainer.train()
     assert stop.value.exit_code == 143 and "stopped by SIGTERM after step 3" in str(stop.value)
     assert ckpt.check_checkpoint(tmp_path / "checkpoint-3") is None
