@@ -170,11 +170,3 @@ def test_split_plan_tiles_every_logit_once(batch, vocab, tile_size, target_progr
     row_tiles = math.ceil(batch / plan.tile_rows)
     asked = min(target_programs, row_tiles * math.ceil(vocab / plan.block))
     assert 2 * row_tiles * plan.num_chunks >= asked
-
-
-def test_available(monkeypatch):
-    cpu_logits = torch.zeros(1, 4)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert triton_sampling.gumbel_sample_available(cpu_logits)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not triton_sampling.gumbel_sample_available(cpu_logits)

@@ -23,7 +23,6 @@ and rows are read on the device, so a CUDA graph can capture the call.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -74,14 +73,6 @@ def split_plan(batch: int, vocab: int, tile_size: int, target_programs: int) -> 
     merge_chunks = _next_pow2(num_chunks)
     merge_rows = max(1, min(tile_size // merge_chunks, _next_pow2(batch)))
     return SplitPlan(tile_rows, block, blocks_per_chunk, num_chunks, merge_rows, merge_chunks)
-
-
-def gumbel_sample_available(logits: torch.Tensor) -> bool:
-    """Whether `gumbel_sample` can run on `logits`: triton importable and the tensor on CUDA,
-    or Triton's CPU interpreter switched on (TRITON_INTERPRET=1, as the tests do)."""
-    if triton is None:
-        return False
-    return logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def gumbel_sample(

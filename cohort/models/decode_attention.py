@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
@@ -36,14 +35,6 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM, used when no CUDA device can be asked
 MIN_GROUP_ROWS = 16  # tl.dot needs every block dimension >= 16
 LOG2_E = 1.4426950408889634
-
-
-def decode_attention_available(q: torch.Tensor) -> bool:
-    """True when the Triton kernel can run on `q`: triton imports and q is on CUDA, or the Triton
-    interpreter is switched on (TRITON_INTERPRET=1, how the tests run it on CPU)."""
-    if triton is None:
-        return False
-    return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def decode_attention_reference(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
