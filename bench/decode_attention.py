@@ -9,6 +9,7 @@ the cache up to the step's KV-length bucket. This times both on the same cache, 
 values read per second (GB/s), and the largest difference between the two outputs.
 
     python bench/decode_attention.py            # on a GPU
+    python bench/decode_attention.py --sweep --rows 256 --lengths 256,512   # launch-config search
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cohort.models import kernels  # noqa: E402
-from cohort.models.decode_attention import decode_attention  # noqa: E402
+from cohort.models.decode_attention import decode_attention, default_launch  # noqa: E402
 from cohort.models.modeling import grouped_query_attention  # noqa: E402
 
 SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128)}
@@ -59,8 +60,12 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", default="64,256,1024")
     parser.add_argument("--lengths", default="256,640", help="each row's position + 1 (all rows alike)")
     parser.add_argument("--splits", default="", help="extra forced split counts to time, e.g. 1,2,4")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every (keys per block, warps, stages, splits) launch and print the fastest")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    if args.sweep:
+        return sweep(args)
     results = []
     for shape, (heads, kv_heads, dim) in SHAPES.items():
         for rows in (int(r) for r in args.rows.split(",")):
@@ -91,6 +96,46 @@ def main(argv=None) -> None:
                 results.append(row)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "decode_attention.json").write_text(json.dumps(results, indent=1))
+
+
+def sweep(args) -> None:
+    """The Triton kernel's launch configurations on each shape: the five fastest and the default."""
+    results = []
+    for shape, (heads, kv_heads, dim) in SHAPES.items():
+        for rows in (int(r) for r in args.rows.split(",")):
+            for length in (int(n) for n in args.lengths.split(",")):
+                cache_len = -(-length // 128) * 128
+                cache_k = torch.randn(rows, kv_heads, cache_len, dim, device="cuda", dtype=torch.bfloat16)
+                cache_v = torch.randn_like(cache_k)
+                q = torch.randn(rows, 1, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                positions = torch.full((rows, 1), length - 1, device="cuda", dtype=torch.long)
+                default = decode_attention(q, cache_k, cache_v, positions, cache_len).float()
+                timings = []
+                for block_n in (32, 64, 128):
+                    for warps in (2, 4, 8):
+                        for stages in (2, 3, 4):
+                            for splits in (None, 1, 2, 4, 8):
+                                launch = (block_n, warps, stages)
+
+                                def call(launch=launch, splits=splits):
+                                    return decode_attention(q, cache_k, cache_v, positions, cache_len,
+                                                            num_splits=splits, launch=launch)
+                                try:
+                                    error = (call().float() - default).abs().max().item()
+                                    timings.append(dict(block_n=block_n, warps=warps, stages=stages,
+                                                        splits=splits, us=time_us(call, calls=20, replays=5),
+                                                        max_abs_diff=error))
+                                except Exception as exc:  # a launch that does not fit (registers, shared memory)
+                                    print(f"  {shape} {launch} splits={splits}: {type(exc).__name__}", flush=True)
+                timings.sort(key=lambda t: t["us"])
+                block_n, warps, stages = default_launch(dim)
+                default_us = next(t["us"] for t in timings if (t["block_n"], t["warps"], t["stages"], t["splits"])
+                                  == (block_n, warps, stages, None))
+                entry = dict(shape=shape, rows=rows, keys=length, default_us=default_us, fastest=timings[:5])
+                print(json.dumps(entry), flush=True)
+                results.append(entry)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "decode_sweep.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

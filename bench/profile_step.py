@@ -91,6 +91,8 @@ def main(argv=None) -> None:
     if "update" in phases:
         print(f"update: {tokens} tokens, 6·N·tokens = {6 * params * tokens / 1e12:.1f} TFLOP in {phases['update']:.2f} s "
               f"= {6 * params * tokens / phases['update'] / 1e12:.0f} TFLOP/s")
+    if device == "cuda":
+        print_phase_kernels(prof, args.top)
     events = prof.key_averages()
     key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[: args.top]
@@ -100,6 +102,32 @@ def main(argv=None) -> None:
         print(f"  {getattr(e, key, 0) / 1e3:9.1f} ms  {e.count:7d}×  {e.key[:110]}")
     if device == "cuda":
         print(f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+def print_phase_kernels(prof, top: int) -> None:
+    """Per phase: GPU-busy time (kernels that start inside the phase) against its wall time, and its top kernels.
+
+    A phase whose kernels cover much less than its wall time is bound by the host (launches, syncs)."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    windows = {e.name.split("::", 1)[1]: (e.time_range.start, e.time_range.end)
+               for e in events if e.name.startswith("phase::") and e.device_type == DeviceType.CPU}
+    # The phases' own ranges also appear on the device timeline: not kernels.
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("phase::")]
+    for name, (start, end) in windows.items():
+        inside = [k for k in kernels if start <= k.time_range.start < end]
+        busy = sum(k.time_range.elapsed_us() for k in inside)
+        by_name = defaultdict(lambda: [0.0, 0])
+        for k in inside:
+            by_name[k.name][0] += k.time_range.elapsed_us()
+            by_name[k.name][1] += 1
+        print(f"phase {name}: wall {(end - start) / 1e3:.0f} ms, GPU busy {busy / 1e3:.0f} ms "
+              f"({100 * busy / max(end - start, 1):.0f}%), {len(inside)} kernels")
+        for kname, (us, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"    {us / 1e3:8.1f} ms {count:6d}x  {kname[:100]}")
 
 
 if __name__ == "__main__":

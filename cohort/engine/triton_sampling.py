@@ -114,7 +114,7 @@ def gumbel_sample(
         logits, logits.stride(0), batch, vocab, float(temperature),
         seed, draw, draw.stride(0), rows, rows.stride(0),
         chunk_max, chunk_sumexp, chunk_best, chunk_index, plan.num_chunks, plan.blocks_per_chunk,
-        ROWS=plan.tile_rows, BLOCK=plan.block,
+        ROWS=plan.tile_rows, BLOCK=plan.block, UNIT_TEMPERATURE=temperature == 1.0, PIPELINED=logits.is_cuda,
     )  # fmt: skip
     _merge_kernel[(_cdiv(batch, plan.merge_rows),)](
         logits, logits.stride(0), batch, float(temperature),
@@ -172,11 +172,36 @@ def _gumbel(row_key, token):
 
 
 @_jit
+def _fold_block(row_ptr, row_ok, row_key, lanes, start, vocab, temperature,
+                lane_max, lane_sumexp, lane_best, lane_index, UNIT_TEMPERATURE: tl.constexpr):
+    """One block of BLOCK logits per row folded into each lane's running max, sum of exps, best
+    perturbed score and its index."""
+    token = start + lanes
+    in_tile = row_ok[:, None] & (token < vocab)
+    scaled = tl.load(row_ptr + token, mask=in_tile, other=float("-inf")).to(tl.float32)
+    if not UNIT_TEMPERATURE:  # x / 1 is x: the division (IEEE-rounded, as torch's) only when it changes x
+        scaled = tl.math.div_rn(scaled, temperature)
+    # Online sum of exps with one exp per logit: of exp(old_max - new_max) and exp(x - new_max) one
+    # is exp(0) = 1, the other exp(-|x - old_max|).
+    gap = scaled - lane_max
+    decay = tl.exp(-tl.abs(gap))
+    grown = lane_sumexp * decay + 1.0
+    kept = lane_sumexp + decay
+    lane_sumexp = tl.where(gap > 0, grown, tl.where(scaled == float("-inf"), lane_sumexp, kept))
+    lane_max = tl.maximum(lane_max, scaled)
+    perturbed = scaled + _gumbel(row_key, token)
+    better = perturbed > lane_best  # strict: a later block never wins a tie
+    lane_best = tl.where(better, perturbed, lane_best)
+    lane_index = tl.where(better, token, lane_index)
+    return lane_max, lane_sumexp, lane_best, lane_index
+
+
+@_jit
 def _partial_kernel(
     logits_ptr, row_stride, batch, vocab, temperature,
     seed_ptr, draw_ptr, draw_stride, rows_ptr, rows_stride,
     chunk_max_ptr, chunk_sumexp_ptr, chunk_best_ptr, chunk_index_ptr, num_chunks, blocks_per_chunk,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, UNIT_TEMPERATURE: tl.constexpr, PIPELINED: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = row < batch
@@ -195,22 +220,19 @@ def _partial_kernel(
     lane_best = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
     # A lane whose scores are all -inf keeps its first index: the smallest, as torch.argmax.
     lane_index = tl.full([ROWS, BLOCK], 0, tl.int32) + start + lanes
-    # A while loop, not range(blocks_per_chunk): Triton 3.6's interpreter cannot turn a runtime
-    # scalar into a Python int under numpy >= 2.4.
-    while start < end:
-        token = start + lanes
-        in_tile = row_ok[:, None] & (token < vocab)
-        scaled = tl.load(row_ptr + token, mask=in_tile, other=float("-inf")).to(tl.float32)
-        scaled = tl.math.div_rn(scaled, temperature)
-        new_max = tl.maximum(lane_max, scaled)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no (-inf) - (-inf) = nan
-        lane_sumexp = lane_sumexp * tl.exp(lane_max - shift) + tl.exp(scaled - shift)
-        lane_max = new_max
-        perturbed = scaled + _gumbel(row_key, token)
-        better = perturbed > lane_best  # strict: a later block never wins a tie
-        lane_best = tl.where(better, perturbed, lane_best)
-        lane_index = tl.where(better, token, lane_index)
-        start += BLOCK
+    if PIPELINED:  # range() lets the compiler prefetch the next block (software pipelining)
+        for block_start in range(start, end, BLOCK):
+            lane_max, lane_sumexp, lane_best, lane_index = _fold_block(
+                row_ptr, row_ok, row_key, lanes, block_start, vocab, temperature,
+                lane_max, lane_sumexp, lane_best, lane_index, UNIT_TEMPERATURE)  # fmt: skip
+    else:
+        # The interpreter (CPU tests) cannot run range() with a runtime bound under numpy >= 2.4;
+        # the while loop has the same body.
+        while start < end:
+            lane_max, lane_sumexp, lane_best, lane_index = _fold_block(
+                row_ptr, row_ok, row_key, lanes, start, vocab, temperature,
+                lane_max, lane_sumexp, lane_best, lane_index, UNIT_TEMPERATURE)  # fmt: skip
+            start += BLOCK
     chunk_max = tl.reduce(lane_max, 1, _MAX_COMBINE)
     shift = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
     chunk_sumexp = tl.reduce(lane_sumexp * tl.exp(lane_max - shift[:, None]), 1, _SUM_COMBINE)

@@ -217,6 +217,12 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty))
 
 
+def default_launch(head_dim: int) -> tuple[int, int, int]:
+    """(keys per block, warps, pipeline stages) of the split kernel for `head_dim`."""
+    block_n = 64 if head_dim <= 128 else 32  # keeps the K/V tiles of D=256 within registers
+    return block_n, 4, 3
+
+
 def _check_inputs(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                   position_ids: torch.Tensor, cache_len: int) -> None:
     batch, heads, steps, head_dim = q.shape
@@ -243,7 +249,8 @@ def _check_inputs(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                      position_ids: torch.Tensor, cache_len: int, window: int | None = None,
-                     scale: float | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+                     scale: float | None = None, *, num_splits: int | None = None,
+                     launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Attention of one query per row over that row's cached keys, as flash-decoding.
 
     q [B, H, 1, D] (any strides); cache_k/cache_v [rows, H_kv, max_len, D] with rows >= B, batch
@@ -251,6 +258,7 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     j > position_ids[b] - window with a window); keys at >= cache_len are never read. Query head h
     uses kv head h // (H // H_kv). Returns [B, H, 1, D] in q's dtype; softmax statistics are
     float32. `num_splits` overrides the split count (tests); by default about two programs per SM.
+    `launch` = (keys per block, warps, pipeline stages) overrides `default_launch` (tuning sweeps).
     """
     if triton is None:
         raise RuntimeError("decode_attention needs triton; use decode_attention_reference without it")
@@ -260,7 +268,7 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     batch, heads, _, head_dim = q.shape
     kv_heads = cache_k.shape[1]
     group = heads // kv_heads
-    block_n = 64 if head_dim <= 128 else 32  # keeps the K/V tiles of D=256 within registers
+    block_n, num_warps, num_stages = launch or default_launch(head_dim)
     if num_splits is None:
         num_splits = choose_num_splits(batch * kv_heads, cache_len, block_n, _sm_count(q.device))
     blocks = -(-cache_len // block_n)
@@ -285,7 +293,8 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
         scale * LOG2_E,
         GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=head_dim, HAS_WINDOW=window is not None, WRITE_FINAL=write_final,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PIPELINED=q.is_cuda, num_warps=4)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PIPELINED=q.is_cuda, num_warps=num_warps,
+        num_stages=num_stages)
     if not write_final:
         _merge_splits_kernel[(batch, heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), out.stride(3), heads, num_splits,
