@@ -186,34 +186,49 @@ def policy_loss(
         log_ratio = sequence_log_ratio(logp, old_logp, mask)
     else:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_LEVELS}, got {importance_sampling_level!r}")
-    ratio = torch.exp(log_ratio)
     adv = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).to(logp.dtype)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * adv
+    per_token = per_token_policy_loss(logp, log_ratio, adv.expand_as(logp), ref_logp=ref_logp, epsilon=epsilon,
+                                      epsilon_high=eps_high, beta=beta, entropy=entropy, entropy_coef=entropy_coef)
+    loss = aggregate_loss(per_token, mask, loss_type, max_completion_length, num_tokens)
+    return loss, policy_loss_stats(logp.detach(), log_ratio.detach(), adv, mask, ref_logp, epsilon, eps_high)
+
+
+def per_token_policy_loss(logp: Tensor, log_ratio: Tensor, advantages: Tensor, *, ref_logp: Tensor | None = None,
+                          epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
+                          entropy: Tensor | None = None, entropy_coef: float = 0.0) -> Tensor:
+    """`policy_loss` before its length normalisation: the loss of each token, any shape (all
+    arguments alike, `advantages` included). Element-wise in the token's own values, which is what
+    lets `head_loss` take its gradient one chunk of tokens at a time."""
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * advantages
     per_token = -torch.min(unclipped, clipped)
-    kl = None
-    if ref_logp is not None:
-        kl = kl_penalty(logp, ref_logp, "k3")
-        if beta != 0.0:
-            per_token = per_token + beta * kl
+    if ref_logp is not None and beta != 0.0:
+        per_token = per_token + beta * kl_penalty(logp, ref_logp, "k3")
     if entropy_coef != 0.0:
         if entropy is None:
             raise ValueError("entropy_coef != 0 needs the per-token entropy (with its gradient)")
         per_token = per_token - entropy_coef * entropy
-    loss = aggregate_loss(per_token, mask, loss_type, max_completion_length, num_tokens)
+    return per_token
 
-    with torch.no_grad():
-        fmask = mask.to(logp.dtype)
-        n = fmask.sum().clamp(min=1.0)
-        low = ((ratio < 1.0 - epsilon) & (adv < 0)).to(logp.dtype)
-        high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(logp.dtype)
-        stats = PolicyLossStats(
-            kl=(kl * fmask).sum() / n if kl is not None else torch.zeros((), device=logp.device),
-            clip_ratio_low=(low * fmask).sum() / n,
-            clip_ratio_high=(high * fmask).sum() / n,
-            clip_ratio=((low + high).clamp(max=1.0) * fmask).sum() / n,
-        )
-    return loss, stats.as_dict()
+
+@torch.no_grad()
+def policy_loss_stats(logp: Tensor, log_ratio: Tensor, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None,
+                      epsilon: float, epsilon_high: float) -> dict[str, Tensor]:
+    """`PolicyLossStats` of one micro-batch ([B, T] tensors; advantages [B, 1] or [B, T])."""
+    ratio = torch.exp(log_ratio)
+    fmask = mask.to(logp.dtype)
+    n = fmask.sum().clamp(min=1.0)
+    low = ((ratio < 1.0 - epsilon) & (advantages < 0)).to(logp.dtype)
+    high = ((ratio > 1.0 + epsilon_high) & (advantages > 0)).to(logp.dtype)
+    kl = kl_penalty(logp, ref_logp, "k3") if ref_logp is not None else None
+    return PolicyLossStats(
+        kl=(kl * fmask).sum() / n if kl is not None else torch.zeros((), device=logp.device),
+        clip_ratio_low=(low * fmask).sum() / n,
+        clip_ratio_high=(high * fmask).sum() / n,
+        clip_ratio=((low + high).clamp(max=1.0) * fmask).sum() / n,
+    ).as_dict()
 
 
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:

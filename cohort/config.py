@@ -92,6 +92,7 @@ class GRPOConfig:
     max_tokens_per_micro_batch: int = 0
     torch_compile: bool = False  # compile each decoder layer's training forward/backward (our models; needs triton on GPU)
     free_sampling_memory: bool = False  # on GPU, free the engine's KV cache and graphs after each rollout (slower)
+    fused_head_loss: bool = True  # our models, token-level ratios: the LM head's gradient in its forward pass (head_loss.py)
     # LoRA through peft (TRL's ModelConfig names); π_ref is then the same model with adapters off.
     use_peft: bool = False
     lora_r: int = 16

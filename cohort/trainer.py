@@ -29,13 +29,14 @@ import numpy as np
 import torch
 
 from . import run_guard
-from .algo import group_advantages, overlong_penalty, policy_loss
+from .algo import group_advantages, overlong_penalty
 from .dynamic_sampling import fill_informative
 from .config import GRPOConfig
 from .distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from .errors import CohortError
 from .lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
-from .logprobs import MicroBatch, micro_batch_logprobs, pack_micro_batch, plan_rollout, rollout_logprobs, to_device
+from .head_loss import micro_batch_policy_loss
+from .logprobs import MicroBatch, pack_micro_batch, plan_rollout, rollout_logprobs, to_device
 from .modelio import load_policy, save_policy
 from .precision import clip_grad_norm, make_optimizer, resolve_dtype
 from .rewards.model import prepare_reward_funcs, warm_up_reward_models
@@ -277,28 +278,25 @@ class GRPOTrainer(StepLog):
             micro = self.pack(batch, rows)
             index = micro.row_index
             with self.parallel.no_sync(self.train_model, last=i == len(plans) - 1):  # DDP reduces after the last backward
-                out = micro_batch_logprobs(self.train_model, micro, temperature=args.temperature or 1.0,
-                                           with_entropy=True)
                 width = micro.completion_ids.shape[1]
-                old = old_all[index, :width] if old_all is not None else out.logp.detach()
-                ref = ref_all[index, :width] if ref_all is not None else None
                 advantages = advantages_all[index] if advantages_all.dim() == 1 else advantages_all[index, :width]
-                mask = micro.completion_mask
-                loss_mask = mask * keep_all[index].unsqueeze(1)  # truncated rows out, when asked
-                loss, stats = policy_loss(
-                    out.logp, old, advantages, loss_mask, ref_logp=ref, epsilon=args.epsilon,
+                loss, stats, out = micro_batch_policy_loss(
+                    self.train_model, micro, old_logp=None if old_all is None else old_all[index, :width],
+                    ref_logp=None if ref_all is None else ref_all[index, :width], advantages=advantages,
+                    loss_mask=micro.completion_mask * keep_all[index].unsqueeze(1),  # truncated rows out, when asked
+                    temperature=args.temperature or 1.0, fused=args.fused_head_loss, epsilon=args.epsilon,
                     epsilon_high=args.epsilon_high, beta=args.beta, loss_type=args.loss_type,
                     max_completion_length=args.max_completion_length, num_tokens=num_tokens,
-                    importance_sampling_level=args.importance_sampling_level, entropy=out.entropy,
-                    entropy_coef=args.entropy_coef,
-                )
+                    importance_sampling_level=args.importance_sampling_level, entropy_coef=args.entropy_coef,
+                )  # None for π_old: at μ = 1 it is π_θ itself
                 # Token-level DAPO already divides by the whole batch's tokens; the others average
                 # micro-batches by their share of completions. DDP averages over ranks: × world.
                 weight = (1.0 if args.loss_type == "dapo" else len(rows) / total) * world
                 (loss * weight).backward()
             share = len(rows) / local_rows
             stats["loss"] = loss.detach() * (1.0 if args.loss_type != "dapo" else 1 / share)
-            stats["entropy"] = (out.entropy.detach() * mask).sum() / mask.sum().clamp(min=1)
+            mask = micro.completion_mask
+            stats["entropy"] = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
             for k, v in stats.items():
                 sums[k] = sums[k] + v * share if k in sums else v * share
         grad_norm = clip_grad_norm(self.optimizer, self.train_model, args.max_grad_norm)  # FSDP2: the sharded grads

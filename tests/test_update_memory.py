@@ -172,7 +172,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_dir, tmp_path):
 def test_out_of_memory_halves_the_micro_batch_and_matches_that_size_from_the_start(tiny_dir, tmp_path, monkeypatch):
     import cohort.trainer as trainer_module
 
-    real = trainer_module.micro_batch_logprobs
+    real = trainer_module.micro_batch_policy_loss
     seen = []
 
     def limited(model, micro, **kwargs):  # a "GPU" that holds at most 4 rows per training micro-batch
@@ -184,10 +184,10 @@ def test_out_of_memory_halves_the_micro_batch_and_matches_that_size_from_the_sta
     lines = []
     retried = _trainer(tiny_dir, tmp_path / "retry", per_device_train_batch_size=16, gradient_accumulation_steps=1)
     retried.log = lines.append
-    monkeypatch.setattr(trainer_module, "micro_batch_logprobs", limited)
+    monkeypatch.setattr(trainer_module, "micro_batch_policy_loss", limited)
     batch = _synthetic_batch(retried)
     stats = retried.update(batch)
-    monkeypatch.setattr(trainer_module, "micro_batch_logprobs", real)
+    monkeypatch.setattr(trainer_module, "micro_batch_policy_loss", real)
     assert retried.micro_rows == 4 and retried.oom_retries == 2  # 16 → 8 → 4
     assert any("out of GPU memory with micro-batches of 16" in line for line in lines)
     assert max(seen) == 16 and stats["micro_batches"] == 4
