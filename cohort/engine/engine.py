@@ -3,12 +3,15 @@
 One preallocated `KVCache` (a row per slot), batched prefill of admitted prompts into their rows,
 then decode steps over the occupied slots with sampling on the device. Finished sequences are
 noticed every `check_interval` steps (one host sync), retired, and waiting sequences take their
-rows (continuous batching, see `scheduler.py`). On CUDA each decode step (forward, sampling and
-slot-state update) is a captured CUDA graph (`graphs.py`) whose elementwise pieces are
-torch.compile'd fused kernels (`cohort.models.kernels`), whose attention is a Triton flash-decoding
-kernel (`cohort.models.decode_attention`) and whose sampling is one Triton pass over the logits
-(`triton_sampling.py`), so it launches a few kernels per layer. The model's own weights are used in place: no copy, so the policy being trained
-samples its rollouts, as GRPO requires (DeepSeekMath 2024, Algorithm 1, step "sample G outputs").
+rows (continuous batching, see `scheduler.py`). The next chunk of steps is enqueued before the
+host waits for the last one's progress, so the GPU does not idle during that round trip
+(`overlap.py`). On CUDA each decode step (forward, sampling and slot-state update) is a captured
+CUDA graph (`graphs.py`) whose elementwise pieces are torch.compile'd fused kernels
+(`cohort.models.kernels`), whose attention is a Triton flash-decoding kernel
+(`cohort.models.decode_attention`) and whose sampling is one Triton pass over the logits
+(`triton_sampling.py`), so it launches a few kernels per layer. The model's own weights are used
+in place: no copy, so the policy being trained samples its rollouts, as GRPO requires
+(DeepSeekMath 2024, Algorithm 1, step "sample G outputs").
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 import torch
 
 from cohort.engine.graphs import DecodeGraphs
+from cohort.engine.overlap import HostProgress, Retirement, Snapshot, to_device
 from cohort.engine.sampling import sample_from_logits
 from cohort.engine.scheduler import Scheduler, batch_buckets, round_up_to_bucket
 from cohort.engine.sequence import Sequence, SlotState
@@ -51,6 +55,9 @@ class Engine:
         prompt + max_new_tokens (rounded up to 128 so later calls can reuse it).
     use_cuda_graph: None = on when the model is on CUDA.
     check_interval: decode steps between host syncs (finished rows are retired at these points).
+    overlap_checks: enqueue the next chunk of decode steps before waiting for the previous one's
+        progress (False: wait, then launch, the original order). The tokens are the same either
+        way; so are the log-probs, up to float rounding where early stops change batch shapes.
     prefill_tokens: most (padded) prompt tokens per prefill forward.
     verify_graphs: compare each captured CUDA graph with an eager step (a self-check; slower).
     compile_kernels: use torch.compile'd fused kernels for norms, rotary, SwiGLU and sampling (None =
@@ -60,7 +67,7 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, max_batch_size: int = 256, max_seq_len: int | None = None,
                  use_cuda_graph: bool | None = None, check_interval: int = 16, prefill_tokens: int = 16384,
-                 verify_graphs: bool = False, compile_kernels: bool | None = None):
+                 verify_graphs: bool = False, compile_kernels: bool | None = None, overlap_checks: bool = True):
         if max_batch_size < 1:
             raise CohortError(f"max_batch_size={max_batch_size}: it must be at least 1")
         if check_interval < 1:
@@ -78,6 +85,7 @@ class Engine:
         # tests set this on the CPU to exercise that padding without CUDA.
         self.bucketed = use_cuda_graph
         self.check_interval = check_interval
+        self.overlap_checks = overlap_checks
         self.prefill_tokens = prefill_tokens
         self.cache: KVCache | None = None
         self.state: SlotState | None = None
@@ -88,6 +96,7 @@ class Engine:
                                    state=lambda: self.state.step_tensors(), verify=verify_graphs)
         self._weights_key = None
         self.stats: dict[str, float] = {}
+        self._progress, self._retired = HostProgress(), []  # per generate() call (see _run)
 
     @property
     def device(self) -> torch.device:
@@ -108,7 +117,7 @@ class Engine:
         rows = round_up_to_bucket(num_slots, buckets) if buckets else num_slots
         started = time.perf_counter()
         self.stats = dict(decode_steps=0, decode_row_steps=0, prefill_forwards=0, prefill_tokens=0, checks=0,
-                          slot_moves=0)
+                          slot_moves=0, speculative_chunks=0, speculative_steps=0)
         with sampling_mode(self.model, fused=self.compile_kernels):
             self._prepare(rows, max_len, params)
             seed = params.seed if params.seed is not None else int(torch.randint(2**31, (1,)).item())
@@ -199,31 +208,110 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self, scheduler: Scheduler, params: SamplingParams) -> None:
+        """Decode until every sequence is finished. Each round launches a chunk of decode steps and
+        reads the progress after the previous one (its one host sync); launching first (see
+        `_launch_ahead`) keeps a chunk queued on the GPU while the host waits, retires and admits."""
         sampling = _sampling_key(params)
+        self._progress, self._retired = HostProgress(), []
+        unread: Snapshot | None = None  # the progress after the last chunk launched, not yet read
         while True:
-            self._check(scheduler, params)
-            admitted = scheduler.admit()
-            if admitted:
-                self._prefill(admitted, params)
-            self._compact(scheduler)
-            if scheduler.done:
-                break
-            running = [scheduler.slots[s] for s in scheduler.running_slots()]
-            steps = min(self.check_interval, max(seq.limit - seq.generated for seq in running))
-            if steps <= 0:
-                continue
-            width = scheduler.width()
-            # A query at position p reads keys 0..p; a sequence's p starts at prompt + generated - 1
-            # and grows while it is unfinished, at most until its limit.
-            furthest = max(len(seq.prompt) + seq.generated - 1 + min(steps, seq.limit - seq.generated)
-                           for seq in running)
-            if self.bucketed:
-                furthest = -(-furthest // KV_LENGTH_STEP) * KV_LENGTH_STEP
-            cache_len = max(1, min(furthest, self.cache.max_len))
-            for _ in range(steps):
-                self.graphs(width, cache_len, sampling)
-            self.stats["decode_steps"] += steps
-            self.stats["decode_row_steps"] += steps * width
+            launched = None
+            if unread is None or self._launch_ahead(unread, scheduler, params):
+                self._retire_at_limit(scheduler)
+                self._turn_over(scheduler, params)
+                if scheduler.done:
+                    break  # whatever is unread concerns sequences already retired
+                launched = self._launch(scheduler, sampling, params)
+                if launched is not None and unread is not None:
+                    self.stats["speculative_chunks"] += 1
+            if unread is not None:
+                self._read(unread, scheduler, params)
+            unread = launched
+        for retirement in self._retired:  # the one wait for the retired rows' copies
+            retirement.finish(self.tokenizer, params.stop, params.eos_token_ids or [])
+
+    def _launch_ahead(self, unread: Snapshot, scheduler: Scheduler, params: SamplingParams) -> bool:
+        """With `overlap_checks`, unless sequences wait and one in the unread chunk may have stopped
+        early (EOS, stop string): its slot would idle a whole extra chunk before a waiting sequence
+        took it, which over several waves adds decode steps and checks (~15% steps, CPU tests)."""
+        if not self.overlap_checks:
+            return False
+        may_stop_early = bool(params.eos_token_ids or params.stop)
+        return not (scheduler.waiting and may_stop_early and any(
+            seq.slot is not None and self._progress.upper(seq) < seq.limit for _, seq in unread.rows))
+
+    def _turn_over(self, scheduler: Scheduler, params: SamplingParams) -> None:
+        """Waiting sequences take the free slots (prefilled), then the running ones are packed."""
+        admitted = scheduler.admit()
+        if admitted:
+            self._prefill(admitted, params)
+        self._compact(scheduler)
+
+    def _launch(self, scheduler: Scheduler, sampling: tuple, params: SamplingParams) -> Snapshot | None:
+        """Enqueue a chunk of decode steps over the running slots, then a copy of the progress after
+        it (tokens too for stop strings); None when none can advance. Sized from upper bounds on the
+        counts (exact with nothing in flight): never short of a limit, never past the KV length."""
+        running = [scheduler.slots[s] for s in scheduler.running_slots()]
+        upper = [self._progress.upper(seq) for seq in running]
+        steps = min(self.check_interval, max((seq.limit - n for seq, n in zip(running, upper)), default=0))
+        if steps <= 0:
+            return None
+        width = scheduler.width()
+        # A query at position p reads keys 0..p; a sequence's p is at most prompt + upper - 1 and
+        # grows while it is unfinished, at most until its limit.
+        furthest = max(len(seq.prompt) + n - 1 + min(steps, seq.limit - n) for seq, n in zip(running, upper))
+        if self.bucketed:
+            furthest = -(-furthest // KV_LENGTH_STEP) * KV_LENGTH_STEP
+        cache_len = max(1, min(furthest, self.cache.max_len))
+        for _ in range(steps):
+            self.graphs(width, cache_len, sampling)
+        self._progress.steps += steps
+        self.stats["decode_steps"] += steps
+        self.stats["decode_row_steps"] += steps * width
+        rows = [(slot, scheduler.slots[slot]) for slot in scheduler.running_slots()]
+        columns = max(self._progress.upper(seq) for _, seq in rows) if params.stop else None
+        return Snapshot.enqueue(self.state, rows, self._progress.steps, columns)
+
+    def _read(self, snapshot: Snapshot, scheduler: Scheduler, params: SamplingParams) -> None:
+        """The host sync: wait for a chunk's progress, then retire the sequences it shows finished
+        (EOS, limit) or cut by a stop string. Steps enqueued over them since were spent in vain."""
+        snapshot.wait()
+        self.stats["checks"] += 1
+        finished, generated = snapshot.progress.tolist()
+        retiring, cuts = [], []
+        for slot, seq in snapshot.rows:
+            if seq.slot is None:
+                continue  # retired at its limit before this read
+            self._progress.known(seq, generated[slot], snapshot.steps)
+            cut = None
+            if params.stop:
+                cut = find_stop_string(self.tokenizer, snapshot.tokens[slot, : seq.generated].tolist(),
+                                       seq.stop_checked_upto, params.stop)
+                seq.stop_checked_upto = seq.generated
+            if cut is not None or finished[slot]:
+                retiring.append(seq)
+                cuts.append(cut)
+        self.stats["speculative_steps"] += sum(self._progress.pending(seq) for seq in retiring)
+        self._retire(scheduler, retiring, cuts)
+
+    def _retire_at_limit(self, scheduler: Scheduler) -> None:
+        """Retire, without reading anything, the sequences that reach their limits within the steps
+        already enqueued: by then they are finished (at the limit or by an earlier EOS) for sure."""
+        running = [scheduler.slots[s] for s in scheduler.running_slots()]
+        self._retire(scheduler, [seq for seq in running if self._progress.upper(seq) >= seq.limit])
+
+    def _retire(self, scheduler: Scheduler, sequences: list[Sequence], cuts: list | None = None) -> None:
+        """Free the slots of finished sequences. Their rows are copied out without waiting, up to the
+        furthest count they can have reached (a row cut by a stop string may still be decoding in the
+        chunk enqueued ahead; its columns below the cut never change), and collected at the end."""
+        if not sequences:
+            return
+        slots = to_device([seq.slot for seq in sequences], self.device)
+        columns = max(self._progress.upper(seq) for seq in sequences)
+        self._retired.append(Retirement.enqueue(self.state, slots, sequences, cuts or [None] * len(sequences), columns))
+        self.state.clear(slots)  # after the copies in stream order: a freed row is rewritten only once read
+        for seq in sequences:
+            scheduler.retire(seq)
 
     def _decode_step(self, width: int, cache_len: int, sampling: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step over slots [0, width): forward the last tokens, sample the next ones,
@@ -261,61 +349,27 @@ class Engine:
         input_ids = torch.full((len(chunk), width), params.pad_token_id, dtype=torch.long)
         for row, seq in enumerate(chunk):
             input_ids[row, : len(seq.prompt)] = torch.tensor(seq.prompt, dtype=torch.long)
-        input_ids = input_ids.to(self.device)
+        # Host data goes over without syncing (see `to_device`): a chunk may be decoding meanwhile.
+        input_ids = to_device(input_ids, self.device)
         positions = torch.arange(width, device=self.device).expand(len(chunk), width)
-        slots = torch.tensor([seq.slot for seq in chunk], dtype=torch.long, device=self.device)
+        slots = to_device([seq.slot for seq in chunk], self.device)
         # Plain ops here: a prefill runs once per prompt, not worth compiled variants for every length.
         with fused_kernels(False):
             hidden = self.model(input_ids, positions, kv_cache=self.cache, cache_rows=slots, return_hidden=True,
                                 cache_len=width)
-        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        last = to_device([n - 1 for n in lengths], self.device)
         # Logits only at each prompt's last position: the full [B, T, V] tensor would be huge.
         logits = self.model.lm_head(hidden[torch.arange(len(chunk), device=self.device), last])
         # Token 0 of each sequence, keyed by its global index (params.sequence_offset + its row).
-        sequences = torch.tensor([params.sequence_offset + seq.index for seq in chunk], dtype=torch.long,
-                                 device=self.device)
+        sequences = to_device([params.sequence_offset + seq.index for seq in chunk], self.device)
         tokens, logprobs = sample_from_logits(logits, *_sampling_key(params), seed=self.state.seed,
                                               draw=torch.zeros_like(sequences), rows=sequences)
-        limits = torch.tensor([seq.limit for seq in chunk], dtype=torch.long, device=self.device)
-        self.state.start(slots, tokens, logprobs, torch.tensor(lengths, device=self.device), limits, sequences)
+        limits = to_device([seq.limit for seq in chunk], self.device)
+        self.state.start(slots, tokens, logprobs, to_device(lengths, self.device), limits, sequences)
         for seq in chunk:
-            seq.generated = 1
+            self._progress.known(seq, 1, self._progress.steps)
         self.stats["prefill_forwards"] += 1
         self.stats["prefill_tokens"] += len(chunk) * width
-
-    def _check(self, scheduler: Scheduler, params: SamplingParams) -> None:
-        """The host sync: read progress and retire finished sequences (EOS, length, stop string)."""
-        running = scheduler.running_slots()
-        if not running:
-            return
-        self.stats["checks"] += 1
-        state, width = self.state, running[-1] + 1
-        progress = torch.stack([state.finished[:width].long(), state.generated[:width]]).cpu()
-        longest = int(progress[1].max())
-        tokens = state.tokens[:width, :longest].cpu() if params.stop else None
-        retiring: list[tuple[Sequence, int, str | None]] = []
-        for slot in running:
-            seq = scheduler.slots[slot]
-            seq.generated = int(progress[1, slot])
-            cut = None
-            if params.stop:
-                cut = find_stop_string(self.tokenizer, tokens[slot, : seq.generated].tolist(),
-                                       seq.stop_checked_upto, params.stop)
-                seq.stop_checked_upto = seq.generated
-            if cut is not None:
-                retiring.append((seq, cut, "stop"))
-            elif progress[0, slot]:
-                retiring.append((seq, seq.generated, None))
-        if retiring:
-            slots = torch.tensor([seq.slot for seq, _, _ in retiring], dtype=torch.long, device=self.device)
-            rows_tokens, rows_logprobs = state.tokens[slots].cpu(), state.logprobs[slots].cpu()
-            eos = set(params.eos_token_ids)
-            for row, (seq, count, reason) in enumerate(retiring):
-                seq.tokens = rows_tokens[row, :count].clone()
-                seq.logprobs = rows_logprobs[row, :count].clone()
-                seq.finish_reason = reason or ("stop" if int(seq.tokens[-1]) in eos else "length")
-                scheduler.retire(seq)
-            state.clear(slots)
 
     def _compact(self, scheduler: Scheduler) -> None:
         """Pack the running sequences into the narrowest bucket once no waiting one can fill the holes."""
@@ -323,8 +377,8 @@ class Engine:
             return
         moves = scheduler.compaction_moves()
         if moves:
-            source = torch.tensor([s for s, _ in moves], dtype=torch.long, device=self.device)
-            target = torch.tensor([t for _, t in moves], dtype=torch.long, device=self.device)
+            source = to_device([s for s, _ in moves], self.device)
+            target = to_device([t for _, t in moves], self.device)
             state = self.state
             self.cache.move_rows(source, target)
             state.move(source, target)
