@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from .algo import aggregate_loss, per_token_policy_loss, policy_loss, policy_loss_stats
-from .logprobs import (MicroBatch, TokenLogprobs, _chunk_backward, _chunk_backward_logp_only, _chunk_forward,
-                       _chunk_rows, _maybe_compiled, micro_batch_logprobs, supports_hidden)
+from .logprobs import (MicroBatch, TokenLogprobs, _chunk_backward, _chunk_backward_logp_only, _chunk_rows,
+                       _maybe_compiled, chunk_stats_function, micro_batch_logprobs, supports_hidden)
 
 # ℓ(log π, entropy, chunk) for the tokens of `chunk` (a slice of the micro-batch's completion tokens)
 TokenLoss = Callable[[Tensor, Tensor, slice], Tensor]
@@ -56,7 +56,7 @@ class _HeadWithTokenLoss(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        stats = _maybe_compiled("forward", _chunk_forward, hidden)
+        stats = chunk_stats_function(hidden)
         inv_temperature = 1.0 / temperature
         for start in range(0, n, chunk):
             part = slice(start, start + chunk)

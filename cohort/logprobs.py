@@ -198,6 +198,18 @@ def _maybe_compiled(name: str, plain, tensor: Tensor):
     return call
 
 
+def chunk_stats_function(tensor: Tensor):
+    """(log π, entropy, logsumexp) of one chunk's logits: the one-pass Triton kernel on CUDA
+    (`triton_logprobs`), else `_chunk_forward` (compiled on a GPU without the kernel)."""
+    from .models.kernels import triton_allowed
+
+    if triton_allowed(tensor):
+        from .triton_logprobs import chunk_logprob_stats
+
+        return chunk_logprob_stats
+    return _maybe_compiled("forward", _chunk_forward, tensor)
+
+
 class _ChunkedLMHead(torch.autograd.Function):
     """(log π(token), entropy) per row of `hidden` [N, H] under the head `weight` [V, H].
 
@@ -210,7 +222,7 @@ class _ChunkedLMHead(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) gets None, not zeros
         logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
-        stats = _maybe_compiled("forward", _chunk_forward, hidden)
+        stats = chunk_stats_function(hidden)
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
             logp[part], entropy[part], lse[part] = stats(hidden[part] @ weight.T, tokens[part], 1.0 / temperature)

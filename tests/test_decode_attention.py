@@ -5,23 +5,12 @@ before triton is first imported), on float32 tensors; tolerance 1e-4 max abs thr
 are small so the interpreter stays fast, but still span several key blocks (64 keys) and splits.
 """
 
-import importlib
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interpreter import DEVICE, kernel_module
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before this module's kernels are decorated
-
-from cohort.models import decode_attention as decode_module  # noqa: E402
-
-if (decode_module.triton is not None and not torch.cuda.is_available()
-        and type(decode_module._decode_split_kernel).__name__ != "InterpretedFunction"):
-    # Imported earlier (by another module) before TRITON_INTERPRET was set: rebuild the kernels.
-    decode_module = importlib.reload(decode_module)
-
+decode_module = kernel_module("cohort.models.decode_attention", "_decode_split_kernel")
 decode_attention_reference = decode_module.decode_attention_reference
 choose_num_splits = decode_module.choose_num_splits
 
@@ -33,7 +22,6 @@ def decode_attention():
     return decode_module.decode_attention
 
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = 1e-4  # float32 max abs
 
 

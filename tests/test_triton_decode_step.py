@@ -8,9 +8,6 @@ without the additive mask) is what is tested: logits within 1e-4 of the regroupe
 every family, sliding windows included, and the same sampled tokens.
 """
 
-import importlib
-import os
-
 import pytest
 import torch
 import transformers
@@ -18,19 +15,17 @@ import transformers
 if torch.cuda.is_available():  # the CPU helpers of test_kernels build CPU tensors; the GPU has its own check
     pytest.skip("runs the kernels in Triton's CPU interpreter; on a GPU, `python bench/rollout.py --check` "
                 "covers this path", allow_module_level=True)
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are (re)decorated below
 pytest.importorskip("triton", reason="triton is not installed: the engine's Triton kernels need it")
 
 from test_kernels import FAMILIES, TINY, build, decode_run  # noqa: E402
 
+from triton_interpreter import kernel_module  # noqa: E402
+
 from cohort.engine import sampling  # noqa: E402
-from cohort.engine import triton_sampling  # noqa: E402
-from cohort.models import decode_attention as decode_module  # noqa: E402
 from cohort.models import CausalLM, ModelConfig, kernels, modeling  # noqa: E402
 
-# cohort was imported (conftest) before TRITON_INTERPRET was set: decorate the kernels again.
-decode_module = importlib.reload(decode_module)
-triton_sampling = importlib.reload(triton_sampling)
+decode_module = kernel_module("cohort.models.decode_attention", "_decode_split_kernel")
+triton_sampling = kernel_module("cohort.engine.triton_sampling", "_partial_kernel")
 
 
 def on_any_device(tensor: torch.Tensor) -> bool:

@@ -3,28 +3,22 @@
 1e-5, and token frequencies that follow the softmax. Without CUDA the kernels run in Triton's CPU
 interpreter; without triton the module is skipped."""
 
-import importlib
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' decoration
 pytest.importorskip("triton", reason="triton is not installed: the fused sampling kernel needs it")
 
-from cohort.engine import triton_sampling  # noqa: E402
+from triton_interpreter import DEVICE, kernel_module  # noqa: E402
+
 from cohort.engine.sampling import gumbel_noise, sample_from_logits  # noqa: E402
 
-if not torch.cuda.is_available() and type(triton_sampling._partial_kernel).__name__ != "InterpretedFunction":
-    # Imported earlier (by cohort.engine.sampling) before TRITON_INTERPRET was set: decorate again.
-    triton_sampling = importlib.reload(triton_sampling)
+triton_sampling = kernel_module("cohort.engine.triton_sampling", "_partial_kernel")
 
 # numpy warns where the interpreter takes log(0) = -inf on purpose: rows of nothing but -inf.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LOGPROB_ATOL = 1e-5  # float32 log-softmax of logits of std ~3 over <= 5003 tokens
 NEAR_TIE = 1e-5  # two perturbed scores this close may order differently after float rounding
 

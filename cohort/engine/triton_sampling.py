@@ -27,12 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-try:  # triton is optional: the CPU path and CI without it use the torch reference.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
-    tl = None
+from cohort.models.triton_common import MAX_COMBINE, MIN_COMBINE, SUM_COMBINE, tl, triton  # triton None: torch path
 
 # Interpreted or compiled is decided here, at import: TRITON_INTERPRET=1 must be set before.
 _jit = triton.jit if triton is not None else (lambda fn: fn)
@@ -129,30 +124,6 @@ _INT32_MAX = tl.constexpr(2**31 - 1) if tl is not None else None
 
 
 @_jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@_jit
-def _minimum(a, b):
-    return tl.minimum(a, b)
-
-
-@_jit
-def _add(a, b):
-    return a + b
-
-
-# tl.max/min/sum/zeros are @triton.jit helpers of triton.language itself, which Triton's interpreter
-# cannot call when triton was imported before TRITON_INTERPRET was set (torch imports it early).
-# tl.reduce with the combine functions they use compiles to the same code, and the interpreter
-# reduces those with numpy; ours stand in should Triton rename them.
-_MAX_COMBINE = getattr(tl.standard, "_elementwise_max", _maximum) if tl is not None else None
-_MIN_COMBINE = getattr(tl.standard, "_elementwise_min", _minimum) if tl is not None else None
-_SUM_COMBINE = getattr(tl.standard, "_sum_combine", _add) if tl is not None else None
-
-
-@_jit
 def _hash32(x):
     # sampling.hash32 on uint32: logical shifts, products modulo 2^32.
     x = x ^ (x >> 16)
@@ -233,12 +204,12 @@ def _partial_kernel(
                 row_ptr, row_ok, row_key, lanes, start, vocab, temperature,
                 lane_max, lane_sumexp, lane_best, lane_index, UNIT_TEMPERATURE)  # fmt: skip
             start += BLOCK
-    chunk_max = tl.reduce(lane_max, 1, _MAX_COMBINE)
+    chunk_max = tl.reduce(lane_max, 1, MAX_COMBINE)
     shift = tl.where(chunk_max == float("-inf"), 0.0, chunk_max)
-    chunk_sumexp = tl.reduce(lane_sumexp * tl.exp(lane_max - shift[:, None]), 1, _SUM_COMBINE)
-    chunk_best = tl.reduce(lane_best, 1, _MAX_COMBINE)
+    chunk_sumexp = tl.reduce(lane_sumexp * tl.exp(lane_max - shift[:, None]), 1, SUM_COMBINE)
+    chunk_best = tl.reduce(lane_best, 1, MAX_COMBINE)
     is_best = lane_best == chunk_best[:, None]
-    chunk_index = tl.reduce(tl.where(is_best, lane_index, _INT32_MAX), 1, _MIN_COMBINE)
+    chunk_index = tl.reduce(tl.where(is_best, lane_index, _INT32_MAX), 1, MIN_COMBINE)
     out = row64 * num_chunks + tl.program_id(1)
     tl.store(chunk_max_ptr + out, chunk_max, mask=row_ok)
     tl.store(chunk_sumexp_ptr + out, chunk_sumexp, mask=row_ok)
@@ -262,12 +233,12 @@ def _merge_kernel(
     chunk_sumexp = tl.load(chunk_sumexp_ptr + at, mask=real, other=0.0)
     chunk_best = tl.load(chunk_best_ptr + at, mask=real, other=float("-inf"))
     chunk_index = tl.load(chunk_index_ptr + at, mask=real, other=_INT32_MAX)
-    row_max = tl.reduce(chunk_max, 1, _MAX_COMBINE)
+    row_max = tl.reduce(chunk_max, 1, MAX_COMBINE)
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-    sumexp = tl.reduce(chunk_sumexp * tl.exp(chunk_max - shift[:, None]), 1, _SUM_COMBINE)
+    sumexp = tl.reduce(chunk_sumexp * tl.exp(chunk_max - shift[:, None]), 1, SUM_COMBINE)
     logsumexp = shift + tl.log(tl.where(row_ok, sumexp, 1.0))  # rows past the batch: no log(0)
-    best = tl.reduce(chunk_best, 1, _MAX_COMBINE)
-    token = tl.reduce(tl.where(chunk_best == best[:, None], chunk_index, _INT32_MAX), 1, _MIN_COMBINE)
+    best = tl.reduce(chunk_best, 1, MAX_COMBINE)
+    token = tl.reduce(tl.where(chunk_best == best[:, None], chunk_index, _INT32_MAX), 1, MIN_COMBINE)
     logit = tl.load(logits_ptr + row64 * row_stride + token, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(tokens_ptr + row, token.to(tl.int64), mask=row_ok)
     tl.store(logprobs_ptr + row, tl.math.div_rn(logit, temperature) - logsumexp, mask=row_ok)

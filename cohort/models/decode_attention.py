@@ -24,12 +24,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: only the reference is usable
-    triton = None
-    tl = None
+from .triton_common import MAX_COMBINE, SUM_COMBINE, tl, triton  # triton None: only the reference is usable
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM, used when no CUDA device can be asked
@@ -84,27 +79,12 @@ def _sm_count(device: torch.device) -> int:
 if triton is not None:
 
     @triton.jit
-    def _maximum(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _add(a, b):
-        return a + b
-
-    # tl.max/tl.sum/tl.zeros are themselves @triton.jit helpers, which Triton's interpreter cannot
-    # call when triton.language was imported before TRITON_INTERPRET was set (torch imports it
-    # early). tl.reduce with the combine functions tl.max and tl.sum use compiles to the same code
-    # and keeps the interpreter on its vectorised path; ours stand in should Triton rename them.
-    _MAX_COMBINE = getattr(tl.standard, "_elementwise_max", _maximum)
-    _SUM_COMBINE = getattr(tl.standard, "_sum_combine", _add)
-
-    @triton.jit
     def _row_max(x, axis: tl.constexpr):
-        return tl.reduce(x, axis, _MAX_COMBINE)
+        return tl.reduce(x, axis, MAX_COMBINE)
 
     @triton.jit
     def _row_sum(x, axis: tl.constexpr):
-        return tl.reduce(x, axis, _SUM_COMBINE)
+        return tl.reduce(x, axis, SUM_COMBINE)
 
     @triton.jit
     def _attend_block(q, k_base, v_base, start, lo, hi, m_i, l_i, acc, stride_kn, stride_kd, stride_vn,

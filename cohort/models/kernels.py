@@ -127,11 +127,16 @@ def fused_path() -> bool:
     return _state["on"] and not torch.is_grad_enabled()
 
 
+def triton_allowed(tensor: torch.Tensor) -> bool:
+    """Whether a hand-written Triton kernel may run on `tensor`: on CUDA, triton importable, and
+    not switched off (COHORT_TRITON_KERNELS=0, for A/B runs)."""
+    return _state["triton"] and tensor.is_cuda and triton_available()
+
+
 def triton_kernel_on(tensor: torch.Tensor) -> bool:
     """Whether the sampling path may use a hand-written Triton kernel on `tensor`: fused kernels
-    on and compiled, autograd off, the tensor on CUDA, triton importable, not switched off."""
-    return (_state["on"] and _state["compile"] and _state["triton"] and tensor.is_cuda
-            and not torch.is_grad_enabled() and triton_available())
+    on and compiled, autograd off, and `triton_allowed`."""
+    return _state["on"] and _state["compile"] and not torch.is_grad_enabled() and triton_allowed(tensor)
 
 
 def fused(name: str, plain):
