@@ -30,13 +30,13 @@ TINY_SPEC = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 128,
     "sft_levels": [2, 3],
-    "sft_steps": 1000,  # at most; the pass stops once validation accuracy reaches the target below
-    "sft_target_accuracy": 0.35,
+    "sft_steps": 2000,  # at most; the pass stops once validation accuracy reaches the target below
+    "sft_target_accuracy": 0.5,
     "sft_min_steps": 300,
     "sft_batch_size": 64,
     "sft_learning_rate": 3e-3,
     "sft_seed": 0,
-    "version": 2,
+    "version": 3,
 }
 
 
