@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from .algo import aggregate_loss, per_token_policy_loss, policy_loss, policy_loss_stats
-from .logprobs import (MicroBatch, TokenLogprobs, _chunk_backward, _chunk_backward_logp_only, _chunk_rows,
-                       _maybe_compiled, chunk_stats_function, micro_batch_logprobs, supports_hidden)
+from .logprobs import (MicroBatch, TokenLogprobs, _chunk_rows, accumulate_chunk_grads, chunk_stats_function,
+                       completion_hidden, micro_batch_logprobs, scatter_to_rows, supports_hidden)
 
 # ℓ(log π, entropy, chunk) for the tokens of `chunk` (a slice of the micro-batch's completion tokens)
 TokenLoss = Callable[[Tensor, Tensor, slice], Tensor]
@@ -70,20 +70,10 @@ class _HeadWithTokenLoss(torch.autograd.Function):
                 grad_logp, grad_entropy = torch.autograd.grad(chunk_loss, (logp_leaf, entropy_leaf),
                                                               allow_unused=True)
             loss += chunk_loss.detach()
-            if grad_hidden is None and grad_weight is None:
-                continue
-            grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
-            if grad_entropy is None:  # the entropy is only logged (no bonus): one term less
-                backward = _maybe_compiled("backward_logp", _chunk_backward_logp_only, hidden)
-                grad_logits = backward(logits, tokens[part], lse, grad_logp, inv_temperature)
-            else:
-                backward = _maybe_compiled("backward", _chunk_backward, hidden)
-                grad_logits = backward(logits, tokens[part], lse, chunk_entropy, grad_logp, grad_entropy,
-                                       inv_temperature)
-            if grad_hidden is not None:
-                grad_hidden[part] = grad_logits @ weight
-            if grad_weight is not None:  # accumulated in the GEMM itself, in the weight's dtype
-                grad_weight.addmm_(grad_logits.T, hidden[part])
+            if grad_hidden is not None or grad_weight is not None:
+                grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
+                accumulate_chunk_grads(logits, hidden, weight, tokens[part], lse, chunk_entropy, grad_logp,
+                                       grad_entropy, inv_temperature, part, grad_hidden, grad_weight)
         ctx.grads = grad_hidden, grad_weight
         ctx.mark_non_differentiable(logp, entropy)
         return loss, logp, entropy
@@ -135,7 +125,6 @@ def micro_batch_policy_loss(model, micro: MicroBatch, *, old_logp: Tensor | None
         return loss, stats, TokenLogprobs(out.logp.detach(), out.entropy.detach())
 
     rows, cols = micro.token_rows, micro.token_cols
-    source = micro.prompt_lengths[rows] - 1 + cols  # hidden state at prompt_length − 1 + t predicts token t
     adv = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).float().expand(loss_mask.shape)
     token_adv = adv[rows, cols]
     token_old = None if old_logp is None else old_logp[rows, cols]
@@ -147,14 +136,11 @@ def micro_batch_policy_loss(model, micro: MicroBatch, *, old_logp: Tensor | None
                                      ref_logp=None if token_ref is None else token_ref[part], epsilon=epsilon,
                                      epsilon_high=eps_high, beta=beta, entropy=entropy, entropy_coef=entropy_coef)
 
-    inner = getattr(model, "module", model)  # DDP/FSDP: the forward through the wrapper, the weight from inside
-    hidden = model(micro.input_ids, return_hidden=True)
+    hidden, weight, tokens = completion_hidden(model, micro)
     weights = token_loss_weights(loss_mask, loss_type, max_completion_length, num_tokens)[rows, cols]
-    loss, token_logp, token_entropy = head_with_token_loss(
-        hidden[rows, source], inner.lm_head.weight, micro.completion_ids[rows, cols], weights, token_loss,
-        temperature, chunk_rows)
-    logp = torch.zeros(loss_mask.shape, dtype=torch.float32, device=loss.device).index_put((rows, cols), token_logp)
-    entropy = torch.zeros_like(logp).index_put((rows, cols), token_entropy)
+    loss, token_logp, token_entropy = head_with_token_loss(hidden, weight, tokens, weights, token_loss, temperature,
+                                                           chunk_rows)
+    logp, entropy = scatter_to_rows(token_logp, micro), scatter_to_rows(token_entropy, micro)
     log_ratio = torch.zeros_like(logp) if old_logp is None else logp - old_logp
     stats = policy_loss_stats(logp, log_ratio, adv, loss_mask, ref_logp, epsilon, eps_high)
     return loss, stats, TokenLogprobs(logp, entropy)

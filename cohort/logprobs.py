@@ -235,28 +235,33 @@ class _ChunkedLMHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
         hidden, weight, tokens, entropy, lse = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
-        if grad_entropy is None:
-            logits_grad = _maybe_compiled("backward_logp", _chunk_backward_logp_only, hidden)
-        else:
-            logits_grad = _maybe_compiled("backward", _chunk_backward, hidden)
-        inv_temperature = 1.0 / ctx.temperature
         for start in range(0, hidden.shape[0], ctx.chunk):
             part = slice(start, start + ctx.chunk)
-            logits = hidden[part] @ weight.T
-            if grad_entropy is None:
-                grad_logits = logits_grad(logits, tokens[part], lse[part], grad_logp[part], inv_temperature)
-            else:
-                grad_logits = logits_grad(logits, tokens[part], lse[part], entropy[part], grad_logp[part],
-                                          grad_entropy[part].float(), inv_temperature)
-            if need_hidden:
-                grad_hidden[part] = grad_logits @ weight
-            if need_weight:  # accumulated in the GEMM itself, in the weight's dtype (bf16 on a GPU)
-                grad_weight.addmm_(grad_logits.T, hidden[part])
-        return grad_hidden, grad_weight if need_weight else None, None, None, None, None
+            accumulate_chunk_grads(hidden[part] @ weight.T, hidden, weight, tokens[part], lse[part], entropy[part],
+                                   grad_logp[part], None if grad_entropy is None else grad_entropy[part],
+                                   1.0 / ctx.temperature, part, grad_hidden, grad_weight)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def accumulate_chunk_grads(logits: Tensor, hidden: Tensor, weight: Tensor, tokens: Tensor, lse: Tensor,
+                           entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor | None, inv_temperature: float,
+                           part: slice, grad_hidden: Tensor | None, grad_weight: Tensor | None) -> None:
+    """One chunk's share of ∂loss/∂hidden (written to `grad_hidden[part]`) and of ∂loss/∂W (added to
+    `grad_weight`), from its logits [n, V] = hidden[part] Wᵀ and the chunk's tokens, logsumexps,
+    entropies and ∂loss/∂log π, ∂loss/∂H (None when the entropy is only logged), each [n]."""
+    if grad_entropy is None:  # one term less
+        grad_logits = _maybe_compiled("backward_logp", _chunk_backward_logp_only, logits)(
+            logits, tokens, lse, grad_logp, inv_temperature)
+    else:
+        grad_logits = _maybe_compiled("backward", _chunk_backward, logits)(
+            logits, tokens, lse, entropy, grad_logp, grad_entropy.float(), inv_temperature)
+    if grad_hidden is not None:
+        grad_hidden[part] = grad_logits @ weight
+    if grad_weight is not None:  # accumulated in the GEMM itself, in the weight's dtype (bf16 on a GPU)
+        grad_weight.addmm_(grad_logits.T, hidden[part])
 
 
 def lm_head_logprobs(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float = 1.0,
@@ -274,30 +279,45 @@ def supports_hidden(model) -> bool:
     return isinstance(model, CausalLM) or isinstance(getattr(model, "module", None), CausalLM)
 
 
+def _sources(micro: MicroBatch) -> Tensor:
+    """[n] column of the hidden state that predicts each completion token: prompt_length − 1 + t."""
+    return micro.prompt_lengths[micro.token_rows] - 1 + micro.token_cols
+
+
+def completion_hidden(model, micro: MicroBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """Our CausalLM's final hidden states where they predict `micro`'s completion tokens [n, H], its
+    LM-head weight [V, H], and those tokens [n], in the order of `token_rows`/`token_cols` (the
+    mask's nonzeros, found on the CPU: no sync here). `model` may be a DDP/FSDP wrapper: its
+    forward is what is called (the gradient hooks live there); the weight is the wrapped module's."""
+    inner = getattr(model, "module", model)
+    hidden = model(micro.input_ids, return_hidden=True)
+    tokens = micro.completion_ids[micro.token_rows, micro.token_cols]
+    return hidden[micro.token_rows, _sources(micro)], inner.lm_head.weight, tokens
+
+
+def scatter_to_rows(values: Tensor, micro: MicroBatch) -> Tensor:
+    """Per-token values [n] back to `micro`'s [b, T] layout, 0 off the mask."""
+    out = torch.zeros(micro.completion_mask.shape, dtype=values.dtype, device=values.device)
+    return out.index_put((micro.token_rows, micro.token_cols), values)
+
+
 def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, with_entropy: bool = False,
                          chunk_rows: int | None = None) -> TokenLogprobs:
     """Log-probs (and entropies) of `micro`'s completion tokens under `model`, [b, T] float32.
 
     `model` may be a DDP/FSDP wrapper: its forward is what is called (the gradient hooks live
     there); the LM head weight is read from the wrapped module."""
-    rows, cols = micro.token_rows, micro.token_cols  # the mask's nonzeros, found on the CPU: no sync here
-    # hidden state at column prompt_length − 1 + t predicts completion token t
-    source = micro.prompt_lengths[rows] - 1 + cols
-    tokens = micro.completion_ids[rows, cols]
-    logp = torch.zeros(micro.completion_mask.shape, dtype=torch.float32, device=micro.input_ids.device)
-    entropy = torch.zeros_like(logp) if with_entropy else None
     if supports_hidden(model):
-        inner = getattr(model, "module", model)
-        hidden = model(micro.input_ids, return_hidden=True)
-        token_logp, token_entropy = lm_head_logprobs(hidden[rows, source], inner.lm_head.weight, tokens, temperature,
-                                                     chunk_rows, with_entropy)
+        hidden, weight, tokens = completion_hidden(model, micro)
+        token_logp, token_entropy = lm_head_logprobs(hidden, weight, tokens, temperature, chunk_rows, with_entropy)
     else:
         out = model(input_ids=micro.input_ids)
         logits = out if isinstance(out, Tensor) else out.logits
-        token_logp, token_entropy = selected_logprobs(logits[rows, source], tokens, temperature, with_entropy)
-    logp = logp.index_put((rows, cols), token_logp)
-    if with_entropy:
-        entropy = entropy.index_put((rows, cols), token_entropy)
+        rows, cols = micro.token_rows, micro.token_cols
+        token_logp, token_entropy = selected_logprobs(logits[rows, _sources(micro)], micro.completion_ids[rows, cols],
+                                                      temperature, with_entropy)
+    logp = scatter_to_rows(token_logp, micro)
+    entropy = scatter_to_rows(token_entropy, micro) if with_entropy else None
     return TokenLogprobs(logp, entropy)
 
 

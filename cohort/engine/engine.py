@@ -251,7 +251,8 @@ class Engine:
         """Enqueue a chunk of decode steps over the running slots, then a copy of the progress after
         it (tokens too for stop strings); None when none can advance. Sized from upper bounds on the
         counts (exact with nothing in flight): never short of a limit, never past the KV length."""
-        running = [scheduler.slots[s] for s in scheduler.running_slots()]
+        rows = [(slot, scheduler.slots[slot]) for slot in scheduler.running_slots()]
+        running = [seq for _, seq in rows]
         upper = [self._progress.upper(seq) for seq in running]
         steps = min(self.check_interval, max((seq.limit - n for seq, n in zip(running, upper)), default=0))
         if steps <= 0:
@@ -268,8 +269,7 @@ class Engine:
         self._progress.steps += steps
         self.stats["decode_steps"] += steps
         self.stats["decode_row_steps"] += steps * width
-        rows = [(slot, scheduler.slots[slot]) for slot in scheduler.running_slots()]
-        columns = max(self._progress.upper(seq) for _, seq in rows) if params.stop else None
+        columns = max(self._progress.upper(seq) for seq in running) if params.stop else None
         return Snapshot.enqueue(self.state, rows, self._progress.steps, columns)
 
     def _read(self, snapshot: Snapshot, scheduler: Scheduler, params: SamplingParams) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cohort.engine.sequence import Sequence, SlotState
+from cohort.logprobs import to_device as pinned_to_device
 from cohort.rollout import find_stop_string
 
 
@@ -31,13 +32,11 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def to_device(values: list | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host integers as a long tensor on `device` without a host sync: a copy from pageable memory
-    (what `torch.tensor(values, device=cuda)` does) waits for every kernel already enqueued, which
-    would stall the host behind the chunk launched ahead."""
+    """Host integers (a list, as a long tensor) on `device` without a host sync (`logprobs.to_device`):
+    a copy from pageable memory, what `torch.tensor(values, device=cuda)` does, waits for every
+    kernel already enqueued, which would stall the host behind the chunk launched ahead."""
     tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return pinned_to_device(tensor, device)
 
 
 def record_event(device: torch.device) -> torch.cuda.Event | None:
