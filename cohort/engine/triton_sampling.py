@@ -27,10 +27,10 @@ from typing import NamedTuple
 
 import torch
 
-from cohort.models.triton_common import MAX_COMBINE, MIN_COMBINE, SUM_COMBINE, tl, triton  # triton None: torch path
+# triton None (not installed): the torch path; `triton` stays a module name for the tests
+from cohort.models.triton_common import MAX_COMBINE, MIN_COMBINE, SUM_COMBINE, tl, triton  # noqa: F401
+from cohort.models.triton_common import jit as _jit
 
-# Interpreted or compiled is decided here, at import: TRITON_INTERPRET=1 must be set before.
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 DEFAULT_TILE_SIZE = 1024  # 8 logits per thread at 4 warps: 16-byte bf16 loads
 DEFAULT_TARGET_PROGRAMS = 1024  # several waves of programs on a 132-SM H100

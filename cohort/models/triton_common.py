@@ -1,5 +1,5 @@
-"""What cohort's Triton kernels share: the optional import and the combine functions of their
-reductions (decode attention, the sampler, the LM-head statistics).
+"""What cohort's Triton kernels share: the optional import, the decorator and the combine functions
+of their reductions (decode attention, the sampler, the LM-head statistics).
 
 tl.max/tl.min/tl.sum are themselves @triton.jit helpers of triton.language, which Triton's
 interpreter (CPU tests, TRITON_INTERPRET=1) cannot call when triton.language was imported before
@@ -16,6 +16,10 @@ try:  # triton is optional: without it every kernel has a torch path
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
+
+# The decorator for kernels that must import without triton. Whether a kernel runs compiled or in
+# the interpreter is decided when it is decorated, at its module's import.
+jit = triton.jit if triton is not None else (lambda fn: fn)
 
 MAX_COMBINE = MIN_COMBINE = SUM_COMBINE = None
 if triton is not None:
