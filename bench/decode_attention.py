@@ -15,9 +15,11 @@ values read per second (GB/s), and the largest difference between the two output
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,84 +66,88 @@ def main(argv=None) -> None:
                         help="time every (keys per block, warps, stages, splits) launch and print the fastest")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    if args.sweep:
-        return sweep(args)
-    results = []
-    for shape, (heads, kv_heads, dim) in SHAPES.items():
-        for rows in (int(r) for r in args.rows.split(",")):
-            for length in (int(n) for n in args.lengths.split(",")):
-                cache_len = -(-length // 128) * 128  # the engine's KV-length bucket
-                cache_k = torch.randn(rows, kv_heads, cache_len, dim, device="cuda", dtype=torch.bfloat16)
-                cache_v = torch.randn_like(cache_k)
-                q = torch.randn(rows, 1, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-                positions = torch.full((rows, 1), length - 1, device="cuda", dtype=torch.long)
-                bias = kernels.cache_attention_bias_plain(positions, cache_len, None, torch.bfloat16)
-
-                def sdpa():
-                    return grouped_query_attention(q, cache_k, cache_v, bias)
-
-                def triton_kernel(splits=None):
-                    return decode_attention(q, cache_k, cache_v, positions, cache_len, num_splits=splits)
-
-                error = (sdpa().float() - triton_kernel().float()).abs().max().item()
-                bytes_read = 2 * rows * kv_heads * length * dim * 2
-                visible_k, visible_v = cache_k[:, :, :length], cache_v[:, :, :length]
-
-                def read_only():  # the same bytes read by a plain reduction: the achievable rate at this size
-                    return visible_k.sum(dtype=torch.float32) + visible_v.sum(dtype=torch.float32)
-
-                row = dict(shape=shape, rows=rows, keys=length, sdpa_us=time_us(sdpa),
-                           triton_us=time_us(triton_kernel), read_only_us=time_us(read_only), max_abs_diff=error)
-                for splits in (int(s) for s in args.splits.split(",") if s.strip()):
-                    row[f"triton_{splits}_splits_us"] = time_us(lambda: triton_kernel(splits))
-                row["sdpa_gb_s"] = bytes_read / row["sdpa_us"] / 1e3
-                row["triton_gb_s"] = bytes_read / row["triton_us"] / 1e3
-                row["read_only_gb_s"] = bytes_read / row["read_only_us"] / 1e3
-                row["speedup"] = row["sdpa_us"] / row["triton_us"]
-                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-                results.append(row)
+    results = [(sweep if args.sweep else compare)(case, args) for case in cases(args)]
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "decode_attention.json").write_text(json.dumps(results, indent=1))
+        name = "decode_sweep.json" if args.sweep else "decode_attention.json"
+        Path(os.environ["OUT"], name).write_text(json.dumps(results, indent=1))
 
 
-def sweep(args) -> None:
-    """The Triton kernel's launch configurations on each shape: the five fastest and the default."""
-    results = []
+@dataclass
+class Case:
+    """One decode step's attention inputs: every row at the same position, random bf16 values."""
+
+    shape: str
+    rows: int
+    keys: int  # each row's position + 1
+    kv_heads: int
+    dim: int
+    cache_len: int  # the engine's KV-length bucket
+    q: torch.Tensor
+    cache_k: torch.Tensor
+    cache_v: torch.Tensor
+    positions: torch.Tensor
+
+
+def cases(args):
     for shape, (heads, kv_heads, dim) in SHAPES.items():
         for rows in (int(r) for r in args.rows.split(",")):
             for length in (int(n) for n in args.lengths.split(",")):
                 cache_len = -(-length // 128) * 128
                 cache_k = torch.randn(rows, kv_heads, cache_len, dim, device="cuda", dtype=torch.bfloat16)
-                cache_v = torch.randn_like(cache_k)
                 q = torch.randn(rows, 1, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                 positions = torch.full((rows, 1), length - 1, device="cuda", dtype=torch.long)
-                default = decode_attention(q, cache_k, cache_v, positions, cache_len).float()
-                timings = []
-                for block_n in (32, 64, 128):
-                    for warps in (2, 4, 8):
-                        for stages in (2, 3, 4):
-                            for splits in (None, 1, 2, 4, 8):
-                                launch = (block_n, warps, stages)
+                yield Case(shape, rows, length, kv_heads, dim, cache_len, q, cache_k, torch.randn_like(cache_k),
+                           positions)
 
-                                def call(launch=launch, splits=splits):
-                                    return decode_attention(q, cache_k, cache_v, positions, cache_len,
-                                                            num_splits=splits, launch=launch)
-                                try:
-                                    error = (call().float() - default).abs().max().item()
-                                    timings.append(dict(block_n=block_n, warps=warps, stages=stages,
-                                                        splits=splits, us=time_us(call, calls=20, replays=5),
-                                                        max_abs_diff=error))
-                                except Exception as exc:  # a launch that does not fit (registers, shared memory)
-                                    print(f"  {shape} {launch} splits={splits}: {type(exc).__name__}", flush=True)
-                timings.sort(key=lambda t: t["us"])
-                block_n, warps, stages = default_launch(dim)
-                default_us = next(t["us"] for t in timings if (t["block_n"], t["warps"], t["stages"], t["splits"])
-                                  == (block_n, warps, stages, None))
-                entry = dict(shape=shape, rows=rows, keys=length, default_us=default_us, fastest=timings[:5])
-                print(json.dumps(entry), flush=True)
-                results.append(entry)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "decode_sweep.json").write_text(json.dumps(results, indent=1))
+
+def compare(case: Case, args) -> dict:
+    """SDPA (the engine's path before the kernel), the kernel, and a plain read of the same bytes."""
+    bias = kernels.cache_attention_bias_plain(case.positions, case.cache_len, None, torch.bfloat16)
+
+    def sdpa():
+        return grouped_query_attention(case.q, case.cache_k, case.cache_v, bias)
+
+    def triton_kernel(splits=None):
+        return decode_attention(case.q, case.cache_k, case.cache_v, case.positions, case.cache_len, num_splits=splits)
+
+    visible_k, visible_v = case.cache_k[:, :, :case.keys], case.cache_v[:, :, :case.keys]
+
+    def read_only():  # the same bytes read by a plain reduction: the achievable rate at this size
+        return visible_k.sum(dtype=torch.float32) + visible_v.sum(dtype=torch.float32)
+
+    error = (sdpa().float() - triton_kernel().float()).abs().max().item()
+    row = dict(shape=case.shape, rows=case.rows, keys=case.keys, sdpa_us=time_us(sdpa),
+               triton_us=time_us(triton_kernel), read_only_us=time_us(read_only), max_abs_diff=error)
+    for splits in (int(s) for s in args.splits.split(",") if s.strip()):
+        row[f"triton_{splits}_splits_us"] = time_us(lambda: triton_kernel(splits))
+    bytes_read = 2 * case.rows * case.kv_heads * case.keys * case.dim * 2
+    for name in ("sdpa", "triton", "read_only"):
+        row[f"{name}_gb_s"] = bytes_read / row[f"{name}_us"] / 1e3
+    row["speedup"] = row["sdpa_us"] / row["triton_us"]
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return row
+
+
+def sweep(case: Case, args) -> dict:
+    """The kernel's launch configurations on one case: the five fastest and the default's time."""
+    default = decode_attention(case.q, case.cache_k, case.cache_v, case.positions, case.cache_len).float()
+    timings = []
+    for block_n, warps, stages, splits in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (None, 1, 2, 4, 8)):
+        def call(launch=(block_n, warps, stages), splits=splits):
+            return decode_attention(case.q, case.cache_k, case.cache_v, case.positions, case.cache_len,
+                                    num_splits=splits, launch=launch)
+        try:
+            error = (call().float() - default).abs().max().item()
+            timings.append(dict(block_n=block_n, warps=warps, stages=stages, splits=splits,
+                                us=time_us(call, calls=20, replays=5), max_abs_diff=error))
+        except Exception as exc:  # a launch that does not fit (registers, shared memory)
+            print(f"  {case.shape} {(block_n, warps, stages)} splits={splits}: {type(exc).__name__}", flush=True)
+    timings.sort(key=lambda t: t["us"])
+    default_key = (*default_launch(case.dim), None)
+    default_us = next(t["us"] for t in timings if (t["block_n"], t["warps"], t["stages"], t["splits"]) == default_key)
+    entry = dict(shape=case.shape, rows=case.rows, keys=case.keys, default_us=default_us, fastest=timings[:5])
+    print(json.dumps(entry), flush=True)
+    return entry
 
 
 if __name__ == "__main__":
