@@ -93,6 +93,7 @@ class GRPOConfig:
     torch_compile: bool = False  # compile each decoder layer's training forward/backward (our models; needs triton on GPU)
     free_sampling_memory: bool = False  # on GPU, free the engine's KV cache and graphs after each rollout (slower)
     fused_head_loss: bool = True  # our models, token-level ratios: the LM head's gradient in its forward pass (head_loss.py)
+    share_prompt_prefix: bool = True  # our models: one forward of each prompt per group in the full-sequence passes (packing.py)
     # LoRA through peft (TRL's ModelConfig names); π_ref is then the same model with adapters off.
     use_peft: bool = False
     lora_r: int = 16

@@ -3,11 +3,11 @@
 A float32 logits tensor at 16 × 1024 × 151,936 is 10 GB. Three choices keep the update phase's
 memory and time proportional to the tokens that matter:
 
-- **Length bucketing** (`plan_micro_batches`): rows sorted by length fill micro-batches under a
-  row and a token budget, so a batch of mostly short completions does not pay for its longest one.
-- **Right padding** (`pack_micro_batch`): each row is [prompt | completion | pad]. Causal attention
-  never looks right, so pads need no attention mask and SDPA runs its mask-free (flash) kernel;
-  positions are plain 0..L-1, as when the tokens were sampled.
+- **Length bucketing** (`packing.plan_micro_batches`): rows sorted by length fill micro-batches
+  under a row and a token budget, so a batch of mostly short completions does not pay for its
+  longest one.
+- **Each prompt computed once per group** (`packing.pack_shared_prompts`; one row per completion,
+  `packing.pack_micro_batch`, for models that only give logits).
 - **A chunked LM head** (`lm_head_logprobs`): the head is applied to the completion tokens'
   hidden states a chunk of rows at a time, keeping only log π(token) and the entropy; the backward
   recomputes each chunk's logits instead of storing them (as Liger-Kernel's fused linear
@@ -19,12 +19,14 @@ fall back to their logits, cut to the completion positions before any float32 co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .packing import (MicroBatch, pack, pack_micro_batch, pack_shared_prompts, plan_micro_batches,  # noqa: F401
+                      plan_rollout, to_device)
 
 CHUNK_BYTES = 512 * 2**20  # float32 logits per LM-head chunk: 512 MiB (≈880 rows at a 152k vocabulary)
 
@@ -33,95 +35,6 @@ CHUNK_BYTES = 512 * 2**20  # float32 logits per LM-head chunk: 512 MiB (≈880 r
 class TokenLogprobs:
     logp: Tensor  # [B, T] log π(token_t | prefix), float32, 0 where mask = 0
     entropy: Tensor | None  # [B, T] entropy of π(· | prefix), float32, when asked for
-
-
-@dataclass
-class MicroBatch:
-    """Rows `rows` of a rollout, right-padded for one forward pass. Every index a forward needs is
-    computed on the CPU when the micro-batch is packed, so using it on a GPU needs no host sync."""
-
-    rows: list[int]  # indices into the rollout, in this micro-batch's order
-    input_ids: Tensor  # [b, L] long: prompt, completion, then pad
-    completion_ids: Tensor  # [b, T] long, T = the longest completion here
-    completion_mask: Tensor  # [b, T] 1 on completion tokens
-    prompt_lengths: Tensor  # [b] long
-    row_index: Tensor  # [b] long: `rows` as a tensor, to gather per-rollout tensors on the device
-    token_rows: Tensor  # [n] long: the micro-batch row of each completion token (row-major order)
-    token_cols: Tensor  # [n] long: its column in the completion
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-    def to(self, device) -> "MicroBatch":
-        """The tensors on `device`. To a GPU they go from pinned memory without blocking: a plain
-        copy from pageable memory would wait for every queued kernel first, so the GPU would idle
-        while the host queues each micro-batch's forward."""
-        device = torch.device(device)
-        return MicroBatch(self.rows, *(to_device(t, device) for t in (
-            self.input_ids, self.completion_ids, self.completion_mask, self.prompt_lengths, self.row_index,
-            self.token_rows, self.token_cols)))
-
-
-def to_device(tensor: Tensor, device: torch.device) -> Tensor:
-    """`tensor` on `device`; CPU → CUDA through pinned memory without a host sync."""
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
-def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
-    """Split rows into micro-batches of similar length: at most `max_rows` rows each and, when
-    `max_tokens` > 0, at most `max_tokens` padded tokens (rows × the longest row) each.
-
-    Rows are taken longest first, so each micro-batch's padding is only the difference between
-    neighbours in the sorted order. Deterministic (ties keep row order). A single row longer than
-    `max_tokens` still gets a micro-batch of its own.
-
-    >>> plan_micro_batches([5, 100, 6, 90], max_rows=2)
-    [[1, 3], [2, 0]]
-    """
-    if max_rows < 1:
-        raise ValueError(f"max_rows={max_rows}: a micro-batch needs at least one row")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    plans: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = lengths[current[0]] if current else lengths[i]
-        too_many_tokens = max_tokens > 0 and (len(current) + 1) * longest > max_tokens
-        if current and (len(current) >= max_rows or too_many_tokens):
-            plans.append(current)
-            current = []
-        current.append(i)
-    if current:
-        plans.append(current)
-    return plans
-
-
-def plan_rollout(prompt_ids: list[list[int]], completion_mask: Tensor, max_rows: int,
-                 max_tokens: int = 0) -> list[list[int]]:
-    """`plan_micro_batches` over a rollout's rows, each as long as its prompt plus its completion."""
-    lengths = [len(p) + int(n) for p, n in zip(prompt_ids, completion_mask.sum(dim=1).tolist())]
-    return plan_micro_batches(lengths, max_rows, max_tokens)
-
-
-def pack_micro_batch(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor,
-                     rows: list[int], pad_id: int) -> MicroBatch:
-    """Rows `rows` as [prompt | completion | pad], trimmed to the longest row."""
-    lengths = completion_mask[rows].sum(dim=1).tolist()
-    width = max(1, max(lengths))
-    total = max(len(prompt_ids[r]) + n for r, n in zip(rows, lengths))
-    input_ids = torch.full((len(rows), total), pad_id, dtype=torch.long)
-    for i, (r, n) in enumerate(zip(rows, lengths)):
-        prompt = prompt_ids[r]
-        input_ids[i, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
-        input_ids[i, len(prompt): len(prompt) + n] = completion_ids[r, :n].cpu()
-    mask = completion_mask[rows, :width].cpu()
-    token_rows, token_cols = mask.bool().nonzero(as_tuple=True)
-    return MicroBatch(rows=list(rows), input_ids=input_ids, completion_ids=completion_ids[rows, :width].cpu(),
-                      completion_mask=mask,
-                      prompt_lengths=torch.tensor([len(prompt_ids[r]) for r in rows], dtype=torch.long),
-                      row_index=torch.tensor(list(rows), dtype=torch.long), token_rows=token_rows, token_cols=token_cols)
 
 
 def selected_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, with_entropy: bool = False):
@@ -279,9 +192,12 @@ def supports_hidden(model) -> bool:
     return isinstance(model, CausalLM) or isinstance(getattr(model, "module", None), CausalLM)
 
 
-def _sources(micro: MicroBatch) -> Tensor:
-    """[n] column of the hidden state that predicts each completion token: prompt_length − 1 + t."""
-    return micro.prompt_lengths[micro.token_rows] - 1 + micro.token_cols
+def forward_hidden(model, micro: MicroBatch) -> Tensor:
+    """Our CausalLM's final normed hidden states [r, L, H] of `micro`'s forward rows, in either layout."""
+    if micro.attention_rows is None:
+        return model(micro.input_ids, return_hidden=True)
+    return model(micro.input_ids, position_ids=micro.position_ids, attention_rows=micro.attention_rows,
+                 attention_slots=micro.attention_slots, return_hidden=True)
 
 
 def completion_hidden(model, micro: MicroBatch) -> tuple[Tensor, Tensor, Tensor]:
@@ -290,9 +206,9 @@ def completion_hidden(model, micro: MicroBatch) -> tuple[Tensor, Tensor, Tensor]
     mask's nonzeros, found on the CPU: no sync here). `model` may be a DDP/FSDP wrapper: its
     forward is what is called (the gradient hooks live there); the weight is the wrapped module's."""
     inner = getattr(model, "module", model)
-    hidden = model(micro.input_ids, return_hidden=True)
+    hidden = forward_hidden(model, micro)
     tokens = micro.completion_ids[micro.token_rows, micro.token_cols]
-    return hidden[micro.token_rows, _sources(micro)], inner.lm_head.weight, tokens
+    return hidden[micro.source_rows, micro.source_cols], inner.lm_head.weight, tokens
 
 
 def scatter_to_rows(values: Tensor, micro: MicroBatch) -> Tensor:
@@ -311,10 +227,13 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
         hidden, weight, tokens = completion_hidden(model, micro)
         token_logp, token_entropy = lm_head_logprobs(hidden, weight, tokens, temperature, chunk_rows, with_entropy)
     else:
+        if micro.attention_rows is not None:
+            raise ValueError("a shared-prompt micro-batch needs our CausalLM (segment ids); pack it one row per completion")
         out = model(input_ids=micro.input_ids)
         logits = out if isinstance(out, Tensor) else out.logits
         rows, cols = micro.token_rows, micro.token_cols
-        token_logp, token_entropy = selected_logprobs(logits[rows, _sources(micro)], micro.completion_ids[rows, cols],
+        token_logp, token_entropy = selected_logprobs(logits[micro.source_rows, micro.source_cols],
+                                                      micro.completion_ids[rows, cols],
                                                       temperature, with_entropy)
     logp = scatter_to_rows(token_logp, micro)
     entropy = scatter_to_rows(token_entropy, micro) if with_entropy else None
@@ -322,15 +241,16 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
 
 
 def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, *,
-                     pad_id: int, max_rows: int, max_tokens: int = 0, temperature: float = 1.0) -> Tensor:
+                     pad_id: int, max_rows: int, max_tokens: int = 0, temperature: float = 1.0,
+                     share_prompts: bool = False) -> Tensor:
     """[B, T] float32 log-probs of a whole rollout's completions, no gradient (log π_old, log π_ref):
     length-bucketed micro-batches under inference mode, scattered back to rollout order on the
     model's device and copied to the CPU once, at the end (one host sync per pass)."""
     device = next(model.parameters()).device
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
     with torch.inference_mode():
-        for rows in plan_rollout(prompt_ids, completion_mask, max_rows, max_tokens):
-            micro = pack_micro_batch(prompt_ids, completion_ids, completion_mask, rows, pad_id).to(device)
+        for rows in plan_rollout(prompt_ids, completion_mask, max_rows, max_tokens, share_prompts):
+            micro = pack(prompt_ids, completion_ids, completion_mask, rows, pad_id, share_prompts).to(device)
             logp = micro_batch_logprobs(model, micro, temperature=temperature).logp
             full[micro.row_index, : logp.shape[1]] = logp
     return full.cpu()

@@ -248,6 +248,7 @@ def throughput_metrics(model, device, phase_seconds: dict[str, float], prompt_to
       passes (log π_old when μ > 1, log π_ref when β > 0), when there are any;
     - `tokens_per_second/update`: prompt + completion tokens through forward + backward per second,
       counting each of the μ updates;
+    `prompt_tokens` are those the forwards compute: a prompt its group shares counts once (packing.py).
     - `mfu`: 6·N·(update tokens) / update seconds / the GPU's peak bf16 FLOP/s (Kaplan et al. 2020's
       6N FLOPs per trained token, N = all parameters, attention FLOPs left out); None on CPU.
     """

@@ -31,7 +31,7 @@ from torch import nn
 from .algo import gae_advantages, kl_penalty, value_loss, whiten
 from .config import GRPOConfig
 from .errors import CohortError
-from .logprobs import MicroBatch, supports_hidden, to_device
+from .logprobs import MicroBatch, forward_hidden, scatter_to_rows, supports_hidden, to_device
 from .trainer import Batch, GRPOTrainer
 
 
@@ -74,16 +74,16 @@ class ValueModel(nn.Module):
         self.own_model = supports_hidden(policy) or "return_hidden" in inspect.signature(policy.forward).parameters
 
     def forward(self, micro: MicroBatch) -> torch.Tensor:
-        """`[b, T]`: the value before each completion token t of a right-padded micro-batch (the
-        hidden state at column prompt_length − 1 + t, the one whose logits predict token t)."""
-        if self.own_model:
+        """`[b, T]`: the value before each completion token t (the hidden state whose logits predict
+        token t), 0 off the completion mask."""
+        if supports_hidden(self.body):
+            hidden = forward_hidden(self.body, micro)
+        elif self.own_model:
             hidden = self.body(micro.input_ids, return_hidden=True)
         else:
             hidden = self.body(input_ids=micro.input_ids, output_hidden_states=True).hidden_states[-1]
-        steps = torch.arange(micro.completion_ids.shape[1], device=hidden.device)
-        index = (micro.prompt_lengths[:, None] - 1 + steps).clamp(max=hidden.shape[1] - 1)  # past the end: masked
-        hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        hidden = hidden[micro.source_rows, micro.source_cols]
+        return scatter_to_rows(self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float(), micro)
 
 
 class PPOTrainer(GRPOTrainer):

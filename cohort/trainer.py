@@ -36,7 +36,7 @@ from .distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from .errors import CohortError
 from .lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
 from .head_loss import micro_batch_policy_loss
-from .logprobs import MicroBatch, pack_micro_batch, plan_rollout, rollout_logprobs, to_device
+from .logprobs import MicroBatch, pack, plan_rollout, rollout_logprobs, supports_hidden, to_device
 from .modelio import load_policy, save_policy
 from .precision import clip_grad_norm, make_optimizer, resolve_dtype
 from .rewards.model import prepare_reward_funcs, warm_up_reward_models
@@ -122,6 +122,9 @@ class GRPOTrainer(StepLog):
         self.uses_reference = args.beta > 0
         self.ref_model = self._frozen_copy() if self.uses_reference and not has_lora(self.model) else None
         self.micro_rows, self.micro_tokens = args.per_device_train_batch_size, args.max_tokens_per_micro_batch
+        # The G completions of a prompt share its forward in the log-prob passes and the update: our
+        # models only (they take segment ids), and only where a prompt has several completions.
+        self.share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(self.model))
         self.oom_retries = 0
         self.sampler = make_sampler(self.model, self.tokenizer)
         self.data_rng = random.Random(args.seed)
@@ -384,13 +387,13 @@ class GRPOTrainer(StepLog):
         return ids
 
     def micro_batch_plan(self, batch: Batch, max_rows: int, max_tokens: int) -> list[list[int]]:
-        """Rows of the rollout grouped by length into micro-batches (cohort/logprobs.py)."""
-        return plan_rollout(batch.prompt_ids, batch.rollout.completion_mask, max_rows, max_tokens)
+        """Rows of the rollout grouped by length (and prompt) into micro-batches (cohort/packing.py)."""
+        return plan_rollout(batch.prompt_ids, batch.rollout.completion_mask, max_rows, max_tokens, self.share_prompts)
 
     def pack(self, batch: Batch, rows: list[int]) -> MicroBatch:
-        """Rows `rows` right-padded as [prompt | completion | pad], on the training device."""
-        return pack_micro_batch(batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask,
-                                rows, self.pad_id).to(self.device)
+        """Rows `rows` as [prompt | completions | pad] per prompt (or per completion), on the training device."""
+        return pack(batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask, rows, self.pad_id,
+                    self.share_prompts).to(self.device)
 
     def _logprobs_no_grad(self, model, batch: Batch) -> torch.Tensor:
         """[B, T] log-probs under `model` in inference mode; no activations are kept, so the
@@ -398,7 +401,8 @@ class GRPOTrainer(StepLog):
         model.eval()
         return rollout_logprobs(model, batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask,
                                 pad_id=self.pad_id, max_rows=self.micro_rows * NO_GRAD_FACTOR,
-                                max_tokens=self.micro_tokens * NO_GRAD_FACTOR, temperature=self.args.temperature or 1.0)
+                                max_tokens=self.micro_tokens * NO_GRAD_FACTOR, temperature=self.args.temperature or 1.0,
+                                share_prompts=self.share_prompts)
 
     def _frozen_copy(self):
         ref = copy.deepcopy(self.model)

@@ -30,6 +30,7 @@ from cohort.models.cache import KVCache
 from cohort.models.decode_attention import SUPPORTED_HEAD_DIMS as DECODE_KERNEL_HEAD_DIMS
 from cohort.models.decode_attention import decode_attention
 from cohort.models.fusion import fused_weight
+from cohort.models import shared_prefix
 from cohort.models.training_compile import run_layer
 from cohort.models.config import ModelConfig
 
@@ -202,6 +203,8 @@ def grouped_query_attention(q, k, v, mask):
     decode mask [B, 1, 1, S] broadcasts over the folded queries as it is. Plain causal attention
     (no mask) cannot fold (is_causal aligns T queries with T keys): it uses SDPA's native GQA where
     FlashAttention serves it, else repeats k/v."""
+    if shared_prefix.is_packed(mask):  # flat shared-prompt tokens: attend in per-completion rows
+        return shared_prefix.packed_attention(q, k, v, mask, grouped_query_attention)
     batch, heads, length, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -369,7 +372,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, *, kv_cache: KVCache | None = None,
                 cache_rows: torch.Tensor | None = None, return_hidden: bool = False,
-                cache_len: int | None = None) -> torch.Tensor:
+                cache_len: int | None = None, attention_rows: torch.Tensor | None = None,
+                attention_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V], or final normed hidden states [B, T, H] with `return_hidden`.
 
         Without `kv_cache`: causal attention by token index, `attention_mask` [B, T] (1 = real,
@@ -379,7 +383,10 @@ class CausalLM(nn.Module):
         `position_ids[b, t]`, and attends to that row's keys at positions <= its own (and > its
         own - window for sliding layers); `attention_mask` then only stops pad tokens from writing.
         `cache_len` (static, > every position in position_ids) limits attention to the first
-        cache_len slots.
+        cache_len slots. `attention_rows` [b, L] and `attention_slots` [N] (no cache, one flat row
+        of N tokens): attention runs over the rows of flat token indices `attention_rows`, each
+        token's output read back from slot `attention_slots` of them (shared_prefix.py, the
+        shared-prompt layout of cohort/packing.py); `position_ids` then give each token's position.
         """
         batch, length = input_ids.shape
         if position_ids is None:
@@ -388,7 +395,15 @@ class CausalLM(nn.Module):
         cos, sin = self.model.rotary_emb(position_ids, hidden.dtype)
         windows = {self._config.layer_sliding_window(i) for i in range(self._config.num_hidden_layers)}
         cache_args = {}
-        if kv_cache is None:
+        if attention_rows is not None:
+            if kv_cache is not None or attention_mask is not None or batch != 1 or attention_slots is None:
+                raise CohortError("attention_rows (shared-prompt packing) need one flat row of tokens, "
+                                  "attention_slots, and no kv_cache or attention_mask")
+            rows_length = attention_rows.shape[1]
+            masks = {w: shared_prefix.PackedRows(attention_rows, attention_slots,
+                                                 _padding_causal_mask(rows_length, None, w, input_ids.device))
+                     for w in windows}
+        elif kv_cache is None:
             masks = {w: _padding_causal_mask(length, attention_mask, w, input_ids.device) for w in windows}
         else:
             if cache_rows is None and batch > kv_cache.num_rows:

@@ -1,0 +1,214 @@
+"""A rollout's completions cut into micro-batches for the full-sequence passes (log π_old, log π_ref,
+the update), and laid out for one forward each.
+
+Two layouts share one `MicroBatch`:
+
+- **One row per completion** (`pack_micro_batch`): [prompt | completion | pad]. Causal attention never
+  looks right, so pads need no attention mask and SDPA runs its mask-free (flash) kernel; positions
+  are plain 0..L-1, as when the tokens were sampled. Any model can run it.
+- **Each prompt once** (`pack_shared_prompts`): GRPO samples G completions of each prompt, and in
+  the first layout each of them recomputes the prompt. Here the micro-batch is one flat sequence,
+  each prompt's tokens once followed by those of its completions, with no padding; attention sees
+  each completion next to its prompt through index rows (`models/shared_prefix.py`). Positions are
+  those the tokens had when sampled, so every log-prob equals the first layout's. At 128-token
+  prompts, 512-token completions and G = 8 the layers compute 17.5% fewer tokens; at GSM8K's
+  ~200-token prompts and ~250-token completions, about 40%. Our models only.
+
+Length bucketing (`plan_micro_batches`): the units of a layout (rows, or prompt groups) sorted by
+length fill micro-batches under a row and a token budget, so a batch of mostly short completions
+does not pay for its longest one. Every index a forward needs is computed here, on the CPU, so using
+a micro-batch on a GPU needs no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class MicroBatch:
+    """Completions `rows` of a rollout, packed for one forward pass. `input_ids` has one row per
+    completion (plain layout) or is one flat row (shared layout); the completion tensors always have
+    one row per completion."""
+
+    rows: list[int]  # indices into the rollout, in this micro-batch's order
+    input_ids: Tensor  # [r, L] long: the forward's rows
+    completion_ids: Tensor  # [b, T] long, T = the longest completion here
+    completion_mask: Tensor  # [b, T] 1 on completion tokens
+    row_index: Tensor  # [b] long: `rows` as a tensor, to gather per-rollout tensors on the device
+    token_rows: Tensor  # [n] long: the completion (0..b-1) of each completion token, row-major order
+    token_cols: Tensor  # [n] long: its column in the completion
+    source_rows: Tensor  # [n] long: the input_ids row whose hidden state predicts that token
+    source_cols: Tensor  # [n] long: ... and its column
+    # shared layout only (input_ids is then one flat row of N tokens, see models/shared_prefix.py):
+    position_ids: Tensor | None = None  # [1, N] long: each token's position (else 0..L-1)
+    attention_rows: Tensor | None = None  # [b, L] long: flat indices of each completion's [prompt | completion]
+    attention_slots: Tensor | None = None  # [N] long: the slot of attention_rows.view(-1) each token reads
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device) -> "MicroBatch":
+        """The tensors on `device`. To a GPU they go from pinned memory without blocking: a plain
+        copy from pageable memory would wait for every queued kernel first, so the GPU would idle
+        while the host queues each micro-batch's forward."""
+        device = torch.device(device)
+        return MicroBatch(self.rows, *(None if t is None else to_device(t, device) for t in (
+            self.input_ids, self.completion_ids, self.completion_mask, self.row_index, self.token_rows,
+            self.token_cols, self.source_rows, self.source_cols, self.position_ids, self.attention_rows,
+            self.attention_slots)))
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """`tensor` on `device`; CPU → CUDA through pinned memory without a host sync."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+# ---- planning ----------------------------------------------------------------------------------
+def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0,
+                       sizes: list[int] | None = None) -> list[list[int]]:
+    """Split units of `lengths` tokens (each holding `sizes` completions, default 1) into
+    micro-batches of similar length: at most `max_rows` completions each and, when `max_tokens` > 0,
+    at most `max_tokens` padded tokens (units × the longest unit) each.
+
+    Units are taken longest first, so each micro-batch's padding is only the difference between
+    neighbours in the sorted order. Deterministic (ties keep unit order). A single unit longer than
+    `max_tokens` still gets a micro-batch of its own.
+
+    >>> plan_micro_batches([5, 100, 6, 90], max_rows=2)
+    [[1, 3], [2, 0]]
+    """
+    if max_rows < 1:
+        raise ValueError(f"max_rows={max_rows}: a micro-batch needs at least one row")
+    sizes = sizes or [1] * len(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    plans: list[list[int]] = []
+    current: list[int] = []
+    rows = 0
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        too_many_tokens = max_tokens > 0 and (len(current) + 1) * longest > max_tokens
+        if current and (rows + sizes[i] > max_rows or too_many_tokens):
+            plans.append(current)
+            current, rows = [], 0
+        current.append(i)
+        rows += sizes[i]
+    if current:
+        plans.append(current)
+    return plans
+
+
+def prompt_groups(prompt_ids: list[list[int]], max_rows: int) -> list[list[int]]:
+    """The rollout's rows grouped by identical prompt (first-seen order, rows in order), each group
+    cut into runs of at most `max_rows` completions."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for row, prompt in enumerate(prompt_ids):
+        by_prompt.setdefault(tuple(prompt), []).append(row)
+    return [rows[i: i + max_rows] for rows in by_prompt.values() for i in range(0, len(rows), max_rows)]
+
+
+def plan_rollout(prompt_ids: list[list[int]], completion_mask: Tensor, max_rows: int, max_tokens: int = 0,
+                 share_prompts: bool = False) -> list[list[int]]:
+    """`plan_micro_batches` over a rollout: rows as long as prompt + completion, or with
+    `share_prompts` prompt groups as long as the prompt + their completions (the shared layout has
+    no padding, but the budget stays a bound on rows × length, as in the other layout). Returns the
+    rollout rows of each micro-batch (a group's rows stay together)."""
+    completion_lengths = completion_mask.sum(dim=1).tolist()
+    if not share_prompts:
+        lengths = [len(p) + int(n) for p, n in zip(prompt_ids, completion_lengths)]
+        return plan_micro_batches(lengths, max_rows, max_tokens)
+    groups = prompt_groups(prompt_ids, max_rows)
+    lengths = [len(prompt_ids[g[0]]) + sum(int(completion_lengths[r]) for r in g) for g in groups]
+    plans = plan_micro_batches(lengths, max_rows, max_tokens, sizes=[len(g) for g in groups])
+    return [[row for unit in plan for row in groups[unit]] for plan in plans]
+
+
+# ---- packing -----------------------------------------------------------------------------------
+def _completion_part(completion_ids: Tensor, completion_mask: Tensor, rows: list[int]):
+    """(lengths, completion_ids [b, T], mask [b, T], token_rows, token_cols) of `rows`, on the CPU."""
+    lengths = [int(n) for n in completion_mask[rows].sum(dim=1).tolist()]
+    width = max(1, max(lengths))
+    mask = completion_mask[rows, :width].cpu()
+    token_rows, token_cols = mask.bool().nonzero(as_tuple=True)
+    return lengths, completion_ids[rows, :width].cpu(), mask, token_rows, token_cols
+
+
+def pack_micro_batch(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor,
+                     rows: list[int], pad_id: int) -> MicroBatch:
+    """Rows `rows` as [prompt | completion | pad], trimmed to the longest row."""
+    lengths, completions, mask, token_rows, token_cols = _completion_part(completion_ids, completion_mask, rows)
+    total = max(len(prompt_ids[r]) + n for r, n in zip(rows, lengths))
+    input_ids = torch.full((len(rows), total), pad_id, dtype=torch.long)
+    for i, (r, n) in enumerate(zip(rows, lengths)):
+        prompt = prompt_ids[r]
+        input_ids[i, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+        input_ids[i, len(prompt): len(prompt) + n] = completions[i, :n]
+    prompt_lengths = torch.tensor([len(prompt_ids[r]) for r in rows], dtype=torch.long)
+    # Token t of a completion is predicted by the hidden state just before it: column prompt_length − 1 + t.
+    return MicroBatch(rows=list(rows), input_ids=input_ids, completion_ids=completions, completion_mask=mask,
+                      row_index=torch.tensor(list(rows), dtype=torch.long), token_rows=token_rows,
+                      token_cols=token_cols, source_rows=token_rows,
+                      source_cols=prompt_lengths[token_rows] - 1 + token_cols)
+
+
+def pack_shared_prompts(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor,
+                        rows: list[int], pad_id: int) -> MicroBatch:
+    """Rows `rows` as one flat sequence: each distinct prompt once, then its completions, no padding;
+    plus the attention rows [prompt | completion] of each completion as indices into it
+    (models/shared_prefix.py). `pad_id` is unused: nothing is padded.
+
+    >>> mb = pack_shared_prompts([[7, 8], [7, 8]], torch.tensor([[1, 2], [3, 0]]), torch.tensor([[1, 1], [1, 0]]),
+    ...                          [0, 1], pad_id=0)
+    >>> mb.input_ids.tolist(), mb.position_ids.tolist()
+    ([[7, 8, 1, 2, 3]], [[0, 1, 2, 3, 2]])
+    >>> mb.attention_rows.tolist(), mb.attention_slots.tolist()  # row 1 is padded with index 0
+    ([[0, 1, 2, 3], [0, 1, 4, 0]], [0, 1, 2, 3, 6])
+    >>> mb.source_cols.tolist()  # token 0 of each completion is predicted by the prompt's last token
+    [1, 2, 1]
+    """
+    lengths, completions, mask, token_rows, token_cols = _completion_part(completion_ids, completion_mask, rows)
+    units: dict[tuple[int, ...], list[int]] = {}  # prompt -> positions in `rows`
+    for i, r in enumerate(rows):
+        units.setdefault(tuple(prompt_ids[r]), []).append(i)
+    width = max(len(prompt_ids[r]) + n for r, n in zip(rows, lengths))  # the attention rows' length
+    ids, positions, slots = [], [], []  # tensors, concatenated once: this runs for every micro-batch
+    attention_rows = torch.zeros((len(rows), width), dtype=torch.long)
+    first_token = torch.empty(len(rows), dtype=torch.long)  # flat index of each completion's first token
+    prompt_end = torch.empty(len(rows), dtype=torch.long)  # ... and of its prompt's last token
+    size = 0
+    for prompt, members in units.items():
+        p = len(prompt)
+        prompt_index = torch.arange(size, size + p)
+        ids.append(torch.tensor(prompt, dtype=torch.long))
+        positions.append(torch.arange(p))
+        slots.append(torch.arange(p) + members[0] * width)  # read from the group's first row
+        size += p
+        prompt_end[members] = size - 1
+        for i in members:
+            n = lengths[i]
+            first_token[i] = size
+            attention_rows[i, :p] = prompt_index
+            attention_rows[i, p: p + n] = torch.arange(size, size + n)
+            ids.append(completions[i, :n])
+            positions.append(torch.arange(p, p + n))
+            slots.append(torch.arange(p, p + n) + i * width)
+            size += n
+    source_cols = torch.where(token_cols == 0, prompt_end[token_rows], first_token[token_rows] + token_cols - 1)
+    return MicroBatch(rows=list(rows), input_ids=torch.cat(ids)[None], completion_ids=completions,
+                      completion_mask=mask, row_index=torch.tensor(list(rows), dtype=torch.long),
+                      token_rows=token_rows, token_cols=token_cols, source_rows=torch.zeros_like(token_rows),
+                      source_cols=source_cols, position_ids=torch.cat(positions)[None],
+                      attention_rows=attention_rows, attention_slots=torch.cat(slots))
+
+
+def pack(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, rows: list[int],
+         pad_id: int, share_prompts: bool = False) -> MicroBatch:
+    """`pack_shared_prompts` or `pack_micro_batch`."""
+    packer = pack_shared_prompts if share_prompts else pack_micro_batch
+    return packer(prompt_ids, completion_ids, completion_mask, rows, pad_id)
