@@ -30,9 +30,12 @@ def main(argv=None) -> None:
     parser.add_argument("--options", default="", help="GRPOConfig fields, e.g. torch_compile=true")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--host-top", type=int, default=0,
+                        help="also print the update phase's top host (CPU) ops by self time: where a host-bound phase goes")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     from cohort import GRPOConfig, GRPOTrainer
+    from cohort.packing import prompt_groups
 
     device = "cpu" if args.smoke else "cuda"
     shape = (SMOKE if args.smoke else QWEN)[args.model]
@@ -86,13 +89,17 @@ def main(argv=None) -> None:
         with trainer.phase("update"):
             stats = trainer.update(batch)
     print(json.dumps({"phases_s": {k: round(v, 3) for k, v in phases.items()}, "micro_batches": stats.get("micro_batches")}))
-    tokens = sum(len(p) for p in batch.prompt_ids) + int(batch.rollout.completion_mask.sum())
+    prompts_computed = ([batch.prompt_ids[g[0]] for g in prompt_groups(batch.prompt_ids, trainer.micro_rows)]
+                        if trainer.share_prompts else batch.prompt_ids)  # a shared prompt is computed once
+    tokens = sum(len(p) for p in prompts_computed) + int(batch.rollout.completion_mask.sum())
     params = sum(p.numel() for p in trainer.model.parameters())
     if "update" in phases:
         print(f"update: {tokens} tokens, 6·N·tokens = {6 * params * tokens / 1e12:.1f} TFLOP in {phases['update']:.2f} s "
               f"= {6 * params * tokens / phases['update'] / 1e12:.0f} TFLOP/s")
     if device == "cuda":
         print_phase_kernels(prof, args.top)
+    if args.host_top:
+        print_phase_host_ops(prof, "update", args.host_top)
     events = prof.key_averages()
     key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[: args.top]
@@ -128,6 +135,29 @@ def print_phase_kernels(prof, top: int) -> None:
               f"({100 * busy / max(end - start, 1):.0f}%), {len(inside)} kernels")
         for kname, (us, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
             print(f"    {us / 1e3:8.1f} ms {count:6d}x  {kname[:100]}")
+
+
+def print_phase_host_ops(prof, phase: str, top: int) -> None:
+    """The host ops inside `phase` with the most self CPU time (the profiler's own overhead inflates
+    them all, so the ranking, not the absolute figure, is what to read)."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    window = next(((e.time_range.start, e.time_range.end) for e in events
+                   if e.name == f"phase::{phase}" and e.device_type == DeviceType.CPU), None)
+    if window is None:
+        return
+    by_name = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.device_type == DeviceType.CPU and window[0] <= e.time_range.start < window[1] and not e.name.startswith("phase::"):
+            by_name[e.name][0] += e.self_cpu_time_total
+            by_name[e.name][1] += 1
+    total = sum(us for us, _ in by_name.values())
+    print(f"phase {phase}: host self time {total / 1e3:.0f} ms in {sum(c for _, c in by_name.values())} ops; top {top}:")
+    for name, (us, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {us / 1e3:8.1f} ms {count:6d}x  {name[:100]}")
 
 
 if __name__ == "__main__":
