@@ -23,7 +23,7 @@ def test_default_job_learns(tmp_path):
     assert summary["steps"] == 600
     # The warm start (built here in an empty cache, as on a fresh machine) must have crossed the
     # addition skill's transition, and GRPO must really improve held-out accuracy on problems it
-    # never trained on (README: 44.5% -> 85.0%; seeds 1 and 2 gain 35.5 and 39 points).
+    # never trained on (README: 44.5% -> 85.0%; seeds 1 and 2 gain 36 and 39 points).
     assert summary["accuracy_before"] >= 0.40, summary
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.20, summary
     from transformers import AutoModelForCausalLM, AutoTokenizer
