@@ -24,8 +24,9 @@ import torch
 from torch import Tensor
 
 from .algo import aggregate_loss, per_token_policy_loss, policy_loss, policy_loss_stats
-from .logprobs import (MicroBatch, TokenLogprobs, _chunk_rows, accumulate_chunk_grads, chunk_stats_function,
-                       completion_hidden, micro_batch_logprobs, scatter_to_rows, supports_hidden)
+from .logprobs import (TokenLogprobs, _chunk_rows, accumulate_chunk_grads, chunk_stats_function, completion_hidden,
+                       micro_batch_logprobs, scatter_to_rows, supports_hidden)
+from .packing import MicroBatch
 
 # ℓ(log π, entropy, chunk) for the tokens of `chunk` (a slice of the micro-batch's completion tokens)
 TokenLoss = Callable[[Tensor, Tensor, slice], Tensor]

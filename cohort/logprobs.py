@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .packing import (MicroBatch, pack, pack_micro_batch, pack_shared_prompts, plan_micro_batches,  # noqa: F401
-                      plan_rollout, to_device)
+from .packing import MicroBatch, pack, plan_rollout
 
 CHUNK_BYTES = 512 * 2**20  # float32 logits per LM-head chunk: 512 MiB (≈880 rows at a 152k vocabulary)
 

@@ -31,7 +31,8 @@ from torch import nn
 from .algo import gae_advantages, kl_penalty, value_loss, whiten
 from .config import GRPOConfig
 from .errors import CohortError
-from .logprobs import MicroBatch, forward_hidden, scatter_to_rows, supports_hidden, to_device
+from .logprobs import forward_hidden, scatter_to_rows, supports_hidden
+from .packing import MicroBatch, to_device
 from .trainer import Batch, GRPOTrainer
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from .errors import CohortError
-from .logprobs import micro_batch_logprobs, pack_micro_batch
+from .logprobs import micro_batch_logprobs
+from .packing import pack_micro_batch
 from .tasks import prompt_text
 
 

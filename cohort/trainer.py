@@ -36,7 +36,8 @@ from .distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from .errors import CohortError
 from .lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
 from .head_loss import micro_batch_policy_loss
-from .logprobs import MicroBatch, pack, plan_rollout, rollout_logprobs, supports_hidden, to_device
+from .logprobs import rollout_logprobs, supports_hidden
+from .packing import MicroBatch, pack, plan_rollout, to_device
 from .modelio import load_policy, save_policy
 from .precision import clip_grad_norm, make_optimizer, resolve_dtype
 from .rewards.model import prepare_reward_funcs, warm_up_reward_models

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from cohort.head_loss import micro_batch_policy_loss, token_loss_weights
-from cohort.logprobs import micro_batch_logprobs, pack_micro_batch
+from cohort.logprobs import micro_batch_logprobs
+from cohort.packing import pack_micro_batch
 
 ATOL = 1e-5
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort.logprobs import (lm_head_logprobs, micro_batch_logprobs, pack_micro_batch, plan_micro_batches,
-                             rollout_logprobs, selected_logprobs)
+from cohort.logprobs import lm_head_logprobs, micro_batch_logprobs, rollout_logprobs, selected_logprobs
+from cohort.packing import pack_micro_batch, plan_micro_batches
 from cohort.precision import MasterWeightAdamW, make_optimizer
 from cohort.rollout import Rollout
 from cohort.trainer import Batch
