@@ -79,7 +79,12 @@ class Bench:
 
     def __init__(self, args):
         self.args = args
-        self.runs = SMOKE_RUNS if args.smoke else RUNS
+        self.runs = dict(SMOKE_RUNS if args.smoke else RUNS)
+        if args.prompt_len or args.completion_len:  # another shape of the comparison (not the issue's)
+            compare = dict(self.runs["compare"])
+            compare.update({k: v for k, v in (("prompt_len", args.prompt_len),
+                                              ("completion_len", args.completion_len)) if v})
+            self.runs["compare"] = compare
         self.device = "cpu" if args.smoke else "cuda"
         self.budget = Budget(args.time_budget)
         self.scratch = Path(tempfile.mkdtemp(prefix="grpo-step-"))
@@ -266,6 +271,10 @@ def parse_args(argv=None):
     parser.add_argument("--cohort-variants", default="",
                         help="';'-separated option sets, each one more cohort run on the first model, e.g. "
                              "'gradient_checkpointing=false,max_tokens_per_micro_batch=4096;torch_compile=false'")
+    parser.add_argument("--prompt-len", type=int, default=0,
+                        help="prompt tokens of the comparison (default the issue's 128), e.g. 256 for GSM8K-like proportions")
+    parser.add_argument("--completion-len", type=int, default=0,
+                        help="completion tokens of the comparison (default the issue's 512)")
     parser.add_argument("--lora-7b", action="store_true", help="then train a Qwen2.5-7B shape with LoRA")
     parser.add_argument("--lora-steps", type=int, default=3)
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (alpha = 2r)")
