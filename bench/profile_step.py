@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     from cohort import GRPOConfig, GRPOTrainer
-    from cohort.packing import prompt_groups
+    from cohort.packing import computed_prompt_tokens
 
     device = "cpu" if args.smoke else "cuda"
     shape = (SMOKE if args.smoke else QWEN)[args.model]
@@ -89,9 +89,8 @@ def main(argv=None) -> None:
         with trainer.phase("update"):
             stats = trainer.update(batch)
     print(json.dumps({"phases_s": {k: round(v, 3) for k, v in phases.items()}, "micro_batches": stats.get("micro_batches")}))
-    prompts_computed = ([batch.prompt_ids[g[0]] for g in prompt_groups(batch.prompt_ids, trainer.micro_rows)]
-                        if trainer.share_prompts else batch.prompt_ids)  # a shared prompt is computed once
-    tokens = sum(len(p) for p in prompts_computed) + int(batch.rollout.completion_mask.sum())
+    tokens = (computed_prompt_tokens(batch.prompt_ids, trainer.micro_rows, trainer.share_prompts)
+              + int(batch.rollout.completion_mask.sum()))
     params = sum(p.numel() for p in trainer.model.parameters())
     if "update" in phases:
         print(f"update: {tokens} tokens, 6·N·tokens = {6 * params * tokens / 1e12:.1f} TFLOP in {phases['update']:.2f} s "

@@ -192,7 +192,8 @@ def supports_hidden(model) -> bool:
 
 
 def forward_hidden(model, micro: MicroBatch) -> Tensor:
-    """Our CausalLM's final normed hidden states [r, L, H] of `micro`'s forward rows, in either layout."""
+    """Final normed hidden states [r, L, H] of `micro`'s forward rows: our CausalLM in either layout, or
+    any model whose forward takes `return_hidden` in the one-row-per-completion layout."""
     if micro.attention_rows is None:
         return model(micro.input_ids, return_hidden=True)
     return model(micro.input_ids, position_ids=micro.position_ids, attention_rows=micro.attention_rows,
@@ -227,7 +228,7 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
         token_logp, token_entropy = lm_head_logprobs(hidden, weight, tokens, temperature, chunk_rows, with_entropy)
     else:
         if micro.attention_rows is not None:
-            raise ValueError("a shared-prompt micro-batch needs our CausalLM (segment ids); pack it one row per completion")
+            raise ValueError("a shared-prompt micro-batch needs our CausalLM (attention rows); pack it one row per completion")
         out = model(input_ids=micro.input_ids)
         logits = out if isinstance(out, Tensor) else out.logits
         rows, cols = micro.token_rows, micro.token_cols

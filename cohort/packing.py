@@ -129,6 +129,14 @@ def plan_rollout(prompt_ids: list[list[int]], completion_mask: Tensor, max_rows:
     return [[row for unit in plan for row in groups[unit]] for plan in plans]
 
 
+def computed_prompt_tokens(prompt_ids: list[list[int]], max_rows: int, share_prompts: bool) -> int:
+    """Prompt tokens the forwards of `plan_rollout(..., max_rows, share_prompts=...)` compute: each
+    prompt once per group run with `share_prompts`, once per completion without."""
+    if not share_prompts:
+        return sum(len(p) for p in prompt_ids)
+    return sum(len(prompt_ids[group[0]]) for group in prompt_groups(prompt_ids, max_rows))
+
+
 # ---- packing -----------------------------------------------------------------------------------
 def _completion_part(completion_ids: Tensor, completion_mask: Tensor, rows: list[int]):
     """(lengths, completion_ids [b, T], mask [b, T], token_rows, token_cols) of `rows`, on the CPU."""

@@ -77,10 +77,8 @@ class ValueModel(nn.Module):
     def forward(self, micro: MicroBatch) -> torch.Tensor:
         """`[b, T]`: the value before each completion token t (the hidden state whose logits predict
         token t), 0 off the completion mask."""
-        if supports_hidden(self.body):
+        if self.own_model:  # our CausalLM in either layout, or an HF model taking return_hidden (one row each)
             hidden = forward_hidden(self.body, micro)
-        elif self.own_model:
-            hidden = self.body(micro.input_ids, return_hidden=True)
         else:
             hidden = self.body(input_ids=micro.input_ids, output_hidden_states=True).hidden_states[-1]
         hidden = hidden[micro.source_rows, micro.source_cols]

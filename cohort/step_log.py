@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .metrics import throughput_metrics
-from .packing import prompt_groups
+from .packing import computed_prompt_tokens
 from .progress import PHASES
 
 if TYPE_CHECKING:
@@ -75,10 +75,8 @@ class StepLog:
         })
         # Tokens of all ranks: the rates are the whole job's (MFU below: per GPU).
         # Prompt tokens as the forward passes see them: once per group when the group shares its prompt.
-        prompts = ([batch.prompt_ids[g[0]] for g in prompt_groups(batch.prompt_ids, self.micro_rows)]
-                   if self.share_prompts else batch.prompt_ids)
         prompt_tokens, completion_tokens = (int(n) for n in self.parallel.all_reduce_sums(
-            [sum(len(p) for p in prompts), float(lengths.sum())]))
+            [computed_prompt_tokens(batch.prompt_ids, self.micro_rows, self.share_prompts), float(lengths.sum())]))
         record.update(throughput_metrics(  # tokens/s per phase, peak memory, MFU (cohort/metrics.py)
             self.model, self.device, self.phase_times, prompt_tokens, completion_tokens, len(losses),
             logprob_passes=int(self.args.num_iterations > 1) + int(self.uses_reference)))

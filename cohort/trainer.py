@@ -124,7 +124,7 @@ class GRPOTrainer(StepLog):
         self.ref_model = self._frozen_copy() if self.uses_reference and not has_lora(self.model) else None
         self.micro_rows, self.micro_tokens = args.per_device_train_batch_size, args.max_tokens_per_micro_batch
         # The G completions of a prompt share its forward in the log-prob passes and the update: our
-        # models only (they take segment ids), and only where a prompt has several completions.
+        # models only (they take attention rows), and only where a prompt has several completions.
         self.share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(self.model))
         self.oom_retries = 0
         self.sampler = make_sampler(self.model, self.tokenizer)
@@ -392,7 +392,8 @@ class GRPOTrainer(StepLog):
         return plan_rollout(batch.prompt_ids, batch.rollout.completion_mask, max_rows, max_tokens, self.share_prompts)
 
     def pack(self, batch: Batch, rows: list[int]) -> MicroBatch:
-        """Rows `rows` as [prompt | completions | pad] per prompt (or per completion), on the training device."""
+        """Rows `rows` packed for one forward (each prompt once, or one padded row per completion), on the
+        training device."""
         return pack(batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask, rows, self.pad_id,
                     self.share_prompts).to(self.device)
 

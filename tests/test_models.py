@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from reference_models import save_perturbed_reference
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from cohort.errors import CohortError
@@ -36,13 +37,8 @@ def checkpoints(tmp_path_factory):
     """family -> (transformers model, folder it was saved to), weights perturbed so biases/norms matter."""
     made = {}
     for family, make_config in FAMILIES.items():
-        torch.manual_seed(0)
-        reference = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32).eval()
-        with torch.no_grad():
-            for parameter in reference.parameters():
-                parameter.add_(0.05 * torch.randn_like(parameter))
         folder = tmp_path_factory.mktemp(family)
-        reference.save_pretrained(folder)
+        reference = save_perturbed_reference(make_config(), folder)
         made[family] = (reference, folder)
     return made
 

@@ -1,12 +1,13 @@
-"""Shared-prompt packing (cohort/packing.py, cohort/models/shared_prefix.py): one forward row per
-prompt, [prompt | completion 1 | … | completion k | pad]. Checked against independent computations:
-the layout against hand-built rows, the attention rule against a loop over token pairs, log-probs
-against transformers' own model run on each (prompt, completion) alone, the update's loss and
-gradients against the one-row-per-completion layout, and a trainer step with the option on and off."""
+"""Shared-prompt packing (cohort/packing.py, cohort/models/shared_prefix.py): one flat, unpadded
+sequence with each prompt once, then its completions; attention over per-completion index rows.
+Checked against independent computations: the layout against hand-built rows, log-probs against
+transformers' own model run on each (prompt, completion) alone, the update's loss and gradients
+against the one-row-per-completion layout, and a trainer step with the option on and off."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from reference_models import save_perturbed_reference
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.errors import CohortError
@@ -101,13 +102,8 @@ def test_shared_layout_has_fewer_tokens():
 def families(tmp_path_factory):
     made = {}
     for family, make_config in FAMILIES.items():
-        torch.manual_seed(0)
-        reference = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32).eval()
-        with torch.no_grad():
-            for parameter in reference.parameters():
-                parameter.add_(0.05 * torch.randn_like(parameter))
         folder = tmp_path_factory.mktemp(family)
-        reference.save_pretrained(folder)
+        reference = save_perturbed_reference(make_config(), folder)
         made[family] = (reference, from_pretrained(folder, dtype="float32").eval())
     return made
 
