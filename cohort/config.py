@@ -87,6 +87,9 @@ class GRPOConfig:
     per_device_train_batch_size: int = 16  # completions per micro-batch
     gradient_accumulation_steps: int = 4  # micro-batches per optimizer step
     gradient_checkpointing: bool = False
+    # Our models: recompute only the first N decoder layers in the backward; the later ones keep their
+    # activations (Megatron's block recomputation). Fewer recomputed layers: faster, more memory. None = all.
+    gradient_checkpointing_layers: int | None = None
     # Update-phase memory (issue 5): micro-batches are bucketed by length; this caps each one's padded
     # tokens as well (0 = rows only). Out of GPU memory, both halve and the step is redone.
     max_tokens_per_micro_batch: int = 0
@@ -159,6 +162,9 @@ class GRPOConfig:
         if self.max_tokens_per_micro_batch < 0:
             bad(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is negative; use 0 (no token cap) or a "
                 "token budget such as 16384")
+        if self.gradient_checkpointing_layers is not None and self.gradient_checkpointing_layers < 0:
+            bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers} is negative; use 0 (no layer "
+                "recomputed) up to the model's layer count, or leave it unset to recompute every layer")
         if self.beta < 0:
             bad(f"beta={self.beta} is negative; the KL coefficient must be ≥ 0")
         if not 0 < self.epsilon < 1:

@@ -39,6 +39,7 @@ from .head_loss import micro_batch_policy_loss
 from .logprobs import rollout_logprobs, supports_hidden
 from .packing import MicroBatch, pack, plan_rollout, to_device
 from .modelio import load_policy, save_policy
+from .models import CausalLM
 from .precision import clip_grad_norm, make_optimizer, resolve_dtype
 from .rewards.model import prepare_reward_funcs, warm_up_reward_models
 from .rewards.runner import RewardRunner
@@ -111,8 +112,13 @@ class GRPOTrainer(StepLog):
         check_parallel_options(args, self.parallel)
         if args.torch_compile and hasattr(self.model, "compile_for_training"):
             self.model.compile_for_training()  # fused elementwise work, fewer saved activations
-        if args.gradient_checkpointing:  # recompute each layer in the backward: activations ∝ layers, not ops
-            self.model.gradient_checkpointing_enable()
+        if args.gradient_checkpointing:  # recompute layers in the backward: activations ∝ layers, not ops
+            layers = args.gradient_checkpointing_layers
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+            if layers is not None and not isinstance(base, CausalLM):
+                raise CohortError(f"gradient_checkpointing_layers={layers} needs cohort's own model implementation; "
+                                  f"{type(base).__name__} recomputes every layer: unset it, or pass model_impl=cohort")
+            self.model.gradient_checkpointing_enable(**({} if layers is None else {"checkpointed_layers": layers}))
         # What the training forward calls: the model itself, DDP around it on several ranks, or with
         # --fsdp a sharded copy (self.model then stays the full copy the engine samples and saves).
         self.train_model = self.parallel.wrap(self.model, fsdp=args.fsdp)
@@ -312,6 +318,9 @@ class GRPOTrainer(StepLog):
         if run_guard.update_is_finite(self, record.get("loss", 0.0), record["grad_norm"]):  # NaN/inf: skip, count
             self.optimizer.step()
             self.scheduler.step()  # as transformers' Trainer: the schedule advances with real updates only
+        # Free the gradients now, not at the next update: fp32 master gradients (4 bytes a parameter)
+        # would otherwise sit through the next rollout and log-prob pass.
+        self.optimizer.zero_grad(set_to_none=True)
         record["micro_batches"] = len(plans)
         return record
 

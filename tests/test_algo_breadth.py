@@ -305,6 +305,7 @@ def test_fill_informative_needs_no_refill_when_full():
 
 from cohort import GRPOConfig, GRPOTrainer  # noqa: E402
 from cohort.dynamic_sampling import select_groups  # noqa: E402
+from update_gradients import update_gradient  # noqa: E402
 
 PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n", "a": a} for a in range(10) for b in range(10)]
 
@@ -326,13 +327,6 @@ def _trainer(tiny_dir, tmp_path, reward=digit_first, **overrides):
     return GRPOTrainer(tiny_dir, reward, PROMPTS, args=GRPOConfig(**base))
 
 
-def _gradients(trainer, batch):
-    """The gradient one `update` builds (its optimizer step switched off)."""
-    trainer.optimizer.step = lambda *a, **k: None
-    trainer.update(batch)
-    return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
-
-
 def _scored_batch(trainer, seed=0):
     batch = trainer.sample_batch(trainer.next_prompts())
     trainer.score(batch)
@@ -344,17 +338,17 @@ def test_mask_truncated_completions_equals_training_without_those_rows(tiny_dir,
     trainer = _trainer(tiny_dir, tmp_path, loss_type="dapo", mask_truncated_completions=True)
     batch = _scored_batch(trainer)
     batch.rollout.finish_reasons = ["length" if i % 3 == 0 else "stop" for i in range(len(batch.rows))]
-    masked = _gradients(trainer, batch)
+    masked = update_gradient(trainer, batch)[0]
     kept = [i for i, r in enumerate(batch.rollout.finish_reasons) if r == "stop"]
     trainer.args.mask_truncated_completions = False
-    restricted = _gradients(trainer, select_groups(batch, kept, 1))
-    everything = _gradients(trainer, batch)
+    restricted = update_gradient(trainer, select_groups(batch, kept, 1))[0]
+    everything = update_gradient(trainer, batch)[0]
     assert torch.allclose(masked, restricted, atol=1e-6)
     assert not torch.allclose(masked, everything, atol=1e-4)
     # Every completion truncated: nothing left to learn from, the gradient is exactly zero.
     trainer.args.mask_truncated_completions = True
     batch.rollout.finish_reasons = ["length"] * len(batch.rows)
-    assert torch.count_nonzero(_gradients(trainer, batch)) == 0
+    assert torch.count_nonzero(update_gradient(trainer, batch)[0]) == 0
 
 
 def test_overlong_penalty_is_added_to_the_reward(tiny_dir, tmp_path):
@@ -372,9 +366,9 @@ def test_overlong_penalty_is_added_to_the_reward(tiny_dir, tmp_path):
 def test_gspo_update_equals_grpo_update_on_policy(tiny_dir, tmp_path):
     trainer = _trainer(tiny_dir, tmp_path, importance_sampling_level="sequence")
     batch = _scored_batch(trainer)
-    sequence = _gradients(trainer, batch)
+    sequence = update_gradient(trainer, batch)[0]
     trainer.args.importance_sampling_level = "token"
-    token = _gradients(trainer, batch)
+    token = update_gradient(trainer, batch)[0]
     assert torch.allclose(sequence, token, atol=1e-6) and sequence.abs().sum() > 0
 
 

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from cohort import GRPOConfig, GRPOTrainer
+from cohort.errors import CohortError
 from cohort.logprobs import lm_head_logprobs, micro_batch_logprobs, rollout_logprobs, selected_logprobs
 from cohort.packing import pack_micro_batch, plan_micro_batches
 from cohort.precision import MasterWeightAdamW, make_optimizer
 from cohort.rollout import Rollout
 from cohort.trainer import Batch
+from update_gradients import update_gradient
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
 
@@ -138,12 +140,6 @@ def _synthetic_batch(trainer, seed=0):
     return batch
 
 
-def _gradient(trainer, batch):
-    trainer.optimizer.step = lambda *a, **k: None
-    stats = trainer.update(batch)
-    return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]), stats
-
-
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_update_gradient_is_independent_of_micro_batching(tiny_dir, tmp_path, loss_type):
     trainer = _trainer(tiny_dir, tmp_path, loss_type=loss_type)
@@ -152,9 +148,9 @@ def test_update_gradient_is_independent_of_micro_batching(tiny_dir, tmp_path, lo
             p.add_(0.05 * torch.randn_like(p))
     batch = _synthetic_batch(trainer)
     trainer.micro_rows, trainer.micro_tokens = 16, 0
-    whole, whole_stats = _gradient(trainer, batch)
+    whole, whole_stats = update_gradient(trainer, batch)
     trainer.micro_rows, trainer.micro_tokens = 3, 24
-    bucketed, bucketed_stats = _gradient(trainer, batch)
+    bucketed, bucketed_stats = update_gradient(trainer, batch)
     assert bucketed_stats["micro_batches"] > whole_stats["micro_batches"] == 1
     assert whole.abs().sum() > 0
     assert torch.allclose(whole, bucketed, atol=1e-5)
@@ -166,7 +162,43 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_dir, tmp_path):
     checkpointed = _trainer(tiny_dir, tmp_path / "b", gradient_checkpointing=True)
     assert checkpointed.model.gradient_checkpointing and not plain.model.gradient_checkpointing
     batch = _synthetic_batch(plain)
-    assert torch.allclose(_gradient(plain, batch)[0], _gradient(checkpointed, batch)[0], atol=1e-6)
+    assert torch.allclose(update_gradient(plain, batch)[0], update_gradient(checkpointed, batch)[0], atol=1e-6)
+
+
+def test_checkpointing_the_first_layers_recomputes_only_those_and_gives_the_same_gradient(tiny_dir, tmp_path):
+    plain = _trainer(tiny_dir, tmp_path / "a")
+    partial = _trainer(tiny_dir, tmp_path / "b", gradient_checkpointing=True, gradient_checkpointing_layers=1)
+    calls = [0] * len(partial.model.model.layers)
+    for i, layer in enumerate(partial.model.model.layers):  # a recomputation starts the layer's forward again
+        layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    batch = _synthetic_batch(plain)
+    forwards_before = list(calls)  # the π_ref / π_old passes above used the other model
+    want, _ = update_gradient(plain, batch)
+    got, stats = update_gradient(partial, batch)
+    assert torch.allclose(want, got, atol=1e-6)
+    done = [c - b for c, b in zip(calls, forwards_before)]
+    micro = stats["micro_batches"]
+    assert done == [2 * micro] + [micro] * (len(done) - 1)  # layer 0 forward + recompute; the rest once
+
+
+def test_gradient_checkpointing_layers_errors(tiny_dir, tmp_path):
+    with pytest.raises(CohortError, match="gradient_checkpointing_layers=-1 is negative"):
+        GRPOConfig(gradient_checkpointing=True, gradient_checkpointing_layers=-1).validate()
+    with pytest.raises(CohortError, match="needs cohort's own model implementation"):
+        _trainer(tiny_dir, tmp_path, model_impl="hf", gradient_checkpointing=True, gradient_checkpointing_layers=1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_update_frees_the_gradients_after_its_step(tiny_dir, tmp_path, dtype):
+    """Gradients (fp32 masters' included) do not stay allocated through the next rollout."""
+    trainer = _trainer(tiny_dir, tmp_path, dtype=dtype)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.update(_synthetic_batch(trainer))
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # the step happened
+    assert all(p.grad is None for p in trainer.model.parameters())
+    masters = getattr(trainer.optimizer, "masters", [])
+    assert (len(masters) > 0) == (dtype == "bfloat16")
+    assert all(m.grad is None for m in masters)
 
 
 def test_out_of_memory_halves_the_micro_batch_and_matches_that_size_from_the_start(tiny_dir, tmp_path, monkeypatch):
@@ -252,13 +284,13 @@ def test_compiled_training_layers_give_the_same_gradient(tiny_dir, tmp_path):
     eager = _trainer(tiny_dir, tmp_path / "a")
     batch = _synthetic_batch(eager)
     eager.micro_rows, eager.micro_tokens = 5, 0  # micro-batches of different lengths
-    want = _gradient(eager, batch)[0]
+    want = update_gradient(eager, batch)[0]
     torch._dynamo.reset()
     for checkpointing in (False, True):
         compiled = _trainer(tiny_dir, tmp_path / f"c{checkpointing}", torch_compile=True,
                             gradient_checkpointing=checkpointing)
         compiled.micro_rows, compiled.micro_tokens = 5, 0
-        got = _gradient(compiled, batch)[0]
+        got = update_gradient(compiled, batch)[0]
         assert not compiled.model.training_layer_call.failed
         assert torch.allclose(got, want, atol=1e-5)
 

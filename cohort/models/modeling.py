@@ -312,6 +312,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        self.checkpointed_layers: int | None = None  # recompute the first N layers only (None: all)
         self.training_layer_call = None  # a CompiledLayerCall after compile_for_training()
         self.apply(self._init_weights)
         self.tie_weights()
@@ -352,8 +353,11 @@ class CausalLM(nn.Module):
             if all(type(m) is nn.Linear for m in (layer.mlp.gate_proj, layer.mlp.up_proj)):
                 layer.mlp.fuse()
 
-    def gradient_checkpointing_enable(self, **_ignored) -> None:
+    def gradient_checkpointing_enable(self, checkpointed_layers: int | None = None, **_ignored) -> None:
+        """Recompute layers in the backward instead of keeping their activations: all of them, or the
+        first `checkpointed_layers` (the later ones keep theirs: less recomputation, more memory)."""
         self.gradient_checkpointing = True
+        self.checkpointed_layers = checkpointed_layers
 
     def gradient_checkpointing_disable(self) -> None:
         self.gradient_checkpointing = False
@@ -426,9 +430,11 @@ class CausalLM(nn.Module):
             hidden = self._fused_layers(hidden, cos, sin, masks, cache_args)
         else:
             compiled = self.training_layer_call if kv_cache is None else None
+            recomputed = (len(self.model.layers) if self.checkpointed_layers is None else self.checkpointed_layers) \
+                if self.gradient_checkpointing and self.training and kv_cache is None else 0
             for i, layer in enumerate(self.model.layers):
                 mask = masks[self._config.layer_sliding_window(i)]
-                if self.gradient_checkpointing and self.training and kv_cache is None:
+                if i < recomputed:
                     hidden = checkpoint(compiled or run_layer, layer, hidden, cos, sin, mask, use_reentrant=False)
                 elif compiled is not None:
                     hidden = compiled(layer, hidden, cos, sin, mask)
