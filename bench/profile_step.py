@@ -35,6 +35,7 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     from cohort import GRPOConfig, GRPOTrainer
+    from cohort.metrics import update_flops
     from cohort.packing import computed_prompt_tokens
 
     device = "cpu" if args.smoke else "cuda"
@@ -89,12 +90,12 @@ def main(argv=None) -> None:
         with trainer.phase("update"):
             stats = trainer.update(batch)
     print(json.dumps({"phases_s": {k: round(v, 3) for k, v in phases.items()}, "micro_batches": stats.get("micro_batches")}))
-    tokens = (computed_prompt_tokens(batch.prompt_ids, trainer.micro_rows, trainer.share_prompts)
-              + int(batch.rollout.completion_mask.sum()))
-    params = sum(p.numel() for p in trainer.model.parameters())
+    prompt_tokens = computed_prompt_tokens(batch.prompt_ids, trainer.micro_rows, trainer.share_prompts)
+    completion_tokens = int(batch.rollout.completion_mask.sum())
+    flops = update_flops(trainer.model, prompt_tokens, completion_tokens)  # what the step log's MFU counts
     if "update" in phases:
-        print(f"update: {tokens} tokens, 6·N·tokens = {6 * params * tokens / 1e12:.1f} TFLOP in {phases['update']:.2f} s "
-              f"= {6 * params * tokens / phases['update'] / 1e12:.0f} TFLOP/s")
+        print(f"update: {prompt_tokens + completion_tokens} tokens, model FLOPs = {flops / 1e12:.1f} TFLOP in "
+              f"{phases['update']:.2f} s = {flops / phases['update'] / 1e12:.0f} TFLOP/s")
     if device == "cuda":
         print_phase_kernels(prof, args.top)
     if args.host_top:

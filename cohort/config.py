@@ -165,6 +165,9 @@ class GRPOConfig:
         if self.gradient_checkpointing_layers is not None and self.gradient_checkpointing_layers < 0:
             bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers} is negative; use 0 (no layer "
                 "recomputed) up to the model's layer count, or leave it unset to recompute every layer")
+        if self.gradient_checkpointing_layers is not None and not self.gradient_checkpointing:
+            bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers} does nothing without "
+                "gradient_checkpointing; pass --gradient_checkpointing true as well")
         if self.beta < 0:
             bad(f"beta={self.beta} is negative; the KL coefficient must be ≥ 0")
         if not 0 < self.epsilon < 1:

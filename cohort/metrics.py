@@ -222,6 +222,34 @@ def peak_flops(device) -> float | None:
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
+def update_flops(model, prompt_tokens: int, completion_tokens: int) -> float:
+    """Model FLOPs of one forward + backward over a step's tokens, weight by weight (Kaplan et al.
+    2020's 2 FLOPs per weight per token forward, 4 backward):
+
+    - the LM head runs only where a completion token is predicted: `completion_tokens` times;
+    - the input embedding is a lookup, no FLOPs (a tied one is counted once, as the head);
+    - every other weight sees all `prompt_tokens + completion_tokens` the layers compute;
+    - a frozen weight (LoRA's base model) takes no weight gradient: 4 FLOPs per token, not 6.
+
+    With every weight trained and no head or embedding found this is 6·N·tokens. Attention's
+    score and value products are left out, as in 6N."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    head = getattr(inner, "lm_head", None)
+    head_weight = getattr(head, "weight", None)
+    embed = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else \
+        getattr(getattr(inner, "model", None), "embed_tokens", None)
+    embed_weight = getattr(embed, "weight", None)
+    tokens = prompt_tokens + completion_tokens
+    flops = 0.0
+    for param in model.parameters():  # a shared (tied) tensor is yielded once
+        per_token = 6 if param.requires_grad else 4
+        if param is head_weight:
+            flops += per_token * param.numel() * completion_tokens
+        elif param is not embed_weight:
+            flops += per_token * param.numel() * tokens
+    return flops
+
+
 def peak_memory_gib(device, reset: bool = True) -> float:
     """Peak memory since the last reset, in GiB: CUDA `max_memory_allocated` (then reset, so each
     step reports its own peak); on CPU the process's peak resident set size (ru_maxrss, lifetime)."""
@@ -249,8 +277,7 @@ def throughput_metrics(model, device, phase_seconds: dict[str, float], prompt_to
     - `tokens_per_second/update`: prompt + completion tokens through forward + backward per second,
       counting each of the μ updates;
     `prompt_tokens` are those the forwards compute: a prompt its group shares counts once (packing.py).
-    - `mfu`: 6·N·(update tokens) / update seconds / the GPU's peak bf16 FLOP/s (Kaplan et al. 2020's
-      6N FLOPs per trained token, N = all parameters, attention FLOPs left out); None on CPU.
+    - `mfu`: `update_flops` × the μ updates / update seconds / the GPU's peak bf16 FLOP/s; None on CPU.
     """
     tokens = prompt_tokens + completion_tokens
     update_tokens = tokens * num_iterations
@@ -266,9 +293,9 @@ def throughput_metrics(model, device, phase_seconds: dict[str, float], prompt_to
     if logprob_passes:
         out["tokens_per_second/logprobs"] = rate(tokens * logprob_passes, "logprobs")
     peak = peak_flops(device)
-    update_rate = out["tokens_per_second/update"]
-    num_params = sum(p.numel() for p in model.parameters())
-    out["mfu"] = 6 * num_params * update_rate / peak if peak and update_rate else None
+    seconds = phase_seconds.get("update")
+    flops = update_flops(model, prompt_tokens, completion_tokens) * num_iterations
+    out["mfu"] = flops / seconds / peak if peak and seconds else None
     out["peak_memory_gib"] = peak_memory_gib(device)
     return out
 

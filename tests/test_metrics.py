@@ -446,7 +446,7 @@ def test_peak_memory_is_the_process_maximum_rss_on_cpu(kl_run):
     assert 0.01 < record["peak_memory_gib"] <= now + 1e-9
 
 
-def test_mfu_is_six_n_tokens_over_time_and_peak(monkeypatch):
+def test_mfu_is_six_n_tokens_over_time_and_peak_without_a_head(monkeypatch):
     from cohort import metrics
 
     model = torch.nn.Linear(10, 10)  # 110 parameters
@@ -459,6 +459,25 @@ def test_mfu_is_six_n_tokens_over_time_and_peak(monkeypatch):
     assert out["mfu"] == pytest.approx(6 * 110 * 20.0 / 1e6)
     monkeypatch.setattr(metrics, "peak_flops", lambda device: None)
     assert metrics.throughput_metrics(model, "cpu", {}, 1, 1, 1, 0)["mfu"] is None
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_update_flops_count_the_head_on_completion_tokens_only(tied):
+    from cohort.metrics import update_flops
+    from cohort.models import CausalLM, ModelConfig
+
+    config = ModelConfig(model_type="llama", vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=4, tie_word_embeddings=tied)
+    model = CausalLM(config)
+    matrix = 50 * 8  # the head's (and the input embedding's) weights
+    everything = sum(p.numel() for p in model.parameters())  # a tied matrix once
+    layers = everything - matrix * (1 if tied else 2)
+    prompt, completion = 7, 30
+    want = 6 * layers * (prompt + completion) + 6 * matrix * completion
+    assert update_flops(model, prompt, completion) == want
+    for p in model.parameters():  # frozen weights (LoRA's base): no weight-gradient GEMM, 4 FLOPs not 6
+        p.requires_grad_(False)
+    assert update_flops(model, prompt, completion) == pytest.approx(want * 4 / 6)
 
 
 def test_peak_flops_table_prefers_the_specific_name(monkeypatch):
