@@ -78,8 +78,8 @@ class DecodeGraphs:
         # Warm up on a side stream first (cuBLAS handles, lazy kernels, torch.compile), as the
         # PyTorch docs advise. Each run starts from the saved state and rewrites the same keys and
         # values at the same positions, so it leaves no trace once the state is restored.
-        # One side stream for every capture: cuBLAS keeps a workspace per stream it has run on
-        # for the life of the process, so a new stream per capture would hold ~32 MiB more each time.
+        # One side stream for every capture: with a new stream each time, every capture left ~32 MiB
+        # allocated for good (per-stream cuBLAS state; bench/sampling_memory.py measured the leak).
         if self.side_stream is None:
             self.side_stream = torch.cuda.Stream()
         side = self.side_stream
