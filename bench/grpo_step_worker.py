@@ -217,6 +217,30 @@ def run_trl(spec: dict, rec: Recorder) -> None:
 
 # ---- kind: cohort ------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class DiagnosisSetup:
+    """What the one-process diagnosis scripts (profile_step.py, sampling_memory.py) run: the issue's
+    batch on a random-init shape, or a tiny one on the CPU with --smoke."""
+
+    device: str
+    shape: dict
+    prompts: int
+    generations: int
+    completion_len: int
+    prompt_len: int
+    tokenizer: object
+    model: object
+
+
+def diagnosis_setup(model_name: str, smoke: bool) -> DiagnosisSetup:
+    device = "cpu" if smoke else "cuda"
+    shape = (SMOKE if smoke else QWEN)[model_name]
+    prompts, generations, completion_len, prompt_len = (4, 4, 16, 16) if smoke else (32, 8, 512, 128)
+    return DiagnosisSetup(device, shape, prompts, generations, completion_len, prompt_len,
+                          make_tokenizer(shape["vocab_size"]), build_module(shape, device))
+
+
+
 def build_module(shape: dict, device: str):
     """cohort's own CausalLM with random init, built directly on the device (bf16 on CUDA, as the
     stored folders are; fp32 on CPU, cohort's CPU default): no 15 GB of safetensors for a 7B shape."""

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import _options  # noqa: E402
-from grpo_step_worker import QWEN, SMOKE, build_module, make_prompts, make_reward, make_tokenizer  # noqa: E402
+from grpo_step_worker import diagnosis_setup, make_prompts, make_reward  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -38,19 +38,17 @@ def main(argv=None) -> None:
     from cohort.metrics import update_flops
     from cohort.packing import computed_prompt_tokens
 
-    device = "cpu" if args.smoke else "cuda"
-    shape = (SMOKE if args.smoke else QWEN)[args.model]
-    prompts, gens, completion = (4, 4, 16) if args.smoke else (32, 8, 512)
-    tokenizer = make_tokenizer(shape["vocab_size"])
-    model = build_module(shape, device)
+    setup = diagnosis_setup(args.model, args.smoke)
+    device, tokenizer, model = setup.device, setup.tokenizer, setup.model
+    prompts, gens, completion = setup.prompts, setup.generations, setup.completion_len
     options = dict(per_device_train_batch_size=prompts, gradient_accumulation_steps=gens, num_generations=gens,
                    max_prompt_length=128, max_completion_length=completion, beta=0.04, learning_rate=1e-6,
                    loss_type="dapo", gradient_checkpointing=True, max_steps=args.warmup + 1, eval_steps=0,
                    save_steps=0, log_completions_steps=10**6, output_dir="/tmp/profile-step", device=device,
                    overwrite_output_dir=True, quiet=True, seed=0)
     options.update(_options(args.options))
-    trainer = GRPOTrainer(model, [make_reward(completion)], make_prompts(shape["vocab_size"], prompts * 8,
-                                                                         16 if args.smoke else 128),
+    trainer = GRPOTrainer(model, [make_reward(completion)], make_prompts(setup.shape["vocab_size"], prompts * 8,
+                                                                         setup.prompt_len),
                           args=GRPOConfig(**options), processing_class=tokenizer)
     trainer.args.max_steps = args.warmup
     trainer.train()

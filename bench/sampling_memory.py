@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_step_worker import QWEN, SMOKE, build_module, make_prompts, make_tokenizer  # noqa: E402
+from grpo_step_worker import diagnosis_setup, make_prompts  # noqa: E402
 
 
 def live_tensors(device_type: str) -> Counter:
@@ -45,14 +45,11 @@ def main(argv=None) -> None:
     from cohort.engine import make_sampler
     from cohort.rollout import SamplingParams
 
-    device = "cpu" if args.smoke else "cuda"
-    shape = (SMOKE if args.smoke else QWEN)[args.model]
-    prompts, gens, completion = (4, 4, 16) if args.smoke else (32, 8, 512)
-    tokenizer = make_tokenizer(shape["vocab_size"])
-    model = build_module(shape, device).eval()
-    sampler = make_sampler(model, tokenizer, **({"use_cuda_graph": False} if args.no_cuda_graphs else {}))
-    prompt_ids = [tokenizer(r["prompt"])["input_ids"] for r in make_prompts(shape["vocab_size"], prompts,
-                                                                             16 if args.smoke else 128)]
+    setup = diagnosis_setup(args.model, args.smoke)
+    device, tokenizer, gens, completion = setup.device, setup.tokenizer, setup.generations, setup.completion_len
+    sampler = make_sampler(setup.model.eval(), tokenizer, **({"use_cuda_graph": False} if args.no_cuda_graphs else {}))
+    prompt_ids = [tokenizer(r["prompt"])["input_ids"]
+                  for r in make_prompts(setup.shape["vocab_size"], setup.prompts, setup.prompt_len)]
     allocated = (lambda: torch.cuda.memory_allocated() / 2**30) if device == "cuda" else (lambda: 0.0)
     gc.collect()
     print(f"model only: {allocated():.3f} GiB allocated")

@@ -22,6 +22,7 @@ import torch
 
 from .engine.sampling import filter_logits, scale_by_temperature
 from .errors import CohortError
+from .lora import base_model
 
 FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 FALLBACK_STOPS = ["\nUser:"]  # the plain format has no end-of-turn token: the next "User:" line ends a reply
@@ -105,7 +106,7 @@ class CachedDecoder:
     def __init__(self, model):
         from .models import CausalLM, KVCache
 
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: LoRA lives inside
+        base = base_model(model)  # PEFT: LoRA lives inside
         self.own = isinstance(base, CausalLM)
         self.model = base if self.own else model
         self.tokens: list[int] = []

@@ -72,6 +72,11 @@ def apply_lora(model: torch.nn.Module, peft_config) -> torch.nn.Module:
     return model
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a PEFT wrapper (its LoRA layers live inside the base modules), else `model`."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def has_lora(model: torch.nn.Module) -> bool:
     return isinstance(getattr(model, "peft_config", None), dict)
 

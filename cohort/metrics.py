@@ -233,7 +233,9 @@ def update_flops(model, prompt_tokens: int, completion_tokens: int) -> float:
 
     With every weight trained and no head or embedding found this is 6·N·tokens. Attention's
     score and value products are left out, as in 6N."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    from .lora import base_model
+
+    inner = base_model(model)
     head = getattr(inner, "lm_head", None)
     head_weight = getattr(head, "weight", None)
     embed = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else \

@@ -181,16 +181,15 @@ def pack_shared_prompts(prompt_ids: list[list[int]], completion_ids: Tensor, com
     [1, 2, 1]
     """
     lengths, completions, mask, token_rows, token_cols = _completion_part(completion_ids, completion_mask, rows)
-    units: dict[tuple[int, ...], list[int]] = {}  # prompt -> positions in `rows`
-    for i, r in enumerate(rows):
-        units.setdefault(tuple(prompt_ids[r]), []).append(i)
+    units = prompt_groups([prompt_ids[r] for r in rows], max_rows=len(rows))  # positions in `rows`, by prompt
     width = max(len(prompt_ids[r]) + n for r, n in zip(rows, lengths))  # the attention rows' length
     ids, positions, slots = [], [], []  # tensors, concatenated once: this runs for every micro-batch
     attention_rows = torch.zeros((len(rows), width), dtype=torch.long)
     first_token = torch.empty(len(rows), dtype=torch.long)  # flat index of each completion's first token
     prompt_end = torch.empty(len(rows), dtype=torch.long)  # ... and of its prompt's last token
     size = 0
-    for prompt, members in units.items():
+    for members in units:
+        prompt = prompt_ids[rows[members[0]]]
         p = len(prompt)
         prompt_index = torch.arange(size, size + p)
         ids.append(torch.tensor(prompt, dtype=torch.long))

@@ -34,7 +34,7 @@ from .dynamic_sampling import fill_informative
 from .config import GRPOConfig
 from .distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from .errors import CohortError
-from .lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
+from .lora import adapters_disabled, apply_lora, base_model, has_lora, lora_config_from_args, merge_into_base
 from .head_loss import micro_batch_policy_loss
 from .logprobs import rollout_logprobs, supports_hidden
 from .packing import MicroBatch, pack, plan_rollout, to_device
@@ -114,7 +114,7 @@ class GRPOTrainer(StepLog):
             self.model.compile_for_training()  # fused elementwise work, fewer saved activations
         if args.gradient_checkpointing:  # recompute layers in the backward: activations ∝ layers, not ops
             layers = args.gradient_checkpointing_layers
-            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+            base = base_model(self.model)
             if layers is not None and not isinstance(base, CausalLM):
                 raise CohortError(f"gradient_checkpointing_layers={layers} needs cohort's own model implementation; "
                                   f"{type(base).__name__} recomputes every layer: unset it, or pass model_impl=cohort")

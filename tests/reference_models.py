@@ -15,3 +15,13 @@ def save_perturbed_reference(config, folder):
             parameter.add_(0.05 * torch.randn_like(parameter))
     reference.save_pretrained(folder)
     return reference
+
+
+def save_perturbed_references(families: dict, tmp_path_factory) -> dict:
+    """family -> (`save_perturbed_reference` of its config, the folder it was saved to), for a dict
+    family -> config factory; one temporary folder per family."""
+    made = {}
+    for family, make_config in families.items():
+        folder = tmp_path_factory.mktemp(family)
+        made[family] = (save_perturbed_reference(make_config(), folder), folder)
+    return made

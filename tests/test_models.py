@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from reference_models import save_perturbed_reference
+from reference_models import save_perturbed_references
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from cohort.errors import CohortError
@@ -35,12 +35,7 @@ LENGTH = 12
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """family -> (transformers model, folder it was saved to), weights perturbed so biases/norms matter."""
-    made = {}
-    for family, make_config in FAMILIES.items():
-        folder = tmp_path_factory.mktemp(family)
-        reference = save_perturbed_reference(make_config(), folder)
-        made[family] = (reference, folder)
-    return made
+    return save_perturbed_references(FAMILIES, tmp_path_factory)
 
 
 def _padding_batch():

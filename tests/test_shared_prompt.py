@@ -6,7 +6,7 @@ against the one-row-per-completion layout, and a trainer step with the option on
 
 import pytest
 import torch
-from reference_models import save_perturbed_reference
+from reference_models import save_perturbed_references
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from cohort import GRPOConfig, GRPOTrainer
@@ -100,12 +100,8 @@ def test_shared_layout_has_fewer_tokens():
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    made = {}
-    for family, make_config in FAMILIES.items():
-        folder = tmp_path_factory.mktemp(family)
-        reference = save_perturbed_reference(make_config(), folder)
-        made[family] = (reference, from_pretrained(folder, dtype="float32").eval())
-    return made
+    return {family: (reference, from_pretrained(folder, dtype="float32").eval())
+            for family, (reference, folder) in save_perturbed_references(FAMILIES, tmp_path_factory).items()}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -7,6 +7,7 @@ gets the `Engine`; any other model gets Hugging Face `generate` (`HFGenerateSamp
 from __future__ import annotations
 
 from cohort.engine.engine import Engine
+from cohort.lora import base_model
 from cohort.rollout import Sampler
 
 __all__ = ["Engine", "make_sampler"]
@@ -20,7 +21,7 @@ def make_sampler(model, tokenizer=None, **engine_options) -> Sampler:
     """
     from cohort.models.modeling import CausalLM
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     if isinstance(base, CausalLM):
         # A PEFT model's LoRA layers live inside the base modules, so sampling the base samples the adapter too.
         return Engine(base, tokenizer, **engine_options)

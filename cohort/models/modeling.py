@@ -430,8 +430,9 @@ class CausalLM(nn.Module):
             hidden = self._fused_layers(hidden, cos, sin, masks, cache_args)
         else:
             compiled = self.training_layer_call if kv_cache is None else None
-            recomputed = (len(self.model.layers) if self.checkpointed_layers is None else self.checkpointed_layers) \
-                if self.gradient_checkpointing and self.training and kv_cache is None else 0
+            recomputed = 0  # layers [0, recomputed) are checkpointed
+            if self.gradient_checkpointing and self.training and kv_cache is None:
+                recomputed = len(self.model.layers) if self.checkpointed_layers is None else self.checkpointed_layers
             for i, layer in enumerate(self.model.layers):
                 mask = masks[self._config.layer_sliding_window(i)]
                 if i < recomputed:

@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.utils.checkpoint
 
-from cohort.models.shared_prefix import PackedRows
+from cohort.models.shared_prefix import is_packed
 
 
 _CONTROL_FLOW = tuple(c for c in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if c)
@@ -38,7 +38,7 @@ class CompiledLayerCall:
         self.failed = False
 
     def __call__(self, layer, hidden, cos, sin, mask):
-        if isinstance(mask, PackedRows):
+        if is_packed(mask):
             # A shared-prompt micro-batch's token count changes with its completions' lengths, nearly
             # every time: compile for any count from the first call, not once more mid-run.
             for tensor, dims in ((hidden, (1,)), (cos, (1,)), (sin, (1,)), (mask.rows, (0, 1)), (mask.slots, (0,))):
