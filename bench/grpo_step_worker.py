@@ -361,6 +361,8 @@ def run_cohort(spec: dict, rec: Recorder) -> None:
         "max_completion_length", "beta", "loss_type", "dtype", "gradient_checkpointing")})
     trainer.train()
     describe_optimizer(trainer, rec)
+    engine = getattr(trainer, "sampler", None)
+    rec.save(engine_graph_captures=getattr(getattr(engine, "graphs", None), "captures", None))
     rec.save(status="ok", total_seconds=round(time.perf_counter() - started, 1))
     shutil.rmtree(config.output_dir, ignore_errors=True)  # metrics.jsonl only: no checkpoint was written
 

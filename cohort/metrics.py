@@ -222,27 +222,35 @@ def peak_flops(device) -> float | None:
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
-def update_flops(model, prompt_tokens: int, completion_tokens: int) -> float:
+def update_flops(model, prompt_tokens: int, completion_tokens: int,
+                 attention_pairs: dict[int | None, int] | None = None) -> float:
     """Model FLOPs of one forward + backward over a step's tokens, weight by weight (Kaplan et al.
     2020's 2 FLOPs per weight per token forward, 4 backward):
 
     - the LM head runs only where a completion token is predicted: `completion_tokens` times;
     - the input embedding is a lookup, no FLOPs (a tied one is counted once, as the head);
     - every other weight sees all `prompt_tokens + completion_tokens` the layers compute;
-    - a frozen weight (LoRA's base model) takes no weight gradient: 4 FLOPs per token, not 6.
+    - a frozen weight (LoRA's base model) takes no weight gradient: 4 FLOPs per token, not 6;
+    - attention's score and value products, as PaLM's MFU counts them (Chowdhery et al. 2022,
+      appendix B), but only the causal half that is computed: 2 products × 2 FLOPs × heads ×
+      head dim per (query, key) pair forward, twice that backward, over `attention_pairs[window]`
+      pairs per layer (packing.attention_pairs, keyed by the layer's sliding window or None; see
+      `attention_layers`). Left out when `attention_pairs` is None or the architecture is unknown.
 
-    With every weight trained and no head or embedding found this is 6·N·tokens. Attention's
-    score and value products are left out, as in 6N."""
+    With every weight trained, no head or embedding found and no attention term this is 6·N·tokens.
+    Recomputation under activation checkpointing is not counted: it is not model work."""
     from .lora import base_model
 
     inner = base_model(model)
+    flops = 0.0
+    if attention_pairs is not None:
+        flops += sum(12 * width * attention_pairs[window] for width, window in attention_layers(inner))
     head = getattr(inner, "lm_head", None)
     head_weight = getattr(head, "weight", None)
     embed = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else \
         getattr(getattr(inner, "model", None), "embed_tokens", None)
     embed_weight = getattr(embed, "weight", None)
     tokens = prompt_tokens + completion_tokens
-    flops = 0.0
     for param in model.parameters():  # a shared (tied) tensor is yielded once
         per_token = 6 if param.requires_grad else 4
         if param is head_weight:
@@ -250,6 +258,21 @@ def update_flops(model, prompt_tokens: int, completion_tokens: int) -> float:
         elif param is not embed_weight:
             flops += per_token * param.numel() * tokens
     return flops
+
+
+def attention_layers(model) -> list[tuple[int, int | None]]:
+    """(heads × head dim, sliding window or None) of each attention layer of a cohort or supported
+    transformers model; [] for an architecture cohort does not know."""
+    from .models.config import ModelConfig, is_supported
+
+    config = getattr(model, "config", None)
+    if not isinstance(config, ModelConfig):
+        hf = config.to_dict() if hasattr(config, "to_dict") else None
+        if hf is None or not is_supported(hf):
+            return []
+        config = ModelConfig.from_hf_dict(hf)
+    width = config.num_attention_heads * config.head_dim
+    return [(width, config.layer_sliding_window(i)) for i in range(config.num_hidden_layers)]
 
 
 def peak_memory_gib(device, reset: bool = True) -> float:
@@ -270,7 +293,8 @@ def peak_memory_gib(device, reset: bool = True) -> float:
 
 
 def throughput_metrics(model, device, phase_seconds: dict[str, float], prompt_tokens: int, completion_tokens: int,
-                       num_iterations: int, logprob_passes: int) -> dict[str, float | None]:
+                       num_iterations: int, logprob_passes: int,
+                       attention_pairs: dict[int | None, int] | None = None) -> dict[str, float | None]:
     """Tokens per second of each phase, peak memory, and the update's model FLOPs utilisation.
 
     - `tokens_per_second/sampling`: completion tokens generated per second of sampling;
@@ -279,7 +303,8 @@ def throughput_metrics(model, device, phase_seconds: dict[str, float], prompt_to
     - `tokens_per_second/update`: prompt + completion tokens through forward + backward per second,
       counting each of the μ updates;
     `prompt_tokens` are those the forwards compute: a prompt its group shares counts once (packing.py).
-    - `mfu`: `update_flops` × the μ updates / update seconds / the GPU's peak bf16 FLOP/s; None on CPU.
+    - `mfu`: `update_flops` (attention included when `attention_pairs` is given) × the μ updates /
+      update seconds / the GPU's peak bf16 FLOP/s; None on CPU.
     """
     tokens = prompt_tokens + completion_tokens
     update_tokens = tokens * num_iterations
@@ -296,7 +321,7 @@ def throughput_metrics(model, device, phase_seconds: dict[str, float], prompt_to
         out["tokens_per_second/logprobs"] = rate(tokens * logprob_passes, "logprobs")
     peak = peak_flops(device)
     seconds = phase_seconds.get("update")
-    flops = update_flops(model, prompt_tokens, completion_tokens) * num_iterations
+    flops = update_flops(model, prompt_tokens, completion_tokens, attention_pairs) * num_iterations
     out["mfu"] = flops / seconds / peak if peak and seconds else None
     out["peak_memory_gib"] = peak_memory_gib(device)
     return out

@@ -137,6 +137,29 @@ def computed_prompt_tokens(prompt_ids: list[list[int]], max_rows: int, share_pro
     return sum(len(prompt_ids[group[0]]) for group in prompt_groups(prompt_ids, max_rows))
 
 
+def causal_pairs(length: int, window: int | None = None) -> int:
+    """(query, key) pairs of causal attention over `length` tokens, each query seeing itself and at
+    most `window` - 1 earlier keys (`window` None: all of them)."""
+    if window is None or length <= window:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def attention_pairs(prompt_ids: list[list[int]], completion_lengths: list[int], max_rows: int, share_prompts: bool,
+                    window: int | None = None) -> int:
+    """(query, key) pairs one attention layer computes over a rollout laid out as `plan_rollout`
+    lays it out: [prompt | completion] per row, or with `share_prompts` each prompt's queries once
+    per group, then every completion's queries over the prompt and its own earlier tokens."""
+    if not share_prompts:
+        return sum(causal_pairs(len(p) + n, window) for p, n in zip(prompt_ids, completion_lengths))
+    total = 0
+    for group in prompt_groups(prompt_ids, max_rows):
+        prompt = len(prompt_ids[group[0]])
+        total += causal_pairs(prompt, window)
+        total += sum(causal_pairs(prompt + completion_lengths[r], window) - causal_pairs(prompt, window) for r in group)
+    return total
+
+
 # ---- packing -----------------------------------------------------------------------------------
 def _completion_part(completion_ids: Tensor, completion_mask: Tensor, rows: list[int]):
     """(lengths, completion_ids [b, T], mask [b, T], token_rows, token_cols) of `rows`, on the CPU."""

@@ -247,6 +247,23 @@ def test_continuous_batching_matches_one_big_batch(qwen_pair, bucketed):
         assert stats["decode_row_steps"] <= generated - len(small.finish_reasons) + 2 * len(small.finish_reasons)
 
 
+def test_a_shared_prompt_is_prefilled_once_and_each_completion_samples_as_if_alone(qwen_pair):
+    """G completions of a prompt: one prefill row per distinct prompt, its keys and values copied
+    to the others. Against an engine with one slot, which prefills every sequence on its own."""
+    _, model = qwen_pair
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]  # a prompt repeated across the list is shared too
+    params = SamplingParams(max_new_tokens=9, temperature=1.0, seed=11)
+    engine = Engine(model, max_batch_size=16)
+    shared = engine.generate(prompts, 4, params)
+    assert engine.stats["prefill_shared_rows"] == 12 - 2  # 12 sequences, 2 distinct prompts
+    assert engine.stats["prefill_tokens"] == 2 * len(PROMPTS[0])  # one chunk, padded to the longer prompt
+    alone_engine = Engine(model, max_batch_size=1)
+    alone = alone_engine.generate(prompts, 4, params)
+    assert alone_engine.stats["prefill_shared_rows"] == 0
+    assert torch.equal(shared.completion_ids, alone.completion_ids)
+    assert torch.allclose(shared.logprobs, alone.logprobs, atol=1e-5)
+    assert len({tuple(row) for row in shared.completion_ids[:4].tolist()}) > 1, "one prompt's draws must differ"
+
 def test_scheduler_admits_lowest_slots_and_compacts():
     scheduler = Scheduler(num_slots=4, buckets=[1, 2, 4])
     sequences = [Sequence(index=i, prompt=[1], limit=4) for i in range(5)]

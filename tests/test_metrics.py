@@ -515,3 +515,49 @@ def test_report_of_a_tiny_run_draws_every_figure_the_issue_names(kl_run, tmp_pat
     assert "<table class='completions'>" in page and "first_is_digit" in page and "has_space" in page
     assert html.escape(first["prompt"]) in page and html.escape(first["completion"]) in page
     assert "mfu.png" not in figures  # no MFU on CPU: that figure is skipped, not drawn empty
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_pairs_count_the_mask_entries_of_each_layout(window):
+    """Against the attention masks themselves: a causal (windowed) mask per [prompt | completion]
+    row; with shared prompts, the prompt's rows once per run of at most max_rows completions and
+    each completion's rows from the prompt's end on."""
+    from cohort.packing import attention_pairs, causal_pairs
+
+    def mask(length):
+        i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+        allowed = j <= i
+        return allowed & (j > i - window) if window else allowed
+
+    prompt_a, prompt_b = [5, 6, 7, 8], [9, 10]
+    prompt_ids = [prompt_a, prompt_a, prompt_a, prompt_b, prompt_b]
+    lengths = [3, 0, 6, 2, 5]
+    rows = [mask(len(p) + n) for p, n in zip(prompt_ids, lengths)]
+    assert attention_pairs(prompt_ids, lengths, 2, False, window) == sum(int(m.sum()) for m in rows)
+    runs = [[0, 1], [2], [3, 4]]  # max_rows = 2 cuts prompt a's three rows into two runs
+    want = sum(int(mask(len(prompt_ids[run[0]])).sum()) for run in runs)
+    want += sum(int(rows[r][len(prompt_ids[r]):].sum()) for run in runs for r in run)
+    assert attention_pairs(prompt_ids, lengths, 2, True, window) == want
+    assert [causal_pairs(n, window) for n in range(8)] == [int(mask(n).sum()) for n in range(8)]
+
+
+def test_update_flops_add_twelve_flops_per_attention_pair_and_head_dim_by_layer_window():
+    import transformers
+
+    from cohort.metrics import attention_layers, update_flops
+    from cohort.models import CausalLM, ModelConfig
+
+    config = ModelConfig(model_type="qwen2", vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=6, sliding_window=4,
+                         layer_types=["full_attention", "sliding_attention", "sliding_attention"])
+    model = CausalLM(config)
+    assert attention_layers(model) == [(12, None), (12, 4), (12, 4)]
+    pairs = {None: 1000, 4: 300}
+    weights_only = update_flops(model, 7, 30)
+    # forward: q·k and p·v, 2 FLOPs per multiply-add, per head dim and head; backward twice that
+    assert update_flops(model, 7, 30, pairs) - weights_only == 12 * 2 * 6 * (1000 + 300 + 300)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2))
+    assert attention_layers(hf) == [(16, None), (16, None)]
+    assert attention_layers(torch.nn.Linear(3, 3)) == []  # unknown: no attention term

@@ -116,8 +116,8 @@ class Engine:
         buckets = batch_buckets(self.max_batch_size) if self.bucketed else None
         rows = round_up_to_bucket(num_slots, buckets) if buckets else num_slots
         started = time.perf_counter()
-        self.stats = dict(decode_steps=0, decode_row_steps=0, prefill_forwards=0, prefill_tokens=0, checks=0,
-                          slot_moves=0, speculative_chunks=0, speculative_steps=0)
+        self.stats = dict(decode_steps=0, decode_row_steps=0, prefill_forwards=0, prefill_tokens=0, prefill_shared_rows=0,
+                          checks=0, slot_moves=0, speculative_chunks=0, speculative_steps=0)
         with sampling_mode(self.model, fused=self.compile_kernels):
             self._prepare(rows, max_len, params)
             seed = params.seed if params.seed is not None else int(torch.randint(2**31, (1,)).item())
@@ -330,46 +330,61 @@ class Engine:
         return tokens, logprobs
 
     def _prefill(self, admitted: list[Sequence], params: SamplingParams) -> None:
-        """Run the prompts into their cache rows, in chunks of at most `prefill_tokens` padded tokens,
-        and sample each one's first token from its last prompt position."""
-        admitted = sorted(admitted, key=lambda seq: len(seq.prompt))  # similar lengths pad less
+        """Run each distinct prompt once into the cache row of its first sequence, copy those keys
+        and values to the rows of the other sequences with that prompt (GRPO's G completions of a
+        prompt share it), and sample every sequence's first token from its prompt's last position.
+        Prompts go in chunks of at most `prefill_tokens` padded tokens."""
+        by_prompt: dict[tuple[int, ...], list[Sequence]] = {}
+        for seq in admitted:
+            by_prompt.setdefault(tuple(seq.prompt), []).append(seq)
+        groups = sorted(by_prompt.values(), key=lambda group: len(group[0].prompt))  # similar lengths pad less
         start = 0
-        while start < len(admitted):
+        while start < len(groups):
             end = start + 1
-            while end < len(admitted) and (end + 1 - start) * len(admitted[end].prompt) <= self.prefill_tokens:
+            while end < len(groups) and (end + 1 - start) * len(groups[end][0].prompt) <= self.prefill_tokens:
                 end += 1
-            self._prefill_chunk(admitted[start:end], params)
+            self._prefill_chunk(groups[start:end], params)
             start = end
 
-    def _prefill_chunk(self, chunk: list[Sequence], params: SamplingParams) -> None:
-        lengths = [len(seq.prompt) for seq in chunk]
+    def _prefill_chunk(self, groups: list[list[Sequence]], params: SamplingParams) -> None:
+        firsts = [group[0] for group in groups]
+        lengths = [len(seq.prompt) for seq in firsts]
         width = max(lengths)
         # Right padding: pad tokens sit at positions after the prompt, so no real token attends to
         # them, and the keys they write are overwritten by the completion before anything reads them.
-        input_ids = torch.full((len(chunk), width), params.pad_token_id, dtype=torch.long)
-        for row, seq in enumerate(chunk):
+        input_ids = torch.full((len(firsts), width), params.pad_token_id, dtype=torch.long)
+        for row, seq in enumerate(firsts):
             input_ids[row, : len(seq.prompt)] = torch.tensor(seq.prompt, dtype=torch.long)
         # Host data goes over without syncing (see `to_device`): a chunk may be decoding meanwhile.
         input_ids = to_device(input_ids, self.device)
-        positions = torch.arange(width, device=self.device).expand(len(chunk), width)
-        slots = to_device([seq.slot for seq in chunk], self.device)
+        positions = torch.arange(width, device=self.device).expand(len(firsts), width)
         # Plain ops here: a prefill runs once per prompt, not worth compiled variants for every length.
         with fused_kernels(False):
-            hidden = self.model(input_ids, positions, kv_cache=self.cache, cache_rows=slots, return_hidden=True,
-                                cache_len=width)
+            hidden = self.model(input_ids, positions, kv_cache=self.cache, cache_rows=to_device(
+                [seq.slot for seq in firsts], self.device), return_hidden=True, cache_len=width)
+        copies = [(group[0].slot, seq.slot) for group in groups for seq in group[1:]]
+        if copies:
+            self.cache.copy_prefix(to_device([s for s, _ in copies], self.device),
+                                   to_device([t for _, t in copies], self.device), width)
         last = to_device([n - 1 for n in lengths], self.device)
         # Logits only at each prompt's last position: the full [B, T, V] tensor would be huge.
-        logits = self.model.lm_head(hidden[torch.arange(len(chunk), device=self.device), last])
-        # Token 0 of each sequence, keyed by its global index (params.sequence_offset + its row).
+        logits = self.model.lm_head(hidden[torch.arange(len(firsts), device=self.device), last])
+        chunk = [seq for group in groups for seq in group]
+        logits = logits[to_device([i for i, group in enumerate(groups) for _ in group], self.device)]
+        # Token 0 of each sequence, keyed by its global index (params.sequence_offset + its row):
+        # sequences sharing a prompt share its logits, not their draws.
         sequences = to_device([params.sequence_offset + seq.index for seq in chunk], self.device)
         tokens, logprobs = sample_from_logits(logits, *_sampling_key(params), seed=self.state.seed,
                                               draw=torch.zeros_like(sequences), rows=sequences)
         limits = to_device([seq.limit for seq in chunk], self.device)
-        self.state.start(slots, tokens, logprobs, to_device(lengths, self.device), limits, sequences)
+        prompt_lengths = to_device([len(seq.prompt) for seq in chunk], self.device)
+        self.state.start(to_device([seq.slot for seq in chunk], self.device), tokens, logprobs, prompt_lengths,
+                         limits, sequences)
         for seq in chunk:
             self._progress.known(seq, 1, self._progress.steps)
         self.stats["prefill_forwards"] += 1
-        self.stats["prefill_tokens"] += len(chunk) * width
+        self.stats["prefill_tokens"] += len(firsts) * width
+        self.stats["prefill_shared_rows"] += len(copies)
 
     def _compact(self, scheduler: Scheduler) -> None:
         """Pack the running sequences into the narrowest bucket once no waiting one can fill the holes."""

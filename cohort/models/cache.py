@@ -68,6 +68,13 @@ class KVCache:
             keys[target] = keys[source]
             values[target] = values[source]
 
+    def copy_prefix(self, source: torch.Tensor, target: torch.Tensor, length: int) -> None:
+        """Copy positions [0, length) of rows `source` to rows `target` in every layer (a prompt
+        prefilled once, for the other sequences that share it)."""
+        for keys, values in zip(self.k_layers, self.v_layers):
+            keys[target, :, :length] = keys[source, :, :length]
+            values[target, :, :length] = values[source, :, :length]
+
     def write(self, layer: int, cache_rows: torch.Tensor | None, position_ids: torch.Tensor,
               keys: torch.Tensor, values: torch.Tensor, write_mask: torch.Tensor | None = None) -> None:
         """Store `keys`/`values` `[B, kv_heads, T, head_dim]` of batch row b, token t at
