@@ -8,7 +8,7 @@ the cache up to the step's KV-length bucket. This times both on the same cache, 
 (GPU time: the calls are replayed from a CUDA graph, as in the engine), the rows' visible keys and
 values read per second (GB/s), and the largest difference between the two outputs.
 
-    python bench/decode_attention.py            # on a GPU
+    python bench/decode_attention.py            # on a GPU; also times rows reading a shared 128-key prompt
     python bench/decode_attention.py --sweep --rows 256 --lengths 256,512   # launch-config search
 """
 
@@ -62,6 +62,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", default="64,256,1024")
     parser.add_argument("--lengths", default="256,640", help="each row's position + 1 (all rows alike)")
     parser.add_argument("--splits", default="", help="extra forced split counts to time, e.g. 1,2,4")
+    parser.add_argument("--prefix", type=int, default=128,
+                        help="also time rows reading a shared prompt of this many keys from their group's first row (0: off)")
+    parser.add_argument("--generations", type=int, default=8, help="rows per shared prompt (with --prefix)")
     parser.add_argument("--sweep", action="store_true",
                         help="time every (keys per block, warps, stages, splits) launch and print the fastest")
     args = parser.parse_args(argv)
@@ -118,6 +121,23 @@ def compare(case: Case, args) -> dict:
     error = (sdpa().float() - triton_kernel().float()).abs().max().item()
     row = dict(shape=case.shape, rows=case.rows, keys=case.keys, sdpa_us=time_us(sdpa),
                triton_us=time_us(triton_kernel), read_only_us=time_us(read_only), max_abs_diff=error)
+    if args.prefix and args.prefix < case.keys:
+        # GRPO's layout: groups of `generations` rows with one prompt, the first row holding it.
+        # Each row's own copy equals the first row's (as the engine copies it), so the outputs
+        # must agree; the shared call reads the prefix from the first row of each group only.
+        first = torch.arange(case.rows, device="cuda") // args.generations * args.generations
+        case.cache_k[:, :, :args.prefix] = case.cache_k[first, :, :args.prefix]
+        case.cache_v[:, :, :args.prefix] = case.cache_v[first, :, :args.prefix]
+        prefix_rows = first.to(torch.int32)
+        prefix_lens = torch.where(first == torch.arange(case.rows, device="cuda"), 0, args.prefix).to(torch.int32)
+
+        def shared_kernel():
+            return decode_attention(case.q, case.cache_k, case.cache_v, case.positions, case.cache_len,
+                                    prefix_rows=prefix_rows, prefix_lens=prefix_lens)
+
+        row["shared_prefix_us"] = time_us(shared_kernel)
+        row["shared_prefix_speedup"] = row["triton_us"] / row["shared_prefix_us"]
+        row["shared_prefix_max_abs_diff"] = (shared_kernel().float() - triton_kernel().float()).abs().max().item()
     for splits in (int(s) for s in args.splits.split(",") if s.strip()):
         row[f"triton_{splits}_splits_us"] = time_us(lambda: triton_kernel(splits))
     bytes_read = 2 * case.rows * case.kv_heads * case.keys * case.dim * 2

@@ -66,6 +66,25 @@ def test_sliding_window(decode_attention, window):
     assert max_error(out, unwindowed) > 1e-3  # the window changed the answer: it was applied
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 50])
+def test_shared_prefix_keys_are_read_from_the_prefix_row(decode_attention, num_splits, window):
+    # Rows 1 and 2 share row 0's first 90 keys (past a 64-key block edge); their own copies of
+    # those keys hold other values, so reading them would change the answer. Row 2's position (70)
+    # lies inside the prefix; row 3 shares nothing.
+    q, cache_k, cache_v, position_ids = make_inputs([100, 149, 70, 120], group=2, rows=5)
+    prefix_rows = torch.tensor([0, 0, 0, 3], dtype=torch.int32, device=DEVICE)
+    prefix_lens = torch.tensor([0, 90, 90, 0], dtype=torch.int32, device=DEVICE)
+    shared_k, shared_v = cache_k.clone(), cache_v.clone()
+    shared_k[1:3, :, :90], shared_v[1:3, :, :90] = cache_k[0, :, :90], cache_v[0, :, :90]
+    expected = decode_attention_reference(q, shared_k, shared_v, position_ids, cache_len=150, window=window)
+    out = decode_attention(q, cache_k, cache_v, position_ids, cache_len=150, window=window,
+                           prefix_rows=prefix_rows, prefix_lens=prefix_lens, num_splits=num_splits)
+    assert max_error(out, expected) <= TOLERANCE
+    own_copies = decode_attention(q, cache_k, cache_v, position_ids, cache_len=150, window=window)
+    assert max_error(own_copies[1:3], expected[1:3]) > 1e-3  # the prefix rows were read, not the own ones
+    assert max_error(own_copies[[0, 3]], expected[[0, 3]]) <= TOLERANCE
+
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
 def test_split_counts_agree(decode_attention, num_splits):
     # 300 keys = 5 blocks: one split (direct write, no merge), two splits of three blocks each

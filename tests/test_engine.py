@@ -256,6 +256,8 @@ def test_a_shared_prompt_is_prefilled_once_and_each_completion_samples_as_if_alo
     engine = Engine(model, max_batch_size=16)
     shared = engine.generate(prompts, 4, params)
     assert engine.stats["prefill_shared_rows"] == 12 - 2  # 12 sequences, 2 distinct prompts
+    lens = engine.cache.prefix_lens.tolist()  # each prompt's own length, not the chunk's padded width
+    assert sorted(lens)[-10:] == [len(PROMPTS[1])] * 3 + [len(PROMPTS[0])] * 7 and lens.count(0) == len(lens) - 10
     assert engine.stats["prefill_tokens"] == 2 * len(PROMPTS[0])  # one chunk, padded to the longer prompt
     alone_engine = Engine(model, max_batch_size=1)
     alone = alone_engine.generate(prompts, 4, params)
@@ -263,6 +265,24 @@ def test_a_shared_prompt_is_prefilled_once_and_each_completion_samples_as_if_alo
     assert torch.equal(shared.completion_ids, alone.completion_ids)
     assert torch.allclose(shared.logprobs, alone.logprobs, atol=1e-5)
     assert len({tuple(row) for row in shared.completion_ids[:4].tolist()}) > 1, "one prompt's draws must differ"
+
+def test_kv_cache_prefix_table_follows_shares_rewrites_and_moves():
+    from cohort.models.cache import KVCache
+
+    cache = KVCache(2, 6, 1, 8, 4)
+    for keys in cache.k_layers:
+        keys.copy_(torch.randn_like(keys))
+    t = torch.tensor
+    cache.share_prefix(t([0, 0]), t([1, 2]), 5, t([3, 3]))
+    cache.share_prefix(t([4]), t([5]), 5, t([2]))
+    assert cache.prefix_rows.tolist() == [0, 0, 0, 3, 4, 4] and cache.prefix_lens.tolist() == [0, 3, 3, 0, 0, 2]
+    for keys in cache.k_layers:  # every row keeps its own copy too (paths that ignore the table read it)
+        assert torch.equal(keys[1, :, :5], keys[0, :, :5]) and torch.equal(keys[5, :, :5], keys[4, :, :5])
+        assert not torch.equal(keys[1, :, 5:], keys[0, :, 5:])
+    cache.own_rows(t([0, 3]))  # rows 0 and 3 are about to be prefilled anew: 1 and 2 lose their source
+    assert cache.prefix_rows.tolist() == [0, 1, 2, 3, 4, 4] and cache.prefix_lens.tolist() == [0, 0, 0, 0, 0, 2]
+    cache.move_rows(t([5]), t([3]))  # compaction: nobody reads another row afterwards
+    assert cache.prefix_rows.tolist() == list(range(6)) and cache.prefix_lens.tolist() == [0] * 6
 
 def test_scheduler_admits_lowest_slots_and_compacts():
     scheduler = Scheduler(num_slots=4, buckets=[1, 2, 4])

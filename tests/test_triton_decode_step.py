@@ -108,3 +108,31 @@ def test_a_head_size_the_kernel_lacks_takes_sdpa(triton_path):
     fused, _ = decode_run(model, ids, on=True, compile=False)
     assert triton_path["attention"] == []
     assert (fused - reference).abs().max() <= 1e-5
+
+
+def test_engine_with_shared_prompts_samples_through_the_kernel_as_each_row_alone(triton_path, monkeypatch):
+    """The engine's prefix table (rows of a prompt read its keys from the first row's cache) through
+    the interpreted kernel: the same tokens as one-slot engines, where nothing is shared. Prompts of
+    two lengths in one prefill chunk: the shorter one's table entry must stop at its own length."""
+    import contextlib
+
+    from cohort.engine import engine as engine_module
+    from cohort.engine import Engine
+    from cohort.rollout import SamplingParams
+
+    @contextlib.contextmanager
+    def plain_sampling_mode(model, fused=False):  # the fused pieces uncompiled: no torch.compile on CPU
+        with torch.inference_mode(), kernels.fused_kernels(fused, compile=False):
+            yield
+
+    monkeypatch.setattr(engine_module, "sampling_mode", plain_sampling_mode)
+    model = build("qwen2_bias_tied")
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [10, 11, 12]]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
+    shared_engine = Engine(model, max_batch_size=8, use_cuda_graph=False, compile_kernels=True)
+    shared = shared_engine.generate(prompts, 3, params)
+    assert sorted(shared_engine.cache.prefix_lens.tolist())[-4:] == [3, 3, 7, 7]
+    assert len(triton_path["attention"]) > 0
+    alone = Engine(model, max_batch_size=1, use_cuda_graph=False, compile_kernels=True).generate(prompts, 3, params)
+    assert torch.equal(shared.completion_ids, alone.completion_ids)
+    assert torch.allclose(shared.logprobs, alone.logprobs, atol=1e-4)

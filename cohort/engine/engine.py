@@ -358,18 +358,20 @@ class Engine:
         # Host data goes over without syncing (see `to_device`): a chunk may be decoding meanwhile.
         input_ids = to_device(input_ids, self.device)
         positions = torch.arange(width, device=self.device).expand(len(firsts), width)
+        chunk = [seq for group in groups for seq in group]
+        self.cache.own_rows(to_device([seq.slot for seq in chunk], self.device))  # these rows are rewritten
         # Plain ops here: a prefill runs once per prompt, not worth compiled variants for every length.
         with fused_kernels(False):
             hidden = self.model(input_ids, positions, kv_cache=self.cache, cache_rows=to_device(
                 [seq.slot for seq in firsts], self.device), return_hidden=True, cache_len=width)
-        copies = [(group[0].slot, seq.slot) for group in groups for seq in group[1:]]
+        copies = [(group[0].slot, seq.slot, len(seq.prompt)) for group in groups for seq in group[1:]]
         if copies:
-            self.cache.copy_prefix(to_device([s for s, _ in copies], self.device),
-                                   to_device([t for _, t in copies], self.device), width)
+            source, target, length = zip(*copies)
+            self.cache.share_prefix(to_device(list(source), self.device), to_device(list(target), self.device),
+                                    width, to_device(list(length), self.device))
         last = to_device([n - 1 for n in lengths], self.device)
         # Logits only at each prompt's last position: the full [B, T, V] tensor would be huge.
         logits = self.model.lm_head(hidden[torch.arange(len(firsts), device=self.device), last])
-        chunk = [seq for group in groups for seq in group]
         logits = logits[to_device([i for i, group in enumerate(groups) for _ in group], self.device)]
         # Token 0 of each sequence, keyed by its global index (params.sequence_offset + its row):
         # sequences sharing a prompt share its logits, not their draws.

@@ -22,6 +22,12 @@ class KVCache:
         shape = (num_rows, num_kv_heads, max_len, head_dim)
         self.k_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Row r's keys and values below position prefix_lens[r] are also in row prefix_rows[r]
+        # (a prompt shared by several sequences, see share_prefix); the decode kernel reads them
+        # there, so the rows of one prompt read one copy. Every row also keeps its own copy.
+        self.own_row_ids = torch.arange(num_rows, dtype=torch.int32, device=device)
+        self.prefix_rows = self.own_row_ids.clone()
+        self.prefix_lens = torch.zeros(num_rows, dtype=torch.int32, device=device)
 
     @property
     def k(self) -> torch.Tensor:
@@ -63,17 +69,32 @@ class KVCache:
         return 2 * self.num_layers * self.k_layers[0].numel() * self.k_layers[0].element_size()
 
     def move_rows(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy cache rows `source` to rows `target` in every layer (the sampler's compaction)."""
+        """Copy cache rows `source` to rows `target` in every layer (the sampler's compaction).
+        Every row reads its own prefix again afterwards: the moved rows' sources may be overwritten."""
         for keys, values in zip(self.k_layers, self.v_layers):
             keys[target] = keys[source]
             values[target] = values[source]
+        self.prefix_rows.copy_(self.own_row_ids)
+        self.prefix_lens.zero_()
 
-    def copy_prefix(self, source: torch.Tensor, target: torch.Tensor, length: int) -> None:
-        """Copy positions [0, length) of rows `source` to rows `target` in every layer (a prompt
-        prefilled once, for the other sequences that share it)."""
+    def own_rows(self, rows: torch.Tensor) -> None:
+        """`rows` are about to be rewritten (a prefill): they, and every row that read its prefix
+        from one of them, read their own keys again."""
+        stale = torch.isin(self.prefix_rows, rows.to(self.prefix_rows.dtype))
+        stale[rows] = True
+        self.prefix_rows.copy_(torch.where(stale, self.own_row_ids, self.prefix_rows))
+        self.prefix_lens.masked_fill_(stale, 0)
+
+    def share_prefix(self, source: torch.Tensor, target: torch.Tensor, copy_length: int,
+                     prefix_lens: torch.Tensor) -> None:
+        """Rows `target` hold the same prompt as rows `source`: copy positions [0, copy_length) of
+        each source row to its target in every layer, and let the targets read their first
+        `prefix_lens` keys from the source row (positions the completion never rewrites)."""
         for keys, values in zip(self.k_layers, self.v_layers):
-            keys[target, :, :length] = keys[source, :, :length]
-            values[target, :, :length] = values[source, :, :length]
+            keys[target, :, :copy_length] = keys[source, :, :copy_length]
+            values[target, :, :copy_length] = values[source, :, :copy_length]
+        self.prefix_rows[target] = source.to(self.prefix_rows.dtype)
+        self.prefix_lens[target] = prefix_lens.to(self.prefix_lens.dtype)
 
     def write(self, layer: int, cache_rows: torch.Tensor | None, position_ids: torch.Tensor,
               keys: torch.Tensor, values: torch.Tensor, write_mask: torch.Tensor | None = None) -> None:

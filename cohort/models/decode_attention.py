@@ -112,43 +112,13 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _decode_split_kernel(
-            q_ptr, k_ptr, v_ptr, pos_ptr, part_out_ptr, part_lse_ptr, out_ptr,
-            stride_qb, stride_qh, stride_qd,
-            stride_kb, stride_kh, stride_kn, stride_kd,
-            stride_vb, stride_vh, stride_vn, stride_vd,
-            stride_pb, stride_ob, stride_oh, stride_od,
-            cache_len, keys_per_split, window, num_heads, num_splits, qk_scale_log2,
-            GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-            HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, WRITE_FINAL: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, PIPELINED: tl.constexpr):
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        row64 = row.to(tl.int64)
-
-        pos = tl.load(pos_ptr + row64 * stride_pb).to(tl.int32)
-        split_lo = split * keys_per_split
-        lo = split_lo
-        if HAS_WINDOW:
-            lo = tl.maximum(lo, pos - window + 1)
-        hi = tl.minimum(tl.minimum(pos + 1, cache_len), split_lo + keys_per_split)
+    def _attend_range(q, k_base, v_base, lo, hi, m_i, l_i, acc, stride_kn, stride_kd, stride_vn, stride_vd,
+                      qk_scale_log2, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      PIPELINED: tl.constexpr):
+        """Keys [lo, hi) of one cache row folded into the online softmax, a block at a time."""
         # Start on a block boundary so loads stay aligned. Split edges are block-aligned, so a
-        # split with no visible key (lo >= hi) rounds down to start >= hi: no iteration at all.
+        # range with no visible key (lo >= hi) rounds down to start >= hi: no iteration at all.
         loop_lo = (lo // BLOCK_N) * BLOCK_N
-
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, HEAD_DIM)
-        group_mask = offs_g < GROUP
-        heads = kv_head * GROUP + offs_g
-        q_ptrs = q_ptr + row64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-        q = tl.load(q_ptrs, mask=group_mask[:, None], other=0.0)
-
-        k_base = k_ptr + row64 * stride_kb + kv_head.to(tl.int64) * stride_kh
-        v_base = v_ptr + row64 * stride_vb + kv_head.to(tl.int64) * stride_vh
-        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-        l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
-        acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, dtype=tl.float32)
         if PIPELINED:
             # range() lets the compiler prefetch the next block while this one is used (software
             # pipelining); the interpreter (tests on CPU) cannot run it with a runtime bound under
@@ -164,6 +134,57 @@ if triton is not None:
                                               stride_kn, stride_kd, stride_vn, stride_vd, qk_scale_log2,
                                               BLOCK_N, HEAD_DIM, DOT_PRECISION)
                 start += BLOCK_N
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _decode_split_kernel(
+            q_ptr, k_ptr, v_ptr, pos_ptr, prefix_row_ptr, prefix_len_ptr, part_out_ptr, part_lse_ptr, out_ptr,
+            stride_qb, stride_qh, stride_qd,
+            stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd,
+            stride_pb, stride_ob, stride_oh, stride_od,
+            cache_len, keys_per_split, window, num_heads, num_splits, qk_scale_log2,
+            GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+            HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_PREFIX: tl.constexpr, WRITE_FINAL: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, PIPELINED: tl.constexpr):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        row64 = row.to(tl.int64)
+
+        pos = tl.load(pos_ptr + row64 * stride_pb).to(tl.int32)
+        split_lo = split * keys_per_split
+        lo = split_lo
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, pos - window + 1)
+        hi = tl.minimum(tl.minimum(pos + 1, cache_len), split_lo + keys_per_split)
+
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, HEAD_DIM)
+        group_mask = offs_g < GROUP
+        heads = kv_head * GROUP + offs_g
+        q_ptrs = q_ptr + row64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=group_mask[:, None], other=0.0)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
+        acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, dtype=tl.float32)
+        kv_off_k = kv_head.to(tl.int64) * stride_kh
+        kv_off_v = kv_head.to(tl.int64) * stride_vh
+        own_lo = lo
+        if HAS_PREFIX:
+            # Keys below the row's shared prefix length come from the row that holds its prompt:
+            # the rows of one prompt then read the same addresses, which the L2 cache serves.
+            prefix_row = tl.load(prefix_row_ptr + row64).to(tl.int64)
+            prefix_hi = tl.minimum(hi, tl.load(prefix_len_ptr + row64).to(tl.int32))
+            m_i, l_i, acc = _attend_range(q, k_ptr + prefix_row * stride_kb + kv_off_k,
+                                          v_ptr + prefix_row * stride_vb + kv_off_v, lo, prefix_hi, m_i, l_i, acc,
+                                          stride_kn, stride_kd, stride_vn, stride_vd, qk_scale_log2,
+                                          BLOCK_N, HEAD_DIM, DOT_PRECISION, PIPELINED)
+            own_lo = tl.maximum(lo, prefix_hi)
+        m_i, l_i, acc = _attend_range(q, k_ptr + row64 * stride_kb + kv_off_k, v_ptr + row64 * stride_vb + kv_off_v,
+                                      own_lo, hi, m_i, l_i, acc, stride_kn, stride_kd, stride_vn, stride_vd,
+                                      qk_scale_log2, BLOCK_N, HEAD_DIM, DOT_PRECISION, PIPELINED)
 
         has_keys = l_i > 0.0
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -229,7 +250,8 @@ def _check_inputs(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                      position_ids: torch.Tensor, cache_len: int, window: int | None = None,
-                     scale: float | None = None, *, num_splits: int | None = None,
+                     scale: float | None = None, *, prefix_rows: torch.Tensor | None = None,
+                     prefix_lens: torch.Tensor | None = None, num_splits: int | None = None,
                      launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Attention of one query per row over that row's cached keys, as flash-decoding.
 
@@ -237,7 +259,10 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     row b reading cache row b; position_ids [B, 1]: row b sees keys j <= position_ids[b] (and
     j > position_ids[b] - window with a window); keys at >= cache_len are never read. Query head h
     uses kv head h // (H // H_kv). Returns [B, H, 1, D] in q's dtype; softmax statistics are
-    float32. `num_splits` overrides the split count (tests); by default about two programs per SM.
+    float32. With `prefix_rows`/`prefix_lens` ([B] integers), row b reads its keys below
+    `prefix_lens[b]` from cache row `prefix_rows[b]` instead of its own: the rows that share a
+    prompt read one copy of it (the caller keeps those keys equal in every row; KVCache.share_prefix).
+    `num_splits` overrides the split count (tests); by default about two programs per SM.
     `launch` = (keys per block, warps, pipeline stages) overrides `default_launch` (tuning sweeps).
     """
     if triton is None:
@@ -264,15 +289,19 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     else:
         part_out = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+    has_prefix = prefix_rows is not None
+    if has_prefix and (prefix_lens is None or prefix_rows.shape != (batch,) or prefix_lens.shape != (batch,)):
+        raise ValueError(f"prefix_rows and prefix_lens must both be [B] = [{batch}]")
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, cache_k, cache_v, position_ids, part_out, part_lse, out,
+        q, cache_k, cache_v, position_ids, prefix_rows if has_prefix else position_ids,
+        prefix_lens if has_prefix else position_ids, part_out, part_lse, out,
         q.stride(0), q.stride(1), q.stride(3),
         *(cache_k.stride(i) for i in range(4)), *(cache_v.stride(i) for i in range(4)),
         position_ids.stride(0), out.stride(0), out.stride(1), out.stride(3),
         cache_len, keys_per_split, 0 if window is None else window, heads, num_splits,
         scale * LOG2_E,
         GROUP=group, BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        HEAD_DIM=head_dim, HAS_WINDOW=window is not None, WRITE_FINAL=write_final,
+        HEAD_DIM=head_dim, HAS_WINDOW=window is not None, HAS_PREFIX=has_prefix, WRITE_FINAL=write_final,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PIPELINED=q.is_cuda, num_warps=num_warps,
         num_stages=num_stages)
     if not write_final:

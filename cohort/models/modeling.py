@@ -171,7 +171,8 @@ class Attention(nn.Module):
             cache_k, cache_v = kv_cache.k_layers[self.layer_index], kv_cache.v_layers[self.layer_index]
             q = kernels.rotate_and_cache(q, k, v, cos, sin, *norms, cache_k, cache_v, position_ids)
             if decode_kernel:  # one query per row: flash-decoding straight from the cache (decode_attention.py)
-                out = decode_attention(q, cache_k, cache_v, position_ids, cache_len, self.sliding_window)
+                out = decode_attention(q, cache_k, cache_v, position_ids, cache_len, self.sliding_window,
+                                       prefix_rows=kv_cache.prefix_rows[:batch], prefix_lens=kv_cache.prefix_lens[:batch])
                 return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
             k, v = kv_cache.keys_values(self.layer_index, None, batch, cache_len)
         else:
