@@ -14,6 +14,10 @@ Gimelshein 2018, "Online normalizer calculation for softmax"). A second small ke
 splits through their log-sum-exps. The grid depends only on B, H_kv and `cache_len` (Python ints)
 and nothing syncs with the host, so the step stays capturable in a CUDA graph.
 
+Rows that share a prompt (GRPO's G completions of one prompt) can read its keys from one cache row
+(`prefix_rows` / `prefix_lens`, kept by `KVCache.share_prefix`): their programs then load the same
+addresses instead of G copies.
+
 `decode_attention_reference` is the plain-torch float32 definition the kernel is tested against.
 """
 
@@ -174,7 +178,7 @@ if triton is not None:
         own_lo = lo
         if HAS_PREFIX:
             # Keys below the row's shared prefix length come from the row that holds its prompt:
-            # the rows of one prompt then read the same addresses, which the L2 cache serves.
+            # the rows of one prompt then read the same addresses, which the L2 cache can serve.
             prefix_row = tl.load(prefix_row_ptr + row64).to(tl.int64)
             prefix_hi = tl.minimum(hi, tl.load(prefix_len_ptr + row64).to(tl.int32))
             m_i, l_i, acc = _attend_range(q, k_ptr + prefix_row * stride_kb + kv_off_k,
