@@ -25,7 +25,7 @@ from cohort.engine.graphs import DecodeGraphs
 from cohort.engine.overlap import HostProgress, Retirement, Snapshot, to_device
 from cohort.engine.sampling import sample_from_logits
 from cohort.engine.scheduler import Scheduler, batch_buckets, round_up_to_bucket
-from cohort.engine.sequence import Sequence, SlotState
+from cohort.engine.sequence import Sequence, SlotState, assemble_rollout
 from cohort.errors import CohortError
 from cohort.models.cache import KVCache
 from cohort.models.kernels import fused_kernels, triton_available
@@ -127,7 +127,7 @@ class Engine:
             self._run(scheduler, params)
         self.stats["seconds"] = time.perf_counter() - started
         self.stats["graph_captures"] = self.graphs.captures
-        return _assemble(sequences, params.pad_token_id)
+        return assemble_rollout(sequences, params.pad_token_id)
 
     def capture_graphs(self, num_sequences: int, max_len: int, max_new_tokens: int, pad_token_id: int = 0) -> int:
         """Capture ahead of time the decode graphs a call with `num_sequences` sequences of up to
@@ -407,18 +407,3 @@ def _sampling_key(params: SamplingParams) -> tuple:
     """The sampling settings a decode step bakes in (part of a CUDA graph's key)."""
     return (params.temperature, params.top_k, params.top_p, params.min_p)
 
-
-def _assemble(sequences: list[Sequence], pad_token_id: int) -> Rollout:
-    """Right-pad the finished sequences into the Rollout tensors (on the CPU, like HFGenerateSampler)."""
-    sequences = sorted(sequences, key=lambda seq: seq.index)
-    length = max(len(seq.tokens) for seq in sequences)
-    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    logprobs = torch.zeros((len(sequences), length), dtype=torch.float32)
-    for row, seq in enumerate(sequences):
-        count = len(seq.tokens)
-        ids[row, :count] = seq.tokens
-        mask[row, :count] = 1
-        logprobs[row, :count] = seq.logprobs
-    return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs,
-                   finish_reasons=[seq.finish_reason for seq in sequences])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cohort.errors import CohortError
+from cohort.rollout import Rollout
 
 
 @dataclass
@@ -133,3 +134,19 @@ class SlotState:
         for tensor in self.per_slot_tensors():
             tensor[target] = tensor[source]
         self.clear(source)
+
+
+def assemble_rollout(sequences: list[Sequence], pad_token_id: int) -> Rollout:
+    """Right-pad the finished sequences into the Rollout tensors (on the CPU, like HFGenerateSampler)."""
+    sequences = sorted(sequences, key=lambda seq: seq.index)
+    length = max(len(seq.tokens) for seq in sequences)
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    logprobs = torch.zeros((len(sequences), length), dtype=torch.float32)
+    for row, seq in enumerate(sequences):
+        count = len(seq.tokens)
+        ids[row, :count] = seq.tokens
+        mask[row, :count] = 1
+        logprobs[row, :count] = seq.logprobs
+    return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs,
+                   finish_reasons=[seq.finish_reason for seq in sequences])
