@@ -240,7 +240,6 @@ def diagnosis_setup(model_name: str, smoke: bool) -> DiagnosisSetup:
                           make_tokenizer(shape["vocab_size"]), build_module(shape, device))
 
 
-
 def build_module(shape: dict, device: str):
     """cohort's own CausalLM with random init, built directly on the device (bf16 on CUDA, as the
     stored folders are; fp32 on CPU, cohort's CPU default): no 15 GB of safetensors for a 7B shape."""

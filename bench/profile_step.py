@@ -35,8 +35,8 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     from cohort import GRPOConfig, GRPOTrainer
-    from cohort.metrics import attention_layers, update_flops
-    from cohort.packing import attention_pairs, computed_prompt_tokens
+    from cohort.metrics import rollout_attention_pairs, update_flops
+    from cohort.packing import computed_prompt_tokens
 
     setup = diagnosis_setup(args.model, args.smoke)
     device, tokenizer, model = setup.device, setup.tokenizer, setup.model
@@ -91,8 +91,7 @@ def main(argv=None) -> None:
     prompt_tokens = computed_prompt_tokens(batch.prompt_ids, trainer.micro_rows, trainer.share_prompts)
     completion_tokens = int(batch.rollout.completion_mask.sum())
     lengths = [int(n) for n in batch.rollout.completion_mask.sum(dim=1).tolist()]
-    pairs = {window: attention_pairs(batch.prompt_ids, lengths, trainer.micro_rows, trainer.share_prompts, window)
-             for _, window in attention_layers(trainer.model)}
+    pairs = rollout_attention_pairs(trainer.model, batch.prompt_ids, lengths, trainer.micro_rows, trainer.share_prompts)
     flops = update_flops(trainer.model, prompt_tokens, completion_tokens, pairs)  # what the step log's MFU counts
     if "update" in phases:
         print(f"update: {prompt_tokens + completion_tokens} tokens, model FLOPs = {flops / 1e12:.1f} TFLOP in "

@@ -275,6 +275,17 @@ def attention_layers(model) -> list[tuple[int, int | None]]:
     return [(width, config.layer_sliding_window(i)) for i in range(config.num_hidden_layers)]
 
 
+def rollout_attention_pairs(model, prompt_ids: list[list[int]], completion_lengths: list[int], max_rows: int,
+                            share_prompts: bool) -> dict[int | None, int]:
+    """`update_flops`'s `attention_pairs` for a rollout: packing.attention_pairs for each sliding
+    window (or None) that `model`'s attention layers use."""
+    from .packing import attention_pairs
+
+    windows = dict.fromkeys(window for _, window in attention_layers(model))
+    return {window: attention_pairs(prompt_ids, completion_lengths, max_rows, share_prompts, window)
+            for window in windows}
+
+
 def peak_memory_gib(device, reset: bool = True) -> float:
     """Peak memory since the last reset, in GiB: CUDA `max_memory_allocated` (then reset, so each
     step reports its own peak); on CPU the process's peak resident set size (ru_maxrss, lifetime)."""

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .metrics import attention_layers, throughput_metrics
-from .packing import attention_pairs, computed_prompt_tokens
+from .metrics import rollout_attention_pairs, throughput_metrics
+from .packing import computed_prompt_tokens
 from .progress import PHASES
 
 if TYPE_CHECKING:
@@ -76,16 +76,15 @@ class StepLog:
         # Tokens of all ranks: the rates are the whole job's (MFU below: per GPU).
         # Prompt tokens as the forward passes see them: once per group when the group shares its prompt.
         # Attention's (query, key) pairs per layer, for each sliding window the layers use (MFU).
-        windows = list(dict.fromkeys(window for _, window in attention_layers(self.model)))
-        pairs = [attention_pairs(batch.prompt_ids, [int(n) for n in lengths.tolist()], self.micro_rows,
-                                 self.share_prompts, window) for window in windows]
-        prompt_tokens, completion_tokens, *pairs = (int(n) for n in self.parallel.all_reduce_sums(
+        pairs = rollout_attention_pairs(self.model, batch.prompt_ids, [int(n) for n in lengths.tolist()],
+                                        self.micro_rows, self.share_prompts)
+        prompt_tokens, completion_tokens, *summed_pairs = (int(n) for n in self.parallel.all_reduce_sums(
             [computed_prompt_tokens(batch.prompt_ids, self.micro_rows, self.share_prompts), float(lengths.sum()),
-             *map(float, pairs)]))
+             *map(float, pairs.values())]))
         record.update(throughput_metrics(  # tokens/s per phase, peak memory, MFU (cohort/metrics.py)
             self.model, self.device, self.phase_times, prompt_tokens, completion_tokens, len(losses),
             logprob_passes=int(self.args.num_iterations > 1) + int(self.uses_reference),
-            attention_pairs=dict(zip(windows, pairs))))
+            attention_pairs=dict(zip(pairs, summed_pairs))))
         if record.get("mfu") is not None:
             record["mfu"] /= self.parallel.world_size
         self.progress.show_rates(self.phase_times, {  # the phase bars' rates

@@ -544,14 +544,18 @@ def test_attention_pairs_count_the_mask_entries_of_each_layout(window):
 def test_update_flops_add_twelve_flops_per_attention_pair_and_head_dim_by_layer_window():
     import transformers
 
-    from cohort.metrics import attention_layers, update_flops
+    from cohort.metrics import attention_layers, rollout_attention_pairs, update_flops
     from cohort.models import CausalLM, ModelConfig
+    from cohort.packing import attention_pairs
 
     config = ModelConfig(model_type="qwen2", vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=6, sliding_window=4,
                          layer_types=["full_attention", "sliding_attention", "sliding_attention"])
     model = CausalLM(config)
     assert attention_layers(model) == [(12, None), (12, 4), (12, 4)]
+    prompts, lengths = [[1, 2, 3]] * 2 + [[4] * 6], [5, 2, 7]
+    assert rollout_attention_pairs(model, prompts, lengths, 8, True) == {
+        window: attention_pairs(prompts, lengths, 8, True, window) for window in (None, 4)}
     pairs = {None: 1000, 4: 300}
     weights_only = update_flops(model, 7, 30)
     # forward: q·k and p·v, 2 FLOPs per multiply-add, per head dim and head; backward twice that

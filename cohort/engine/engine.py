@@ -29,6 +29,7 @@ from cohort.engine.sequence import Sequence, SlotState, assemble_rollout
 from cohort.errors import CohortError
 from cohort.models.cache import KVCache
 from cohort.models.kernels import fused_kernels, triton_available
+from cohort.packing import prompt_groups
 from cohort.rollout import Rollout, SamplingParams, find_stop_string
 
 KV_LENGTH_STEP = 128  # cache lengths are rounded up to this so few (width, length) graphs exist
@@ -334,10 +335,9 @@ class Engine:
         and values to the rows of the other sequences with that prompt (GRPO's G completions of a
         prompt share it), and sample every sequence's first token from its prompt's last position.
         Prompts go in chunks of at most `prefill_tokens` padded tokens."""
-        by_prompt: dict[tuple[int, ...], list[Sequence]] = {}
-        for seq in admitted:
-            by_prompt.setdefault(tuple(seq.prompt), []).append(seq)
-        groups = sorted(by_prompt.values(), key=lambda group: len(group[0].prompt))  # similar lengths pad less
+        groups = [[admitted[i] for i in group]
+                  for group in prompt_groups([seq.prompt for seq in admitted], max_rows=len(admitted))]
+        groups.sort(key=lambda group: len(group[0].prompt))  # similar lengths pad less
         start = 0
         while start < len(groups):
             end = start + 1
@@ -359,7 +359,8 @@ class Engine:
         input_ids = to_device(input_ids, self.device)
         positions = torch.arange(width, device=self.device).expand(len(firsts), width)
         chunk = [seq for group in groups for seq in group]
-        self.cache.own_rows(to_device([seq.slot for seq in chunk], self.device))  # these rows are rewritten
+        slots = to_device([seq.slot for seq in chunk], self.device)
+        self.cache.own_rows(slots)  # these rows are rewritten
         # Plain ops here: a prefill runs once per prompt, not worth compiled variants for every length.
         with fused_kernels(False):
             hidden = self.model(input_ids, positions, kv_cache=self.cache, cache_rows=to_device(
@@ -380,8 +381,7 @@ class Engine:
                                               draw=torch.zeros_like(sequences), rows=sequences)
         limits = to_device([seq.limit for seq in chunk], self.device)
         prompt_lengths = to_device([len(seq.prompt) for seq in chunk], self.device)
-        self.state.start(to_device([seq.slot for seq in chunk], self.device), tokens, logprobs, prompt_lengths,
-                         limits, sequences)
+        self.state.start(slots, tokens, logprobs, prompt_lengths, limits, sequences)
         for seq in chunk:
             self._progress.known(seq, 1, self._progress.steps)
         self.stats["prefill_forwards"] += 1
