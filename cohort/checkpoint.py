@@ -100,7 +100,8 @@ def _write_contents(trainer, folder: Path, shared: dict | None = None) -> None:
 
     save_policy(trainer.model, trainer.tokenizer, folder)
     if trainer.ref_model is not None:
-        state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in trainer.ref_model.state_dict().items()}
+        with trainer.ref_weights.on_device():
+            state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in trainer.ref_model.state_dict().items()}
         save_file(_untied(state), str(folder / REFERENCE_FILE))
     elif has_lora(trainer.model) and trainer.args.ref_reset_steps:  # resets fold adapters into the base
         state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in base_state_dict(trainer.model).items()}

@@ -38,10 +38,11 @@ def load_checkpoint(trainer, folder: Path) -> None:
     else:
         _load_weights(trainer.model, read_safetensors(_safetensors_files(folder)), folder)  # sharded or not
     if trainer.ref_model is not None:
-        if (folder / REFERENCE_FILE).is_file():
-            _load_weights(trainer.ref_model, read_safetensors([folder / REFERENCE_FILE]), folder)
-        else:  # the checkpoint was written with β = 0: start a fresh outer iteration from the policy
-            trainer.ref_model.load_state_dict(trainer.model.state_dict())
+        with trainer.ref_weights.on_device(modified=True):
+            if (folder / REFERENCE_FILE).is_file():
+                _load_weights(trainer.ref_model, read_safetensors([folder / REFERENCE_FILE]), folder)
+            else:  # the checkpoint was written with β = 0: start a fresh outer iteration from the policy
+                trainer.ref_model.load_state_dict(trainer.model.state_dict())
     saved = _torch_load(folder / OPTIMIZER_FILE)
     if parallel.fsdp:  # the full state and fp32 weights into this rank's shards
         parallel.load_optimizer_state(trainer.train_model, trainer.optimizer, saved["optimizer"])

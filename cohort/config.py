@@ -95,6 +95,8 @@ class GRPOConfig:
     max_tokens_per_micro_batch: int = 0
     torch_compile: bool = False  # compile each decoder layer's training forward/backward (our models; needs triton on GPU)
     free_sampling_memory: bool = False  # on GPU, free the engine's KV cache and graphs after each rollout (slower)
+    lend_kv_cache: bool = True  # one process: the update's gradients live in the engine's idle KV cache (lending.py)
+    offload_ref_model: bool = True  # on GPU: π_ref's weights wait in pinned host memory between its passes (offload.py)
     fused_head_loss: bool = True  # our models, token-level ratios: the LM head's gradient in its forward pass (head_loss.py)
     share_prompt_prefix: bool = True  # our models: one forward of each prompt per group in the full-sequence passes (packing.py)
     # LoRA through peft (TRL's ModelConfig names); π_ref is then the same model with adapters off.

@@ -36,7 +36,9 @@ from .distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from .errors import CohortError
 from .lora import adapters_disabled, apply_lora, base_model, has_lora, lora_config_from_args, merge_into_base
 from .head_loss import micro_batch_policy_loss
+from .lending import idle_buffers, lend_gradients
 from .logprobs import rollout_logprobs, supports_hidden
+from .offload import HostOffload
 from .packing import MicroBatch, pack, plan_rollout, to_device
 from .modelio import load_policy, save_policy
 from .models import CausalLM
@@ -128,6 +130,11 @@ class GRPOTrainer(StepLog):
         # β = 0 needs no reference at all: skip the copy and its forward passes.
         self.uses_reference = args.beta > 0
         self.ref_model = self._frozen_copy() if self.uses_reference and not has_lora(self.model) else None
+        # Memory each phase leaves idle: π_ref's weights wait on the host outside its pass, and the
+        # update's gradients borrow the engine's KV cache (one process: DDP and FSDP own their gradients).
+        self.ref_weights = HostOffload(self.ref_model, enabled=args.offload_ref_model and self.device.type == "cuda"
+                                       and not args.fsdp)
+        self.lend_kv_cache = args.lend_kv_cache and self.parallel.world_size == 1 and not args.fsdp
         self.micro_rows, self.micro_tokens = args.per_device_train_batch_size, args.max_tokens_per_micro_batch
         # The G completions of a prompt share its forward in the log-prob passes and the update: our
         # models only (they take attention rows), and only where a prompt has several completions.
@@ -160,6 +167,7 @@ class GRPOTrainer(StepLog):
         for step in range(self.step + 1, args.max_steps + 1):
             self.step = step
             started = time.perf_counter()
+            self.ref_weights.prefetch()  # π_ref's weights come back from the host while the engine samples
             if args.ref_reset_steps and step > 1 and (step - 1) % args.ref_reset_steps == 0:
                 self.reset_reference()  # π_ref ← π_θ: a new outer iteration
             with self.phase("sampling"):
@@ -254,14 +262,20 @@ class GRPOTrainer(StepLog):
         if self.args.num_iterations > 1:
             batch.old_logp = self.with_oom_retry(lambda: self._logprobs_no_grad(self.model, batch))
         if self.ref_model is not None:
-            batch.ref_logp = self.with_oom_retry(lambda: self._logprobs_no_grad(self.ref_model, batch))
+            with self.ref_weights.on_device():
+                batch.ref_logp = self.with_oom_retry(lambda: self._logprobs_no_grad(self.ref_model, batch))
         elif self.uses_reference:  # LoRA: the reference is this very model with its adapters switched off
             with adapters_disabled(self.model):
                 batch.ref_logp = self.with_oom_retry(lambda: self._logprobs_no_grad(self.model, batch))
 
     def update(self, batch: Batch) -> dict:
         """One optimizer step over the whole rollout (μ of these per rollout)."""
-        return self.with_oom_retry(lambda: self._accumulate_and_step(batch))
+        def attempt():
+            self.optimizer.zero_grad(set_to_none=True)
+            buffers = idle_buffers(self.sampler) if self.lend_kv_cache else []
+            with lend_gradients(self.trainable_params(), buffers):  # gradients in the idle KV cache
+                return self._accumulate_and_step(batch)
+        return self.with_oom_retry(attempt)
 
     def _accumulate_and_step(self, batch: Batch) -> dict:
         """Gradient accumulation over length-bucketed micro-batches, then one optimizer step.
@@ -270,7 +284,6 @@ class GRPOTrainer(StepLog):
         ranks, so the micro-batch split never changes the gradient."""
         args = self.args
         self.train_model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         keep_rows = self.loss_rows(batch)
         local_rows = len(batch.rows)
         total = self.parallel.all_reduce_sum(local_rows)
@@ -380,7 +393,8 @@ class GRPOTrainer(StepLog):
     def reset_reference(self) -> None:
         """π_ref ← π_θ: copy the weights, or with LoRA fold the adapters into the base (lora.py)."""
         if self.ref_model is not None:
-            self.ref_model.load_state_dict(self.model.state_dict())
+            with self.ref_weights.on_device(modified=True):
+                self.ref_model.load_state_dict(self.model.state_dict())
         elif has_lora(self.model) and self.uses_reference:
             for param in merge_into_base(self.model):
                 self.optimizer.state.pop(param, None)  # B restarts at 0: its AdamW moments start over too
@@ -414,6 +428,12 @@ class GRPOTrainer(StepLog):
                                 pad_id=self.pad_id, max_rows=self.micro_rows * NO_GRAD_FACTOR,
                                 max_tokens=self.micro_tokens * NO_GRAD_FACTOR, temperature=self.args.temperature or 1.0,
                                 share_prompts=self.share_prompts)
+
+    def trainable_params(self) -> list[torch.Tensor]:
+        """The tensors that receive gradients: the bf16 weights behind fp32 masters, or the parameters."""
+        if hasattr(self.optimizer, "model_params"):
+            return list(self.optimizer.model_params)
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def _frozen_copy(self):
         ref = copy.deepcopy(self.model)

@@ -145,6 +145,11 @@ class Engine:
                 self.graphs(rows, cache_len, _sampling_key(params))  # every slot is empty: a no-op step
         return len(self.graphs.graphs)
 
+    def idle_buffers(self) -> list[torch.Tensor]:
+        """The KV cache's tensors. Their contents are dead between calls (every call prefills its
+        sequences anew), so the trainer lends them to the update's gradients (cohort/lending.py)."""
+        return [] if self.cache is None else self.cache.k_layers + self.cache.v_layers
+
     def release(self) -> None:
         """Free the KV cache, slot state and CUDA graphs (they are rebuilt by the next call)."""
         self.graphs.clear()
