@@ -96,6 +96,7 @@ class GRPOConfig:
     torch_compile: bool = False  # compile each decoder layer's training forward/backward (our models; needs triton on GPU)
     free_sampling_memory: bool = False  # on GPU, free the engine's KV cache and graphs after each rollout (slower)
     lend_kv_cache: bool = True  # one process: the update's gradients live in the engine's idle KV cache (lending.py)
+    gc_freeze: bool = True  # after the first step, Python's collector stops walking the run's long-lived objects (gc_pauses.py)
     offload_ref_model: bool = True  # on GPU: π_ref's weights wait in pinned host memory between its passes (offload.py)
     fused_head_loss: bool = True  # our models, token-level ratios: the LM head's gradient in its forward pass (head_loss.py)
     share_prompt_prefix: bool = True  # our models: one forward of each prompt per group in the full-sequence passes (packing.py)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .gc_pauses import collector_seconds
 from .metrics import rollout_attention_pairs, throughput_metrics
 from .packing import computed_prompt_tokens
 from .progress import PHASES
@@ -91,6 +92,8 @@ class StepLog:
             "sampling": (completion_tokens, "tok"), "rewards": (len(batch.rows), "seq"),
             "update": ((prompt_tokens + completion_tokens) * len(losses), "tok")})
         record.update({f"time/{k}": v for k, v in self.phase_times.items()})
+        before, self.gc_mark = self.gc_mark, collector_seconds()
+        record["time/gc"] = self.gc_mark - before  # Python's collector, inside the phases above
         if self.phase_peaks:  # phases reset the CUDA peak counter: the step's peak is the largest phase peak
             record.update({f"memory/{k}_gib": v for k, v in self.phase_peaks.items()})
             record["peak_memory_gib"] = max([*self.phase_peaks.values(), record.get("peak_memory_gib") or 0.0])

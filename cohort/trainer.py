@@ -36,6 +36,7 @@ from .distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from .errors import CohortError
 from .lora import adapters_disabled, apply_lora, base_model, has_lora, lora_config_from_args, merge_into_base
 from .head_loss import micro_batch_policy_loss
+from .gc_pauses import collector_seconds, freeze_long_lived_objects, thaw_frozen_objects
 from .lending import idle_buffers, lend_gradients
 from .logprobs import rollout_logprobs, supports_hidden
 from .offload import HostOffload
@@ -149,6 +150,7 @@ class GRPOTrainer(StepLog):
         self.phase_peaks: dict[str, float] = {}  # GiB, CUDA only
         self.accuracy_before = self.accuracy_after = None
         self.skipped_steps = self.nonfinite_in_a_row = 0  # updates skipped for a non-finite loss / gradient
+        self.gc_mark = collector_seconds()  # the garbage collector's pauses so far (each step logs its own)
         self.sequence_offset = 0  # global index of this rank's first completion in the step's batch
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         main = self.parallel.is_main  # rank 0 alone logs, prints and saves
@@ -160,39 +162,46 @@ class GRPOTrainer(StepLog):
     def train(self) -> list[dict]:
         args = self.args
         started_run = time.perf_counter()
-        self.resume()  # --resume: continue from the newest complete checkpoint, exactly
-        if self.step == 0:
-            self.accuracy_before = self.evaluate_held_out()
-            warm_up_reward_models(self)  # r_φ: offline training on the initial policy's labelled samples
-        for step in range(self.step + 1, args.max_steps + 1):
-            self.step = step
-            started = time.perf_counter()
-            self.ref_weights.prefetch()  # π_ref's weights come back from the host while the engine samples
-            if args.ref_reset_steps and step > 1 and (step - 1) % args.ref_reset_steps == 0:
-                self.reset_reference()  # π_ref ← π_θ: a new outer iteration
-            with self.phase("sampling"):
-                batch = self.sample_batch(self.next_prompts())  # π_old ← π_θ; G completions per prompt
-            with self.phase("rewards"):
-                self.score(batch)  # rewards r_φ(q, o_i)
-            batch = self.refill_uninformative(batch)  # DAPO dynamic sampling (off by default)
-            batch.advantages = group_advantages(batch.rewards, args.num_generations, args.scale_rewards)
-            with self.phase("logprobs"):
-                self.reference_logprobs(batch)  # log π_old (μ > 1) and log π_ref (β > 0), once per step
-            with self.phase("update"):
-                losses = [self.update(batch) for _ in range(args.num_iterations)]  # μ policy updates
-            if self.parallel.fsdp:
-                with self.phase("gather"):  # FSDP2: the updated shards into the full copy the engine samples
-                    self.parallel.refresh_sampling_model()
-            with self.phase("reward_model"):
-                self.update_reward_models(batch)  # r_φ: continuous training with replay (learned r_φ only)
-            self.record_step(batch, losses, time.perf_counter() - started)
-            if args.eval_steps and step % args.eval_steps == 0 and step < args.max_steps:
-                self.evaluate_held_out()
-            self.maybe_save_checkpoint()  # every save_steps and at the end; on SIGINT/SIGTERM save and stop
-        self.log_iteration_summary(final=True)
-        self.accuracy_after = self.evaluate_held_out()
-        self.finish(time.perf_counter() - started_run)
-        return self.history
+        try:
+            self.resume()  # --resume: continue from the newest complete checkpoint, exactly
+            self.first_step = self.step + 1
+            if self.step == 0:
+                self.accuracy_before = self.evaluate_held_out()
+                warm_up_reward_models(self)  # r_φ: offline training on the initial policy's labelled samples
+            for step in range(self.step + 1, args.max_steps + 1):
+                self.step = step
+                started = time.perf_counter()
+                self.ref_weights.prefetch()  # π_ref's weights come back from the host while the engine samples
+                if args.ref_reset_steps and step > 1 and (step - 1) % args.ref_reset_steps == 0:
+                    self.reset_reference()  # π_ref ← π_θ: a new outer iteration
+                with self.phase("sampling"):
+                    batch = self.sample_batch(self.next_prompts())  # π_old ← π_θ; G completions per prompt
+                with self.phase("rewards"):
+                    self.score(batch)  # rewards r_φ(q, o_i)
+                batch = self.refill_uninformative(batch)  # DAPO dynamic sampling (off by default)
+                batch.advantages = group_advantages(batch.rewards, args.num_generations, args.scale_rewards)
+                with self.phase("logprobs"):
+                    self.reference_logprobs(batch)  # log π_old (μ > 1) and log π_ref (β > 0), once per step
+                with self.phase("update"):
+                    losses = [self.update(batch) for _ in range(args.num_iterations)]  # μ policy updates
+                if self.parallel.fsdp:
+                    with self.phase("gather"):  # FSDP2: the updated shards into the full copy the engine samples
+                        self.parallel.refresh_sampling_model()
+                with self.phase("reward_model"):
+                    self.update_reward_models(batch)  # r_φ: continuous training with replay (learned r_φ only)
+                self.record_step(batch, losses, time.perf_counter() - started)
+                if args.gc_freeze and step == self.first_step:  # the run's long-lived objects exist now
+                    freeze_long_lived_objects()  # full collections stop walking them (cohort/gc_pauses.py)
+                    self.gc_mark = collector_seconds()  # that one collection is not the next step's pause
+                if args.eval_steps and step % args.eval_steps == 0 and step < args.max_steps:
+                    self.evaluate_held_out()
+                self.maybe_save_checkpoint()  # every save_steps and at the end; on SIGINT/SIGTERM save and stop
+            self.log_iteration_summary(final=True)
+            self.accuracy_after = self.evaluate_held_out()
+            self.finish(time.perf_counter() - started_run)
+            return self.history
+        finally:
+            thaw_frozen_objects()  # a later run in this process can reclaim this run's objects
 
     # ---- the steps of the loop ---------------------------------------------------------------
     def next_prompts(self) -> list[dict]:
