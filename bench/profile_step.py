@@ -76,6 +76,7 @@ def main(argv=None) -> None:
     step = trainer.step + 1
     with torch.profiler.profile(activities=activities) as prof:
         trainer.step = step
+        trainer.ref_weights.prefetch()  # as train() does at the top of a step: π_ref's copy overlaps sampling
         with trainer.phase("sampling"):
             batch = trainer.sample_batch(trainer.next_prompts())
         with trainer.phase("rewards"):

@@ -35,7 +35,8 @@ def lend_gradients(params: Iterable[torch.Tensor], buffers: list[torch.Tensor]) 
     params = [p for p in params if p.requires_grad]
     if any(p.grad is not None for p in params):
         raise RuntimeError("lend_gradients: a parameter already has a gradient; call zero_grad(set_to_none=True) first")
-    slots = [_bytes_of(b) for b in buffers if b.is_contiguous()]
+    # Inference tensors cannot be written outside inference mode: such a buffer lends nothing.
+    slots = [_bytes_of(b) for b in buffers if b.is_contiguous() and not b.is_inference()]
     used = [0] * len(slots)
     lent: list[torch.Tensor] = []
     for param in sorted(params, key=lambda p: p.numel() * p.element_size(), reverse=True):

@@ -282,8 +282,8 @@ class GRPOTrainer(StepLog):
         def attempt():
             self.optimizer.zero_grad(set_to_none=True)
             buffers = idle_buffers(self.sampler) if self.lend_kv_cache else []
-            with lend_gradients(self.trainable_params(), buffers):  # gradients in the idle KV cache
-                return self._accumulate_and_step(batch)
+            with lend_gradients(self.trainable_params(), buffers) as lent:  # gradients in the idle KV cache
+                return {**self._accumulate_and_step(batch), "memory/lent_gib": lent / 2**30}
         return self.with_oom_retry(attempt)
 
     def _accumulate_and_step(self, batch: Batch) -> dict:

@@ -100,6 +100,15 @@ def test_lent_gradients_are_dropped_when_the_block_raises():
     assert all(p.grad is None for p in model.parameters()) and buffers[0].count_nonzero() == 0
 
 
+def test_inference_tensors_lend_nothing():
+    with torch.inference_mode():
+        cache = torch.zeros(1000)  # cannot be written outside inference mode
+    model = _mlp()
+    with lend_gradients(model.parameters(), [cache]) as lent:
+        model(torch.randn(2, 6)).sum().backward()
+        assert lent == 0 and not any(_inside(p.grad, [cache]) for p in model.parameters())
+
+
 # ---- HostOffload -----------------------------------------------------------------------------------
 
 def test_offloaded_weights_leave_the_device_and_come_back_exactly():
@@ -183,6 +192,9 @@ def test_training_with_lent_gradients_and_offloaded_reference_is_bit_for_bit_the
     assert lent_bytes[:3] == [0, 0, 0] and all(n > 0 for n in lent_bytes[3:]) and len(lent_bytes) == 6  # one per update
     for a, b in zip(plain.model.parameters(), borrowed.model.parameters()):
         assert torch.equal(a, b)
+    assert all(r["memory/lent_gib"] == 0 for r in plain.history)
+    assert all(r["memory/lent_gib"] * 2**30 == n for r, n in zip(borrowed.history, lent_bytes[3:]))
+    assert all(not b.is_inference() for b in borrowed.sampler.idle_buffers())  # the engine's cache can be lent
     assert [r["reward"] for r in plain.history] == [r["reward"] for r in borrowed.history]
     # the reference was reset at step 3 (ref_reset_steps=2) and saved at steps 2 and 3 while offloaded
     assert all(p.untyped_storage().nbytes() == 0 for p in borrowed.ref_model.parameters())

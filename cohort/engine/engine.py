@@ -200,7 +200,8 @@ class Engine:
                       and self.cache.dtype == self.model.dtype and self.cache.device == self.device)
         if not cache_fits:
             self.release()  # drop the old cache (and the graphs reading it) before allocating anew
-            self.cache = KVCache.for_model(self.model, rows, max_len)
+            with torch.inference_mode(False):  # a normal tensor: the update may borrow it (idle_buffers)
+                self.cache = KVCache.for_model(self.model, rows, max_len)
         if self.state is None or not self.state.fits(self.cache.num_rows, params.max_new_tokens, params.pad_token_id):
             width = max(params.max_new_tokens, self.state.max_new_tokens if self.state is not None else 0)
             self.graphs.clear()
