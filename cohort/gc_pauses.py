@@ -18,36 +18,37 @@ from __future__ import annotations
 import gc
 import time
 
-_pause = {"seconds": 0.0, "started": None}
-_frozen_here = [False]  # whether this module froze objects (gc.freeze is process-wide)
+# Seconds collected so far, the running collection's start, and whether this module froze objects
+# (gc.freeze is process-wide: thaw only what we froze).
+_state = {"seconds": 0.0, "started": None, "frozen": False}
 
 
 def _on_collection(phase: str, info: dict) -> None:
     if phase == "start":
-        _pause["started"] = time.perf_counter()
-    elif _pause["started"] is not None:
-        _pause["seconds"] += time.perf_counter() - _pause["started"]
-        _pause["started"] = None
+        _state["started"] = time.perf_counter()
+    elif _state["started"] is not None:
+        _state["seconds"] += time.perf_counter() - _state["started"]
+        _state["started"] = None
 
 
 def collector_seconds() -> float:
     """Seconds the collector has run in this process since the first call."""
     if _on_collection not in gc.callbacks:
         gc.callbacks.append(_on_collection)
-    return _pause["seconds"]
+    return _state["seconds"]
 
 
 def freeze_long_lived_objects() -> int:
     """Collect once, then exempt every object alive now from later collections; returns how many."""
     gc.collect()
     gc.freeze()
-    _frozen_here[0] = True
+    _state["frozen"] = True
     return gc.get_freeze_count()
 
 
 def thaw_frozen_objects() -> None:
     """Undo `freeze_long_lived_objects` at the end of a run, so that a later run in the same process
     (a sweep, a notebook) can reclaim this run's model, engine and graphs once they are dropped."""
-    if _frozen_here[0]:
+    if _state["frozen"]:
         gc.unfreeze()
-        _frozen_here[0] = False
+        _state["frozen"] = False

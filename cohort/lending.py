@@ -38,7 +38,6 @@ def lend_gradients(params: Iterable[torch.Tensor], buffers: list[torch.Tensor]) 
     # Inference tensors cannot be written outside inference mode: such a buffer lends nothing.
     slots = [_bytes_of(b) for b in buffers if b.is_contiguous() and not b.is_inference()]
     used = [0] * len(slots)
-    lent: list[torch.Tensor] = []
     for param in sorted(params, key=lambda p: p.numel() * p.element_size(), reverse=True):
         size = param.numel() * param.element_size()
         for i, slot in enumerate(slots):
@@ -48,7 +47,6 @@ def lend_gradients(params: Iterable[torch.Tensor], buffers: list[torch.Tensor]) 
                 grad.zero_()
                 param.grad = grad  # autograd accumulates into an existing .grad in place
                 used[i] = start + size
-                lent.append(param)
                 break
     try:
         yield sum(used)

@@ -27,7 +27,9 @@ class HostOffload:
         self.storages: list[torch.UntypedStorage] = []
         self.sizes: list[int] = []
         self.host: list[torch.Tensor] | None = None  # host copies; None until the first eviction
+        self.host_stale = True  # the device copy was written since the host copy was taken
         self.resident = True
+        self.stream: torch.cuda.Stream | None = None
         self.ready: torch.cuda.Event | None = None  # the prefetch's copies have finished
         if not self.enabled:
             return
@@ -48,7 +50,9 @@ class HostOffload:
         if not self.enabled or self.resident:
             return
         cuda = self.device.type == "cuda"
-        stream = torch.cuda.Stream(self.device) if cuda else None
+        if cuda and self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        stream = self.stream if cuda else None
         if cuda:  # the storage comes from blocks the main stream may still be using
             stream.wait_stream(torch.cuda.current_stream(self.device))
         for storage, size in zip(self.storages, self.sizes):
@@ -64,7 +68,8 @@ class HostOffload:
     @contextmanager
     def on_device(self, modified: bool = False) -> Iterator[None]:
         """The weights on the device inside the block, freed there again after it. `modified=True`
-        when the block writes them (π_ref ← π_θ, a resumed checkpoint): the host copy is refreshed."""
+        when the block writes them (π_ref ← π_θ, a resumed checkpoint): the host copy is refreshed.
+        If the block raises, the weights stay on the device (a modified host copy stays marked stale)."""
         if not self.enabled:
             yield
             return
@@ -72,17 +77,19 @@ class HostOffload:
         if self.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready)
             self.ready = None
+        self.host_stale = self.host_stale or modified
         yield
-        self.evict(refresh_host=modified)
+        self.evict()
 
-    def evict(self, refresh_host: bool = False) -> None:
+    def evict(self) -> None:
         """Free the device storage, copying it to the host first when the host copy is missing or stale."""
         if not self.enabled or not self.resident:
             return
-        if self.host is None or refresh_host:
+        if self.host is None or self.host_stale:
             pin = self.device.type == "cuda"
             self.host = [torch.empty(size, dtype=torch.uint8, pin_memory=pin).copy_(_bytes_view(storage))
                          for storage, size in zip(self.storages, self.sizes)]
+            self.host_stale = False
         for storage in self.storages:
             storage.resize_(0)  # freed in the main stream's order, after every kernel that reads it
         self.resident = False

@@ -138,6 +138,22 @@ def test_a_write_inside_on_device_modified_reaches_the_host_copy():
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
 
 
+def test_a_write_that_raises_keeps_the_weights_on_the_device_and_the_next_eviction_saves_them():
+    model, other = _mlp(0), _mlp(1)
+    offload = HostOffload(model)
+    with offload.on_device():
+        pass
+    with pytest.raises(RuntimeError, match="half-way"):
+        with offload.on_device(modified=True):
+            model[0].weight.data.copy_(other[0].weight)
+            raise RuntimeError("failed half-way")
+    assert offload.resident and model[0].weight.untyped_storage().nbytes() > 0
+    with offload.on_device():
+        pass  # leaving evicts: the host copy must take the written weight first
+    with offload.on_device():
+        assert torch.equal(model[0].weight, other[0].weight)
+
+
 def test_tied_weights_are_offloaded_once():
     embed = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)
