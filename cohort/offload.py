@@ -13,7 +13,7 @@ does), so compiled code and the modules that hold them see no difference.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -57,7 +57,7 @@ class HostOffload:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         for storage, size in zip(self.storages, self.sizes):
             storage.resize_(size)
-        with torch.cuda.stream(stream) if cuda else _nothing():
+        with torch.cuda.stream(stream) if cuda else nullcontext():
             for storage, host in zip(self.storages, self.host):
                 _bytes_view(storage).copy_(host, non_blocking=cuda)
         if cuda:
@@ -97,8 +97,3 @@ class HostOffload:
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
-
-
-@contextmanager
-def _nothing():
-    yield

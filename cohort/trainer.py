@@ -282,7 +282,7 @@ class GRPOTrainer(StepLog):
         def attempt():
             self.optimizer.zero_grad(set_to_none=True)
             buffers = idle_buffers(self.sampler) if self.lend_kv_cache else []
-            with lend_gradients(self.trainable_params(), buffers) as lent:  # gradients in the idle KV cache
+            with lend_gradients(self.train_model.parameters(), buffers) as lent:  # gradients in the idle KV cache
                 return {**self._accumulate_and_step(batch), "memory/lent_gib": lent / 2**30}
         return self.with_oom_retry(attempt)
 
@@ -437,12 +437,6 @@ class GRPOTrainer(StepLog):
                                 pad_id=self.pad_id, max_rows=self.micro_rows * NO_GRAD_FACTOR,
                                 max_tokens=self.micro_tokens * NO_GRAD_FACTOR, temperature=self.args.temperature or 1.0,
                                 share_prompts=self.share_prompts)
-
-    def trainable_params(self) -> list[torch.Tensor]:
-        """The tensors that receive gradients: the bf16 weights behind fp32 masters, or the parameters."""
-        if hasattr(self.optimizer, "model_params"):
-            return list(self.optimizer.model_params)
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def _frozen_copy(self):
         ref = copy.deepcopy(self.model)
