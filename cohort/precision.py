@@ -9,8 +9,11 @@ rounded once. This is the scheme of Micikevicius et al. 2018 ("Mixed Precision T
 bf16 instead of fp16, so no loss scaling is needed (bf16 has fp32's exponent range).
 
 Gradients accumulate across micro-batches in the parameters' own dtype (as in TRL with bf16, and
-what DDP all-reduces); only after the last backward are they moved to fp32, one tensor at a time,
-which keeps the fp32 gradient copy out of the memory peak of the backward passes.
+what DDP all-reduces). The optimizer step needs them in fp32, but never all at once: the norm for
+clipping and then the step itself walk the parameters in chunks of at most `chunk_bytes` of fp32
+gradients, converting, using and freeing each chunk before the next. A whole fp32 gradient copy
+(4 bytes a parameter: 5.7 GiB at 1.5B, 28 GiB at 7B) would otherwise set the memory peak of the
+update. Every element sees the same operations as in one unchunked step, so the result is the same.
 """
 
 from __future__ import annotations
@@ -18,6 +21,22 @@ from __future__ import annotations
 import torch
 
 from .errors import CohortError
+
+# fp32 gradient bytes alive at once in the optimizer step; a larger tensor is a chunk of its own.
+GRADIENT_CHUNK_BYTES = 1 << 30
+
+
+def _chunks_by_bytes(tensors: list[torch.Tensor], budget: int) -> list[range]:
+    """Consecutive index ranges of `tensors` whose fp32 sizes add up to at most `budget` bytes."""
+    chunks, start, size = [], 0, 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * 4
+        if i > start and size + nbytes > budget:
+            chunks.append(range(start, i))
+            start, size = i, 0
+        size += nbytes
+    chunks.append(range(start, len(tensors)))
+    return chunks
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
@@ -30,45 +49,94 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
 
 
 class MasterWeightAdamW(torch.optim.AdamW):
-    """AdamW over fp32 copies of low-precision parameters.
+    """AdamW over fp32 copies of low-precision parameters, stepped chunk by chunk.
 
     Behaves as `torch.optim.AdamW` for the trainer (param_groups, state_dict, LR schedulers) but
     its params are the fp32 masters; `model_params[i]` is the bf16 tensor master `i` writes back
-    into. The masters travel in `state_dict()` so a resumed run continues from the exact fp32
-    values, not from their bf16 rounding.
+    into, and whose `.grad` the backward fills. The masters travel in `state_dict()` so a resumed
+    run continues from the exact fp32 values, not from their bf16 rounding.
     """
 
-    def __init__(self, params, **kwargs):
+    def __init__(self, params, chunk_bytes: int = GRADIENT_CHUNK_BYTES, **kwargs):
         self.model_params = [p for p in params if p.requires_grad]
         if not self.model_params:
             raise CohortError("no trainable parameters: every parameter has requires_grad=False")
         masters = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
         if masters[0].is_cuda:
-            kwargs.setdefault("fused", True)  # one kernel for the whole update
+            kwargs.setdefault("fused", True)  # one kernel per chunk
         super().__init__(masters, **kwargs)
         self.masters = masters
+        self.chunks = _chunks_by_bytes(masters, chunk_bytes)
+        self.clip_coefficient: torch.Tensor | None = None  # set by clip_grad_norm, used by the next step
+
+    def _fp32_grads(self, chunk: range) -> list[torch.Tensor]:
+        return [self.model_params[i].grad.float() for i in chunk if self.model_params[i].grad is not None]
 
     @torch.no_grad()
-    def move_grads_to_masters(self) -> None:
-        """fp32 copies of the accumulated gradients on the masters; each bf16 gradient is freed as
-        soon as it is copied, so the two never coexist for the whole model."""
-        for param, master in zip(self.model_params, self.masters):
-            if param.grad is not None:
-                master.grad = param.grad.float()
-                param.grad = None
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the fp32 gradients, one chunk alive at a time.
+
+        Returns the total norm before clipping; the step applies min(max_norm / (norm + 1e-6), 1),
+        torch's coefficient, to each chunk as it converts it. The per-tensor norms come from the
+        same fp32 values and the same kernel as torch's (`_foreach_norm`), so the total is the same."""
+        norms: list[torch.Tensor] = []
+        for chunk in self.chunks:
+            grads = self._fp32_grads(chunk)
+            if grads:
+                norms.extend(torch._foreach_norm(grads, 2.0))
+        if not norms:
+            return torch.tensor(0.0)
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        self.clip_coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        return total
 
     @torch.no_grad()
     def step(self, closure=None):
-        self.move_grads_to_masters()  # a no-op when clip_grad_norm already moved them
-        loss = super().step(closure)
-        for param, master in zip(self.model_params, self.masters):
-            param.copy_(master)
+        """One AdamW step: per chunk, fp32 gradients (clipped), the fused update, the bf16 write-back."""
+        loss = closure() if closure is not None else None
+        self._allocate_state()  # before any chunk moves: running out of memory here changes nothing
+        for chunk in self.chunks:
+            grads = self._fp32_grads(chunk)
+            stepped = [i for i in chunk if self.model_params[i].grad is not None]
+            if not stepped:
+                continue
+            if self.clip_coefficient is not None:
+                torch._foreach_mul_(grads, self.clip_coefficient.to(grads[0].device))
+            for i, grad in zip(stepped, grads):
+                self.masters[i].grad = grad
+                self.model_params[i].grad = None  # a bf16 gradient not lent from the KV cache is freed here
+            super().step()  # AdamW skips the masters without a gradient: the other chunks
+            for i in stepped:
+                self.model_params[i].copy_(self.masters[i])
+                self.masters[i].grad = None
+        self.clip_coefficient = None
         return loss
+
+    def _allocate_state(self) -> None:
+        """AdamW's moments for every master, as its own lazy initialisation makes them (step, exp_avg,
+        exp_avg_sq) but all at the first step's start. Made lazily per chunk, an out-of-memory error
+        in a later chunk would come after earlier chunks had stepped, and the retried update would
+        step them twice."""
+        for group in self.param_groups:
+            for master in group["params"]:
+                state = self.state[master]
+                if len(state) > 0:
+                    continue
+                if group["fused"] or group["capturable"]:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+                else:
+                    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                    state["step"] = torch.tensor(0.0, dtype=scalar)
+                state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for param in self.model_params:
             param.grad = None
+        self.clip_coefficient = None  # a step skipped after clipping leaves none for the next one
 
     def state_dict(self):
         state = super().state_dict()
@@ -95,14 +163,11 @@ class MasterWeightAdamW(torch.optim.AdamW):
 def clip_grad_norm(optimizer: torch.optim.Optimizer, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the gradients the optimizer is about to apply; returns their total norm before clipping.
 
-    With fp32 masters the norm is taken over the fp32 copies (a bf16 sum of squares over 10⁸
-    elements would lose the small ones)."""
+    With fp32 masters the norm is taken over fp32 copies of the gradients (a bf16 sum of squares
+    over 10⁸ elements would lose the small ones), made and dropped chunk by chunk."""
     if isinstance(optimizer, MasterWeightAdamW):
-        optimizer.move_grads_to_masters()
-        params = optimizer.masters
-    else:
-        params = [p for p in model.parameters() if p.requires_grad]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return optimizer.clip_grad_norm(max_norm)
+    return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
 
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:

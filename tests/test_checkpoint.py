@@ -229,16 +229,16 @@ def test_incomplete_and_corrupt_checkpoints_are_skipped_with_a_reason(model_dir,
 
 
 def test_non_finite_updates_are_skipped_counted_and_stop_the_run(model_dir, tmp_path, monkeypatch):
-    import cohort.trainer as trainer_module
+    import cohort.policy_update as update_module
 
-    real_loss = trainer_module.micro_batch_policy_loss
+    real_loss = update_module.micro_batch_policy_loss
     bad_steps = {2}
 
     def loss_nan_on_bad_steps(*args, **kwargs):
         loss, stats, out = real_loss(*args, **kwargs)
         return (loss * float("nan"), stats, out) if trainer.step in bad_steps else (loss, stats, out)
 
-    monkeypatch.setattr(trainer_module, "micro_batch_policy_loss", loss_nan_on_bad_steps)
+    monkeypatch.setattr(update_module, "micro_batch_policy_loss", loss_nan_on_bad_steps)
     trainer = trainer_for(model_dir, tmp_path / "one", max_steps=3, beta=0.0)
     before_step_2 = {}
     record = trainer.record_step

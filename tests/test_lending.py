@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-import cohort.trainer as trainer_module
+import cohort.policy_update as update_module
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.lending import lend_gradients
 from cohort.offload import HostOffload
@@ -193,7 +193,7 @@ def _train(tiny_dir, tmp_path, offload=False, **overrides):
 
 def test_training_with_lent_gradients_and_offloaded_reference_is_bit_for_bit_the_same(tiny_dir, tmp_path, monkeypatch):
     lent_bytes = []
-    real = trainer_module.lend_gradients
+    real = update_module.lend_gradients
 
     @contextlib.contextmanager
     def recording(params, buffers):
@@ -201,7 +201,7 @@ def test_training_with_lent_gradients_and_offloaded_reference_is_bit_for_bit_the
             lent_bytes.append(lent)
             yield lent
 
-    monkeypatch.setattr(trainer_module, "lend_gradients", recording)
+    monkeypatch.setattr(update_module, "lend_gradients", recording)
     plain = _train(tiny_dir, tmp_path / "plain", lend_kv_cache=False)
     assert plain.ref_weights.enabled is False  # CPU: the trainer does not offload by itself
     borrowed = _train(tiny_dir, tmp_path / "borrowed", offload=True)

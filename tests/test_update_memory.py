@@ -204,9 +204,9 @@ def test_update_frees_the_gradients_after_its_step(tiny_dir, tmp_path, dtype):
 
 
 def test_out_of_memory_halves_the_micro_batch_and_matches_that_size_from_the_start(tiny_dir, tmp_path, monkeypatch):
-    import cohort.trainer as trainer_module
+    import cohort.policy_update as update_module
 
-    real = trainer_module.micro_batch_policy_loss
+    real = update_module.micro_batch_policy_loss
     seen = []
 
     def limited(model, micro, **kwargs):  # a "GPU" that holds at most 4 rows per training micro-batch
@@ -218,10 +218,10 @@ def test_out_of_memory_halves_the_micro_batch_and_matches_that_size_from_the_sta
     lines = []
     retried = _trainer(tiny_dir, tmp_path / "retry", per_device_train_batch_size=16, gradient_accumulation_steps=1)
     retried.log = lines.append
-    monkeypatch.setattr(trainer_module, "micro_batch_policy_loss", limited)
+    monkeypatch.setattr(update_module, "micro_batch_policy_loss", limited)
     batch = _synthetic_batch(retried)
     stats = retried.update(batch)
-    monkeypatch.setattr(trainer_module, "micro_batch_policy_loss", real)
+    monkeypatch.setattr(update_module, "micro_batch_policy_loss", real)
     assert retried.micro_rows == 4 and retried.oom_retries == 2  # 16 → 8 → 4
     assert any("out of GPU memory with micro-batches of 16" in line for line in lines)
     assert max(seen) == 16 and stats["micro_batches"] == 4

@@ -1,0 +1,155 @@
+"""The fp32-master AdamW steps in chunks: same numbers as torch's AdamW over fp32 copies, with at
+most one chunk of fp32 gradients alive, and an out-of-memory error that leaves everything as it was."""
+
+import pytest
+import torch
+
+from cohort.precision import MasterWeightAdamW, _chunks_by_bytes, clip_grad_norm
+
+SHAPES = [(64, 32), (32,), (128, 16), (7,), (256, 8), (16, 16)]  # 2,048 + 32 + 2,048 + 7 + 2,048 + 256 elements
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape).to(torch.bfloat16)) for shape in SHAPES]
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return [(torch.randn(shape, generator=generator) * (1 + i)).to(torch.bfloat16) for i, shape in enumerate(SHAPES)]
+
+
+KWARGS = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99))
+
+
+def test_chunks_cover_every_tensor_once_within_the_budget():
+    tensors = [torch.empty(shape) for shape in SHAPES]
+    for budget in (1, 4 * 2048, 4 * 2400, 4 * 5000, 1 << 30):
+        chunks = _chunks_by_bytes(tensors, budget)
+        assert [i for chunk in chunks for i in chunk] == list(range(len(tensors)))
+        for chunk in chunks:
+            size = sum(tensors[i].numel() * 4 for i in chunk)
+            assert size <= budget or len(chunk) == 1  # only a tensor larger than the budget goes over it
+    assert len(_chunks_by_bytes(tensors, 1)) == len(tensors)
+    assert len(_chunks_by_bytes(tensors, 1 << 30)) == 1
+    assert [list(c) for c in _chunks_by_bytes(tensors, 4 * 2400)] == [[0, 1], [2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 4 * 2400, 1 << 30])
+def test_chunked_step_equals_torch_adamw_over_fp32_copies(chunk_bytes):
+    """The independent computation: torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW on fp32
+    copies of the weights and of the bf16 gradients, then rounded to bf16. Bit for bit."""
+    params = _params()
+    optimizer = MasterWeightAdamW(params, chunk_bytes=chunk_bytes, **KWARGS)
+    reference = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    plain = torch.optim.AdamW(reference, **KWARGS)
+    for step in range(4):
+        for p, r, g in zip(params, reference, _grads(step)):
+            p.grad, r.grad = g.clone(), g.float()
+        max_norm = 5.0 if step % 2 == 0 else 1e6  # clipping on, then off (coefficient clamped to 1)
+        norm = clip_grad_norm(optimizer, torch.nn.Module(), max_norm)
+        want_norm = torch.nn.utils.clip_grad_norm_(reference, max_norm)
+        assert torch.equal(norm, want_norm)
+        optimizer.step()
+        plain.step()
+        for p, m, r in zip(params, optimizer.masters, reference):
+            assert torch.equal(m, r.detach())
+            assert torch.equal(p.detach(), r.detach().to(torch.bfloat16))
+            assert p.grad is None and m.grad is None
+    assert norm > 5.0  # the clipped steps really clipped
+    for m, r in zip(optimizer.masters, reference):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            ours, theirs = optimizer.state[m][key], plain.state[r][key]
+            assert ours.dtype == theirs.dtype and ours.device == theirs.device and torch.equal(ours, theirs)
+
+
+def test_no_more_than_one_chunk_of_fp32_gradients_is_alive(monkeypatch):
+    params = _params()
+    budget = 4 * 2400
+    optimizer = MasterWeightAdamW(params, chunk_bytes=budget, **KWARGS)
+    alive: list[int] = []
+    adamw_step = torch.optim.AdamW.step
+
+    def spy(self, *args, **kwargs):
+        alive.append(sum(m.grad.numel() * 4 for m in self.masters if m.grad is not None))
+        return adamw_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    for p, g in zip(params, _grads(0)):
+        p.grad = g
+    clip_grad_norm(optimizer, torch.nn.Module(), 1.0)
+    optimizer.step()
+    assert alive == [2080 * 4, 2055 * 4, 2304 * 4]  # three chunks, each stepped alone
+    assert max(alive) <= budget < sum(t.numel() * 4 for t in params)
+
+
+def test_out_of_memory_in_the_step_changes_nothing(monkeypatch):
+    """The moments come into being for every master before any chunk steps, so a failure to
+    allocate them leaves masters, weights and state untouched, and the retried step is exact."""
+    params = _params()
+    optimizer = MasterWeightAdamW(params, chunk_bytes=4 * 2400, **KWARGS)
+    before = [p.detach().clone() for p in params]
+    masters_before = [m.detach().clone() for m in optimizer.masters]
+    zeros_like = torch.zeros_like
+    calls = {"n": 0}
+
+    def failing_zeros_like(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 9:  # the fifth master's moments: after the first chunk's would have been made
+            raise torch.OutOfMemoryError("simulated")
+        return zeros_like(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros_like", failing_zeros_like)
+    for p, g in zip(params, _grads(0)):
+        p.grad = g
+    with pytest.raises(torch.OutOfMemoryError):
+        optimizer.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert all(torch.equal(m.detach(), b) for m, b in zip(optimizer.masters, masters_before))
+    monkeypatch.setattr(torch, "zeros_like", zeros_like)
+
+    optimizer.zero_grad()
+    optimizer.state.clear()  # what the trainer's retry starts from: no step was taken
+    for p, g in zip(params, _grads(0)):
+        p.grad = g
+    optimizer.step()
+    reference = [torch.nn.Parameter(b.float()) for b in before]
+    plain = torch.optim.AdamW(reference, **KWARGS)
+    for r, g in zip(reference, _grads(0)):
+        r.grad = g.float()
+    plain.step()
+    assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.masters, reference))
+
+
+def test_a_step_skipped_after_clipping_leaves_no_coefficient_behind():
+    params = _params()
+    optimizer = MasterWeightAdamW(params, **KWARGS)
+    for p, g in zip(params, _grads(0)):
+        p.grad = g
+    p.grad[0, 0] = float("nan")
+    assert torch.isnan(clip_grad_norm(optimizer, torch.nn.Module(), 1.0))
+    optimizer.zero_grad()  # the trainer's run guard skips a non-finite update this way
+    reference = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    plain = torch.optim.AdamW(reference, **KWARGS)
+    for p, r, g in zip(params, reference, _grads(1)):
+        p.grad, r.grad = g.clone(), g.float()
+    optimizer.step()  # no clipping asked: a NaN coefficient left from before would poison it
+    plain.step()
+    assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.masters, reference))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the fused AdamW kernel and _foreach_norm on the device")
+def test_chunked_fused_step_on_the_gpu_equals_torch_fused_adamw():
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    optimizer = MasterWeightAdamW(params, chunk_bytes=4 * 2400, **KWARGS)
+    assert optimizer.defaults["fused"] and len(optimizer.chunks) == 3
+    reference = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    plain = torch.optim.AdamW(reference, fused=True, **KWARGS)
+    for step in range(3):
+        for p, r, g in zip(params, reference, _grads(step)):
+            p.grad, r.grad = g.cuda(), g.float().cuda()
+        assert torch.equal(clip_grad_norm(optimizer, torch.nn.Module(), 5.0),
+                           torch.nn.utils.clip_grad_norm_(reference, 5.0))
+        optimizer.step()
+        plain.step()
+    assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.masters, reference))
