@@ -89,7 +89,10 @@ class GRPOConfig:
     gradient_checkpointing: bool = False
     # Our models: recompute only the first N decoder layers in the backward; the later ones keep their
     # activations (Megatron's block recomputation). Fewer recomputed layers: faster, more memory. None = all.
-    gradient_checkpointing_layers: int | None = None
+    # "auto" (our models, GPU): measure what a kept layer costs in the first update, then keep as many
+    # as fit under max_memory_gib (cohort/kept_layers.py).
+    gradient_checkpointing_layers: int | str | None = None
+    max_memory_gib: float = 0.0  # the update's peak that gradient_checkpointing_layers=auto aims under (0 = 90% of the GPU)
     # Update-phase memory (issue 5): micro-batches are bucketed by length; this caps each one's padded
     # tokens as well (0 = rows only). Out of GPU memory, both halve and the step is redone.
     max_tokens_per_micro_batch: int = 0
@@ -165,7 +168,13 @@ class GRPOConfig:
         if self.max_tokens_per_micro_batch < 0:
             bad(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is negative; use 0 (no token cap) or a "
                 "token budget such as 16384")
-        if self.gradient_checkpointing_layers is not None and self.gradient_checkpointing_layers < 0:
+        if isinstance(self.gradient_checkpointing_layers, str) and self.gradient_checkpointing_layers != "auto":
+            bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers!r} is neither a layer count nor "
+                "'auto'; pass a number such as 20, or auto")
+        if self.max_memory_gib < 0 or (self.max_memory_gib and self.gradient_checkpointing_layers != "auto"):
+            bad(f"max_memory_gib={self.max_memory_gib} is only the budget of gradient_checkpointing_layers=auto and "
+                "must be ≥ 0; pass --gradient_checkpointing_layers auto with it, or leave it at 0")
+        if isinstance(self.gradient_checkpointing_layers, int) and self.gradient_checkpointing_layers < 0:
             bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers} is negative; use 0 (no layer "
                 "recomputed) up to the model's layer count, or leave it unset to recompute every layer")
         if self.gradient_checkpointing_layers is not None and not self.gradient_checkpointing:
@@ -252,6 +261,8 @@ def _convert(name: str, raw, annotation) -> object:
         from .curriculum import parse_curriculum
 
         return parse_curriculum(raw)
+    if name == "gradient_checkpointing_layers" and str(raw).strip().lower() == "auto":
+        return "auto"
     hint = typing.get_type_hints(GRPOConfig)[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     optional = type(None) in typing.get_args(hint)

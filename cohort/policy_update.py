@@ -10,6 +10,7 @@ idle KV cache (lending.py), clipping and the fp32-master AdamW step (precision.p
 from __future__ import annotations
 
 import gc
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,12 +31,23 @@ NO_GRAD_FACTOR = 2  # no-grad log-prob passes (π_old, π_ref) use micro-batches
 class PolicyUpdate:
     def update(self, batch: Batch) -> dict:
         """One optimizer step over the whole rollout (μ of these per rollout)."""
+        if self.kept_layers is not None:  # gradient_checkpointing_layers=auto: decides once, after the first update
+            line = self.kept_layers.decide(self.largest_micro_batch_tokens())
+            if line:
+                self.log(line)
+
         def attempt():
             self.optimizer.zero_grad(set_to_none=True)
             buffers = idle_buffers(self.sampler) if self.lend_kv_cache else []
             with lend_gradients(self.train_model.parameters(), buffers) as lent:  # gradients in the idle KV cache
-                return {**self._accumulate_and_step(batch), "memory/lent_gib": lent / 2**30}
-        return self.with_oom_retry(attempt)
+                record = {**self._accumulate_and_step(batch), "memory/lent_gib": lent / 2**30}
+            if self.kept_layers is not None:
+                record["recomputed_layers"] = self.kept_layers.recomputed
+            return record
+        record = self.with_oom_retry(attempt)
+        if self.kept_layers is not None:
+            self.kept_layers.after_update()
+        return record
 
     def _accumulate_and_step(self, batch: Batch) -> dict:
         """Gradient accumulation over length-bucketed micro-batches, then one optimizer step.
@@ -97,6 +109,15 @@ class PolicyUpdate:
         record["micro_batches"] = len(plans)
         return record
 
+    def largest_micro_batch_tokens(self) -> int:
+        """Tokens a training micro-batch can reach under the current budgets: every row at the
+        longest prompt and completion, each prompt computed once per group of G rows with shared
+        prompts (`packing.plan_rollout` keeps a group's rows together)."""
+        rows, group = self.micro_rows, self.args.num_generations
+        prompts = math.ceil(rows / min(group, rows)) if self.share_prompts else rows
+        tokens = prompts * self.args.max_prompt_length + rows * self.args.max_completion_length
+        return min(tokens, self.micro_tokens) if self.micro_tokens else tokens
+
     def with_oom_retry(self, work):
         """Run `work()`; if the GPU runs out of memory, halve the micro-batch and run it again.
 
@@ -108,11 +129,18 @@ class PolicyUpdate:
                 return work()
             except torch.cuda.OutOfMemoryError:
                 self.optimizer.zero_grad(set_to_none=True)
-                if self.parallel.world_size > 1 or self.micro_rows == 1:  # one row: no smaller micro-batch exists
+                if self.parallel.world_size > 1:
                     raise
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
+                if self.kept_layers is not None and self.kept_layers.recompute_all():  # before halving anything
+                    self.oom_retries += 1
+                    self.log("out of GPU memory with layers keeping their activations (gradient_checkpointing_layers"
+                             "=auto): recomputing every layer from now on")
+                    continue
+                if self.micro_rows == 1:  # one row: no smaller micro-batch exists
+                    raise
                 before = (self.micro_rows, self.micro_tokens)
                 self.micro_rows = max(1, self.micro_rows // 2)
                 self.micro_tokens //= 2

@@ -68,6 +68,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         self.masters = masters
         self.chunks = _chunks_by_bytes(masters, chunk_bytes)
         self.clip_coefficient: torch.Tensor | None = None  # set by clip_grad_norm, used by the next step
+        self._allocate_state()
 
     def _fp32_grads(self, chunk: range) -> list[torch.Tensor]:
         return [self.model_params[i].grad.float() for i in chunk if self.model_params[i].grad is not None]
@@ -94,7 +95,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         """One AdamW step: per chunk, fp32 gradients (clipped), the fused update, the bf16 write-back."""
         loss = closure() if closure is not None else None
-        self._allocate_state()  # before any chunk moves: running out of memory here changes nothing
+        self._allocate_state()  # moments dropped since (LoRA's π_ref reset): all made before any chunk moves
         for chunk in self.chunks:
             grads = self._fp32_grads(chunk)
             stepped = [i for i in chunk if self.model_params[i].grad is not None]
@@ -113,15 +114,16 @@ class MasterWeightAdamW(torch.optim.AdamW):
         return loss
 
     def _allocate_state(self) -> None:
-        """AdamW's moments for every master, as its own lazy initialisation makes them (step, exp_avg,
-        exp_avg_sq) but all at the first step's start. Made lazily per chunk, an out-of-memory error
-        in a later chunk would come after earlier chunks had stepped, and the retried update would
-        step them twice."""
+        """AdamW's state for every master that has none, as its own lazy initialisation makes it (step,
+        exp_avg, exp_avg_sq), but up front: at construction, so the first update's memory peak is
+        that of every later one (gradient_checkpointing_layers=auto measures it), and in `step`
+        before any chunk moves. Made lazily per chunk, an out-of-memory error in a later chunk would
+        come after earlier chunks had stepped, and the retried update would step them twice."""
         for group in self.param_groups:
             for master in group["params"]:
-                state = self.state[master]
-                if len(state) > 0:
+                if len(self.state.get(master, {})) > 0:
                     continue
+                state = {}  # complete or not at all: a half-made state would pass for a made one
                 if group["fused"] or group["capturable"]:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
                 else:
@@ -131,6 +133,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
                 if group["amsgrad"]:
                     state["max_exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                self.state[master] = state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

@@ -34,12 +34,11 @@ from .dynamic_sampling import fill_informative
 from .config import GRPOConfig
 from .distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from .errors import CohortError
-from .lora import adapters_disabled, apply_lora, base_model, has_lora, lora_config_from_args, merge_into_base
+from .lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
 from .gc_pauses import collector_seconds, freeze_long_lived_objects, thaw_frozen_objects
 from .logprobs import supports_hidden
 from .offload import HostOffload
 from .modelio import load_policy, save_policy
-from .models import CausalLM
 from .precision import make_optimizer, resolve_dtype
 from .rewards.model import prepare_reward_funcs, warm_up_reward_models
 from .rewards.runner import RewardRunner
@@ -50,6 +49,7 @@ from .curriculum import Curriculum
 from .tasks import prompt_text
 from .metrics import MetricsLogger
 from .step_log import StepLog
+from .kept_layers import KeptLayers
 from .policy_update import PolicyUpdate
 from .progress import Progress
 from .tasks.data import check_prompt_column
@@ -110,13 +110,9 @@ class GRPOTrainer(PolicyUpdate, StepLog):
         check_parallel_options(args, self.parallel)
         if args.torch_compile and hasattr(self.model, "compile_for_training"):
             self.model.compile_for_training()  # fused elementwise work, fewer saved activations
-        if args.gradient_checkpointing:  # recompute layers in the backward: activations ∝ layers, not ops
-            layers = args.gradient_checkpointing_layers
-            base = base_model(self.model)
-            if layers is not None and not isinstance(base, CausalLM):
-                raise CohortError(f"gradient_checkpointing_layers={layers} needs cohort's own model implementation; "
-                                  f"{type(base).__name__} recomputes every layer: unset it, or pass model_impl=cohort")
-            self.model.gradient_checkpointing_enable(**({} if layers is None else {"checkpointed_layers": layers}))
+        # Recompute layers in the backward (activations ∝ layers, not ops): all, the first N, or with
+        # `auto` as many as the memory budget makes necessary (cohort/kept_layers.py).
+        self.kept_layers = KeptLayers.setup(self.model, args, self.device) if args.gradient_checkpointing else None
         # What the training forward calls: the model itself, DDP around it on several ranks, or with
         # --fsdp a sharded copy (self.model then stays the full copy the engine samples and saves).
         self.train_model = self.parallel.wrap(self.model, fsdp=args.fsdp)

@@ -182,7 +182,7 @@ def test_disabled_offload_changes_nothing():
 def _train(tiny_dir, tmp_path, offload=False, **overrides):
     options = dict(num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=2,
                    max_completion_length=8, max_steps=3, learning_rate=3e-3, output_dir=str(tmp_path), quiet=True,
-                   seed=0, beta=0.04, ref_reset_steps=2, save_steps=2)
+                   seed=0, beta=0.04, ref_reset_steps=2, save_steps=2, device="cpu")  # bit-exact comparisons
     options.update(overrides)
     trainer = GRPOTrainer(tiny_dir, distinct_chars, PROMPTS, args=GRPOConfig(**options))
     if offload:  # the trainer offloads on CUDA only; the mechanism is the same on the CPU

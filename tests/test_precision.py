@@ -83,11 +83,26 @@ def test_no_more_than_one_chunk_of_fp32_gradients_is_alive(monkeypatch):
     assert max(alive) <= budget < sum(t.numel() * 4 for t in params)
 
 
+def test_moments_exist_from_construction():
+    """The optimizer's memory is all there before the first update, so that update's peak is the
+    steady one."""
+    params = _params()
+    optimizer = MasterWeightAdamW(params, **KWARGS)
+    for master in optimizer.masters:
+        state = optimizer.state[master]
+        assert float(state["step"]) == 0.0
+        assert torch.equal(state["exp_avg"], torch.zeros_like(master))
+        assert torch.equal(state["exp_avg_sq"], torch.zeros_like(master))
+
+
 def test_out_of_memory_in_the_step_changes_nothing(monkeypatch):
-    """The moments come into being for every master before any chunk steps, so a failure to
-    allocate them leaves masters, weights and state untouched, and the retried step is exact."""
+    """Moments dropped since construction (LoRA's π_ref reset drops B's) come back for every master
+    before any chunk steps, so a failure to allocate them leaves masters, weights and state
+    untouched, and the retried step is exact."""
     params = _params()
     optimizer = MasterWeightAdamW(params, chunk_bytes=4 * 2400, **KWARGS)
+    for master in optimizer.masters[1:]:
+        optimizer.state.pop(master)
     before = [p.detach().clone() for p in params]
     masters_before = [m.detach().clone() for m in optimizer.masters]
     zeros_like = torch.zeros_like
@@ -95,7 +110,7 @@ def test_out_of_memory_in_the_step_changes_nothing(monkeypatch):
 
     def failing_zeros_like(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 9:  # the fifth master's moments: after the first chunk's would have been made
+        if calls["n"] == 7:  # the fifth master's moments: after the first chunk's would have been made
             raise torch.OutOfMemoryError("simulated")
         return zeros_like(*args, **kwargs)
 
@@ -108,8 +123,7 @@ def test_out_of_memory_in_the_step_changes_nothing(monkeypatch):
     assert all(torch.equal(m.detach(), b) for m, b in zip(optimizer.masters, masters_before))
     monkeypatch.setattr(torch, "zeros_like", zeros_like)
 
-    optimizer.zero_grad()
-    optimizer.state.clear()  # what the trainer's retry starts from: no step was taken
+    optimizer.zero_grad()  # what the trainer's retry starts from: no step was taken
     for p, g in zip(params, _grads(0)):
         p.grad = g
     optimizer.step()

@@ -315,6 +315,7 @@ class CausalLM(nn.Module):
         self.gradient_checkpointing = False
         self.checkpointed_layers: int | None = None  # recompute the first N layers only (None: all)
         self.training_layer_call = None  # a CompiledLayerCall after compile_for_training()
+        self.activation_probe = None  # measures the first kept layer (gradient_checkpointing_layers=auto)
         self.apply(self._init_weights)
         self.tie_weights()
 
@@ -434,10 +435,14 @@ class CausalLM(nn.Module):
             recomputed = 0  # layers [0, recomputed) are checkpointed
             if self.gradient_checkpointing and self.training and kv_cache is None:
                 recomputed = len(self.model.layers) if self.checkpointed_layers is None else self.checkpointed_layers
+            probe = self.activation_probe if self.training and torch.is_grad_enabled() else None
             for i, layer in enumerate(self.model.layers):
                 mask = masks[self._config.layer_sliding_window(i)]
                 if i < recomputed:
                     hidden = checkpoint(compiled or run_layer, layer, hidden, cos, sin, mask, use_reentrant=False)
+                elif probe is not None and i == recomputed:  # the first kept layer: what it keeps, measured
+                    run = compiled or run_layer
+                    hidden = probe.around(lambda: run(layer, hidden, cos, sin, mask), hidden.shape[0] * hidden.shape[1])
                 elif compiled is not None:
                     hidden = compiled(layer, hidden, cos, sin, mask)
                 else:
