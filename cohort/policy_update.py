@@ -44,7 +44,7 @@ class PolicyUpdate:
             if self.kept_layers is not None:
                 record["recomputed_layers"] = self.kept_layers.recomputed
             return record
-        record = self.with_oom_retry(attempt)
+        record = self.with_oom_retry(attempt, backward=True)
         if self.kept_layers is not None:
             self.kept_layers.after_update()
         return record
@@ -118,8 +118,10 @@ class PolicyUpdate:
         tokens = prompts * self.args.max_prompt_length + rows * self.args.max_completion_length
         return min(tokens, self.micro_tokens) if self.micro_tokens else tokens
 
-    def with_oom_retry(self, work):
+    def with_oom_retry(self, work, backward: bool = False):
         """Run `work()`; if the GPU runs out of memory, halve the micro-batch and run it again.
+        Work with a `backward` first gives up layers that keep their activations, if any do
+        (gradient_checkpointing_layers=auto): the no-grad passes keep none, so that would not help them.
 
         The halved size is kept for the rest of the run. The retried work starts from zeroed
         gradients and an untouched optimizer, so its result is that of the smaller size from the
@@ -134,7 +136,7 @@ class PolicyUpdate:
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                if self.kept_layers is not None and self.kept_layers.recompute_all():  # before halving anything
+                if backward and self.kept_layers is not None and self.kept_layers.recompute_all():  # before halving
                     self.oom_retries += 1
                     self.log("out of GPU memory with layers keeping their activations (gradient_checkpointing_layers"
                              "=auto): recomputing every layer from now on")
