@@ -70,8 +70,11 @@ class MasterWeightAdamW(torch.optim.AdamW):
         self.clip_coefficient: torch.Tensor | None = None  # set by clip_grad_norm, used by the next step
         self._allocate_state()
 
-    def _fp32_grads(self, chunk: range) -> list[torch.Tensor]:
-        return [self.model_params[i].grad.float() for i in chunk if self.model_params[i].grad is not None]
+    def _with_grads(self, chunk: range) -> list[int]:
+        return [i for i in chunk if self.model_params[i].grad is not None]
+
+    def _fp32_grads(self, indices: list[int]) -> list[torch.Tensor]:
+        return [self.model_params[i].grad.float() for i in indices]
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -82,7 +85,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         same fp32 values and the same kernel as torch's (`_foreach_norm`), so the total is the same."""
         norms: list[torch.Tensor] = []
         for chunk in self.chunks:
-            grads = self._fp32_grads(chunk)
+            grads = self._fp32_grads(self._with_grads(chunk))
             if grads:
                 norms.extend(torch._foreach_norm(grads, 2.0))
         if not norms:
@@ -94,13 +97,16 @@ class MasterWeightAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step: per chunk, fp32 gradients (clipped), the fused update, the bf16 write-back."""
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():  # as torch's optimizers call it
+                loss = closure()
         self._allocate_state()  # moments dropped since (LoRA's π_ref reset): all made before any chunk moves
         for chunk in self.chunks:
-            grads = self._fp32_grads(chunk)
-            stepped = [i for i in chunk if self.model_params[i].grad is not None]
+            stepped = self._with_grads(chunk)
             if not stepped:
                 continue
+            grads = self._fp32_grads(stepped)
             if self.clip_coefficient is not None:
                 torch._foreach_mul_(grads, self.clip_coefficient.to(grads[0].device))
             for i, grad in zip(stepped, grads):

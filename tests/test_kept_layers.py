@@ -6,20 +6,13 @@ memory a kept layer really holds."""
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
+from cohort import GRPOConfig
 from cohort.config import parse_config
 from cohort.errors import CohortError
 from cohort.kept_layers import ActivationProbe, KeptLayers, layers_to_keep
 from update_gradients import update_gradient
 
 GIB = 2**30
-PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
-
-
-def always_one(completions, **kwargs):
-    return [1.0] * len(completions)
-
-
 def test_layers_to_keep_worked_example_scaling_and_clamps():
     per_token = 1.18 * GIB / 16_896  # the 1.5B shape: 1.18 GiB a kept layer at 16,896 tokens
     assert layers_to_keep(28, 29.5 * GIB, 1, per_token, 16_896, 16_896, 36.0 * GIB) == 6  # 1 + ⌊6.5 / 1.18⌋
@@ -41,11 +34,9 @@ def test_probe_counts_what_the_forward_leaves_less_its_output():
 
 
 def _trainer(tiny_dir, tmp_path, **overrides):
-    base = dict(num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=2,
-                max_completion_length=6, max_steps=2, learning_rate=1e-3, output_dir=str(tmp_path), quiet=True,
-                seed=0, max_grad_norm=1e9, beta=0.04, gradient_checkpointing=True, device="cpu")
-    base.update(overrides)
-    return GRPOTrainer(tiny_dir, always_one, PROMPTS, args=GRPOConfig(**base))
+    from test_update_memory import _trainer as update_trainer
+
+    return update_trainer(tiny_dir, tmp_path, **{"gradient_checkpointing": True, "device": "cpu", **overrides})
 
 
 def _batch(trainer):

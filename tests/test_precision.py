@@ -167,3 +167,18 @@ def test_chunked_fused_step_on_the_gpu_equals_torch_fused_adamw():
         optimizer.step()
         plain.step()
     assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.masters, reference))
+
+
+def test_step_runs_a_closure_with_autograd_on_as_torch_optimizers_do():
+    params = _params()
+    optimizer = MasterWeightAdamW(params, **KWARGS)
+    before = [m.detach().clone() for m in optimizer.masters]
+
+    def closure():
+        optimizer.zero_grad()
+        loss = sum((p.float() ** 2).sum() for p in params)
+        loss.backward()  # needs autograd, which the step itself runs without
+        return loss
+
+    loss = optimizer.step(closure)
+    assert loss > 0 and all(not torch.equal(m, b) for m, b in zip(optimizer.masters, before))
