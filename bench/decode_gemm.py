@@ -67,12 +67,15 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default="0.5b,1.5b")
     parser.add_argument("--rows", default="64,256")
     parser.add_argument("--splits", default="2,4,8")
+    parser.add_argument("--autotune", action="store_true",
+                        help="also time torch.compile(F.linear, mode='max-autotune-no-cudagraphs'): Inductor "
+                             "benchmarks its Triton GEMM templates against cuBLAS for each shape and keeps the fastest")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     rate = copy_rate_gbs()
     print(f"{torch.cuda.get_device_name()}: copy rate {rate:.0f} GB/s")
     print("| model | projection | rows | out × in | F.linear µs | " + " | ".join(f"split {s} µs" for s in args.splits.split(","))
-          + " | floor µs | best vs linear | max error linear / best |")
+          + " | autotuned µs" * args.autotune + " | floor µs | best vs linear | max error linear / best |")
     results = []
     for model in args.models.split(","):
         for name, (out_features, in_features) in projections(model).items():
@@ -83,19 +86,23 @@ def main(argv=None) -> None:
                 row = dict(model=model, projection=name, rows=rows, out=out_features, features=in_features,
                            linear_us=time_us(lambda: F.linear(x, weight)),
                            linear_error=(F.linear(x, weight).float() - exact).abs().max().item())
-                for splits in [int(s) for s in args.splits.split(",")]:
+                if args.autotune:
+                    tuned = torch.compile(F.linear, mode="max-autotune-no-cudagraphs", dynamic=False)
+                    row["autotuned_error"] = (tuned(x, weight).float() - exact).abs().max().item()  # tunes here
+                    row["autotuned_us"] = time_us(lambda: tuned(x, weight))
+                for splits in [int(s) for s in args.splits.split(",") if s]:
                     if in_features % splits:
                         continue
                     row[f"split{splits}_us"] = time_us(lambda: split_k_linear(x, weight, splits))
                     row[f"split{splits}_error"] = (split_k_linear(x, weight, splits).float() - exact).abs().max().item()
                 nbytes = 2 * (weight.numel() + x.numel() + rows * out_features)
                 row["floor_us"] = nbytes / rate / 1e3
-                split_keys = [k for k in row if k.startswith("split") and k.endswith("_us")]
+                split_keys = [k for k in row if k.startswith(("split", "autotuned")) and k.endswith("_us")]
                 best = min(split_keys, key=row.get) if split_keys else None
                 row["best"] = best
                 results.append(row)
                 cells = " | ".join(f"{row[k]:.1f}" if k in row else "—" for k in
-                                   (f"split{s}_us" for s in args.splits.split(",")))
+                                   [f"split{s}_us" for s in args.splits.split(",") if s] + ["autotuned_us"] * args.autotune)
                 print(f"| {model} | {name} | {rows} | {out_features} × {in_features} | {row['linear_us']:.1f} | {cells} | "
                       f"{row['floor_us']:.1f} | {row['linear_us'] / row[best]:.2f}× ({best}) | "
                       f"{row['linear_error']:.2g} / {row[best.replace('_us', '_error')]:.2g} |", flush=True)

@@ -8,8 +8,9 @@ measures instead of asking:
 1. The first update recomputes every layer but the last, and `ActivationProbe` measures what that
    last layer keeps: the memory allocated across its forward, less its output (which the next
    layer's checkpoint would hold anyway), per token.
-2. Before the second update, `layers_to_keep` turns the first update's peak and that cost, scaled
-   to the largest micro-batch the run can make, into the number of layers that fit under the
+2. Before the second update, `layers_to_keep` turns the first update's peak and that cost, with
+   what grows with the micro-batch scaled to the largest one the run can make (a GSM8K run's first
+   update may see only short completions), into the number of layers that fit under the
    budget (`--max_memory_gib`, default 90% of the card). The first layers are the recomputed ones
    (`CausalLM.checkpointed_layers`).
 3. An update that still runs out of memory recomputes every layer again before the micro-batch
@@ -33,22 +34,29 @@ BUDGET_SHARE = 0.9  # of the card's memory, when --max_memory_gib is 0
 
 
 def layers_to_keep(num_layers: int, update_peak: float, kept: int, kept_bytes_per_token: float,
-                   tokens_measured: int, max_tokens: int, budget: float) -> int:
+                   tokens_measured: int, max_tokens: int, budget: float, boundary_bytes_per_token: float = 0.0) -> int:
     """How many layers may keep their activations, from one update that kept `kept` of them.
 
     That update peaked at `update_peak` bytes with micro-batches of at most `tokens_measured`
     tokens; a kept layer costs `kept_bytes_per_token` for each token of a micro-batch, and the
-    largest micro-batch of the run has `max_tokens`. The kept layers' share of the peak is scaled
-    to `max_tokens` first, then each further layer costs `kept_bytes_per_token × max_tokens`.
+    largest micro-batch of the run has `max_tokens`. What grows with the micro-batch is scaled to
+    `max_tokens` first: the hidden state every layer boundary holds for the backward
+    (`boundary_bytes_per_token` a layer: a checkpoint's input, or a kept layer's), the kept layers'
+    activations, and one more layer's worth for the recomputation and gradients in flight. Then each
+    further layer costs `kept_bytes_per_token × max_tokens`.
 
     Worked example, the 1.5B shape at 32-row micro-batches of 16,896 tokens: the first update keeps
     1 layer and peaks at 29.5 GiB; a kept layer holds 75 KB a token, 1.18 GiB a micro-batch.
     Under a 36.0 GiB budget: 1 + ⌊(36.0 − 29.5) / 1.18⌋ = 6 layers keep their activations.
+    Had that update seen micro-batches of only 8,448 tokens, the 8,448 tokens still to come would
+    add 28 boundaries × 3 KB (hidden 1536 in bf16) + 2 × 75 KB a token, 1.86 GiB, before the
+    first further layer: 1 + ⌊(36.0 − 29.5 − 1.86) / 1.18⌋ = 4.
     """
     per_layer = kept_bytes_per_token * max_tokens
     if per_layer <= 0:
         return num_layers
-    peak_at_max = update_peak + kept * kept_bytes_per_token * max(0, max_tokens - tokens_measured)
+    growing_per_token = num_layers * boundary_bytes_per_token + (kept + 1) * kept_bytes_per_token
+    peak_at_max = update_peak + growing_per_token * max(0, max_tokens - tokens_measured)
     keep = kept + math.floor((budget - peak_at_max) / per_layer)
     return max(0, min(num_layers, keep))
 
@@ -82,6 +90,8 @@ class KeptLayers:
         self.probe = ActivationProbe(allocated)
         self.peak = peak  # the allocator's peak since the update phase began (the step log resets it there)
         self.update_peak: int | None = None
+        # A layer boundary's hidden state: what a recomputed layer keeps (its checkpoint's input).
+        self.boundary_bytes_per_token = model.config.hidden_size * model.dtype.itemsize
         self.decided = False
         model.checkpointed_layers = num_layers - 1  # keep the last layer, to measure what a kept layer costs
         model.activation_probe = self.probe
@@ -125,7 +135,7 @@ class KeptLayers:
         per_token = self.probe.bytes_per_token
         kept_now = self.num_layers - self.recomputed
         keep = layers_to_keep(self.num_layers, update_peak, kept_now, per_token, self.probe.tokens, max_tokens,
-                              self.budget)
+                              self.budget, self.boundary_bytes_per_token)
         self.model.checkpointed_layers = self.num_layers - keep
         return (f"gradient checkpointing auto: {keep} of {self.num_layers} layers keep their activations "
                 f"({per_token * max_tokens / 2**30:.2f} GiB each at {max_tokens:,} tokens a micro-batch; "

@@ -16,9 +16,15 @@ GIB = 2**30
 def test_layers_to_keep_worked_example_scaling_and_clamps():
     per_token = 1.18 * GIB / 16_896  # the 1.5B shape: 1.18 GiB a kept layer at 16,896 tokens
     assert layers_to_keep(28, 29.5 * GIB, 1, per_token, 16_896, 16_896, 36.0 * GIB) == 6  # 1 + ⌊6.5 / 1.18⌋
-    # Measured at half the largest micro-batch: the kept layer's share of the peak doubles first.
-    # 1 + ⌊(34.7 − 29.5 − 0.59) / 1.18⌋ = 4, where the unscaled peak would give 1 + ⌊5.2 / 1.18⌋ = 5.
-    assert layers_to_keep(28, 29.5 * GIB, 1, per_token, 8_448, 16_896, 34.7 * GIB) == 4
+    # Measured at half the largest micro-batch: what grows with it is scaled first. 8,448 more tokens
+    # × (28 boundaries × 3,072 bytes + the kept layer + one in flight, 2 × 75 KB) = 1.86 GiB:
+    # 1 + ⌊(36.0 − 29.5 − 1.86) / 1.18⌋ = 4, where the unscaled peak would give 6.
+    growth = 8_448 * (28 * 3_072 + 2 * per_token)
+    assert 1 + int((36.0 * GIB - 29.5 * GIB - growth) // (1.18 * GIB)) == 4
+    assert layers_to_keep(28, 29.5 * GIB, 1, per_token, 8_448, 16_896, 36.0 * GIB, 3_072) == 4
+    # Scaled past the budget by the boundaries alone (no kept layer at all then).
+    assert layers_to_keep(28, 29.5 * GIB, 1, per_token, 8_448, 16_896, 31.0 * GIB, 3_072) == 0
+    assert layers_to_keep(28, 29.5 * GIB, 1, per_token, 8_448, 16_896, 31.0 * GIB) == 1  # without them: 1 + ⌊0.32⌋
     assert layers_to_keep(28, 29.5 * GIB, 1, per_token, 16_896, 16_896, 29.0 * GIB) == 0  # over budget already
     assert layers_to_keep(28, 29.5 * GIB, 1, per_token, 16_896, 16_896, 1000 * GIB) == 28  # at most every layer
     assert layers_to_keep(28, 29.5 * GIB, 1, 0.0, 16_896, 16_896, 30 * GIB) == 28  # a layer that keeps nothing
@@ -93,7 +99,9 @@ def test_auto_measures_in_the_first_update_and_decides_before_the_second(tiny_di
     trainer.log = lines.append
     max_tokens = trainer.largest_micro_batch_tokens()
     assert max_tokens >= probe.tokens
-    keep = layers_to_keep(layers, 1.0 * GIB, 1, probe.bytes_per_token, probe.tokens, max_tokens, 10 * GIB)
+    boundary = model.config.hidden_size * 4  # the tiny model runs in float32 here
+    assert trainer.kept_layers.boundary_bytes_per_token == boundary
+    keep = layers_to_keep(layers, 1.0 * GIB, 1, probe.bytes_per_token, probe.tokens, max_tokens, 10 * GIB, boundary)
     before = list(calls)
     got, stats = update_gradient(trainer, batch)
     assert stats["recomputed_layers"] == layers - keep == model.checkpointed_layers
