@@ -1,10 +1,12 @@
 """The fp32-master AdamW steps in chunks: same numbers as torch's AdamW over fp32 copies, with at
 most one chunk of fp32 gradients alive, and an out-of-memory error that leaves everything as it was."""
 
+import io
+
 import pytest
 import torch
 
-from cohort.precision import MasterWeightAdamW, _chunks_by_bytes, clip_grad_norm
+from cohort.precision import MasterWeightAdamW, _chunks_by_bytes, clip_grad_norm, join_master, split_master
 
 SHAPES = [(64, 32), (32,), (128, 16), (7,), (256, 8), (16, 16)]  # 2,048 + 32 + 2,048 + 7 + 2,048 + 256 elements
 
@@ -20,6 +22,71 @@ def _grads(step: int) -> list[torch.Tensor]:
 
 
 KWARGS = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99))
+
+
+def _bf16_ties_away(values: torch.Tensor) -> torch.Tensor:
+    """bf16 rounding to nearest with ties away from zero, by integer arithmetic on the fp32 patterns
+    (independent of split_master): add half a bf16 unit to the magnitude's pattern, drop the low half."""
+    bits = values.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    sign, magnitude = bits & 0x80000000, bits & 0x7FFFFFFF
+    rounded = ((magnitude + 0x8000) >> 16) | (sign >> 16)
+    return rounded.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def _from_patterns(patterns: list[int]) -> torch.Tensor:
+    return torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def test_split_master_stores_fp32_exactly_in_the_bf16_weight_and_16_low_bits():
+    torch.manual_seed(0)
+    values = torch.randn(200_000) * torch.exp(torch.randn(200_000) * 8)  # many magnitudes, both signs
+    ties = _from_patterns([0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x00008000, 0x80008000, 0x7F7E8000])
+    edges = _from_patterns([0x3F807FFF, 0x3F80FFFF, 0x7F7F7FFF, 0x00000000, 0x80000000, 0x00000001, 0xBF80FFFF])
+    masters = torch.cat([values, ties, edges])
+    weight, low = torch.empty(masters.shape, dtype=torch.bfloat16), torch.empty(masters.shape, dtype=torch.int16)
+    split_master(masters.clone(), weight, low)
+    assert torch.equal(join_master(weight, low).view(torch.int32), masters.view(torch.int32))  # bit for bit
+    assert torch.equal(weight.view(torch.int16), _bf16_ties_away(masters).view(torch.int16))
+    # Off the ties that is torch's own rounding; the ties whose even neighbour is below differ by one unit.
+    tie = (masters.view(torch.int32) & 0xFFFF) == 0x8000
+    assert torch.equal(weight[~tie], masters[~tie].to(torch.bfloat16))
+    assert weight[-14:-7].view(torch.int16).tolist() == [0x3F81, 0x3F82, -0x407F, -0x407E, 0x0001, -0x7FFF, 0x7F7F]
+
+
+def test_split_masters_save_two_bytes_a_parameter():
+    params = _params()
+    optimizer = MasterWeightAdamW(params, **KWARGS)
+    stored = sum(m.numel() * m.element_size() for m in optimizer.masters)
+    stored += sum(low.numel() * low.element_size() for low in optimizer.lows)
+    assert stored == 2 * sum(p.numel() for p in params)  # a whole fp32 copy would be 4 a parameter
+    fp16 = [torch.nn.Parameter(torch.randn(4, 4).half())]
+    kept = MasterWeightAdamW(fp16, **KWARGS)  # fp16 is no fp32's top half: a whole master
+    assert kept.lows == [None] and kept.masters[0].dtype == torch.float32 and kept.masters[0].shape == (4, 4)
+
+
+def test_state_dict_round_trip_restores_exact_masters():
+    params = _params()
+    optimizer = MasterWeightAdamW(params, **KWARGS)
+    for step in range(2):
+        for p, g in zip(params, _grads(step)):
+            p.grad = g
+        optimizer.step()
+    buffer = io.BytesIO()  # through bytes, as a checkpoint goes: torch's state_dict() shares the live moments
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    assert all(m.dtype == torch.float32 for m in saved["master_weights"])
+    fresh_params = _params(seed=1)  # other weights: everything must come from the checkpoint
+    fresh = MasterWeightAdamW(fresh_params, **KWARGS)
+    fresh.load_state_dict(saved)
+    for a, b in zip(fresh.master_weights(), optimizer.master_weights()):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(fresh_params, params))
+    for p, g in zip(params + fresh_params, _grads(2) + _grads(2)):
+        p.grad = g.clone()
+    optimizer.step()
+    fresh.step()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.master_weights(), optimizer.master_weights()))
 
 
 def test_chunks_cover_every_tensor_once_within_the_budget():
@@ -52,12 +119,12 @@ def test_chunked_step_equals_torch_adamw_over_fp32_copies(chunk_bytes):
         assert torch.equal(norm, want_norm)
         optimizer.step()
         plain.step()
-        for p, m, r in zip(params, optimizer.masters, reference):
+        for p, m, r, placeholder in zip(params, optimizer.master_weights(), reference, optimizer.masters):
             assert torch.equal(m, r.detach())
-            assert torch.equal(p.detach(), r.detach().to(torch.bfloat16))
-            assert p.grad is None and m.grad is None
+            assert torch.equal(p.detach(), _bf16_ties_away(r.detach()))
+            assert p.grad is None and placeholder.grad is None and placeholder.numel() == 0  # stored split
     assert norm > 5.0  # the clipped steps really clipped
-    for m, r in zip(optimizer.masters, reference):
+    for m, r in zip(optimizer.masters, reference):  # the state is keyed by the (placeholder) masters
         for key in ("step", "exp_avg", "exp_avg_sq"):
             ours, theirs = optimizer.state[m][key], plain.state[r][key]
             assert ours.dtype == theirs.dtype and ours.device == theirs.device and torch.equal(ours, theirs)
@@ -88,11 +155,11 @@ def test_moments_exist_from_construction():
     steady one."""
     params = _params()
     optimizer = MasterWeightAdamW(params, **KWARGS)
-    for master in optimizer.masters:
+    for master, param in zip(optimizer.masters, params):
         state = optimizer.state[master]
         assert float(state["step"]) == 0.0
-        assert torch.equal(state["exp_avg"], torch.zeros_like(master))
-        assert torch.equal(state["exp_avg_sq"], torch.zeros_like(master))
+        assert torch.equal(state["exp_avg"], torch.zeros(param.shape))
+        assert torch.equal(state["exp_avg_sq"], torch.zeros(param.shape))
 
 
 def test_out_of_memory_in_the_step_changes_nothing(monkeypatch):
@@ -104,7 +171,7 @@ def test_out_of_memory_in_the_step_changes_nothing(monkeypatch):
     for master in optimizer.masters[1:]:
         optimizer.state.pop(master)
     before = [p.detach().clone() for p in params]
-    masters_before = [m.detach().clone() for m in optimizer.masters]
+    masters_before = optimizer.master_weights()
     zeros_like = torch.zeros_like
     calls = {"n": 0}
 
@@ -120,7 +187,7 @@ def test_out_of_memory_in_the_step_changes_nothing(monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         optimizer.step()
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
-    assert all(torch.equal(m.detach(), b) for m, b in zip(optimizer.masters, masters_before))
+    assert all(torch.equal(m, b) for m, b in zip(optimizer.master_weights(), masters_before))
     monkeypatch.setattr(torch, "zeros_like", zeros_like)
 
     optimizer.zero_grad()  # what the trainer's retry starts from: no step was taken
@@ -132,7 +199,7 @@ def test_out_of_memory_in_the_step_changes_nothing(monkeypatch):
     for r, g in zip(reference, _grads(0)):
         r.grad = g.float()
     plain.step()
-    assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.masters, reference))
+    assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.master_weights(), reference))
 
 
 def test_a_step_skipped_after_clipping_leaves_no_coefficient_behind():
@@ -149,7 +216,7 @@ def test_a_step_skipped_after_clipping_leaves_no_coefficient_behind():
         p.grad, r.grad = g.clone(), g.float()
     optimizer.step()  # no clipping asked: a NaN coefficient left from before would poison it
     plain.step()
-    assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.masters, reference))
+    assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.master_weights(), reference))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the fused AdamW kernel and _foreach_norm on the device")
@@ -166,13 +233,13 @@ def test_chunked_fused_step_on_the_gpu_equals_torch_fused_adamw():
                            torch.nn.utils.clip_grad_norm_(reference, 5.0))
         optimizer.step()
         plain.step()
-    assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.masters, reference))
+    assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.master_weights(), reference))
 
 
 def test_step_runs_a_closure_with_autograd_on_as_torch_optimizers_do():
     params = _params()
     optimizer = MasterWeightAdamW(params, **KWARGS)
-    before = [m.detach().clone() for m in optimizer.masters]
+    before = optimizer.master_weights()
 
     def closure():
         optimizer.zero_grad()
@@ -181,4 +248,4 @@ def test_step_runs_a_closure_with_autograd_on_as_torch_optimizers_do():
         return loss
 
     loss = optimizer.step(closure)
-    assert loss > 0 and all(not torch.equal(m, b) for m, b in zip(optimizer.masters, before))
+    assert loss > 0 and all(not torch.equal(m, b) for m, b in zip(optimizer.master_weights(), before))

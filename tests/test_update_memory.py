@@ -250,7 +250,7 @@ def test_master_weights_keep_updates_bf16_alone_would_round_away():
             p.grad = torch.ones_like(p)
         optimizer.step(), exact.step(), plain.step()
     # 20 steps of 1e-4 from 1.0: 0.998, exactly held by the fp32 masters and rounded once into bf16
-    assert torch.allclose(optimizer.masters[0].double(), reference.detach(), atol=1e-6)
+    assert torch.allclose(optimizer.master_weight(0).double(), reference.detach(), atol=1e-6)
     assert torch.equal(weight.detach(), reference.detach().to(torch.bfloat16))
     assert torch.all(bf16_only.detach() == 1.0)  # each 1e-4 step is below bf16's spacing near 1 (2⁻⁷)
 
@@ -265,12 +265,12 @@ def test_master_weights_round_trip_through_state_dict():
     other_weight = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
     other = MasterWeightAdamW([other_weight], lr=1e-3)
     other.load_state_dict(state)
-    assert torch.equal(other.masters[0], optimizer.masters[0])  # the fp32 values, not their bf16 rounding
+    assert torch.equal(other.master_weight(0), optimizer.master_weight(0))  # the fp32 values, not their bf16 rounding
     assert torch.equal(other_weight, weight)
     for opt, w in ((optimizer, weight), (other, other_weight)):
         w.grad = torch.full_like(w, 0.5)
         opt.step()
-    assert torch.equal(other.masters[0], optimizer.masters[0])
+    assert torch.equal(other.master_weight(0), optimizer.master_weight(0))
 
 
 class _Args:
