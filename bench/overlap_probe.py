@@ -15,6 +15,10 @@ question arithmetic answers, so this times, on random-init Qwen2.5 shapes in bf1
 The hidden share is (1 + 2 − 3) / 2: 1.0 means the pass came for free, 0 means the two serialised.
 
     python bench/overlap_probe.py --models 1.5b,0.5b --chunks 16,64
+
+Result (H100, 2026-11-26, docs/benchmarks.md): at most ~23% of the pass hid (C = 64; with C = 16 the
+two slowed each other down), and this chunked pass alone took twice the trainer's packed, compiled
+one; the trainer keeps its separate π_ref pass.
 """
 
 from __future__ import annotations
