@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from .trainer import Batch
 
 
+def allocator_retries(device: torch.device) -> int:
+    """How many times the CUDA caching allocator has retried an allocation after emptying its cache."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0
+
+
 class StepLog:
     def success(self, batch: Batch) -> float:
         """Fraction of completions that solve their problem (the task's verifier), else reward > 0."""
@@ -94,6 +99,11 @@ class StepLog:
         record.update({f"time/{k}": v for k, v in self.phase_times.items()})
         before, self.gc_mark = self.gc_mark, collector_seconds()
         record["time/gc"] = self.gc_mark - before  # Python's collector, inside the phases above
+        if self.device.type == "cuda":
+            # The caching allocator found no free block, freed its cache and asked CUDA again: a device
+            # sync and a burst of cudaFree/cudaMalloc inside the step (fragmentation, or memory close to full).
+            before, self.alloc_retry_mark = self.alloc_retry_mark, allocator_retries(self.device)
+            record["memory/alloc_retries"] = self.alloc_retry_mark - before
         if self.phase_peaks:  # phases reset the CUDA peak counter: the step's peak is the largest phase peak
             record.update({f"memory/{k}_gib": v for k, v in self.phase_peaks.items()})
             record["peak_memory_gib"] = max([*self.phase_peaks.values(), record.get("peak_memory_gib") or 0.0])

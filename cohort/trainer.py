@@ -48,7 +48,7 @@ from .evaluate import evaluate
 from .curriculum import Curriculum
 from .tasks import prompt_text
 from .metrics import MetricsLogger
-from .step_log import StepLog
+from .step_log import StepLog, allocator_retries
 from .kept_layers import KeptLayers
 from .policy_update import PolicyUpdate
 from .progress import Progress
@@ -142,6 +142,7 @@ class GRPOTrainer(PolicyUpdate, StepLog):
         self.accuracy_before = self.accuracy_after = None
         self.skipped_steps = self.nonfinite_in_a_row = 0  # updates skipped for a non-finite loss / gradient
         self.gc_mark = collector_seconds()  # the garbage collector's pauses so far (each step logs its own)
+        self.alloc_retry_mark = allocator_retries(self.device)  # likewise the CUDA allocator's retries
         self.sequence_offset = 0  # global index of this rank's first completion in the step's batch
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         main = self.parallel.is_main  # rank 0 alone logs, prints and saves
