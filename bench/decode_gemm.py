@@ -98,8 +98,8 @@ def main(argv=None) -> None:
                     row[f"split{splits}_error"] = (split_k_linear(x, weight, splits).float() - exact).abs().max().item()
                 nbytes = 2 * (weight.numel() + x.numel() + rows * out_features)
                 row["floor_us"] = nbytes / rate / 1e3
-                split_keys = [k for k in row if k.startswith(("split", "autotuned")) and k.endswith("_us")]
-                best = min(split_keys, key=row.get) if split_keys else None
+                candidates = [k for k in row if k.startswith(("split", "autotuned")) and k.endswith("_us")]
+                best = min(candidates, key=row.get) if candidates else None
                 row["best"] = best
                 results.append(row)
                 cells = " | ".join(f"{row[k]:.1f}" if k in row else "—" for k in

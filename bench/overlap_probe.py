@@ -71,7 +71,8 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def probe(name: str, chunks: list[int], prompts: int, generations: int, prompt_len: int, new_tokens: int) -> dict:
+def probe(name: str, chunks: list[int], prompts: int, generations: int, prompt_len: int,
+          new_tokens: int) -> list[dict]:
     _, model = build_models(name)
     reference = build_models(name)[1].requires_grad_(False)  # a second copy of the weights, as π_ref is
     torch.manual_seed(1)
@@ -135,7 +136,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     print(torch.cuda.get_device_name(), flush=True)
     chunks = [int(c) for c in args.chunks.split(",")]
-    results = [row for name in args.models.split(",") for row in probe(name, chunks, args.prompts, args.generations, args.prompt_len, args.new_tokens)]
+    results = [row for name in args.models.split(",")
+               for row in probe(name, chunks, args.prompts, args.generations, args.prompt_len, args.new_tokens)]
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "overlap_probe.json").write_text(json.dumps(results, indent=1))
 

@@ -114,7 +114,6 @@ class MasterWeightAdamW(torch.optim.AdamW):
             kwargs.setdefault("fused", True)  # one kernel per chunk
         super().__init__(masters, **kwargs)
         self.masters = masters
-        self._master_index = {id(master): i for i, master in enumerate(masters)}
         self.chunks = _chunks_by_bytes(self.model_params, chunk_bytes)
         self.clip_coefficient: torch.Tensor | None = None  # set by clip_grad_norm, used by the next step
         self._allocate_state()
@@ -191,23 +190,22 @@ class MasterWeightAdamW(torch.optim.AdamW):
         that of every later one (gradient_checkpointing_layers=auto measures it), and in `step`
         before any chunk moves. Made lazily per chunk, an out-of-memory error in a later chunk would
         come after earlier chunks had stepped, and the retried update would step them twice."""
-        for group in self.param_groups:
-            for master in group["params"]:
-                if len(self.state.get(master, {})) > 0:
-                    continue
-                shaped = self.model_params[self._master_index[id(master)]]  # a split master is empty between steps
-                state = {}  # complete or not at all: a half-made state would pass for a made one
-                if group["fused"] or group["capturable"]:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
-                else:
-                    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-                    state["step"] = torch.tensor(0.0, dtype=scalar)
-                moment = dict(dtype=torch.float32, memory_format=torch.preserve_format)
-                state["exp_avg"] = torch.zeros_like(shaped, **moment)
-                state["exp_avg_sq"] = torch.zeros_like(shaped, **moment)
-                if group["amsgrad"]:
-                    state["max_exp_avg_sq"] = torch.zeros_like(shaped, **moment)
-                self.state[master] = state
+        group = self.param_groups[0]  # the one group: the masters, in model_params' order
+        moment = dict(dtype=torch.float32, memory_format=torch.preserve_format)
+        for master, param in zip(self.masters, self.model_params):  # the param's shape: a split master is empty
+            if len(self.state.get(master, {})) > 0:
+                continue
+            state = {}  # complete or not at all: a half-made state would pass for a made one
+            if group["fused"] or group["capturable"]:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
+            else:
+                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                state["step"] = torch.tensor(0.0, dtype=scalar)
+            state["exp_avg"] = torch.zeros_like(param, **moment)
+            state["exp_avg_sq"] = torch.zeros_like(param, **moment)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(param, **moment)
+            self.state[master] = state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
