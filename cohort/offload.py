@@ -8,7 +8,9 @@ copy on a side stream, started at the top of the next step so the copy (about 0.
 runs while the engine samples.
 
 The parameters stay the same tensor objects (only their storage is resized to 0 and back, as FSDP
-does), so compiled code and the modules that hold them see no difference.
+does), so compiled code and the modules that hold them see no difference. Outside `on_device` the
+model refuses to run with a one-line error: on a GPU its kernels would read freed memory, an illegal
+access that ends the process's CUDA context, not just the call.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
+
+from .errors import CohortError
 
 
 class HostOffload:
@@ -41,6 +45,13 @@ class HostOffload:
                 self.storages.append(storage)
                 self.sizes.append(storage.nbytes())
         self.device = next(model.parameters()).device
+        model.register_forward_pre_hook(self._refuse_while_on_host)
+
+    def _refuse_while_on_host(self, module, args) -> None:
+        if not self.resident:
+            raise CohortError("π_ref's weights are in host memory between its log-prob passes (--offload_ref_model): "
+                              "call the reference model inside trainer.ref_weights.on_device(), or pass "
+                              "--offload_ref_model false to keep it on the GPU")
 
     def nbytes(self) -> int:
         return sum(self.sizes)

@@ -101,13 +101,23 @@ class PolicyUpdate:
         values = torch.stack([sums[k].float() for k in names] + [torch.as_tensor(grad_norm).float().to(self.device)])
         record = dict(zip(names + ["grad_norm"], values.tolist()))  # the step's one host sync
         if run_guard.update_is_finite(self, record.get("loss", 0.0), record["grad_norm"]):  # NaN/inf: skip, count
-            self.optimizer.step()
+            self.optimizer_step()
             self.scheduler.step()  # as transformers' Trainer: the schedule advances with real updates only
         # Free the gradients now, not at the next update: fp32 master gradients (4 bytes a parameter)
         # would otherwise sit through the next rollout and log-prob pass.
         self.optimizer.zero_grad(set_to_none=True)
         record["micro_batches"] = len(plans)
         return record
+
+    def optimizer_step(self) -> None:
+        """The optimizer step; the fp32-master step halves its chunks instead of failing when one
+        runs out of memory (precision.py), and each halving is logged and counted as a retry."""
+        shrinks = getattr(self.optimizer, "chunk_shrinks", 0)
+        self.optimizer.step()
+        if getattr(self.optimizer, "chunk_shrinks", 0) > shrinks:
+            self.oom_retries += self.optimizer.chunk_shrinks - shrinks
+            self.log(f"out of GPU memory in the optimizer step: it now steps at most "
+                     f"{self.optimizer.chunk_bytes / 2**20:.1f} MiB of fp32 gradients at a time")
 
     def largest_micro_batch_tokens(self) -> int:
         """Tokens a training micro-batch can reach under the current budgets: every row at the

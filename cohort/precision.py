@@ -52,7 +52,8 @@ TIE = 1 << 15  # a low half exactly halfway between two bf16 values
 
 
 @torch.no_grad()
-def split_master(master: torch.Tensor, weight: torch.Tensor, low: torch.Tensor) -> None:
+def split_master(master: torch.Tensor, weight: torch.Tensor, low: torch.Tensor,
+                 tie: torch.Tensor | None = None) -> None:
     """Write fp32 `master` as bf16 `weight` (rounded to nearest) and int16 `low`, the difference of
     their bit patterns, so that `join_master(weight, low)` gives `master` back bit for bit. `master`
     is overwritten: the step's rebuilt masters are dropped next, so its memory serves as scratch.
@@ -62,11 +63,14 @@ def split_master(master: torch.Tensor, weight: torch.Tensor, low: torch.Tensor) 
     that rounds to the even value below (+2^15). Such a tie is stored rounded away from zero instead
     (−2^15). Worked example: 1 + 2^-8 is 0x3F808000, halfway between the bf16 values 1 (0x3F80) and
     1 + 2^-7 (0x3F81); torch rounds it to the even 0x3F80 with a difference of +0x8000, so it is
-    stored as 0x3F81 with −0x8000."""
+    stored as 0x3F81 with −0x8000.
+
+    `tie`, a bool tensor of `master`'s shape, is the scratch for the tie mask; given, the split
+    allocates nothing (the optimizer step makes it before it changes any weight)."""
     weight.copy_(master)  # round to nearest, ties to even
     bits = master.view(torch.int32)
     bits.sub_(weight.view(torch.int16), alpha=HALF)  # int32 arithmetic; the true result is small
-    tie = bits == TIE
+    tie = torch.eq(bits, TIE, out=tie) if tie is not None else bits == TIE
     weight.view(torch.int16).add_(tie)  # one bf16 unit away from zero: the pattern's magnitude grows
     low.copy_(bits.masked_fill_(tie, -TIE))
 
@@ -114,7 +118,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
             kwargs.setdefault("fused", True)  # one kernel per chunk
         super().__init__(masters, **kwargs)
         self.masters = masters
+        self.chunk_bytes = chunk_bytes
         self.chunks = _chunks_by_bytes(self.model_params, chunk_bytes)
+        self.chunk_shrinks = 0  # chunks halved after running out of memory (the trainer logs each)
         self.clip_coefficient: torch.Tensor | None = None  # set by clip_grad_norm, used by the next step
         self._allocate_state()
 
@@ -142,9 +148,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
         same fp32 values and the same kernel as torch's (`_foreach_norm`), so the total is the same."""
         norms: list[torch.Tensor] = []
         for chunk in self.chunks:
-            grads = self._fp32_grads(self._with_grads(chunk))
-            if grads:
-                norms.extend(torch._foreach_norm(grads, 2.0))
+            indices = self._with_grads(chunk)
+            if indices:  # the fp32 copies die with the expression, before the next chunk's are made
+                norms.extend(torch._foreach_norm(self._fp32_grads(indices), 2.0))
         if not norms:
             return torch.tensor(0.0)
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
@@ -154,35 +160,82 @@ class MasterWeightAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step: per chunk, fp32 gradients (clipped) and masters (rebuilt), the fused update,
-        the write-back (split again, or rounded from a whole master)."""
+        the write-back (split again, or rounded from a whole master).
+
+        Out of memory part-way is safe. Each chunk first makes everything it needs (`_chunk_scratch`)
+        and only then changes anything, so a chunk that cannot get its memory has changed nothing. It
+        is then halved, down to one tensor at a time, and the step goes on where it was: every
+        element sees the same operations in any chunking. The smaller budget stays for later steps.
+        If even one tensor cannot get its memory before any chunk has stepped, the error propagates
+        and the caller may retry the whole update (nothing was applied). After some chunks have
+        stepped it cannot: they would be applied twice. That, and an error inside a chunk's own
+        update, stop the run with a `CohortError` instead."""
         loss = None
         if closure is not None:
             with torch.enable_grad():  # as torch's optimizers call it
                 loss = closure()
         self._allocate_state()  # moments dropped since (LoRA's π_ref reset): all made before any chunk moves
-        for chunk in self.chunks:
-            stepped = self._with_grads(chunk)
-            if not stepped:
-                continue
-            grads = self._fp32_grads(stepped)
-            if self.clip_coefficient is not None:
-                torch._foreach_mul_(grads, self.clip_coefficient.to(grads[0].device))
-            for i, grad in zip(stepped, grads):
-                if self.lows[i] is not None:
-                    self.masters[i].data = self.master_weight(i)
-                self.masters[i].grad = grad
-                self.model_params[i].grad = None  # a bf16 gradient not lent from the KV cache is freed here
-            super().step()  # AdamW skips the masters without a gradient: the other chunks
-            for i in stepped:
-                master, low = self.masters[i], self.lows[i]
-                if low is None:
-                    self.model_params[i].copy_(master)
-                else:
-                    split_master(master, self.model_params[i], low)
-                    master.data = master.new_empty(0)
-                master.grad = None
+        pending = [i for chunk in self.chunks for i in self._with_grads(chunk)]
+        done = 0
+        while done < len(pending):
+            chunk = _chunks_by_bytes([self.model_params[i] for i in pending[done:]], self.chunk_bytes)[0]
+            indices = pending[done:done + len(chunk)]
+            try:
+                scratch = self._chunk_scratch(indices)
+            except torch.OutOfMemoryError:
+                if len(indices) > 1:
+                    self.shrink_chunks(sum(self.model_params[i].numel() * 4 for i in indices))
+                    continue
+                if done == 0:
+                    raise  # nothing has changed: the update may be retried whole
+                raise CohortError(self._part_way(done, len(pending))) from None
+            try:
+                self._step_chunk(indices, *scratch)
+            except torch.OutOfMemoryError:
+                raise CohortError(self._part_way(done, len(pending))) from None
+            del scratch  # this chunk's fp32 copies go before the next chunk makes its own
+            done += len(indices)
         self.clip_coefficient = None
         return loss
+
+    def shrink_chunks(self, failed_bytes: int) -> None:
+        """Chunks of at most half the fp32 bytes of the one that could not get its memory."""
+        self.chunk_bytes = max(1, min(self.chunk_bytes, failed_bytes) // 2)
+        self.chunks = _chunks_by_bytes(self.model_params, self.chunk_bytes)
+        self.chunk_shrinks += 1
+
+    def _chunk_scratch(self, indices: list[int]):
+        """Every tensor a chunk's step needs, made before anything changes: the fp32 gradients, the
+        rebuilt masters, and the tie mask `split_master` writes."""
+        grads = self._fp32_grads(indices)
+        full = [self.master_weight(i) if self.lows[i] is not None else None for i in indices]
+        split = [self.model_params[i].numel() for i in indices if self.lows[i] is not None]
+        tie = self.model_params[indices[0]].new_empty(max(split, default=0), dtype=torch.bool)
+        return grads, full, tie
+
+    def _step_chunk(self, indices: list[int], grads: list[torch.Tensor], full: list, tie: torch.Tensor) -> None:
+        if self.clip_coefficient is not None:
+            torch._foreach_mul_(grads, self.clip_coefficient.to(grads[0].device))
+        for i, grad, master in zip(indices, grads, full):
+            if master is not None:
+                self.masters[i].data = master
+            self.masters[i].grad = grad
+            self.model_params[i].grad = None  # a bf16 gradient not lent from the KV cache is freed here
+        super().step()  # AdamW skips the masters without a gradient: the other chunks
+        for i in indices:
+            master, low, param = self.masters[i], self.lows[i], self.model_params[i]
+            if low is None:
+                param.copy_(master)
+            else:
+                split_master(master, param, low, tie[: param.numel()].view(param.shape))
+                master.data = master.new_empty(0)
+            master.grad = None
+
+    @staticmethod
+    def _part_way(done: int, total: int) -> str:
+        return (f"out of GPU memory part-way through the optimizer step ({done} of {total} tensors updated): "
+                "retrying would update them twice, so the run stops here; resume from the newest checkpoint "
+                "(--resume) with more free GPU memory (a lower --max_memory_gib, or fewer kept layers)")
 
     def _allocate_state(self) -> None:
         """AdamW's state for every master that has none, as its own lazy initialisation makes it (step,

@@ -1,10 +1,19 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and the device the suite runs on."""
 
-import pytest
-import torch
+import os
+
+# The suite asserts CPU behaviour (float32 tolerances, in-process looks at weights a GPU run keeps on
+# the host, the default job's learning threshold), as CI runs it. On a machine with a GPU it hides the
+# GPU, so `python -m pytest` means the same everywhere; CUDA_VISIBLE_DEVICES is read when CUDA starts,
+# which nothing has done yet. COHORT_TEST_GPU=1 keeps the GPU for the GPU tests (README, "Tests").
+if os.environ.get("COHORT_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from transformers.utils import logging as transformers_logging
 
-from cohort.tiny import build_model, build_tokenizer
+from cohort.tiny import build_model, build_tokenizer  # noqa: E402
 
 # transformers binds its log handler to whatever sys.stderr is when its logger is first used. Bind it
 # now, to pytest's session-wide capture, not to one test's capsys stream: that stream is closed when

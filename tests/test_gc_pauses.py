@@ -22,7 +22,8 @@ def test_collector_seconds_counts_a_collection():
 
 
 def test_freeze_then_thaw_and_a_thaw_without_freeze_leaves_others_frozen_objects():
-    assert gc.get_freeze_count() == 0
+    if gc.get_freeze_count():  # gc.unfreeze() cannot tell whose objects it thaws
+        pytest.skip(f"this interpreter had frozen {gc.get_freeze_count()} objects before the test")
     assert freeze_long_lived_objects() == gc.get_freeze_count() > 0
     thaw_frozen_objects()
     assert gc.get_freeze_count() == 0

@@ -9,6 +9,7 @@ import torch
 
 import cohort.policy_update as update_module
 from cohort import GRPOConfig, GRPOTrainer
+from cohort.errors import CohortError
 from cohort.lending import lend_gradients
 from cohort.offload import HostOffload
 
@@ -120,8 +121,8 @@ def test_offloaded_weights_leave_the_device_and_come_back_exactly():
     with offload.on_device():
         assert torch.equal(model(x), want)
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # freed
-    with pytest.raises(RuntimeError):
-        model(x)
+    with pytest.raises(CohortError, match=r"on_device\(\), or pass --offload_ref_model false"):
+        model(x)  # refused before any kernel reads the freed storage (on a GPU, an illegal access)
     offload.prefetch()
     with offload.on_device():
         assert torch.equal(model(x), want)

@@ -1,11 +1,14 @@
 """The fp32-master AdamW steps in chunks: same numbers as torch's AdamW over fp32 copies, with at
-most one chunk of fp32 gradients alive, and an out-of-memory error that leaves everything as it was."""
+most one chunk of fp32 gradients alive; out of memory before a chunk changes anything halves the chunk
+and the step goes on, exactly, and part-way through an update it stops the run instead of stepping twice."""
 
 import io
 
 import pytest
 import torch
 
+import cohort.precision as precision
+from cohort.errors import CohortError
 from cohort.precision import MasterWeightAdamW, _chunks_by_bytes, clip_grad_norm, join_master, split_master
 
 SHAPES = [(64, 32), (32,), (128, 16), (7,), (256, 8), (16, 16)]  # 2,048 + 32 + 2,048 + 7 + 2,048 + 256 elements
@@ -130,6 +133,38 @@ def test_chunked_step_equals_torch_adamw_over_fp32_copies(chunk_bytes):
             assert ours.dtype == theirs.dtype and ours.device == theirs.device and torch.equal(ours, theirs)
 
 
+def test_a_chunks_fp32_copies_are_gone_before_the_next_chunk_makes_its_own(monkeypatch):
+    """Weak references to every fp32 gradient and rebuilt master the norm and the step make: when a
+    chunk makes its copies, none of an earlier chunk's may still be alive (two chunks at once would
+    double the step's transient memory, which is what the chunks are for)."""
+    import weakref
+
+    params = _params()
+    optimizer = MasterWeightAdamW(params, chunk_bytes=4 * 2400, **KWARGS)
+    made: list[weakref.ref] = []
+    alive_at_each_chunk: list[int] = []
+    fp32_grads, join = MasterWeightAdamW._fp32_grads, precision.join_master
+
+    def spy_grads(self, indices):
+        alive_at_each_chunk.append(sum(ref() is not None for ref in made))
+        out = fp32_grads(self, indices)
+        made.extend(weakref.ref(g) for g in out)
+        return out
+
+    def spy_join(weight, low):
+        out = join(weight, low)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(MasterWeightAdamW, "_fp32_grads", spy_grads)
+    monkeypatch.setattr(precision, "join_master", spy_join)
+    for p, g in zip(params, _grads(0)):
+        p.grad = g
+    clip_grad_norm(optimizer, torch.nn.Module(), 1.0)
+    optimizer.step()
+    assert alive_at_each_chunk == [0] * 6  # three chunks for the norm, three for the step
+
+
 def test_no_more_than_one_chunk_of_fp32_gradients_is_alive(monkeypatch):
     params = _params()
     budget = 4 * 2400
@@ -202,6 +237,86 @@ def test_out_of_memory_in_the_step_changes_nothing(monkeypatch):
     assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.master_weights(), reference))
 
 
+def _failing_on_call(real, call: int):
+    """`real`, except that its `call`-th call raises a CUDA out-of-memory error (as the allocator would)."""
+    calls = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+    return wrapper
+
+
+def _plain_adamw_steps(before: list[torch.Tensor], steps: int, max_norm: float) -> list[torch.nn.Parameter]:
+    reference = [torch.nn.Parameter(b.float()) for b in before]
+    plain = torch.optim.AdamW(reference, **KWARGS)
+    for step in range(steps):
+        for r, g in zip(reference, _grads(step)):
+            r.grad = g.float()
+        torch.nn.utils.clip_grad_norm_(reference, max_norm)
+        plain.step()
+    return reference
+
+
+def test_out_of_memory_in_a_later_chunk_halves_it_and_the_step_goes_on_exactly(monkeypatch):
+    """Chunks [0, 1], [2, 3], [4, 5]; rebuilding master 2 fails. Chunk [0, 1] has stepped by then, so
+    the update cannot be retried whole: the failed chunk is halved (8,220 → 4,110 bytes a chunk) and
+    the step finishes from tensor 2. The result is torch's AdamW, bit for bit, in that step and the next."""
+    params = _params()
+    before = [p.detach().clone() for p in params]
+    optimizer = MasterWeightAdamW(params, chunk_bytes=4 * 2400, **KWARGS)
+    monkeypatch.setattr(precision, "join_master", _failing_on_call(precision.join_master, 3))
+    for step in range(2):
+        for p, g in zip(params, _grads(step)):
+            p.grad = g
+        clip_grad_norm(optimizer, torch.nn.Module(), 5.0)
+        optimizer.step()
+    assert optimizer.chunk_shrinks == 1 and optimizer.chunk_bytes == (2048 + 7) * 4 // 2
+    assert [list(c) for c in optimizer.chunks] == [[0], [1], [2], [3], [4], [5]]  # kept for the later steps
+    reference = _plain_adamw_steps(before, 2, 5.0)
+    for p, m, r in zip(params, optimizer.master_weights(), reference):
+        assert torch.equal(m, r.detach())
+        assert torch.equal(p.detach(), _bf16_ties_away(r.detach()))
+
+
+def test_out_of_memory_for_the_first_tensor_propagates_with_nothing_changed(monkeypatch):
+    """One tensor a chunk and the very first cannot get its memory: nothing has stepped, so the
+    error goes up as it is, for the trainer to retry the whole update."""
+    params = _params()
+    before = [p.detach().clone() for p in params]
+    optimizer = MasterWeightAdamW(params, chunk_bytes=1, **KWARGS)
+    monkeypatch.setattr(precision, "join_master", _failing_on_call(precision.join_master, 1))
+    for p, g in zip(params, _grads(0)):
+        p.grad = g
+    with pytest.raises(torch.OutOfMemoryError):
+        optimizer.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert all(float(optimizer.state[m]["step"]) == 0 for m in optimizer.masters)
+    assert all(torch.count_nonzero(low) == 0 for low in optimizer.lows)
+
+
+@pytest.mark.parametrize("where", ["one tensor left", "inside the update"])
+def test_out_of_memory_after_tensors_stepped_stops_the_run_rather_than_step_them_twice(monkeypatch, where):
+    """A trainer that caught an out-of-memory error here would rerun the update over weights that
+    are part stepped. So the step raises a CohortError (not an out-of-memory error: no retry) that
+    says how far it got and what to do."""
+    params = _params()
+    optimizer = MasterWeightAdamW(params, chunk_bytes=1, **KWARGS)
+    if where == "one tensor left":  # the third tensor's master cannot be rebuilt, even alone
+        monkeypatch.setattr(precision, "join_master", _failing_on_call(precision.join_master, 3))
+    else:  # the third chunk's fused update itself
+        monkeypatch.setattr(torch.optim.AdamW, "step", _failing_on_call(torch.optim.AdamW.step, 3))
+    for p, g in zip(params, _grads(0)):
+        p.grad = g
+    with pytest.raises(CohortError, match=r"part-way through the optimizer step \(2 of 6 tensors updated\)") as error:
+        optimizer.step()
+    assert not isinstance(error.value, torch.OutOfMemoryError)
+    assert "--resume" in str(error.value) and "\n" not in str(error.value)
+    assert [float(optimizer.state[m]["step"]) for m in optimizer.masters] == [1, 1, 0, 0, 0, 0]
+
+
 def test_a_step_skipped_after_clipping_leaves_no_coefficient_behind():
     params = _params()
     optimizer = MasterWeightAdamW(params, **KWARGS)
@@ -233,6 +348,36 @@ def test_chunked_fused_step_on_the_gpu_equals_torch_fused_adamw():
                            torch.nn.utils.clip_grad_norm_(reference, 5.0))
         optimizer.step()
         plain.step()
+    assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.master_weights(), reference))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: a real out-of-memory error from the caching allocator")
+def test_a_real_out_of_memory_error_on_the_gpu_halves_the_chunks_and_the_step_is_exact():
+    """Four bf16 tensors of 2^26 elements: a chunk's scratch is 9 bytes an element (fp32 gradient and
+    master, the tie mask), 576 MiB a tensor. The process may allocate 850 MiB beyond what the optimizer
+    holds, so the 1 GiB chunk (all four) and then two tensors fail, and one at a time fits."""
+    n = 1 << 26
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda").to(torch.bfloat16)) for _ in range(4)]
+    before = [p.detach().float() for p in params]
+    optimizer = MasterWeightAdamW(params, chunk_bytes=1 << 30, **KWARGS)
+    grads = [torch.randn(n, device="cuda").to(torch.bfloat16) for _ in range(4)]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + (850 << 20)) / total)
+    try:
+        optimizer.step()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert optimizer.chunk_shrinks == 2 and optimizer.chunk_bytes == (1 << 30) // 4
+    reference = [torch.nn.Parameter(b) for b in before]
+    plain = torch.optim.AdamW(reference, fused=True, **KWARGS)
+    for r, g in zip(reference, grads):
+        r.grad = g.float()
+    plain.step()
     assert all(torch.equal(m, r.detach()) for m, r in zip(optimizer.master_weights(), reference))
 
 

@@ -233,6 +233,43 @@ def test_out_of_memory_halves_the_micro_batch_and_matches_that_size_from_the_sta
     assert any(not torch.equal(a, b) for a, b in zip(retried.model.parameters(), retried.ref_model.parameters()))
 
 
+def test_out_of_memory_in_the_optimizer_step_halves_its_chunks_and_the_update_is_the_same(tiny_dir, tmp_path,
+                                                                                         monkeypatch):
+    """bf16 weights (fp32 masters) on the CPU, one tensor's fp32 bytes a chunk at most 64 KiB: the
+    second chunk's master cannot be rebuilt once. The trainer logs the halving, counts it as a retry,
+    and ends the update with the weights of a run that never ran out of memory."""
+    import cohort.precision as precision
+
+    lines = []
+    retried = _trainer(tiny_dir, tmp_path / "retry", dtype="bfloat16")
+    retried.log = lines.append
+    retried.optimizer.shrink_chunks(2 * 65536)  # the test's budget, before any update
+    chunks_before, shrinks_before = len(retried.optimizer.chunks), retried.optimizer.chunk_shrinks
+    assert chunks_before > 2
+    real, calls = precision.join_master, {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == len(retried.optimizer.chunks[0]) + 1:  # the second chunk's first master
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(precision, "join_master", failing)
+    batch = _synthetic_batch(retried)
+    retried.update(batch)
+    monkeypatch.setattr(precision, "join_master", real)
+    assert retried.oom_retries == 1 and retried.optimizer.chunk_shrinks == shrinks_before + 1
+    assert len(retried.optimizer.chunks) > chunks_before
+    assert any("out of GPU memory in the optimizer step" in line for line in lines)
+
+    fresh = _trainer(tiny_dir, tmp_path / "fresh", dtype="bfloat16")
+    fresh.optimizer.shrink_chunks(2 * 65536)
+    fresh.update(batch)
+    for a, b in zip(retried.model.parameters(), fresh.model.parameters()):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(retried.optimizer.master_weights(), fresh.optimizer.master_weights()))
+
+
 # ---- fp32 master weights -----------------------------------------------------------------------
 
 def test_master_weights_keep_updates_bf16_alone_would_round_away():
