@@ -175,7 +175,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
             with torch.enable_grad():  # as torch's optimizers call it
                 loss = closure()
         self._allocate_state()  # moments dropped since (LoRA's π_ref reset): all made before any chunk moves
-        pending = [i for chunk in self.chunks for i in self._with_grads(chunk)]
+        pending = self._with_grads(range(len(self.model_params)))  # chunked below, by what is left
         done = 0
         while done < len(pending):
             chunk = _chunks_by_bytes([self.model_params[i] for i in pending[done:]], self.chunk_bytes)[0]
