@@ -1,6 +1,6 @@
 """GRPO, Dr. GRPO, DAPO, GSPO and PPO on the built-in task: held-out accuracy vs time, peak memory.
 
-    python bench/algorithms.py                       # 5 algorithms × 3 seeds, writes docs/ section + PNG
+    python bench/algorithms.py                       # 5 algorithms × 3 seeds, writes its notebook section + PNG
     python bench/algorithms.py --steps 20 --seeds 0  # a quick look
 
 Each (algorithm, seed) runs in its own subprocess (one torch thread) so its peak RSS is its own:
@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Algorithms on the built-in task (issue 10)"
+NOTEBOOK = "benchmarks-2026-11.md"  # the dated notebook this section lives in (docs/history/)
 
 # Options on top of the arithmetic task's defaults. μ = 2 for all: at μ = 1 the ratio is ≡ 1, so
 # clipping (DAPO's clip-higher, GSPO's sequence clip, PPO's clip) would never act.
@@ -48,9 +49,9 @@ def worker(algorithm: str, seed: int, steps: int, eval_every: int, eval_problems
     torch.set_num_threads(1)
     from cohort.cli import task_rows
     from cohort.config import GRPOConfig
-    from cohort.ppo import PPOConfig, PPOTrainer
+    from cohort.algorithm.ppo import PPOConfig, PPOTrainer
     from cohort.tasks import get_task
-    from cohort.trainer import GRPOTrainer
+    from cohort.algorithm.trainer import GRPOTrainer
 
     task = get_task("arithmetic")
     options = dict(task.default_config)
@@ -98,7 +99,7 @@ def baseline_worker() -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from cohort.modelio import load_policy
+    from cohort.models.policy_io import load_policy
     from cohort.tasks import get_task
 
     load_policy(None, device="cpu", log=lambda *_: None)
@@ -212,7 +213,7 @@ def section(results: list[dict], baseline_rss: float, opts) -> str:
 
 
 def write_section(text: str, path: Path) -> None:
-    """Replace this bench's section of docs/benchmarks.md (or append it), leaving the others alone; notes
+    """Replace this bench's section of the notebook (or append it), leaving the others alone; notes
     written by hand below READING_MARK inside the section are kept."""
     doc = path.read_text()
     start = doc.find(SECTION)
@@ -237,7 +238,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-problems", type=int, default=100)
-    parser.add_argument("--out", default="docs", help="folder of benchmarks.md and algorithms.png ('' = print only)")
+    parser.add_argument("--out", default="docs/history", help=f"folder of {NOTEBOOK} and algorithms.png ('' = print only)")
     parser.add_argument("--runs-dir", default="/tmp/cohort-bench-algorithms")
     parser.add_argument("--from-results", help="rewrite the doc section and PNG from a saved results.json; no runs")
     parser.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
@@ -285,8 +286,8 @@ def publish(results: list[dict], baseline: dict, opts) -> None:
     if opts.out:
         out = ROOT / opts.out
         plot(results, out / "algorithms.png")
-        write_section(section(results, baseline["peak_rss_mib"], opts), out / "benchmarks.md")
-        print(f"wrote {out / 'algorithms.png'} and the section of {out / 'benchmarks.md'}")
+        write_section(section(results, baseline["peak_rss_mib"], opts), out / NOTEBOOK)
+        print(f"wrote {out / 'algorithms.png'} and the section of {out / NOTEBOOK}")
 
 
 if __name__ == "__main__":

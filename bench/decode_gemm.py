@@ -13,8 +13,8 @@ fp32 product.
 
     python bench/decode_gemm.py --models 0.5b,1.5b,7b --rows 64,256
 
-Result (H100, 2026-11-26, docs/benchmarks.md): split-K was slower than `F.linear` for every
-projection and size, and `F.linear` ran within 1.0-1.3x of the floor for the large ones, so the
+Result (H100, 2026-11-26, docs/history/benchmarks-2026-11.md): split-K was slower than `F.linear` for
+every projection and size, and `F.linear` ran within 1.0-1.3x of the floor for the large ones, so the
 engine keeps plain `F.linear`. `--autotune` (H100, 23:11 the same day) did no better: only the o
 projection gained, 5.5 -> 5.3 µs; gate_up and down were 39% and 43% slower.
 """

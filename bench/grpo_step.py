@@ -17,7 +17,9 @@ Default steps aim at one 10-minute device call (--time-budget 560 s): TRL 3 step
 (the first step is warm-up, about 40 s for 0.5B on an H200), cohort 5, LoRA 3, probes 2.
 
 Writes $OUT/grpo_step.json and $OUT/grpo_step.md when OUT is set (after every part, so a run cut
-short keeps what it measured). --time-budget skips the parts that no longer fit, saying so.
+short keeps what it measured). --time-budget skips the parts that no longer fit, saying so. Back on the
+checkout, `python bench/grpo_step_report.py grpo_step.json --write-docs` puts the rows in
+docs/performance.md.
 """
 
 from __future__ import annotations

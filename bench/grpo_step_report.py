@@ -1,7 +1,21 @@
-"""Tables of bench/grpo_step.py: the per-model text printed as each part ends, and the markdown
-written to $OUT/grpo_step.md. Pure functions of the results dict (see grpo_step.py)."""
+"""Tables of bench/grpo_step.py: the per-model text printed as each part ends, the markdown
+written to $OUT/grpo_step.md, and the rows of docs/performance.md. Pure functions of the results
+dict (see grpo_step.py), plus a command line that reads a saved one:
+
+    python bench/grpo_step_report.py grpo_step.json               # print its tables again
+    python bench/grpo_step_report.py grpo_step.json --write-docs  # and put its rows in docs/performance.md
+
+Only comparisons with TRL's step from the same call become rows (the page shows ratios, never a lone
+time); so do the LoRA and full-parameter parts, against the card's memory. A --smoke run is refused.
+"""
 
 from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
 
 
 def summarize(entry: dict) -> dict:
@@ -137,3 +151,128 @@ def unfinished_flags(results: dict, args) -> str:
         flags.append(f"--max-full-param {','.join(todo)}")
     return " ".join(flags) if models or len(flags) > 1 else ""
 
+
+# ---- docs/performance.md ----------------------------------------------------------------------------
+
+COMPARE_BATCH = dict(prompts=32, generations=8, prompt_len=128, completion_len=512)  # the page's stated batch
+CARD_GIB = {"H100 80GB HBM3": 81559 / 1024, "H200": 143771 / 1024}  # total memory, as nvidia-smi reports it
+
+
+def _argv_value(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg[len(name) + 1:]
+    return None
+
+
+def _options_text(options: dict) -> str:
+    return ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in options.items())
+
+
+def _cohort_options(results: dict) -> dict:
+    """--cohort-options of the call, parsed as grpo_step.py parses them (JSON values where they parse)."""
+    out = {}
+    for item in (i.strip() for i in (_argv_value(results.get("argv") or [], "--cohort-options") or "").split(",")):
+        key, _, value = item.partition("=")
+        if key.strip():
+            try:
+                out[key.strip()] = json.loads(value.strip())
+            except json.JSONDecodeError:
+                out[key.strip()] = value.strip()
+    return out
+
+
+def _configuration(results: dict, options: dict) -> str:
+    """What the row ran, beyond the page's stated set-up: cohort's options and any other batch."""
+    parts = [_options_text(options)] if options else []
+    run, extra = results.get("batch") or {}, results.get("options") or {}
+    if any(run.get(k) != v for k, v in COMPARE_BATCH.items()):
+        parts.append(f"{run.get('prompts')} prompts × {run.get('generations')}, "
+                     f"{run.get('prompt_len')}-token prompts, {run.get('completion_len')}-token completions")
+    if extra.get("gradient_checkpointing") == "off":
+        parts.append("gradient checkpointing off")
+    if extra.get("max_tokens_per_micro_batch"):
+        parts.append(f"max_tokens_per_micro_batch={extra['max_tokens_per_micro_batch']}")
+    return "; ".join(parts) or "gradient_checkpointing=true (as TRL)"
+
+
+def _row_base(results: dict, kind: str, shape: str) -> dict:
+    return dict(kind=kind, shape=shape, card=(results.get("device") or "unknown card").removeprefix("NVIDIA ").strip(),
+                date=str(results.get("date", ""))[:16].replace("T", " "),
+                command=" ".join(["python bench/grpo_step.py", *map(shlex.quote, results.get("argv") or [])]))
+
+
+def performance_rows(results: dict) -> tuple[list[dict], list[str]]:
+    """docs/performance.md rows of one grpo_step.json (bench/performance_page.py's result dicts), and
+    a line for each part left out."""
+    rows, left_out = [], []
+    options = _cohort_options(results)
+    for label, entry in results.get("comparisons", {}).items():
+        shape = f"Qwen2.5-{label.removeprefix('qwen2.5-').upper()} shape"
+        trl = entry.get("trl") or {}
+        runs = [(options, entry.get("cohort") or {})]
+        runs += [(result.get("options") or options, result) for result in (entry.get("variants") or {}).values()]
+        for run_options, cohort in runs:
+            if not trl.get("steady_seconds") or not cohort.get("steady_seconds"):
+                left_out.append(f"{label} {_options_text(run_options) or '(no options)'}: no steady TRL and "
+                                f"cohort steps in this call (TRL {trl.get('status', '-')}, "
+                                f"cohort {cohort.get('status', '-')})")
+                continue
+            steady = cohort.get("steady") or {}
+            rows.append(dict(_row_base(results, "grpo_step", shape), configuration=_configuration(results, run_options),
+                             cohort_seconds=cohort["steady_seconds"], trl_seconds=trl["steady_seconds"],
+                             cohort_peak_gib=cohort.get("peak_gib"), trl_peak_gib=trl.get("peak_gib"),
+                             mfu=steady.get("mfu"), sampling_seconds=steady.get("time/sampling"),
+                             logprobs_seconds=steady.get("time/logprobs"), update_seconds=steady.get("time/update")))
+    capacity = []
+    lora = results.get("lora_7b") or {}
+    if lora.get("steady_seconds"):
+        run = lora.get("batch") or {}
+        capacity.append(("7B", lora, f"LoRA r={_argv_value(results.get('argv') or [], '--lora-r') or 16}, "
+                                     f"{run.get('prompts')} prompts × {run.get('generations')} of "
+                                     f"{run.get('completion_len')} tokens"))
+    full = results.get("max_full_param") or {}
+    for name, probe in (full.get("probes") or {}).items():
+        run = full.get("batch") or {}
+        if probe.get("fits") and probe.get("steady_seconds"):
+            capacity.append((name.upper(), probe, f"full parameters, {run.get('prompts')} prompts × "
+                                                  f"{run.get('generations')} of {run.get('completion_len')} tokens"))
+    for name, result, what in capacity:
+        base = _row_base(results, "capacity", f"Qwen2.5-{name} shape")
+        rows.append(dict(base, configuration="; ".join([what] + ([_options_text(options)] if options else [])),
+                         peak_gib=result.get("peak_gib"), card_gib=CARD_GIB.get(base["card"]),
+                         seconds=result["steady_seconds"]))
+    return rows, left_out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Print bench/grpo_step.py's tables from its saved grpo_step.json")
+    parser.add_argument("results", help="grpo_step.json, as bench/grpo_step.py writes it to $OUT")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="also put its rows in docs/performance.md, replacing those of the same shape, card "
+                             "and configuration")
+    parser.add_argument("--page", default=None, help="the page --write-docs writes (default docs/performance.md)")
+    args = parser.parse_args(argv)
+    results = json.loads(Path(args.results).read_text())
+    print(markdown(results))
+    if not args.write_docs:
+        return
+    if results.get("smoke"):
+        sys.exit("a --smoke run's numbers mean nothing: docs/performance.md left as it is")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from performance_page import PAGE, write_result
+
+    page = args.page or PAGE
+    rows, left_out = performance_rows(results)
+    for line in left_out:
+        print(f"not written: {line}", file=sys.stderr)
+    for row in rows:
+        for line in write_result(row, page):
+            print(f"dropped from {page} to keep it short: {line}", file=sys.stderr)
+        print(f"{page}: {row['shape']} on {row['card']}, {row['configuration']}")
+
+
+if __name__ == "__main__":
+    main()

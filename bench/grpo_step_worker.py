@@ -335,15 +335,15 @@ def run_cohort(spec: dict, rec: Recorder) -> None:
         """cohort's trainer, minus checkpoints and the final save (a 1.5B run's optimizer state alone
         is 12 GB of disk writes that no step time includes); a record written after every step."""
 
-        def maybe_save_checkpoint(self) -> None:
-            pass
+        def save_checkpoint(self) -> Path:
+            return Path(self.args.output_dir)  # nothing written
 
         def save_model(self, output_dir=None):
             return Path(output_dir or self.args.output_dir)
 
-        def record_step(self, batch, losses, seconds):
+        def log_step(self, batch, losses, seconds):
             rec.observe_peak()  # before the trainer's own metrics reset the CUDA peak
-            super().record_step(batch, losses, seconds)
+            super().log_step(batch, losses, seconds)
             step_peak = self.history[-1].get("peak_memory_gib")  # the largest of the step's phase peaks
             if step_peak is not None:
                 rec.peak_bytes = max(rec.peak_bytes, int(step_peak * 2**30))

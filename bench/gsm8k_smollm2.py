@@ -6,7 +6,7 @@ run in small rounds only until sampled completions follow the format *sometimes*
 never writes `<think>`/`<answer>` tags, so every GRPO group would tie and give no gradient); then
 GRPO on a GSM8K train subset with the task's default reward mix (format 0.5, tag count 0.5, accuracy
 1.0) until `rewards/format_reward/mean` has stayed ≥ 0.9 for 5 steps (or the step / time bound);
-test pass@1 again. Prints the per-step curve and a markdown row for docs/benchmarks.md.
+test pass@1 again. Prints the per-step curve and a markdown row for docs/history/benchmarks-2026-11.md.
 
     python bench/gsm8k_smollm2.py prepare            # here: GGUF halves, GSM8K files, wheels → .bench/
     python bench/gsm8k_smollm2.py --model FILE.gguf --data_dir DIR [--out DIR]      # on the GPU
@@ -116,10 +116,10 @@ def run(args) -> dict:
     import torch
 
     from cohort import GRPOConfig, GRPOTrainer
-    from cohort.evaluate import evaluate
+    from cohort.eval.evaluate import evaluate
     from cohort.rewards.rules import format_reward
-    from cohort.rollout import SamplingParams
-    from cohort.sft import SFTConfig, sft_train
+    from cohort.rollout.sampler import SamplingParams
+    from cohort.algorithm.sft import SFTConfig, sft_train
     from cohort.tasks import get_task
 
     started = time.perf_counter()
@@ -139,8 +139,8 @@ def run(args) -> dict:
     curve: list[dict] = []
 
     class BenchTrainer(GRPOTrainer):
-        def record_step(self, batch, losses, seconds):
-            super().record_step(batch, losses, seconds)
+        def log_step(self, batch, losses, seconds):
+            super().log_step(batch, losses, seconds)
             r = self.history[-1]
             curve.append({k: r.get(k) for k in ("step", "rewards/format_reward/mean", "rewards/tag_count_reward/mean",
                                                  "rewards/accuracy_reward/mean", "reward", "informative",
@@ -162,7 +162,7 @@ def run(args) -> dict:
 
     def held_out(label: str):
         t = time.perf_counter()
-        result = evaluate(sampler, tokenizer, task, test_rows, trainer.encode_prompt,
+        result = evaluate(sampler, tokenizer, task, test_rows, trainer.group_sampler.encode_prompt,
                           max_new_tokens=args.max_completion_length, batch_size=256)
         print(f"eval {label}: pass@1 {100 * result.accuracy:.1f}%  format {100 * result.format_rate:.1f}%  "
               f"mean length {result.mean_length:.0f}  ({time.perf_counter() - t:.0f}s)", flush=True)
@@ -170,7 +170,7 @@ def run(args) -> dict:
 
     def sampled_format_rate() -> float:
         probe = train_rows[:max(2, min(32, len(train_rows)))]
-        rollout = sampler.generate([trainer.encode_prompt(r["prompt"]) for r in probe], 2, SamplingParams(
+        rollout = sampler.generate([trainer.group_sampler.encode_prompt(r["prompt"]) for r in probe], 2, SamplingParams(
             max_new_tokens=args.max_completion_length, temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
             pad_token_id=trainer.pad_id, seed=args.seed))
         texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)

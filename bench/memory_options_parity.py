@@ -21,7 +21,7 @@ import tempfile
 import torch
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort.tiny import build_model, build_tokenizer
+from cohort.models.tiny import build_model, build_tokenizer
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
 

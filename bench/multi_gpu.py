@@ -121,14 +121,14 @@ def worker(spec_path: str) -> None:
     class BenchTrainer(GRPOTrainer):
         """No checkpoints or final save (not what is measured); a wall-clock stamp after every step."""
 
-        def maybe_save_checkpoint(self) -> None:
-            pass
+        def save_checkpoint(self) -> Path:
+            return Path(self.args.output_dir)  # nothing written
 
         def save_model(self, output_dir=None):
             return Path(output_dir or self.args.output_dir)
 
-        def record_step(self, batch, losses, seconds):
-            super().record_step(batch, losses, seconds)
+        def log_step(self, batch, losses, seconds):
+            super().log_step(batch, losses, seconds)
             stamps.append(time.perf_counter())
 
     started = time.perf_counter()

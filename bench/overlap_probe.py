@@ -16,9 +16,9 @@ The hidden share is (1 + 2 − 3) / 2: 1.0 means the pass came for free, 0 means
 
     python bench/overlap_probe.py --models 1.5b,0.5b --chunks 16,64
 
-Result (H100, 2026-11-26, docs/benchmarks.md): at most ~23% of the pass hid (C = 64; with C = 16 the
-two slowed each other down), and this chunked pass alone took twice the trainer's packed, compiled
-one; the trainer keeps its separate π_ref pass.
+Result (H100, 2026-11-26, docs/history/benchmarks-2026-11.md): at most ~23% of the pass hid (C = 64;
+with C = 16 the two slowed each other down), and this chunked pass alone took twice the trainer's
+packed, compiled one; the trainer keeps its separate π_ref pass.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.rollout import build_models  # noqa: E402
-from cohort.engine import Engine  # noqa: E402
-from cohort.logprobs import selected_logprobs  # noqa: E402
-from cohort.models.cache import KVCache  # noqa: E402
-from cohort.rollout import SamplingParams  # noqa: E402
+from cohort.rollout import Engine# noqa: E402
+from cohort.update.logprobs import selected_logprobs# noqa: E402
+from cohort.models.cache import KVCache# noqa: E402
+from cohort.rollout.sampler import SamplingParams# noqa: E402
 
 
 def chunked_reference_pass(model, cache: KVCache, tokens: torch.Tensor, prompt_len: int, chunk: int) -> torch.Tensor:

@@ -35,8 +35,8 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     from cohort import GRPOConfig, GRPOTrainer
-    from cohort.metrics import rollout_attention_pairs, update_flops
-    from cohort.packing import computed_prompt_tokens
+    from cohort.telemetry.metrics import rollout_attention_pairs, update_flops
+    from cohort.update.packing import computed_prompt_tokens
 
     setup = diagnosis_setup(args.model, args.smoke)
     device, tokenizer, model = setup.device, setup.tokenizer, setup.model
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     trainer.train()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
     phases = {}
-    original = trainer.phase
+    original = trainer.report.phase
 
     def timed_phase(name):  # a profiler range per phase, so kernels are attributed to it
         class Ranged:
@@ -71,28 +71,22 @@ def main(argv=None) -> None:
                 self.range.__exit__(*exc)
         return Ranged()
 
-    trainer.phase = timed_phase
+    trainer.report.phase = timed_phase
     trainer.args.max_steps = args.warmup + 1
     step = trainer.step + 1
     with torch.profiler.profile(activities=activities) as prof:
         trainer.step = step
-        trainer.ref_weights.prefetch()  # as train() does at the top of a step: π_ref's copy overlaps sampling
-        with trainer.phase("sampling"):
-            batch = trainer.sample_batch(trainer.next_prompts())
-        with trainer.phase("rewards"):
-            trainer.score(batch)
-        from cohort.algo import group_advantages
-
-        batch.advantages = group_advantages(batch.rewards, trainer.args.num_generations, trainer.args.scale_rewards)
-        with trainer.phase("logprobs"):
-            trainer.reference_logprobs(batch)
-        with trainer.phase("update"):
-            stats = trainer.update(batch)
+        trainer.memory.ref_offload.prefetch()  # as train() does at the top of a step: π_ref's copy overlaps sampling
+        batch = trainer.sample(trainer.next_prompts())  # each of these times its own phase
+        trainer.score(batch)
+        batch.old_logp, batch.ref_logp = trainer.reference_logprobs(batch)
+        batch.advantages = trainer.estimate_advantages(batch)
+        stats = trainer.update(batch)
     print(json.dumps({"phases_s": {k: round(v, 3) for k, v in phases.items()}, "micro_batches": stats.get("micro_batches")}))
-    prompt_tokens = computed_prompt_tokens(batch.prompt_ids, trainer.micro_rows, trainer.share_prompts)
+    prompt_tokens = computed_prompt_tokens(batch.prompt_ids, trainer.memory.micro_rows, trainer.share_prompts)
     completion_tokens = int(batch.rollout.completion_mask.sum())
     lengths = [int(n) for n in batch.rollout.completion_mask.sum(dim=1).tolist()]
-    pairs = rollout_attention_pairs(trainer.model, batch.prompt_ids, lengths, trainer.micro_rows, trainer.share_prompts)
+    pairs = rollout_attention_pairs(trainer.model, batch.prompt_ids, lengths, trainer.memory.micro_rows, trainer.share_prompts)
     flops = update_flops(trainer.model, prompt_tokens, completion_tokens, pairs)  # what the step log's MFU counts
     if "update" in phases:
         print(f"update: {prompt_tokens + completion_tokens} tokens, model FLOPs = {flops / 1e12:.1f} TFLOP in "

@@ -35,11 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cohort import GRPOConfig, GRPOTrainer  # noqa: E402
-from cohort.rewards.model import RewardModelReward, task_labeller, warm_up_reward_models  # noqa: E402
-from cohort.rewards.scorers import load_scorer  # noqa: E402
-from cohort.tasks.arithmetic import ArithmeticTask  # noqa: E402
-from cohort.tiny import tiny_model_dir  # noqa: E402
+from cohort import GRPOConfig, GRPOTrainer# noqa: E402
+from cohort.rewards.model import RewardModelReward, task_labeller, warm_up_reward_models# noqa: E402
+from cohort.rewards.scorers import load_scorer# noqa: E402
+from cohort.tasks.arithmetic import ArithmeticTask# noqa: E402
+from cohort.models.tiny import tiny_model_dir# noqa: E402
 
 CONDITIONS = ("replay", "frozen")
 
@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--smooth", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/bench-reward-model")
-    parser.add_argument("--png", default=None, help="also write the figure here (e.g. docs/reward_model.png)")
+    parser.add_argument("--png", default=None, help="also write the figure here (e.g. docs/history/reward_model.png)")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     out = Path(opts.out)

@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cohort.engine import Engine  # noqa: E402
-from cohort.rollout import SamplingParams  # noqa: E402
+from cohort.rollout import Engine# noqa: E402
+from cohort.rollout.sampler import SamplingParams# noqa: E402
 
 SHAPES = {  # Qwen2.5 shapes (their config.json), random weights
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

@@ -4,7 +4,7 @@
 """
 
 from .config import GRPOConfig
-from .trainer import GRPOTrainer
+from .algorithm.trainer import GRPOTrainer
 
 __all__ = ["GRPOConfig", "GRPOTrainer"]
 __version__ = "0.1.0"

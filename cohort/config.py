@@ -13,131 +13,230 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .algo import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_CHOICES
+from .algorithm.objectives import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_CHOICES
 from .errors import CohortError
 
 
 @dataclass
 class GRPOConfig:
     # What to train, on what.
-    model: str | None = None  # local HF folder, hub id or .gguf; None → the built-in tiny model
-    task: str = "arithmetic"
-    data_files: str | None = None  # local JSONL/parquet of training rows for the task (e.g. GSM8K)
-    eval_data_files: str | None = None  # held-out rows; None → the task's own test split (never data_files)
-    subset: int | None = None  # use N training rows
-    levels: str = "3"  # arithmetic: difficulty levels trained on
-    output_dir: str = "runs/cohort"
+    model: str | None = field(default=None, metadata={
+        "help": "The policy: a local Hugging Face folder, a hub id or a .gguf file; None is the built-in tiny model."})
+    task: str = field(default="arithmetic", metadata={
+        "help": "The task that supplies prompts, reward functions and the held-out verifier: arithmetic or gsm8k."})
+    data_files: str | None = field(default=None, metadata={
+        "help": "A local .jsonl, .json or .parquet file of training rows for the task (e.g. GSM8K)."})
+    eval_data_files: str | None = field(default=None, metadata={
+        "help": "Held-out rows for evaluation; None uses the task's own test split, never data_files."})
+    subset: int | None = field(default=None, metadata={
+        "help": "Train on N of the training rows, chosen by the seed; None uses them all."})
+    levels: str = field(default="3", metadata={
+        "help": "Arithmetic task: the difficulty levels (1-6) trained on, comma-separated."})
+    output_dir: str = field(default="runs/cohort", metadata={
+        "help": "Folder of the run: metrics.jsonl, completions.jsonl, checkpoints and the final policy."})
 
     # Algorithm 1.
-    num_generations: int = 8  # G: completions per prompt
-    num_iterations: int = 1  # μ: policy updates per rollout
-    ref_reset_steps: int = 0  # M: steps between π_ref ← π_θ (0 = never)
-    max_steps: int = 100
-    epsilon: float = 0.2
-    epsilon_high: float | None = None  # None → epsilon (symmetric clip)
-    beta: float = 0.0  # KL coefficient; 0 builds no reference model at all
-    loss_type: str = "grpo"
-    scale_rewards: str = "group"
-    reward_funcs: list[str] | None = None  # names or module:function; None → the task's own
-    reward_weights: list[float] | None = None
-    reward_timeout: float = 10.0
+    num_generations: int = field(default=8, metadata={
+        "help": "G: completions sampled per prompt, one group whose rewards give the advantages."})
+    num_iterations: int = field(default=1, metadata={
+        "help": "μ: policy updates on each rollout; π_old's log-probs are computed once per step when μ > 1."})
+    ref_reset_steps: int = field(default=0, metadata={
+        "help": "M: steps per outer iteration, at whose start π_ref ← π_θ; 0 never resets π_ref."})
+    max_steps: int = field(default=100, metadata={
+        "help": "GRPO steps in the run (I·M in Algorithm 1)."})
+    epsilon: float = field(default=0.2, metadata={
+        "help": "ε: the importance ratio is clipped to [1 − ε, 1 + epsilon_high]."})
+    epsilon_high: float | None = field(default=None, metadata={
+        "help": "Upper clip bound; above epsilon it is DAPO's clip-higher, None uses epsilon (a symmetric clip)."})
+    beta: float = field(default=0.0, metadata={
+        "help": "β: weight of the k3 estimate of KL(π_θ‖π_ref) in the loss; 0 builds no reference model at all."})
+    loss_type: str = field(default="grpo", metadata={
+        "help": "Loss aggregation: grpo (mean per completion, then over completions), bnpo or dapo (per token "
+                "over the batch), dr_grpo (sum over tokens ÷ completions × max_completion_length)."})
+    scale_rewards: str = field(default="group", metadata={
+        "help": "Divisor of the centred rewards: group (the group's std, GRPO), batch (the batch's std) or none "
+                "(Dr. GRPO)."})
+    reward_funcs: list[str] | None = field(default=None, metadata={
+        "help": "Reward functions: built-in names, module:function, or reward-model folders; None uses the task's."})
+    reward_weights: list[float] | None = field(default=None, metadata={
+        "help": "Weight of each reward function in the total reward; None weighs each 1 (or the task's weights)."})
+    reward_timeout: float = field(default=10.0, metadata={
+        "help": "Seconds a reward call may take (a whole-batch call, or one sample of a per-sample function) "
+                "before its samples score None."})
 
-    # Algorithm breadth (issue 10): DAPO, GSPO, entropy bonus. Defaults leave plain GRPO unchanged.
-    dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, sample more prompts to refill
-    max_resample_tries: int = 4  # extra sampling rounds per step for dynamic_sampling
-    overlong_buffer_length: int = 0  # DAPO soft overlong punishment over the last N tokens (0 = off)
-    overlong_penalty_factor: float = 1.0  # scale of that penalty (reaches −factor at max_completion_length)
-    mask_truncated_completions: bool = False  # completions cut at max_completion_length leave the loss
-    importance_sampling_level: str = "token"  # token (GRPO) | sequence (GSPO)
-    entropy_coef: float = 0.0  # entropy bonus: loss −= coef · mean token entropy
+    # Algorithm breadth: DAPO, GSPO, an entropy bonus. The defaults leave plain GRPO unchanged.
+    dynamic_sampling: bool = field(default=False, metadata={
+        "help": "DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."})
+    max_resample_tries: int = field(default=4, metadata={
+        "help": "Extra sampling rounds per step that dynamic_sampling may take to refill the batch."})
+    overlong_buffer_length: int = field(default=0, metadata={
+        "help": "DAPO's soft overlong punishment over the last N tokens before max_completion_length; 0 is off."})
+    overlong_penalty_factor: float = field(default=1.0, metadata={
+        "help": "Scale of the overlong penalty, which reaches −factor at max_completion_length."})
+    mask_truncated_completions: bool = field(default=False, metadata={
+        "help": "Leave completions cut at max_completion_length out of the loss."})
+    importance_sampling_level: str = field(default="token", metadata={
+        "help": "Importance ratio per token (GRPO) or per sequence (GSPO: the geometric mean over the completion)."})
+    entropy_coef: float = field(default=0.0, metadata={
+        "help": "Entropy bonus: the loss subtracts coef × the mean token entropy of the policy."})
 
-    # Learned reward model r_φ (issue 7): a reward_funcs entry that is a model folder or object, trained
-    # online on rule-labelled samples with replay (Algorithm 1, line 12). See cohort/rewards/model.py.
-    rm_updates_per_step: int = 0  # k: r_φ optimizer steps after each policy step (0 = frozen, as in TRL)
-    rm_buffer_size: int = 4096  # replay buffer bound, in samples
-    rm_buffer_policy: str = "fifo"  # fifo (newest kept) | reservoir (uniform over all seen)
-    rm_replay_ratio: float = 0.5  # fraction of each r_φ mini-batch drawn from the buffer
-    rm_batch_size: int = 32  # samples (pointwise) or pairs (pairwise) per r_φ mini-batch
-    rm_learning_rate: float = 1e-4
-    rm_loss: str = "pointwise"  # pointwise (BCE on the label) | pairwise (Bradley-Terry within a group)
-    rm_label_fraction: float = 1.0  # fraction of each step's groups given rule labels (costly labels)
-    rm_train_steps: int = 0  # train r_φ only during the first N steps, then freeze it (0 = always)
-    rm_max_length: int = 512  # r_φ reads at most this many tokens (the end of prompt + completion)
-    rm_scorer: str = "head"  # head (scalar head on the last token) | likelihood (a·log π_φ(completion|prompt)+b)
-    rm_head_learning_rate: float | None = None  # the score head's learning rate (None = rm_learning_rate)
-    rm_warmup_batches: int = 0  # before step 1: label this many batches of the initial policy, train r_φ on them
-    rm_warmup_updates: int = 200  # r_φ mini-batch updates in that warm-up (after a head-only linear probe)
+    # Learned reward model r_φ: a reward_funcs entry that is a model folder or object, trained online on
+    # rule-labelled samples with replay (Algorithm 1, last line). See cohort/rewards/model.py.
+    rm_updates_per_step: int = field(default=0, metadata={
+        "help": "k: r_φ optimizer steps after each policy step; 0 keeps r_φ frozen, as in TRL."})
+    rm_buffer_size: int = field(default=4096, metadata={
+        "help": "Samples the replay buffer holds at most."})
+    rm_buffer_policy: str = field(default="fifo", metadata={
+        "help": "Which samples the full buffer keeps: fifo (the newest) or reservoir (uniform over all seen)."})
+    rm_replay_ratio: float = field(default=0.5, metadata={
+        "help": "Fraction of each r_φ mini-batch drawn from the replay buffer; the rest is this step's samples."})
+    rm_batch_size: int = field(default=32, metadata={
+        "help": "Samples (pointwise) or pairs (pairwise) in each r_φ mini-batch."})
+    rm_learning_rate: float = field(default=1e-4, metadata={
+        "help": "Learning rate of r_φ's AdamW."})
+    rm_loss: str = field(default="pointwise", metadata={
+        "help": "r_φ's loss: pointwise (BCE on each sample's label) or pairwise (Bradley-Terry within a group)."})
+    rm_label_fraction: float = field(default=1.0, metadata={
+        "help": "Fraction of each step's groups that get rule labels for r_φ's training (labels that cost)."})
+    rm_train_steps: int = field(default=0, metadata={
+        "help": "Train r_φ only during the first N steps, then freeze it; 0 trains it throughout."})
+    rm_max_length: int = field(default=512, metadata={
+        "help": "Tokens r_φ reads at most: the end of prompt + completion."})
+    rm_scorer: str = field(default="head", metadata={
+        "help": "r_φ's score: head (a scalar head on the last token) or likelihood "
+                "(a·log π_φ(completion|prompt) + b)."})
+    rm_head_learning_rate: float | None = field(default=None, metadata={
+        "help": "Learning rate of r_φ's score head; None uses rm_learning_rate."})
+    rm_warmup_batches: int = field(default=0, metadata={
+        "help": "Before step 1, label this many batches of the initial policy's samples and train r_φ on them."})
+    rm_warmup_updates: int = field(default=200, metadata={
+        "help": "r_φ mini-batch updates in that warm-up, after a linear probe of the head alone."})
 
     # Sampling.
-    max_prompt_length: int = 512
-    max_completion_length: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    max_prompt_length: int = field(default=512, metadata={
+        "help": "Longest prompt in tokens; a longer one is an error naming the fix."})
+    max_completion_length: int = field(default=256, metadata={
+        "help": "New tokens per completion at most; a completion cut there counts as truncated."})
+    temperature: float = field(default=1.0, metadata={
+        "help": "Sampling temperature of the rollouts; 0 samples greedily."})
+    top_p: float = field(default=1.0, metadata={
+        "help": "Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1.0 is off."})
+    top_k: int = field(default=0, metadata={
+        "help": "Sample among the k most likely tokens only; 0 is off."})
+    min_p: float = field(default=0.0, metadata={
+        "help": "Drop tokens less likely than min_p × the most likely token's probability; 0.0 is off."})
 
     # Optimisation.
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0
-    lr_scheduler_type: str = "constant"  # constant | cosine | linear
-    per_device_train_batch_size: int = 16  # completions per micro-batch
-    gradient_accumulation_steps: int = 4  # micro-batches per optimizer step
-    gradient_checkpointing: bool = False
-    # Our models: recompute only the first N decoder layers in the backward; the later ones keep their
-    # activations (Megatron's block recomputation). Fewer recomputed layers: faster, more memory. None = all.
-    # "auto" (our models, GPU): measure what a kept layer costs in the first update, then keep as many
-    # as fit under max_memory_gib (cohort/kept_layers.py).
-    gradient_checkpointing_layers: int | str | None = None
-    max_memory_gib: float = 0.0  # the update's peak that gradient_checkpointing_layers=auto aims under (0 = 90% of the GPU)
-    # Update-phase memory (issue 5): micro-batches are bucketed by length; this caps each one's padded
-    # tokens as well (0 = rows only). Out of GPU memory, both halve and the step is redone.
-    max_tokens_per_micro_batch: int = 0
-    torch_compile: bool = False  # compile each decoder layer's training forward/backward (our models; needs triton on GPU)
-    free_sampling_memory: bool = False  # on GPU, free the engine's KV cache and graphs after each rollout (slower)
-    lend_kv_cache: bool = True  # one process: the update's gradients live in the engine's idle KV cache (lending.py)
-    gc_freeze: bool = True  # after the first step, Python's collector stops walking the run's long-lived objects (gc_pauses.py)
-    offload_ref_model: bool = True  # on GPU: π_ref's weights wait in pinned host memory between its passes (offload.py)
-    fused_head_loss: bool = True  # our models, token-level ratios: the LM head's gradient in its forward pass (head_loss.py)
-    share_prompt_prefix: bool = True  # our models: one forward of each prompt per group in the full-sequence passes (packing.py)
-    # LoRA through peft (TRL's ModelConfig names); π_ref is then the same model with adapters off.
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = None  # None → every attention and MLP projection
-    seed: int = 42
-    device: str = "auto"  # auto | cpu | cuda (several processes under torchrun: one GPU each, cuda:LOCAL_RANK)
-    # Several processes (issue 6, cohort/distributed.py; launch with torchrun or --nproc_per_node N): DDP
-    # by default; fsdp shards parameters, gradients and optimizer state (FSDP2) for models one GPU can't train.
-    fsdp: bool = False
-    ddp_timeout: int = 1800  # seconds a collective waits for the other ranks before failing (transformers' name)
-    dtype: str = "auto"  # auto (bf16 weights + fp32 master weights and AdamW state on GPU; fp32 on CPU) | float32 | bfloat16
+    learning_rate: float = field(default=1e-6, metadata={
+        "help": "AdamW's learning rate for the policy."})
+    weight_decay: float = field(default=0.0, metadata={
+        "help": "AdamW's decoupled weight decay."})
+    adam_beta1: float = field(default=0.9, metadata={
+        "help": "AdamW's β1, the decay of the first moment."})
+    adam_beta2: float = field(default=0.99, metadata={
+        "help": "AdamW's β2, the decay of the second moment."})
+    max_grad_norm: float = field(default=1.0, metadata={
+        "help": "Clip the gradient's global norm to this before each optimizer step."})
+    warmup_steps: int = field(default=0, metadata={
+        "help": "Steps of linear learning-rate warm-up from 0."})
+    lr_scheduler_type: str = field(default="constant", metadata={
+        "help": "Learning-rate schedule after the warm-up: constant, cosine or linear (to 0 at max_steps)."})
+    per_device_train_batch_size: int = field(default=16, metadata={
+        "help": "Completions per micro-batch of the update; × gradient_accumulation_steps = completions per step."})
+    gradient_accumulation_steps: int = field(default=4, metadata={
+        "help": "Micro-batches per optimizer step; the step samples per_device_train_batch_size × this completions."})
+
+    # Memory and speed of the update (docs/howto/memory.md, docs/howto/speed.md).
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "Recompute decoder layers' activations in the backward instead of keeping them."})
+    gradient_checkpointing_layers: int | str | None = field(default=None, metadata={
+        "help": "Our models, with gradient_checkpointing: recompute only the first N decoder layers and let the "
+                "later ones keep their activations (faster, more memory); auto (GPU) measures a kept layer's cost "
+                "in the first update and keeps as many as fit under max_memory_gib; None recomputes every layer."})
+    max_memory_gib: float = field(default=0.0, metadata={
+        "help": "The update's peak that gradient_checkpointing_layers=auto aims under, in GiB; 0 is 90% of the GPU."})
+    max_tokens_per_micro_batch: int = field(default=0, metadata={
+        "help": "Cap on each micro-batch's padded tokens besides its rows (0 caps rows only); out of GPU memory, "
+                "rows and cap halve and the step is redone."})
+    torch_compile: bool = field(default=False, metadata={
+        "help": "Compile each decoder layer's training forward and backward with torch.compile (our models; "
+                "needs triton on a GPU)."})
+    free_sampling_memory: bool = field(default=False, metadata={
+        "help": "On a GPU, free the engine's KV cache and CUDA graphs after each rollout: less memory in the "
+                "update, a recapture each step."})
+    lend_kv_cache: bool = field(default=True, metadata={
+        "help": "One process: the update's gradients live in the engine's KV cache, idle between rollouts."})
+    gc_freeze: bool = field(default=True, metadata={
+        "help": "After the first step, Python's garbage collector stops walking the run's long-lived objects."})
+    offload_ref_model: bool = field(default=True, metadata={
+        "help": "On a GPU, π_ref's weights wait in pinned host memory between its passes and come back while "
+                "the engine samples."})
+    fused_head_loss: bool = field(default=True, metadata={
+        "help": "Our models, token-level ratios: take the LM head's gradient in its forward pass, chunk by chunk."})
+    share_prompt_prefix: bool = field(default=True, metadata={
+        "help": "Our models: compute each prompt once per group in the log-prob passes and the update."})
+
+    # LoRA through peft, with TRL's ModelConfig names; π_ref is then the same model with the adapters off.
+    use_peft: bool = field(default=False, metadata={
+        "help": "Train LoRA adapters (peft) instead of every weight."})
+    lora_r: int = field(default=16, metadata={
+        "help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={
+        "help": "LoRA scaling numerator: the adapters' update is scaled by lora_alpha / lora_r."})
+    lora_dropout: float = field(default=0.05, metadata={
+        "help": "Dropout on the adapters' input."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={
+        "help": "Module names that get adapters; None is every attention and MLP projection."})
+
+    # Seed, devices, processes and precision. Several processes (torchrun, or --nproc_per_node N): DDP by
+    # default; fsdp shards parameters, gradients and optimizer state (FSDP2) for models one GPU can't train.
+    seed: int = field(default=42, metadata={
+        "help": "Seed of the data order, the sampling and the global random generators."})
+    device: str = field(default="auto", metadata={
+        "help": "auto, cpu, cuda or cuda:N; under torchrun each process takes cuda:LOCAL_RANK."})
+    fsdp: bool = field(default=False, metadata={
+        "help": "Several processes: shard parameters, gradients and optimizer state with FSDP2 instead of DDP."})
+    ddp_timeout: int = field(default=1800, metadata={
+        "help": "Seconds a collective waits for the other ranks before it fails (transformers' name)."})
+    dtype: str = field(default="auto", metadata={
+        "help": "Weights' dtype: auto (bf16 with fp32 master weights and AdamW state on a GPU, fp32 on a CPU), "
+                "float32 or bfloat16."})
 
     # Book-keeping.
-    logging_steps: int = 1
-    log_completions_steps: int = 10  # sample completions to completions.jsonl every N steps
-    save_steps: int = 0  # 0 → only at the end
-    eval_steps: int = 0  # 0 → only before and after
-    eval_limit: int = 200  # held-out problems for accuracy
-    report_to: str = "none"
-    quiet: bool = False
+    logging_steps: int = field(default=1, metadata={
+        "help": "Append a line to metrics.jsonl every N steps (and at the last step)."})
+    log_completions_steps: int = field(default=10, metadata={
+        "help": "Append sample completions with their rewards to completions.jsonl every N steps."})
+    save_steps: int = field(default=0, metadata={
+        "help": "Write a checkpoint every N steps; 0 writes one only at the end."})
+    eval_steps: int = field(default=0, metadata={
+        "help": "Evaluate on the held-out rows every N steps; 0 evaluates only before and after training."})
+    eval_limit: int = field(default=200, metadata={
+        "help": "Held-out problems scored for accuracy at each evaluation."})
+    report_to: str = field(default="none", metadata={
+        "help": "Where metrics go besides metrics.jsonl: none, tensorboard, wandb, all, or a comma-separated list."})
+    quiet: bool = field(default=False, metadata={
+        "help": "No progress bars: only the per-step and per-iteration lines, as plain text."})
 
-    # Never lose a run (issue 8, docs/reliability.md): checkpoints, resume, local faults, safe loading.
-    save_total_limit: int = 2  # keep the newest N checkpoint-<step> folders (0 = keep all)
-    resume: bool = False  # continue from the newest complete checkpoint in output_dir
-    resume_from_checkpoint: str | None = None  # a checkpoint-<step> folder, or "latest" (= --resume)
-    overwrite_output_dir: bool = False  # start over in an output_dir that holds an earlier run's checkpoints
-    max_consecutive_nonfinite: int = 5  # this many non-finite updates in a row: save a checkpoint and stop
-    trust_remote_code: bool = False  # let transformers run Python code shipped with a model repo
-    model_impl: str = "auto"  # auto | cohort (our models + the fast engine) | hf (transformers + HF generate)
+    # Never lose a run (docs/reliability.md): checkpoints, resume, local faults, safe loading.
+    save_total_limit: int = field(default=2, metadata={
+        "help": "Keep the newest N checkpoint-<step> folders; 0 keeps all."})
+    resume: bool = field(default=False, metadata={
+        "help": "Continue from the newest complete checkpoint in output_dir (from step 0 when there is none)."})
+    resume_from_checkpoint: str | None = field(default=None, metadata={
+        "help": "Continue from this checkpoint-<step> folder; latest is the same as resume."})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Start over in an output_dir that holds an earlier run's checkpoints, deleting them."})
+    max_consecutive_nonfinite: int = field(default=5, metadata={
+        "help": "After this many non-finite updates in a row, save a checkpoint and stop the run."})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "Let transformers run Python code shipped with a model repository."})
+    model_impl: str = field(default="auto", metadata={
+        "help": "auto, cohort (our models and the KV-cache engine) or hf (transformers and HF generate)."})
 
-    # Curriculum (issue 3, cohort/curriculum.py): stages {task, steps, <load options>} trained in turn;
-    # YAML list or `--curriculum arithmetic:50,gsm8k:200`. None → the one task above for every step.
-    curriculum: list[dict] | None = None
+    # Curriculum (cohort/algorithm/curriculum.py): stages {task, steps, <load options>} trained in turn.
+    curriculum: list[dict] | None = field(default=None, metadata={
+        "help": "Stages trained in turn, a YAML list or arithmetic:50,gsm8k:200; None trains the one task above."})
 
     @property
     def generation_batch_size(self) -> int:
@@ -238,7 +337,7 @@ class GRPOConfig:
         if self.rm_head_learning_rate is not None and self.rm_head_learning_rate <= 0:
             bad(f"rm_head_learning_rate={self.rm_head_learning_rate} must be > 0")
         if self.curriculum is not None:
-            from .curriculum import parse_curriculum
+            from .algorithm.curriculum import parse_curriculum
 
             self.curriculum = parse_curriculum(self.curriculum)
         if self.reward_weights is not None and self.reward_funcs is not None and len(self.reward_weights) != len(self.reward_funcs):
@@ -258,7 +357,7 @@ def _fields() -> dict[str, dataclasses.Field]:
 def _convert(name: str, raw, annotation) -> object:
     """Turn a string (CLI) or YAML value into the field's type, or a one-line error."""
     if name == "curriculum":  # a list of stage mappings, or the compact TASK:STEPS,… string
-        from .curriculum import parse_curriculum
+        from .algorithm.curriculum import parse_curriculum
 
         return parse_curriculum(raw)
     if name == "gradient_checkpointing_layers" and str(raw).strip().lower() == "auto":

@@ -19,7 +19,7 @@ import os
 import re
 import sys
 
-from cohort import GRPOConfig, GRPOTrainer  # the only change: TRL has `from trl import GRPOConfig, GRPOTrainer`
+from cohort import GRPOConfig, GRPOTrainer# the only change: TRL has `from trl import GRPOConfig, GRPOTrainer`
 
 model_name = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("COHORT_EXAMPLE_MODEL", "Qwen/Qwen2.5-0.5B-Instruct")
 max_steps = int(os.environ.get("COHORT_EXAMPLE_MAX_STEPS", "100"))

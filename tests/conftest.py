@@ -1,6 +1,8 @@
 """Fixtures shared by several test modules, and the device the suite runs on."""
 
 import os
+import subprocess
+from pathlib import Path
 
 # The suite asserts CPU behaviour (float32 tolerances, in-process looks at weights a GPU run keeps on
 # the host, the default job's learning threshold), as CI runs it. On a machine with a GPU it hides the
@@ -13,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers.utils import logging as transformers_logging
 
-from cohort.tiny import build_model, build_tokenizer  # noqa: E402
+from cohort.models.tiny import build_model, build_tokenizer# noqa: E402
 
 # transformers binds its log handler to whatever sys.stderr is when its logger is first used. Bind it
 # now, to pytest's session-wide capture, not to one test's capsys stream: that stream is closed when
@@ -30,4 +32,38 @@ def tiny_dir(tmp_path_factory):
     tokenizer = build_tokenizer()
     build_model(tokenizer, seed=0).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# SmolLM2-135M-Instruct (Q4_1 GGUF): ../shared holds the script that fetches it, not the file itself.
+SMOLLM2_GET_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "models" / "smollm2-135m-instruct" / "get.sh"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_folder() -> Path:
+    """Where the tests keep SmolLM2: <COHORT_CACHE or ~/.cache/cohort>/smollm2-135m-instruct."""
+    return Path(os.environ.get("COHORT_CACHE") or Path.home() / ".cache" / "cohort") / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """The path of SmolLM2-135M-Instruct's GGUF file, fetched on first use by get.sh into
+    `smollm2_folder()` (which verifies its sha256, and only checks it when already there). Skips,
+    naming the folder it looked in and why, when the file is neither there nor fetchable."""
+    folder = smollm2_folder()
+    if not SMOLLM2_GET_SCRIPT.is_file():
+        if (folder / SMOLLM2_FILE).is_file():
+            return str(folder / SMOLLM2_FILE)
+        pytest.skip(f"SmolLM2-135M-Instruct is not in {folder}, and the script that fetches it "
+                    f"({SMOLLM2_GET_SCRIPT}) is not present")
+    try:
+        done = subprocess.run(["bash", str(SMOLLM2_GET_SCRIPT), str(folder)], capture_output=True, text=True,
+                              timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"SmolLM2-135M-Instruct is not in {folder}, and {SMOLLM2_GET_SCRIPT} did not fetch it in 600 s")
+    if done.returncode != 0:
+        pytest.skip(f"SmolLM2-135M-Instruct is not in {folder}, and {SMOLLM2_GET_SCRIPT} could not fetch it: "
+                    f"{done.stderr.strip()[-300:]}")
+    path = Path(done.stdout.strip().splitlines()[-1])
+    assert path.suffix == ".gguf" and path.is_file(), f"{SMOLLM2_GET_SCRIPT} reported {path}, which is no GGUF file"
     return str(path)

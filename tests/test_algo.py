@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from cohort.algo import aggregate_loss, group_advantages, kl_penalty, policy_loss
+from cohort.algorithm.objectives import aggregate_loss, group_advantages, kl_penalty, policy_loss, policy_loss_stats
 
 
 def _std(xs):  # Bessel-corrected
@@ -158,3 +158,56 @@ def test_gradient_raises_logp_of_positive_advantage_tokens():
         after = logp_of(logits - 0.5 * logits.grad)
     assert torch.all(after[0] > before[0])  # positive advantage: every token more likely
     assert torch.all(after[1] < before[1])  # negative advantage: every token less likely
+
+
+def test_logged_kl_is_the_k3_estimate_of_the_masked_tokens():
+    """The `kl` statistic is the token mean of k3 = exp(r) − r − 1, r = ref − logp (what the loss
+    penalises), not k1 = −r or k2 = r²/2: log-ratios of both signs and sizes, where the three differ."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.2, -1.5, -4.0, -1.0]], dtype=torch.float64)
+    shift = torch.tensor([[0.5, -0.7, 1.2, 0.4], [-1.5, 0.3, 5.0, 2.0]], dtype=torch.float64)
+    ref = logp + shift
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 1]])  # the 5.0 shift is padding: it must not count
+    advantages = torch.tensor([0.5, -0.5], dtype=torch.float64)
+    k1 = k2 = k3 = 0.0
+    n = 0
+    for b in range(2):
+        for t in range(4):
+            if mask[b][t]:
+                r = float(shift[b, t])
+                k1, k2, k3, n = k1 - r, k2 + 0.5 * r * r, k3 + math.exp(r) - r - 1, n + 1
+    k1, k2, k3 = k1 / n, k2 / n, k3 / n
+    assert min(abs(k3 - k1), abs(k3 - k2)) > 0.05  # the estimators are told apart here
+    stats = policy_loss_stats(logp, torch.zeros_like(logp), advantages.unsqueeze(1), mask, ref, 0.2, 0.2)
+    assert float(stats["kl"]) == pytest.approx(k3, abs=1e-12)
+    _, stats = policy_loss(logp, logp, advantages, mask, ref_logp=ref, beta=0.04)
+    assert float(stats["kl"]) == pytest.approx(k3, abs=1e-12)
+
+
+def test_clip_high_counts_only_ratios_above_one_plus_epsilon_high():
+    """DAPO's clip-higher: with ε = 0.2 and ε_high = 0.28 a positive-advantage token whose ratio lies in
+    (1.2, 1.28] is not clipped (it keeps its gradient) and must not count in `clip_ratio/high_mean`;
+    one above 1.28 is clipped and counts. Low clipping needs ρ < 1 − ε and a negative advantage."""
+    ratios = torch.tensor([
+        [1.21, 1.25, 1.27, 1.29, 1.50, 2.00],  # A > 0: the last three are clipped high
+        [1.50, 0.70, 0.85, 0.79, 1.00, 1.00],  # A < 0: 0.70 and 0.79 are clipped low, never high
+        [1.24, 1.10, 0.50, 1.40, 1.00, 1.00],  # A > 0: 1.40 clipped high; a low ratio is not clipped
+    ], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+    advantages = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    old = -torch.rand(3, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    logp = (old + ratios.log()).requires_grad_()
+    n = int(mask.sum())
+    loss, stats = policy_loss(logp, old, advantages, mask, epsilon=0.2, epsilon_high=0.28, loss_type="dapo")
+    assert float(stats["clip_ratio/high_mean"]) == pytest.approx(4 / n)
+    assert float(stats["clip_ratio/low_mean"]) == pytest.approx(2 / n)
+    assert float(stats["clip_ratio/region_mean"]) == pytest.approx(6 / n)
+    # the same tokens as the gradient sees them: a clipped token has none, an unclipped one A·ρ/n
+    loss.backward()
+    clipped = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 0, 1, 0, 0], [0, 0, 0, 1, 0, 0]], dtype=torch.bool)
+    want = torch.where(clipped, 0.0, -advantages.unsqueeze(1) * ratios / n) * mask
+    assert torch.allclose(logp.grad, want, atol=1e-12)
+    # the statistic on its own (as the fused head computes it), with per-token advantages
+    direct = policy_loss_stats(logp.detach(), (logp - old).detach(), advantages.unsqueeze(1).expand(3, 6), mask,
+                               None, 0.2, 0.28)
+    assert float(direct["clip_ratio/high_mean"]) == pytest.approx(4 / n)
+    assert float(direct["kl"]) == 0.0  # no reference

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from cohort.algo import gae_advantages, overlong_penalty, policy_loss, sequence_log_ratio, value_loss, whiten
-from cohort.dynamic_sampling import fill_informative, informative_groups
-from cohort.logprobs import selected_logprobs
-from cohort.rollout import Rollout
-from cohort.trainer import Batch
+from cohort.algorithm.objectives import gae_advantages, overlong_penalty, policy_loss, sequence_log_ratio, value_loss, whiten
+from cohort.algorithm.dynamic_sampling import fill_informative, informative_groups
+from cohort.update.logprobs import selected_logprobs
+from cohort.rollout.sampler import Rollout
+from cohort.algorithm.trainer import Batch
 
 
 # ---- overlong penalty (DAPO eq. 13) -------------------------------------------------------------
@@ -303,8 +303,8 @@ def test_fill_informative_needs_no_refill_when_full():
 
 # ---- wiring into the trainer (tiny random model) -------------------------------------------------
 
-from cohort import GRPOConfig, GRPOTrainer  # noqa: E402
-from cohort.dynamic_sampling import select_groups  # noqa: E402
+from cohort import GRPOConfig, GRPOTrainer# noqa: E402
+from cohort.algorithm.dynamic_sampling import select_groups# noqa: E402
 from update_gradients import update_gradient  # noqa: E402
 
 PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n", "a": a} for a in range(10) for b in range(10)]
@@ -328,7 +328,7 @@ def _trainer(tiny_dir, tmp_path, reward=digit_first, **overrides):
 
 
 def _scored_batch(trainer, seed=0):
-    batch = trainer.sample_batch(trainer.next_prompts())
+    batch = trainer.sample(trainer.next_prompts())
     trainer.score(batch)
     batch.advantages = torch.randn(len(batch.rows), generator=torch.Generator().manual_seed(seed))
     return batch
@@ -353,7 +353,7 @@ def test_mask_truncated_completions_equals_training_without_those_rows(tiny_dir,
 
 def test_overlong_penalty_is_added_to_the_reward(tiny_dir, tmp_path):
     trainer = _trainer(tiny_dir, tmp_path, overlong_buffer_length=2, overlong_penalty_factor=0.5)
-    batch = trainer.sample_batch(trainer.next_prompts())
+    batch = trainer.sample(trainer.next_prompts())
     trainer.score(batch)
     raw = digit_first(None, batch.completions)
     lengths = batch.rollout.completion_mask.sum(1).tolist()
@@ -374,9 +374,9 @@ def test_gspo_update_equals_grpo_update_on_policy(tiny_dir, tmp_path):
 
 def test_entropy_bonus_raises_entropy(tiny_dir, tmp_path):
     def mean_entropy(trainer, batch):
-        from cohort.logprobs import micro_batch_logprobs
+        from cohort.update.logprobs import micro_batch_logprobs
 
-        micro = trainer.pack(batch, list(range(len(batch.rows))))
+        micro = trainer.policy_update.pack(batch, list(range(len(batch.rows))))
         mask = micro.completion_mask
         out = micro_batch_logprobs(trainer.model, micro, with_entropy=True)
         assert out.entropy.requires_grad  # the bonus can only work if the entropy carries a gradient

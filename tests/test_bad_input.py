@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort import checkpoint as ckpt
+from cohort.run import checkpoint as ckpt
 from cohort.cli import main
 from cohort.errors import CohortError
-from cohort.tiny import build_model, build_tokenizer
+from cohort.models.tiny import build_model, build_tokenizer
 
 SPEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=64)
@@ -262,10 +262,10 @@ def test_resume_from_a_folder_that_is_not_a_checkpoint(files, finished_run, tmp_
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(files, tmp_path, capsys, monkeypatch):
     save_optimizer = ckpt._save_optimizer
 
-    def disk_full_at_step_2(trainer, path):
-        if trainer.step == 2:
+    def disk_full_at_step_2(parts, path, *gathered):
+        if path.parent.name.startswith(".tmp-checkpoint-2-"):  # the write of checkpoint-2
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        save_optimizer(trainer, path)
+        save_optimizer(parts, path, *gathered)
 
     monkeypatch.setattr(ckpt, "_save_optimizer", disk_full_at_step_2)
     out = tmp_path / "run"

@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cohort.chat import (CachedDecoder, ChatSession, TextStream, chat_loop, format_messages, generate_main,
+from cohort.cli.chat import (CachedDecoder, ChatSession, TextStream, chat_loop, format_messages, generate_main,
                          read_prompts)
 from cohort.errors import CohortError
 from cohort.models import from_pretrained, load_tokenizer
-from cohort.tiny import TINY_SPEC, build_model, build_tokenizer
+from cohort.models.tiny import TINY_SPEC, build_model, build_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SMOLLM = Path("/root/.cache/cohort/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
 SIMPLE_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
                    "{% if add_generation_prompt %}<assistant>{% endif %}")
 
@@ -240,10 +239,10 @@ def test_bad_prompt_files_name_the_file_and_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SMOLLM.is_file(), reason=f"{SMOLLM} not fetched (../shared/models/smollm2-135m-instruct/get.sh)")
-def test_chat_with_the_real_smollm2_gguf_from_a_pipe():
+def test_chat_with_the_real_smollm2_gguf_from_a_pipe(smollm2_gguf):
+    """SmolLM2 as tests/conftest.py's `smollm2_gguf` fetches it (skipped, naming where it looked, without it)."""
     result = subprocess.run(
-        [sys.executable, "-m", "cohort", "chat", str(SMOLLM), "--temperature", "0", "--max_new_tokens", "24"],
+        [sys.executable, "-m", "cohort", "chat", smollm2_gguf, "--temperature", "0", "--max_new_tokens", "24"],
         input=b"What is the capital of France? Answer in one word.\n", cwd=REPO_ROOT, capture_output=True,
         timeout=600)
     assert result.returncode == 0, result.stderr.decode()

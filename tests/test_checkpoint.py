@@ -1,8 +1,9 @@
-"""Checkpoints (cohort/checkpoint.py): contents, atomic writes, exact in-process resume, local faults, safe loading.
+"""Checkpoints (cohort/run/checkpoint.py): contents, atomic writes, exact in-process resume, local faults, safe loading.
 
 Tiny random-init Llama (no warm start), arithmetic prompts, and a dense reward (share of digits in
 the completion) so every step really moves the weights."""
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -16,11 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort import checkpoint as ckpt
-from cohort import run_guard
+from cohort.run import checkpoint as ckpt
+from cohort.run import lifecycle as run_guard
 from cohort.errors import CohortError
 from cohort.tasks.arithmetic import ArithmeticTask
-from cohort.tiny import build_model, build_tokenizer
+from cohort.models.tiny import build_model, build_tokenizer
 
 SPEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=64)
@@ -122,7 +123,7 @@ def test_checkpoint_holds_everything_and_its_manifest_is_true(model_dir, tmp_pat
     assert all(int(s["step"]) == 4 for s in optimizer["optimizer"]["state"].values())
     trainer_state = json.loads((folder / "trainer_state.json").read_text())
     assert trainer_state["step"] == 4 and [h["step"] for h in trainer_state["history"]] == [1, 2, 3, 4]
-    assert trainer_state["data_order"] == trainer.data_order
+    assert trainer_state["data_order"] == trainer.prompts.order
     assert ckpt.check_checkpoint(folder) is None
 
 
@@ -188,11 +189,11 @@ def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(model_di
     reference.train()
     save_optimizer = ckpt._save_optimizer
 
-    def dies_after_the_model_file(trainer, path):
-        if trainer.step == 4:
+    def dies_after_the_model_file(parts, path, *gathered):
+        if path.parent.name.startswith(".tmp-checkpoint-4-"):  # the write of checkpoint-4
             assert (path.parent / "model.safetensors").is_file()  # the write is really half done
             raise Crash()
-        save_optimizer(trainer, path)
+        save_optimizer(parts, path, *gathered)
 
     monkeypatch.setattr(ckpt, "_save_optimizer", dies_after_the_model_file)
     with pytest.raises(Crash):
@@ -229,25 +230,25 @@ def test_incomplete_and_corrupt_checkpoints_are_skipped_with_a_reason(model_dir,
 
 
 def test_non_finite_updates_are_skipped_counted_and_stop_the_run(model_dir, tmp_path, monkeypatch):
-    import cohort.policy_update as update_module
+    import cohort.update.policy_update as update_module
 
     real_loss = update_module.micro_batch_policy_loss
     bad_steps = {2}
 
     def loss_nan_on_bad_steps(*args, **kwargs):
-        loss, stats, out = real_loss(*args, **kwargs)
-        return (loss * float("nan"), stats, out) if trainer.step in bad_steps else (loss, stats, out)
+        out = real_loss(*args, **kwargs)
+        return dataclasses.replace(out, loss=out.loss * float("nan")) if trainer.step in bad_steps else out
 
     monkeypatch.setattr(update_module, "micro_batch_policy_loss", loss_nan_on_bad_steps)
     trainer = trainer_for(model_dir, tmp_path / "one", max_steps=3, beta=0.0)
     before_step_2 = {}
-    record = trainer.record_step
+    record = trainer.log_step
 
     def snapshot(batch, losses, seconds):
         record(batch, losses, seconds)
         before_step_2.setdefault(trainer.step, state(trainer.model))
 
-    trainer.record_step = snapshot
+    trainer.log_step = snapshot
     history = trainer.train()
     assert [h["skipped_steps"] for h in history] == [0, 1, 1]
     assert all(torch.equal(before_step_2[1][k], v) for k, v in before_step_2[2].items())  # step 2 left θ alone
@@ -361,9 +362,9 @@ def test_a_reward_module_is_imported_only_when_named(model_dir, tmp_path, monkey
 class TrainerWithOwnState(GRPOTrainer):
     """A subclass with state of its own (as PPO's critic) plugs in through two methods."""
 
-    def record_step(self, batch, losses, seconds):
+    def log_step(self, batch, losses, seconds):
         self.own_steps = getattr(self, "own_steps", torch.zeros(1)) + 1
-        super().record_step(batch, losses, seconds)
+        super().log_step(batch, losses, seconds)
 
     def extra_checkpoint_state(self):
         return {"own_steps": self.own_steps.clone()}

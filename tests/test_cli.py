@@ -42,7 +42,7 @@ def test_bad_input_is_one_clear_line(capsys, argv, expected):
 
 def test_missing_column_a_reward_needs(tmp_path):
     from cohort import GRPOTrainer
-    from cohort.tiny import build_model, build_tokenizer
+    from cohort.models.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)

@@ -8,10 +8,10 @@ import torch
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.config import parse_config
-from cohort.curriculum import Curriculum, parse_curriculum
+from cohort.algorithm.curriculum import Curriculum, parse_curriculum
 from cohort.errors import CohortError
 from cohort.tasks import get_task
-from cohort.tiny import TINY_SPEC, build_model, build_tokenizer
+from cohort.models.tiny import TINY_SPEC, build_model, build_tokenizer
 
 torch.set_num_threads(1)
 

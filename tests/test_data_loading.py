@@ -1,6 +1,7 @@
 """Loading rows from local files (cohort/tasks/data.py) and its error messages."""
 
 import json
+import sys
 
 import pytest
 
@@ -82,17 +83,20 @@ def test_missing_empty_and_wrong_extension(tmp_path):
 
 
 def test_parquet(tmp_path):
+    pyarrow = pytest.importorskip("pyarrow", reason="pyarrow is not installed (pip install -e '.[test]' installs it)")
+    import pyarrow.parquet as pq
+
     path = tmp_path / "rows.parquet"
-    try:
-        import pyarrow
-        import pyarrow.parquet as pq
-    except ImportError:
-        path.write_bytes(b"PAR1")
-        with pytest.raises(CohortError, match="pip install pyarrow"):
-            load_rows(str(path))
-        return
     pq.write_table(pyarrow.Table.from_pylist(ROWS), path)
     assert load_rows(str(path)) == ROWS
+
+
+def test_parquet_without_pyarrow_is_an_error_naming_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # makes `import pyarrow.parquet` fail
+    path = tmp_path / "rows.parquet"
+    path.write_bytes(b"PAR1")
+    with pytest.raises(CohortError, match="pip install pyarrow"):
+        load_rows(str(path))
 
 
 def test_hub_dataset_without_datasets_or_network_is_a_clear_error():

@@ -19,13 +19,13 @@ import transformers
 from safetensors.torch import load_file
 
 from cohort.config import GRPOConfig
-from cohort.distributed import Parallel, average_records, check_parallel_options, shard_bounds
-from cohort.engine import Engine
-from cohort.engine.sampling import gumbel_noise
+from cohort.run.distributed import Parallel, average_records, check_parallel_options, shard_bounds
+from cohort.rollout import Engine
+from cohort.rollout.sampling import gumbel_noise
 from cohort.errors import CohortError
 from cohort.models import from_pretrained
-from cohort.ppo import PPOConfig
-from cohort.rollout import SamplingParams
+from cohort.algorithm.ppo import PPOConfig
+from cohort.rollout.sampler import SamplingParams
 
 REWARD_MODULE = '''
 def digit_share(prompts, completions, completion_ids=None, **_):

@@ -1,4 +1,4 @@
-"""The fast sampler (cohort/engine/) against transformers' generate and independent computations.
+"""The fast sampler (cohort/rollout/) against transformers' generate and independent computations.
 
 Tiny random models of each family are built with transformers, saved, and loaded with
 cohort.models.from_pretrained, so both implementations hold the same weights. CPU, float32.
@@ -10,25 +10,17 @@ import pytest
 import torch
 import transformers
 
-from cohort.engine import Engine, make_sampler
-from cohort.engine.sampling import gumbel_noise, min_p_filter, sample_from_logits, top_k_filter, top_p_filter
-from cohort.engine.scheduler import Scheduler
-from cohort.engine.sequence import Sequence
+from cohort.rollout import Engine, make_sampler
+from cohort.rollout.sampling import gumbel_noise, min_p_filter, sample_from_logits, top_k_filter, top_p_filter
+from cohort.rollout.scheduler import Scheduler
+from cohort.rollout.sequence import Sequence
 from cohort.errors import CohortError
 from cohort.models import from_pretrained
-from cohort.rollout import HFGenerateSampler, SamplingParams, apply_stop_strings, find_stop_string
+from cohort.rollout.sampler import HFGenerateSampler, SamplingParams, apply_stop_strings, find_stop_string
+from helpers import ENGINE_FAMILIES as FAMILIES, ENGINE_TINY as TINY, CharTokenizer
 
 torch.set_num_threads(1)
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
-            initializer_range=0.2)  # large init: greedy outputs vary instead of repeating one token
-FAMILIES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 8}),
-}
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [42]]
 
 
@@ -61,13 +53,6 @@ def hf_greedy(hf_model, prompt, new_tokens):
 
 def greedy(max_new_tokens=12, **kwargs):
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
-
-
-class CharTokenizer:
-    """Token t decodes to a fixed piece of 1-3 letters, so stop strings can span tokens."""
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join("abcdefghij"[t % 10] * (1 + t % 3) for t in ids)
 
 
 # ---- greedy equals transformers -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Overlapped checks in the engine (cohort/engine/overlap.py): the next decode chunk is enqueued
+"""Overlapped checks in the engine (cohort/rollout/overlap.py): the next decode chunk is enqueued
 before the host waits for the last one's progress. That changes when the host learns things, never
 what is sampled.
 
@@ -10,18 +10,21 @@ is checked step by step). When rows stop early (EOS, stop string) the overlapped
 chunk later, so the other rows are decoded in steps of another width or KV length, and the CPU
 kernels round differently for other shapes (a step of width < 4 or over another KV length changes
 the last bits of a row's logits): there the log-probs are compared at 1e-5.
-CPU, float32, the tiny random-init model of tests/test_engine.py.
+CPU, float32, the tiny random-init model of tests/test_engine.py (tests/helpers.py).
 """
 
 import pytest
 import torch
-from test_engine import FAMILIES, TINY, CharTokenizer
 
-from cohort.engine import Engine, overlap
-from cohort.engine.overlap import HostProgress
-from cohort.engine.sequence import Sequence
+from cohort.rollout import Engine
+from cohort.rollout import overlap
+from cohort.rollout.overlap import HostProgress
+from cohort.rollout.sequence import Sequence
 from cohort.models import from_pretrained
-from cohort.rollout import SamplingParams
+from cohort.rollout.sampler import SamplingParams
+from helpers import ENGINE_FAMILIES as FAMILIES, ENGINE_TINY as TINY, CharTokenizer
+
+torch.set_num_threads(1)  # as tests/test_engine.py, whose models these are
 
 PROMPTS = [[(7 * i + j) % 300 for j in range(1 + i % 5)] for i in range(9)]
 GENERATIONS = 2  # 18 sequences: more than 3 or 5 slots, so sequences wait and take freed slots

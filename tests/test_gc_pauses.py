@@ -1,12 +1,13 @@
-"""Python's garbage collector in the training loop (cohort/gc_pauses.py): its pauses are measured,
+"""Python's garbage collector in the training loop (cohort/memory/gc_pauses.py): its pauses are measured,
 the run's long-lived objects are frozen after the first step, and thawed when train() ends."""
 
 import gc
+import time
 
 import pytest
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort.gc_pauses import collector_seconds, freeze_long_lived_objects, thaw_frozen_objects
+from cohort.memory.gc_pauses import collector_seconds, freeze_long_lived_objects, thaw_frozen_objects
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
 
@@ -54,7 +55,43 @@ def test_objects_are_frozen_from_the_second_step_and_thawed_at_the_end(tiny_dir,
     assert frozen_during_step[0] == 0
     assert all((n > 0) == freeze for n in frozen_during_step[1:]) and len(frozen_during_step) == 3
     assert gc.get_freeze_count() == 0
-    assert all(r["time/gc"] >= 0 for r in history)
+
+
+def test_each_step_logs_the_collector_pauses_inside_it(tiny_dir, tmp_path):
+    """A reward function that leaves cyclic garbage and collects it at step 2: that step's `time/gc` holds
+    at least that pause, timed here by a gc callback of our own, and the next step's holds none of it."""
+    pauses, started = [], []
+
+    def timer(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
+    calls = []
+
+    def reward(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            cycles = [[i] for i in range(300_000)]
+            for c in cycles:
+                c.append(c)
+            del cycles
+            gc.callbacks.append(timer)
+            try:
+                gc.collect()
+            finally:
+                gc.callbacks.remove(timer)
+        return [float(len(c)) for c in completions]
+
+    history = _trainer(tiny_dir, tmp_path, reward, gc_freeze=True).train()
+    assert len(pauses) == 1 and pauses[0] > 5e-3, pauses  # a full collection of 300,000 cycles
+    # the trainer's callback times the same collection (a few callbacks' worth apart from ours)
+    assert history[1]["time/gc"] >= 0.9 * pauses[0]
+    # each step logs its own pauses, not the run's so far: step 3, with the run's objects frozen,
+    # collected only what it made itself
+    assert history[2]["time/gc"] < 0.5 * pauses[0]
+    assert all(r["time/gc"] <= r["step_time"] for r in history[1:])
 
 
 def test_a_run_that_raises_thaws_too(tiny_dir, tmp_path):

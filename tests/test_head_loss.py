@@ -1,15 +1,19 @@
-"""The LM head fused with the per-token GRPO loss (cohort.head_loss) against the plain path,
+"""The LM head fused with the per-token GRPO loss (cohort.update.fused_head) against the plain path,
 `policy_loss` over `micro_batch_logprobs`: the same loss, statistics and parameter gradients
 (float32, CPU, ≤1e-5), with several chunks per micro-batch, padding, ratios away from 1 (clipped
 both ways), a KL term, an entropy bonus, a row left out of the loss, and each length normalisation;
-and the per-token weights read off `aggregate_loss` against hand-computed values."""
+and the per-token weights read off `aggregate_loss` against hand-computed values; and the statistics of
+both paths against hand counts."""
+
+import math
 
 import pytest
 import torch
 
-from cohort.head_loss import micro_batch_policy_loss, token_loss_weights
-from cohort.logprobs import micro_batch_logprobs
-from cohort.packing import pack_micro_batch
+from cohort.algorithm.objectives import token_weights
+from cohort.update.fused_head import micro_batch_policy_loss
+from cohort.update.logprobs import micro_batch_logprobs
+from cohort.update.packing import pack_micro_batch
 
 ATOL = 1e-5
 
@@ -36,7 +40,7 @@ def _micro(vocab: int, rows: int = 6, seed: int = 0):
 
 def _loss_and_grads(model, micro, fused: bool, **kwargs):
     model.zero_grad(set_to_none=True)
-    loss, stats, out = micro_batch_policy_loss(model, micro, fused=fused, chunk_rows=5, **kwargs)
+    (loss, stats) = out = micro_batch_policy_loss(model, micro, fused=fused, chunk_rows=5, **kwargs)
     (loss * 1.7).backward()  # an upstream gradient other than 1, as the trainer's micro-batch weights give
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), {k: v.detach() for k, v in stats.items()}, out, grads
@@ -91,10 +95,48 @@ def test_on_policy_ratio_gives_the_reinforce_gradient(tiny_dir):
 def test_token_loss_weights_are_each_normalisation():
     # two completions of 1 and 3 tokens (aggregate_loss's worked example), max length 4
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]])
-    grpo = token_loss_weights(mask, "grpo")
+    grpo = token_weights(mask, "grpo")
     assert torch.allclose(grpo, torch.tensor([[0.5, 0, 0, 0], [1 / 6, 1 / 6, 1 / 6, 0]]))
-    dapo = token_loss_weights(mask, "dapo", num_tokens=8.0)  # the whole batch's token count, not this one's
+    dapo = token_weights(mask, "dapo", num_tokens=8.0)  # the whole batch's token count, not this one's
     assert torch.allclose(dapo, mask / 8.0)
-    dr_grpo = token_loss_weights(mask, "dr_grpo", max_completion_length=4)
+    dr_grpo = token_weights(mask, "dr_grpo", max_completion_length=4)
     assert torch.allclose(dr_grpo, mask / 8.0)
-    assert torch.allclose(token_loss_weights(mask, "bnpo"), mask / 4.0)
+    assert torch.allclose(token_weights(mask, "bnpo"), mask / 4.0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_statistics_count_clip_high_against_epsilon_high_and_kl_as_k3(tiny_dir, fused):
+    """Ratios set token by token around the clip range, counted by hand: a positive-advantage token
+    with ρ in (1 + ε, 1 + ε_high] is not clipped, one above 1 + ε_high is; the KL statistic is the
+    float64 k3 mean of the hand-made reference log-ratios."""
+    model = _model(tiny_dir)
+    micro = _micro(model.config.vocab_size, rows=6, seed=5)
+    mask = micro.completion_mask
+    with torch.no_grad():
+        current = micro_batch_logprobs(model, micro).logp.double()
+    pattern = torch.tensor([1.24, 1.35, 1.1, 0.7, 1.22, 0.9, 1.6])  # between, above, inside, below, ...
+    ratios = pattern[torch.arange(mask.numel()) % len(pattern)].view(mask.shape).double()
+    shifts = torch.tensor([0.6, -0.4, 1.1, -0.9, 0.2])[torch.arange(mask.numel()) % 5].view(mask.shape).double()
+    old = ((current - ratios.log()) * mask).float()
+    ref = ((current + shifts) * mask).float()
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 1.0])
+    _, stats = micro_batch_policy_loss(model, micro, fused=fused, chunk_rows=5, old_logp=old, ref_logp=ref,
+                                       advantages=advantages, loss_mask=mask, epsilon=0.2, epsilon_high=0.28,
+                                       beta=0.04, loss_type="grpo")
+    high = low = between = n = 0
+    k3 = 0.0
+    for b in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            if not mask[b, t]:
+                continue
+            rho, a, r = float(ratios[b, t]), float(advantages[b]), float(shifts[b, t])
+            n += 1
+            high += rho > 1.28 and a > 0
+            between += 1.2 < rho <= 1.28 and a > 0
+            low += rho < 0.8 and a < 0
+            k3 += math.exp(r) - r - 1
+    assert between > 0 and high > 0 and low > 0  # every case occurs
+    assert float(stats["clip_ratio/high_mean"]) == pytest.approx(high / n, abs=1e-6)
+    assert float(stats["clip_ratio/low_mean"]) == pytest.approx(low / n, abs=1e-6)
+    assert float(stats["clip_ratio/region_mean"]) == pytest.approx((high + low) / n, abs=1e-6)
+    assert float(stats["kl"]) == pytest.approx(k3 / n, abs=1e-5)

@@ -1,4 +1,4 @@
-"""The sampling path's fused pieces (cohort/models/kernels.py) against the unfused forward.
+"""The sampling path's fused pieces (cohort/kernels/elementwise.py) against the unfused forward.
 
 With fused kernels on and autograd off the model regroups its forward (residual add + RMSNorm,
 q/k norm + rotary + KV-cache write, the additive attention mask built once per step). On plain ops
@@ -13,58 +13,20 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cohort.engine import Engine
-from cohort.engine import engine as engine_module
-from cohort.models import CausalLM, KVCache, ModelConfig, kernels
+from cohort.rollout import Engine
+from cohort.rollout import engine as engine_module
+from cohort.models import KVCache
+from cohort.kernels import elementwise as kernels
 from cohort.models.modeling import RMSNorm, _cache_mask
-from cohort.rollout import SamplingParams
+from cohort.rollout.sampler import SamplingParams
+from helpers import KERNEL_FAMILIES as FAMILIES, KERNEL_TINY as TINY, build_kernel_model as build, decode_run
 
 torch.set_num_threads(1)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
-FAMILIES = {
-    "llama": lambda: transformers.LlamaConfig(**TINY),
-    "mistral_sliding": lambda: transformers.MistralConfig(**TINY, sliding_window=5),
-    "qwen2_bias_tied": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
-    "qwen2_sliding_layer": lambda: transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=4,
-                                                            max_window_layers=1),
-    "qwen3_qk_norm": lambda: transformers.Qwen3Config(**TINY, head_dim=32),
-}
 # inductor's CPU backend compiles C++; without a compiler the compiled-vs-plain tests cannot run
 needs_compiler = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                                     reason="torch.compile on CPU needs a C++ compiler")
-
-
-def build(family: str, layers: int = 2) -> CausalLM:
-    """A random-init model with every weight perturbed (so biases and norm weights matter) and its
-    q/k/v and gate/up projections fused, as the engine runs it."""
-    torch.manual_seed(0)
-    config = FAMILIES[family]()
-    config.num_hidden_layers = layers
-    model = CausalLM(ModelConfig.from_hf_dict(config.to_dict())).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn_like(parameter))
-    model.fuse_projections()
-    return model
-
-
-def decode_run(model: CausalLM, ids: torch.Tensor, on: bool, compile: bool = True):
-    """Prefill 5 tokens per row into cache rows 0..B-1 (unfused, as the engine does), then decode the
-    rest one token at a time (default cache rows, as the engine's decode step) with fused kernels
-    `on`. Returns (decode logits [B, steps, V], the cache)."""
-    cache = KVCache.for_model(model, num_rows=ids.shape[0] + 1, max_len=32)
-    logits = []
-    with torch.inference_mode():
-        model(ids[:, :5], kv_cache=cache, cache_rows=torch.arange(ids.shape[0]))
-        for t in range(5, ids.shape[1]):
-            positions = torch.full((ids.shape[0], 1), t)
-            with kernels.fused_kernels(on, compile):
-                logits.append(model(ids[:, t: t + 1], positions, kv_cache=cache, cache_len=16))
-    return torch.cat(logits, dim=1), cache
 
 
 def assert_compiled(*names: str) -> None:

@@ -1,17 +1,17 @@
 """Memory one phase of the step leaves idle, used by another: gradients that live in the engine's KV
-cache during the update (cohort/lending.py), π_ref's weights on the host outside its pass
-(cohort/offload.py). Both must leave the training unchanged, bit for bit."""
+cache during the update (cohort/memory/lending.py), π_ref's weights on the host outside its pass
+(cohort/memory/offload.py). Both must leave the training unchanged, bit for bit."""
 
 import contextlib
 
 import pytest
 import torch
 
-import cohort.policy_update as update_module
+import cohort.memory.manager as update_module  # where the update borrows its gradients' storage
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.errors import CohortError
-from cohort.lending import lend_gradients
-from cohort.offload import HostOffload
+from cohort.memory.lending import lend_gradients
+from cohort.memory.offload import HostOffload
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
 
@@ -121,7 +121,7 @@ def test_offloaded_weights_leave_the_device_and_come_back_exactly():
     with offload.on_device():
         assert torch.equal(model(x), want)
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # freed
-    with pytest.raises(CohortError, match=r"on_device\(\), or pass --offload_ref_model false"):
+    with pytest.raises(CohortError, match=r"reference_pass\(\), or pass --offload_ref_model false"):
         model(x)  # refused before any kernel reads the freed storage (on a GPU, an illegal access)
     offload.prefetch()
     with offload.on_device():
@@ -187,7 +187,7 @@ def _train(tiny_dir, tmp_path, offload=False, **overrides):
     options.update(overrides)
     trainer = GRPOTrainer(tiny_dir, distinct_chars, PROMPTS, args=GRPOConfig(**options))
     if offload:  # the trainer offloads on CUDA only; the mechanism is the same on the CPU
-        trainer.ref_weights = HostOffload(trainer.ref_model)
+        trainer.memory.ref_offload = HostOffload(trainer.ref_model)
     trainer.train()
     return trainer
 
@@ -204,7 +204,7 @@ def test_training_with_lent_gradients_and_offloaded_reference_is_bit_for_bit_the
 
     monkeypatch.setattr(update_module, "lend_gradients", recording)
     plain = _train(tiny_dir, tmp_path / "plain", lend_kv_cache=False)
-    assert plain.ref_weights.enabled is False  # CPU: the trainer does not offload by itself
+    assert plain.memory.ref_offload.enabled is False  # CPU: the trainer does not offload by itself
     borrowed = _train(tiny_dir, tmp_path / "borrowed", offload=True)
     assert lent_bytes[:3] == [0, 0, 0] and all(n > 0 for n in lent_bytes[3:]) and len(lent_bytes) == 6  # one per update
     for a, b in zip(plain.model.parameters(), borrowed.model.parameters()):
@@ -215,7 +215,7 @@ def test_training_with_lent_gradients_and_offloaded_reference_is_bit_for_bit_the
     assert [r["reward"] for r in plain.history] == [r["reward"] for r in borrowed.history]
     # the reference was reset at step 3 (ref_reset_steps=2) and saved at steps 2 and 3 while offloaded
     assert all(p.untyped_storage().nbytes() == 0 for p in borrowed.ref_model.parameters())
-    with borrowed.ref_weights.on_device():
+    with borrowed.memory.reference_pass():
         for a, b in zip(plain.ref_model.parameters(), borrowed.ref_model.parameters()):
             assert torch.equal(a, b)
     from safetensors.torch import load_file

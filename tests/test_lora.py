@@ -6,12 +6,12 @@ import torch
 
 peft = pytest.importorskip("peft", reason="LoRA needs peft (pip install -e '.[test]' installs it)")
 
-from cohort import GRPOConfig, GRPOTrainer  # noqa: E402
-from cohort.errors import CohortError  # noqa: E402
-from cohort.lora import adapters_disabled  # noqa: E402
-from cohort.logprobs import rollout_logprobs  # noqa: E402
-from cohort.models import from_pretrained  # noqa: E402
-from cohort.rollout import SamplingParams  # noqa: E402
+from cohort import GRPOConfig, GRPOTrainer# noqa: E402
+from cohort.errors import CohortError# noqa: E402
+from cohort.models.lora import adapters_disabled# noqa: E402
+from cohort.update.logprobs import rollout_logprobs# noqa: E402
+from cohort.models import from_pretrained# noqa: E402
+from cohort.rollout.sampler import SamplingParams# noqa: E402
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
 
@@ -97,8 +97,8 @@ def test_lora_reference_logprobs_equal_base_model_logprobs(tiny_dir, tmp_path):
         for n, p in trainer.model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.5)  # adapters that change the policy a lot
-    batch = trainer.sample_batch(trainer.next_prompts())
-    trainer.reference_logprobs(batch)
+    batch = trainer.sample(trainer.next_prompts())
+    batch.old_logp, batch.ref_logp = trainer.reference_logprobs(batch)
     original = from_pretrained(tiny_dir, dtype="float32").eval()
     want = rollout_logprobs(original, batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask,
                             pad_id=trainer.pad_id, max_rows=64)

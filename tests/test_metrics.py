@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,8 +17,8 @@ import pytest
 import torch
 
 from cohort.errors import CohortError
-from cohort.metrics import MetricsLogger, parse_report_to, read_completions, read_metrics
-from cohort.progress import Progress
+from cohort.telemetry.metrics import MetricsLogger, parse_report_to, read_completions, read_metrics
+from cohort.telemetry.progress import Progress
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +77,7 @@ def test_every_line_survives_a_killed_process(tmp_path):
     """The logger is never closed and the process dies without cleanup: all logged steps are on disk."""
     script = textwrap.dedent(f"""
         import os
-        from cohort.metrics import MetricsLogger
+        from cohort.telemetry.metrics import MetricsLogger
         logger = MetricsLogger({str(tmp_path)!r})
         for step in range(1, 6):
             logger.log(step, {{"reward": step / 10}})
@@ -142,7 +143,8 @@ def test_report_to_all_skips_missing_backends_with_one_notice_each(tmp_path, mon
 
 
 def test_tensorboard_writes_event_files_when_installed(tmp_path):
-    pytest.importorskip("torch.utils.tensorboard", reason="tensorboard is not installed")
+    pytest.importorskip("torch.utils.tensorboard",
+                        reason="tensorboard is not installed (pip install -e '.[test]' installs it)")
     with MetricsLogger(tmp_path, report_to="tensorboard") as logger:
         logger.log(1, {"reward": 1.0, "kl": float("nan")})
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -152,7 +154,7 @@ def test_tensorboard_writes_event_files_when_installed(tmp_path):
 
 PROGRESS_SCRIPT = """
 import sys
-from cohort.progress import Progress
+from cohort.telemetry.progress import Progress
 quiet = sys.argv[1] == "quiet"
 with Progress(total_steps=3, quiet=quiet) as progress:
     for step in range(1, 4):
@@ -189,18 +191,20 @@ def test_progress_on_a_terminal_shows_bars_and_lines(monkeypatch):
     terminal = _FakeTerminal()
     with Progress(total_steps=2, file=terminal) as progress:
         assert progress.live
+        started = time.perf_counter()
         with progress.phase("sampling", total=8, unit="seq"):
             for _ in range(4):  # rich needs two samples to estimate a rate
                 time.sleep(0.01)
                 progress.advance("sampling", 2)
+        elapsed = time.perf_counter() - started
         progress.step_done(1, "Step 1/2: Loss=0.5")
     out = terminal.getvalue()
     assert "Step 1/2: Loss=0.5" in out and "sampling" in out and "seq/s" in out
-    assert progress.durations["sampling"] >= 0
+    assert 0.04 <= progress.durations["sampling"] <= elapsed  # the block's own wall time: four 10 ms sleeps
 
 
 def test_phase_bars_show_measured_rates_and_an_eta_from_the_last_run(monkeypatch):
-    from cohort.progress import _EtaColumn, _RateColumn
+    from cohort.telemetry.progress import _EtaColumn, _RateColumn
 
     monkeypatch.delenv("CI", raising=False)
     with Progress(total_steps=2, file=_FakeTerminal()) as progress:
@@ -235,7 +239,7 @@ def test_progress_survives_a_closed_pipe(tmp_path):
     finished = tmp_path / "finished"
     script = textwrap.dedent(f"""
         import sys
-        from cohort.progress import Progress
+        from cohort.telemetry.progress import Progress
         with Progress(total_steps=50) as progress:
             progress.step_done(1, "Step 1/50")
             sys.stdin.readline()  # wait until the reader has closed its end
@@ -311,6 +315,35 @@ def has_space(prompts, completions, completion_ids=None, **_):
     return [1.0 if " " in c else 0.0 for c in completions]
 
 
+def held_out_rows() -> list[dict]:
+    from cohort.tasks import get_task
+
+    return get_task("arithmetic").load("test", levels=[2], size=6, seed=0)
+
+
+def greedy_eval(model_dir, rows: list[dict], max_new_tokens: int) -> tuple[float, float, float]:
+    """(accuracy, format rate, mean length in tokens) of greedy completions from transformers' own
+    `generate`, each answer read from its tags and checked against the question's sum by plain Python."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    correct = tagged = length = 0
+    for row in rows:
+        a, b = row["question"].split("+")  # level 2: two digits + one digit
+        ids = torch.tensor([tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        new = out[0, ids.shape[1]:].tolist()
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        match = re.search(r"<answer>(.*?)</answer>", text, re.DOTALL)
+        tagged += match is not None
+        correct += match is not None and match.group(1).strip() == str(int(a) + int(b))
+        length += len(new)  # the EOS token, when generated, counts
+    return correct / len(rows), tagged / len(rows), length / len(rows)
+
+
 def tiny_run(tiny_dir, output_dir, **overrides):
     """Train 3 steps; returns (trainer, history, rollouts captured from the sampler, one per step)."""
     from cohort import GRPOConfig, GRPOTrainer
@@ -319,7 +352,7 @@ def tiny_run(tiny_dir, output_dir, **overrides):
     torch.set_num_threads(1)
     task = get_task("arithmetic")
     rows = task.load("train", levels=[2], size=64, seed=0)
-    held_out = task.load("test", levels=[2], size=6, seed=0)
+    held_out = held_out_rows()
     args = dict(num_generations=G, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
                 max_completion_length=MAX_NEW, max_steps=3, learning_rate=3e-3, output_dir=str(output_dir),
                 quiet=True, seed=0, beta=0.1, log_completions_steps=1, temperature=1.0)
@@ -359,7 +392,7 @@ ISSUE_METRICS = ("reward", "reward_std", "rewards/first_is_digit/mean", "rewards
                  "tokens_per_second/logprobs", "tokens_per_second/update", "peak_memory_gib", "mfu")
 
 
-def test_every_metric_of_the_issue_is_logged_each_step(kl_run):
+def test_every_metric_of_the_issue_is_logged_each_step(kl_run, tiny_dir):
     trainer, _, _ = kl_run
     records = read_metrics(trainer.args.output_dir)
     steps = [r for r in records if "reward" in r]
@@ -372,7 +405,12 @@ def test_every_metric_of_the_issue_is_logged_each_step(kl_run):
     assert [r["step"] for r in evals] == [0, 3]  # before training and after the last step
     summary = json.loads((Path(trainer.args.output_dir) / "summary.json").read_text())
     assert [r["eval/accuracy"] for r in evals] == [summary["accuracy_before"], summary["accuracy_after"]]
-    assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
+    # recomputed with transformers' greedy generate from the initial and the saved final model
+    for record, model_dir in zip(evals, (tiny_dir, trainer.args.output_dir)):
+        accuracy, format_rate, mean_length = greedy_eval(model_dir, held_out_rows(), MAX_NEW)
+        assert record["eval/accuracy"] == pytest.approx(accuracy)
+        assert record["eval/format_rate"] == pytest.approx(format_rate)
+        assert record["eval/mean_length"] == pytest.approx(mean_length)
 
 
 def test_reward_statistics_match_the_logged_completions(kl_run):
@@ -425,8 +463,21 @@ def test_kl_is_zero_when_the_reference_equals_the_policy_then_positive(kl_run, c
 def test_clip_ratios_are_zero_at_one_update_and_positive_when_the_policy_moves(kl_run, clip_run):
     for record in (r for r in read_metrics(kl_run[0].args.output_dir) if "reward" in r):
         assert record["clip_ratio/low_mean"] == 0.0 and record["clip_ratio/high_mean"] == 0.0  # μ = 1: ρ ≡ 1
-    moved = [r for r in read_metrics(clip_run[0].args.output_dir) if "reward" in r]
-    assert all(0.0 <= r["clip_ratio/low_mean"] <= 1 and 0.0 <= r["clip_ratio/high_mean"] <= 1 for r in moved)
+    trainer, _, rollouts = clip_run
+    moved = [r for r in read_metrics(trainer.args.output_dir) if "reward" in r]
+    samples = read_completions(trainer.args.output_dir)
+    assert len(moved) == len(rollouts) == 3
+    for record, rollout in zip(moved, rollouts):
+        # Only tokens of completions with A > 0 can clip high, only those with A < 0 low, and only in
+        # the second of the μ = 2 passes (the first has ρ = 1): bounds from the logged advantages.
+        advantages = np.array([c["advantage"] for c in samples if c["step"] == record["step"]])
+        lengths = rollout.completion_mask.sum(dim=1).numpy()
+        assert len(advantages) == len(lengths) == BATCH
+        tokens = lengths.sum()
+        assert record["clip_ratio/high_mean"] <= 0.5 * lengths[advantages > 0].sum() / tokens + 1e-9
+        assert record["clip_ratio/low_mean"] <= 0.5 * lengths[advantages < 0].sum() / tokens + 1e-9
+        assert record["clip_ratio/region_mean"] == pytest.approx(record["clip_ratio/low_mean"]
+                                                                 + record["clip_ratio/high_mean"])
     assert sum(r["clip_ratio/low_mean"] + r["clip_ratio/high_mean"] for r in moved) > 0
 
 
@@ -447,7 +498,7 @@ def test_peak_memory_is_the_process_maximum_rss_on_cpu(kl_run):
 
 
 def test_mfu_is_six_n_tokens_over_time_and_peak_without_a_head(monkeypatch):
-    from cohort import metrics
+    from cohort.telemetry import metrics
 
     model = torch.nn.Linear(10, 10)  # 110 parameters
     monkeypatch.setattr(metrics, "peak_flops", lambda device: 1e6)
@@ -463,7 +514,7 @@ def test_mfu_is_six_n_tokens_over_time_and_peak_without_a_head(monkeypatch):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_update_flops_count_the_head_on_completion_tokens_only(tied):
-    from cohort.metrics import update_flops
+    from cohort.telemetry.metrics import update_flops
     from cohort.models import CausalLM, ModelConfig
 
     config = ModelConfig(model_type="llama", vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
@@ -481,7 +532,7 @@ def test_update_flops_count_the_head_on_completion_tokens_only(tied):
 
 
 def test_peak_flops_table_prefers_the_specific_name(monkeypatch):
-    from cohort import metrics
+    from cohort.telemetry import metrics
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, expected in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
@@ -496,7 +547,7 @@ def test_report_of_a_tiny_run_draws_every_figure_the_issue_names(kl_run, tmp_pat
     fractions, throughput (each phase), memory; non-blank PNGs; the completions table."""
     from matplotlib.image import imread
 
-    from cohort.report import main as report_main
+    from cohort.telemetry.report import main as report_main
 
     trainer, _, _ = kl_run
     assert report_main([trainer.args.output_dir, "--out", str(tmp_path)]) == 0
@@ -522,7 +573,7 @@ def test_attention_pairs_count_the_mask_entries_of_each_layout(window):
     """Against the attention masks themselves: a causal (windowed) mask per [prompt | completion]
     row; with shared prompts, the prompt's rows once per run of at most max_rows completions and
     each completion's rows from the prompt's end on."""
-    from cohort.packing import attention_pairs, causal_pairs
+    from cohort.update.packing import attention_pairs, causal_pairs
 
     def mask(length):
         i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
@@ -544,9 +595,9 @@ def test_attention_pairs_count_the_mask_entries_of_each_layout(window):
 def test_update_flops_add_twelve_flops_per_attention_pair_and_head_dim_by_layer_window():
     import transformers
 
-    from cohort.metrics import attention_layers, rollout_attention_pairs, update_flops
+    from cohort.telemetry.metrics import attention_layers, rollout_attention_pairs, update_flops
     from cohort.models import CausalLM, ModelConfig
-    from cohort.packing import attention_pairs
+    from cohort.update.packing import attention_pairs
 
     config = ModelConfig(model_type="qwen2", vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=6, sliding_window=4,

@@ -1,4 +1,4 @@
-"""pass@k and maj@k (cohort/passk.py) against brute-force enumeration."""
+"""pass@k and maj@k (cohort/eval/passk.py) against brute-force enumeration."""
 
 import itertools
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 
 from cohort.errors import CohortError
-from cohort.passk import majority_vote, mean_pass_at_k, pass_at_k
+from cohort.eval.passk import majority_vote, mean_pass_at_k, pass_at_k
 
 
 def brute_force_pass_at_k(n, c, k):

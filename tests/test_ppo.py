@@ -6,7 +6,7 @@ import torch
 
 from cohort.errors import CohortError
 from cohort.config import GRPOConfig
-from cohort.ppo import PPOConfig, PPOTrainer
+from cohort.algorithm.ppo import PPOConfig, PPOTrainer
 
 PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n"} for a in range(10) for b in range(10)]
 
@@ -24,9 +24,15 @@ def _trainer(tiny_dir, tmp_path, **overrides):
 
 
 def _rollout(trainer):
-    batch = trainer.sample_batch(trainer.next_prompts())
+    batch = trainer.sample(trainer.next_prompts())
     trainer.score(batch)
     return batch
+
+
+def _estimate(trainer, batch):
+    """The loop's log-prob and advantage steps: GAE advantages, and the critic's targets kept for its update."""
+    batch.old_logp, batch.ref_logp = trainer.reference_logprobs(batch)
+    batch.advantages = trainer.estimate_advantages(batch)
 
 
 def test_ppo_advantages_are_gae_of_terminal_reward_minus_kl(tiny_dir, tmp_path):
@@ -38,10 +44,10 @@ def test_ppo_advantages_are_gae_of_terminal_reward_minus_kl(tiny_dir, tmp_path):
             p.add_(0.05 * torch.randn_like(p))
     batch = _rollout(trainer)
     with torch.no_grad():
-        old = trainer._logprobs_no_grad(trainer.model, batch)
-        ref = trainer._logprobs_no_grad(trainer.ref_model, batch)
-        values = trainer._values_no_grad(batch)
-    trainer.reference_logprobs(batch)
+        old = trainer.policy_update.logprobs(trainer.model, batch)
+        ref = trainer.policy_update.logprobs(trainer.ref_model, batch)
+        values = trainer.values_no_grad(batch)
+    _estimate(trainer, batch)
     gamma, lam, beta = 0.9, 0.8, 0.1
     mask = batch.rollout.completion_mask
     for b in range(len(batch.rows)):
@@ -57,14 +63,13 @@ def test_ppo_advantages_are_gae_of_terminal_reward_minus_kl(tiny_dir, tmp_path):
         assert batch.advantages[b, n:].abs().sum() == 0
         assert trainer.value_targets[1][b, :n].tolist() == pytest.approx(
             [a + float(values[b, t]) for t, a in enumerate(want)], abs=1e-5)
-    assert batch.ref_logp is None  # the KL is in the reward, not added to the loss a second time
-    assert batch.reward_metrics["kl"] > 0
+    assert trainer.advantage_metrics["kl"] > 0
 
 
 def test_critic_learns_the_returns(tiny_dir, tmp_path):
     trainer = _trainer(tiny_dir, tmp_path, critic_learning_rate=3e-3, cliprange_value=10.0, beta=0.0)
     batch = _rollout(trainer)
-    trainer.reference_logprobs(batch)
+    _estimate(trainer, batch)
     losses = [trainer.update_critic(batch)["value_loss"] for _ in range(15)]
     assert losses[-1] < 0.5 * losses[0], losses
 
@@ -75,7 +80,7 @@ def test_value_clip_stops_the_gradient_only_when_the_clipped_error_is_larger(tin
     error (5) beats the clipped one (4.1), and the gradient flows."""
     trainer = _trainer(tiny_dir, tmp_path, cliprange_value=0.1, beta=0.0)
     batch = _rollout(trainer)
-    trainer.reference_logprobs(batch)
+    _estimate(trainer, batch)
     values, _ = trainer.value_targets
     for offset, want_gradient in ((-5.0, False), (5.0, True)):
         trainer.value_targets = (values + 1.0, values + offset)
@@ -120,3 +125,29 @@ def test_ppo_resume_restores_the_critic_exactly(tiny_dir, tmp_path):
         assert torch.allclose(a, b, atol=1e-6)
     # the critic really came from the checkpoint: a fresh one (zero head) differs from the trained one
     assert any(not torch.equal(a, b) for a, b in zip(fresh_critic, full.critic.parameters()))
+
+
+def test_ppo_policy_update_gets_no_reference_the_kl_is_in_the_reward(tiny_dir, tmp_path):
+    trainer = _trainer(tiny_dir, tmp_path)
+    with torch.no_grad():  # a reference unlike the policy: a KL to report
+        for p in trainer.ref_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = _rollout(trainer)
+    _estimate(trainer, batch)
+    seen = []
+
+    class Spy:
+        def __init__(self, real):
+            self.real = real
+
+        def __call__(self, batch, step):
+            seen.append(batch.ref_logp)
+            return self.real(batch, step)
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    trainer.policy_update = Spy(trainer.policy_update)
+    stats = trainer.update(batch)
+    assert batch.ref_logp is not None and seen == [None]  # the loop's batch keeps π_ref; the loss gets none
+    assert stats["kl"] == trainer.advantage_metrics["kl"] > 0  # the logged KL is the reward's

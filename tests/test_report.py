@@ -13,8 +13,8 @@ from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from cohort.errors import CohortError
-from cohort.metrics import MetricsLogger
-from cohort.report import FIGURE_PIXELS, build_report, main, sample_completions
+from cohort.telemetry.metrics import MetricsLogger
+from cohort.telemetry.report import FIGURE_PIXELS, build_report, main, sample_completions
 
 STEPS = 40
 EVIL_COMPLETION = "<script>alert('x')</script> & the answer is 4"

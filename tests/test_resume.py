@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cohort.checkpoint import check_checkpoint, list_checkpoints
-from cohort.tiny import build_model, build_tokenizer
+from cohort.run.checkpoint import check_checkpoint, list_checkpoints
+from cohort.models.tiny import build_model, build_tokenizer
 
 SPEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=64)

@@ -15,7 +15,7 @@ from cohort.rewards.replay import MixedBatches, ReplayBuffer, Sample, within_gro
 from cohort.rewards.runner import RewardRunner
 from cohort.rewards.scorers import CausalLMScorer
 from cohort.tasks.arithmetic import ArithmeticTask
-from cohort.tiny import build_model, build_tokenizer
+from cohort.models.tiny import build_model, build_tokenizer
 
 torch.set_num_threads(1)
 

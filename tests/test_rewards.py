@@ -158,6 +158,27 @@ def test_canonical_answer(text, expected):
     assert canonical_answer(text) == expected
 
 
+@pytest.mark.parametrize("a, b", [
+    ("3.14159", "3.14"), ("0.12345", "0.123"), ("1234.5", "1230"), ("1234.5", "1235"), ("2.71828", "2.72"),
+    ("-0.06255", "-0.0626"), ("123456.789", "123457"), ("0.000123456", "0.000123"), ("99.99", "100"),
+])
+def test_canonical_answer_keeps_every_digit_of_a_decimal(a, b):
+    """Majority voting must not merge answers that differ past the third significant digit."""
+    assert canonical_answer(f"<answer>{a}</answer>") == a  # a plain decimal is its own normal form
+    assert canonical_answer(f"<answer>{b}</answer>") == b
+    assert canonical_answer(f"<answer>{a}</answer>") != canonical_answer(f"<answer>{b}</answer>")
+
+
+@pytest.mark.parametrize("forms, normal", [
+    (["3.14159", "3.141590", "$3.14159$", "The answer is 3.14159"], "3.14159"),
+    (["1234.5", "1,234.5", "1234.50", "\\frac{2469}{2}"], "1234.5"),
+    (["0.125", "\\frac{1}{8}", ".125", "0.1250"], "0.125"),
+    (["-2.5", "-\\frac{5}{2}", "-2.50"], "-2.5"),
+])
+def test_canonical_answer_gives_equal_forms_one_normal_form(forms, normal):
+    assert [canonical_answer(f"<answer>{form}</answer>") for form in forms] == [normal] * len(forms)
+
+
 # ---------------------------------------------------------------------------------------- registry
 
 def test_resolve_reward_by_name_path_and_callable():

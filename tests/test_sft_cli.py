@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.cli import main
-from cohort.sft import SFTConfig, encode_sft_row
-from cohort.tiny import build_model, build_tokenizer
+from cohort.algorithm.sft import SFTConfig, encode_sft_row
+from cohort.models.tiny import build_model, build_tokenizer
 
 torch.set_num_threads(1)
 
@@ -109,8 +109,8 @@ def test_bad_arguments(argv, fragment, capsys):
 
 
 def test_built_in_warm_start_goes_through_sft_train(tmp_path, monkeypatch):
-    import cohort.sft
-    import cohort.tiny
+    import cohort.algorithm.sft
+    import cohort.models.tiny
 
     calls = []
 
@@ -119,9 +119,9 @@ def test_built_in_warm_start_goes_through_sft_train(tmp_path, monkeypatch):
         return [0.0]
 
     monkeypatch.setenv("COHORT_CACHE", str(tmp_path))
-    monkeypatch.setattr(cohort.sft, "sft_train", fake_sft_train)
-    spec = dict(cohort.tiny.TINY_SPEC, version="test-sft-path", sft_steps=7)
-    path = cohort.tiny.tiny_model_dir(log=lambda *_: None, spec=spec)
+    monkeypatch.setattr(cohort.algorithm.sft, "sft_train", fake_sft_train)
+    spec = dict(cohort.models.tiny.TINY_SPEC, version="test-sft-path", sft_steps=7)
+    path = cohort.models.tiny.tiny_model_dir(log=lambda *_: None, spec=spec)
     assert len(calls) == 1
     rows, config = calls[0]
     assert isinstance(config, SFTConfig) and config.max_steps == 7

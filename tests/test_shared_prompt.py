@@ -1,4 +1,4 @@
-"""Shared-prompt packing (cohort/packing.py, cohort/models/shared_prefix.py): one flat, unpadded
+"""Shared-prompt packing (cohort/update/packing.py, cohort/models/shared_prefix.py): one flat, unpadded
 sequence with each prompt once, then its completions; attention over per-completion index rows.
 Checked against independent computations: the layout against hand-built rows, log-probs against
 transformers' own model run on each (prompt, completion) alone, the update's loss and gradients
@@ -11,10 +11,10 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.errors import CohortError
-from cohort.head_loss import micro_batch_policy_loss
-from cohort.logprobs import micro_batch_logprobs, rollout_logprobs
+from cohort.update.fused_head import micro_batch_policy_loss
+from cohort.update.logprobs import micro_batch_logprobs, rollout_logprobs
 from cohort.models import from_pretrained
-from cohort.packing import pack_micro_batch, pack_shared_prompts, plan_rollout
+from cohort.update.packing import pack_micro_batch, pack_shared_prompts, plan_rollout
 
 torch.set_num_threads(1)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -146,7 +146,7 @@ def test_shared_layout_gives_the_same_loss_and_gradients(families, fused, loss_t
     for packer in (pack_micro_batch, pack_shared_prompts):
         micro = packer(prompt_ids, completion, mask, rows, 0)
         model.zero_grad(set_to_none=True)
-        loss, stats, out = micro_batch_policy_loss(
+        (loss, stats) = out = micro_batch_policy_loss(
             model, micro, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages, loss_mask=mask.float(),
             fused=fused, beta=0.04, loss_type=loss_type, max_completion_length=mask.shape[1],
             num_tokens=float(mask.sum()), entropy_coef=0.01, chunk_rows=7)
@@ -194,8 +194,8 @@ def test_trainer_step_is_the_same_with_and_without_sharing(tiny_dir, tmp_path):
         trainer = GRPOTrainer(tiny_dir, _reward_length, PROMPTS, args=args)
         assert trainer.share_prompts is share
         packed = []
-        original = trainer.pack
-        trainer.pack = lambda batch, rows: packed.append(original(batch, rows)) or packed[-1]
+        original = trainer.policy_update.pack
+        trainer.policy_update.pack = lambda batch, rows: packed.append(original(batch, rows)) or packed[-1]
         trainer.train()
         history[share] = trainer.history[0]
         tokens[share] = sum(m.num_tokens for m in packed)

@@ -5,9 +5,7 @@ the model cannot be fetched."""
 
 import json
 import math
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,14 +29,9 @@ pytestmark = [pytest.mark.slow,
 
 
 @pytest.fixture(scope="module")
-def gguf_file() -> str:
-    cache = Path(os.environ.get("COHORT_CACHE") or Path.home() / ".cache" / "cohort") / "smollm2-135m-instruct"
-    done = subprocess.run(["bash", str(GET_SCRIPT), str(cache)], capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        pytest.skip(f"could not fetch SmolLM2-135M-Instruct: {done.stderr.strip()[-300:]}")
-    path = done.stdout.strip().splitlines()[-1]
-    assert path.endswith(".gguf") and Path(path).is_file()
-    return path
+def gguf_file(smollm2_gguf) -> str:
+    """SmolLM2's GGUF as tests/conftest.py's `smollm2_gguf` fetches it."""
+    return smollm2_gguf
 
 
 def test_eval_on_20_gsm8k_test_questions(gguf_file, tmp_path, capsys):
@@ -102,12 +95,25 @@ def test_two_grpo_steps_on_gsm8k_train(sft_dir, tmp_path):
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     history = trainer.train()
     assert [r["step"] for r in history] == [1, 2]
+    samples = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     for record in history:
         for name in ("loss", "reward", "grad_norm", "entropy", "completions/mean_length"):
             assert math.isfinite(record[name]), (name, record[name])
         assert record["informative"] > 0  # the length reward splits every group of different lengths
-        for name in ("format_reward", "tag_count_reward", "accuracy_reward"):
-            assert 0.0 <= record[f"rewards/{name}/mean"] <= 1.0
+        rows = [c for c in samples if c["step"] == record["step"]]
+        assert len(rows) == 4  # every completion of the step (log_completions_steps=1)
+        texts = [c["completion"][-1]["content"] for c in rows]
+        # recomputed from the texts: the length reward, and open-r1's tag count (0.25 for each layout
+        # piece that appears exactly once)
+        pieces = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
+        tag_counts = [0.25 * sum(text.count(piece) == 1 for piece in pieces) for text in texts]
+        assert [c["rewards"]["tag_count_reward"] for c in rows] == pytest.approx(tag_counts)
+        assert record["rewards/tag_count_reward/mean"] == pytest.approx(sum(tag_counts) / 4)
+        assert record["rewards/shorter_is_better/mean"] == pytest.approx(sum(-len(t) / 1000 for t in texts) / 4)
+        for name in ("format_reward", "accuracy_reward"):
+            scores = [c["rewards"][name] for c in rows]
+            assert set(scores) <= {0.0, 1.0}, (name, scores)
+            assert record[f"rewards/{name}/mean"] == pytest.approx(sum(scores) / 4)
     changed = [k for k, v in trainer.model.named_parameters() if not torch.equal(before[k], v.detach())]
     assert changed, "two GRPO steps left every weight unchanged"
     for name in ("metrics.jsonl", "completions.jsonl", "config.json", "model.safetensors", "tokenizer.json",

@@ -1,5 +1,12 @@
-"""The trainer's Algorithm-1 structure and real learning on the tiny model."""
+"""The trainer's Algorithm-1 structure and real learning on the tiny model; what it logs (advantages,
+KL) against independent recomputations from the logged rewards and the models themselves."""
 
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
 import torch
 
 from cohort import GRPOConfig, GRPOTrainer
@@ -48,8 +55,12 @@ def test_num_iterations_reuses_one_rollout(tiny_dir, tmp_path):
     history = trainer.train()
     assert calls == {"generate": 2, "optimizer": 6}  # one rollout per step, μ optimizer steps on it
     assert [h["num_iterations"] for h in history] == [3, 3]
-    # With μ > 1 the later passes see ρ ≠ 1, so clipping statistics become possible (and KL-free loss moves).
-    assert any(h["clip_ratio/region_mean"] >= 0 for h in history)
+    # With μ > 1 the later passes see ρ ≠ 1 and some tokens leave the clip range; the first pass of each
+    # rollout has ρ = 1 (π_old = π_θ), so at most 2 of the 3 passes can clip a token. A token is clipped
+    # low (A < 0) or high (A > 0), never both: the region is their sum.
+    for h in history:
+        assert 0 < h["clip_ratio/region_mean"] <= 2 / 3
+        assert h["clip_ratio/region_mean"] == pytest.approx(h["clip_ratio/low_mean"] + h["clip_ratio/high_mean"])
 
 
 def test_reference_resets_every_M_steps(tiny_dir, tmp_path):
@@ -91,3 +102,91 @@ def test_checkpoint_is_a_transformers_folder(tiny_dir, tmp_path):
     ours = trainer.model(ids)
     assert torch.allclose(model(ids).logits, ours, atol=1e-4)
     assert (tmp_path / "summary.json").exists() and (tmp_path / "metrics.jsonl").exists()
+
+
+def reward_of_the_text(prompts, completions, completion_ids=None, **_):
+    """A reward that differs between most completions (0 … 10), so groups have spread."""
+    return [float(sum(map(ord, c)) % 11) for c in completions]
+
+
+def _logged_completions(output_dir) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "completions.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_logged_advantages_follow_scale_rewards(tiny_dir, tmp_path, scale):
+    """Every completion of each step is logged with its reward and advantage; the advantage must be
+    the group-relative one that `scale_rewards` names, recomputed here from the logged rewards."""
+    args = _args(tmp_path, scale_rewards=scale, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                 max_completion_length=6, max_steps=2, log_completions_steps=1)
+    GRPOTrainer(tiny_dir, reward_of_the_text, PROMPTS, args=args).train()
+    samples = _logged_completions(tmp_path)
+    assert [s["step"] for s in samples] == [1] * 8 + [2] * 8  # the whole batch, in group order
+    spread = []
+    for step in (1, 2):
+        rows = [s for s in samples if s["step"] == step]
+        rewards = np.array([s["reward"] for s in rows], dtype=np.float64)
+        assert list(rewards) == [reward_of_the_text(None, [s["completion"]])[0] for s in rows]
+        groups = rewards.reshape(2, 4)  # G = 4
+        centred = groups - groups.mean(axis=1, keepdims=True)
+        if scale == "group":  # (r − mean) / (std + 1e-4), std with Bessel's correction (DeepSeekMath §4.1.2)
+            want = centred / (groups.std(axis=1, ddof=1, keepdims=True) + 1e-4)
+        elif scale == "batch":
+            want = centred / (rewards.std(ddof=1) + 1e-4)
+        else:  # Dr. GRPO: no division
+            want = centred
+        assert [s["advantage"] for s in rows] == pytest.approx(want.ravel().tolist(), abs=1e-5)
+        spread += list(groups.std(axis=1, ddof=1)) + [rewards.std(ddof=1)]
+    # the three scalings give different advantages here: no divisor is 0 or close to 1
+    assert all(s > 0 and abs(s - 1) > 0.1 for s in spread), spread
+
+
+def _k3_and_k1(policy, reference, tokenizer, prompts, completion_ids) -> tuple[float, float]:
+    """Token means of k3 = exp(r) − r − 1 and k1 = −r, r = log π_ref − log π_θ, over every completion
+    token, from each model's full forward of prompt + completion (float64 log-softmax)."""
+    k3 = k1 = 0.0
+    n = 0
+    for prompt, completion in zip(prompts, completion_ids):
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt_ids + list(completion)])
+        logps = []
+        for model in (policy, reference):
+            with torch.no_grad():
+                out = model(ids)
+            logits = (out.logits if hasattr(out, "logits") else out)[0].double()
+            logps.append(torch.log_softmax(logits, dim=-1))
+        for t, token in enumerate(completion):
+            position = len(prompt_ids) - 1 + t  # the logits that predict completion token t
+            r = float(logps[1][position, token] - logps[0][position, token])
+            k3, k1, n = k3 + math.exp(r) - r - 1, k1 - r, n + 1
+    return k3 / n, k1 / n
+
+
+@pytest.mark.parametrize("fused_head_loss", [True, False])
+def test_logged_kl_is_the_k3_estimate_between_policy_and_reference(tiny_dir, tmp_path, fused_head_loss):
+    """β > 0: the logged `kl` of a step is the mean k3 KL of the step's completion tokens between π_θ as
+    the update found it and π_ref, recomputed here from the two models' forwards. Step 1: π_ref is a
+    copy of π_θ (0); step 2: π_θ has taken one step, and k3 and k1 differ."""
+    seen = []
+    holder = {}
+
+    def reward(prompts, completions, completion_ids=None, **_):
+        # called after sampling, before the update: the weights the update's statistics will see
+        weights = {k: v.detach().clone() for k, v in holder["trainer"].model.state_dict().items()}
+        seen.append((list(prompts), [list(ids) for ids in completion_ids], weights))
+        return reward_of_the_text(prompts, completions)
+
+    args = _args(tmp_path, beta=0.1, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                 max_completion_length=6, max_steps=2, learning_rate=3e-2, fused_head_loss=fused_head_loss)
+    trainer = holder["trainer"] = GRPOTrainer(tiny_dir, reward, PROMPTS, args=args)
+    history = trainer.train()
+    assert len(seen) == 2 and [h["micro_batches"] for h in history] == [1, 1]  # one micro-batch: a plain token mean
+    policy = copy.deepcopy(trainer.model)
+    for record, (prompts, completion_ids, weights) in zip(history, seen):
+        policy.load_state_dict(weights)
+        k3, k1 = _k3_and_k1(policy, trainer.ref_model, trainer.tokenizer, prompts, completion_ids)
+        assert record["kl"] == pytest.approx(k3, rel=1e-3, abs=1e-7)
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    # the policy moved; k1 = −r, whose mean over π_θ's samples estimates the same KL, differs from k3 on
+    # these tokens by more than the tolerance, so a k1 statistic would fail the comparison above
+    assert history[1]["kl"] > 1e-3 and abs(k1 - k3) > 5e-3 * k3, (k1, k3)

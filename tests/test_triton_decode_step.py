@@ -12,20 +12,23 @@ import pytest
 import torch
 import transformers
 
-if torch.cuda.is_available():  # the CPU helpers of test_kernels build CPU tensors; the GPU has its own check
+if torch.cuda.is_available():  # the CPU helpers (tests/helpers.py) build CPU tensors; the GPU has its own check
     pytest.skip("runs the kernels in Triton's CPU interpreter; on a GPU, `python bench/rollout.py --check` "
                 "covers this path", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed: the engine's Triton kernels need it")
 
-from test_kernels import FAMILIES, TINY, build, decode_run  # noqa: E402
+from helpers import KERNEL_FAMILIES as FAMILIES, KERNEL_TINY as TINY, build_kernel_model as build, decode_run  # noqa: E402
 
 from triton_interpreter import kernel_module  # noqa: E402
 
-from cohort.engine import sampling  # noqa: E402
-from cohort.models import CausalLM, ModelConfig, kernels, modeling  # noqa: E402
+from cohort.rollout import sampling# noqa: E402
+from cohort.models import CausalLM, ModelConfig, modeling
+from cohort.kernels import elementwise as kernels# noqa: E402
 
-decode_module = kernel_module("cohort.models.decode_attention", "_decode_split_kernel")
-triton_sampling = kernel_module("cohort.engine.triton_sampling", "_partial_kernel")
+torch.set_num_threads(1)  # as tests/test_kernels.py, whose models these are
+
+decode_module = kernel_module("cohort.kernels.decode_attention", "_decode_split_kernel")
+triton_sampling = kernel_module("cohort.kernels.sampling", "_partial_kernel")
 
 
 def on_any_device(tensor: torch.Tensor) -> bool:
@@ -116,9 +119,9 @@ def test_engine_with_shared_prompts_samples_through_the_kernel_as_each_row_alone
     two lengths in one prefill chunk: the shorter one's table entry must stop at its own length."""
     import contextlib
 
-    from cohort.engine import engine as engine_module
-    from cohort.engine import Engine
-    from cohort.rollout import SamplingParams
+    from cohort.rollout import engine as engine_module
+    from cohort.rollout import Engine
+    from cohort.rollout.sampler import SamplingParams
 
     @contextlib.contextmanager
     def plain_sampling_mode(model, fused=False):  # the fused pieces uncompiled: no torch.compile on CPU

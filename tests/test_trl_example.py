@@ -19,7 +19,7 @@ def tiny_qwen2(tmp_path_factory):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from cohort.tiny import build_tokenizer
+    from cohort.models.tiny import build_tokenizer
 
     path = tmp_path_factory.mktemp("tiny_qwen2")
     tokenizer = build_tokenizer()
@@ -38,7 +38,7 @@ def tiny_qwen2(tmp_path_factory):
 def test_the_import_is_the_only_cohort_line():
     source = EXAMPLE.read_text()
     imports = [line for line in source.splitlines() if re.match(r"\s*(from|import)\s+cohort\b", line)]
-    assert imports == ["from cohort import GRPOConfig, GRPOTrainer  # the only change: TRL has "
+    assert imports == ["from cohort import GRPOConfig, GRPOTrainer# the only change: TRL has "
                        "`from trl import GRPOConfig, GRPOTrainer`"]
     for name in ("format_reward_func", "beta=0.02", "num_generations=8", "temperature=0.9", "trainer.train()",
                  "GRPOTrainer(", "reward_funcs=", "train_dataset=", "args=training_args"):
@@ -56,7 +56,16 @@ def test_quickstart_runs_two_steps_on_a_tiny_model(tiny_qwen2, tmp_path):
     steps = [r for r in metrics if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for record in steps:
-        assert 0.0 <= record["rewards/format_reward_func/mean"] <= 1.0
+        # 8 tokens of the character tokenizer cannot spell "<think>…</think>" (15 characters for the tags
+        # alone), so no completion earns the format reward, and the reward is that function's alone
+        assert record["rewards/format_reward_func/mean"] == 0.0 and record["reward"] == 0.0
+        assert record["frac_reward_zero_std"] == 1.0 and record["informative"] == 0.0
         assert record["completions/mean_length"] <= 8
+    samples = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    assert samples and all(s["step"] == 1 for s in samples)  # step 1 is logged (then every 10 steps)
+    for sample in samples:  # the example's own pattern, applied to each logged completion
+        matched = re.match(r"^<think>.*?</think>\s*<answer>.*?</answer>$", sample["completion"][0]["content"], re.DOTALL)
+        assert sample["rewards"] == {"format_reward_func": 1.0 if matched else 0.0}
+        assert sample["advantage"] == 0.0  # all-equal groups carry no signal
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["model_type"] == "qwen2"

@@ -5,21 +5,13 @@ out-of-memory retry, fp32 master weights, and activation checkpointing."""
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
+from cohort import GRPOConfig
 from cohort.errors import CohortError
-from cohort.logprobs import lm_head_logprobs, micro_batch_logprobs, rollout_logprobs, selected_logprobs
-from cohort.packing import pack_micro_batch, plan_micro_batches
-from cohort.precision import MasterWeightAdamW, make_optimizer
-from cohort.rollout import Rollout
-from cohort.trainer import Batch
+from cohort.update.logprobs import lm_head_logprobs, micro_batch_logprobs, rollout_logprobs, selected_logprobs
+from cohort.update.packing import pack_micro_batch, plan_micro_batches
+from cohort.memory.precision import MasterWeightAdamW, make_optimizer
+from helpers import synthetic_batch as _synthetic_batch, update_trainer as _trainer, variable_batch as _variable_batch
 from update_gradients import update_gradient
-
-PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
-
-
-def always_one(completions, **kwargs):
-    return [1.0] * len(completions)
-
 
 # ---- chunked LM head ------------------------------------------------------------------------------
 
@@ -79,20 +71,6 @@ def test_plan_micro_batches_covers_each_row_once_within_budgets():
     assert padded < in_order  # bucketing pads less than taking rows in their order
 
 
-def _variable_batch(vocab: int, seed: int = 0, rows: int = 9):
-    g = torch.Generator().manual_seed(seed)
-    prompt_ids = [torch.randint(1, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
-                  for _ in range(rows)]
-    lengths = [int(n) for n in torch.randint(1, 9, (rows,), generator=g)]
-    width = max(lengths)
-    completion = torch.zeros(rows, width, dtype=torch.long)
-    mask = torch.zeros(rows, width, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        completion[i, :n] = torch.randint(1, vocab, (n,), generator=g)
-        mask[i, :n] = 1
-    return prompt_ids, completion, mask
-
-
 def _row_logprobs_unpadded(model, prompt, completion):
     """The independent computation: one row, no padding at all, a plain full-vocab log-softmax."""
     ids = torch.tensor([prompt + completion])
@@ -122,24 +100,6 @@ def test_packed_chunked_logprobs_equal_unpadded_per_row_computation(tiny_dir):
 
 # ---- the update: micro-batch invariance, OOM retry, checkpointing ------------------------------
 
-def _trainer(tiny_dir, tmp_path, **overrides):
-    base = dict(num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=2,
-                max_completion_length=6, max_steps=2, learning_rate=1e-3, output_dir=str(tmp_path), quiet=True,
-                seed=0, max_grad_norm=1e9, beta=0.04)
-    base.update(overrides)
-    return GRPOTrainer(tiny_dir, always_one, PROMPTS, args=GRPOConfig(**base))
-
-
-def _synthetic_batch(trainer, seed=0):
-    prompt_ids, completion, mask = _variable_batch(trainer.model.config.vocab_size, seed=seed, rows=16)
-    rollout = Rollout(completion_ids=completion, completion_mask=mask, logprobs=None,
-                      finish_reasons=["stop"] * 16)
-    batch = Batch(rows=[{"prompt": "x"}] * 16, prompt_ids=prompt_ids, rollout=rollout, completions=[""] * 16)
-    batch.advantages = torch.randn(16, generator=torch.Generator().manual_seed(seed))
-    trainer.reference_logprobs(batch)
-    return batch
-
-
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_update_gradient_is_independent_of_micro_batching(tiny_dir, tmp_path, loss_type):
     trainer = _trainer(tiny_dir, tmp_path, loss_type=loss_type)
@@ -147,9 +107,9 @@ def test_update_gradient_is_independent_of_micro_batching(tiny_dir, tmp_path, lo
         for p in trainer.ref_model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     batch = _synthetic_batch(trainer)
-    trainer.micro_rows, trainer.micro_tokens = 16, 0
+    trainer.memory.micro_rows, trainer.memory.micro_tokens = 16, 0
     whole, whole_stats = update_gradient(trainer, batch)
-    trainer.micro_rows, trainer.micro_tokens = 3, 24
+    trainer.memory.micro_rows, trainer.memory.micro_tokens = 3, 24
     bucketed, bucketed_stats = update_gradient(trainer, batch)
     assert bucketed_stats["micro_batches"] > whole_stats["micro_batches"] == 1
     assert whole.abs().sum() > 0
@@ -204,7 +164,7 @@ def test_update_frees_the_gradients_after_its_step(tiny_dir, tmp_path, dtype):
 
 
 def test_out_of_memory_halves_the_micro_batch_and_matches_that_size_from_the_start(tiny_dir, tmp_path, monkeypatch):
-    import cohort.policy_update as update_module
+    import cohort.update.policy_update as update_module
 
     real = update_module.micro_batch_policy_loss
     seen = []
@@ -222,7 +182,7 @@ def test_out_of_memory_halves_the_micro_batch_and_matches_that_size_from_the_sta
     batch = _synthetic_batch(retried)
     stats = retried.update(batch)
     monkeypatch.setattr(update_module, "micro_batch_policy_loss", real)
-    assert retried.micro_rows == 4 and retried.oom_retries == 2  # 16 → 8 → 4
+    assert retried.memory.micro_rows == 4 and retried.memory.oom_retries == 2  # 16 → 8 → 4
     assert any("out of GPU memory with micro-batches of 16" in line for line in lines)
     assert max(seen) == 16 and stats["micro_batches"] == 4
 
@@ -238,7 +198,7 @@ def test_out_of_memory_in_the_optimizer_step_halves_its_chunks_and_the_update_is
     """bf16 weights (fp32 masters) on the CPU, one tensor's fp32 bytes a chunk at most 64 KiB: the
     second chunk's master cannot be rebuilt once. The trainer logs the halving, counts it as a retry,
     and ends the update with the weights of a run that never ran out of memory."""
-    import cohort.precision as precision
+    import cohort.memory.precision as precision
 
     lines = []
     retried = _trainer(tiny_dir, tmp_path / "retry", dtype="bfloat16")
@@ -258,7 +218,7 @@ def test_out_of_memory_in_the_optimizer_step_halves_its_chunks_and_the_update_is
     batch = _synthetic_batch(retried)
     retried.update(batch)
     monkeypatch.setattr(precision, "join_master", real)
-    assert retried.oom_retries == 1 and retried.optimizer.chunk_shrinks == shrinks_before + 1
+    assert retried.memory.oom_retries == 1 and retried.optimizer.chunk_shrinks == shrinks_before + 1
     assert len(retried.optimizer.chunks) > chunks_before
     assert any("out of GPU memory in the optimizer step" in line for line in lines)
 
@@ -337,7 +297,7 @@ def test_compiled_training_layers_give_the_same_gradient(tiny_dir, tmp_path):
 def test_compiled_lm_head_chunk_math_equals_plain():
     """The fused (torch.compile) forward and backward of one LM-head chunk against the plain ops;
     on a GPU the compiled ones run, so they are checked here with inductor's CPU backend."""
-    from cohort.logprobs import _chunk_backward, _chunk_forward
+    from cohort.update.logprobs import _chunk_backward, _chunk_forward
 
     g = torch.Generator().manual_seed(3)
     logits, tokens = torch.randn(7, 50, generator=g), torch.randint(0, 50, (7,), generator=g)

@@ -1,12 +1,15 @@
 """Our own decoder implementations (Llama, Mistral, Qwen2, Qwen3) and their loading / saving.
 
-See docs/architecture.md, "Model", for the forward / KV-cache contract.
+`modeling.py` is the model (and writes its Hugging Face folder), `loading.py` reads model files
+(folder, hub id, GGUF via `gguf.py`) into it; `policy.py` turns whatever the user named into a
+policy and its tokenizer (nothing: the built-in `tiny.py` model; a family we do not implement:
+transformers' own). See docs/architecture.md, "Model", for the forward / KV-cache contract.
 """
 
 from cohort.models.cache import KVCache
 from cohort.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, is_supported
-from cohort.models.loading import from_pretrained, load_tokenizer, save_pretrained
-from cohort.models.modeling import CausalLM
+from cohort.models.loading import from_pretrained, load_tokenizer
+from cohort.models.modeling import CausalLM, save_pretrained
 
 __all__ = [
     "CausalLM",

@@ -1,7 +1,8 @@
-"""Load models (HF folder, hub id, GGUF file) into `CausalLM`, and save HF folders.
+"""Model files into `CausalLM`: find them (local folder, hub id, GGUF file), read them, check them.
 
-Weights are read only from safetensors (or GGUF), never from pickle files. A saved folder is an
-ordinary transformers checkpoint: config.json + model.safetensors, a tied lm_head not stored twice.
+Weights are read only from safetensors (or GGUF, `gguf.py`), never from pickle files. Writing goes
+the other way in `modeling.save_pretrained`; turning whatever the user named (nothing, a model
+object, a model transformers implements) into a policy and its tokenizer is `policy.py`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from cohort.errors import CohortError
 from cohort.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, is_supported
@@ -91,7 +91,9 @@ def read_hf_config(folder: Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf)
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of an HF folder: the shards its index names (all present), else model.safetensors,
+    else every *.safetensors; no weights (or only pickle files) is a `CohortError`."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -166,27 +168,10 @@ def from_pretrained(path_or_id, dtype=None, device=None, gguf_file: str | None =
     else:
         config = read_hf_config(path)
         stored = resolve_dtype(config.torch_dtype) if config.torch_dtype in DTYPES else torch.float32
-        model = build_model(config, read_safetensors(_safetensors_files(path)), resolve_dtype(dtype, stored),
+        model = build_model(config, read_safetensors(safetensors_files(path)), resolve_dtype(dtype, stored),
                             device, str(path))
     model.config.torch_dtype = str(model.dtype).removeprefix("torch.")
     return model.eval()
-
-
-def save_pretrained(model: CausalLM, out_dir, state: dict | None = None) -> Path:
-    """Write config.json + model.safetensors that transformers' AutoModelForCausalLM loads
-    (`state`: the tensors to write instead of the model's own, e.g. LoRA-merged weights)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_hf_dict()
-    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    # copy=True: parameters may be slices of one fused buffer (fusion.py), which safetensors refuses
-    state = state if state is not None else model.state_dict()
-    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 def load_tokenizer(path_or_id, gguf_file: str | None = None, trust_remote_code: bool = False):

@@ -11,27 +11,32 @@ With a `KVCache` the forward has static shapes and no host sync, so a decode ste
 capturable: keys are written in place (`index_put_`) and the mask is built from `position_ids`.
 Decode (default cache rows 0..B-1) reads the cache as a view and folds grouped-query heads instead
 of expanding k/v, so a step reads each cached key once. With fused kernels on and autograd off
-(sampling), the same math is regrouped into fewer kernels (`kernels.py`: residual add + RMSNorm,
-norm + rotary + cache write, the attention mask built once per step).
+(sampling), the same math is regrouped into fewer kernels (`cohort/kernels/elementwise.py`: residual
+add + RMSNorm, norm + rotary + cache write, the attention mask built once per step).
+
+`save_pretrained` writes the model as a Hugging Face folder; `loading.from_pretrained` reads one.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from safetensors.torch import save_file
 from torch.utils.checkpoint import checkpoint
 
 from cohort.errors import CohortError
-from cohort.models import kernels
+from cohort.kernels import elementwise as kernels
 from cohort.models.cache import KVCache
-from cohort.models.decode_attention import SUPPORTED_HEAD_DIMS as DECODE_KERNEL_HEAD_DIMS
-from cohort.models.decode_attention import decode_attention
+from cohort.kernels.decode_attention import SUPPORTED_HEAD_DIMS as DECODE_KERNEL_HEAD_DIMS
+from cohort.kernels.decode_attention import decode_attention
 from cohort.models.fusion import fused_weight
 from cohort.models import shared_prefix
-from cohort.models.training_compile import run_layer
+from cohort.kernels.training_compile import run_layer
 from cohort.models.config import ModelConfig
 
 ACTIVATIONS = {
@@ -170,7 +175,7 @@ class Attention(nn.Module):
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if has_norms else (None, None, 0.0)
             cache_k, cache_v = kv_cache.k_layers[self.layer_index], kv_cache.v_layers[self.layer_index]
             q = kernels.rotate_and_cache(q, k, v, cos, sin, *norms, cache_k, cache_v, position_ids)
-            if decode_kernel:  # one query per row: flash-decoding straight from the cache (decode_attention.py)
+            if decode_kernel:  # one query per row: flash-decoding straight from the cache (kernels/decode_attention.py)
                 out = decode_attention(q, cache_k, cache_v, position_ids, cache_len, self.sliding_window,
                                        prefix_rows=kv_cache.prefix_rows[:batch], prefix_lens=kv_cache.prefix_lens[:batch])
                 return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
@@ -355,25 +360,27 @@ class CausalLM(nn.Module):
             if all(type(m) is nn.Linear for m in (layer.mlp.gate_proj, layer.mlp.up_proj)):
                 layer.mlp.fuse()
 
-    def gradient_checkpointing_enable(self, checkpointed_layers: int | None = None, **_ignored) -> None:
+    def gradient_checkpointing_enable(self, checkpointed_layers: int | None = None, activation_probe=None,
+                                      **_ignored) -> None:
         """Recompute layers in the backward instead of keeping their activations: all of them, or the
-        first `checkpointed_layers` (the later ones keep theirs: less recomputation, more memory)."""
+        first `checkpointed_layers` (the later ones keep theirs: less recomputation, more memory).
+        `activation_probe` (cohort/memory/checkpointed_layers.py) measures the first kept layer."""
         self.gradient_checkpointing = True
         self.checkpointed_layers = checkpointed_layers
+        self.activation_probe = activation_probe
 
     def gradient_checkpointing_disable(self) -> None:
         self.gradient_checkpointing = False
 
     def compile_for_training(self) -> None:
-        """Run each decoder layer compiled in full-sequence forwards (training_compile.py)."""
-        from cohort.models.training_compile import CompiledLayerCall
+        """Run each decoder layer compiled in full-sequence forwards (cohort/kernels/training_compile.py)."""
+        from cohort.kernels.training_compile import CompiledLayerCall
 
         self.training_layer_call = CompiledLayerCall()
 
-    def save_pretrained(self, out_dir, **kwargs) -> None:
-        from cohort.models.loading import save_pretrained
-
-        save_pretrained(self, out_dir, **kwargs)
+    def save_pretrained(self, out_dir, state: dict | None = None) -> Path:
+        """Write this model as a Hugging Face folder (the module-level `save_pretrained` below)."""
+        return save_pretrained(self, out_dir, state=state)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, *, kv_cache: KVCache | None = None,
@@ -392,7 +399,7 @@ class CausalLM(nn.Module):
         cache_len slots. `attention_rows` [b, L] and `attention_slots` [N] (no cache, one flat row
         of N tokens): attention runs over the rows of flat token indices `attention_rows`, each
         token's output read back from slot `attention_slots` of them (shared_prefix.py, the
-        shared-prompt layout of cohort/packing.py); `position_ids` then give each token's position.
+        shared-prompt layout of cohort/update/packing.py); `position_ids` then give each token's position.
         """
         batch, length = input_ids.shape
         if position_ids is None:
@@ -461,3 +468,21 @@ class CausalLM(nn.Module):
             mask = masks[self._config.layer_sliding_window(i)]
             hidden, normed = layer.forward_fused(hidden, normed, cos, sin, mask, next_norm, **cache_args)
         return normed
+
+
+def save_pretrained(model: CausalLM, out_dir, state: dict | None = None) -> Path:
+    """Write config.json + model.safetensors that transformers' AutoModelForCausalLM loads
+    (`state`: the tensors to write instead of the model's own, e.g. LoRA-merged weights); a tied
+    lm_head is not stored twice. `loading.from_pretrained` reads the folder back."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_hf_dict()
+    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # copy=True: parameters may be slices of one fused buffer (fusion.py), which safetensors refuses
+    state = state if state is not None else model.state_dict()
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

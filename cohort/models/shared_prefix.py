@@ -1,6 +1,6 @@
 """Attention for a flat batch of tokens in which each prompt appears once for all its completions.
 
-`cohort/packing.py`'s shared-prompt layout gives the model one flat sequence: each prompt's tokens
+`cohort/update/packing.py`'s shared-prompt layout gives the model one flat sequence: each prompt's tokens
 once, then each of its completions' tokens, no padding. Everything in a decoder layer but attention
 works token by token, so the GEMMs, norms and MLP see each prompt once. Attention needs each
 completion next to its prompt: `attention_rows` [b, L] lists, for completion i, the flat indices of
@@ -14,7 +14,7 @@ over the group through the gather).
 
 What is repeated per completion is the prompt queries' attention only, a few percent of a layer's
 FLOPs; FlexAttention's document masks would avoid even that, but its backward ran 4× slower than
-cuDNN's on an H100 (docs/benchmarks.md), more than the whole saving.
+cuDNN's on an H100 (docs/history/benchmarks-2026-11.md, "Shared-prompt packing"), more than the whole saving.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def __getattr__(name):
         from . import runner
 
         return getattr(runner, name)
-    if name in ("RewardModelReward", "task_labeller"):  # the learned reward model r_φ (issue 7)
+    if name in ("RewardModelReward", "task_labeller"):  # the learned reward model r_φ, trained with replay
         from . import model
 
         return getattr(model, name)

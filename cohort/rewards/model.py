@@ -15,7 +15,7 @@ The loss is pointwise (binary cross-entropy on the label, r_φ(x) = logit of P(c
 pairwise (Bradley & Terry 1952: −log σ(r_φ(better) − r_φ(worse)) over pairs of one prompt's
 completions with different labels, the InstructGPT reward-model loss, Ouyang et al. 2022).
 
-Before GRPO starts, `warm_up` (or `warm_up_reward_models(trainer)`, `rm_warmup_batches`) trains r_φ
+Before GRPO starts, `warm_up` (or `warm_up_reward_models`, `rm_warmup_batches`) trains r_φ
 offline on labelled samples of the initial policy: first the head alone on frozen features (a linear
 probe), then the whole network, and reports its accuracy on held-out groups of those samples. The
 network is a last-token scalar head or a likelihood verifier (`scorer`, see scorers.py); the head may
@@ -31,14 +31,15 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import CohortError
-from .replay import MixedBatches, ReplayBuffer, Sample, _rng_state, _set_rng_state, within_group_pairs
+from .replay import MixedBatches, ReplayBuffer, Sample, rng_state, set_rng_state, within_group_pairs
 from .rules import completion_text
-from .runner import _accepted_kwargs
+from .runner import accepted_kwargs
 from .scorers import REWARD_OUTPUT_KEY, SCORERS, as_scorer, load_scorer
 
 RM_LOSSES = ("pointwise", "pairwise")
@@ -187,7 +188,7 @@ class RewardModelReward:
         pick = lambda values: [values[i] for i in rows] if values is not None else None  # noqa: E731
         arguments = dict(prompts=[prompts[i] for i in rows], completions=[completions[i] for i in rows],
                          completion_ids=pick(completion_ids), **{k: pick(v) for k, v in columns.items()})
-        labels = self.label_fn(**_accepted_kwargs(self.label_fn, arguments))  # keywords, as TRL calls rewards
+        labels = self.label_fn(**accepted_kwargs(self.label_fn, arguments))  # keywords, as TRL calls rewards
         fresh = []
         for i, label in zip(rows, labels):
             if label is None or (isinstance(label, float) and math.isnan(label)):
@@ -316,14 +317,14 @@ class RewardModelReward:
     # ---- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "buffer": self.buffer.state_dict(), "rng": _rng_state(self.rng), "steps_seen": self.steps_seen,
+                "buffer": self.buffer.state_dict(), "rng": rng_state(self.rng), "steps_seen": self.steps_seen,
                 "next_group": self.next_group, "warmed_up": self.warmed_up}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.buffer.load_state_dict(state["buffer"])
-        _set_rng_state(self.rng, state["rng"])
+        set_rng_state(self.rng, state["rng"])
         self.steps_seen, self.next_group = int(state["steps_seen"]), int(state["next_group"])
         self.warmed_up = bool(state.get("warmed_up", False))
 
@@ -349,34 +350,32 @@ def reward_model_options(args) -> dict:
                 scorer=getattr(args, "rm_scorer", "head"), head_learning_rate=getattr(args, "rm_head_learning_rate", None))
 
 
-def warm_up_reward_models(trainer) -> None:
-    """Before GRPO's first step: sample `rm_warmup_batches` batches of the initial policy on random train
-    prompts and `warm_up` every learned r_φ on them (`rm_warmup_updates` updates). The policy's own data
-    order and sampling seeds are restored afterwards, so the GRPO run itself is unchanged."""
-    args = trainer.args
-    models = [f for f in trainer.rewards.funcs if isinstance(f, RewardModelReward) and f.label_fn is not None
+def warm_up_reward_models(reward_funcs: list, args, rows: list[dict], sample: Callable[[list[dict]], object],
+                          log: Callable[[str], None] = print) -> None:
+    """Before GRPO's first step: sample `rm_warmup_batches` batches of the initial policy on random
+    `rows` (`sample(rows)` returns a rollout `Batch`) and `warm_up` every learned r_φ among
+    `reward_funcs` on them (`rm_warmup_updates` updates). The caller keeps its own data order and
+    sampling seeds out of this (`PromptStream.unchanged`), so the GRPO run itself is unchanged."""
+    models = [f for f in reward_funcs if isinstance(f, RewardModelReward) and f.label_fn is not None
               and f.updates_per_step > 0 and not f.warmed_up]
     batches = getattr(args, "rm_warmup_batches", 0)
     if not models or not batches:
         return
-    rng_state, order = trainer.data_rng.getstate(), list(trainer.data_order)
     pick = random.Random(args.seed + 7)  # warm-up prompts: their own stream
     prompts, completions, ids, columns = [], [], [], {}
     for _ in range(batches):
-        batch = trainer.sample_batch(pick.sample(trainer.train_rows, min(len(trainer.train_rows), args.prompts_per_step)))
-        prompts += [r["prompt"] for r in batch.rows]
+        batch = sample(pick.sample(rows, min(len(rows), args.prompts_per_step)))
+        prompts += batch.prompts
         completions += batch.completions
-        ids += [t[m.bool()].tolist() for t, m in zip(batch.rollout.completion_ids, batch.rollout.completion_mask)]
-        for key in (k for k in batch.rows[0] if k != "prompt"):
-            columns.setdefault(key, []).extend(r[key] for r in batch.rows)
-    trainer.data_rng.setstate(rng_state)
-    trainer.data_order = order
+        ids += batch.completion_token_ids()
+        for key, values in batch.columns.items():
+            columns.setdefault(key, []).extend(values)
     for rm in models:
         metrics = rm.warm_up(prompts, completions, ids, group_size=args.num_generations,
                              updates=getattr(args, "rm_warmup_updates", 200), **columns)
-        trainer.log(f"r_φ warm-up on {int(metrics['rm/warmup_samples'])} samples: held-out accuracy "
-                    f"{100 * metrics.get('rm/warmup_online_accuracy_before', float('nan')):.1f}% → "
-                    f"{100 * metrics.get('rm/warmup_online_accuracy_after', float('nan')):.1f}%")
+        log(f"r_φ warm-up on {int(metrics['rm/warmup_samples'])} samples: held-out accuracy "
+            f"{100 * metrics.get('rm/warmup_online_accuracy_before', float('nan')):.1f}% → "
+            f"{100 * metrics.get('rm/warmup_online_accuracy_after', float('nan')):.1f}%")
 
 
 def prepare_reward_funcs(reward_funcs: list, *, args, tokenizer, device, task=None) -> list:

@@ -65,12 +65,12 @@ class ReplayBuffer:
     def state_dict(self) -> dict:
         return {"capacity": self.capacity, "policy": self.policy, "seen": self.seen,
                 "items": [[s.prompt, s.completion, s.label, s.group] for s in self.items],
-                "rng": _rng_state(self.rng)}
+                "rng": rng_state(self.rng)}
 
     def load_state_dict(self, state: dict) -> None:
         self.capacity, self.policy, self.seen = int(state["capacity"]), state["policy"], int(state["seen"])
         self.items = [Sample(p, c, float(y), int(g)) for p, c, y, g in state["items"]]
-        _set_rng_state(self.rng, state["rng"])
+        set_rng_state(self.rng, state["rng"])
 
 
 def within_group_pairs(samples: list[Sample]) -> list[tuple[int, int]]:
@@ -131,12 +131,13 @@ def _draw(pool: list, count: int, rng: random.Random) -> list:
     return [rng.choice(pool) for _ in range(count)]
 
 
-def _rng_state(rng: random.Random) -> list:
+def rng_state(rng: random.Random) -> list:
     """random.Random's state as nested lists (no tuples), so JSON keeps it exactly too."""
     version, internal, gauss = rng.getstate()
     return [version, list(internal), gauss]
 
 
-def _set_rng_state(rng: random.Random, state) -> None:
+def set_rng_state(rng: random.Random, state) -> None:
+    """Put `rng` back in a state `rng_state` returned (also after a JSON round trip)."""
     version, internal, gauss = state
     rng.setstate((int(version), tuple(int(x) for x in internal), gauss))

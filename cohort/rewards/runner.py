@@ -121,7 +121,7 @@ class RewardRunner:
             if _importable_elsewhere(getattr(func, "score_sample", None)) and self._pool.available:
                 values = self._pool.score(name, func.score_sample, completions, columns)
             else:
-                kwargs = _accepted_kwargs(func, dict(prompts=prompts, completions=completions,
+                kwargs = accepted_kwargs(func, dict(prompts=prompts, completions=completions,
                                                      completion_ids=completion_ids, **columns))
                 values = self._call_with_timeout(name, func, kwargs, completions)
             table[:, j] = torch.tensor(self._check_values(name, values, batch, completions), dtype=torch.float32)
@@ -229,7 +229,7 @@ def _unique(names: list[str]) -> list[str]:
     return out
 
 
-def _accepted_kwargs(func: Callable, kwargs: dict) -> dict:
+def accepted_kwargs(func: Callable, kwargs: dict) -> dict:
     """All of `kwargs` for a function with **kwargs (TRL's convention); else only the names it takes."""
     try:
         params = inspect.signature(func).parameters

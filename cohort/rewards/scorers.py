@@ -15,7 +15,8 @@ Three kinds, one interface (`forward(input_ids, attention_mask, completion_mask=
   verifiers (Zhang et al. 2024, "Generative Verifiers"; Yuan et al. 2024, "Free Process Rewards without
   Process Labels", which trains an LM's log-likelihood ratio with an outcome-label cross-entropy). A
   last-token head must instead learn verification from scratch, which the tiny arithmetic model does not
-  within our budget (docs/benchmarks.md, issue 7). It saves as a causal-LM folder plus two config keys.
+  within our budget (docs/history/benchmarks-2026-11.md, "Learned reward model with replay"). It saves as
+  a causal-LM folder plus two config keys.
 - `SequenceClassifierScorer`: any transformers `AutoModelForSequenceClassification` with one label.
 
 Our two scorers expose `features(...) -> [B, F]` and `score` (the final Linear), so the head alone can be
@@ -104,9 +105,7 @@ class LikelihoodScorer(nn.Module):
         return self.score(self.features(input_ids, attention_mask, completion_mask)).squeeze(-1)
 
     def save_pretrained(self, out_dir, extra_config: dict | None = None) -> Path:
-        from ..models.loading import save_pretrained
-
-        out = save_pretrained(self.backbone, out_dir)  # a causal LM that transformers loads as one
+        out = self.backbone.save_pretrained(out_dir)  # a causal LM that transformers loads as one
         config = json.loads((out / "config.json").read_text())
         config.update({SCORER_KEY: "likelihood",
                        LIKELIHOOD_HEAD_KEY: [float(self.score.weight.detach()), float(self.score.bias.detach())]}, **(extra_config or {}))
@@ -156,7 +155,7 @@ def load_scorer(folder, device=None, dtype: str | None = None, kind: str = "head
     """(scorer, tokenizer, has_trained_head, config.json) from a model folder. A causal-LM folder becomes
     a `kind` scorer with a fresh zero head; a saved likelihood scorer comes back as one."""
     from ..models import is_supported, load_tokenizer
-    from ..models.loading import _safetensors_files, build_model, read_hf_config, read_safetensors, resolve_dtype
+    from ..models.loading import build_model, read_hf_config, read_safetensors, resolve_dtype, safetensors_files
 
     path = Path(folder).expanduser()
     try:
@@ -169,7 +168,7 @@ def load_scorer(folder, device=None, dtype: str | None = None, kind: str = "head
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if is_supported(hf):
-        state = read_safetensors(_safetensors_files(path))
+        state = read_safetensors(safetensors_files(path))
         head = state.pop("score.weight", None)
         config = read_hf_config(path)
         if "lm_head.weight" not in state and not config.tie_word_embeddings:

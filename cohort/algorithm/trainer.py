@@ -1,0 +1,455 @@
+"""`GRPOTrainer`: DeepSeekMath Algorithm 1, with the loop in `train()` on one screen.
+
+    for step in 1..max_steps:
+        every M steps:        π_ref ← π_θ                            (outer iteration)
+        sample a prompt batch
+        π_old ← π_θ;  sample G completions per prompt from π_old    (cohort/rollout/)
+        score each completion with the reward functions r_φ          (cohort/rewards/)
+        A_i = (r_i − mean(group)) / (std(group) + eps)               (objectives.group_advantages)
+        μ times: update π_θ on the clipped surrogate − β·KL          (cohort/update/, objectives.policy_loss)
+        update r_φ by continuous training with replay                (learned reward models only)
+
+The trainer builds the stages and calls them; each stage takes its inputs and returns its result:
+`PromptStream` (the data order), `GroupSampler` (the rollout), `RewardRunner` (the rewards),
+`PolicyUpdate` (the update), `MemoryManager` (everything memory), `StepReport` (metrics and
+display) and `RunLifecycle` (resume, signals, checkpoints).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import GRPOConfig
+from ..errors import CohortError
+from ..eval.evaluate import evaluate
+from ..memory.checkpointed_layers import AutoCheckpointing
+from ..memory.manager import MemoryManager
+from ..memory.precision import make_optimizer, resolve_dtype
+from ..models.lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
+from ..models.policy import load_policy, save_policy
+from ..rewards.model import prepare_reward_funcs, warm_up_reward_models
+from ..rewards.runner import RewardRunner
+from ..rollout import make_sampler
+from ..rollout.batch import Batch
+from ..rollout.group_sampler import GroupSampler
+from ..run.checkpoint import RunParts, RunState, save_checkpoint
+from ..run.checkpoint_load import checkpoint_step, load_checkpoint
+from ..run.distributed import Parallel, SilentMetrics, check_parallel_options, silent
+from ..run.lifecycle import RunLifecycle, prepare_output_dir
+from ..tasks.data import check_prompt_column
+from ..telemetry.metrics import MetricsLogger
+from ..telemetry.progress import Progress
+from ..telemetry.step_report import StepContext, StepReport, success_rate
+from ..update.logprobs import supports_hidden
+from ..update.policy_update import PolicyUpdate
+from .curriculum import Curriculum
+from .dynamic_sampling import fill_informative
+from .objectives import group_advantages, overlong_penalty
+from .prompts import PromptStream
+
+
+class GRPOTrainer:
+    def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
+                 processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None):
+        self.args = args = (args or GRPOConfig()).validate()
+        self.task = task
+        seed_everything(args.seed)
+        prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
+        self.parallel = Parallel.from_env(args.device, args.ddp_timeout)  # torchrun's ranks (cohort/run/distributed.py)
+        self.device = self.parallel.device
+        self.model, self.tokenizer = load_policy(model, processing_class, device=self.device, log=log,
+                                                 dtype=resolve_dtype(args.dtype, self.device),
+                                                 trust_remote_code=args.trust_remote_code, impl=args.model_impl)
+        peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
+        if peft_config is not None:  # LoRA: adapters injected in place; π_ref = the base model (adapters off)
+            apply_lora(self.model, peft_config)
+        if self.tokenizer.eos_token_id is None:
+            raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
+        self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
+        self.rewards = RewardRunner(self.resolve_reward_funcs(reward_funcs), args.reward_weights,
+                                    timeout_s=args.reward_timeout)
+        self.train_rows = as_rows(train_dataset, "train_dataset")
+        self.eval_rows = as_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.rewards.check_columns(set(self.train_rows[0]))
+        check_parallel_options(args, self.parallel)
+        if args.torch_compile and hasattr(self.model, "compile_for_training"):
+            self.model.compile_for_training()  # fused elementwise work, fewer saved activations
+        # Checkpointed layers are set before wrapping: FSDP's sharded copy must recompute them too.
+        auto_checkpointing = AutoCheckpointing.setup(self.model, args, self.device) if args.gradient_checkpointing else None
+        # What the training forward calls: the model itself, DDP around it on several ranks, or with
+        # --fsdp a sharded copy (self.model then stays the full copy the engine samples and saves).
+        self.train_model = self.parallel.wrap(self.model, fsdp=args.fsdp)
+        # bf16 weights on a GPU: the optimizer keeps fp32 masters and moments (cohort/memory/precision.py).
+        self.optimizer = make_optimizer(self.train_model, args)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(args, step))
+        # β = 0 needs no reference at all: skip the copy and its forward passes.
+        self.uses_reference = args.beta > 0
+        self.ref_model = frozen_copy(self.model) if self.uses_reference and not has_lora(self.model) else None
+        # The G completions of a prompt share its forward in the log-prob passes and the update: our
+        # models only (they take attention rows), and only where a prompt has several completions.
+        self.share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(self.model))
+        self.sampler = make_sampler(self.model, self.tokenizer)
+        self.memory = MemoryManager(args, auto_checkpointing=auto_checkpointing, ref_model=self.ref_model,
+                                    sampler=self.sampler, device=self.device, world_size=self.parallel.world_size,
+                                    share_prompts=self.share_prompts, log=self.log_line)
+        self.prompts = PromptStream(self.train_rows, args.prompts_per_step * self.parallel.world_size, args.seed)
+        self.group_sampler = GroupSampler(self.sampler, self.tokenizer, args, self.pad_id)
+        self.policy_update = PolicyUpdate(args, train_model=self.train_model, optimizer=self.optimizer,
+                                          scheduler=self.scheduler, memory=self.memory, parallel=self.parallel,
+                                          device=self.device, pad_id=self.pad_id, share_prompts=self.share_prompts,
+                                          log=self.log_line)
+        # Global index of this rank's first completion in a step's batch (the sampling noise is keyed by it).
+        self.sequence_offset = args.prompts_per_step * self.parallel.rank * args.num_generations
+        self.step = 0
+        self.accuracy_before = self.accuracy_after = None
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        main = self.parallel.is_main  # rank 0 alone logs, prints and saves
+        metrics = MetricsLogger(args.output_dir, args.report_to, config=args.to_dict()) if main else SilentMetrics()
+        progress = Progress(args.max_steps, quiet=args.quiet) if main else Progress(0, True, open(os.devnull, "w"))
+        self.log = (progress.print if log is print else log) if main else silent
+        self.report = StepReport(args, model=self.model, device=self.device, parallel=self.parallel, metrics=metrics,
+                                 progress=progress, log=self.log)
+
+    # ---- Algorithm 1 -------------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        """Run Algorithm 1 for max_steps steps (continuing a checkpoint with --resume); the history
+        of per-step records is returned."""
+        args = self.args
+        started = time.perf_counter()
+        with self.lifecycle() as run:
+            try:
+                self.resume(run)  # --resume: continue from the newest complete checkpoint, exactly
+                if self.step == 0:
+                    self.accuracy_before = self.evaluate_held_out()
+                    self.warm_up_reward_models()  # r_φ: offline training on the initial policy's labelled samples
+                for step in self.steps():
+                    if self.new_iteration(step):
+                        self.reset_reference()  # π_ref ← π_θ
+                    batch = self.sample(self.next_prompts())  # π_old ← π_θ; G completions per prompt
+                    self.score(batch)  # rewards r_φ(q, o_i)
+                    batch = self.refill_uninformative(batch)  # DAPO dynamic sampling (off by default)
+                    batch.old_logp, batch.ref_logp = self.reference_logprobs(batch)  # log π_old (μ > 1), log π_ref (β > 0)
+                    batch.advantages = self.estimate_advantages(batch)  # A_i = (r_i − mean) / (std + eps)
+                    losses = [self.update(batch) for _ in range(args.num_iterations)]  # μ policy updates
+                    self.update_reward_models(batch)  # r_φ: continuous training with replay (learned r_φ only)
+                    self.end_step(run, batch, losses)  # the record, held-out evaluation, the checkpoint
+                self.finish(time.perf_counter() - started)
+            finally:
+                self.memory.close()  # a later run in this process can reclaim this run's objects
+        return self.history
+
+    # ---- the steps of the loop ---------------------------------------------------------------
+    def steps(self):
+        """The steps still to run (after a checkpoint's, on resume); each starts the step's clock."""
+        for step in range(self.step + 1, self.args.max_steps + 1):
+            self.step, self.step_started = step, time.perf_counter()
+            yield step
+
+    def new_iteration(self, step: int) -> bool:
+        """An outer iteration of Algorithm 1 starts every ref_reset_steps (M) steps."""
+        every = self.args.ref_reset_steps
+        return bool(every) and step > 1 and (step - 1) % every == 0
+
+    def reset_reference(self) -> None:
+        """π_ref ← π_θ: copy the weights, or with LoRA fold the adapters into the base (models/lora.py)."""
+        if self.ref_model is not None:
+            with self.memory.reference_pass(modified=True):
+                self.ref_model.load_state_dict(self.model.state_dict())
+        elif has_lora(self.model) and self.uses_reference:
+            for param in merge_into_base(self.model):
+                self.optimizer.state.pop(param, None)  # B restarts at 0: its AdamW moments start over too
+        self.report.log_iteration_summary(self.step)
+
+    def next_prompts(self) -> list[dict]:
+        """This rank's block of the next prompt batch (a curriculum switches the source at its stages)."""
+        self.enter_curriculum_stage(self.step)
+        return self.parallel.shard(self.prompts.next_rows())
+
+    def sample(self, rows: list[dict]) -> Batch:
+        """π_old ← π_θ (the sampler reads the current weights); G completions for each prompt."""
+        with self.report.phase("sampling"):
+            return self.rollout(rows)
+
+    def rollout(self, rows: list[dict]) -> Batch:
+        self.memory.before_sampling()  # π_ref's weights head back to the GPU while the engine samples
+        batch = self.group_sampler(rows, seed=self.prompts.next_seed(), sequence_offset=self.sequence_offset)
+        self.memory.after_sampling()
+        return batch
+
+    def score(self, batch: Batch) -> None:
+        """Each completion's reward (weighted sum of the reward functions; DAPO's overlong penalty added)."""
+        with self.report.phase("rewards"):
+            self.add_rewards(batch)
+
+    def add_rewards(self, batch: Batch) -> None:
+        out = self.rewards(batch.prompts, batch.completions, batch.completion_token_ids(), batch.columns)
+        batch.rewards, batch.per_function, batch.reward_metrics = out.rewards, out.per_function, out.metrics
+        if self.args.overlong_buffer_length:  # DAPO soft overlong punishment, part of the reward
+            penalty = overlong_penalty(batch.rollout.completion_mask.sum(dim=1), self.args.max_completion_length,
+                                       self.args.overlong_buffer_length, self.args.overlong_penalty_factor)
+            batch.rewards = batch.rewards + penalty.to(batch.rewards.dtype)
+            batch.reward_metrics = {**batch.reward_metrics, "rewards/overlong_penalty": float(penalty.mean())}
+
+    def refill_uninformative(self, batch: Batch) -> Batch:
+        """DAPO dynamic sampling: swap all-equal-reward groups for freshly sampled informative ones."""
+        if not self.args.dynamic_sampling:
+            return batch
+
+        def sample_more() -> Batch:
+            more = self.rollout(self.next_prompts())
+            self.add_rewards(more)
+            return more
+
+        with self.report.phase("resampling"):
+            batch, stats = fill_informative(batch, sample_more, prompts_needed=self.args.prompts_per_step,
+                                            group_size=self.args.num_generations,
+                                            max_resample_tries=self.args.max_resample_tries, pad_id=self.pad_id)
+        batch.reward_metrics = {**(batch.reward_metrics or {}), **stats}
+        return batch
+
+    def reference_logprobs(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(log π_old, log π_ref), each [B, T] or None: π_old's only when μ > 1 (at μ = 1, π_old = π_θ
+        and ρ ≡ 1), π_ref's only when β > 0."""
+        old = ref = None
+        with self.report.phase("logprobs"):
+            if self.args.num_iterations > 1:
+                old = self.policy_update.logprobs(self.model, batch)
+            if self.ref_model is not None:
+                with self.memory.reference_pass():
+                    ref = self.policy_update.logprobs(self.ref_model, batch)
+            elif self.uses_reference:  # LoRA: the reference is this very model with its adapters switched off
+                with adapters_disabled(self.model):
+                    ref = self.policy_update.logprobs(self.model, batch)
+        return old, ref
+
+    def estimate_advantages(self, batch: Batch) -> torch.Tensor:
+        """GRPO's group-relative advantages, [B] (PPO's trainer supplies GAE's per-token ones instead)."""
+        return group_advantages(batch.rewards, self.args.num_generations, self.args.scale_rewards)
+
+    def update(self, batch: Batch) -> dict:
+        """One policy update (μ of these per rollout); its statistics."""
+        with self.report.phase("update"):
+            return self.update_step(batch)
+
+    def update_step(self, batch: Batch) -> dict:
+        return self.policy_update(batch, self.step)
+
+    def update_reward_models(self, batch: Batch) -> None:
+        """Algorithm 1, last line: each learned reward model r_φ (a reward function with `on_step_end`)
+        trains on this step's samples with replay; its rm/* metrics join the step's record."""
+        hooks = [f for f in self.rewards.funcs if hasattr(f, "on_step_end")]
+        if not hooks:
+            return
+        with self.report.phase("reward_model"):
+            ids, columns = batch.completion_token_ids(), batch.columns
+            for func in hooks:
+                metrics = func.on_step_end(batch.prompts, batch.completions, ids,
+                                           group_size=self.args.num_generations, step=self.step, **columns)
+                for key, value in metrics.items():
+                    batch.reward_metrics[key if key not in batch.reward_metrics else f"{func.__name__}/{key}"] = value
+
+    def end_step(self, run: RunLifecycle, batch: Batch, losses: list[dict]) -> None:
+        """After the algorithm's lines: the sampling copy (FSDP), the record, evaluation, the checkpoint."""
+        if self.parallel.fsdp:
+            with self.report.phase("gather"):  # FSDP2: the updated shards into the full copy the engine samples
+                self.parallel.refresh_sampling_model()
+        self.log_step(batch, losses, time.perf_counter() - self.step_started)
+        if self.step == self.first_step:  # the run's long-lived objects exist now
+            self.memory.after_first_step()  # full collections stop walking them (cohort/memory/gc_pauses.py)
+            self.report.restart_gc_clock()
+        if self.args.eval_steps and self.step % self.args.eval_steps == 0 and self.step < self.args.max_steps:
+            self.evaluate_held_out()
+        run.end_of_step(self.step, self.policy_update.counters.nonfinite_in_a_row)
+
+    def log_step(self, batch: Batch, losses: list[dict], seconds: float) -> dict:
+        """The step's metrics record (cohort/telemetry/step_report.py)."""
+        task = self.curriculum.task if self.curriculum is not None else self.task  # the rows' own task
+        context = StepContext(
+            success=success_rate(batch, task), learning_rate=self.scheduler.get_last_lr()[0],
+            uses_reference=self.uses_reference, micro_rows=self.memory.micro_rows, share_prompts=self.share_prompts,
+            reward_names=self.rewards.names,
+            counters={"skipped_steps": self.policy_update.counters.skipped_steps,
+                      "oom_retries": self.memory.oom_retries},
+            extra=self.curriculum.metrics() if self.curriculum is not None else {})
+        return self.report.record(self.step, batch, losses, seconds, context)
+
+    # ---- around the loop ---------------------------------------------------------------------
+    def lifecycle(self) -> RunLifecycle:
+        """The run around the loop: signals, resume, checkpoints (cohort/run/lifecycle.py)."""
+        return RunLifecycle(self.args, self.parallel, self.log, self.save_checkpoint, self.close_logs)
+
+    def resume(self, run: RunLifecycle | None = None) -> None:
+        """Load the checkpoint --resume / resume_from_checkpoint names into this trainer (`train()`
+        does; call it yourself to inspect a checkpoint's state without training)."""
+        run = run or self.lifecycle()
+        folder = run.checkpoint_to_resume()
+        if folder is not None:
+            step = checkpoint_step(folder)
+            if step > 0:
+                self.enter_curriculum_stage(step)  # the checkpoint's stage: its rows and rewards, before their state
+            state = load_checkpoint(self.run_parts(), folder, self.log)
+            self.step, self.report.history, self.accuracy_before = state.step, state.history, state.accuracy_before
+            self.prompts.load_state_dict(state.prompts)
+            self.policy_update.counters.skipped_steps = state.skipped_steps
+            self.policy_update.counters.nonfinite_in_a_row = state.nonfinite_in_a_row
+            run.resumed(folder, self.step)
+        self.first_step = self.step + 1
+
+    def save_checkpoint(self) -> Path:
+        """checkpoint-<step> of the run as it is now (cohort/run/checkpoint.py)."""
+        counters = self.policy_update.counters
+        return save_checkpoint(self.run_parts(), RunState(
+            step=self.step, prompts=self.prompts.state_dict(), history=self.history,
+            accuracy_before=self.accuracy_before, skipped_steps=counters.skipped_steps,
+            nonfinite_in_a_row=counters.nonfinite_in_a_row))
+
+    def run_parts(self) -> RunParts:
+        return RunParts(args=self.args, model=self.model, tokenizer=self.tokenizer, train_model=self.train_model,
+                        optimizer=self.optimizer, scheduler=self.scheduler, ref_model=self.ref_model,
+                        reference_pass=self.memory.reference_pass, reward_funcs=self.rewards.funcs,
+                        parallel=self.parallel, extra_state=self.extra_checkpoint_state,
+                        load_extra_state=self.load_extra_checkpoint_state)
+
+    def extra_checkpoint_state(self) -> dict | None:
+        """A subclass's own state for every checkpoint (PPO's critic); None: nothing to add."""
+        return None
+
+    def load_extra_checkpoint_state(self, state: dict) -> None:
+        """Restore what `extra_checkpoint_state` saved."""
+
+    def enter_curriculum_stage(self, step: int) -> None:
+        """At a stage boundary: that stage's rows (and reward functions)."""
+        if self.curriculum is None:
+            return
+        switch = self.curriculum.enter(step, self.tokenizer)
+        if switch is None:
+            return
+        self.prompts.switch_rows(switch.rows)
+        if switch.rewards is not None:
+            self.rewards = switch.rewards
+        self.rewards.check_columns(set(switch.rows[0]))
+        self.log(switch.message)
+
+    def warm_up_reward_models(self) -> None:
+        """r_φ's offline warm-up on the initial policy's samples; the run's data order and seeds are kept."""
+        with self.prompts.unchanged():
+            warm_up_reward_models(self.rewards.funcs, self.args, self.prompts.rows, self.rollout, self.log)
+
+    def resolve_reward_funcs(self, reward_funcs) -> list:
+        """reward_funcs as given, else --reward_funcs, else the task's; model folders and objects become r_φ."""
+        args = self.args
+        if reward_funcs is None and args.reward_funcs:
+            reward_funcs = list(args.reward_funcs)  # --reward_funcs: names, module:function, reward-model folders
+        if reward_funcs is None:
+            if self.task is None:
+                raise CohortError("no reward functions: pass reward_funcs=[...] or a task")
+            reward_funcs = list(self.task.reward_funcs)
+            args.reward_weights = args.reward_weights or list(self.task.reward_weights)
+        reward_funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        # Reward-model folders / model objects become r_φ reward functions (cohort/rewards/model.py).
+        return prepare_reward_funcs(list(reward_funcs), args=args, tokenizer=self.tokenizer, device=self.device,
+                                    task=self.task)
+
+    def evaluate_held_out(self) -> float | None:
+        """Greedy accuracy on the held-out rows (None without eval_dataset or a task verifier)."""
+        if not self.eval_rows or self.task is None:
+            return None
+        with self.report.phase("eval"):  # each rank evaluates its block of the rows; the counts are summed
+            result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.shard(self.eval_rows),
+                              self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length)
+            result = result.summed(self.parallel.all_reduce_sums)
+        self.report.metrics.log(self.step, result.metrics())
+        self.log(f"eval (step {self.step}): accuracy={100 * result.accuracy:.1f}% on {result.num_questions} problems")
+        return result.accuracy
+
+    def finish(self, seconds: float) -> None:
+        """The last iteration's summary, the final held-out accuracy, the policy as a Hugging Face
+        folder, summary.json."""
+        self.report.log_iteration_summary(self.step, final=True)
+        self.accuracy_after = self.evaluate_held_out()
+        out = Path(self.args.output_dir)
+        self.save_model(out)
+        self.parallel.close()  # the last collective was save_model's barrier
+        if not self.parallel.is_main:  # rank 0 alone writes the summary and prints
+            self.report.progress.close()
+            return
+        summary = {"accuracy_before": self.accuracy_before, "accuracy_after": self.accuracy_after,
+                   "seconds": round(seconds, 2), "steps": self.step,
+                   "final_reward": self.history[-1]["reward"] if self.history else None}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.close_logs()
+        if self.accuracy_before is not None:
+            self.log(f"held-out accuracy: {100 * self.accuracy_before:.1f}% -> {100 * self.accuracy_after:.1f}% "
+                     f"({len(self.eval_rows)} problems)")
+
+    def close_logs(self) -> None:
+        self.report.metrics.close()
+        self.report.progress.close()
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """The policy as a Hugging Face folder, written by rank 0 (the others wait for it)."""
+        out = Path(output_dir or self.args.output_dir)
+        if self.parallel.is_main:
+            save_policy(self.model, self.tokenizer, out)
+        self.parallel.barrier()
+        return out
+
+    @property
+    def history(self) -> list[dict]:
+        """Every step's metrics record so far."""
+        return self.report.history
+
+    def log_line(self, line: str) -> None:
+        """What the stages built before the display exists log through (the display's, once it does)."""
+        self.log(line)
+
+
+def as_rows(dataset, name: str) -> list[dict]:
+    """A dataset (list of dicts, HF Dataset, ...) as a list of row dicts, its prompt column checked."""
+    if dataset is None:
+        raise CohortError(f"{name} is missing: pass a list of rows with a 'prompt' column")
+    rows = [dict(r) for r in dataset]
+    if not rows:
+        raise CohortError(f"{name} is empty: it needs at least one row with a 'prompt' column")
+    if "prompt" not in rows[0]:
+        raise CohortError(f"{name} has no 'prompt' column (columns: {sorted(rows[0])}); rename the prompt column to 'prompt'")
+    check_prompt_column(rows, name)  # wrong types fail here, not mid-run
+    return rows
+
+
+def frozen_copy(model):
+    """A copy of `model` in eval mode with no parameter requiring a gradient (π_ref)."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def lr_factor(args, step: int) -> float:
+    """The learning rate's multiplier at optimizer step `step`: linear warm-up, then cosine, linear or constant."""
+    if args.warmup_steps and step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    if args.lr_scheduler_type == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    if args.lr_scheduler_type == "linear":
+        return 1.0 - progress
+    return 1.0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

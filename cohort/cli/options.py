@@ -1,0 +1,57 @@
+"""The small `--name value` parser that `cohort eval` and `cohort sft` share.
+
+`cohort train` parses into `GRPOConfig` instead (`cohort.config.parse_config`); both read the argv
+pairs through `cohort.config.option_pairs`, so the two spell options the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import option_pairs
+from ..errors import CohortError
+
+
+@dataclass
+class Option:
+    type: type
+    default: object = None
+    help: str = ""
+
+
+def parse_options(argv: list[str], options: dict[str, Option], command: str) -> dict:
+    """`--name value` / `--name=value` pairs (dashes or underscores) → {name: typed value}; unknown
+    names and unconvertible values raise a one-line `CohortError` naming the option."""
+    values = {name: option.default for name, option in options.items()}
+    for key, raw in option_pairs(argv, command):
+        if key not in options:
+            raise CohortError(f"cohort {command}: unknown option --{key}; choose from "
+                              + ", ".join(f"--{n}" for n in options))
+        if raw is None:
+            raise CohortError(f"cohort {command}: --{key} needs a value")
+        values[key] = _convert(command, key, raw, options[key].type)
+    return values
+
+
+def _convert(command: str, key: str, raw: str, kind: type):
+    if raw.lower() in ("none", "null"):
+        return None
+    try:
+        return kind(raw)
+    except ValueError:
+        raise CohortError(f"cohort {command}: --{key} expects {kind.__name__}, got {raw!r}") from None
+
+
+def options_help(options: dict[str, Option]) -> str:
+    return "\n".join(f"  --{name:<24} {o.help} (default: {o.default})" for name, o in options.items())
+
+
+def pick_device(spec: str) -> torch.device:
+    """The torch device `--device auto|cpu|cuda[:N]` names; asking for CUDA without a GPU is a `CohortError`."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise CohortError(f"device {spec!r} asked for, but no CUDA GPU is available; use --device cpu")
+    return torch.device(spec)

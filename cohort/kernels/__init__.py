@@ -1,0 +1,17 @@
+"""Kernels: all of cohort's Triton and torch.compile code, in one folder.
+
+Every kernel is optional: each has a plain-torch definition (`*_plain` / `*_reference` here, or the
+caller's own code) that runs on the CPU and without triton, and that the tests hold the kernel to.
+
+- `triton_common.py`: what the Triton kernels share (the optional `triton` import, the `jit`
+  decorator, the combine functions of their reductions).
+- `decode_attention.py`: split-K flash-decoding attention for one decode step (`CausalLM`'s
+  attention with a KV cache).
+- `sampling.py`: the engine's default sampling step (temperature, Gumbel-max) in one Triton pass
+  (`cohort.rollout.sampling`).
+- `logprobs.py`: log π(token), entropy and log-sum-exp of an LM-head chunk's logits in one Triton
+  pass (`cohort.update.logprobs`).
+- `elementwise.py`: the decoder's elementwise pieces (RMSNorm, rotary, SwiGLU, residual add) as
+  torch.compile'd fused functions for the decode step, and the switches that turn kernels on.
+- `training_compile.py`: torch.compile of one decoder layer for the training forward and backward.
+"""

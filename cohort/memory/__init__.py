@@ -1,0 +1,4 @@
+"""Memory: `MemoryManager` (`manager.py`) owns every decision about fitting a step in the card —
+micro-batch sizes, checkpointed layers, gradients lent the engine's idle KV cache, π_ref's weights
+offloaded to the host, the garbage collector's pauses and the out-of-memory policy — and the
+mixed-precision optimizer (`precision.py`)."""

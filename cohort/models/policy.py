@@ -1,0 +1,95 @@
+"""The policy the user named, as (model, tokenizer); and saving a trained policy back.
+
+`load_policy` takes whatever `--model` / `GRPOTrainer(model=...)` was given: nothing (the built-in
+tiny model, `tiny.py`), a model object, a local folder, a .gguf file or a hub id. Order of preference:
+our own implementation (`CausalLM`, which the fast engine samples from) for the families it
+supports, read by `loading.py`; otherwise Hugging Face's `AutoModelForCausalLM`, sampled through
+`generate`. `save_policy` writes an ordinary Hugging Face folder, LoRA adapters merged.
+
+Not imported by `cohort.models` itself: resolving "nothing" builds the tiny model on first use,
+which trains it (`cohort.algorithm.sft`), and training code imports `cohort.models`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import CohortError
+from . import tiny
+from .config import is_supported
+from .loading import from_pretrained, load_tokenizer
+from .lora import has_lora, merged_state_dict, save_adapter
+from .modeling import CausalLM
+
+
+def _hf_model_type(path: Path) -> str | None:
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            return json.loads(config.read_text()).get("model_type")
+        except json.JSONDecodeError:
+            raise CohortError(f"{config} is not valid JSON; the model folder is damaged") from None
+    return None
+
+
+def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl: str = "auto", log=print,
+                trust_remote_code: bool = False):
+    """(model, tokenizer) on `device`. `model`: None, an nn.Module, a folder, a .gguf file or a hub id.
+    Python code shipped with a model repo runs only when the user asks for it (--trust_remote_code)."""
+    device = torch.device(device or "cpu")
+    if isinstance(model, torch.nn.Module):
+        if processing_class is None:
+            raise CohortError("a model object needs its tokenizer: pass processing_class=tokenizer")
+        return model.to(device), processing_class
+    if model is None:
+        model = str(tiny.tiny_model_dir(log=log))
+    spec = str(model)
+    path = Path(spec).expanduser()
+    tokenizer = processing_class or load_tokenizer(spec, trust_remote_code=trust_remote_code)
+    torch_dtype = None if dtype == "auto" else dtype
+    model_type = _hf_model_type(path) if path.is_dir() else None
+    use_own = impl == "cohort" or (impl == "auto" and (path.suffix == ".gguf" or model_type is None
+                                                      or is_supported({"model_type": model_type})))
+    if use_own:
+        policy = from_pretrained(spec, dtype=torch_dtype or "float32", device=device)
+    else:
+        policy = _load_hf(spec, torch_dtype, device, trust_remote_code)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return policy, tokenizer
+
+
+def _load_hf(spec: str, dtype, device, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=getattr(torch, dtype) if dtype else torch.float32,
+                                                     trust_remote_code=trust_remote_code)
+    except ValueError as error:  # custom code refused, or a model_type transformers does not know
+        if "trust_remote_code" in str(error):
+            raise CohortError(f"{spec!r} needs its own Python code to load; cohort runs it only with "
+                              "--trust_remote_code (pass it only for a model repo you trust)") from None
+        raise CohortError(f"cannot load a model from {spec!r}: {str(error).splitlines()[0]}") from None
+    except OSError as error:
+        raise CohortError(f"cannot load a model from {spec!r}: {str(error).splitlines()[0]}") from None
+    return model.to(device)
+
+
+def save_policy(model, tokenizer, out_dir: Path) -> Path:
+    """An ordinary Hugging Face folder (config.json, model.safetensors, tokenizer files); with
+    LoRA the adapters merged into the weights, plus the adapters alone in peft's format."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = merged_state_dict(model) if has_lora(model) else None
+    if isinstance(model, CausalLM):
+        model.save_pretrained(out_dir, state=state)
+    else:
+        model.save_pretrained(out_dir, safe_serialization=True, **({"state_dict": state} if state else {}))
+    if state is not None:
+        save_adapter(model, out_dir, base_model=getattr(model, "name_or_path", None))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir

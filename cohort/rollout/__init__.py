@@ -1,0 +1,35 @@
+"""Rollout: prompts in, G completions per prompt out (Algorithm 1's "sample G outputs from π_old").
+
+`sampler.py` is the interface (`Sampler`, `SamplingParams`, `Rollout`) and the Hugging Face
+`generate` fallback; the rest of the folder is the fast engine for cohort's own models: KV cache
+slots (`scheduler.py`), per-sequence state (`sequence.py`), device-side sampling (`sampling.py`),
+CUDA-graph decode (`cuda_graphs.py`) and the overlapped host checks (`overlap.py`).
+
+`make_sampler(model, tokenizer)` is the one entry point the trainer needs: our own `CausalLM`
+gets the `Engine`; any other model gets Hugging Face `generate` (`HFGenerateSampler`).
+"""
+
+from __future__ import annotations
+
+from cohort.rollout.engine import Engine
+from cohort.models.lora import base_model
+from cohort.rollout.sampler import HFGenerateSampler, Rollout, Sampler, SamplingParams
+
+__all__ = ["Engine", "HFGenerateSampler", "Rollout", "Sampler", "SamplingParams", "make_sampler"]
+
+
+def make_sampler(model, tokenizer=None, **engine_options) -> Sampler:
+    """An `Engine` for cohort's `CausalLM` (also inside a PEFT wrapper), else `HFGenerateSampler`.
+
+    `engine_options` go to `Engine` (max_batch_size, max_seq_len, use_cuda_graph, ...) and are
+    ignored by the fallback, which prints one notice line saying it is in use.
+    """
+    from cohort.models.modeling import CausalLM
+
+    base = base_model(model)
+    if isinstance(base, CausalLM):
+        # A PEFT model's LoRA layers live inside the base modules, so sampling the base samples the adapter too.
+        return Engine(base, tokenizer, **engine_options)
+    print(f"cohort: {type(base).__name__} is not one of cohort's own models; sampling with Hugging Face "
+          "generate (slower, no sampling log-probs)")
+    return HFGenerateSampler(model, tokenizer)

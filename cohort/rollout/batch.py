@@ -1,0 +1,42 @@
+"""`Batch`: one step's data as it flows through Algorithm 1's stages.
+
+The rollout makes it (rows, prompt ids, completions); the reward stage adds rewards; the log-prob
+passes add log π_old and log π_ref; advantage estimation adds the advantages; the update reads it.
+B = prompts × G completions, everything group-contiguous (prompt i → rows i*G … i*G+G-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampler import Rollout
+
+
+@dataclass
+class Batch:
+    rows: list[dict]  # the dataset row of each completion (repeated G times)
+    prompt_ids: list[list[int]]  # [B] prompt token ids
+    rollout: Rollout  # completion ids [B, T], mask [B, T], finish reasons
+    completions: list  # decoded completions (str, or chat messages for chat prompts)
+    rewards: torch.Tensor | None = None  # [B]
+    advantages: torch.Tensor | None = None  # [B], or [B, T] per token (PPO's GAE)
+    old_logp: torch.Tensor | None = None  # [B, T] log π_old, when μ > 1
+    ref_logp: torch.Tensor | None = None  # [B, T] log π_ref, when β > 0
+    per_function: torch.Tensor | None = None  # [B, F] each reward function's score (NaN = not scored)
+    reward_metrics: dict | None = None
+
+    @property
+    def prompts(self) -> list:
+        """[B] each completion's prompt (a string or chat messages)."""
+        return [r["prompt"] for r in self.rows]
+
+    @property
+    def columns(self) -> dict[str, list]:
+        """The dataset's other columns, one list of B values each (reward functions take them as keywords)."""
+        return {k: [r[k] for r in self.rows] for k in self.rows[0] if k != "prompt"}
+
+    def completion_token_ids(self) -> list[list[int]]:
+        """[B] each completion's own token ids (padding removed)."""
+        return [ids[m.bool()].tolist() for ids, m in zip(self.rollout.completion_ids, self.rollout.completion_mask)]

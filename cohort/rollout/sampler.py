@@ -1,0 +1,156 @@
+"""Sampling behind one interface: prompts in, G completions per prompt out.
+
+The trainer only ever talks to a `Sampler`. Two implement it: the fast KV-cache engine
+(`cohort.rollout.engine.Engine`, for our own model implementations) and `HFGenerateSampler`, a thin
+wrapper over Hugging Face `generate` that serves every other architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    stop: list[str] = field(default_factory=list)
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int = 0
+    seed: int | None = None
+    # Global index of this call's first completion (the engine keys its sampling noise by global
+    # completion index and token index): a rank sampling rows [o, o + n) of a batch split over
+    # several processes passes o, and draws exactly what one process sampling the whole batch would.
+    sequence_offset: int = 0
+
+
+@dataclass
+class Rollout:
+    """G completions for each prompt, rows group-contiguous (prompt i → rows i*G … i*G+G-1)."""
+
+    completion_ids: torch.Tensor  # [B, T] long, right-padded with pad_token_id
+    completion_mask: torch.Tensor  # [B, T] long, 1 on generated tokens up to and including the first EOS
+    logprobs: torch.Tensor | None  # [B, T] float32 sampling log-probs (after temperature), or None
+    finish_reasons: list[str]  # "stop" (EOS or stop string) or "length"
+
+
+class Sampler(Protocol):
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout: ...
+
+
+def completion_mask_from_eos(ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask that keeps tokens up to and including the first EOS; also says which rows hit one.
+
+    >>> completion_mask_from_eos(torch.tensor([[5, 2, 7], [5, 6, 7]]), [2])[0].tolist()
+    [[1, 1, 0], [1, 1, 1]]
+    """
+    if not eos_token_ids:
+        return torch.ones_like(ids), torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    is_eos = torch.isin(ids, torch.tensor(eos_token_ids, device=ids.device))
+    # Count EOS tokens strictly before each position: a token is kept while that count is zero.
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+    return (eos_before == 0).long(), is_eos.any(dim=1)
+
+
+def find_stop_string(tokenizer, tokens: list[int], checked_upto: int, stop: list[str]) -> int | None:
+    """How many of `tokens` to keep when a stop string appears in their text, else None.
+
+    The kept tokens end with the token that completes the earliest stop string. Only text that
+    can involve tokens after `checked_upto` (those not scanned at an earlier check) is decoded:
+    the window reaches back far enough to hold any stop string even when each character spans
+    several byte tokens (4 bytes per UTF-8 character at most). The tokens are decoded together
+    (a character split over byte tokens decodes right), and the cut is found by bisection: once
+    a prefix's text holds a stop string every longer prefix's does, so O(log n) decodes.
+    """
+    if checked_upto >= len(tokens):
+        return None
+    lookback = 4 * max(len(s) for s in stop) + 4
+    window_start = max(0, checked_upto - lookback)
+
+    def has_stop(end: int) -> bool:
+        text = tokenizer.decode(tokens[window_start:end], skip_special_tokens=False)
+        return any(s in text for s in stop)
+
+    if not has_stop(len(tokens)):
+        return None
+    low, high = checked_upto, len(tokens)  # has_stop(high) holds; the cut is in (low, high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if has_stop(middle):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def apply_stop_strings(
+    ids: torch.Tensor, mask: torch.Tensor, stop: list[str], tokenizer
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut each row after the token that completes the first stop string (as the engine does,
+    `find_stop_string`); returns (mask, stopped)."""
+    stopped = torch.zeros(ids.shape[0], dtype=torch.bool)
+    if not stop:
+        return mask, stopped
+    mask = mask.clone()
+    for row in range(ids.shape[0]):
+        length = int(mask[row].sum())
+        keep = find_stop_string(tokenizer, ids[row, :length].tolist(), 0, stop)
+        if keep is not None:
+            mask[row, keep:] = 0
+            stopped[row] = True
+    return mask, stopped
+
+
+class HFGenerateSampler:
+    """Fallback sampler: Hugging Face `generate` on the trained model itself (no copy)."""
+
+    def __init__(self, model, tokenizer=None):
+        self.model = model
+        self.tokenizer = tokenizer
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
+        model = self.model
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        # Left-pad so every prompt ends at the same column and generation starts together.
+        width = max(len(p) for p in prompt_ids)
+        rows = [p for p in prompt_ids for _ in range(num_generations)]
+        input_ids = torch.full((len(rows), width), params.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, p in enumerate(rows):
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention_mask[i, width - len(p) :] = 1
+        greedy = params.temperature == 0
+        kwargs = dict(do_sample=not greedy, max_new_tokens=params.max_new_tokens, pad_token_id=params.pad_token_id)
+        if not greedy:
+            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+            if params.min_p:
+                kwargs["min_p"] = params.min_p
+        kwargs["eos_token_id"] = list(params.eos_token_ids) or None
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        try:
+            out = model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs
+            )
+        finally:
+            model.train(was_training)
+        ids = out[:, width:].cpu()
+        if ids.shape[1] == 0:
+            ids = torch.full((len(rows), 1), params.pad_token_id, dtype=torch.long)
+        mask, hit_eos = completion_mask_from_eos(ids, params.eos_token_ids)
+        if self.tokenizer is not None:
+            mask, hit_stop = apply_stop_strings(ids, mask, params.stop, self.tokenizer)
+        else:
+            hit_stop = torch.zeros_like(hit_eos)
+        ids = ids.masked_fill(mask == 0, params.pad_token_id)
+        reasons = ["stop" if (e or s) else "length" for e, s in zip(hit_eos.tolist(), hit_stop.tolist())]
+        return Rollout(completion_ids=ids, completion_mask=mask, logprobs=None, finish_reasons=reasons)

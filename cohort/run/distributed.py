@@ -1,0 +1,337 @@
+"""Several processes with torchrun: data parallel (DDP) or sharded (FSDP2) training, and the few
+collectives the trainer needs.
+
+One process per GPU (or CPU process with gloo), started by `torchrun --nproc_per_node=N -m cohort
+train ...` or by `cohort train --nproc_per_node N` (cohort/cli.py). Each rank samples and scores
+its own prompts, whole groups of G completions (so group statistics stay local, as GRPO needs),
+trains on them, and gradients are averaged over ranks by PyTorch's own engines:
+
+- DDP (`torch.nn.parallel.DistributedDataParallel`, Li et al. 2020, "PyTorch Distributed"): every
+  rank holds the whole model; gradients are all-reduced once per optimizer step (`no_sync` skips
+  the all-reduce of every micro-batch but the last). The engine samples from the same module.
+- FSDP2 (`torch.distributed.fsdp.fully_shard`; Zhao et al. 2023, "PyTorch FSDP"): parameters,
+  gradients and optimizer state are sharded over ranks, each decoder layer gathered just before
+  its use; on CUDA in bf16 for compute, fp32 for the gradient reduction and the master weights.
+  For sampling, each rank keeps a plain full copy of the model (in the loaded dtype) that the
+  engine reads; its weights are gathered (`DTensor.full_tensor`) once per step, after the
+  update. Gathering once per step is one all-gather of the weights; sampling sharded would
+  all-gather every layer at every decode step (hundreds per step), so we gather.
+
+Every rank computes the same data order and sampling seed; rank r takes the r-th contiguous
+block of the step's prompts (`shard_bounds`) and keys its sampling noise by the global index of
+each completion (`SamplingParams.sequence_offset`), so N ranks draw exactly the completions one
+process would. Single process: every method is a no-op and `wrap` returns the module itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import math
+import os
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import CohortError
+
+
+def shard_bounds(count: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, stop) of rank `rank`'s contiguous block of `count` items: sizes differ by at most one,
+    the earlier ranks taking the extra ones.
+
+    >>> [shard_bounds(10, r, 3) for r in range(3)]
+    [(0, 4), (4, 7), (7, 10)]
+    """
+    base, extra = divmod(count, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def pick_device(spec: str, local_rank: int = 0, world_size: int = 1) -> torch.device:
+    """The device of this process: `auto` is CUDA when there is a GPU; several processes on CUDA
+    each take GPU `local_rank` (whatever index `spec` names, torchrun assigns the GPUs)."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise CohortError(f"device {spec!r} asked for, but no CUDA GPU is available; use --device cpu")
+        if world_size > 1:
+            if local_rank >= torch.cuda.device_count():
+                raise CohortError(f"this node runs {local_rank + 1}+ processes but has {torch.cuda.device_count()} "
+                                  "GPU(s); pass --nproc_per_node at most the number of GPUs")
+            return torch.device("cuda", local_rank)
+    return torch.device(spec)
+
+
+def average_records(records: Sequence[dict], maximum: tuple[str, ...] = ()) -> dict:
+    """One metrics record from every rank's: numbers averaged (the `maximum` keys: their largest),
+    integers kept as integers when every rank agrees (step, counters), anything else (None,
+    strings) as rank 0 has it. Keys are rank 0's, in its order."""
+    out = {}
+    for key, first in records[0].items():
+        values = [r.get(key) for r in records]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        if not numeric:
+            out[key] = first
+        elif all(isinstance(v, int) for v in values) and len(set(values)) == 1:
+            out[key] = first
+        elif key in maximum:
+            out[key] = max(values)
+        else:
+            out[key] = math.fsum(values) / len(values)
+    return out
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 shards one by one: our `DecoderLayer`s, Hugging Face's
+    `*DecoderLayer` / `*Block` modules."""
+    return [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
+
+
+class Parallel:
+    """This process's place among the ranks, and the collectives of a data-parallel GRPO step."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
+                 device: torch.device | None = None, owns_group: bool = False):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.device = device or torch.device("cpu")
+        self.owns_group = owns_group
+        self.fsdp = False
+        self._sampling_pair: tuple[nn.Module, nn.Module] | None = None  # FSDP2: (plain copy, sharded module)
+
+    # ---- set-up --------------------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, device_spec: str, timeout_s: float) -> "Parallel":
+        """From torchrun's RANK / WORLD_SIZE / LOCAL_RANK: one process group (NCCL on CUDA, gloo on
+        CPU) whose collectives give up after `timeout_s` seconds, so a rank that died or hangs stops
+        the others with an error instead of a silent wait. Without torchrun: one process, no group."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size <= 1:
+            return cls(device=pick_device(device_spec))
+        import torch.distributed as dist
+
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        device = pick_device(device_spec, local_rank, world_size)
+        if timeout_s <= 0:
+            raise CohortError(f"ddp_timeout={timeout_s}: it must be a positive number of seconds")
+        owns_group = not dist.is_initialized()
+        if owns_group:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(rank, world_size, local_rank, device, owns_group)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def wrap(self, model: nn.Module, fsdp: bool = False) -> nn.Module:
+        """The module the training forward calls: `model` itself (one process), DDP around it, or,
+        with `fsdp`, a sharded fp32 copy (FSDP2) while `model` stays the plain copy the engine
+        samples from and checkpoints save (`refresh_sampling_model` brings it up to date)."""
+        if self.world_size == 1:
+            return model
+        if fsdp:
+            return self._fully_shard(model)
+        import inspect
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Rotary tables and other buffers are identical on every rank: no need to re-send them each forward.
+        newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        buffers = {"forward_sync_buffers" if newer else "broadcast_buffers": False}
+        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                                       **buffers)
+
+    def _fully_shard(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        sharded = copy.deepcopy(model)
+        policy = MixedPrecisionPolicy()
+        if self.device.type == "cuda":  # fp32 masters sharded; bf16 gathers and compute, fp32 reduction
+            sharded.float()
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        layers = decoder_layers(sharded)
+        if not layers:
+            raise CohortError(f"--fsdp found no decoder layers in {type(model).__name__} to shard; use DDP "
+                              "(leave out --fsdp) for this model")
+        for layer in layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(sharded, mp_policy=policy)
+        self.fsdp = True
+        self._sampling_pair = (model, sharded)
+        return sharded
+
+    @torch.no_grad()
+    def refresh_sampling_model(self) -> None:
+        """FSDP2: copy the sharded weights, gathered, into the plain copy (in place, so the engine's
+        captured graphs stay valid), cast to its dtype before the gather to halve the traffic.
+        Every rank must call it at the same point. A no-op without FSDP2."""
+        if self._sampling_pair is None:
+            return
+        plain, sharded = self._sampling_pair
+        targets = dict(plain.named_parameters())
+        for name, param in sharded.named_parameters():
+            target = targets[name]
+            target.copy_(param.detach().to(target.dtype).full_tensor())
+
+    @torch.no_grad()
+    def load_sharded_from_plain(self) -> None:
+        """FSDP2, on resume: the plain copy's (just loaded) weights into this rank's shards."""
+        if self._sampling_pair is None:
+            return
+        from torch.distributed.tensor import distribute_tensor
+
+        plain, sharded = self._sampling_pair
+        sources = dict(plain.named_parameters())
+        for name, param in sharded.named_parameters():
+            full = sources[name].detach().to(param.dtype)
+            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
+
+    def optimizer_state(self, train_model: nn.Module, optimizer) -> dict:
+        """What a checkpoint stores for the optimizer: its state_dict, or under FSDP2 the full
+        (unsharded) one plus the fp32 weights, gathered on rank 0 (a collective: every rank calls it)."""
+        if not self.fsdp:
+            return optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"fsdp_optimizer": get_optimizer_state_dict(train_model, optimizer, options=options),
+                "fsdp_weights": get_model_state_dict(train_model, options=options)}
+
+    def load_optimizer_state(self, train_model: nn.Module, optimizer, state: dict) -> None:
+        """Inverse of `optimizer_state` (every rank calls it with the same loaded `state`)."""
+        if not self.fsdp:
+            optimizer.load_state_dict(state)
+            return
+        if "fsdp_optimizer" not in state:
+            raise CohortError("this checkpoint was not written with --fsdp; resume it without --fsdp (the same "
+                              "parallelism as the run that wrote it)")
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(train_model, state["fsdp_weights"], options=options)
+        set_optimizer_state_dict(train_model, optimizer, state["fsdp_optimizer"], options=options)
+        self.refresh_sampling_model()
+
+    # ---- the step's collectives ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self, module: nn.Module, last: bool) -> Iterator[None]:
+        """Around one micro-batch's forward and backward: gradients are reduced over ranks only when
+        `last` (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`); accumulation in between."""
+        if self.world_size == 1:
+            yield
+        elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+            module.set_requires_gradient_sync(last)
+            yield
+        elif last or not hasattr(module, "no_sync"):
+            yield
+        else:
+            with module.no_sync():
+                yield
+
+    def all_reduce_sums(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sums over ranks (float64, one collective)."""
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        import torch.distributed as dist
+
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def all_reduce_sum(self, value: float) -> float:
+        return self.all_reduce_sums([value])[0]
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on any (e.g. a signal that reached one rank only)."""
+        return self.all_reduce_sum(1.0 if flag else 0.0) > 0
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def mean_metrics(self, record: dict, maximum: tuple[str, ...] = ("peak_memory_gib",)) -> dict:
+        """`record` averaged over ranks (see `average_records`), the same on every rank; rank 0 logs it."""
+        if self.world_size == 1:
+            return record
+        return average_records(self.gather_objects(record), maximum)
+
+    def shard(self, items: list) -> list:
+        """This rank's contiguous block of `items` (see `shard_bounds`)."""
+        start, stop = shard_bounds(len(items), self.rank, self.world_size)
+        return items[start:stop]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        """Destroy the process group this object created (the end of a run)."""
+        if self.world_size > 1 and self.owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.owns_group = False
+
+
+class SilentMetrics:
+    """The metrics logger of ranks other than 0: rank 0 writes the job's (already averaged) records."""
+
+    def log(self, step: int, metrics: dict) -> dict:
+        return metrics
+
+    def log_completions(self, step: int, rows) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def silent(*_args, **_kwargs) -> None:
+    """The `log` of ranks other than 0."""
+
+
+def check_parallel_options(args, parallel: Parallel) -> None:
+    """Options whose statistics would differ between one process and several, refused on several
+    ranks with the fix (each rank would otherwise use only its own part of the batch)."""
+    if parallel.world_size == 1:
+        return
+    ranks = f"with {parallel.world_size} ranks"
+    if args.scale_rewards == "batch":
+        raise CohortError(f"scale_rewards='batch' {ranks} would divide by each rank's own reward std, not the "
+                          "batch's; use --scale_rewards group (GRPO) or none (Dr. GRPO), or run one process")
+    if args.dynamic_sampling:
+        raise CohortError(f"dynamic_sampling {ranks} is not supported (each rank would resample a different "
+                          "number of times); leave it off or run one process")
+    if hasattr(args, "cliprange_value"):  # cohort.ppo.PPOConfig: the critic is neither wrapped nor averaged
+        raise CohortError(f"PPO {ranks} is not supported (the critic would train on each rank's batch alone); "
+                          "run PPOTrainer in one process")
+    if args.rm_updates_per_step or args.rm_warmup_batches:
+        raise CohortError(f"training a reward model online {ranks} is not supported (each rank would train its "
+                          "own); set --rm_updates_per_step 0 --rm_warmup_batches 0 or run one process")

@@ -1,0 +1,173 @@
+"""`RunLifecycle`: the run around its checkpoints, so that a run is never lost.
+
+Before any heavy work the output folder is checked (writable, no earlier run overwritten by
+accident: `prepare_output_dir`). `train()` runs inside `with RunLifecycle(...)`: on entry SIGINT /
+SIGTERM are caught (`StopRequest`); `resume` loads a checkpoint when asked (`--resume`); after each
+step `end_of_step` saves one when due, and on a signal or too many non-finite updates in a row saves
+and stops (`TrainingInterrupted`, `CohortError`). On exit, also when training raises, the previous
+signal handlers are back. The checkpoint folder format itself is `checkpoint.py` (writing,
+verifying) and `checkpoint_load.py` (reading). docs/howto/resume.md tells the whole story.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+from typing import Callable
+
+from ..errors import CohortError
+from ..telemetry.metrics import COMPLETIONS_FILE, METRICS_FILE
+from .checkpoint import check_checkpoint, list_checkpoints, newest_complete, remove_leftovers, step_of, truncate_logs
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT / SIGTERM arrived; a checkpoint was saved. The CLI exits with 128 + the signal number. A
+    KeyboardInterrupt, so code that lets Ctrl-C through lets this through too."""
+
+    def __init__(self, signum: int, checkpoint: Path):
+        self.signum, self.checkpoint = signum, checkpoint
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step_of(checkpoint)}; checkpoint "
+                         f"saved in {checkpoint} — continue the run with --resume")
+
+
+def prepare_output_dir(args, log=print) -> None:
+    """Before any heavy work: output_dir is writable, and a run there is not overwritten by accident."""
+    out = Path(args.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise CohortError(f"output_dir {str(out)!r} is not writable ({error.strerror or error}); choose a folder "
+                          "you can write to (--output_dir)") from None
+    first_rank = int(os.environ.get("RANK", "0")) == 0  # several processes: rank 0 alone cleans and deletes
+    if first_rank:
+        remove_leftovers(out)
+    if args.resume_from_checkpoint not in (None, "latest"):
+        reason = check_checkpoint(Path(args.resume_from_checkpoint))
+        if reason:
+            raise CohortError(f"cannot resume from {args.resume_from_checkpoint}: it is {reason}; pass a complete "
+                              "checkpoint-<step> folder or --resume to pick the newest complete one")
+    existing = list_checkpoints(out)
+    if existing and not (args.resume or args.resume_from_checkpoint):
+        if not args.overwrite_output_dir:
+            raise CohortError(f"output_dir {str(out)!r} already holds checkpoints of an earlier run (newest: "
+                              f"{existing[-1].name}); pass --resume to continue it, --overwrite_output_dir to "
+                              "start over, or choose another --output_dir")
+        if not first_rank:
+            return
+        log(f"overwrite_output_dir: removing {len(existing)} checkpoint(s) and the metrics of the earlier run in {out}")
+        for folder in existing:
+            shutil.rmtree(folder)
+        truncate_logs(out, {METRICS_FILE: 0, COMPLETIONS_FILE: 0}, log)
+
+
+class RunLifecycle:
+    """`with RunLifecycle(args, parallel, log) as run:` around the training loop.
+
+    `save` writes a checkpoint of the run as it is now and returns its folder; `close_logs` closes
+    the metrics files and the display before a stop is raised."""
+
+    def __init__(self, args, parallel, log: Callable[[str], None], save: Callable[[], Path],
+                 close_logs: Callable[[], None]):
+        self.args, self.parallel, self.log = args, parallel, log
+        self.save, self.close_logs = save, close_logs
+        self.stop = StopRequest()
+        self.saved_step: int | None = None  # the step of the checkpoint written (or loaded) last
+
+    def __enter__(self) -> "RunLifecycle":
+        self.stop.install()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.stop.uninstall()  # SIGINT / SIGTERM back to their previous handlers, also when training raised
+        return False
+
+    def checkpoint_to_resume(self) -> Path | None:
+        """The checkpoint --resume / resume_from_checkpoint names (the newest complete one for
+        "latest"), the same on every rank; None to start from step 0."""
+        args = self.args
+        spec = args.resume_from_checkpoint or ("latest" if args.resume else None)
+        if spec is None:
+            return None
+        out = Path(args.output_dir)
+        parallel = self.parallel
+        folder = newest_complete(out, self.log) if spec == "latest" and parallel.is_main else Path(spec)
+        folder = parallel.broadcast_object(folder)  # rank 0 checked the hashes; every rank loads the same folder
+        if folder is None:
+            self.log(f"no complete checkpoint in {out}: starting the run from step 0")
+            if parallel.is_main:
+                truncate_logs(out, {METRICS_FILE: 0, COMPLETIONS_FILE: 0}, self.log)  # lines of no checkpoint
+        return folder
+
+    def resumed(self, folder: Path, step: int) -> None:
+        self.saved_step = step
+        self.log(f"resumed from {folder} at step {step}")
+
+    def end_of_step(self, step: int, nonfinite_in_a_row: int) -> None:
+        """Save every save_steps and at the last step; stop on a signal or on too many non-finite
+        updates in a row (after saving, so nothing is lost)."""
+        args, stop, parallel = self.args, self.stop, self.parallel
+        if parallel.world_size > 1:  # all ranks stop at the same step, or none does
+            stop.signum = next((s for s in parallel.gather_objects(stop.signum) if s is not None), None)
+        too_many_faults = nonfinite_in_a_row >= args.max_consecutive_nonfinite
+        due = (args.save_steps and step % args.save_steps == 0) or step == args.max_steps
+        if due or too_many_faults or stop.signum is not None:
+            folder = self.save_once(step)
+        if too_many_faults:
+            self.close_logs()
+            raise CohortError(f"{nonfinite_in_a_row} updates in a row had a non-finite loss or gradient (up to "
+                              f"step {step}); stopped with the last finite weights in {folder}: lower --learning_rate, "
+                              "lower --max_grad_norm, or check the reward functions for inf/NaN")
+        if stop.signum is not None:
+            self.close_logs()
+            raise TrainingInterrupted(stop.signum, folder)
+
+    def save_once(self, step: int) -> Path:
+        """checkpoint-<step>, unless this very step was saved already (a signal arrived on a save step)."""
+        final = Path(self.args.output_dir) / f"checkpoint-{step}"
+        if self.saved_step == step and check_checkpoint(final, hashes=False) is None:
+            return final
+        folder = self.save()
+        self.saved_step = step
+        return folder
+
+
+class StopRequest:
+    """SIGINT / SIGTERM during training: note it, finish the current step, save, stop. A second one stops
+    at once (the previous handler, e.g. KeyboardInterrupt, takes over). Nothing is printed inside the
+    handler: writing to a stream the main thread is writing to would raise a reentrant-call error."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for signum in self.SIGNALS:
+            self.previous[signum] = signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            return
+        previous = self.previous.get(signum, signal.SIG_DFL)
+        self.uninstall()
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)

@@ -1,0 +1,175 @@
+"""`StepReport`: what each step reports — phase timings and peak memory, the metrics record (TRL's
+names where TRL has the metric), sample completions, and Algorithm 1's per-iteration summary.
+
+It owns the run's history, the metrics files, the progress display and the phase clocks; the loop
+hands it each step's batch, update statistics and counters explicitly (`record`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..memory.gc_pauses import collector_seconds
+from ..rollout.batch import Batch
+from ..update.packing import computed_prompt_tokens
+from .metrics import rollout_attention_pairs, throughput_metrics
+from .progress import PHASES
+
+
+def allocator_retries(device: torch.device) -> int:
+    """How many times the CUDA caching allocator has retried an allocation after emptying its cache."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0
+
+
+def success_rate(batch: Batch, task=None) -> float:
+    """Fraction of completions that solve their problem (the task's verifier), else reward > 0."""
+    if task is not None and hasattr(task, "is_correct"):
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in batch.completions]
+        return float(np.mean([task.is_correct(t, r) for t, r in zip(texts, batch.rows)]))
+    return float((batch.rewards > 0).float().mean())
+
+
+@dataclass
+class StepContext:
+    """What a step's record needs from the rest of the run, passed explicitly."""
+
+    success: float  # `success_rate` of the batch
+    learning_rate: float
+    uses_reference: bool  # β > 0: the KL is reported
+    micro_rows: int  # the training micro-batch size (token counts of the forward passes)
+    share_prompts: bool
+    reward_names: list[str]
+    counters: dict[str, float] = field(default_factory=dict)  # skipped_steps, oom_retries, ...
+    extra: dict[str, float] = field(default_factory=dict)  # e.g. curriculum/stage
+
+
+class StepReport:
+    def __init__(self, args, *, model, device: torch.device, parallel, metrics, progress, log):
+        self.args, self.model, self.device, self.parallel = args, model, device, parallel
+        self.metrics, self.progress, self.log = metrics, progress, log
+        self.history: list[dict] = []
+        self.phase_times: dict[str, float] = {}
+        self.phase_peaks: dict[str, float] = {}  # GiB, CUDA only
+        self.gc_mark = collector_seconds()  # the garbage collector's pauses so far (each step logs its own)
+        self.alloc_retry_mark = allocator_retries(device)  # likewise the CUDA allocator's retries
+
+    @contextmanager
+    def phase(self, name: str):
+        """Time one phase of the step (device work included) and show it on the progress display."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        started = time.perf_counter()
+        with self.progress.phase(name if name in PHASES else "update"):
+            yield
+        if cuda:
+            torch.cuda.synchronize()
+            self.phase_peaks[name] = torch.cuda.max_memory_allocated(self.device) / 2**30  # which phase sets the peak
+        self.phase_times[name] = time.perf_counter() - started
+
+    def restart_gc_clock(self) -> None:
+        """The collection `MemoryManager.after_first_step` just ran is not the next step's pause."""
+        self.gc_mark = collector_seconds()
+
+    def record(self, step: int, batch: Batch, losses: list[dict], seconds: float, context: StepContext) -> dict:
+        """The step's metrics record: logged, shown, and appended to the history."""
+        G = self.args.num_generations
+        grouped = batch.rewards.view(-1, G)
+        lengths = batch.rollout.completion_mask.sum(dim=1).float()
+        record = {"step": step}
+        record.update({k: sum(d[k] for d in losses) / len(losses) for k in losses[0]})
+        if not context.uses_reference:
+            record.pop("kl", None)  # β = 0: no reference model, no KL to report (as TRL)
+        record.update(batch.reward_metrics)
+        record.update(context.extra)
+        zero_std = torch.isclose(grouped.std(dim=1), torch.zeros(())).float()  # all-equal groups (TRL's test)
+        record.update({
+            "reward": float(batch.rewards.mean()),
+            "reward_std": float(grouped.std(dim=1).mean()),
+            "frac_reward_zero_std": float(zero_std.mean()),
+            "informative": float(1 - zero_std.mean()),
+            "success": context.success,
+            "completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": float(np.mean([r == "length" for r in batch.rollout.finish_reasons])),
+            "learning_rate": context.learning_rate,
+            "num_iterations": len(losses),
+            **context.counters,
+            "step_time": seconds,
+        })
+        record.update(self.throughput(batch, lengths, len(losses), context))
+        record.update({f"time/{k}": v for k, v in self.phase_times.items()})
+        before, self.gc_mark = self.gc_mark, collector_seconds()
+        record["time/gc"] = self.gc_mark - before  # Python's collector, inside the phases above
+        if self.device.type == "cuda":
+            # The caching allocator found no free block, freed its cache and asked CUDA again: a device
+            # sync and a burst of cudaFree/cudaMalloc inside the step (fragmentation, or memory close to full).
+            before, self.alloc_retry_mark = self.alloc_retry_mark, allocator_retries(self.device)
+            record["memory/alloc_retries"] = self.alloc_retry_mark - before
+        if self.phase_peaks:  # phases reset the CUDA peak counter: the step's peak is the largest phase peak
+            record.update({f"memory/{k}_gib": v for k, v in self.phase_peaks.items()})
+            record["peak_memory_gib"] = max([*self.phase_peaks.values(), record.get("peak_memory_gib") or 0.0])
+        self.phase_times, self.phase_peaks = {}, {}
+        record = self.parallel.mean_metrics(record)  # every rank's numbers averaged: global means
+        self.history.append(record)
+        if step % self.args.logging_steps == 0 or step == self.args.max_steps:
+            self.metrics.log(step, record)
+        if step == 1 or step % self.args.log_completions_steps == 0:
+            self.metrics.log_completions(step, completion_samples(batch, context.reward_names))
+        self.progress.step_done(step, f"Step {step}/{self.args.max_steps}: Loss={record['loss']:.4f}, "
+                                      f"Success={100 * record['success']:.2f}%, μ_iters={record['num_iterations']}")
+        return record
+
+    def throughput(self, batch: Batch, lengths: torch.Tensor, updates: int, context: StepContext) -> dict:
+        """Tokens/s per phase, peak memory and MFU (cohort/telemetry/metrics.py), over all ranks.
+
+        Prompt tokens as the forward passes see them: once per group when the group shares its
+        prompt; attention's (query, key) pairs per layer, for each sliding window the layers use."""
+        pairs = rollout_attention_pairs(self.model, batch.prompt_ids, [int(n) for n in lengths.tolist()],
+                                        context.micro_rows, context.share_prompts)
+        prompt_tokens, completion_tokens, *summed_pairs = (int(n) for n in self.parallel.all_reduce_sums(
+            [computed_prompt_tokens(batch.prompt_ids, context.micro_rows, context.share_prompts),
+             float(lengths.sum()), *map(float, pairs.values())]))
+        record = throughput_metrics(
+            self.model, self.device, self.phase_times, prompt_tokens, completion_tokens, updates,
+            logprob_passes=int(self.args.num_iterations > 1) + int(context.uses_reference),
+            attention_pairs=dict(zip(pairs, summed_pairs)))
+        if record.get("mfu") is not None:
+            record["mfu"] /= self.parallel.world_size  # MFU per GPU
+        self.progress.show_rates(self.phase_times, {  # the phase bars' rates
+            "sampling": (completion_tokens, "tok"), "rewards": (len(batch.rows), "seq"),
+            "update": ((prompt_tokens + completion_tokens) * updates, "tok")})
+        return record
+
+    def log_iteration_summary(self, step: int, final: bool = False) -> None:
+        """Algorithm 1's outer iteration (ref_reset_steps steps) in one line: loss, success, reward."""
+        M = self.args.ref_reset_steps or self.args.max_steps
+        recent = self.history[-((step - 1) % M + 1 if final else M):] if self.history else []
+        if not recent:
+            return
+        iteration = (recent[0]["step"] - 1) // M + 1
+        self.log(f"Iteration {iteration}: avg loss={np.mean([r['loss'] for r in recent]):.4f}, "
+                 f"success={100 * np.mean([r['success'] for r in recent]):.2f}%, "
+                 f"avg reward={np.mean([r['reward'] for r in recent]):.4f}")
+
+
+def completion_samples(batch: Batch, reward_names: list[str], limit: int = 8) -> list[dict]:
+    """The first `limit` completions with their prompt, each reward function's score, reward and advantage.
+    Per-token advantages (PPO's GAE) are shown as each completion's mean."""
+    advantages = batch.advantages
+    if advantages.dim() == 2:
+        mask = batch.rollout.completion_mask.float()
+        advantages = (advantages * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    rows = []
+    for i in range(min(limit, len(batch.rows))):
+        scores = batch.per_function[i].tolist()
+        rows.append({"prompt": batch.rows[i]["prompt"], "completion": batch.completions[i],
+                     "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(reward_names, scores)},
+                     "reward": float(batch.rewards[i]), "advantage": float(advantages[i])})
+    return rows

@@ -1,0 +1,169 @@
+"""`PolicyUpdate`: Algorithm 1's "update π_θ" line, one optimizer step over the whole rollout.
+
+The step is gradient accumulation over length-bucketed micro-batches (`packing.py`), each one's loss
+being `objectives.policy_loss` (through the fused head where it applies, `fused_head.py`), then
+clipping and the optimizer step (fp32 masters on a GPU, `memory/precision.py`). The loss
+normalisers (completions; tokens for DAPO) are global over the rollout and over ranks, so the
+micro-batch split never changes the gradient. An update whose loss or gradient norm is NaN/inf is
+skipped and counted: one bad batch must not poison the weights and the Adam moments.
+
+Memory is the `MemoryManager`'s business: it sets the micro-batch sizes, lends the gradients their
+storage and retries a step that ran out of memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..memory.manager import MemoryManager
+from ..memory.precision import clip_grad_norm
+from ..rollout.batch import Batch
+from .fused_head import micro_batch_policy_loss
+from .logprobs import rollout_logprobs
+from .packing import MicroBatch, pack, plan_rollout, to_device
+
+
+@dataclass
+class UpdateCounters:
+    """Updates skipped for a non-finite loss or gradient: in all, and in a row up to now."""
+
+    skipped_steps: int = 0
+    nonfinite_in_a_row: int = 0
+
+
+class PolicyUpdate:
+    def __init__(self, args, *, train_model, optimizer, scheduler, memory: MemoryManager, parallel,
+                 device: torch.device, pad_id: int, share_prompts: bool, log: Callable[[str], None] = print):
+        self.args, self.train_model, self.optimizer, self.scheduler = args, train_model, optimizer, scheduler
+        self.memory, self.parallel, self.device, self.pad_id = memory, parallel, device, pad_id
+        self.share_prompts, self.log = share_prompts, log
+        self.counters = UpdateCounters()
+
+    def __call__(self, batch: Batch, step: int) -> dict:
+        """One optimizer step over `batch` (μ of these per rollout); returns the update's statistics."""
+        self.memory.before_update()
+
+        def attempt() -> dict:
+            self.optimizer.zero_grad(set_to_none=True)
+            with self.memory.update(self.train_model.parameters()):  # gradients in the idle KV cache
+                record = self.accumulate_and_step(batch, step)
+            return {**record, **self.memory.update_metrics()}
+
+        record = self.memory.run(attempt, backward=True, release=lambda: self.optimizer.zero_grad(set_to_none=True))
+        self.memory.after_update()
+        return record
+
+    def accumulate_and_step(self, batch: Batch, step: int) -> dict:
+        """Gradient accumulation over the micro-batches, then one optimizer step."""
+        args = self.args
+        self.train_model.train()
+        keep_rows = self.loss_rows(batch)
+        local_rows = len(batch.rows)
+        total = self.parallel.all_reduce_sum(local_rows)
+        mask_all = batch.rollout.completion_mask * keep_rows.unsqueeze(1)
+        num_tokens = max(self.parallel.all_reduce_sum(float(mask_all.sum())), 1.0) if args.loss_type == "dapo" else None
+        world = self.parallel.world_size
+        plans = self.plan(batch)
+        # The step's per-row tensors go to the device once; each micro-batch gathers its rows there.
+        # Nothing in the loop waits for the GPU: statistics stay tensors until the loop has ended.
+        old_all, ref_all, advantages_all, keep_all = (
+            None if t is None else to_device(t, self.device)
+            for t in (batch.old_logp, batch.ref_logp, batch.advantages, keep_rows))
+        sums: dict[str, torch.Tensor] = {}
+        for i, rows in enumerate(plans):
+            micro = self.pack(batch, rows)
+            index = micro.row_index
+            with self.parallel.no_sync(self.train_model, last=i == len(plans) - 1):  # DDP reduces after the last backward
+                width = micro.completion_ids.shape[1]
+                advantages = advantages_all[index] if advantages_all.dim() == 1 else advantages_all[index, :width]
+                out = micro_batch_policy_loss(
+                    self.train_model, micro, old_logp=None if old_all is None else old_all[index, :width],
+                    ref_logp=None if ref_all is None else ref_all[index, :width], advantages=advantages,
+                    loss_mask=micro.completion_mask * keep_all[index].unsqueeze(1),  # truncated rows out, when asked
+                    temperature=args.temperature or 1.0, fused=args.fused_head_loss, epsilon=args.epsilon,
+                    epsilon_high=args.epsilon_high, beta=args.beta, loss_type=args.loss_type,
+                    max_completion_length=args.max_completion_length, num_tokens=num_tokens,
+                    importance_sampling_level=args.importance_sampling_level, entropy_coef=args.entropy_coef,
+                )  # None for π_old: at μ = 1 it is π_θ itself
+                # Token-level DAPO already divides by the whole batch's tokens; the others average
+                # micro-batches by their share of completions. DDP averages over ranks: × world.
+                weight = (1.0 if args.loss_type == "dapo" else len(rows) / total) * world
+                (out.loss * weight).backward()
+            share = len(rows) / local_rows
+            stats = dict(out.stats)
+            stats["loss"] = out.loss.detach() * (1.0 if args.loss_type != "dapo" else 1 / share)
+            mask = micro.completion_mask
+            stats["entropy"] = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
+            for k, v in stats.items():
+                sums[k] = sums[k] + v * share if k in sums else v * share
+        grad_norm = clip_grad_norm(self.optimizer, self.train_model, args.max_grad_norm)  # FSDP2: the sharded grads
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
+            grad_norm = grad_norm.full_tensor()
+        names = list(sums)
+        values = torch.stack([sums[k].float() for k in names] + [torch.as_tensor(grad_norm).float().to(self.device)])
+        record = dict(zip(names + ["grad_norm"], values.tolist()))  # the step's one host sync
+        if self.is_finite(record.get("loss", 0.0), record["grad_norm"], step):  # NaN/inf: skipped, counted
+            self.optimizer_step()
+            self.scheduler.step()  # as transformers' Trainer: the schedule advances with real updates only
+        # Free the gradients now, not at the next update: fp32 master gradients (4 bytes a parameter)
+        # would otherwise sit through the next rollout and log-prob pass.
+        self.optimizer.zero_grad(set_to_none=True)
+        record["micro_batches"] = len(plans)
+        return record
+
+    def is_finite(self, loss: float, grad_norm, step: int) -> bool:
+        """False (and the gradients dropped, the skip counted) when the loss or the gradient norm is NaN/inf."""
+        counters = self.counters
+        if np.isfinite(loss) and bool(torch.isfinite(torch.as_tensor(grad_norm)).all()):
+            counters.nonfinite_in_a_row = 0
+            return True
+        self.optimizer.zero_grad(set_to_none=True)
+        counters.skipped_steps += 1
+        counters.nonfinite_in_a_row += 1
+        self.log(f"step {step}: non-finite loss ({loss}) or gradient norm ({float(grad_norm)}): update "
+                 f"skipped ({counters.nonfinite_in_a_row} in a row, {counters.skipped_steps} in all)")
+        return False
+
+    def optimizer_step(self) -> None:
+        """The optimizer step; the fp32-master step halves its chunks instead of failing when one
+        runs out of memory (precision.py), and the memory manager logs and counts each halving."""
+        shrinks = getattr(self.optimizer, "chunk_shrinks", 0)
+        self.optimizer.step()
+        if getattr(self.optimizer, "chunk_shrinks", 0) > shrinks:
+            self.memory.optimizer_shrank(self.optimizer.chunk_shrinks - shrinks, self.optimizer.chunk_bytes)
+
+    # ---- the rollout in micro-batches (PPO's critic uses these too) ------------------------------
+    def loss_rows(self, batch: Batch) -> torch.Tensor:
+        """[B] 1/0: which completions enter the loss (TRL's mask_truncated_completions drops those cut at the limit)."""
+        keep = torch.ones(len(batch.rows), dtype=batch.rollout.completion_mask.dtype)
+        if self.args.mask_truncated_completions:
+            keep = torch.tensor([r != "length" for r in batch.rollout.finish_reasons], dtype=keep.dtype)
+        return keep
+
+    def plan(self, batch: Batch) -> list[list[int]]:
+        """Rows of the rollout grouped by length (and prompt) into micro-batches under the memory
+        manager's current sizes (cohort/update/packing.py)."""
+        return plan_rollout(batch.prompt_ids, batch.rollout.completion_mask, self.memory.micro_rows,
+                            self.memory.micro_tokens, self.share_prompts)
+
+    def pack(self, batch: Batch, rows: list[int]) -> MicroBatch:
+        """Rows `rows` packed for one forward (each prompt once, or one padded row per completion), on the
+        training device."""
+        return pack(batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask, rows, self.pad_id,
+                    self.share_prompts).to(self.device)
+
+    def logprobs(self, model, batch: Batch) -> torch.Tensor:
+        """[B, T] log-probs of the rollout under `model`, in inference mode (log π_old, log π_ref), with
+        the memory manager's no-grad micro-batch sizes and its out-of-memory retry."""
+        def attempt() -> torch.Tensor:
+            model.eval()
+            rows, tokens = self.memory.no_grad_sizes()
+            return rollout_logprobs(model, batch.prompt_ids, batch.rollout.completion_ids,
+                                    batch.rollout.completion_mask, pad_id=self.pad_id, max_rows=rows,
+                                    max_tokens=tokens, temperature=self.args.temperature or 1.0,
+                                    share_prompts=self.share_prompts)
+        return self.memory.run(attempt)

@@ -1,0 +1,216 @@
+"""Write docs/reference.md from the code: every `GRPOConfig` field (name, type, default, help), grouped
+by the section comments of the class in cohort/config.py, and every metric name the step log writes.
+
+    python docs/generate_reference.py           # rewrite docs/reference.md
+    python docs/generate_reference.py --check   # exit 1 if docs/reference.md is not what the code gives
+
+tests/test_reference_doc.py runs the check, so the page cannot drift from the code. The options come
+from `dataclasses.fields(GRPOConfig)`; the metrics table is kept here by hand (METRICS), next to the
+modules that write the names it lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "reference.md"
+
+# (name, when it is logged, meaning). Written by cohort/telemetry/step_report.py (the step record),
+# cohort/telemetry/metrics.py (throughput_metrics), cohort/update/policy_update.py (the update),
+# cohort/algorithm/objectives.py (PolicyLossStats.as_dict), cohort/rewards/runner.py, cohort/rewards/model.py,
+# cohort/algorithm/{dynamic_sampling,curriculum,ppo}.py and cohort/eval/evaluate.py.
+METRICS: list[tuple[str, str, str]] = [
+    ("step", "every line", "the GRPO step the line belongs to"),
+    ("time", "every line", "Unix time the line was written"),
+    ("reward", "every step", "mean total (weighted) reward of the step's completions"),
+    ("reward_std", "every step", "mean over groups of the group's reward standard deviation"),
+    ("rewards/<func>/mean", "every step", "mean score of one reward function, unweighted (samples it could not "
+                                          "score left out)"),
+    ("rewards/<func>/std", "every step", "standard deviation of that function's scores"),
+    ("frac_reward_zero_std", "every step", "fraction of groups whose rewards are all equal: zero advantage, "
+                                           "no learning signal"),
+    ("informative", "every step", "1 − frac_reward_zero_std: the groups that carry a learning signal"),
+    ("success", "every step", "fraction of completions the task's verifier accepts (else reward > 0)"),
+    ("completions/mean_length", "every step", "mean completion length in tokens, EOS included"),
+    ("completions/clipped_ratio", "every step", "fraction of completions cut at max_completion_length"),
+    ("loss", "every step", "the optimised loss, mean over the μ updates"),
+    ("entropy", "every step", "mean per-token entropy of the policy on its own completions (nats)"),
+    ("kl", "β > 0", "mean per-token k3 estimate of KL(π_θ‖π_ref); 0 at the first step of each outer iteration"),
+    ("clip_ratio/low_mean", "every step", "fraction of tokens with ρ < 1 − ε and a negative advantage (clip "
+                                          "active); 0 when μ = 1"),
+    ("clip_ratio/high_mean", "every step", "fraction of tokens with ρ > 1 + epsilon_high and a positive advantage"),
+    ("clip_ratio/region_mean", "every step", "fraction of tokens where either clip is active"),
+    ("grad_norm", "every step", "gradient norm before clipping"),
+    ("learning_rate", "every step", "the scheduler's learning rate"),
+    ("num_iterations", "every step", "μ, the policy updates made on this rollout"),
+    ("micro_batches", "every step", "micro-batches in the update's optimizer step"),
+    ("skipped_steps", "every step", "updates skipped so far for a non-finite loss or gradient norm"),
+    ("oom_retries", "every step", "out-of-GPU-memory retries so far (a halved micro-batch or optimizer chunk)"),
+    ("step_time", "every step", "seconds of the whole step"),
+    ("time/<phase>", "every step", "seconds of each phase: sampling, rewards, resampling (dynamic_sampling), "
+                                   "logprobs, update, gather (fsdp), reward_model, eval (the evaluation that "
+                                   "ran since the previous line)"),
+    ("time/gc", "every step", "seconds Python's garbage collector ran during the step, inside the phases"),
+    ("tokens_per_second/sampling", "every step", "completion tokens generated per second of sampling"),
+    ("tokens_per_second/logprobs", "μ > 1 or β > 0", "prompt + completion tokens per second of the no-grad "
+                                                     "log-prob passes (π_old, π_ref)"),
+    ("tokens_per_second/update", "every step", "prompt + completion tokens per second of the μ updates"),
+    ("mfu", "every step", "the update's model FLOPs ÷ seconds ÷ the GPU's peak bf16 FLOP/s, per GPU; null on a "
+                          "CPU or an unknown GPU (`metrics.update_flops` counts them)"),
+    ("peak_memory_gib", "every step", "CUDA: the step's peak allocated memory; CPU: the process's peak resident "
+                                      "memory"),
+    ("memory/<phase>_gib", "CUDA", "each phase's peak allocated memory"),
+    ("memory/lent_gib", "every step", "gradient memory the update kept in the engine's idle KV cache instead of "
+                                      "allocating it (lend_kv_cache)"),
+    ("memory/alloc_retries", "CUDA", "the CUDA caching allocator's retries in the step (it emptied its cache, a "
+                                     "device sync, and asked CUDA again)"),
+    ("checkpointed_layers", "gradient_checkpointing_layers=auto", "decoder layers the update checkpointed "
+                                                                  "(recomputed in the backward): all but the last "
+                                                                  "in the first update, then its choice"),
+    ("rewards/overlong_penalty", "overlong_buffer_length > 0", "mean DAPO overlong penalty added to the reward"),
+    ("dynamic_sampling/tries", "dynamic_sampling", "sampling rounds of the step (1: no refill needed)"),
+    ("dynamic_sampling/dropped_groups", "dynamic_sampling", "all-equal-reward groups thrown away"),
+    ("dynamic_sampling/informative_groups", "dynamic_sampling", "groups trained on"),
+    ("curriculum/stage", "curriculum", "index of the curriculum stage the step trained on"),
+    ("rm/labelled", "learned r_φ", "samples given a rule label this step"),
+    ("rm/label_mean", "learned r_φ", "mean of those labels"),
+    ("rm/point_accuracy", "learned r_φ", "r_φ's accuracy on the fresh samples before it trains on them"),
+    ("rm/pair_accuracy", "learned r_φ", "fraction of within-group pairs r_φ orders like their labels"),
+    ("rm/online_accuracy", "learned r_φ", "the accuracy of r_φ's loss kind: point (pointwise) or pair (pairwise)"),
+    ("rm/loss", "learned r_φ", "r_φ's loss on the fresh samples before training on them"),
+    ("rm/train_loss", "rm_updates_per_step > 0", "mean loss of r_φ's updates this step"),
+    ("rm/replayed_fraction", "rm_updates_per_step > 0", "fraction of r_φ's training samples drawn from the buffer"),
+    ("rm/buffer_size", "learned r_φ", "samples in the replay buffer"),
+    ("ppo/value_mean", "PPOTrainer", "mean critic value over completion tokens"),
+    ("ppo/return_mean", "PPOTrainer", "mean GAE return over completion tokens"),
+    ("value_loss", "PPOTrainer", "the critic's clipped value loss"),
+    ("critic_grad_norm", "PPOTrainer", "the critic's gradient norm before clipping"),
+    ("eval/accuracy", "evaluations", "greedy held-out accuracy (before training, every eval_steps, after)"),
+    ("eval/format_rate", "evaluations", "fraction of held-out completions in the task's answer format"),
+    ("eval/mean_length", "evaluations", "mean held-out completion length in tokens"),
+]
+
+
+def sections(cls) -> list[tuple[str, str, list[str]]]:
+    """(title, description, field names) for each block of the class body that a comment opens after a
+    blank line (or the class line); the title is the comment up to its first '. ', ': ' or '; '."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    out: list[tuple[str, str, list[str]]] = []
+    comment: list[str] = []
+    previous_blank = True
+    source = inspect.getsource(cls).splitlines()
+    body = source[next(i for i, line in enumerate(source) if line.lstrip().startswith("class ")) + 1:]
+    for line in body:
+        text = line.strip()
+        if text.startswith("@") or text.startswith("def "):
+            break
+        if text.startswith("#"):
+            if previous_blank or comment:
+                comment.append(text.lstrip("#").strip())
+            previous_blank = False
+            continue
+        if comment:
+            description = " ".join(comment)
+            title = re.split(r"(?<=[^\s(])[.:;](?:\s|$)", description, maxsplit=1)[0]
+            out.append((re.sub(r"\s*\([^)]*\)", "", title).strip(), description, []))
+            comment = []
+        match = re.match(r"(\w+)\s*:", text)
+        if match and match.group(1) in names:
+            if not out:
+                out.append(("Options", "", []))
+            out[-1][2].append(match.group(1))
+        previous_blank = not text
+    return out
+
+
+def default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "required"
+    if isinstance(value, float) and "e" in repr(value):
+        mantissa, exponent = repr(value).split("e")
+        return f"`{mantissa}e{int(exponent)}`"
+    return f"`{value!r}`"
+
+
+def cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render() -> str:
+    sys.path.insert(0, str(ROOT))
+    from cohort.config import GRPOConfig
+
+    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    groups = sections(GRPOConfig)
+    listed = [name for _, _, names in groups for name in names]
+    missing = [name for name in fields if name not in listed]
+    if missing or len(listed) != len(set(listed)) or set(listed) - set(fields):
+        raise SystemExit(f"the class's section comments do not cover the fields exactly (missing {missing})")
+    lines = [
+        "# Reference",
+        "",
+        "<!-- Generated by docs/generate_reference.py from cohort/config.py and the metric names it lists. "
+        "Do not edit by hand: change the code, then run `python docs/generate_reference.py`. -->",
+        "",
+        "Every `GRPOConfig` field is a flag of `cohort train` (`--learning_rate 1e-5` or `--learning-rate=1e-5`; a "
+        "bare `--flag` means true; lists are comma-separated), a key of a YAML file passed with `--config run.yaml` "
+        "(flags override it) and a keyword of `GRPOConfig(...)`. The defaults are `GRPOConfig`'s; `cohort train` "
+        "without `--model` starts from its task's own defaults (`default_config` in cohort/tasks/). "
+        "`cohort train --help` lists the same names.",
+        "",
+        "- [Options](#options): " + ", ".join(f"[{title}](#{anchor(title)})" for title, _, _ in groups),
+        "- [Metrics](#metrics): the names in `metrics.jsonl`, TensorBoard and Weights & Biases",
+        "",
+        "## Options",
+    ]
+    for title, description, names in groups:
+        lines += ["", f"### {title}", ""]
+        if description and description.rstrip(".") != title:
+            lines += [description, ""]
+        lines += ["| option | type | default | what it does |", "| --- | --- | --- | --- |"]
+        for name in names:
+            f = fields[name]
+            lines.append(f"| `{name}` | `{cell(f.type)}` | {cell(default_text(f))} | "
+                         f"{cell(f.metadata.get('help', ''))} |")
+    lines += ["", "## Metrics", "",
+              "Each line of `<output_dir>/metrics.jsonl` is one JSON object, `{\"step\", \"time\", <name>: value, …}`, "
+              "written every `logging_steps` steps; a value that is not a finite number is `null`. Evaluations "
+              "write lines of their own. The same numbers go to TensorBoard or Weights & Biases with `report_to`. "
+              "Names are TRL's where TRL logs the same quantity.",
+              "", "| name | logged | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{cell(name)}` | {cell(when)} | {cell(meaning)} |" for name, when, meaning in METRICS]
+    return "\n".join(lines) + "\n"
+
+
+def anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare with docs/reference.md instead of writing it")
+    parser.add_argument("--out", default=str(PAGE), help="where to write (default docs/reference.md)")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        same = Path(args.out).is_file() and Path(args.out).read_text(encoding="utf-8") == text
+        print(f"{args.out} is {'up to date' if same else 'stale: run python docs/generate_reference.py'}")
+        return 0 if same else 1
+    Path(args.out).write_text(text, encoding="utf-8")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
