@@ -99,7 +99,7 @@ def baseline_worker() -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from cohort.models.policy_io import load_policy
+    from cohort.models.policy import load_policy
     from cohort.tasks import get_task
 
     load_policy(None, device="cpu", log=lambda *_: None)

@@ -418,7 +418,7 @@ def load_yaml(path: str) -> dict:
 def option_pairs(argv: list[str], command: str = ""):
     """Yield (name, value) for `--name value` / `--name=value` / bare `--name` (value None) arguments,
     dashes in names read as underscores; anything else is a one-line `CohortError`. Shared by
-    `cohort train` (`parse_config`) and `cohort eval` / `cohort sft` (`eval_cli.parse_options`)."""
+    `cohort train` (`parse_config`) and `cohort eval` / `cohort sft` (`cohort.cli.options.parse_options`)."""
     prefix = f"cohort {command}: " if command else ""
     i = 0
     while i < len(argv):

@@ -26,7 +26,7 @@ def test_default_job_learns(tmp_path):
     # never trained on. On CI's machine type: 44.5% -> 85.0% (README; seeds 1 and 2 gain 36 and 39
     # points). Another machine takes another floating-point path through the warm start: on the GPU
     # machine it ended at 58% (its CPU) and 59% (its GPU), and GRPO gained 17 and 17.5 points
-    # (docs/benchmarks.md, issue 2).
+    # (docs/performance.md).
     assert summary["accuracy_before"] >= 0.40, summary
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.15, summary
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -226,27 +226,3 @@ def test_each_figure_holds_exactly_the_logged_series(tmp_path):
     assert 7 not in kl_a["steps"] and len(kl_a["steps"]) == STEPS - 1  # the NaN step is left out
     per_function = {(c["run"], c["metric"]) for c in figures["reward_per_function.png"]["curves"]}
     assert per_function == {(r, f"rewards/{f}/mean") for r in ("a", "b") for f in ("accuracy", "format")}
-
-
-def test_the_guide_lists_only_options_and_metrics_that_exist():
-    """docs/guide.md: every option named in the Algorithm-1 table and every cohort name in the TRL
-    tables is a GRPOConfig field, and the "same name" rows really pair equal names."""
-    import dataclasses
-
-    from cohort.config import GRPOConfig
-
-    guide = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text()
-    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    algorithm = guide.split("## 2. Algorithm 1")[1].split("Beyond the paper")[0]
-    option_cells = [row.split("|")[2] for row in algorithm.splitlines() if row.startswith("| ") and "---" not in row][1:]
-    named = {name for cell in option_cells for name in re.findall(r"`([a-z_0-9]+)`", cell)}
-    assert named and named <= fields, named - fields
-    trl = guide.split("## 4. From TRL")[1]
-    same, different = trl.split("Different names or no equivalent:")
-    cohort_cells = [row.split("|")[2] for row in (same + different).splitlines()
-                    if row.startswith("| ") and "---" not in row and "cohort |" not in row]
-    listed = {name for cell in cohort_cells for name in re.findall(r"`([a-z_0-9]+)`", cell)}
-    assert len(listed) > 30 and listed - fields == set(), listed - fields
-    same_rows = [row.split("|")[1:3] for row in same.splitlines() if row.startswith("| `")]
-    for trl_cell, cohort_cell in same_rows:  # "same name" rows really are the same names
-        assert re.findall(r"`(\w+)`", trl_cell) == re.findall(r"`(\w+)`", cohort_cell)

@@ -103,7 +103,7 @@ class AutoCheckpointing:
 
     @classmethod
     def setup(cls, model, args, device: torch.device) -> "AutoCheckpointing | None":
-        """Turn on checkpointing as `args` ask; a `KeptLayers` when `auto` can measure, else None."""
+        """Turn on checkpointing as `args` ask; an `AutoCheckpointing` when `auto` can measure, else None."""
         layers = args.gradient_checkpointing_layers
         base = base_model(model)
         if layers is not None and not isinstance(base, CausalLM):
