@@ -17,9 +17,7 @@ display) and `RunLifecycle` (resume, signals, checkpoints).
 
 from __future__ import annotations
 
-import copy
 import json
-import math
 import os
 import random
 import time
@@ -35,7 +33,7 @@ from ..memory.checkpointed_layers import AutoCheckpointing
 from ..memory.manager import MemoryManager
 from ..memory.precision import make_optimizer, resolve_dtype
 from ..models.lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
-from ..models.policy import load_policy, save_policy
+from ..models.policy import frozen_copy, load_policy, save_policy
 from ..rewards.model import prepare_reward_funcs, warm_up_reward_models
 from ..rewards.runner import RewardRunner
 from ..rollout import make_sampler
@@ -45,12 +43,13 @@ from ..run.checkpoint import RunParts, RunState, save_checkpoint
 from ..run.checkpoint_load import checkpoint_step, load_checkpoint
 from ..run.distributed import Parallel, SilentMetrics, check_parallel_options, silent
 from ..run.lifecycle import RunLifecycle, prepare_output_dir
-from ..tasks.data import check_prompt_column
+from ..tasks.data import dataset_rows
 from ..telemetry.metrics import MetricsLogger
 from ..telemetry.progress import Progress
 from ..telemetry.step_report import StepContext, StepReport, success_rate
 from ..update.logprobs import supports_hidden
 from ..update.policy_update import PolicyUpdate
+from ..update.schedule import lr_scheduler
 from .curriculum import Curriculum
 from .dynamic_sampling import fill_informative
 from .objectives import group_advantages, overlong_penalty
@@ -79,8 +78,8 @@ class GRPOTrainer:
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
         self.rewards = RewardRunner(self.resolve_reward_funcs(reward_funcs), args.reward_weights,
                                     timeout_s=args.reward_timeout)
-        self.train_rows = as_rows(train_dataset, "train_dataset")
-        self.eval_rows = as_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.train_rows = dataset_rows(train_dataset, "train_dataset")
+        self.eval_rows = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         self.rewards.check_columns(set(self.train_rows[0]))
         check_parallel_options(args, self.parallel)
         if args.torch_compile and hasattr(self.model, "compile_for_training"):
@@ -92,7 +91,7 @@ class GRPOTrainer:
         self.train_model = self.parallel.wrap(self.model, fsdp=args.fsdp)
         # bf16 weights on a GPU: the optimizer keeps fp32 masters and moments (cohort/memory/precision.py).
         self.optimizer = make_optimizer(self.train_model, args)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(args, step))
+        self.scheduler = lr_scheduler(self.optimizer, args)
         # β = 0 needs no reference at all: skip the copy and its forward passes.
         self.uses_reference = args.beta > 0
         self.ref_model = frozen_copy(self.model) if self.uses_reference and not has_lora(self.model) else None
@@ -413,40 +412,6 @@ class GRPOTrainer:
     def log_line(self, line: str) -> None:
         """What the stages built before the display exists log through (the display's, once it does)."""
         self.log(line)
-
-
-def as_rows(dataset, name: str) -> list[dict]:
-    """A dataset (list of dicts, HF Dataset, ...) as a list of row dicts, its prompt column checked."""
-    if dataset is None:
-        raise CohortError(f"{name} is missing: pass a list of rows with a 'prompt' column")
-    rows = [dict(r) for r in dataset]
-    if not rows:
-        raise CohortError(f"{name} is empty: it needs at least one row with a 'prompt' column")
-    if "prompt" not in rows[0]:
-        raise CohortError(f"{name} has no 'prompt' column (columns: {sorted(rows[0])}); rename the prompt column to 'prompt'")
-    check_prompt_column(rows, name)  # wrong types fail here, not mid-run
-    return rows
-
-
-def frozen_copy(model):
-    """A copy of `model` in eval mode with no parameter requiring a gradient (π_ref)."""
-    ref = copy.deepcopy(model)
-    ref.eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
-
-
-def lr_factor(args, step: int) -> float:
-    """The learning rate's multiplier at optimizer step `step`: linear warm-up, then cosine, linear or constant."""
-    if args.warmup_steps and step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
-    if args.lr_scheduler_type == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * progress))
-    if args.lr_scheduler_type == "linear":
-        return 1.0 - progress
-    return 1.0
 
 
 def seed_everything(seed: int) -> None:

@@ -12,6 +12,7 @@ which trains it (`cohort.algorithm.sft`), and training code imports `cohort.mode
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -93,3 +94,12 @@ def save_policy(model, tokenizer, out_dir: Path) -> Path:
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def frozen_copy(model):
+    """A copy of `model` in eval mode with no parameter requiring a gradient (π_ref)."""
+    ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref

@@ -164,3 +164,16 @@ def check_prompt_column(rows: list[dict], source: str) -> None:
         shown = shown if len(shown) <= 60 else shown[:60] + "…"
         raise CohortError(f"{source} row {index}: 'prompt' is a {type(prompt).__name__} ({shown}); it must be a "
                           "string or a list of {'role': ..., 'content': ...} messages")
+
+
+def dataset_rows(dataset, name: str) -> list[dict]:
+    """A dataset (list of dicts, HF Dataset, ...) as a list of row dicts, its prompt column checked."""
+    if dataset is None:
+        raise CohortError(f"{name} is missing: pass a list of rows with a 'prompt' column")
+    rows = [dict(r) for r in dataset]
+    if not rows:
+        raise CohortError(f"{name} is empty: it needs at least one row with a 'prompt' column")
+    if "prompt" not in rows[0]:
+        raise CohortError(f"{name} has no 'prompt' column (columns: {sorted(rows[0])}); rename the prompt column to 'prompt'")
+    check_prompt_column(rows, name)  # wrong types fail here, not mid-run
+    return rows
