@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .algorithm.objectives import IMPORTANCE_LEVELS, LOSS_TYPES, SCALE_CHOICES
+from .algorithm.objectives import IMPORTANCE_LEVELS, LOSS_TYPES, SAMPLER_CORRECTIONS, SCALE_CHOICES
 from .errors import CohortError
 
 
@@ -79,6 +79,35 @@ class GRPOConfig:
         "help": "Importance ratio per token (GRPO) or per sequence (GSPO: the geometric mean over the completion)."})
     entropy_coef: float = field(default=0.0, metadata={
         "help": "Entropy bonus: the loss subtracts coef × the mean token entropy of the policy."})
+    delta: float | None = field(default=None, metadata={
+        "help": "Two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta too; None is off. "
+                "Set it above 1 + epsilon_high."})
+    use_bias_correction_kl: bool = field(default=False, metadata={
+        "help": "Weigh each token's KL term by the importance ratio (DeepSeek-V3.2's unbiased KL gradient); off "
+                "keeps DeepSeekMath's β·KL (TRL 1.16 defaults to on)."})
+
+    # The sampler computes in other kernels than the trainer (bf16 on a GPU): its samples' probabilities
+    # under the trainer differ. Measured every step (sampling/*); corrected by importance weights.
+    importance_sampling_correction: bool | None = field(default=None, metadata={
+        "help": "Weigh the surrogate by π_trainer / π_sampler of each sample; None turns it on where the sampler "
+                "is not exact (a bf16 or fp16 policy on a GPU)."})
+    importance_sampling_mode: str = field(default="token_truncate", metadata={
+        "help": "How the sampler correction weighs: token_truncate, token_mask, sequence_truncate or "
+                "sequence_mask (ratios clipped to [clip_min, clip_max], or samples outside it dropped)."})
+    importance_sampling_clip_min: float | None = field(default=None, metadata={
+        "help": "Lower bound C_min of the sampler correction's ratio; None is no lower bound."})
+    importance_sampling_clip_max: float | None = field(default=3.0, metadata={
+        "help": "Upper bound C_max of the sampler correction's ratio; None is no upper bound (mask modes only)."})
+    vllm_importance_sampling_correction: bool | None = field(default=None, metadata={
+        "help": "TRL's name for importance_sampling_correction (accepted so a TRL config ports unchanged)."})
+    vllm_importance_sampling_mode: str | None = field(default=None, metadata={
+        "help": "TRL's name for importance_sampling_mode."})
+    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={
+        "help": "TRL's name for importance_sampling_clip_min."})
+    vllm_importance_sampling_clip_max: float | None = field(default=None, metadata={
+        "help": "TRL's name for importance_sampling_clip_max."})
+    vllm_importance_sampling_cap: float | None = field(default=None, metadata={
+        "help": "TRL's older name for importance_sampling_clip_max."})
 
     # Learned reward model r_φ: a reward_funcs entry that is a model folder or object, trained online on
     # rule-labelled samples with replay (Algorithm 1, last line). See cohort/rewards/model.py.
@@ -262,6 +291,27 @@ class GRPOConfig:
             bad(f"unknown loss_type {self.loss_type!r}; choose one of {list(LOSS_TYPES)}")
         if self.scale_rewards not in SCALE_CHOICES:
             bad(f"unknown scale_rewards {self.scale_rewards!r}; choose one of {list(SCALE_CHOICES)}")
+        for alias, name in (("vllm_importance_sampling_correction", "importance_sampling_correction"),
+                            ("vllm_importance_sampling_mode", "importance_sampling_mode"),
+                            ("vllm_importance_sampling_clip_min", "importance_sampling_clip_min"),
+                            ("vllm_importance_sampling_clip_max", "importance_sampling_clip_max"),
+                            ("vllm_importance_sampling_cap", "importance_sampling_clip_max")):
+            if getattr(self, alias) is not None:  # TRL's names: they set cohort's, then step aside
+                setattr(self, name, getattr(self, alias))
+                setattr(self, alias, None)
+        if self.importance_sampling_mode not in SAMPLER_CORRECTIONS:
+            bad(f"unknown importance_sampling_mode {self.importance_sampling_mode!r}; choose one of "
+                f"{list(SAMPLER_CORRECTIONS)}")
+        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if (low is not None and low < 0) or (high is not None and high <= 0) or (
+                low is not None and high is not None and low >= high):
+            bad(f"importance_sampling_clip_min={low} / clip_max={high}: the bounds must satisfy 0 ≤ min < max")
+        if high is None and self.importance_sampling_mode.endswith("truncate") and low is None:
+            bad("importance_sampling_clip_max=None with a truncate mode and no clip_min truncates nothing; give a "
+                "bound, or use a mask mode")
+        if self.delta is not None and self.delta <= 1:
+            bad(f"delta={self.delta} caps the importance ratio below 1, where every on-policy token sits; choose a "
+                "value above 1 + epsilon_high, e.g. 4")
         if self.use_peft and self.lora_r < 1:
             bad(f"lora_r={self.lora_r}: the LoRA rank must be at least 1")
         if self.max_tokens_per_micro_batch < 0:

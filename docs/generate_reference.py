@@ -74,6 +74,14 @@ METRICS: list[tuple[str, str, str]] = [
                                                                   "(recomputed in the backward): all but the last "
                                                                   "in the first update, then its choice"),
     ("rewards/overlong_penalty", "overlong_buffer_length > 0", "mean DAPO overlong penalty added to the reward"),
+    ("sampling/sampling_logp_difference/mean", "the engine samples", "mean |log π_trainer − log π_sampler| over the "
+                                                                     "completion tokens (TRL's name)"),
+    ("sampling/sampling_logp_difference/max", "the engine samples", "largest such difference in the step"),
+    ("sampling/importance_sampling_ratio/min", "the engine samples", "smallest importance weight π_trainer / "
+                                                                     "π_sampler the correction applies (the raw "
+                                                                     "per-token ratio when it is off)"),
+    ("sampling/importance_sampling_ratio/mean", "the engine samples", "mean of those weights"),
+    ("sampling/importance_sampling_ratio/max", "the engine samples", "largest of those weights"),
     ("dynamic_sampling/tries", "dynamic_sampling", "sampling rounds of the step (1: no refill needed)"),
     ("dynamic_sampling/dropped_groups", "dynamic_sampling", "all-equal-reward groups thrown away"),
     ("dynamic_sampling/informative_groups", "dynamic_sampling", "groups trained on"),

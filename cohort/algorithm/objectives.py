@@ -10,12 +10,17 @@ independent float64 computation. Sources:
 - Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective".
 - DAPO: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale".
 - GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv 2507.18071).
+- Sampler/trainer mismatch: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+  Off-Policy RL Training" (truncated importance sampling); TRL 1.16's masked and sequence variants.
+- Two-sided clipping (`delta`): INTELLECT-2 (Prime Intellect 2025); the importance-weighted KL
+  (`use_bias_correction_kl`): DeepSeek-V3.2 (2025), §2.1.
 - GAE: Schulman et al. 2015, "High-Dimensional Continuous Control Using Generalized Advantage
   Estimation"; clipped value loss as in OpenAI baselines' PPO2 / Ziegler et al. 2019.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Literal, Protocol
 
@@ -30,9 +35,11 @@ SCALE_CHOICES = ("group", "batch", "none")
 KL_CHOICES = ("k1", "k2", "k3")
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 IMPORTANCE_LEVELS = ("token", "sequence")
+SAMPLER_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: ScaleRewards = "group", eps: float = 1e-4) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, scale: ScaleRewards = "group", eps: float = 1e-4,
+                     scored: Tensor | None = None) -> Tensor:
     """Group-relative advantage of each completion (DeepSeekMath §4.1.2, outcome supervision).
 
     `rewards` is `[B]`, group-contiguous: completions `i*G … i*G+G-1` answer the same prompt.
@@ -51,17 +58,49 @@ def group_advantages(rewards: Tensor, group_size: int, scale: ScaleRewards = "gr
         none    → [0.5, -0.5, 0., 0.]
 
     A group whose rewards are all equal gets zero advantage: it carries no learning signal.
+
+    `scored` (`[B]` bool, None = every completion) marks the completions some reward function scored
+    (TRL 1.16's semantics for a completion every function returned None for): an unscored one is left
+    out of its group's mean and std, and of the batch's std, and gets advantage 0 — its reward is not
+    a 0 that would drag the baseline down. A group with fewer than two scored completions gets 0
+    everywhere. Worked example, G = 4, rewards [1, 1, 0, ·] with the last unscored: mean 2/3, std
+    0.5774 over the three → [0.5773, 0.5773, −1.1545, 0].
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, got {tuple(rewards.shape)}")
+    if scale not in SCALE_CHOICES:
+        raise ValueError(f"scale must be one of {SCALE_CHOICES}, got {scale!r}")
+    if scored is not None:
+        if scored.shape != rewards.shape:
+            raise ValueError(f"scored must be [B] like rewards {tuple(rewards.shape)}, got {tuple(scored.shape)}")
+        if not bool(scored.all()):
+            return _scored_group_advantages(rewards, scored.to(torch.bool), group_size, scale, eps)
     grouped = rewards.view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "group":
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
     elif scale == "batch":
         centred = centred / (rewards.std() + eps)
-    elif scale != "none":
-        raise ValueError(f"scale must be one of {SCALE_CHOICES}, got {scale!r}")
+    return centred.reshape(-1)
+
+
+def _scored_group_advantages(rewards: Tensor, scored: Tensor, group_size: int, scale: ScaleRewards,
+                             eps: float) -> Tensor:
+    """`group_advantages` over the scored completions only (some are not): masked means and
+    Bessel-corrected stds, a std over fewer than two values taken as 0; unscored rows get 0."""
+    weight = scored.to(rewards.dtype)
+    kept = torch.where(scored, rewards, torch.zeros_like(rewards))  # an unscored value never enters a sum
+    w, r = weight.view(-1, group_size), kept.view(-1, group_size)
+    count = w.sum(dim=1, keepdim=True)
+    centred = (r - r.sum(dim=1, keepdim=True) / count.clamp(min=1.0)) * w
+    if scale == "group":
+        std = (centred.square().sum(dim=1, keepdim=True) / (count - 1.0).clamp(min=1.0)).sqrt()
+        centred = centred / (std + eps)
+    elif scale == "batch":
+        n = weight.sum()
+        deviation = (kept - kept.sum() / n.clamp(min=1.0)) * weight
+        std = (deviation.square().sum() / (n - 1.0).clamp(min=1.0)).sqrt()
+        centred = centred / (std + eps)
     return centred.reshape(-1)
 
 
@@ -183,6 +222,12 @@ def policy_loss(
     importance_sampling_level: str = "token",
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    delta: float | None = None,
+    use_bias_correction_kl: bool = False,
+    sampling_logp: Tensor | None = None,
+    importance_sampling_correction: str | None = None,
+    importance_sampling_clip_min: float | None = None,
+    importance_sampling_clip_max: float | None = 3.0,
 ) -> PolicyLossOutput:
     """The GRPO objective (DeepSeekMath eq. 3), negated so that minimising it is ascent.
 
@@ -203,7 +248,14 @@ def policy_loss(
 
     `importance_sampling_level="sequence"` replaces ρ by GSPO's sequence ratio
     (`sequence_log_ratio`); the clip then acts on whole completions. `entropy_coef` > 0 subtracts
-    coef · entropy per token (an exploration bonus), reduced by the same aggregation.
+    coef · entropy per token (an exploration bonus), reduced by the same aggregation. `delta`
+    caps ρ in the unclipped term too (INTELLECT-2's two-sided clipping), and
+    `use_bias_correction_kl` weighs each token's KL by ρ (DeepSeek-V3.2's unbiased estimator).
+
+    `sampling_logp` ([B, T], the sampler's own log-probs) measures how far the sampler's arithmetic
+    is from the trainer's (`stats["sampling/..."]`); with `importance_sampling_correction` (one of
+    SAMPLER_CORRECTIONS) the surrogate term is weighted by `sampler_correction_weights` of the
+    trainer's π_old against it (π_θ's own detached log-probs at μ = 1).
 
     `logp` is either the log-probs themselves (with their gradient) or a head that computes them
     (`FusedTokenLossHead`): since the token-level loss is Σ_t w_t ℓ_t with w = `token_weights`, such a
@@ -213,7 +265,13 @@ def policy_loss(
     eps_high = epsilon if epsilon_high is None else epsilon_high
     if importance_sampling_level not in IMPORTANCE_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_LEVELS}, got {importance_sampling_level!r}")
-    options = dict(epsilon=epsilon, epsilon_high=eps_high, beta=beta, entropy_coef=entropy_coef)
+    options = dict(epsilon=epsilon, epsilon_high=eps_high, beta=beta, entropy_coef=entropy_coef, delta=delta,
+                   use_bias_correction_kl=use_bias_correction_kl)
+    correction = importance_sampling_correction if sampling_logp is not None else None
+    if correction is not None and correction not in SAMPLER_CORRECTIONS:
+        raise ValueError(f"importance_sampling_correction must be one of {SAMPLER_CORRECTIONS}, got {correction!r}")
+    clip = (importance_sampling_clip_min, importance_sampling_clip_max)
+    sequence_correction = correction is not None and correction.startswith("sequence")
     if isinstance(logp, Tensor):
         old = logp.detach() if old_logp is None else old_logp
         if importance_sampling_level == "token":
@@ -221,26 +279,42 @@ def policy_loss(
         else:
             log_ratio = sequence_log_ratio(logp, old, mask)
         adv = _per_token(advantages, logp)
+        is_weight = None if correction is None else sampler_correction_weights(
+            sampler_log_ratio(old, sampling_logp, mask, correction), correction, *clip)
         per_token = per_token_policy_loss(logp, log_ratio, adv.expand_as(logp), ref_logp=ref_logp, entropy=entropy,
-                                          **options)
+                                          is_weight=is_weight, **options)
         loss = aggregate_loss(per_token, mask, loss_type, max_completion_length, num_tokens)
         logp, entropy = logp.detach(), None if entropy is None else entropy.detach()
         log_ratio = log_ratio.detach()
     else:
         if importance_sampling_level != "token":
             raise ValueError("GSPO's sequence ratio couples a completion's tokens: pass the log-probs themselves")
+        if sequence_correction and old_logp is None:
+            raise ValueError("a sequence-level sampler correction needs π_old's log-probs before the head runs: "
+                             "pass old_logp")
         adv = _per_token(advantages, mask).float().expand(mask.shape)
+        sequence_weight = None if not sequence_correction else sampler_correction_weights(
+            sampler_log_ratio(old_logp, sampling_logp, mask, correction), correction, *clip).expand(mask.shape)
 
         def token_loss(token_logp: Tensor, token_entropy: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
             old_t = token_logp.detach() if old_logp is None else old_logp[rows, cols]
             ref_t = None if ref_logp is None else ref_logp[rows, cols]
+            if correction is None:
+                is_weight = None
+            elif sequence_correction:
+                is_weight = sequence_weight[rows, cols]
+            else:  # token modes: element-wise in the token's own values
+                is_weight = sampler_correction_weights(old_t - sampling_logp[rows, cols], correction, *clip)
             return per_token_policy_loss(token_logp, token_logp - old_t, adv[rows, cols], ref_logp=ref_t,
-                                         entropy=token_entropy, **options)
+                                         entropy=token_entropy, is_weight=is_weight, **options)
 
         weights = token_weights(mask, loss_type, max_completion_length, num_tokens)
         loss, logp, entropy = logp.weighted_token_loss(token_loss, weights)
         log_ratio = torch.zeros_like(logp) if old_logp is None else logp - old_logp
     stats = policy_loss_stats(logp, log_ratio, _per_token(advantages, logp), mask, ref_logp, epsilon, eps_high)
+    if sampling_logp is not None:
+        stats.update(sampler_mismatch_stats(logp if old_logp is None else old_logp, sampling_logp, mask, correction,
+                                            *clip))
     return PolicyLossOutput(loss, stats, logp, entropy)
 
 
@@ -267,22 +341,74 @@ def token_weights(mask: Tensor, loss_type: LossType, max_completion_length: int 
 
 def per_token_policy_loss(logp: Tensor, log_ratio: Tensor, advantages: Tensor, *, ref_logp: Tensor | None = None,
                           epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
-                          entropy: Tensor | None = None, entropy_coef: float = 0.0) -> Tensor:
+                          entropy: Tensor | None = None, entropy_coef: float = 0.0, delta: float | None = None,
+                          use_bias_correction_kl: bool = False, is_weight: Tensor | None = None) -> Tensor:
     """`policy_loss` before its length normalisation: the loss of each token, any shape (all
     arguments alike, `advantages` included). Element-wise in the token's own values, which is what
-    lets a fused head take its gradient one chunk of tokens at a time."""
+    lets a fused head take its gradient one chunk of tokens at a time.
+
+    `is_weight` (no gradient) multiplies the surrogate term only, not the KL or the entropy bonus."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * advantages
+    unclipped = (ratio if delta is None else torch.clamp(ratio, max=delta)) * advantages
     per_token = -torch.min(unclipped, clipped)
+    if is_weight is not None:
+        per_token = per_token * is_weight
     if ref_logp is not None and beta != 0.0:
-        per_token = per_token + beta * kl_penalty(logp, ref_logp, "k3")
+        kl = kl_penalty(logp, ref_logp, "k3")
+        per_token = per_token + beta * (kl * ratio if use_bias_correction_kl else kl)
     if entropy_coef != 0.0:
         if entropy is None:
             raise ValueError("entropy_coef != 0 needs the per-token entropy (with its gradient)")
         per_token = per_token - entropy_coef * entropy
     return per_token
+
+
+def sampler_log_ratio(trainer_logp: Tensor, sampling_logp: Tensor, mask: Tensor, correction: str) -> Tensor:
+    """log(π_trainer / π_sampler) of the sampled tokens: `[B, T]` for the token-level corrections,
+    `[B, 1]` (summed over each completion) for the sequence-level ones; 0 off the mask."""
+    diff = torch.nan_to_num((trainer_logp - sampling_logp) * mask.to(trainer_logp.dtype), nan=0.0)
+    return diff.sum(dim=1, keepdim=True) if correction.startswith("sequence") else diff
+
+
+@torch.no_grad()
+def sampler_correction_weights(log_ratio: Tensor, correction: str, clip_min: float | None = None,
+                               clip_max: float | None = 3.0) -> Tensor:
+    """Importance weights π_trainer / π_sampler for samples drawn by a sampler whose arithmetic
+    differs from the trainer's (bf16 kernels, another engine): `*_truncate` clamps them to
+    [clip_min, clip_max] (truncated IS), `*_mask` sets those outside to 0 (the sample leaves the loss).
+
+    Worked example, ratios [0.5, 1.2, 4.0], clip_max 3: token_truncate → [0.5, 1.2, 3.0];
+    token_mask → [0.5, 1.2, 0.0]."""
+    ratio = torch.exp(log_ratio)
+    if correction.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+@torch.no_grad()
+def sampler_mismatch_stats(trainer_logp: Tensor, sampling_logp: Tensor, mask: Tensor, correction: str | None,
+                           clip_min: float | None = None, clip_max: float | None = 3.0) -> dict[str, Tensor]:
+    """TRL's `sampling/*` metrics: |log π_trainer − log π_sampler| over the completion tokens (mean, max),
+    and the importance ratio the correction applies (its token or sequence values; the raw ratio
+    exp(Σ Δ) per token when no correction is on): min, mean, max."""
+    fmask = mask.to(trainer_logp.dtype)
+    valid = fmask.bool() & ~torch.isnan(sampling_logp)
+    diff = (trainer_logp - sampling_logp).abs()[valid]
+    log_ratio = sampler_log_ratio(trainer_logp, sampling_logp, mask, correction or "token_truncate")
+    ratio = torch.exp(log_ratio) if correction is None else sampler_correction_weights(log_ratio, correction,
+                                                                                        clip_min, clip_max)
+    ratio = ratio[valid] if ratio.shape == mask.shape else ratio.reshape(-1)[fmask.sum(dim=1) > 0]
+    zero = torch.zeros((), device=trainer_logp.device)
+    some = diff.numel() > 0
+    return {"sampling/sampling_logp_difference/mean": diff.mean() if some else zero,
+            "sampling/sampling_logp_difference/max": diff.max() if some else zero,
+            "sampling/importance_sampling_ratio/min": ratio.min() if ratio.numel() else zero,
+            "sampling/importance_sampling_ratio/mean": ratio.mean() if ratio.numel() else zero,
+            "sampling/importance_sampling_ratio/max": ratio.max() if ratio.numel() else zero}
 
 
 @torch.no_grad()

@@ -104,10 +104,12 @@ class GRPOTrainer:
                                     share_prompts=self.share_prompts, log=self.log_line)
         self.prompts = PromptStream(self.train_rows, args.prompts_per_step * self.parallel.world_size, args.seed)
         self.group_sampler = GroupSampler(self.sampler, self.tokenizer, args, self.pad_id)
+        # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
+        self.sampler_correction = sampler_correction_mode(args, self.model, self.device)
         self.policy_update = PolicyUpdate(args, train_model=self.train_model, optimizer=self.optimizer,
                                           scheduler=self.scheduler, memory=self.memory, parallel=self.parallel,
                                           device=self.device, pad_id=self.pad_id, share_prompts=self.share_prompts,
-                                          log=self.log_line)
+                                          sampler_correction=self.sampler_correction, log=self.log_line)
         # Global index of this rank's first completion in a step's batch (the sampling noise is keyed by it).
         self.sequence_offset = args.prompts_per_step * self.parallel.rank * args.num_generations
         self.step = 0
@@ -219,10 +221,10 @@ class GRPOTrainer:
 
     def reference_logprobs(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(log π_old, log π_ref), each [B, T] or None: π_old's only when μ > 1 (at μ = 1, π_old = π_θ
-        and ρ ≡ 1), π_ref's only when β > 0."""
+        and ρ ≡ 1) or when a sequence-level sampler correction needs it up front, π_ref's only when β > 0."""
         old = ref = None
         with self.report.phase("logprobs"):
-            if self.args.num_iterations > 1:
+            if self.args.num_iterations > 1 or (self.sampler_correction or "").startswith("sequence"):
                 old = self.policy_update.logprobs(self.model, batch)
             if self.ref_model is not None:
                 with self.memory.reference_pass():
@@ -233,8 +235,11 @@ class GRPOTrainer:
         return old, ref
 
     def estimate_advantages(self, batch: Batch) -> torch.Tensor:
-        """GRPO's group-relative advantages, [B] (PPO's trainer supplies GAE's per-token ones instead)."""
-        return group_advantages(batch.rewards, self.args.num_generations, self.args.scale_rewards)
+        """GRPO's group-relative advantages, [B] (PPO's trainer supplies GAE's per-token ones instead).
+        A completion that no reward function scored (its row of `batch.per_function` all NaN) is left out
+        of its group's mean and std and gets 0, as in TRL 1.16."""
+        scored = None if batch.per_function is None else ~torch.isnan(batch.per_function).all(dim=1)
+        return group_advantages(batch.rewards, self.args.num_generations, self.args.scale_rewards, scored=scored)
 
     def update(self, batch: Batch) -> dict:
         """One policy update (μ of these per rollout); its statistics."""
@@ -412,6 +417,15 @@ class GRPOTrainer:
     def log_line(self, line: str) -> None:
         """What the stages built before the display exists log through (the display's, once it does)."""
         self.log(line)
+
+
+def sampler_correction_mode(args, model, device: torch.device) -> str | None:
+    """The sampler correction in force (objectives.SAMPLER_CORRECTIONS), or None. Automatic where the
+    sampler is not exact: a bf16 / fp16 policy on a GPU (float32 on the CPU agrees to ~1e-6)."""
+    on = args.importance_sampling_correction
+    if on is None:
+        on = device.type == "cuda" and next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    return args.importance_sampling_mode if on else None
 
 
 def seed_everything(seed: int) -> None:

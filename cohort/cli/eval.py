@@ -3,11 +3,16 @@
     cohort eval --model DIR|FILE.gguf --task gsm8k --split test [--data_files F] [--limit N]
                 [--num_samples k] [--output FILE]
 
-Prints pass@1 (greedy), and with k > 1 samples pass@k (Chen et al. 2021, unbiased estimator) and
-maj@k (Wang et al. 2023, self-consistency), the format rate and the mean completion length; writes
-one JSON line per question (question, gold answer, completion(s), verdicts). The scoring itself is
-`cohort.eval.evaluate.evaluate`, which the trainer also runs every `eval_steps`. Without --model the
-built-in tiny model (warm-started on arithmetic) is evaluated.
+Prints the greedy accuracy (one temperature-0 completion per question, "pass@1 (greedy)"), the
+format rate and the mean length of the greedy completions; with --num_samples n > 1 it also samples n
+completions per question at --temperature and prints the unbiased pass@k from those n samples (Chen et
+al. 2021) for k = 1, 2, 4, … up to n and n itself (pass@1 = the samples' mean accuracy), and maj@n
+(Wang et al. 2023, self-consistency). Writes one JSON line per question (question, gold answer,
+completion(s), verdicts, that question's pass@k) and, beside it, `<output stem>.summary.json`: the
+metrics under the keys training logs (`eval/greedy_accuracy`, `eval/pass@4`, `eval/maj@8`, ...), what
+each key means, and the settings. The scoring itself is `cohort.eval.evaluate.evaluate`, which the
+trainer also runs every `eval_steps`. Without --model the built-in tiny model (warm-started on
+arithmetic) is evaluated.
 """
 
 from __future__ import annotations
@@ -28,14 +33,15 @@ EVAL_OPTIONS = {
     "data_files": Option(str, None, "local .jsonl/.json/.parquet file(s) for the split (comma-separated)"),
     "limit": Option(int, None, "score the first N questions (arithmetic: generate N; default 200)"),
     "levels": Option(str, None, "arithmetic difficulty levels, e.g. 3 or 1,2"),
-    "num_samples": Option(int, 1, "k: also sample k completions per question for pass@k and maj@k"),
-    "temperature": Option(float, 1.0, "sampling temperature of the k samples (pass@1 is greedy)"),
+    "num_samples": Option(int, 1, "n > 1: also sample n completions per question for pass@k (k = 1, 2, 4, …, n) and maj@n"),
+    "temperature": Option(float, 1.0, "sampling temperature of the n samples (the greedy accuracy is at 0)"),
     "max_completion_length": Option(int, None, "new tokens per completion (default: the task's, else 256)"),
     "batch_size": Option(int, 64, "questions per generation batch"),
-    "seed": Option(int, 0, "seed of the k samples"),
+    "seed": Option(int, 0, "seed of the n samples"),
     "device": Option(str, "auto", "auto, cpu or cuda"),
     "dtype": Option(str, "auto", "auto (float32), float32 or bfloat16"),
-    "output": Option(str, None, "per-question JSONL (default: runs/eval/<task>_<split>.jsonl)"),
+    "output": Option(str, None, "per-question JSONL (default: runs/eval/<task>_<split>.jsonl); "
+                                "the summary goes beside it as <stem>.summary.json"),
 }
 
 
@@ -65,8 +71,43 @@ def record_of(row: dict, record: dict, index: int) -> dict:
            "length": record["length"]}
     if "samples" in record:
         out.update(samples=record["samples"], samples_correct=record["sample_correct"],
-                   majority_correct=record["majority_correct"])
+                   num_samples_correct=sum(record["sample_correct"]), majority_correct=record["majority_correct"])
+        out.update({f"pass@{k}": value for k, value in record["pass_at"].items()})
     return out
+
+
+def summary_path(output: Path) -> Path:
+    """`runs/eval/gsm8k_test.jsonl` -> `runs/eval/gsm8k_test.summary.json`."""
+    return output.with_name(output.stem + ".summary.json")
+
+
+def summary_of(result, options: dict, model_name: str, max_new_tokens: int) -> dict:
+    """The summary JSON: the metrics under training's keys, what each means, and the settings."""
+    sampled = result.pass_at_k is not None
+    return {"task": options["task"], "split": options["split"], "model": model_name,
+            "num_questions": result.num_questions, "max_completion_length": max_new_tokens,
+            "samples": ({"num_samples": result.k, "temperature": result.temperature, "seed": options["seed"],
+                         "pass_k": sorted(result.pass_at)} if sampled else None),
+            "metrics": result.metrics(), "definitions": result.definitions()}
+
+
+def summary_lines(result, temperature: float) -> list[str]:
+    """The printed summary, each number labelled as what it is."""
+    width = 34
+    lines = [f"  {'greedy accuracy, pass@1 (greedy)':<{width}}{100 * result.accuracy:5.1f}%   "
+             "one greedy (T=0) completion per question",
+             f"  {'format rate':<{width}}{100 * result.format_rate:5.1f}%   of the greedy completions",
+             f"  {'mean length':<{width}}{result.mean_length:5.1f} tokens   of the greedy completions"]
+    if result.pass_at_k is None:
+        return lines
+    n = result.k
+    lines.append(f"  sampled: n={n} completions per question at T={temperature:g}; "
+                 "pass@k = unbiased estimator from the n (Chen et al. 2021)")
+    for k, value in sorted(result.pass_at.items()):
+        note = "mean accuracy of the samples" if k == 1 else ""
+        lines.append(f"  {f'pass@{k}':<{width}}{100 * value:5.1f}%   {note}".rstrip())
+    lines.append(f"  {f'maj@{n}':<{width}}{100 * result.maj_at_k:5.1f}%   majority vote of the {n} samples' answers")
+    return lines
 
 
 def run_eval(argv: list[str], log=print):
@@ -105,15 +146,13 @@ def run_eval(argv: list[str], log=print):
     with open(output, "w") as f:
         for i, (row, record) in enumerate(zip(rows, result.records)):
             f.write(json.dumps(record_of(row, record, i)) + "\n")
-    k = o["num_samples"]
+    model_name = o["model"] or "built-in tiny"
+    summary = summary_path(output)
+    summary.write_text(json.dumps(summary_of(result, o, model_name, max_new), indent=1) + "\n")
     lines = [f"cohort eval: {task.name} {o['split']}, {result.num_questions} questions, "
-             f"model {o['model'] or 'built-in tiny'} ({time.perf_counter() - started:.1f}s)",
-             f"  pass@1 (greedy)  {100 * result.accuracy:.1f}%"]
-    if k > 1:
-        lines += [f"  pass@{k:<11} {100 * result.pass_at_k:.1f}%  (T={o['temperature']:g})",
-                  f"  maj@{k:<12} {100 * result.maj_at_k:.1f}%"]
-    lines += [f"  format rate      {100 * result.format_rate:.1f}%",
-              f"  mean length      {result.mean_length:.1f} tokens",
-              f"  per-question results: {output}"]
+             f"model {model_name} ({time.perf_counter() - started:.1f}s)",
+             *summary_lines(result, o["temperature"]),
+             f"  per-question results: {output}",
+             f"  summary: {summary}"]
     log("\n".join(lines))
     return result

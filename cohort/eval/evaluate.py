@@ -1,9 +1,16 @@
-"""Held-out evaluation: pass@1 (greedy), pass@k and maj@k, format rate, mean length.
+"""Held-out evaluation: greedy accuracy, pass@k and maj@k from sampled completions, format rate, mean length.
 
-The same function runs inside training (every `eval_steps`, logged as `eval/accuracy`) and from
-`cohort eval`. Greedy decoding gives pass@1; with `num_samples` = k > 1 we also sample k
-completions per question at `temperature` and report the unbiased pass@k (Chen et al. 2021)
-and majority-vote accuracy maj@k (Wang et al. 2023, self-consistency).
+The same function runs inside training (every `eval_steps`, logged as `eval/accuracy`, which is the
+greedy accuracy, also logged as `eval/greedy_accuracy`) and from `cohort eval`. Two different
+quantities, never to be confused:
+
+- **greedy accuracy**: one greedy (temperature 0) completion per question, scored right or wrong.
+  Often called "pass@1 (greedy)"; it is the accuracy of the most likely completion, not an estimate
+  of how often a *sample* is right.
+- **pass@k** (with `num_samples` = n > 1): n completions per question sampled at `temperature`, and
+  the unbiased estimator of Chen et al. 2021 (`passk.pass_at_k`) for k = 1, 2, 4, … up to n, and n
+  itself (`passk.pass_k_values`). pass@1 is then the mean accuracy of the samples. maj@n is the
+  majority-vote accuracy over the n samples (Wang et al. 2023, self-consistency).
 """
 
 from __future__ import annotations
@@ -12,40 +19,80 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .passk import majority_vote, pass_at_k
+from .passk import majority_vote, pass_at_k, pass_k_values
 from ..rollout.sampler import SamplingParams
-
 
 @dataclass
 class EvalResult:
-    accuracy: float  # pass@1, greedy
+    accuracy: float  # greedy accuracy: the greedy completion is correct (also called pass@1 (greedy))
     format_rate: float  # fraction of greedy completions in the task's answer format (`task.follows_format`)
     mean_length: float  # greedy completion length in tokens
     num_questions: int
-    pass_at_k: float | None = None
-    maj_at_k: float | None = None
-    k: int = 1
+    pass_at_k: float | None = None  # pass@n, n = k = num_samples (kept for callers that read it)
+    maj_at_k: float | None = None  # maj@n
+    k: int = 1  # n, the samples per question (1: greedy only)
     records: list[dict] = field(default_factory=list)
+    pass_at: dict[int, float] = field(default_factory=dict)  # k -> unbiased pass@k from the n samples
+    temperature: float | None = None  # of the samples
+
+    @property
+    def greedy_accuracy(self) -> float:
+        return self.accuracy
+
+    @property
+    def num_samples(self) -> int:
+        return self.k
 
     def summed(self, all_reduce_sums) -> "EvalResult":
         """The result over every rank's questions: `all_reduce_sums(list of floats)` sums each count
         over ranks (cohort/run/distributed.py); `records` stay this rank's own."""
         sampled = self.pass_at_k is not None
-        counts = [len(self.records), sum(r["correct"] for r in self.records), sum(r["format_ok"] for r in self.records),
-                  sum(r["length"] for r in self.records), (self.pass_at_k or 0.0) * len(self.records),
-                  (self.maj_at_k or 0.0) * len(self.records)]
-        n, correct, format_ok, length, passed, majority = all_reduce_sums(counts)
+        ks = pass_k_values(self.k) if sampled else []
+        mine = len(self.records)
+        counts = [mine, sum(r["correct"] for r in self.records), sum(r["format_ok"] for r in self.records),
+                  sum(r["length"] for r in self.records), (self.maj_at_k or 0.0) * mine,
+                  *[self.pass_at.get(k, 0.0) * mine for k in ks]]
+        n, correct, format_ok, length, majority, *passed = all_reduce_sums(counts)
         n_safe = max(n, 1.0)
+        pass_at = {k: p / n_safe for k, p in zip(ks, passed)}
         return EvalResult(accuracy=correct / n_safe, format_rate=format_ok / n_safe, mean_length=length / n_safe,
-                          num_questions=int(n), pass_at_k=passed / n_safe if sampled else None,
-                          maj_at_k=majority / n_safe if sampled else None, k=self.k, records=self.records)
+                          num_questions=int(n), pass_at_k=pass_at.get(self.k) if sampled else None,
+                          maj_at_k=majority / n_safe if sampled else None, k=self.k, records=self.records,
+                          pass_at=pass_at, temperature=self.temperature)
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
-        out = {f"{prefix}accuracy": self.accuracy, f"{prefix}format_rate": self.format_rate,
-               f"{prefix}mean_length": self.mean_length}
+        """`{prefix}greedy_accuracy` (and its old name `{prefix}accuracy`), format rate, mean length;
+        with samples `{prefix}pass@k` for each reported k and `{prefix}maj@n`."""
+        out = {f"{prefix}accuracy": self.accuracy, f"{prefix}greedy_accuracy": self.accuracy,
+               f"{prefix}format_rate": self.format_rate, f"{prefix}mean_length": self.mean_length}
         if self.pass_at_k is not None:
+            for k, value in sorted(self.pass_at.items()):
+                out[f"{prefix}pass@{k}"] = value
             out[f"{prefix}pass@{self.k}"] = self.pass_at_k
             out[f"{prefix}maj@{self.k}"] = self.maj_at_k
+        return out
+
+    def definitions(self, prefix: str = "eval/") -> dict[str, str]:
+        """What each key of `metrics(prefix)` is, in words (`cohort eval` writes them into its summary)."""
+        n, temperature = self.k, self.temperature
+        known = {"accuracy": "the same as greedy_accuracy (the key training has always logged)",
+                 "greedy_accuracy": "fraction of questions whose greedy (temperature 0) completion is correct",
+                 "format_rate": "fraction of greedy completions in the task's answer format",
+                 "mean_length": "mean greedy completion length in tokens"}
+        out = {}
+        for key in self.metrics(prefix):
+            name = key[len(prefix):]
+            if name == "pass@1":
+                out[key] = (f"mean accuracy of the {n} samples per question at temperature {temperature:g} "
+                            "(the unbiased pass@1)")
+            elif name.startswith("pass@"):
+                out[key] = (f"unbiased pass@{name[5:]} from {n} samples per question at temperature "
+                            f"{temperature:g} (Chen et al. 2021: 1 - C(n-c, k) / C(n, k), c correct), "
+                            "averaged over questions")
+            elif name.startswith("maj@"):
+                out[key] = f"fraction of questions whose most frequent answer among the {n} samples is correct"
+            else:
+                out[key] = known[name]
         return out
 
 
@@ -70,6 +117,7 @@ def evaluate(sampler, tokenizer, task, rows: list[dict], encode_prompt, *, max_n
     eos = [tokenizer.eos_token_id]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     records = []
+    ks = pass_k_values(num_samples) if num_samples > 1 else []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         ids = [encode_prompt(r["prompt"]) for r in chunk]
@@ -90,7 +138,10 @@ def evaluate(sampler, tokenizer, task, rows: list[dict], encode_prompt, *, max_n
                 texts = [_decode(tokenizer, samples, i * num_samples + j) for j in range(num_samples)]
                 verdicts = [bool(task.is_correct(t, row)) for t in texts]
                 record.update(samples=texts, sample_correct=verdicts,
-                              majority_correct=majority_vote([_answer_of(task, t) for t in texts], verdicts))
+                              majority_correct=majority_vote([_answer_of(task, t) for t in texts], verdicts),
+                              # pass@1 is the samples' mean accuracy (what pass_at_k(n, c, 1) = c / n computes)
+                              pass_at={k: sum(verdicts) / num_samples if k == 1 else
+                                       pass_at_k(num_samples, sum(verdicts), k) for k in ks})
             records.append(record)
     n = max(len(records), 1)  # a rank given no rows (more ranks than rows) reports zeros of 0 questions
     result = EvalResult(
@@ -100,7 +151,9 @@ def evaluate(sampler, tokenizer, task, rows: list[dict], encode_prompt, *, max_n
         num_questions=len(records), k=num_samples, records=records,
     )
     if num_samples > 1:
-        result.pass_at_k = sum(pass_at_k(num_samples, sum(r["sample_correct"]), num_samples) for r in records) / n
+        result.temperature = temperature
+        result.pass_at = {k: sum(r["pass_at"][k] for r in records) / n for k in ks}
+        result.pass_at_k = result.pass_at[num_samples]
         result.maj_at_k = sum(r["majority_correct"] for r in records) / n
     if records_path is not None:
         Path(records_path).parent.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - no_correct
 
 
+def pass_k_values(n: int) -> list[int]:
+    """The k that `cohort eval` reports pass@k for from n samples per problem: 1, 2, 4, … up to n, and n.
+
+    >>> pass_k_values(1), pass_k_values(4), pass_k_values(10)
+    ([1], [1, 2, 4], [1, 2, 4, 8, 10])
+    """
+    if not isinstance(n, int) or n < 1:
+        raise CohortError(f"pass_k_values needs n ≥ 1 samples, got {n!r}")
+    ks, k = [], 1
+    while k <= n:
+        ks.append(k)
+        k *= 2
+    return ks if ks[-1] == n else ks + [n]
+
+
 def mean_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
     """pass@k over a set of problems: the mean of `pass_at_k(n, c, k)` over (n, c) pairs."""
     if not counts:

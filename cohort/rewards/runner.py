@@ -1,7 +1,10 @@
 """Calls reward functions safely and combines them by weight (TRL's `GRPOTrainer._calculate_rewards`).
 
 The combined reward of sample i is Σ_f w_f · r_f(i), where a function's None ("does not score this
-sample") counts as 0 — TRL's `nansum` over the `[B, F]` table. A reward function is user code, so one
+sample") counts as 0 — TRL's `nansum` over the `[B, F]` table. A sample that no function scores is
+*unscored* (`RewardOutput.unscored`, the all-NaN rows of the table): as in TRL 1.16 it is left out of
+its group's baseline and gets advantage 0 (`objectives.group_advantages(scored=...)`), and out of the
+`reward` / `reward_std` metrics; `rewards/unscored_frac` counts it. A reward function is user code, so one
 that raises, hangs or returns NaN must not end a long run: the affected samples get None (NaN in the
 table) and a warning, once per function and kind of fault. A contract breach that would make every
 step wrong — the wrong number of values, a non-numeric value, a missing dataset column — raises
@@ -44,9 +47,21 @@ class RewardWarning(UserWarning):
 
 @dataclass
 class RewardOutput:
-    rewards: torch.Tensor  # [B] float32: Σ_f w_f · r_f, a function's None counting as 0 (TRL's nansum)
+    rewards: torch.Tensor  # [B] float32: Σ_f w_f · r_f, a function's None counting as 0 (TRL's nansum); 0 if unscored
     per_function: torch.Tensor  # [B, F] float32, NaN where a function returned None / failed
-    metrics: dict[str, float]  # rewards/<name>/mean, rewards/<name>/std (over non-NaN), reward, reward_std
+    # rewards/<name>/mean, rewards/<name>/std (over non-NaN); reward, reward_std (over the scored samples);
+    # rewards/unscored_frac (the fraction of samples no function scored)
+    metrics: dict[str, float]
+
+    @property
+    def unscored(self) -> torch.Tensor:
+        """[B] bool: True where no reward function scored the sample (every one returned None or failed)."""
+        return unscored_rows(self.per_function)
+
+
+def unscored_rows(per_function: torch.Tensor) -> torch.Tensor:
+    """[B] bool from a [B, F] table of scores: True where every function's entry is NaN (not scored)."""
+    return torch.isnan(per_function).all(dim=1)
 
 
 _FIXED_ARGUMENTS = ("prompts", "completions", "completion_ids")
@@ -125,13 +140,13 @@ class RewardRunner:
                                                      completion_ids=completion_ids, **columns))
                 values = self._call_with_timeout(name, func, kwargs, completions)
             table[:, j] = torch.tensor(self._check_values(name, values, batch, completions), dtype=torch.float32)
-        unscored = torch.isnan(table).all(dim=1)
+        unscored = unscored_rows(table)
         if batch and bool(unscored.any()):
             first = int(unscored.nonzero()[0])
             self._warn("*", "unscored", f"no reward function scored {int(unscored.sum())} of {batch} samples; "
-                       "their reward is 0", completions[first])
+                       "they are left out of their group's baseline and get advantage 0", completions[first])
         rewards = (table * self.weights).nansum(dim=1)
-        return RewardOutput(rewards=rewards, per_function=table, metrics=self._metrics(table, rewards))
+        return RewardOutput(rewards=rewards, per_function=table, metrics=self._metrics(table, rewards, unscored))
 
     def _call_with_timeout(self, name, func, kwargs, completions) -> list:
         """Call `func(**kwargs)` in a daemon thread; all-None if it raises or outlives `timeout_s`."""
@@ -185,13 +200,15 @@ class RewardRunner:
             out.append(float(value))
         return out
 
-    def _metrics(self, table: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
+    def _metrics(self, table: torch.Tensor, rewards: torch.Tensor, unscored: torch.Tensor) -> dict[str, float]:
         metrics = {}
         for j, name in enumerate(self.names):
             mean, std = _nan_mean_std(table[:, j])
             metrics[f"rewards/{name}/mean"] = mean
             metrics[f"rewards/{name}/std"] = std
-        metrics["reward"], metrics["reward_std"] = _nan_mean_std(rewards)
+        # As TRL: the combined reward's statistics leave the unscored samples out.
+        metrics["reward"], metrics["reward_std"] = _nan_mean_std(rewards.masked_fill(unscored, math.nan))
+        metrics["rewards/unscored_frac"] = float(unscored.float().mean()) if len(unscored) else 0.0
         return metrics
 
     def _warn(self, name: str, kind: str, message: str, completion=None) -> None:

@@ -37,8 +37,10 @@ class UpdateCounters:
 
 class PolicyUpdate:
     def __init__(self, args, *, train_model, optimizer, scheduler, memory: MemoryManager, parallel,
-                 device: torch.device, pad_id: int, share_prompts: bool, log: Callable[[str], None] = print):
+                 device: torch.device, pad_id: int, share_prompts: bool, sampler_correction: str | None = None,
+                 log: Callable[[str], None] = print):
         self.args, self.train_model, self.optimizer, self.scheduler = args, train_model, optimizer, scheduler
+        self.sampler_correction = sampler_correction  # objectives.SAMPLER_CORRECTIONS mode, or None
         self.memory, self.parallel, self.device, self.pad_id = memory, parallel, device, pad_id
         self.share_prompts, self.log = share_prompts, log
         self.counters = UpdateCounters()
@@ -70,9 +72,10 @@ class PolicyUpdate:
         plans = self.plan(batch)
         # The step's per-row tensors go to the device once; each micro-batch gathers its rows there.
         # Nothing in the loop waits for the GPU: statistics stay tensors until the loop has ended.
-        old_all, ref_all, advantages_all, keep_all = (
+        sampling = batch.rollout.logprobs  # the sampler's own log-probs (None from HF generate)
+        old_all, ref_all, advantages_all, keep_all, sampling_all = (
             None if t is None else to_device(t, self.device)
-            for t in (batch.old_logp, batch.ref_logp, batch.advantages, keep_rows))
+            for t in (batch.old_logp, batch.ref_logp, batch.advantages, keep_rows, sampling))
         sums: dict[str, torch.Tensor] = {}
         for i, rows in enumerate(plans):
             micro = self.pack(batch, rows)
@@ -88,6 +91,11 @@ class PolicyUpdate:
                     epsilon_high=args.epsilon_high, beta=args.beta, loss_type=args.loss_type,
                     max_completion_length=args.max_completion_length, num_tokens=num_tokens,
                     importance_sampling_level=args.importance_sampling_level, entropy_coef=args.entropy_coef,
+                    delta=args.delta, use_bias_correction_kl=args.use_bias_correction_kl,
+                    sampling_logp=None if sampling_all is None else sampling_all[index, :width],
+                    importance_sampling_correction=self.sampler_correction,
+                    importance_sampling_clip_min=args.importance_sampling_clip_min,
+                    importance_sampling_clip_max=args.importance_sampling_clip_max,
                 )  # None for π_old: at μ = 1 it is π_θ itself
                 # Token-level DAPO already divides by the whole batch's tokens; the others average
                 # micro-batches by their share of completions. DDP averages over ranks: × world.
@@ -98,8 +106,13 @@ class PolicyUpdate:
             stats["loss"] = out.loss.detach() * (1.0 if args.loss_type != "dapo" else 1 / share)
             mask = micro.completion_mask
             stats["entropy"] = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
-            for k, v in stats.items():
-                sums[k] = sums[k] + v * share if k in sums else v * share
+            for k, v in stats.items():  # the step's mean over micro-batches; extremes for /max and /min
+                if k in sums and k.endswith(("/max", "/min")):
+                    sums[k] = torch.maximum(sums[k], v) if k.endswith("/max") else torch.minimum(sums[k], v)
+                elif k.endswith(("/max", "/min")):
+                    sums[k] = v
+                else:
+                    sums[k] = sums[k] + v * share if k in sums else v * share
         grad_norm = clip_grad_norm(self.optimizer, self.train_model, args.max_grad_norm)  # FSDP2: the sharded grads
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
             grad_norm = grad_norm.full_tensor()
