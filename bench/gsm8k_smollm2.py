@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--sft_batch_size", type=int, default=16)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--importance_sampling_correction", choices=["auto", "true", "false"], default="auto",
+                   help="the sampler correction (auto: on for bf16 on a GPU); compare runs with true and false")
     p.add_argument("--smoke", action="store_true", help="CPU, a few questions, 2 GRPO steps: checks the script")
     args = p.parse_args(argv)
     if args.smoke:
@@ -135,6 +137,7 @@ def run(args) -> dict:
         max_completion_length=args.max_completion_length, max_prompt_length=512, learning_rate=args.learning_rate,
         beta=0.0, temperature=1.0, seed=args.seed, device=args.device, output_dir=args.out, logging_steps=1,
         log_completions_steps=10, quiet=True, overwrite_output_dir=True,
+        importance_sampling_correction={"auto": None, "true": True, "false": False}[args.importance_sampling_correction],
     )
     curve: list[dict] = []
 
@@ -144,8 +147,12 @@ def run(args) -> dict:
             r = self.history[-1]
             curve.append({k: r.get(k) for k in ("step", "rewards/format_reward/mean", "rewards/tag_count_reward/mean",
                                                  "rewards/accuracy_reward/mean", "reward", "informative",
-                                                 "completions/mean_length", "step_time")})
+                                                 "completions/mean_length", "step_time",
+                                                 "sampling/sampling_logp_difference/mean",
+                                                 "sampling/importance_sampling_ratio/min",
+                                                 "sampling/importance_sampling_ratio/max")})
             print(f"step {r['step']:3d}  format {r['rewards/format_reward/mean']:.3f}  "
+                  f"|Δlogp| {_num(r.get('sampling/sampling_logp_difference/mean')):.4f}  "
                   f"tag_count {r['rewards/tag_count_reward/mean']:.3f}  accuracy {_num(r['rewards/accuracy_reward/mean']):.3f}  "
                   f"informative {r['informative']:.2f}  length {r['completions/mean_length']:.0f}  "
                   f"{r['step_time']:.1f}s", flush=True)

@@ -53,9 +53,9 @@ class GRPOConfig:
     loss_type: str = field(default="grpo", metadata={
         "help": "Loss aggregation: grpo (mean per completion, then over completions), bnpo or dapo (per token "
                 "over the batch), dr_grpo (sum over tokens ÷ completions × max_completion_length)."})
-    scale_rewards: str = field(default="group", metadata={
+    scale_rewards: str | bool = field(default="group", metadata={
         "help": "Divisor of the centred rewards: group (the group's std, GRPO), batch (the batch's std) or none "
-                "(Dr. GRPO)."})
+                "(Dr. GRPO); TRL's true and false mean group and none."})
     reward_funcs: list[str] | None = field(default=None, metadata={
         "help": "Reward functions: built-in names, module:function, or reward-model folders; None uses the task's."})
     reward_weights: list[float] | None = field(default=None, metadata={
@@ -289,6 +289,9 @@ class GRPOConfig:
             )
         if self.loss_type not in LOSS_TYPES:
             bad(f"unknown loss_type {self.loss_type!r}; choose one of {list(LOSS_TYPES)}")
+        if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
+            # TRL's booleans, from Python, YAML (True) or the command line (true): True is group, False none.
+            self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
         if self.scale_rewards not in SCALE_CHOICES:
             bad(f"unknown scale_rewards {self.scale_rewards!r}; choose one of {list(SCALE_CHOICES)}")
         for alias, name in (("vllm_importance_sampling_correction", "importance_sampling_correction"),

@@ -74,6 +74,8 @@ METRICS: list[tuple[str, str, str]] = [
                                                                   "(recomputed in the backward): all but the last "
                                                                   "in the first update, then its choice"),
     ("rewards/overlong_penalty", "overlong_buffer_length > 0", "mean DAPO overlong penalty added to the reward"),
+    ("rewards/unscored_frac", "always", "fraction of completions no reward function scored (left out of their "
+                                        "group's baseline, advantage 0)"),
     ("sampling/sampling_logp_difference/mean", "the engine samples", "mean |log π_trainer − log π_sampler| over the "
                                                                      "completion tokens (TRL's name)"),
     ("sampling/sampling_logp_difference/max", "the engine samples", "largest such difference in the step"),
@@ -100,6 +102,10 @@ METRICS: list[tuple[str, str, str]] = [
     ("value_loss", "PPOTrainer", "the critic's clipped value loss"),
     ("critic_grad_norm", "PPOTrainer", "the critic's gradient norm before clipping"),
     ("eval/accuracy", "evaluations", "greedy held-out accuracy (before training, every eval_steps, after)"),
+    ("eval/greedy_accuracy", "evaluations", "the same greedy accuracy, under the name `cohort eval` uses"),
+    ("eval/pass@k", "cohort eval --num_samples n", "unbiased pass@k from n samples (Chen et al. 2021), k = 1, 2, 4, "
+                                                   "…, n; pass@1 is the mean accuracy of the samples"),
+    ("eval/maj@n", "cohort eval --num_samples n", "majority vote of the n samples' answers"),
     ("eval/format_rate", "evaluations", "fraction of held-out completions in the task's answer format"),
     ("eval/mean_length", "evaluations", "mean held-out completion length in tokens"),
 ]

@@ -1,12 +1,16 @@
-"""`cohort eval`: per-question JSONL, pass@1 / pass@k / maj@k consistent with the verdicts, verdicts
-checked independently of the code under test, and the in-training eval logging `eval/accuracy`.
+"""`cohort eval`: per-question JSONL, the greedy accuracy and (from n samples) pass@k for k = 1, 2, 4, …, n
+and maj@n consistent with the verdicts, each printed and stored under its own label, verdicts checked
+independently of the code under test, and the in-training eval logging `eval/accuracy`.
 
 Where a verdict must come out right (not merely agree with the code's own parse), the model is a
 scripted one (`save_answering_model`) whose greedy completion is known in advance, and the expected
 verdicts follow from the data by plain Python."""
 
+import itertools
 import json
+import random
 import re
+from collections import Counter
 from math import comb
 
 import pytest
@@ -91,6 +95,122 @@ def test_arithmetic_eval_writes_jsonl_and_consistent_metrics(tiny_dir, tmp_path,
     assert re.search(r"mean length\s+[\d.]+ tokens", printed)
 
 
+class ScriptedSampler:
+    """Arithmetic completions chosen in advance, whatever the model: the greedy completion is right
+    when the answer is even; of the n samples of a question, `answer % (n + 1)` are right (at random
+    positions) and the wrong ones alternate between two wrong answers, so pass@k, pass@1 and maj@n all
+    differ from the greedy accuracy and from each other."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def completions(self, question: str, n: int, greedy: bool) -> list[str]:
+        truth = _arithmetic_truth(question)
+        if greedy:
+            return [f"<answer>{truth if truth % 2 == 0 else truth + 1}</answer>"]
+        right = set(random.Random(truth).sample(range(n), truth % (n + 1)))
+        return [f"<answer>{truth if j in right else truth + 1 + j % 2}</answer>" for j in range(n)]
+
+    def generate(self, prompt_ids, num_generations, params):
+        from cohort.rollout.sampler import Rollout
+
+        texts = [text for ids in prompt_ids
+                 for text in self.completions(self.tokenizer.decode(ids).split("=?")[0], num_generations,
+                                              params.temperature == 0)]
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        width = max(map(len, ids))
+        completion_ids = torch.tensor([row + [params.pad_token_id] * (width - len(row)) for row in ids])
+        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in ids])
+        return Rollout(completion_ids, mask, None, ["stop"] * len(texts))
+
+
+def subset_pass_at_k(verdicts, k):
+    """The share of the k-subsets of one question's samples holding a correct one (enumerated)."""
+    subsets = list(itertools.combinations(verdicts, k))
+    return sum(any(subset) for subset in subsets) / len(subsets)
+
+
+def first_most_voted(answers):
+    """Independent maj@n: the most frequent answer, ties to the one seen first; None without answers."""
+    votes = Counter(a for a in answers if a is not None)
+    return max(votes, key=lambda a: (votes[a], -answers.index(a))) if votes else None
+
+
+def test_pass_at_k_for_every_k_beside_the_greedy_accuracy(tiny_dir, tmp_path, monkeypatch, capsys):
+    """n = 6 samples: pass@1, pass@2, pass@4 and pass@6 (n itself) from subset enumeration over the
+    JSONL's own verdicts, maj@6 from an independent vote; printed, in the per-question JSONL and in the
+    summary JSON under `eval/...` keys, each labelled as what it is."""
+    import cohort.rollout
+
+    monkeypatch.setattr(cohort.rollout, "make_sampler", lambda model, tokenizer: ScriptedSampler(tokenizer))
+    out_file = tmp_path / "scripted.jsonl"
+    assert main(["eval", "--model", tiny_dir, "--task", "arithmetic", "--limit", "16", "--levels", "1",
+                 "--num_samples", "6", "--temperature", "0.7", "--output", str(out_file), "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    records = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert len(records) == 16
+    ks = [1, 2, 4, 6]
+    expected = {f"pass@{k}": 0.0 for k in ks}
+    for r in records:
+        truth = _arithmetic_truth(r["question"])
+        verdicts = [_tagged_answer(s) == str(truth) for s in r["samples"]]
+        assert r["samples_correct"] == verdicts and sum(verdicts) == truth % 7 == r["num_samples_correct"]
+        assert r["correct"] == (truth % 2 == 0)
+        assert r["majority_correct"] == (first_most_voted([_tagged_answer(s) for s in r["samples"]]) == str(truth))
+        for k in ks:
+            assert r[f"pass@{k}"] == pytest.approx(subset_pass_at_k(verdicts, k), abs=1e-12), (k, verdicts)
+            expected[f"pass@{k}"] += subset_pass_at_k(verdicts, k) / 16
+    expected["pass@1"] = sum(sum(r["samples_correct"]) / 6 for r in records) / 16  # the samples' mean accuracy
+    greedy = sum(r["correct"] for r in records) / 16
+    majority = sum(r["majority_correct"] for r in records) / 16
+    assert len({sum(r["samples_correct"]) for r in records}) >= 4  # the script spreads c over 0..6
+    assert len({round(v, 6) for v in [greedy, majority, *expected.values()]}) >= 4  # distinct numbers
+
+    summary = json.loads((tmp_path / "scripted.summary.json").read_text())
+    metrics = summary["metrics"]
+    assert metrics["eval/greedy_accuracy"] == metrics["eval/accuracy"] == pytest.approx(greedy)
+    assert metrics["eval/maj@6"] == pytest.approx(majority)
+    assert {key for key in metrics if key.startswith("eval/pass@")} == {f"eval/pass@{k}" for k in ks}
+    for key, value in expected.items():
+        assert metrics[f"eval/{key}"] == pytest.approx(value, abs=1e-12), key
+    assert summary["samples"] == {"num_samples": 6, "temperature": 0.7, "seed": 0, "pass_k": ks}
+    assert set(summary["definitions"]) == set(metrics)
+    assert "greedy" in summary["definitions"]["eval/greedy_accuracy"]
+    assert "mean accuracy of the 6 samples" in summary["definitions"]["eval/pass@1"]
+    assert "unbiased pass@4 from 6 samples" in summary["definitions"]["eval/pass@4"]
+
+    assert _printed(printed, "greedy accuracy, pass@1 (greedy)") == pytest.approx(100 * greedy, abs=0.05)
+    assert re.search(r"n=6 completions per question at T=0\.7", printed)
+    for k in ks:  # "pass@1" alone (the sampled one) is a different line from the greedy one
+        assert _printed(printed, f"\n  pass@{k}") == pytest.approx(100 * expected[f"pass@{k}"], abs=0.05)
+    assert re.search(r"\n  pass@1\s+[\d.]+%\s+mean accuracy of the samples", printed)
+    assert _printed(printed, "maj@6") == pytest.approx(100 * majority, abs=0.05)
+    assert "pass@8" not in printed and "pass@3" not in printed
+    assert f"summary: {tmp_path / 'scripted.summary.json'}" in printed
+
+
+def test_evaluate_summed_over_ranks_equals_one_rank():
+    """`EvalResult.summed` (the in-training eval over several ranks) adds up every pass@k."""
+    from cohort.eval.evaluate import evaluate
+    from cohort.models.tiny import build_tokenizer
+    from cohort.tasks import get_task
+
+    tokenizer = build_tokenizer()
+    task = get_task("arithmetic")
+    rows = task.load("test", levels=[1], size=10, seed=3)
+    encode = lambda prompt: tokenizer(prompt, add_special_tokens=False)["input_ids"]  # noqa: E731
+    whole = evaluate(ScriptedSampler(tokenizer), tokenizer, task, rows, encode, num_samples=5)
+    halves = [evaluate(ScriptedSampler(tokenizer), tokenizer, task, part, encode, num_samples=5)
+              for part in (rows[:3], rows[3:])]
+    counts = []
+    for half in halves:  # each "rank" records its counts; the reduction adds the two lists
+        half.summed(lambda values: counts.append(values) or values)
+    total = [a + b for a, b in zip(*counts)]
+    merged = halves[0].summed(lambda values: total)
+    assert merged.num_questions == 10 and sorted(merged.pass_at) == [1, 2, 4, 5]
+    assert merged.metrics() == pytest.approx(whole.metrics(), abs=1e-12)
+
+
 def test_gsm8k_eval_from_data_files(tmp_path, capsys):
     """A model that always answers `<answer>12</answer>`: right on the question whose '#### N' line says
     12, wrong on the others, and never in GSM8K's <think>/<answer> layout."""
@@ -113,7 +233,13 @@ def test_gsm8k_eval_from_data_files(tmp_path, capsys):
     assert all("samples" not in r for r in records)
     assert _printed(printed, "pass@1 (greedy)") == pytest.approx(100 / 3, abs=0.05)
     assert _printed(printed, "format rate") == 0.0
-    assert "pass@" not in printed.replace("pass@1 (greedy)", "")  # k = 1: no pass@k / maj@k lines
+    assert "pass@" not in printed.replace("pass@1 (greedy)", "")  # n = 1: no pass@k / maj@k lines
+    assert "maj@" not in printed
+    summary = json.loads((tmp_path / "gsm.summary.json").read_text())
+    assert summary["samples"] is None
+    assert summary["metrics"] == pytest.approx({"eval/accuracy": 1 / 3, "eval/greedy_accuracy": 1 / 3,
+                                                "eval/format_rate": 0.0,
+                                                "eval/mean_length": sum(r["length"] for r in records) / 3})
 
 
 def test_no_model_means_the_built_in_model(tiny_dir, tmp_path, monkeypatch, capsys):

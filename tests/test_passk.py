@@ -6,7 +6,7 @@ import random
 import pytest
 
 from cohort.errors import CohortError
-from cohort.eval.passk import majority_vote, mean_pass_at_k, pass_at_k
+from cohort.eval.passk import majority_vote, mean_pass_at_k, pass_at_k, pass_k_values
 
 
 def brute_force_pass_at_k(n, c, k):
@@ -21,6 +21,35 @@ def test_pass_at_k_equals_subset_enumeration(n):
     for c in range(n + 1):
         for k in range(1, n + 1):
             assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+
+
+def subset_pass_at_k(verdicts, k):
+    """pass@k of one problem straight from its sample verdicts: the share of the k-subsets of the
+    samples (by position, so equal verdicts count separately) that hold a correct sample."""
+    subsets = list(itertools.combinations(verdicts, k))
+    return sum(any(subset) for subset in subsets) / len(subsets)
+
+
+def test_pass_at_k_equals_enumeration_of_random_verdict_lists():
+    rng = random.Random(1)
+    for _ in range(200):
+        n = rng.randint(1, 10)
+        verdicts = [rng.random() < rng.random() for _ in range(n)]
+        for k in range(1, n + 1):
+            assert pass_at_k(n, sum(verdicts), k) == pytest.approx(subset_pass_at_k(verdicts, k), abs=1e-12)
+        assert pass_at_k(n, sum(verdicts), 1) == pytest.approx(sum(verdicts) / n, abs=1e-15)  # the samples' mean
+
+
+@pytest.mark.parametrize("n, ks", [(1, [1]), (2, [1, 2]), (3, [1, 2, 3]), (4, [1, 2, 4]), (6, [1, 2, 4, 6]),
+                                   (8, [1, 2, 4, 8]), (16, [1, 2, 4, 8, 16]), (20, [1, 2, 4, 8, 16, 20])])
+def test_pass_k_values_are_powers_of_two_and_n(n, ks):
+    assert pass_k_values(n) == ks
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.0])
+def test_pass_k_values_rejects_bad_n(n):
+    with pytest.raises(CohortError):
+        pass_k_values(n)
 
 
 def test_pass_at_1_is_the_fraction_correct_and_worked_example():

@@ -182,7 +182,8 @@ def test_canonical_answer_gives_equal_forms_one_normal_form(forms, normal):
 # ---------------------------------------------------------------------------------------- registry
 
 def test_resolve_reward_by_name_path_and_callable():
-    assert set(REWARD_FUNCS) == {"format", "lenient_format", "tag_count", "reasoning_steps", "accuracy"}
+    assert set(REWARD_FUNCS) == {"format", "lenient_format", "tag_count", "reasoning_steps", "accuracy",
+                                 "think_format_reward"}
     for name, func in REWARD_FUNCS.items():
         assert resolve_reward(name) is func
     assert resolve_reward("cohort.rewards.rules:format_reward") is format_reward

@@ -19,10 +19,19 @@ import torch
 from ..rollout.sampler import Rollout
 
 
-def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """`[num_groups]` bool: True where the group's rewards are not all equal (max > min)."""
+def informative_groups(rewards: torch.Tensor, group_size: int, scored: torch.Tensor | None = None) -> torch.Tensor:
+    """`[num_groups]` bool: True where the group's scored rewards are not all equal (max > min).
+    `scored` ([B] bool) leaves out completions no reward function scored (their advantage is 0)."""
     grouped = rewards.view(-1, group_size)
-    return grouped.max(dim=1).values > grouped.min(dim=1).values
+    if scored is None:
+        return grouped.max(dim=1).values > grouped.min(dim=1).values
+    kept = scored.view(-1, group_size)
+    return grouped.masked_fill(~kept, -torch.inf).max(dim=1).values > grouped.masked_fill(~kept, torch.inf).min(dim=1).values
+
+
+def scored_rows(batch) -> torch.Tensor | None:
+    """[B] bool: the completions some reward function scored (None: every one)."""
+    return None if batch.per_function is None else ~torch.isnan(batch.per_function).all(dim=1)
 
 
 def select_groups(batch, groups: list[int], group_size: int):
@@ -92,7 +101,7 @@ def fill_informative(first, sample_more: Callable[[], object], *, prompts_needed
     batch = first
     while True:
         tries += 1
-        keep = informative_groups(batch.rewards, group_size)
+        keep = informative_groups(batch.rewards, group_size, scored_rows(batch))
         dropped += int((~keep).sum())
         groups = keep.nonzero().flatten().tolist()
         if groups:

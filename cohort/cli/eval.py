@@ -33,7 +33,8 @@ EVAL_OPTIONS = {
     "data_files": Option(str, None, "local .jsonl/.json/.parquet file(s) for the split (comma-separated)"),
     "limit": Option(int, None, "score the first N questions (arithmetic: generate N; default 200)"),
     "levels": Option(str, None, "arithmetic difficulty levels, e.g. 3 or 1,2"),
-    "num_samples": Option(int, 1, "n > 1: also sample n completions per question for pass@k (k = 1, 2, 4, …, n) and maj@n"),
+    "num_samples": Option(int, 1, "n > 1: also sample n completions per question for pass@k "
+                                  "(k = 1, 2, 4, …, n) and maj@n"),
     "temperature": Option(float, 1.0, "sampling temperature of the n samples (the greedy accuracy is at 0)"),
     "max_completion_length": Option(int, None, "new tokens per completion (default: the task's, else 256)"),
     "batch_size": Option(int, 64, "questions per generation batch"),

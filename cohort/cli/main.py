@@ -12,7 +12,7 @@ from ..errors import CohortError
 
 USAGE = """usage: cohort [train] [--option value ...]   GRPO training (no options: the built-in task)
        cohort train --nproc_per_node N [...]    the same on N processes (GPUs) through torchrun; --fsdp shards
-       cohort eval --model DIR --task NAME [--split test] [--limit N] [--num_samples k] [--output FILE]
+       cohort eval --model DIR --task NAME [--split test] [--limit N] [--num_samples n] [--output FILE]
        cohort sft --model DIR --data_files FILE [--output_dir DIR] [--max_steps N] [--learning_rate LR]
        cohort report RUN_DIR [RUN_DIR ...] [--out DIR]
        cohort chat MODEL_DIR            cohort generate MODEL_DIR --prompts FILE

@@ -89,10 +89,17 @@ class StepReport:
             record.pop("kl", None)  # β = 0: no reference model, no KL to report (as TRL)
         record.update(batch.reward_metrics)
         record.update(context.extra)
-        zero_std = torch.isclose(grouped.std(dim=1), torch.zeros(())).float()  # all-equal groups (TRL's test)
+        scored = None if batch.per_function is None else ~torch.isnan(batch.per_function).all(dim=1)
+        if scored is None or bool(scored.all()):
+            group_std, reward = grouped.std(dim=1), float(batch.rewards.mean())
+        else:  # completions no reward function scored are no evidence: left out, as from the advantages
+            group_std = torch.stack([g[k].std() if int(k.sum()) > 1 else torch.zeros(())
+                                     for g, k in zip(grouped, scored.view(-1, G))])
+            reward = float(batch.rewards[scored].mean()) if bool(scored.any()) else 0.0
+        zero_std = torch.isclose(group_std, torch.zeros(())).float()  # all-equal groups (TRL's test)
         record.update({
-            "reward": float(batch.rewards.mean()),
-            "reward_std": float(grouped.std(dim=1).mean()),
+            "reward": reward,
+            "reward_std": float(group_std.mean()),
             "frac_reward_zero_std": float(zero_std.mean()),
             "informative": float(1 - zero_std.mean()),
             "success": context.success,
