@@ -1,20 +1,28 @@
 """`GRPOConfig`: every knob of a run, with TRL's names where the concept is the same.
 
-A config comes from Python (`GRPOConfig(learning_rate=...)`), from the command line
-(`--learning_rate 1e-5`, dashes accepted) or from YAML (`--config run.yaml`); command-line flags
-override the file. `validate()` turns contradictions into one-line `CohortError`s.
+A config comes from Python (`GRPOConfig(learning_rate=...)`), or from the command line and YAML
+(`resolve_config`), where one precedence rule holds for every option, lowest first: the built-in
+default < the task's defaults (`default_config` of the task that the command line or the YAML names)
+< the YAML file (`--config run.yaml`) < the command line (`--learning_rate 1e-5`, dashes accepted).
+`resolve_config` also says where each value came from. `validate()` turns contradictions into
+one-line `CohortError`s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
+import re
+import textwrap
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .algorithm.objectives import IMPORTANCE_LEVELS, LOSS_TYPES, SAMPLER_CORRECTIONS, SCALE_CHOICES
 from .errors import CohortError
+from .tasks import TASKS
 
 
 @dataclass
@@ -22,10 +30,23 @@ class GRPOConfig:
     # What to train, on what.
     model: str | None = field(default=None, metadata={
         "help": "The policy: a local Hugging Face folder, a hub id or a .gguf file; None is the built-in tiny model."})
-    task: str = field(default="arithmetic", metadata={
-        "help": "The task that supplies prompts, reward functions and the held-out verifier: arithmetic or gsm8k."})
+    task: str | None = field(default=None, metadata={
+        "help": "The task that supplies prompts, reward functions and the held-out verifier: arithmetic, gsm8k or "
+                "generic (your rows and --reward_funcs, no verifier); None is generic when data_files or "
+                "dataset_name is given, else arithmetic."})
     data_files: str | None = field(default=None, metadata={
-        "help": "A local .jsonl, .json or .parquet file of training rows for the task (e.g. GSM8K)."})
+        "help": "Local training rows: .jsonl, .json, .parquet or .csv file(s), comma-separated or a glob."})
+    dataset_name: str | None = field(default=None, metadata={
+        "help": "Instead of data_files: a Hugging Face Hub dataset (datasets.load_dataset; the hub extra, online)."})
+    dataset_config: str | None = field(default=None, metadata={
+        "help": "The hub dataset's configuration (load_dataset's name), e.g. main for openai/gsm8k."})
+    dataset_train_split: str = field(default="train", metadata={
+        "help": "The split trained on: of dataset_name, of a task's own data, or a key of split-mapped files."})
+    dataset_test_split: str = field(default="test", metadata={
+        "help": "The held-out split evaluated on, when the task has a verifier and eval_data_files is not given."})
+    prompt_column: str = field(default="prompt", metadata={
+        "help": "Generic task: the column holding each prompt (text or chat messages), renamed to prompt; the "
+                "other columns reach the reward functions as keyword arguments."})
     eval_data_files: str | None = field(default=None, metadata={
         "help": "Held-out rows for evaluation; None uses the task's own test split, never data_files."})
     subset: int | None = field(default=None, metadata={
@@ -63,6 +84,12 @@ class GRPOConfig:
     reward_timeout: float = field(default=10.0, metadata={
         "help": "Seconds a reward call may take (a whole-batch call, or one sample of a per-sample function) "
                 "before its samples score None."})
+
+    # Reward faults: a reward function that raises stops the run, unless told to score None (cohort/rewards/runner.py).
+    reward_errors: str = field(default="raise", metadata={
+        "help": "What a reward function that raises does: raise stops the run at its first exception with one line "
+                "naming the function; warn scores the samples it fails on None and counts them in "
+                "rewards/<name>/errors. A reward call that times out is not an error: it scores None either way."})
 
     # Algorithm breadth: DAPO, GSPO, an entropy bonus. The defaults leave plain GRPO unchanged.
     dynamic_sampling: bool = field(default=False, metadata={
@@ -147,13 +174,13 @@ class GRPOConfig:
     max_completion_length: int = field(default=256, metadata={
         "help": "New tokens per completion at most; a completion cut there counts as truncated."})
     temperature: float = field(default=1.0, metadata={
-        "help": "Sampling temperature of the rollouts; 0 samples greedily."})
+        "help": "Sampling temperature of the rollouts; must be > 0 (a group's completions must differ), e.g. 0.7-1.0."})
     top_p: float = field(default=1.0, metadata={
         "help": "Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1.0 is off."})
     top_k: int = field(default=0, metadata={
-        "help": "Sample among the k most likely tokens only; 0 is off."})
+        "help": "Sample among the k most likely tokens only; 0 is off, 1 (greedy) is refused."})
     min_p: float = field(default=0.0, metadata={
-        "help": "Drop tokens less likely than min_p × the most likely token's probability; 0.0 is off."})
+        "help": "Drop tokens less likely than min_p × the most likely token's probability; 0.0 is off, below 1."})
 
     # Optimisation.
     learning_rate: float = field(default=1e-6, metadata={
@@ -280,6 +307,14 @@ class GRPOConfig:
         def bad(msg: str) -> None:
             raise CohortError(msg)
 
+        if self.task is None:
+            self.task = default_task(self.data_files, self.dataset_name)
+        if self.task not in TASKS:
+            bad(f"unknown task {self.task!r}; choose one of {sorted(TASKS)} (--task)")
+        if self.data_files is not None and self.dataset_name is not None:
+            bad(f"data_files={self.data_files!r} and dataset_name={self.dataset_name!r} both name the training "
+                "rows; pass only one")
+
         if self.num_generations < 2:
             bad(f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt to form a group")
         if self.generation_batch_size % self.num_generations:
@@ -294,11 +329,7 @@ class GRPOConfig:
             self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
         if self.scale_rewards not in SCALE_CHOICES:
             bad(f"unknown scale_rewards {self.scale_rewards!r}; choose one of {list(SCALE_CHOICES)}")
-        for alias, name in (("vllm_importance_sampling_correction", "importance_sampling_correction"),
-                            ("vllm_importance_sampling_mode", "importance_sampling_mode"),
-                            ("vllm_importance_sampling_clip_min", "importance_sampling_clip_min"),
-                            ("vllm_importance_sampling_clip_max", "importance_sampling_clip_max"),
-                            ("vllm_importance_sampling_cap", "importance_sampling_clip_max")):
+        for alias, name in ALIASES:
             if getattr(self, alias) is not None:  # TRL's names: they set cohort's, then step aside
                 setattr(self, name, getattr(self, alias))
                 setattr(self, alias, None)
@@ -353,8 +384,16 @@ class GRPOConfig:
                 "overwrite_output_dir deletes it; pass only one")
         if self.ddp_timeout < 1:
             bad(f"ddp_timeout={self.ddp_timeout} must be at least 1 second")
-        if self.temperature < 0:
-            bad(f"temperature={self.temperature} must be ≥ 0")
+        # Greedy sampling makes the G completions of a prompt identical: every advantage is 0, nothing is learnt.
+        if self.temperature <= 0:
+            bad(f"temperature={self.temperature:g}: GRPO needs the completions of one prompt to differ, and "
+                "greedy sampling makes every group identical; pass --temperature > 0, e.g. 0.7-1.0")
+        if self.top_k == 1 or self.top_k < 0:
+            bad(f"top_k={self.top_k}: " + ("sampling only the most likely token makes every group identical" if
+                self.top_k == 1 else "a negative count means nothing") + "; pass --top_k 0 (off) or more than 1")
+        if not 0 <= self.min_p < 1:
+            bad(f"min_p={self.min_p:g} must lie in [0, 1): at 1 only the most likely token is sampled and every "
+                "group is identical; pass --min_p 0 (off) or e.g. 0.05")
         if not 0 < self.top_p <= 1:
             bad(f"top_p={self.top_p} must lie in (0, 1]")
         if self.learning_rate <= 0:
@@ -399,6 +438,39 @@ class GRPOConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# TRL's names that set cohort's field, then step aside (validate).
+ALIASES = (("vllm_importance_sampling_correction", "importance_sampling_correction"),
+           ("vllm_importance_sampling_mode", "importance_sampling_mode"),
+           ("vllm_importance_sampling_clip_min", "importance_sampling_clip_min"),
+           ("vllm_importance_sampling_clip_max", "importance_sampling_clip_max"),
+           ("vllm_importance_sampling_cap", "importance_sampling_clip_max"))
+
+# The values an option takes, where they are a fixed set (shown by `cohort train --help`).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "task": tuple(TASKS),
+    "loss_type": LOSS_TYPES,
+    "scale_rewards": SCALE_CHOICES,
+    "importance_sampling_level": IMPORTANCE_LEVELS,
+    "importance_sampling_mode": SAMPLER_CORRECTIONS,
+    "vllm_importance_sampling_mode": SAMPLER_CORRECTIONS,
+    "lr_scheduler_type": ("constant", "cosine", "linear"),
+    "rm_buffer_policy": ("fifo", "reservoir"),
+    "rm_loss": ("pointwise", "pairwise"),
+    "rm_scorer": ("head", "likelihood"),
+    "device": ("auto", "cpu", "cuda", "cuda:N"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "model_impl": ("auto", "cohort", "hf"),
+    "report_to": ("none", "tensorboard", "wandb", "all"),
+    "gradient_checkpointing_layers": ("N", "auto"),
+    "reward_errors": ("raise", "warn"),
+}
+
+
+def default_task(data_files, dataset_name) -> str:
+    """The task when none is named: your rows (generic) when data is given, else the built-in arithmetic."""
+    return "generic" if data_files is not None or dataset_name is not None else "arithmetic"
 
 
 # ---- parsing from the command line and YAML -------------------------------------------------
@@ -489,30 +561,188 @@ def option_pairs(argv: list[str], command: str = ""):
         i += 1
 
 
-def parse_config(argv: list[str], defaults: dict | None = None) -> GRPOConfig:
-    """`--field value` / `--field=value` / `--flag` pairs (and `--config file.yaml`) → GRPOConfig."""
+def task_defaults(name: str) -> dict:
+    """The task's `default_config` (an unknown task is a one-line `CohortError` naming the choices)."""
+    from .tasks import get_task
+
+    return dict(getattr(get_task(name), "default_config", {}) or {})
+
+
+def resolve_config(argv: list[str], task_defaults: Callable[[str], dict] | None = None, *,
+                   validate: bool = True) -> tuple[GRPOConfig, dict[str, str]]:
+    """`--field value` / `--field=value` / `--flag` arguments (and `--config file.yaml`) → the config
+    and, for every field, where its value came from: `default`, `task:<name>`, `yaml:<file>` or `cli`.
+
+    One rule for every option, lowest first: built-in default < the task's defaults < YAML < command
+    line. The task is the command line's `--task`, else the YAML's `task:`, else `default_task` (generic
+    when the command line or YAML gives data_files or dataset_name, else arithmetic); its defaults
+    (`task_defaults(name)`, by default its `default_config`) apply whatever else is given, `--model`
+    included."""
     fields = _fields()
-    values: dict = dict(defaults or {})
     cli = {key: "true" if value is None else value for key, value in option_pairs(argv)}  # bare flag = true
+    layers: list[tuple[str, dict]] = []
     if "config" in cli:
-        for key, value in load_yaml(cli.pop("config")).items():
+        path = cli.pop("config")
+        if path == "true":
+            raise CohortError("--config needs a YAML file: --config run.yaml")
+        values = {}
+        for key, value in load_yaml(path).items():
             key = str(key).replace("-", "_")
             if key not in fields:
                 raise _unknown(key, "the YAML config")
             values[key] = _convert(key, value, fields[key].type)
+        layers.append((f"yaml:{path}", values))
+    values = {}
     for key, value in cli.items():
         if key not in fields:
             raise _unknown(key, "the command line")
         values[key] = _convert(key, value, fields[key].type)
-    return GRPOConfig(**values).validate()
+    layers.append(("cli", values))
+
+    given = {key: value for _, layer in layers for key, value in layer.items()}  # later layers win
+    task = given.get("task") or default_task(given.get("data_files"), given.get("dataset_name"))
+    defaults = (task_defaults or globals()["task_defaults"])(task)
+    unknown = sorted(set(defaults) - set(fields))
+    if unknown:
+        raise CohortError(f"task {task!r} has default options that are not GRPOConfig fields: {unknown}")
+    layers.insert(0, (f"task:{task}", defaults))
+
+    sources = {name: "default" for name in fields}
+    resolved: dict = {}
+    for source, layer in layers:
+        for key, value in layer.items():
+            resolved[key] = value
+            sources[key] = source
+    resolved["task"] = task  # given (the command line, the YAML) or chosen from the data
+    config = GRPOConfig(**resolved)
+    if validate:
+        aliased = {alias: sources[alias] for alias, _ in ALIASES}
+        config.validate()
+        for alias, name in ALIASES:  # a TRL name set cohort's field: the field's value came from there
+            if aliased[alias] != "default":
+                sources[name] = aliased[alias]
+    return config, sources
 
 
-def config_help() -> str:
-    lines = []
-    for f in dataclasses.fields(GRPOConfig):
-        default = f.default if f.default is not dataclasses.MISSING else None
-        lines.append(f"  --{f.name:<30} (default: {default})")
-    return "\n".join(lines)
+def parse_config(argv: list[str], defaults: dict | None = None) -> GRPOConfig:
+    """`--field value` / `--field=value` / `--flag` arguments (and `--config file.yaml`) → a validated
+    `GRPOConfig`, by `resolve_config`'s rule; `defaults`, when given, stands in for the task's defaults."""
+    lookup = None if defaults is None else (lambda _task: dict(defaults))
+    return resolve_config(argv, lookup)[0]
+
+
+# ---- showing a config: --print_config and --help ----------------------------------------------
+
+def show_value(value) -> str:
+    """A value as the command line writes it: none, true/false, comma-separated lists, curricula as TASK:STEPS."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        if all(set(v) == {"task", "steps"} for v in value):
+            return ",".join(f"{v['task']}:{v['steps']}" for v in value)
+        return _yaml_value(value)
+    if isinstance(value, (list, tuple)):
+        return ",".join(show_value(v) for v in value)
+    return str(value)
+
+
+def _yaml_value(value) -> str:
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, allow_unicode=True, width=10**6)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
+
+
+def describe_config(config: GRPOConfig, sources: dict[str, str]) -> str:
+    """`cohort train --print_config`: every option with its value and where the value came from, as a
+    YAML file (`--config` reads it back to the same config)."""
+    rows = [(f"{f.name}: {_yaml_value(getattr(config, f.name))}", sources.get(f.name, "default"))
+            for f in dataclasses.fields(GRPOConfig)]
+    width = max(len(text) for text, _ in rows) + 2
+    head = ("# cohort train: the resolved configuration. Each value's source, lowest precedence first: "
+            "default < task:<name> < yaml:<file> < cli")
+    return "\n".join([head] + [f"{text:<{width}}# {source}" for text, source in rows])
+
+
+def type_text(name: str) -> str:
+    """The kind of value an option takes, for --help: {choice,...}, INT, FLOAT, STR, {true,false}, lists."""
+    hint = typing.get_type_hints(GRPOConfig)[name]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if name in CHOICES:
+        text = "{" + ",".join(CHOICES[name]) + "}"
+    elif name == "curriculum":
+        text = "TASK:STEPS,..."
+    else:
+        bases = [a for a in args if a is not type(None)] or [hint]
+        base = bases[0]
+        if typing.get_origin(base) is list:
+            (item,) = typing.get_args(base)
+            text = f"{item.__name__.upper()},..."
+        elif base is bool:
+            text = "{true,false}"
+        else:
+            text = getattr(base, "__name__", str(base)).upper()
+    return text + ("|none" if optional and name not in ("task",) else "")
+
+
+def sections() -> list[tuple[str, list[str]]]:
+    """(title, field names) for each block of `GRPOConfig` that a comment opens after a blank line; the
+    title is the comment up to its first '.', ':' or ';' (docs/generate_reference.py groups the same way)."""
+    names = [f.name for f in dataclasses.fields(GRPOConfig)]
+    try:
+        source = inspect.getsource(GRPOConfig).splitlines()
+    except (OSError, TypeError):  # no source at hand: one group
+        return [("Options", names)]
+    out: list[tuple[str, list[str]]] = []
+    comment: list[str] = []
+    previous_blank = True
+    body = source[next(i for i, line in enumerate(source) if line.lstrip().startswith("class ")) + 1:]
+    for line in body:
+        text = line.strip()
+        if text.startswith(("@", "def ")):
+            break
+        if text.startswith("#"):
+            if previous_blank or comment:
+                comment.append(text.lstrip("#").strip())
+            previous_blank = False
+            continue
+        if comment:
+            title = re.split(r"(?<=[^\s(])[.:;](?:\s|$)", " ".join(comment), maxsplit=1)[0]
+            out.append((re.sub(r"\s*\([^)]*\)", "", title).strip(), []))
+            comment = []
+        match = re.match(r"(\w+)\s*:", text)
+        if match and match.group(1) in names:
+            if not out:
+                out.append(("Options", []))
+            out[-1][1].append(match.group(1))
+        previous_blank = not text
+    listed = [name for _, group in out for name in group]
+    if sorted(listed) != sorted(names):
+        return [("Options", names)]
+    return out
+
+
+def config_help(config: GRPOConfig | None = None, sources: dict[str, str] | None = None, width: int = 100) -> str:
+    """Every option of `cohort train`: its kind (type or choices), the default this invocation would use
+    and where that default comes from, and the field's help text, grouped as in the class."""
+    config = config if config is not None else GRPOConfig()
+    sources = sources or {}
+    fields = _fields()
+    blocks = []
+    for title, names in sections():
+        lines = [f"{title}:"]
+        for name in names:
+            source = sources.get(name, "default")
+            default = show_value(getattr(config, name))
+            lines.append(f"  --{name} {type_text(name)}    default: {default}"
+                         + ("" if source == "default" else f" ({source})"))
+            lines.append(textwrap.fill(fields[name].metadata.get("help", ""), width=width,
+                                       initial_indent=" " * 6, subsequent_indent=" " * 6))
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 field = field  # re-exported for users subclassing GRPOConfig

@@ -83,6 +83,15 @@ TABLE = [
     (box(r"\pm 2"), "2", 0),
     (box("2 3"), "5", 0),  # math-verify reads "2 3" as 5
     (box("2 3"), "6", 0),
+    (box(r"9 \cdot 2 = 18"), "18", 1),
+    (box("18 = 19"), "19", 0),  # a false equation is no answer
+    (box("x = 2 + 3 = 6"), "6", 0),
+    (box("18!"), "18", 0),  # "!" is a factorial, not punctuation
+    (box(r"\log_2 8"), "3", 1),
+    (box(r"\{18\}"), "18", 1),
+    (box("[17, 19]"), "18", 0),
+    (box(r"\{17, 18, 19\}"), "18", 0),
+    (box(r"18 \pm 1"), "18", 0),
     (box(r"\text{even}"), r"\text{even}", 1),
     (box(r"\text{odd}"), r"\text{even}", 0),
     # ------------------------------------------------------------------ units
@@ -100,6 +109,7 @@ TABLE = [
     (box(r"18 \text{ thousand}"), "18", 0),  # a word that changes the value
     (tag("18 thousand"), "18", 0),
     (tag("5 squared"), "5", 0),
+    (box(r"18\text{ x}"), "18", 0),
     (box("5m"), "5", 0),  # 5·m, or 5 metres? ambiguous: not paid (see KNOWN_MISSES for "5 m")
     (tag("12 apples"), "12", 1),
     # ------------------------------------------------------------------ percentages
@@ -112,6 +122,9 @@ TABLE = [
     (tag("50%"), r"50\%", 1),
     (tag("0.5"), "50%", 1),
     (tag("40%"), "50", 0),
+    (box(r"150\%"), "1.5", 1),
+    (box(r"100\%"), "1", 1),
+    (box(r"1800\%"), "18", 0),  # a percentage is not a count
     # ------------------------------------------------------------------ money
     (tag("$18"), "18", 1),
     (box(r"\$18"), "18", 1),
@@ -131,6 +144,8 @@ TABLE = [
     (box("1 000"), "1000", 1),
     (box("1 000"), "0", 0),
     (tag("1,000,000"), "1000000", 1),
+    ("The total is 1 000 apples.", "1000", 1),
+    ("The total is 1 000 apples.", "0", 0),
     (tag("1,001"), "1000", 0),
     (tag("1,000"), "1", 0),
     # ------------------------------------------------------------------ intervals, tuples, sets
@@ -143,6 +158,8 @@ TABLE = [
     (box(r"(-\infty, 3)"), r"(-\infty,3]", 0),
     (box(r"\{1, 2\}"), r"\{2, 1\}", 1),
     (box(r"\{1, 2\}"), r"\{1, 3\}", 0),
+    (box(r"\begin{pmatrix}1 \\ 2\end{pmatrix}"), r"\begin{pmatrix}1\\2\end{pmatrix}", 1),
+    (box(r"\begin{pmatrix}2 \\ 1\end{pmatrix}"), r"\begin{pmatrix}1\\2\end{pmatrix}", 0),
     # ------------------------------------------------------------------ several boxes
     (r"First \boxed{5}. Wait, that is wrong: \boxed{6}.", "6", 1),  # the last box is the answer
     (r"First \boxed{5}. Wait, that is wrong: \boxed{6}.", "5", 0),
@@ -183,6 +200,9 @@ TABLE = [
     ("It costs $18 and then $5 more.", "5", 1),  # money is not maths
     ("He paid $20$ dollars.", "20", 1),
     (r"The answer is $2\sqrt{2}$.", "2", 0),
+    ("The answer is $2$ or $3$.", "3", 0),  # a hedge between the last two values
+    ("It is 2, or 3.", "3", 0),
+    ("We tried 2 or 3 ways and got 5.", "5", 1),
     # ------------------------------------------------------------------ <answer> tags
     (tag("18"), "18", 1),
     (tag("The answer is 18."), "18", 1),
@@ -194,6 +214,8 @@ TABLE = [
     (tag("5 or 6"), "6", 0),
     (tag("not 18"), "18", 0),
     (tag("at least 18"), "18", 0),
+    (tag("18 is wrong"), "18", 0),
+    (tag("18 isn't right"), "18", 0),
     (tag("18 apples and 3 pears"), "3", 0),
     (tag("18 apples and 3 pears"), "18", 0),
     (tag(""), "18", 0),
@@ -252,9 +274,44 @@ def test_table_agreement_and_no_false_positive():
     assert len(TABLE) >= 150 and sum(v == 0 for v in verdicts) >= 70  # many traps, not only easy wins
 
 
+def test_wrong_values_in_many_forms_are_never_paid():
+    """Every pair of different numbers, each written in many forms and places, scores 0; equal ones 1."""
+    values = [0, 1, 2, 3, 7, 12, 18, 100, 1000, 1234, 1000000, -5]
+
+    def forms(n):
+        s = f"{n:,}"
+        return [str(n), s, s.replace(",", "{,}"), f"${s}", f"\\${n}", f"{n} apples", f"{n}\\text{{ cm}}",
+                f"\\mathbf{{{n}}}", f"{n}.00", f"x = {n}", f"\\frac{{{2 * n}}}{{2}}", f"\\left({n}\\right)"]
+
+    def places(answer):
+        return [tag(answer), box(answer), f"The answer is ${answer}$.", f"#### {answer}"]
+
+    wrong_paid, right_unpaid = [], []
+    for a in values:
+        completions = [c for form in forms(a) for c in places(form)]
+        for b in values:
+            for gold in (str(b), f"{b:,}", f"\\boxed{{{b}}}", f"${b}$"):
+                rewards = accuracy_reward(None, completions, solution=[gold] * len(completions))
+                if a != b:
+                    wrong_paid += [(c, gold) for c, r in zip(completions, rewards) if r != 0.0]
+                else:
+                    right_unpaid += [(c, gold) for c, r in zip(completions, rewards) if r != 1.0]
+    assert wrong_paid == []
+    assert right_unpaid == []
+
+
 @pytest.mark.parametrize("solution", ["no number at all", "", "   ", "<think>unfinished"])
 def test_unreadable_gold_is_not_scored(solution):
     assert accuracy_reward(None, [box("5")], solution=[solution]) == [None]
+
+
+@pytest.mark.parametrize("answer", [r"9^{9^{9^{9}}}", r"10^{10^{10}}", "100000!"])
+def test_huge_numbers_read_as_no_value_without_hanging(answer):
+    """A power tower cannot be compared in any time a step allows; outside the runner's per-sample time
+    limit (evaluation calls the reward in-process) it must not hang, and it is no answer a grader accepts."""
+    start = time.perf_counter()
+    assert accuracy_reward(None, [box(answer)], solution=["5"]) == [0.0]
+    assert time.perf_counter() - start < 10.0
 
 
 # ------------------------------------------------------------------------------ extract / canonical
@@ -324,8 +381,9 @@ def test_gsm8k_reference_solutions_are_graded_right(split):
 # ---------------------------------------------------------------------------------------- speed
 
 def test_accuracy_reward_is_fast_enough_for_training():
-    """1,000 varied completions (plain numbers, LaTeX boxes, inline maths, traps), each scored from cold
-    caches' point of view for its own text: well under a second per hundred, as a training step needs."""
+    """1,000 varied completions (plain numbers, LaTeX boxes and surds, inline maths, intervals), every
+    one a different text, so no cache helps: a few seconds on a 2-core CPU (the bound leaves room for a
+    loaded machine); plain numbers alone take milliseconds."""
     forms = [lambda n: tag(n), lambda n: tag(f"${n}.00"), lambda n: box(rf"\frac{{{n}}}{{7}}"),
              lambda n: box(rf"{n}\sqrt{{2}}"), lambda n: rf"The answer is $\frac{{{n}}}{{3}}$.",
              lambda n: f"so she has {n} left", lambda n: box(rf"{n} \times 4"), lambda n: tag(f"{n} dollars"),
@@ -336,4 +394,4 @@ def test_accuracy_reward_is_fast_enough_for_training():
     rewards = accuracy_reward(None, completions, solution=golds)
     elapsed = time.perf_counter() - start
     assert len(rewards) == 1000 and all(r in (0.0, 1.0) for r in rewards)
-    assert elapsed < 20.0, f"accuracy_reward took {elapsed:.1f}s for 1,000 completions"
+    assert elapsed < 30.0, f"accuracy_reward took {elapsed:.1f}s for 1,000 completions"

@@ -1,4 +1,5 @@
-"""RewardRunner (cohort/rewards/runner.py): weighting, None/NaN handling, fault isolation, time limits."""
+"""RewardRunner (cohort/rewards/runner.py): weighting, None/NaN handling, fault isolation, time limits.
+A function that raises is isolated only with errors="warn" (the default stops the run: test_reward_errors.py)."""
 
 import math
 import time
@@ -123,7 +124,7 @@ def test_columns_arrive_as_keywords():
 
 
 def test_raising_function_gives_nan_warns_once_and_training_continues():
-    runner = RewardRunner([raising_reward, length_reward])
+    runner = RewardRunner([raising_reward, length_reward], errors="warn")
     with pytest.warns(RewardWarning, match="raising_reward.*ValueError: boom"):
         out = runner(PROMPTS, COMPLETIONS, IDS, {})
     assert torch.isnan(out.per_function[:, 0]).all()
@@ -153,7 +154,7 @@ def test_hanging_function_is_abandoned_after_timeout():
 
 
 def test_per_sample_function_loses_only_the_pathological_samples(marker_reward):
-    runner = RewardRunner([marker_reward], timeout_s=2.0, sample_workers=2)
+    runner = RewardRunner([marker_reward], timeout_s=2.0, sample_workers=2, errors="warn")
     try:
         completions = ["5", "HANG", "6", "RAISE", "7"]
         runner(PROMPTS[:1], ["5"], None, {"solution": ["5"]})  # warm the workers up (imports)
@@ -240,7 +241,7 @@ def test_training_goes_on_past_raising_nan_and_hanging_rewards(tiny_dir, tmp_pat
 
     args = GRPOConfig(num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                       max_completion_length=3, max_steps=2, learning_rate=1e-4, reward_timeout=0.5,
-                      output_dir=str(tmp_path), quiet=True, device="cpu")
+                      reward_errors="warn", output_dir=str(tmp_path), quiet=True, device="cpu")
     trainer = GRPOTrainer(tiny_dir, [raising_reward, nan_first_reward, short_hang_reward, length_reward],
                           [{"prompt": f"{i}+1=?"} for i in range(4)], args=args, log=lambda *_: None)
     with warnings.catch_warnings(record=True) as caught:

@@ -154,7 +154,7 @@ class Curriculum:
             from ..rewards.runner import RewardRunner
 
             self._runners[index] = RewardRunner(list(self.task.reward_funcs), list(self.task.reward_weights),
-                                                timeout_s=self.args.reward_timeout)
+                                                timeout_s=self.args.reward_timeout, errors=self.args.reward_errors)
         return self._runners[index]
 
     def _load_options(self, stage: Stage) -> dict:

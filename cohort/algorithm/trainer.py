@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import random
 import time
 from pathlib import Path
@@ -34,11 +35,12 @@ from ..memory.manager import MemoryManager
 from ..memory.precision import make_optimizer, resolve_dtype
 from ..models.lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
 from ..models.policy import frozen_copy, load_policy, save_policy
-from ..rewards.model import prepare_reward_funcs, warm_up_reward_models
+from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
 from ..rewards.runner import RewardRunner
 from ..rollout import make_sampler
 from ..rollout.batch import Batch
 from ..rollout.group_sampler import GroupSampler
+from ..run.callbacks import CallbackHandler
 from ..run.checkpoint import RunParts, RunState, save_checkpoint
 from ..run.checkpoint_load import checkpoint_step, load_checkpoint
 from ..run.distributed import Parallel, SilentMetrics, check_parallel_options, silent
@@ -48,7 +50,7 @@ from ..telemetry.metrics import MetricsLogger
 from ..telemetry.progress import Progress
 from ..telemetry.step_report import StepContext, StepReport, success_rate
 from ..update.logprobs import supports_hidden
-from ..update.policy_update import PolicyUpdate
+from ..update.policy_update import PolicyUpdate, sampler_correction_mode
 from ..update.schedule import lr_scheduler
 from .curriculum import Curriculum
 from .dynamic_sampling import fill_informative
@@ -58,8 +60,26 @@ from .prompts import PromptStream
 
 class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
-                 processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None):
+                 processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None):
         self.args = args = (args or GRPOConfig()).validate()
+        # A run that fails before its first step leaves no folder behind (when it made the folder).
+        self.new_output_dir = not Path(args.output_dir).exists()
+        self.step = 0
+        try:
+            self.build(model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
+                       peft_config)
+        except BaseException:
+            self.discard_unused_output_dir()
+            raise
+        # transformers' TrainerState and TrainerCallbacks (cohort/run/callbacks.py).
+        self.callback_handler = CallbackHandler(callbacks, args, dict(
+            model=self.model, processing_class=self.tokenizer, optimizer=self.optimizer,
+            lr_scheduler=self.scheduler))
+        self.callback_handler.event("on_init_end")
+
+    def build(self, model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
+              peft_config) -> None:
+        """The stages of the run, each given what it needs."""
         self.task = task
         seed_everything(args.seed)
         prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
@@ -76,8 +96,9 @@ class GRPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
-        self.rewards = RewardRunner(self.resolve_reward_funcs(reward_funcs), args.reward_weights,
-                                    timeout_s=args.reward_timeout)
+        self.rewards = RewardRunner(resolve_reward_funcs(reward_funcs, args, task, self.tokenizer, self.device),
+                                    args.reward_weights,
+                                    timeout_s=args.reward_timeout, errors=args.reward_errors)
         self.train_rows = dataset_rows(train_dataset, "train_dataset")
         self.eval_rows = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         self.rewards.check_columns(set(self.train_rows[0]))
@@ -112,8 +133,8 @@ class GRPOTrainer:
                                           sampler_correction=self.sampler_correction, log=self.log_line)
         # Global index of this rank's first completion in a step's batch (the sampling noise is keyed by it).
         self.sequence_offset = args.prompts_per_step * self.parallel.rank * args.num_generations
-        self.step = 0
         self.accuracy_before = self.accuracy_after = None
+        self.seconds_before = 0.0  # training time of the attempts a resumed run continues
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         main = self.parallel.is_main  # rank 0 alone logs, prints and saves
         metrics = MetricsLogger(args.output_dir, args.report_to, config=args.to_dict()) if main else SilentMetrics()
@@ -127,10 +148,11 @@ class GRPOTrainer:
         """Run Algorithm 1 for max_steps steps (continuing a checkpoint with --resume); the history
         of per-step records is returned."""
         args = self.args
-        started = time.perf_counter()
+        self.started = time.perf_counter()
         with self.lifecycle() as run:
             try:
                 self.resume(run)  # --resume: continue from the newest complete checkpoint, exactly
+                self.callback_handler.event("on_train_begin")
                 if self.step == 0:
                     self.accuracy_before = self.evaluate_held_out()
                     self.warm_up_reward_models()  # r_φ: offline training on the initial policy's labelled samples
@@ -145,16 +167,23 @@ class GRPOTrainer:
                     losses = [self.update(batch) for _ in range(args.num_iterations)]  # μ policy updates
                     self.update_reward_models(batch)  # r_φ: continuous training with replay (learned r_φ only)
                     self.end_step(run, batch, losses)  # the record, held-out evaluation, the checkpoint
-                self.finish(time.perf_counter() - started)
+                self.finish()
+            except BaseException:
+                self.discard_unused_output_dir()
+                raise
             finally:
                 self.memory.close()  # a later run in this process can reclaim this run's objects
         return self.history
 
     # ---- the steps of the loop ---------------------------------------------------------------
     def steps(self):
-        """The steps still to run (after a checkpoint's, on resume); each starts the step's clock."""
+        """The steps still to run (after a checkpoint's, on resume); each starts the step's clock. A
+        callback that sets `control.should_training_stop` ends the loop after its step."""
         for step in range(self.step + 1, self.args.max_steps + 1):
+            if self.callback_handler.control.should_training_stop:
+                return
             self.step, self.step_started = step, time.perf_counter()
+            self.callback_handler.event("on_step_begin")
             yield step
 
     def new_iteration(self, step: int) -> bool:
@@ -272,8 +301,16 @@ class GRPOTrainer:
         if self.step == self.first_step:  # the run's long-lived objects exist now
             self.memory.after_first_step()  # full collections stop walking them (cohort/memory/gc_pauses.py)
             self.report.restart_gc_clock()
-        if self.args.eval_steps and self.step % self.args.eval_steps == 0 and self.step < self.args.max_steps:
+        state, control = self.state, self.callback_handler.control
+        state.global_step = self.step
+        self.callback_handler.event("on_step_end")
+        due = self.args.eval_steps and self.step % self.args.eval_steps == 0 and self.step < self.args.max_steps
+        if due or control.should_evaluate:
+            control.should_evaluate = False
             self.evaluate_held_out()
+        if control.should_save:
+            control.should_save = False
+            run.save_once(self.step)
         run.end_of_step(self.step, self.policy_update.counters.nonfinite_in_a_row)
 
     def log_step(self, batch: Batch, losses: list[dict], seconds: float) -> dict:
@@ -286,7 +323,11 @@ class GRPOTrainer:
             counters={"skipped_steps": self.policy_update.counters.skipped_steps,
                       "oom_retries": self.memory.oom_retries},
             extra=self.curriculum.metrics() if self.curriculum is not None else {})
-        return self.report.record(self.step, batch, losses, seconds, context)
+        record = self.report.record(self.step, batch, losses, seconds, context)
+        self.state.log_history.append(record)
+        if self.step % self.args.logging_steps == 0 or self.step == self.args.max_steps:
+            self.callback_handler.event("on_log", logs=record)
+        return record
 
     # ---- around the loop ---------------------------------------------------------------------
     def lifecycle(self) -> RunLifecycle:
@@ -307,16 +348,21 @@ class GRPOTrainer:
             self.prompts.load_state_dict(state.prompts)
             self.policy_update.counters.skipped_steps = state.skipped_steps
             self.policy_update.counters.nonfinite_in_a_row = state.nonfinite_in_a_row
+            self.seconds_before = state.seconds
+            self.state.log_history = [dict(r) for r in state.history]
+            self.state.global_step = self.step
             run.resumed(folder, self.step)
         self.first_step = self.step + 1
 
     def save_checkpoint(self) -> Path:
         """checkpoint-<step> of the run as it is now (cohort/run/checkpoint.py)."""
         counters = self.policy_update.counters
-        return save_checkpoint(self.run_parts(), RunState(
+        folder = save_checkpoint(self.run_parts(), RunState(
             step=self.step, prompts=self.prompts.state_dict(), history=self.history,
             accuracy_before=self.accuracy_before, skipped_steps=counters.skipped_steps,
-            nonfinite_in_a_row=counters.nonfinite_in_a_row))
+            nonfinite_in_a_row=counters.nonfinite_in_a_row, seconds=self.training_seconds()))
+        self.callback_handler.event("on_save")
+        return folder
 
     def run_parts(self) -> RunParts:
         return RunParts(args=self.args, model=self.model, tokenizer=self.tokenizer, train_model=self.train_model,
@@ -350,52 +396,50 @@ class GRPOTrainer:
         with self.prompts.unchanged():
             warm_up_reward_models(self.rewards.funcs, self.args, self.prompts.rows, self.rollout, self.log)
 
-    def resolve_reward_funcs(self, reward_funcs) -> list:
-        """reward_funcs as given, else --reward_funcs, else the task's; model folders and objects become r_φ."""
-        args = self.args
-        if reward_funcs is None and args.reward_funcs:
-            reward_funcs = list(args.reward_funcs)  # --reward_funcs: names, module:function, reward-model folders
-        if reward_funcs is None:
-            if self.task is None:
-                raise CohortError("no reward functions: pass reward_funcs=[...] or a task")
-            reward_funcs = list(self.task.reward_funcs)
-            args.reward_weights = args.reward_weights or list(self.task.reward_weights)
-        reward_funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        # Reward-model folders / model objects become r_φ reward functions (cohort/rewards/model.py).
-        return prepare_reward_funcs(list(reward_funcs), args=args, tokenizer=self.tokenizer, device=self.device,
-                                    task=self.task)
-
-    def evaluate_held_out(self) -> float | None:
-        """Greedy accuracy on the held-out rows (None without eval_dataset or a task verifier)."""
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy, format rate and mean length on the held-out rows (`eval/*` metrics, logged
+        and passed to the callbacks' `on_evaluate`); empty without eval_dataset or a task verifier."""
         if not self.eval_rows or self.task is None:
-            return None
+            return {}
         with self.report.phase("eval"):  # each rank evaluates its block of the rows; the counts are summed
             result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.shard(self.eval_rows),
                               self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length)
             result = result.summed(self.parallel.all_reduce_sums)
-        self.report.metrics.log(self.step, result.metrics())
+        metrics = result.metrics()
+        self.report.metrics.log(self.step, metrics)
+        self.state.log_history.append({**metrics, "step": self.step})
+        self.callback_handler.event("on_evaluate", metrics=metrics)
         self.log(f"eval (step {self.step}): accuracy={100 * result.accuracy:.1f}% on {result.num_questions} problems")
-        return result.accuracy
+        return metrics
 
-    def finish(self, seconds: float) -> None:
+    def evaluate_held_out(self) -> float | None:
+        """The greedy held-out accuracy of `evaluate` (None without eval_dataset or a task verifier)."""
+        return self.evaluate().get("eval/accuracy")
+
+    def finish(self) -> None:
         """The last iteration's summary, the final held-out accuracy, the policy as a Hugging Face
-        folder, summary.json."""
+        folder, summary.json (its seconds summed over the attempts of a resumed run)."""
         self.report.log_iteration_summary(self.step, final=True)
         self.accuracy_after = self.evaluate_held_out()
         out = Path(self.args.output_dir)
         self.save_model(out)
         self.parallel.close()  # the last collective was save_model's barrier
+        self.callback_handler.event("on_train_end")
         if not self.parallel.is_main:  # rank 0 alone writes the summary and prints
             self.report.progress.close()
             return
         summary = {"accuracy_before": self.accuracy_before, "accuracy_after": self.accuracy_after,
-                   "seconds": round(seconds, 2), "steps": self.step,
+                   "seconds": round(self.training_seconds(), 2), "steps": self.step,
                    "final_reward": self.history[-1]["reward"] if self.history else None}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.close_logs()
         if self.accuracy_before is not None:
             self.log(f"held-out accuracy: {100 * self.accuracy_before:.1f}% -> {100 * self.accuracy_after:.1f}% "
                      f"({len(self.eval_rows)} problems)")
+
+    def training_seconds(self) -> float:
+        """Seconds spent in train() so far, the earlier attempts of a resumed run included."""
+        return self.seconds_before + time.perf_counter() - self.started
 
     def close_logs(self) -> None:
         self.report.metrics.close()
@@ -414,18 +458,32 @@ class GRPOTrainer:
         """Every step's metrics record so far."""
         return self.report.history
 
+    @property
+    def state(self):
+        """transformers' `TrainerState`: global_step, max_steps, log_history (step records and evaluations)."""
+        return self.callback_handler.state
+
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.pop(callback)
+
+    def discard_unused_output_dir(self) -> None:
+        """Remove the output folder this run made, if it failed before finishing a step."""
+        report = getattr(self, "report", None)
+        if not self.new_output_dir or (report is not None and self.history):
+            return
+        if report is not None:
+            self.close_logs()
+        shutil.rmtree(self.args.output_dir, ignore_errors=True)
+
     def log_line(self, line: str) -> None:
         """What the stages built before the display exists log through (the display's, once it does)."""
         self.log(line)
-
-
-def sampler_correction_mode(args, model, device: torch.device) -> str | None:
-    """The sampler correction in force (objectives.SAMPLER_CORRECTIONS), or None. Automatic where the
-    sampler is not exact: a bf16 / fp16 policy on a GPU (float32 on the CPU agrees to ~1e-6)."""
-    on = args.importance_sampling_correction
-    if on is None:
-        on = device.type == "cuda" and next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    return args.importance_sampling_mode if on else None
 
 
 def seed_everything(seed: int) -> None:

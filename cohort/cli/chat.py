@@ -7,7 +7,9 @@ turn only runs the tokens the cache does not already hold (the longest common pr
 Our own models use cohort's `KVCache`; any other model uses Hugging Face's `past_key_values`.
 
 generate: every prompt of a .txt / .jsonl file through the batched engine (`cohort.rollout.make_sampler`),
-one JSONL row per completion: `{"index", "prompt", "completion", "finish_reason", "num_tokens"}`.
+one JSONL row per completion: `{"index", "prompt", "completion", "finish_reason", "num_tokens"}`. A .txt
+line is a prompt with its newline, as the arithmetic task's prompts (and `chat --raw` lines) end: the
+built-in model answers after the newline, and a file of the task's questions gets the task's completions.
 """
 
 from __future__ import annotations
@@ -315,14 +317,15 @@ def chat_loop(session: ChatSession, stdin: TextIO, stdout: TextIO, stderr: TextI
 
 # ---- batch generation ----------------------------------------------------------------------------
 def read_prompts(path: str | Path) -> list:
-    """A .txt file (one prompt per non-empty line) or JSONL rows with a `prompt` column (a string or
-    a list of chat messages)."""
+    """A .txt file (one prompt per non-empty line, each kept with its newline: the line as a training
+    prompt ends, e.g. the arithmetic task's "12+7=? Reply <answer>N</answer>\n") or JSONL rows with a
+    `prompt` column (a string, completed exactly as written, or a list of chat messages)."""
     path = Path(path)
     if not path.is_file():
         raise CohortError(f"--prompts {path}: no such file; pass a .txt (one prompt a line) or a .jsonl file")
     lines = path.read_text(encoding="utf-8").splitlines()
     if path.suffix not in (".jsonl", ".json"):
-        prompts = [line for line in lines if line.strip()]
+        prompts = [line + "\n" for line in lines if line.strip()]
     else:
         prompts = []
         for number, line in enumerate(lines, start=1):
@@ -347,9 +350,9 @@ def generate_rows(model, tokenizer, prompts: list, *, model_spec: str | None = N
                   system: str | None = None, as_chat: bool = False):
     """Yield `{"index", "prompt", "completion", "finish_reason", "num_tokens"}` for each completion,
     prompt by prompt (G rows each); `num_tokens` counts the generated tokens, EOS included.
-    Message-list prompts (and, with `as_chat`, string prompts as one user message) are rendered as in
-    training and evaluation (`cohort.tasks.prompt_text`: the chat template, or the contents one per
-    line without one); other strings are completed as they are."""
+    Message-list prompts (and, with `as_chat`, string prompts as one user message, without a trailing
+    newline) are rendered as in training and evaluation (`cohort.tasks.prompt_text`: the chat template,
+    or the contents one per line without one); other strings are completed exactly as they are."""
     from ..rollout import make_sampler
     from ..rollout.sampler import SamplingParams
     from ..tasks import prompt_text
@@ -363,7 +366,7 @@ def generate_rows(model, tokenizer, prompts: list, *, model_spec: str | None = N
         texts = []
         for prompt in chunk:
             if isinstance(prompt, str) and as_chat:
-                prompt = [{"role": "user", "content": prompt}]
+                prompt = [{"role": "user", "content": prompt.removesuffix("\n")}]
             if isinstance(prompt, list) and system:
                 prompt = [{"role": "system", "content": system}] + prompt
             texts.append(prompt_text(tokenizer, prompt))
@@ -419,10 +422,13 @@ def chat_main(argv: list[str]) -> int:
 
 
 def generate_main(argv: list[str]) -> int:
-    """`cohort generate MODEL_DIR --prompts FILE [--output out.jsonl] [options]`."""
+    """`cohort generate [MODEL_DIR] --prompts FILE [--output out.jsonl] [options]`."""
     parser = argparse.ArgumentParser(prog="cohort generate", description="Complete every prompt of a file.")
-    parser.add_argument("model", metavar="MODEL_DIR", help="HF folder, .gguf file or hub id")
-    parser.add_argument("--prompts", required=True, help=".txt (one prompt a line) or .jsonl with a 'prompt' column")
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
+                        help="HF folder, .gguf file or hub id (default: runs/arithmetic if trained, else the tiny model)")
+    parser.add_argument("--prompts", required=True, help=".txt (one prompt a line, completed after the line's "
+                        "newline, as training prompts end) or .jsonl with a 'prompt' column (completed exactly as "
+                        "written)")
     parser.add_argument("--output", default=None, help="JSONL file to write (default: standard output)")
     parser.add_argument("--num_generations", type=int, default=1, help="completions per prompt (default 1)")
     parser.add_argument("--chat", action="store_true", help="wrap plain-text prompts as one user message "
@@ -432,8 +438,9 @@ def generate_main(argv: list[str]) -> int:
     if args.num_generations < 1:
         raise CohortError(f"--num_generations={args.num_generations}: it must be at least 1")
     prompts = read_prompts(args.prompts)
-    model, tokenizer, _ = load_for_inference(args.model, args.device, args.dtype, log=_stderr_log)
-    rows = generate_rows(model, tokenizer, prompts, model_spec=args.model, num_generations=args.num_generations,
+    spec = args.model if args.model is not None else default_model_spec(_stderr_log)
+    model, tokenizer, _ = load_for_inference(spec, args.device, args.dtype, log=_stderr_log)
+    rows = generate_rows(model, tokenizer, prompts, model_spec=spec, num_generations=args.num_generations,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          seed=args.seed if args.seed is not None else 0, system=args.system, as_chat=args.chat)
     out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout

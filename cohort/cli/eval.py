@@ -1,7 +1,7 @@
 """`cohort eval`: score a model on a task's held-out split with the code training uses.
 
     cohort eval --model DIR|FILE.gguf --task gsm8k --split test [--data_files F] [--limit N]
-                [--num_samples k] [--output FILE]
+                [--num_samples k] [--output FILE | --output_dir DIR]
 
 Prints the greedy accuracy (one temperature-0 completion per question, "pass@1 (greedy)"), the
 format rate and the mean length of the greedy completions; with --num_samples n > 1 it also samples n
@@ -10,7 +10,10 @@ al. 2021) for k = 1, 2, 4, … up to n and n itself (pass@1 = the samples' mean 
 (Wang et al. 2023, self-consistency). Writes one JSON line per question (question, gold answer,
 completion(s), verdicts, that question's pass@k) and, beside it, `<output stem>.summary.json`: the
 metrics under the keys training logs (`eval/greedy_accuracy`, `eval/pass@4`, `eval/maj@8`, ...), what
-each key means, and the settings. The scoring itself is `cohort.eval.evaluate.evaluate`, which the
+each key means, and the settings. The results go beside the model, so two models never overwrite each
+other's: `<model folder>/eval/<task>_<split>.jsonl` (a .gguf file: `<its folder>/eval/<file stem>/...`);
+for the built-in tiny model or a hub id, `runs/eval/<model name>/<task>_<split>.jsonl`; `--output_dir DIR`
+puts them in DIR, `--output FILE` names the file. The scoring itself is `cohort.eval.evaluate.evaluate`, which the
 trainer also runs every `eval_steps`. Without --model the built-in tiny model (warm-started on
 arithmetic) is evaluated.
 """
@@ -18,6 +21,7 @@ arithmetic) is evaluated.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -41,9 +45,13 @@ EVAL_OPTIONS = {
     "seed": Option(int, 0, "seed of the n samples"),
     "device": Option(str, "auto", "auto, cpu or cuda"),
     "dtype": Option(str, "auto", "auto (float32), float32 or bfloat16"),
-    "output": Option(str, None, "per-question JSONL (default: runs/eval/<task>_<split>.jsonl); "
+    "output": Option(str, None, "per-question JSONL (default: <output_dir>/<task>_<split>.jsonl); "
                                 "the summary goes beside it as <stem>.summary.json"),
+    "output_dir": Option(str, None, "folder of the results (default: <model folder>/eval, or "
+                                    "runs/eval/<model name> for the built-in model or a hub id)"),
 }
+
+BUILTIN_NAME = "builtin-tiny"  # the folder name of the built-in model's results under runs/eval/
 
 
 def eval_rows(task, split: str, data_files=None, limit: int | None = None, levels=None, seed: int = 0) -> list[dict]:
@@ -77,8 +85,55 @@ def record_of(row: dict, record: dict, index: int) -> dict:
     return out
 
 
+def default_output_dir(model: str | None) -> Path:
+    """Where `cohort eval` writes when neither --output nor --output_dir is given: beside the model
+    (`<folder>/eval`, `<.gguf's folder>/eval/<stem>`) when that folder can be written, else, and for
+    the built-in model and hub ids, `runs/eval/<model name>` under the working directory."""
+    if model is not None:
+        path = Path(model).expanduser()
+        if path.is_dir() or path.is_file():
+            folder = path if path.is_dir() else path.parent
+            out = folder / "eval" if path.is_dir() else folder / "eval" / path.stem
+            if _writable(folder):
+                return out
+        name = (path.name if path.is_file() else path.resolve().name) if path.exists() else model.replace("/", "--")
+    else:
+        name = BUILTIN_NAME
+    return Path("runs") / "eval" / (name or "model")
+
+
+def _writable(folder: Path) -> bool:
+    eval_dir = folder / "eval"
+    return os.access(eval_dir if eval_dir.is_dir() else folder, os.W_OK)
+
+
+def check_writable(output: Path) -> None:
+    """A one-line `CohortError` unless `output` can be written (nothing is created here)."""
+    target = output
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    problem = None
+    if target == output and output.is_dir():
+        problem = "it is a folder"
+    elif target != output and not target.is_dir():
+        problem = f"{target} is not a folder"
+    elif not os.access(target, os.W_OK):
+        problem = "permission denied"
+    if problem:
+        raise CohortError(f"cohort eval: cannot write {output} ({problem}); pass --output_dir or --output with a "
+                          "place you can write to")
+
+
+def output_path(options: dict, task_name: str) -> Path:
+    """The per-question JSONL: --output, else <--output_dir or the default folder>/<task>_<split>.jsonl."""
+    if options["output"]:
+        return Path(options["output"])
+    folder = Path(options["output_dir"]).expanduser() if options["output_dir"] else default_output_dir(options["model"])
+    return folder / f"{task_name}_{options['split']}.jsonl"
+
+
 def summary_path(output: Path) -> Path:
-    """`runs/eval/gsm8k_test.jsonl` -> `runs/eval/gsm8k_test.summary.json`."""
+    """`runs/x/eval/gsm8k_test.jsonl` -> `runs/x/eval/gsm8k_test.summary.json`."""
     return output.with_name(output.stem + ".summary.json")
 
 
@@ -126,7 +181,12 @@ def run_eval(argv: list[str], log=print):
         raise CohortError(f"cohort eval: --num_samples {o['num_samples']} must be at least 1")
     if o["limit"] is not None and o["limit"] < 1:
         raise CohortError(f"cohort eval: --limit {o['limit']} must be at least 1")
+    if o["output"] and o["output_dir"]:
+        raise CohortError("cohort eval: --output names the file and --output_dir the folder of the results; "
+                          "pass one of them")
     task = get_task(o["task"])
+    output = output_path(o, task.name)  # decided, and checked writable, before the model is loaded
+    check_writable(output)
     rows = eval_rows(task, o["split"], o["data_files"], o["limit"], o["levels"], o["seed"])
     max_new = o["max_completion_length"] or getattr(task, "default_config", {}).get("max_completion_length", 256)
     started = time.perf_counter()
@@ -142,7 +202,6 @@ def run_eval(argv: list[str], log=print):
         result = evaluate(sampler, tokenizer, task, rows, encode, max_new_tokens=max_new,
                           num_samples=o["num_samples"], temperature=o["temperature"], batch_size=o["batch_size"],
                           seed=o["seed"])
-    output = Path(o["output"] or f"runs/eval/{task.name}_{o['split']}.jsonl")
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w") as f:
         for i, (row, record) in enumerate(zip(rows, result.records)):

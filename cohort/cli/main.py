@@ -11,27 +11,43 @@ import sys
 from ..errors import CohortError
 
 USAGE = """usage: cohort [train] [--option value ...]   GRPO training (no options: the built-in task)
+       cohort train --config run.yaml [...]     options from a YAML file; flags override it
+       cohort train --data_files F --reward_funcs module:function [--prompt_column C]   your own rows
+       cohort train [...] --print_config        the resolved options and where each came from; no training
        cohort train --nproc_per_node N [...]    the same on N processes (GPUs) through torchrun; --fsdp shards
        cohort eval --model DIR --task NAME [--split test] [--limit N] [--num_samples n] [--output FILE]
        cohort sft --model DIR --data_files FILE [--output_dir DIR] [--max_steps N] [--learning_rate LR]
        cohort report RUN_DIR [RUN_DIR ...] [--out DIR]
        cohort chat MODEL_DIR            cohort generate MODEL_DIR --prompts FILE
-add --debug to any command for a full traceback on errors; `cohort train --help` lists every option"""
+       cohort --version
+`cohort COMMAND --help` lists a command's options (`cohort train --task gsm8k --help`: with the defaults that
+run would use); add --debug to any command for a full traceback on errors"""
+
+HELP_FLAGS = ("-h", "--help")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
-    command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
-    if command in ("-h", "--help", "help") or (argv[:1] in (["-h"], ["--help"]) and command != "train"):
+    if argv[:1] in (["--version"], ["-V"]):
+        from .. import __version__
+
+        print(f"cohort {__version__}")
+        return 0
+    if argv[:1] == ["help"]:  # `cohort help` is the overview; `cohort help CMD` is `cohort CMD --help`
+        argv = argv[1:2] + ["--help"] if len(argv) > 1 else ["--help"]
+    if argv[:1] in ([flag] for flag in HELP_FLAGS):
         print(USAGE)
         return 0
+    command = argv.pop(0) if argv and not argv[0].startswith("-") else "train"
     commands = {"train": _train, "eval": _eval, "sft": _sft, "report": _report, "chat": _chat, "generate": _generate}
     if command not in commands:
         print(f"cohort: unknown command {command!r}; choose one of {', '.join(commands)}", file=sys.stderr)
         return 2
     try:
+        if any(arg in HELP_FLAGS for arg in argv):  # anywhere: `cohort eval --model x --help` is help
+            return HELP[command](argv) or 0
         return commands[command](argv) or 0
     except CohortError as error:
         if debug:
@@ -43,22 +59,56 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(stop, "exit_code", 130)
 
 
+TRAIN_USAGE = """usage: cohort train [--config FILE.yaml] [--task NAME] [--option value ...]
+       cohort train --nproc_per_node N [...]     N processes (GPUs) through torchrun
+       cohort train [...] --print_config         print the resolved options with their sources; no training
+
+Each option's value comes from, lowest precedence first: the built-in default < the task's defaults (the
+task that --task or the YAML's `task:` names) < the YAML file (--config) < the command line. The defaults
+below are the ones this command would use, with their source when it is not the built-in default.
+Options: --name value, --name=value, dashes or underscores; a bare --flag is true; lists are
+comma-separated; none clears an optional value.
+
+Tasks: arithmetic (built in, the default), gsm8k, generic. Data without --task (--data_files or
+--dataset_name) is the generic task: prompts from --prompt_column, the other columns passed to
+--reward_funcs (built-in names or module:function; a module in the current directory works), no
+held-out evaluation.
+
+command options:
+  --config FILE.yaml        options from a YAML file (option: value); flags override it
+  --print_config            print every option's value and source as YAML (a --config file), then exit
+  --nproc_per_node N        launch N processes through torchrun (DDP; --fsdp true shards the model)
+  --debug                   a full traceback on errors
+  --help                    this help (with --task, --config and other options: their defaults)"""
+
+
+def _train_help(argv: list[str]) -> int:
+    from ..config import config_help, resolve_config
+
+    argv = [arg for arg in argv if arg not in HELP_FLAGS]
+    argv, _ = _pop_option(argv, "nproc_per_node")
+    argv, _ = _pop_option(argv, "print_config")
+    config, sources = resolve_config(argv, validate=False)
+    print(TRAIN_USAGE + "\n\n" + config_help(config, sources))
+    return 0
+
+
 def _train(argv: list[str]) -> int:
-    from ..config import config_help, parse_config
+    from ..config import describe_config, resolve_config
     from ..tasks import get_task
     from ..algorithm.trainer import GRPOTrainer
 
-    if argv[:1] in (["-h"], ["--help"]):
-        print("usage: cohort train [--config file.yaml] [--nproc_per_node N] [--option value ...]\n\noptions:\n"
-              + config_help())
-        return 0
     argv, processes = _pop_option(argv, "nproc_per_node")
-    task_name = _peek(argv, "task") or "arithmetic"
-    task = get_task(task_name)
-    defaults = dict(getattr(task, "default_config", {})) if _peek(argv, "model") is None else {}
-    args = parse_config(argv, defaults=defaults)  # bad options fail here, once, before any rank starts
+    argv, print_config = _pop_option(argv, "print_config")
+    args, sources = resolve_config(argv)  # bad options fail here, once, before any rank starts
+    if print_config is not None and print_config.lower() not in ("false", "0", "no", "off"):
+        print(describe_config(args, sources))
+        return 0
+    check_task_data(args)
     if processes is not None and processes != "1":
         return _launch(argv, processes, args)
+    _import_user_rewards_from_cwd(args)
+    task = get_task(args.task)
     # under torchrun every rank loads the rows; rank 0 alone says what it found
     quiet = os.environ.get("RANK", "0") != "0"
     train_rows, eval_rows = task_rows(task, args, log=(lambda *_: None) if quiet else print)
@@ -68,6 +118,35 @@ def _train(argv: list[str]) -> int:
     except RuntimeError as error:  # several ranks: a collective failed because another rank died or hung
         raise _lost_rank(error) from error
     return 0
+
+
+def check_task_data(args) -> None:
+    """The data options fit the task, before anything loads: a generated task reads no data, the generic
+    task needs rows and reward functions, `prompt_column` is the generic task's."""
+    from ..tasks import get_task
+
+    task = get_task(args.task)
+    data = [f"--{name} {value}" for name, value in (("data_files", args.data_files),
+                                                     ("dataset_name", args.dataset_name),
+                                                     ("eval_data_files", args.eval_data_files)) if value is not None]
+    if data and not getattr(task, "reads_data", True):
+        raise CohortError(f"task {task.name} generates its problems and reads no data ({data[0]}); to train on "
+                          "the file, leave out --task (or pass --task generic) and give --reward_funcs")
+    if args.prompt_column != "prompt" and task.name != "generic":
+        raise CohortError(f"--prompt_column {args.prompt_column} applies to your own rows (the generic task); task "
+                          f"{task.name} builds its prompts itself")
+    stages = [task.name] + [stage["task"] for stage in args.curriculum or []]
+    if "generic" in stages and not args.reward_funcs:
+        raise CohortError("your rows come with no reward functions: pass --reward_funcs NAME or module:function "
+                          "(e.g. --reward_funcs my_rewards:correct), or --task NAME for a task's own")
+
+
+def _import_user_rewards_from_cwd(args) -> None:
+    """`--reward_funcs module:function` finds a module in the current directory, as `python -m cohort` does
+    (the `cohort` script's own folder is first on sys.path, not the current directory)."""
+    if any(":" in str(spec) for spec in args.reward_funcs or []) and os.getcwd() not in sys.path \
+            and "" not in sys.path:
+        sys.path.append(os.getcwd())
 
 
 def _lost_rank(error: RuntimeError) -> Exception:
@@ -135,16 +214,28 @@ def _pop_option(argv: list[str], name: str) -> tuple[list[str], str | None]:
 def task_rows(task, args, log=print):
     """The task's training rows and held-out rows, from the options that apply to it.
 
-    `--data_files` is the training data only: the held-out rows come from `--eval_data_files`, else
-    from the task's own test split (never from the training file, which would score memorised
-    answers as held-out accuracy). Without either, there is no held-out evaluation, said in one line."""
+    `--data_files` / `--dataset_name` is the training data only: the held-out rows come from
+    `--eval_data_files`, else from the test split (`dataset_test_split`) of `--dataset_name` or of the
+    task's own data (never from the training file, which would score memorised answers as held-out
+    accuracy). Without either, or for a task with no verifier (the generic task), there is no held-out
+    evaluation, said in one line."""
     options = dict(seed=args.seed, data_files=args.data_files, subset=args.subset, levels=args.levels)
-    train = task.load("train", **options)
+    options.update({name: getattr(args, name) for name in ("dataset_name", "dataset_config")
+                    if getattr(args, name) is not None})
+    if task.name == "generic":
+        options["prompt_column"] = args.prompt_column
+    train = task.load(args.dataset_train_split, **options)
     if not args.eval_limit:
         return train, None
+    if not hasattr(task, "is_correct"):
+        log(f"no held-out evaluation: the {task.name} task has no verifier to score answers with (--task "
+            "arithmetic or gsm8k have one); training goes on")
+        return train, None
     held_out_options = {**options, "data_files": args.eval_data_files, "subset": None, "size": args.eval_limit}
+    if args.eval_data_files is not None:
+        held_out_options.pop("dataset_name", None)
     try:
-        held_out = task.load("test", **held_out_options)
+        held_out = task.load(args.dataset_test_split, **held_out_options)
     except CohortError as error:
         if args.eval_data_files is not None:
             raise
@@ -154,12 +245,37 @@ def task_rows(task, args, log=print):
     return train, held_out[: args.eval_limit]
 
 
-def _peek(argv: list[str], name: str) -> str | None:
-    for i, arg in enumerate(argv):
-        key, _, inline = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
-        if key.replace("-", "_") == name:
-            return inline or (argv[i + 1] if i + 1 < len(argv) else None)
-    return None
+def _eval_help(argv: list[str]) -> int:
+    from .eval import run_eval
+
+    run_eval(["--help"])
+    return 0
+
+
+def _sft_help(argv: list[str]) -> int:
+    from .sft import run_sft
+
+    run_sft(["--help"])
+    return 0
+
+
+def _argparse_help(command) -> int:
+    """The help of a command whose module parses with argparse (chat, generate, report): its own
+    parser prints it, from its own argument list, and exits."""
+    try:
+        return command(["--help"]) or 0
+    except SystemExit as done:
+        return done.code or 0
+
+
+HELP = {
+    "train": _train_help,
+    "eval": _eval_help,
+    "sft": _sft_help,
+    "report": lambda argv: _argparse_help(_report),
+    "chat": lambda argv: _argparse_help(_chat),
+    "generate": lambda argv: _argparse_help(_generate),
+}
 
 
 def _eval(argv: list[str]) -> int:

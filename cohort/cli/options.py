@@ -45,7 +45,13 @@ def _convert(command: str, key: str, raw: str, kind: type):
 
 
 def options_help(options: dict[str, Option]) -> str:
-    return "\n".join(f"  --{name:<24} {o.help} (default: {o.default})" for name, o in options.items())
+    """One line per option: its name, the kind of value it takes, what it does and its default."""
+    def default(value) -> str:
+        return "none" if value is None else str(value)
+
+    width = max(len(f"--{name} {o.type.__name__.upper()}") for name, o in options.items()) + 2
+    return "\n".join(f"  {f'--{name} {o.type.__name__.upper()}':<{width}}{o.help} (default: {default(o.default)})"
+                     for name, o in options.items())
 
 
 def pick_device(spec: str) -> torch.device:

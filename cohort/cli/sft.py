@@ -22,7 +22,7 @@ from .options import Option, options_help, parse_options, pick_device
 
 SFT_OPTIONS = {
     "model": Option(str, None, "HF folder, .gguf file or hub id to fine-tune (required)"),
-    "data_files": Option(str, None, "rows {prompt, completion} or {messages}: .jsonl/.json/.parquet, comma-separated"),
+    "data_files": Option(str, None, "rows {prompt, completion} or {messages}: .jsonl/.json/.parquet/.csv, comma-separated"),
     "task": Option(str, None, "instead of data_files: a task's train split with its reference solutions"),
     "subset": Option(int, None, "use N rows"),
     "output_dir": Option(str, "runs/sft", "where the fine-tuned Hugging Face folder is saved"),

@@ -7,8 +7,13 @@ object, a model transformers implements) into a policy and its tokenizer is `pol
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
 import re
+import ssl
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -21,6 +26,9 @@ from cohort.models.modeling import CausalLM
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
              "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.model", "chat_template*"]
+# A name that ends like one of these is a file the user means, never a hub repository.
+FILE_SUFFIXES = {".gguf", ".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".jsonl", ".onnx", ".model"}
+HUB_PROBE_TIMEOUT_S = 5.0  # one request to the hub's front page decides whether to try it at all
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -58,24 +66,145 @@ def _find_model(path_or_id, gguf_file: str | None) -> tuple[str, Path]:
         raise CohortError(f"{path} is not a model folder: it has no config.json (nor a .gguf file)")
     if path.exists():
         raise CohortError(f"{path} is not a model: give a folder with config.json + *.safetensors or a .gguf file")
-    if HUB_ID.match(str(path_or_id)) and not str(path_or_id).startswith("."):
-        return "hf", _download(str(path_or_id), gguf_file)
+    spec = str(path_or_id)
+    if looks_local(spec):
+        raise missing_path_error(spec)
+    if is_hub_id(spec):
+        return "hf", _download(spec, gguf_file)
     raise CohortError(
         f"no model at {path_or_id!r}: give a local folder (config.json + *.safetensors), a .gguf file, "
         "or a Hugging Face hub id like HuggingFaceTB/SmolLM2-135M-Instruct"
     )
 
 
+# ---- local path or hub id ------------------------------------------------------------------------
+def is_hub_id(spec: str) -> bool:
+    """Shaped like a hub repository id, `org/name`, and not like a local path (`looks_local`)."""
+    return bool(HUB_ID.match(spec)) and not looks_local(spec)
+
+
+def looks_local(spec: str) -> bool:
+    """Whether a model name that does not exist here is a mistyped local path rather than a hub id: it
+    starts with ./ ../ / ~ (or is absolute), has a backslash or more than one slash, ends in a model
+    file's suffix, is not a valid `org/name` id, or its first component is a folder here (`runs/nope`
+    when runs/ exists). A bare name without a slash is neither."""
+    spec = str(spec)
+    if spec in (".", "..") or spec.startswith(("./", "../", "~", "/")) or os.path.isabs(spec) or "\\" in spec:
+        return True
+    if Path(spec).suffix.lower() in FILE_SUFFIXES:
+        return True
+    if "/" not in spec:
+        return False
+    if spec.rstrip("/").count("/") > 1 or not HUB_ID.match(spec):
+        return True
+    return Path(spec.split("/", 1)[0]).is_dir()
+
+
+def missing_path_error(spec: str) -> CohortError:
+    """One line for a local model path that does not exist, naming the nearest folder that does and
+    what it holds (and the closest name there, when one is close)."""
+    typed = spec.rstrip("/") or spec
+    kind = "file" if Path(typed).suffix.lower() in FILE_SUFFIXES else "folder"
+    parent = os.path.dirname(typed)
+    while parent and not Path(parent).expanduser().is_dir():
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    folder = Path(parent or ".").expanduser()
+    shown = "the current folder" if not parent else parent if parent.endswith("/") else parent + "/"
+    try:
+        entries = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")
+                         and (p.is_dir() or p.suffix.lower() == ".gguf"))
+    except OSError:
+        entries = []
+    if entries:
+        listed = ", ".join(entries[:10]) + (f", … ({len(entries) - 10} more)" if len(entries) > 10 else "")
+        contents = f"{shown} has: {listed}"
+    else:
+        contents = f"{shown} has no subfolders"
+    missing = typed[len(parent):].lstrip("/").split("/")[0] if parent else typed.split("/")[0]
+    close = difflib.get_close_matches(missing, entries, n=1, cutoff=0.6)
+    hint = f"did you mean {os.path.join(parent, close[0])!r}? Else " if close else ""
+    return CohortError(f"model {kind} {spec!r} does not exist ({contents}); {hint}pass an existing {kind} "
+                       "or a hub id")
+
+
+def hub_endpoint() -> str:
+    try:
+        from huggingface_hub import constants
+
+        default = constants.ENDPOINT
+    except ImportError:
+        default = "https://huggingface.co"
+    return (os.environ.get("HF_ENDPOINT") or default).rstrip("/")
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or the older TRANSFORMERS_OFFLINE / HF_DATASETS_OFFLINE) is set."""
+    return any(os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+_PROBES: dict[str, str | None] = {}
+
+
+def hub_unreachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the Hugging Face hub cannot be reached (e.g. "[Errno -2] Name or service not known"), or None
+    when it answers. One request with a short timeout, remembered for the process: the hub's own client
+    would retry a dead connection for half a minute before saying the same. Any HTTP answer (even an
+    error status) or a TLS failure counts as reachable: the hub's client then reports what is wrong."""
+    endpoint = hub_endpoint()
+    if endpoint not in _PROBES:
+        reason = None
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout_s).close()
+        except urllib.error.HTTPError:
+            pass
+        except urllib.error.URLError as error:
+            cause = error.reason
+            if not isinstance(cause, ssl.SSLError):
+                reason = str(cause.strerror if isinstance(cause, OSError) and cause.strerror else cause) or "no answer"
+        except (TimeoutError, ConnectionError, OSError) as error:
+            reason = str(error) or f"no answer within {timeout_s:g}s"
+        except ValueError as error:  # a malformed HF_ENDPOINT
+            reason = f"invalid endpoint ({error})"
+        _PROBES[endpoint] = reason
+    return _PROBES[endpoint]
+
+
 def _download(repo_id: str, gguf_file: str | None = None) -> Path:
+    """The local snapshot of a hub repository: from the cache when the hub is offline or unreachable
+    (one quick check, no retries), else downloaded. Every failure is one line."""
     try:
         from huggingface_hub import snapshot_download
-
-        patterns = HUB_FILES + ([gguf_file] if gguf_file else [])
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except ImportError as error:
         raise CohortError(f"cannot fetch {repo_id!r}: huggingface_hub is not installed (pip install cohort[hub])") from error
-    except Exception as error:  # network, auth, missing repo: all user-fixable
-        raise CohortError(f"cannot fetch {repo_id!r} from the Hugging Face hub: {type(error).__name__}: {error}") from error
+    patterns = HUB_FILES + ([gguf_file] if gguf_file else [])
+    offline = hub_offline()
+    unreachable = None if offline else hub_unreachable()
+    if offline or unreachable:
+        try:
+            return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+        except Exception:  # noqa: BLE001 — not in the cache: the one-line error below
+            pass
+        if offline:
+            raise CohortError(f"{repo_id!r} is no local folder and not in the Hugging Face cache, and HF_HUB_OFFLINE "
+                              "is set; pass an existing folder, or unset HF_HUB_OFFLINE to download it")
+        raise CohortError(f"{repo_id!r} is no local folder, not in the Hugging Face cache, and the hub cannot be "
+                          f"reached to fetch it ({hub_endpoint()}: {unreachable}); pass an existing folder, or "
+                          "retry once the hub can be reached")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as error:  # auth, missing repo, a network failure mid-way: all user-fixable
+        raise CohortError(f"cannot fetch {repo_id!r} from the Hugging Face hub: {one_line(error)}; pass an "
+                          "existing folder or check the hub id") from error
+
+
+def one_line(error: BaseException) -> str:
+    """`Type: first line of the message`, for errors whose text runs over several lines."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def read_hf_config(folder: Path) -> ModelConfig:

@@ -21,7 +21,8 @@ import torch
 from ..errors import CohortError
 from . import tiny
 from .config import is_supported
-from .loading import from_pretrained, load_tokenizer
+from .loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
+                      missing_path_error, one_line)
 from .lora import has_lora, merged_state_dict, save_adapter
 from .modeling import CausalLM
 
@@ -49,6 +50,8 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
         model = str(tiny.tiny_model_dir(log=log))
     spec = str(model)
     path = Path(spec).expanduser()
+    if not path.exists() and looks_local(spec):  # a mistyped path: one line naming it, never a hub error
+        raise missing_path_error(spec)
     tokenizer = processing_class or load_tokenizer(spec, trust_remote_code=trust_remote_code)
     torch_dtype = None if dtype == "auto" else dtype
     model_type = _hf_model_type(path) if path.is_dir() else None
@@ -66,16 +69,20 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
 def _load_hf(spec: str, dtype, device, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
+    # A hub id while the hub is offline or unreachable: the cache only (transformers would retry for long).
+    cache_only = not Path(spec).expanduser().exists() and is_hub_id(spec) and (hub_offline() or bool(hub_unreachable()))
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=getattr(torch, dtype) if dtype else torch.float32,
-                                                     trust_remote_code=trust_remote_code)
+                                                     trust_remote_code=trust_remote_code,
+                                                     **({"local_files_only": True} if cache_only else {}))
     except ValueError as error:  # custom code refused, or a model_type transformers does not know
         if "trust_remote_code" in str(error):
             raise CohortError(f"{spec!r} needs its own Python code to load; cohort runs it only with "
                               "--trust_remote_code (pass it only for a model repo you trust)") from None
         raise CohortError(f"cannot load a model from {spec!r}: {str(error).splitlines()[0]}") from None
     except OSError as error:
-        raise CohortError(f"cannot load a model from {spec!r}: {str(error).splitlines()[0]}") from None
+        where = " (the Hugging Face hub cannot be reached and it is not in the cache)" if cache_only else ""
+        raise CohortError(f"cannot load a model from {spec!r}{where}: {one_line(error)}") from None
     return model.to(device)
 
 

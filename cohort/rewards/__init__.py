@@ -11,17 +11,19 @@ from .rules import (
     completion_text,
     extract_answer,
     format_reward,
+    get_soft_overlong_punishment,
     lenient_format_reward,
     reasoning_steps_reward,
     resolve_reward,
     tag_count_reward,
+    think_format_reward,
 )
 
 __all__ = [
     "REWARD_FUNCS", "RewardModelReward", "RewardOutput", "RewardRunner", "RewardWarning", "accuracy_reward",
     "canonical_answer",
-    "completion_text", "extract_answer", "format_reward", "lenient_format_reward", "reasoning_steps_reward",
-    "resolve_reward", "tag_count_reward", "task_labeller",
+    "completion_text", "extract_answer", "format_reward", "get_soft_overlong_punishment", "lenient_format_reward",
+    "reasoning_steps_reward", "resolve_reward", "tag_count_reward", "task_labeller", "think_format_reward",
 ]
 
 

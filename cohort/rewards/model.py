@@ -378,6 +378,20 @@ def warm_up_reward_models(reward_funcs: list, args, rows: list[dict], sample: Ca
             f"{100 * metrics.get('rm/warmup_online_accuracy_after', float('nan')):.1f}%")
 
 
+def resolve_reward_funcs(reward_funcs, args, task, tokenizer, device) -> list:
+    """The run's reward functions: `reward_funcs` as given, else --reward_funcs, else the task's (with its
+    weights, unless reward_weights are set); model folders and objects become r_φ (`prepare_reward_funcs`)."""
+    if reward_funcs is None and args.reward_funcs:
+        reward_funcs = list(args.reward_funcs)  # --reward_funcs: names, module:function, reward-model folders
+    if reward_funcs is None:
+        if task is None:
+            raise CohortError("no reward functions: pass reward_funcs=[...] or a task")
+        reward_funcs = list(task.reward_funcs)
+        args.reward_weights = args.reward_weights or list(task.reward_weights)
+    reward_funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    return prepare_reward_funcs(list(reward_funcs), args=args, tokenizer=tokenizer, device=device, task=task)
+
+
 def prepare_reward_funcs(reward_funcs: list, *, args, tokenizer, device, task=None) -> list:
     """Turn the reward-model entries of `reward_funcs` into `RewardModelReward`s, as TRL does: a folder
     path is loaded, a model object is wrapped (reading text with its own tokenizer if it names one, else

@@ -1,12 +1,18 @@
 """Rule-based reward functions for reasoning tasks, in TRL's reward-function signature.
 
-Every function here is called as `f(prompts, completions, completion_ids=None, **columns)` and returns
-one `float | None` per completion (None: "this function does not score this sample"). A completion
-is a plain string or a conversational list `[{"role": "assistant", "content": ...}]`.
+The trainer calls every function here by keyword, `f(prompts=…, completions=…, completion_ids=…,
+**columns)`, and each returns one `float | None` per completion (None: "this function does not score
+this sample"). A completion is a plain string or a conversational list `[{"role": "assistant",
+"content": ...}]`. Called by position, cohort's own functions take `(prompts, completions, …)`;
+`think_format_reward(completions)` and a soft overlong punishment's `(completion_ids)` keep TRL's order,
+so TRL's examples run unchanged; `accuracy_reward` takes `solution` by keyword only.
 
 The format rewards follow DeepSeek-R1 (2025, §2.2.2 "Reward Modeling": accuracy and format rewards)
-and the open-r1 reproduction's `tag_count` / `reasoning_steps` shaping rewards; the accuracy reward
-compares answers symbolically with HuggingFace's math-verify (`math_verify.parse` / `verify`).
+and the open-r1 reproduction's `tag_count` / `reasoning_steps` shaping rewards. `think_format_reward`,
+`accuracy_reward` and `get_soft_overlong_punishment` carry TRL's names and contracts. The accuracy
+reward reads the final answer (`extract_answer`), reads it as one value (plain numbers exactly, LaTeX
+whole with math-verify's LaTeX parser) and compares it with the gold answer; the rules, and what is and
+is not graded right, are in docs/howto/rewards.md.
 
 math-verify guards its own work with `signal.alarm`, which only works on the main thread; we turn it
 off (`parsing_timeout=None`, `timeout_seconds=None`) and `cohort.rewards.runner` enforces a time limit
@@ -163,10 +169,11 @@ _MATH_SPAN = re.compile(
     r"|(?<![\\$])\$(?=[^\s$])(?P<inline>(?:\\.|[^$\\\n])*?[^\s\\$])\$(?![\d$])",
     re.DOTALL,
 )
-# A number in running text: "1,234.5" (comma thousands groups), "-12", "3.75", ".5", "1e-5", "50%".
+# A number in running text: "1,234.5" or "1 234" (thousands groups), "-12", "3.75", ".5", "1e-5", "50%".
 # It does not start inside a word or right after a closing bracket, so "H2O" and "x-3" hold no "-3".
 _NUMBER = re.compile(
-    r"(?<![\w.)\]}])-?(?:\d{1,3}(?:,\d{3})+(?![\d,])(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?(?:\s*%)?"
+    r"(?<![\w.)\]}])-?(?:\d{1,3}(?:,\d{3})+(?![\d,])(?:\.\d+)?|\d{1,3}(?: \d{3})+(?![\d,-])(?:\.\d+)?"
+    r"|\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?(?:\s*%)?"
 )
 
 
@@ -185,17 +192,25 @@ def _last_box(text: str) -> str | None:
     return None
 
 
-def _value_spans(text: str) -> list[str]:
-    """Inline/display maths contents and bare numbers outside maths, in the order they end."""
+def _located_values(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, content) of the inline/display maths and the bare numbers outside maths, in the
+    order they end."""
     found = []
     blanked = list(text)
     for m in _MATH_SPAN.finditer(text):
         content = next(g for g in m.groups() if g is not None)
-        found.append((m.end(), content.strip()))
+        found.append((m.start(), m.end(), content.strip()))
         blanked[m.start() : m.end()] = " " * (m.end() - m.start())
     for m in _NUMBER.finditer("".join(blanked)):
-        found.append((m.end(), m.group()))
-    return [content for _, content in sorted(found, key=lambda item: item[0])]
+        found.append((m.start(), m.end(), m.group()))
+    return sorted(found, key=lambda item: item[1])
+
+
+def _value_spans(text: str) -> list[str]:
+    return [content for _, _, content in _located_values(text)]
+
+
+_HEDGE_GAP = re.compile(r"\W*(?:or|nor|and/or)\W*", re.IGNORECASE)  # "$2$ or $3$": no single answer
 
 
 def extract_answer(text) -> str | None:
@@ -232,8 +247,10 @@ def extract_answer(text) -> str | None:
     if whole and "\n" not in whole and len(whole) <= 120 and (not _has_prose(_normalise(whole))
                                                                or _WORD_ANSWER.fullmatch(_normalise(whole))):
         return whole
-    spans = _value_spans(text)
-    return spans[-1] if spans else None
+    spans = _located_values(text)
+    if len(spans) >= 2 and _HEDGE_GAP.fullmatch(text[spans[-2][1] : spans[-1][0]]):
+        return None
+    return spans[-1][2] if spans else None
 
 
 # ------------------------------------------------------------------------------ reading one value
@@ -318,7 +335,7 @@ def _normalise(text: str) -> str:
     text = re.sub(r"\\[dtc]frac(?![A-Za-z])", r"\\frac", text)
     text = re.sub(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ(?![A-Za-z])|\\circ(?![A-Za-z])|\\degree(?![A-Za-z])", "", text)
     text = text.replace("{,}", ",").replace("\\$", "").replace("\\%", "%")
-    text = re.sub(r"\\[,;:! ]|\\q?quad(?![A-Za-z])|~", " ", text)
+    text = re.sub(r"(?<!\\)\\[,;:! ]|\\q?quad(?![A-Za-z])|~", " ", text)  # not the "\\" of a new row
     unit = _TEXT_UNIT.search(text)
     if unit and unit.start() > 0 and (unit.group(1) in _ONE_LETTER_UNITS or _are_units(unit.group(1))):
         text = text[: unit.start()]
@@ -358,6 +375,8 @@ def _plain_number(text: str) -> _Value | None:
         return None
     digits = (m["int"] or "0").replace(",", "") + "." + (m["frac"] or "")
     exponent = int(m["exp"] or 0)
+    if abs(exponent) > 1000:  # "1e999999999": no answer, and too large to build
+        return None
     number = Fraction(digits.rstrip(".")) * Fraction(10) ** exponent
     if (m["sign"] or m["sign2"]) == "-":
         number = -number
@@ -392,7 +411,7 @@ def _read_value(piece: str | None, inner: bool = False) -> _Value | None:
     if _SPACED_DIGITS.search(text):
         return None
     expr = _parse_latex(text.replace("$", ""))
-    return None if expr is None else _Value(expr=expr)
+    return None if expr is None or _too_large(expr) else _Value(expr=expr)
 
 
 class _DropDisabledTimeoutNotice(logging.Filter):
@@ -429,6 +448,23 @@ def _parse_latex(text: str):
     return next((item for item in found if not isinstance(item, str)), None)
 
 
+def _too_large(expr) -> bool:
+    """Whether `expr` holds a power or factorial too large to evaluate (`9^{9^{9^9}}`, `10^6!`): no answer
+    a grader would accept, and comparing it could run for hours outside the runner's time limit."""
+    import sympy
+
+    try:
+        for node in sympy.preorder_traversal(expr):
+            if isinstance(node, sympy.Pow) and node.exp.is_number and node.base not in (0, 1, -1):
+                if abs(node.exp.evalf(5)) > 100_000:
+                    return True
+            elif isinstance(node, sympy.factorial) and node.args[0].is_number and abs(node.args[0].evalf(5)) > 10_000:
+                return True
+    except (TypeError, ValueError, ArithmeticError, RecursionError):
+        return True
+    return False
+
+
 # ------------------------------------------------------------------------------ comparing two values
 
 def _relations(expr) -> list:
@@ -447,7 +483,7 @@ def _relations(expr) -> list:
 def _as_answer(expr, other):
     """`x = 5` (or `x = 2 + 3 = 5`) answers with its last right-hand side when `other` is no equation,
     math-verify's rule, applied before we compare numbers ourselves. A link between two numbers must
-    hold: `9 \cdot 2 = 18` answers 18, `18 = 19` answers nothing (None)."""
+    hold: `9 * 2 = 18` answers 18, `18 = 19` answers nothing (None)."""
     import sympy
 
     chain = _relations(expr)

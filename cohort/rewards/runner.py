@@ -4,11 +4,16 @@ The combined reward of sample i is Σ_f w_f · r_f(i), where a function's None (
 sample") counts as 0 — TRL's `nansum` over the `[B, F]` table. A sample that no function scores is
 *unscored* (`RewardOutput.unscored`, the all-NaN rows of the table): as in TRL 1.16 it is left out of
 its group's baseline and gets advantage 0 (`objectives.group_advantages(scored=...)`), and out of the
-`reward` / `reward_std` metrics; `rewards/unscored_frac` counts it. A reward function is user code, so one
-that raises, hangs or returns NaN must not end a long run: the affected samples get None (NaN in the
-table) and a warning, once per function and kind of fault. A contract breach that would make every
-step wrong — the wrong number of values, a non-numeric value, a missing dataset column — raises
-`CohortError` instead.
+`reward` / `reward_std` metrics; `rewards/unscored_frac` counts it.
+
+Faults. A reward function that *raises* is a bug the user should hear about at once: by default
+(`errors="raise"`, `--reward_errors raise`) the first exception stops the run with one line naming the
+function and the exception's last line (`CohortError`). With `errors="warn"` the samples it failed on get
+None (NaN in the table; unscored if no other function scores them), one warning per function says so,
+and `rewards/<name>/errors` counts them in every call's metrics. A function that hangs past `timeout_s`
+or returns NaN is not an error by this rule: those samples get None and a warning, once per function and
+kind of fault, under either setting. A contract breach that would make every step wrong — the wrong
+number of values, a non-numeric value, a missing dataset column — always raises `CohortError`.
 
 Time limits. A whole-batch call runs in a daemon thread and is abandoned after `timeout_s` (Python
 cannot kill a thread; the abandoned one runs on in the background). A function that carries a
@@ -45,12 +50,16 @@ class RewardWarning(UserWarning):
     """A reward function failed on some samples; those samples were scored None."""
 
 
+ERROR_POLICIES = ("raise", "warn")  # what a reward function that raises does: stop the run, or score None
+
+
 @dataclass
 class RewardOutput:
     rewards: torch.Tensor  # [B] float32: Σ_f w_f · r_f, a function's None counting as 0 (TRL's nansum); 0 if unscored
     per_function: torch.Tensor  # [B, F] float32, NaN where a function returned None / failed
     # rewards/<name>/mean, rewards/<name>/std (over non-NaN); reward, reward_std (over the scored samples);
-    # rewards/unscored_frac (the fraction of samples no function scored)
+    # rewards/unscored_frac (the fraction of samples no function scored); with errors="warn" also
+    # rewards/<name>/errors (how many samples the function raised on in this call)
     metrics: dict[str, float]
 
     @property
@@ -76,10 +85,16 @@ class RewardRunner:
     """Runs a list of reward functions on a batch and combines them by weight.
 
     `reward_funcs` are callables or names `resolve_reward` understands; `reward_weights` default to 1.0
-    each; `timeout_s` limits each whole-batch call, and each sample of a per-sample function."""
+    each; `timeout_s` limits each whole-batch call, and each sample of a per-sample function; `errors`
+    is what a function that raises does: "raise" (a `CohortError` naming it) or "warn" (its samples
+    get None, counted in `rewards/<name>/errors`)."""
 
     def __init__(self, reward_funcs: list[Callable | str], reward_weights: list[float] | None = None,
-                 timeout_s: float = 10.0, sample_workers: int = 2):
+                 timeout_s: float = 10.0, sample_workers: int = 2, errors: str = "raise"):
+        if errors not in ERROR_POLICIES:
+            raise CohortError(f"reward_errors={errors!r}: choose raise (stop at a reward function's first "
+                              "exception) or warn (score its failed samples None) (--reward_errors)")
+        self.errors = errors
         if not reward_funcs:
             raise CohortError("no reward functions given; name at least one (--reward_funcs)")
         self.funcs = [resolve_reward(f) for f in reward_funcs]
@@ -96,7 +111,8 @@ class RewardRunner:
         self.timeout_s = float(timeout_s)
         self.names = _unique([_function_name(f) for f in self.funcs])
         self._warned: set[tuple[str, str]] = set()
-        self._pool = _SampleWorkerPool(max(1, sample_workers), self.timeout_s, self._warn)
+        self._error_counts: dict[str, int] = {}
+        self._pool = _SampleWorkerPool(max(1, sample_workers), self.timeout_s, self._warn, self._raised)
 
     # ------------------------------------------------------------------------------------ checking
 
@@ -132,6 +148,7 @@ class RewardRunner:
             if len(values) != batch:
                 raise ValueError(f"column {column!r} has {len(values)} values for {batch} completions")
         table = torch.full((batch, len(self.funcs)), float("nan"), dtype=torch.float32)
+        self._error_counts = {name: 0 for name in self.names}
         for j, (name, func) in enumerate(zip(self.names, self.funcs)):
             if _importable_elsewhere(getattr(func, "score_sample", None)) and self._pool.available:
                 values = self._pool.score(name, func.score_sample, completions, columns)
@@ -167,11 +184,23 @@ class RewardRunner:
                        completions[0] if completions else None)
             return [None] * len(completions)
         if "error" in box:
-            e = box["error"]
-            self._warn(name, "raised", f"reward {name!r} raised {type(e).__name__}: {e}; the batch gets None "
-                       "for it", completions[0] if completions else None)
+            self._raised(name, exception_line(box["error"]), completions)
             return [None] * len(completions)
         return box["values"]
+
+    def _raised(self, name: str, error: str, completions: list, sample: int | None = None) -> None:
+        """Function `name` raised `error` ("Type: last line") on the whole batch (`sample` None) or on one
+        sample: a `CohortError` under errors="raise"; else a warning (once) and the samples counted."""
+        where = (f"on sample {sample}" if sample is not None else f"on a batch of {len(completions)} completions")
+        completion = completions[sample if sample is not None else 0] if completions else None
+        if self.errors == "raise":
+            shown = f" ({_shown(completion, 80)!r})" if completion is not None else ""
+            raise CohortError(f"reward {name!r} raised {error} {where}{shown}; fix the function, or pass "
+                              "--reward_errors warn to score the samples it fails on None and go on")
+        self._error_counts[name] = self._error_counts.get(name, 0) + (1 if sample is not None else len(completions))
+        what = "that sample gets" if sample is not None else "the batch gets"
+        self._warn(name, "raised", f"reward {name!r} raised {error} {where}; {what} None for it (counted in "
+                   f"rewards/{name}/errors)", completion)
 
     def _check_values(self, name, values, batch, completions) -> list[float]:
         try:
@@ -206,6 +235,8 @@ class RewardRunner:
             mean, std = _nan_mean_std(table[:, j])
             metrics[f"rewards/{name}/mean"] = mean
             metrics[f"rewards/{name}/std"] = std
+            if self.errors == "warn":
+                metrics[f"rewards/{name}/errors"] = float(self._error_counts.get(name, 0))
         # As TRL: the combined reward's statistics leave the unscored samples out.
         metrics["reward"], metrics["reward_std"] = _nan_mean_std(rewards.masked_fill(unscored, math.nan))
         metrics["rewards/unscored_frac"] = float(unscored.float().mean()) if len(unscored) else 0.0
@@ -217,9 +248,7 @@ class RewardRunner:
             return
         self._warned.add((name, kind))
         if completion is not None:
-            text = completion_text(completion)
-            shown = text if len(text) <= 200 else text[:200] + f"… ({len(text)} chars)"
-            message += f"; completion: {shown!r}"
+            message += f"; completion: {_shown(completion, 200)!r}"
         warnings.warn(message + " (further faults of this kind are not reported)", RewardWarning, stacklevel=3)
 
     def close(self) -> None:
@@ -230,6 +259,24 @@ class RewardRunner:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.close()
+
+
+def _shown(completion, limit: int) -> str:
+    text = completion_text(completion)
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} chars)"
+
+
+def exception_line(error: BaseException | str) -> str:
+    """`Type: message`, the message cut to its last line (as a traceback's last line): one line.
+    Also takes the "Type: message" text a worker process reports."""
+    if isinstance(error, BaseException):
+        kind, message = type(error).__name__, str(error)
+    else:
+        kind, _, message = str(error).partition(":")
+        kind, message = (kind.strip(), message) if message else ("Exception", kind)
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    text = f"{kind}: {lines[-1]}" if lines else kind
+    return text if len(text) <= 300 else text[:300] + "…"
 
 
 def _unique(names: list[str]) -> list[str]:
@@ -342,8 +389,9 @@ class _SampleWorkerPool:
     and replacing a worker whose sample exceeds the time limit. If the workers cannot be used at all,
     it scores in this process instead (with a warning) for the rest of the run."""
 
-    def __init__(self, size: int, timeout_s: float, warn: Callable):
+    def __init__(self, size: int, timeout_s: float, warn: Callable, raised: Callable):
         self.size, self.timeout_s, self.warn = size, timeout_s, warn
+        self.raised = raised  # (name, "Type: message", completions, sample): warns and counts, or raises CohortError
         self.replies: queue.Queue = queue.Queue()
         self.workers: list[_Worker] = []
         self.available = True
@@ -360,6 +408,9 @@ class _SampleWorkerPool:
             while len(self.workers) < self.size:
                 self.workers.append(_Worker(self.replies))
             self._run(name, fn, requests, values, pending, completions)
+        except CohortError:  # reward_errors=raise: the run stops; no worker is left busy with this batch
+            self.close()
+            raise
         except (_GiveUp, OSError) as e:
             left = sorted(set(pending) | {w.job[1] for w in self.workers if w.job and w.job[0] == "sample"})
             self.available = False
@@ -369,10 +420,9 @@ class _SampleWorkerPool:
             for i in left:
                 try:
                     values[i] = score_sample(requests[i]["args"][0], **requests[i]["kwargs"])
-                except Exception as error:  # noqa: BLE001 — user code: None, as in the workers
+                except Exception as error:  # noqa: BLE001 — user code: as in the workers
                     values[i] = None
-                    self.warn(name, "raised", f"reward {name!r} raised {type(error).__name__}: {error} on "
-                              f"sample {i}; that sample gets None for it", completions[i])
+                    self.raised(name, exception_line(error), completions, i)
         return values
 
     def _run(self, name, fn, requests, values, pending, completions) -> None:
@@ -408,8 +458,7 @@ class _SampleWorkerPool:
             elif job and job[0] == "sample":
                 i = job[1]
                 if "error" in reply:
-                    self.warn(name, "raised", f"reward {name!r} raised {reply['error']} on sample {i}; that "
-                              "sample gets None for it", completions[i])
+                    self.raised(name, exception_line(reply["error"]), completions, i)
                 else:
                     values[i] = reply["value"]
 

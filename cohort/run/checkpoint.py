@@ -73,6 +73,7 @@ class RunState:
     accuracy_before: float | None = None
     skipped_steps: int = 0
     nonfinite_in_a_row: int = 0
+    seconds: float = 0.0  # time spent training so far, over every attempt of the run
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -162,6 +163,7 @@ def _write_contents(parts: RunParts, run: RunState, folder: Path, shared: dict |
         "accuracy_before": run.accuracy_before,
         "skipped_steps": run.skipped_steps,
         "nonfinite_in_a_row": run.nonfinite_in_a_row,
+        "seconds": run.seconds,
         # metrics.jsonl / completions.jsonl are flushed per line: their sizes now mark this step's end.
         "file_sizes": {name: (out / name).stat().st_size if (out / name).exists() else 0
                        for name in (METRICS_FILE, COMPLETIONS_FILE)},

@@ -69,7 +69,8 @@ def load_checkpoint(parts: RunParts, folder: Path, log=print) -> RunState:
                              "data_rng": python_state(state["data_rng"], restore=True)},
                     history=state["history"], accuracy_before=state.get("accuracy_before"),
                     skipped_steps=int(state.get("skipped_steps", 0)),
-                    nonfinite_in_a_row=int(state.get("nonfinite_in_a_row", 0)))
+                    nonfinite_in_a_row=int(state.get("nonfinite_in_a_row", 0)),
+                    seconds=float(state.get("seconds", 0.0)))
 
 
 def _report_changed_options(saved: dict, current: dict, log) -> None:

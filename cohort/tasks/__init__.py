@@ -10,6 +10,7 @@ from ..errors import CohortError
 TASKS = {
     "arithmetic": "cohort.tasks.arithmetic:ArithmeticTask",
     "gsm8k": "cohort.tasks.gsm8k:GSM8KTask",
+    "generic": "cohort.tasks.generic:GenericTask",  # your rows and reward functions, no verifier
 }
 
 

@@ -71,14 +71,16 @@ def _text(completion) -> str:
 
 class ArithmeticTask:
     name = "arithmetic"
-    # `cohort train` with no --model uses these: the tiny model, trained on unseen level-3 problems
-    # (its short warm start leaves it at ~40% there; the test problems are never trained on).
+    # `cohort train --task arithmetic` (the task of a bare `cohort train`) starts from these, under any
+    # YAML or flag: the tiny model, trained on unseen level-3 problems (its short warm start leaves it
+    # at ~40% there; the test problems are never trained on).
     default_config = dict(
         levels="3", num_generations=8, per_device_train_batch_size=64, gradient_accumulation_steps=1,
         max_completion_length=8, max_prompt_length=64, learning_rate=2e-5, beta=0.04, ref_reset_steps=50,
         max_steps=600, temperature=1.0, eval_limit=200, output_dir="runs/arithmetic", seed=0,
         logging_steps=10, log_completions_steps=100,
     )
+    reads_data = False  # it generates its problems: --data_files / --dataset_name do not apply
     system_prompt = None
     reward_funcs = [answer_reward]
     reward_weights = [1.0]

@@ -1,4 +1,4 @@
-"""Loading dataset rows: local JSON Lines / JSON / Parquet files, or a Hugging Face Hub dataset.
+"""Loading dataset rows: local JSON Lines / JSON / Parquet / CSV files, or a Hugging Face Hub dataset.
 
 Rows are plain dicts (one per example), the shape every task's `load` returns. Errors name the file
 (and for JSON Lines the line number) and the fix, as `CohortError`.
@@ -6,21 +6,22 @@ Rows are plain dicts (one per example), the shape every task's `load` returns. E
 
 from __future__ import annotations
 
+import csv
 import glob
 import json
 from pathlib import Path
 
 from ..errors import CohortError
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 def load_rows(data_files: str | list[str] | dict[str, str], split: str | None = None) -> list[dict]:
     """All rows of the given files, in order.
 
-    `data_files` is a path, a glob (`data/*.jsonl`), a list of them, or a mapping split → path(s) as in
-    `datasets.load_dataset(data_files=...)`; with a mapping, `split` picks the entry (it may be left out
-    when the mapping has a single entry)."""
+    `data_files` is a path, a glob (`data/*.jsonl`), comma-separated paths (`a.jsonl,b.jsonl`), a list
+    of them, or a mapping split → path(s) as in `datasets.load_dataset(data_files=...)`; with a mapping,
+    `split` picks the entry (it may be left out when the mapping has a single entry)."""
     if isinstance(data_files, dict):
         if split is None and len(data_files) == 1:
             split = next(iter(data_files))
@@ -28,9 +29,11 @@ def load_rows(data_files: str | list[str] | dict[str, str], split: str | None = 
             raise CohortError(f"data_files has splits {sorted(data_files)}, not {split!r}; "
                               "add that split to --data_files or choose one of those")
         data_files = data_files[split]
+    if isinstance(data_files, str) and "," in data_files and not Path(data_files).expanduser().exists():
+        data_files = [part.strip() for part in data_files.split(",") if part.strip()]
     paths = [data_files] if isinstance(data_files, (str, Path)) else list(data_files)
     if not paths:
-        raise CohortError("data_files is empty; pass at least one .jsonl, .json or .parquet file (--data_files)")
+        raise CohortError("data_files is empty; pass at least one .jsonl, .json, .parquet or .csv file (--data_files)")
     rows: list[dict] = []
     for path in _expand(paths):
         rows.extend(_read_file(path))
@@ -50,8 +53,8 @@ def _expand(paths) -> list[Path]:
         p = Path(path).expanduser()
         if not p.is_file():
             what = "is a directory, not a file" if p.is_dir() else "not found"
-            raise CohortError(f"data file {path!r} {what}; pass the path of a .jsonl, .json or .parquet file "
-                              "(--data_files)")
+            raise CohortError(f"data file {path!r} {what}; pass the path of a .jsonl, .json, .parquet or .csv "
+                              "file (--data_files)")
         out.append(p)
     return out
 
@@ -64,6 +67,8 @@ def _read_file(path: Path) -> list[dict]:
         rows = _read_json(path)
     elif suffix == ".parquet":
         rows = _read_parquet(path)
+    elif suffix == ".csv":
+        rows = _read_csv(path)
     else:
         raise CohortError(f"data file {str(path)!r} has extension {path.suffix or '(none)'!r}; "
                           f"use one of {list(SUFFIXES)}")
@@ -127,23 +132,82 @@ def _read_parquet(path: Path) -> list[dict]:
         raise CohortError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
 
 
+def _read_csv(path: Path) -> list[dict]:
+    """Rows of a CSV file with a header line; every cell is read as text (reward functions convert)."""
+    with path.open(encoding="utf-8", newline="") as file:
+        reader = csv.DictReader(file)
+        header = reader.fieldnames or []
+        if len(set(header)) != len(header) or any(not name.strip() for name in header):
+            raise CohortError(f"{path}:1: the header {header} needs distinct, non-empty column names")
+        rows = []
+        for row in reader:
+            if None in row or any(value is None for value in row.values()):
+                cells = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None, []))
+                raise CohortError(f"{path}:{reader.line_num}: this row has {cells} cells where the header has "
+                                  f"{len(header)} columns; quote cells that hold commas")
+            rows.append(dict(row))
+    return rows
+
+
 def load_hub_dataset(name: str, config: str | None, split: str) -> list[dict]:
     """Rows of a Hugging Face Hub dataset split via `datasets.load_dataset(name, config, split=split)`.
 
-    Raises `CohortError` when `datasets` is not installed or the dataset cannot be fetched (offline,
-    unknown name, unknown split), suggesting a local file instead."""
+    Fails fast and in one line: when the hub cannot be reached (one request with a short timeout,
+    `cohort.models.loading.hub_unreachable`) only `datasets`' local cache is tried, never the hub with its
+    retries. Raises `CohortError` when `datasets` is not installed or the dataset cannot be loaded
+    (offline, unknown name, unknown split), suggesting a local file instead."""
     try:
         import datasets
     except ImportError:
         raise CohortError(f"loading hub dataset {name!r} needs the datasets package; pip install datasets, "
                           "or pass a local file with --data_files") from None
+    from ..models.loading import hub_endpoint, hub_offline, hub_unreachable, one_line
+
+    what = f"hub dataset {name!r} (config {config!r}, split {split!r})"
+    unreachable = None if hub_offline() else hub_unreachable()
     try:
-        dataset = datasets.load_dataset(name, config, split=split)
+        if unreachable:
+            with _hub_offline(datasets):  # the local cache only: no retries against a hub that is not there
+                dataset = datasets.load_dataset(name, config, split=split)
+        else:
+            dataset = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # offline, gated, missing split…: all end the same way for the user
-        message = str(e).splitlines()[0][:300] if str(e) else ""
-        raise CohortError(f"could not load hub dataset {name!r} (config {config!r}, split {split!r}): "
-                          f"{type(e).__name__}: {message}; pass a local file with --data_files") from None
+        if unreachable:
+            raise CohortError(f"could not load {what}: the Hugging Face hub cannot be reached ({hub_endpoint()}: "
+                              f"{unreachable}) and it is not in the datasets cache; pass a local file with "
+                              "--data_files") from None
+        raise CohortError(f"could not load {what}: {one_line(e)[:300]}; pass a local file with --data_files") from None
     return [dict(row) for row in dataset]
+
+
+class _hub_offline:
+    """Within: `datasets` and `huggingface_hub` in offline mode (their module flags, which they read at
+    import from HF_HUB_OFFLINE), so `load_dataset` answers from the cache at once; restored on exit."""
+
+    FLAGS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+    def __init__(self, datasets_module):
+        self.modules = [getattr(datasets_module, "config", None)]
+        try:
+            from huggingface_hub import constants
+
+            self.modules.append(constants)
+        except ImportError:
+            pass
+        self.saved: list = []
+
+    def __enter__(self):
+        for module in self.modules:
+            for flag in self.FLAGS:
+                if module is not None and hasattr(module, flag):
+                    self.saved.append((module, flag, getattr(module, flag)))
+                    setattr(module, flag, True)
+        return self
+
+    def __exit__(self, *exc):
+        for module, flag, value in reversed(self.saved):
+            setattr(module, flag, value)
+        return False
 
 
 def check_prompt_column(rows: list[dict], source: str) -> None:

@@ -45,25 +45,34 @@ def default_data_files(split: str) -> str | None:
 
 class GSM8KTask:
     name = "gsm8k"
+    # `cohort train --task gsm8k` starts from these, under any YAML or flag (docs/howto/gsm8k.md's recipe).
+    default_config = dict(
+        num_generations=8, per_device_train_batch_size=64, gradient_accumulation_steps=1, max_completion_length=512,
+        learning_rate=1e-6, beta=0.04, temperature=1.0, max_steps=200, eval_steps=50, eval_limit=200,
+        output_dir="runs/gsm8k",
+    )
     system_prompt = SYSTEM_PROMPT
     reward_funcs = [format_reward, tag_count_reward, accuracy_reward]
     reward_weights = [0.5, 0.5, 1.0]
 
     def load(self, split: str = "train", data_files=None, subset: int | None = None, tokenizer=None,
              max_prompt_tokens: int | None = None, max_answer_tokens: int | None = None, seed: int = 0,
-             **_) -> list[dict]:
+             dataset_name: str | None = None, dataset_config: str | None = None, **_) -> list[dict]:
         """Rows {prompt, solution, question, answer}; `prompt` is [system, user] chat messages.
 
-        Source: `data_files` when given; else `../shared/data/gsm8k/<split>.jsonl` when present (no
-        network needed); else the hub dataset `openai/gsm8k`. With a `tokenizer`, rows whose prompt
-        (chat template applied) exceeds `max_prompt_tokens` or whose reference answer exceeds
-        `max_answer_tokens` are dropped. `subset=N` then keeps N rows chosen by `seed`, in file order."""
-        if split not in SPLITS and data_files is None:
+        Source: `data_files` when given; else the hub dataset `dataset_name` (config `dataset_config`)
+        when given; else `../shared/data/gsm8k/<split>.jsonl` when present (no network needed); else the
+        hub dataset `openai/gsm8k`. With a `tokenizer`, rows whose prompt (chat template applied)
+        exceeds `max_prompt_tokens` or whose reference answer exceeds `max_answer_tokens` are dropped.
+        `subset=N` then keeps N rows chosen by `seed`, in file order."""
+        if split not in SPLITS and data_files is None and dataset_name is None:
             raise CohortError(f"gsm8k has splits {list(SPLITS)}, not {split!r}")
-        if data_files is None:
+        if data_files is None and dataset_name is None:
             data_files = default_data_files(split)
         if data_files is not None:
             raw, source = load_rows(data_files, split=split), str(data_files)
+        elif dataset_name is not None:
+            raw, source = load_hub_dataset(dataset_name, dataset_config, split), dataset_name
         else:
             try:
                 raw, source = load_hub_dataset(HUB_ID, HUB_CONFIG, split), HUB_ID

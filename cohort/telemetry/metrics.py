@@ -144,6 +144,8 @@ class MetricsLogger:
         """Append one line `{"step", "time", **metrics}` and flush it; returns the record as written."""
         record = {"step": int(step), "time": time.time()}
         record.update({str(name): _json_value(value) for name, value in metrics.items()})
+        if self._metrics_file.closed:  # after the run (trainer.evaluate() once train() returned): append again
+            self._metrics_file = open(self.output_dir / METRICS_FILE, "a", encoding="utf-8")
         self._metrics_file.write(json.dumps(record, allow_nan=False) + "\n")
         self._metrics_file.flush()
         numbers = {

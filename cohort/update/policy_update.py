@@ -180,3 +180,12 @@ class PolicyUpdate:
                                     max_tokens=tokens, temperature=self.args.temperature or 1.0,
                                     share_prompts=self.share_prompts)
         return self.memory.run(attempt)
+
+
+def sampler_correction_mode(args, model, device: torch.device) -> str | None:
+    """The sampler correction in force (objectives.SAMPLER_CORRECTIONS), or None. Automatic where the
+    sampler is not exact: a bf16 / fp16 policy on a GPU (float32 on the CPU agrees to ~1e-6)."""
+    on = args.importance_sampling_correction
+    if on is None:
+        on = device.type == "cuda" and next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    return args.importance_sampling_mode if on else None
