@@ -309,8 +309,6 @@ class GRPOConfig:
 
         if self.task is None:
             self.task = default_task(self.data_files, self.dataset_name)
-        if self.task not in TASKS:
-            bad(f"unknown task {self.task!r}; choose one of {sorted(TASKS)} (--task)")
         if self.data_files is not None and self.dataset_name is not None:
             bad(f"data_files={self.data_files!r} and dataset_name={self.dataset_name!r} both name the training "
                 "rows; pass only one")
@@ -391,7 +389,7 @@ class GRPOConfig:
         if self.top_k == 1 or self.top_k < 0:
             bad(f"top_k={self.top_k}: " + ("sampling only the most likely token makes every group identical" if
                 self.top_k == 1 else "a negative count means nothing") + "; pass --top_k 0 (off) or more than 1")
-        if not 0 <= self.min_p < 1:
+        if self.min_p is not None and not 0 <= self.min_p < 1:
             bad(f"min_p={self.min_p:g} must lie in [0, 1): at 1 only the most likely token is sampled and every "
                 "group is identical; pass --min_p 0 (off) or e.g. 0.05")
         if not 0 < self.top_p <= 1:
@@ -568,7 +566,7 @@ def task_defaults(name: str) -> dict:
     return dict(getattr(get_task(name), "default_config", {}) or {})
 
 
-def resolve_config(argv: list[str], task_defaults: Callable[[str], dict] | None = None, *,
+def resolve_config(argv: list[str], defaults_of: Callable[[str], dict] | None = None, *,
                    validate: bool = True) -> tuple[GRPOConfig, dict[str, str]]:
     """`--field value` / `--field=value` / `--flag` arguments (and `--config file.yaml`) → the config
     and, for every field, where its value came from: `default`, `task:<name>`, `yaml:<file>` or `cli`.
@@ -576,8 +574,8 @@ def resolve_config(argv: list[str], task_defaults: Callable[[str], dict] | None 
     One rule for every option, lowest first: built-in default < the task's defaults < YAML < command
     line. The task is the command line's `--task`, else the YAML's `task:`, else `default_task` (generic
     when the command line or YAML gives data_files or dataset_name, else arithmetic); its defaults
-    (`task_defaults(name)`, by default its `default_config`) apply whatever else is given, `--model`
-    included."""
+    (`defaults_of(name)`, by default `task_defaults`: its `default_config`) apply whatever else is given,
+    `--model` included. `validate=False` (for --help) skips `GRPOConfig.validate`."""
     fields = _fields()
     cli = {key: "true" if value is None else value for key, value in option_pairs(argv)}  # bare flag = true
     layers: list[tuple[str, dict]] = []
@@ -601,7 +599,7 @@ def resolve_config(argv: list[str], task_defaults: Callable[[str], dict] | None 
 
     given = {key: value for _, layer in layers for key, value in layer.items()}  # later layers win
     task = given.get("task") or default_task(given.get("data_files"), given.get("dataset_name"))
-    defaults = (task_defaults or globals()["task_defaults"])(task)
+    defaults = (defaults_of or task_defaults)(task)
     unknown = sorted(set(defaults) - set(fields))
     if unknown:
         raise CohortError(f"task {task!r} has default options that are not GRPOConfig fields: {unknown}")

@@ -74,6 +74,7 @@ METRICS: list[tuple[str, str, str]] = [
                                                                   "(recomputed in the backward): all but the last "
                                                                   "in the first update, then its choice"),
     ("rewards/overlong_penalty", "overlong_buffer_length > 0", "mean DAPO overlong penalty added to the reward"),
+    ("rewards/<func>/errors", "reward_errors warn", "samples the function raised on in the step (they score None)"),
     ("rewards/unscored_frac", "always", "fraction of completions no reward function scored (left out of their "
                                         "group's baseline, advantage 0)"),
     ("sampling/sampling_logp_difference/mean", "the engine samples", "mean |log π_trainer − log π_sampler| over the "
@@ -179,8 +180,8 @@ def render() -> str:
         "Every `GRPOConfig` field is a flag of `cohort train` (`--learning_rate 1e-5` or `--learning-rate=1e-5`; a "
         "bare `--flag` means true; lists are comma-separated), a key of a YAML file passed with `--config run.yaml` "
         "(flags override it) and a keyword of `GRPOConfig(...)`. The defaults are `GRPOConfig`'s; `cohort train` "
-        "without `--model` starts from its task's own defaults (`default_config` in cohort/tasks/). "
-        "`cohort train --help` lists the same names.",
+        "starts from its task's defaults (`default_config` in cohort/tasks/), then the YAML, then the flags; "
+        "`cohort train --help` shows each default this invocation would use and its source.",
         "",
         "- [Options](#options): " + ", ".join(f"[{title}](#{anchor(title)})" for title, _, _ in groups),
         "- [Metrics](#metrics): the names in `metrics.jsonl`, TensorBoard and Weights & Biases",

@@ -116,9 +116,9 @@ def test_malformed_jsonl_line_is_named(files, tmp_path, capsys):
 
 
 def test_data_file_with_an_unknown_extension(files, tmp_path, capsys):
-    (tmp_path / "train.csv").write_text("question,answer\n")
-    one_error_line(capsys, small_run(files, tmp_path / "out", "--task", "gsm8k", "--data_files", tmp_path / "train.csv"),
-                   "has extension '.csv'", ".jsonl")
+    (tmp_path / "train.txt").write_text("question,answer\n")
+    one_error_line(capsys, small_run(files, tmp_path / "out", "--task", "gsm8k", "--data_files", tmp_path / "train.txt"),
+                   "has extension '.txt'", ".jsonl")
 
 
 def test_missing_column(files, tmp_path, capsys):
@@ -172,7 +172,8 @@ def test_model_path_that_is_not_a_model(tmp_path, capsys):
 
 def test_model_that_does_not_exist(tmp_path, capsys):
     one_error_line(capsys, ["train", "--model", tmp_path / "nowhere", "--output_dir", tmp_path / "out"],
-                   f"no model at '{tmp_path / 'nowhere'}'", "hub id")
+                   f"model folder '{tmp_path / 'nowhere'}' does not exist ({tmp_path}/ has",
+                   "pass an existing folder or a hub id")
 
 
 def test_tokenizer_without_eos(files, tmp_path, capsys):
@@ -283,7 +284,7 @@ def test_no_traceback_from_a_real_process(files, tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "cohort: error: unknown reward 'nosuch'; use one of ['accuracy', 'format', 'lenient_format', 'reasoning_steps', "
-        "'tag_count'] or 'module:function' (--reward_funcs)"]
+        "'tag_count', 'think_format_reward'] or 'module:function' (--reward_funcs)"]
 
 
 class NotPlainData:

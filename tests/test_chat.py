@@ -209,7 +209,8 @@ def test_generate_writes_one_row_per_completion(tmp_path, tiny_dir, tiny, capsys
                           "--max_new_tokens", "6", "--temperature", "0"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 0, 1, 1]
-    assert [r["prompt"] for r in rows[::2]] == ["12+7=? Reply <answer>N</answer>", "3+4=?"]
+    # a .txt line is a prompt with its newline, as training prompts end
+    assert [r["prompt"] for r in rows[::2]] == ["12+7=? Reply <answer>N</answer>\n", "3+4=?\n"]
     for row in rows:
         assert set(row) == {"index", "prompt", "completion", "finish_reason", "num_tokens"}
         reference = greedy_reference(model, tokenizer, tokenizer(row["prompt"], add_special_tokens=False)["input_ids"], 6)
@@ -233,9 +234,33 @@ def test_bad_prompt_files_name_the_file_and_line(tmp_path):
         read_prompts(bad)
     with pytest.raises(CohortError, match="no such file"):
         read_prompts(tmp_path / "missing.txt")
+    (tmp_path / "lines.txt").write_text("a\n\nb")  # the last line has no newline in the file: it gets one
+    assert read_prompts(tmp_path / "lines.txt") == ["a\n", "b\n"]
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(CohortError, match="holds no prompts"):
         read_prompts(tmp_path / "empty.txt")
+
+
+def test_generate_completes_a_file_of_arithmetic_prompts_as_the_task_does(tmp_path, capsys):
+    """The built-in model answers after the prompt's newline: a .txt file of the arithmetic task's prompts
+    (one a line) gets exactly the completions of the task's own prompt strings, and they are answers."""
+    from cohort.cli.chat import generate_rows, load_for_inference
+    from cohort.models.tiny import tiny_model_dir
+    from cohort.tasks import get_task
+
+    rows = get_task("arithmetic").load("test", levels=[2], size=6)
+    assert all(r["prompt"].endswith("\n") for r in rows)
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("".join(r["prompt"] for r in rows))
+    model_dir = str(tiny_model_dir(log=lambda *_: None))
+    assert generate_main([model_dir, "--prompts", str(txt), "--max_new_tokens", "8", "--temperature", "0",
+                          "--device", "cpu"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    model, tokenizer, _ = load_for_inference(model_dir, "cpu")
+    expected = list(generate_rows(model, tokenizer, [r["prompt"] for r in rows], model_spec=model_dir,
+                                  max_new_tokens=8, temperature=0.0))
+    assert [r["completion"] for r in printed] == [r["completion"] for r in expected]
+    assert all(r["completion"].startswith("<answer>") for r in printed), printed  # not empty, as before
 
 
 @pytest.mark.slow

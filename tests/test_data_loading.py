@@ -72,9 +72,9 @@ def test_missing_empty_and_wrong_extension(tmp_path):
     (tmp_path / "empty.json").write_text("[]")
     with pytest.raises(CohortError, match="has no rows"):
         load_rows(str(tmp_path / "empty.json"))
-    (tmp_path / "data.csv").write_text("question,answer\n")
-    with pytest.raises(CohortError, match=r"extension '\.csv'; use one of \['\.jsonl', '\.json', '\.parquet'\]"):
-        load_rows(str(tmp_path / "data.csv"))
+    (tmp_path / "data.txt").write_text("question,answer\n")
+    with pytest.raises(CohortError, match=r"extension '\.txt'; use one of \['\.jsonl', '\.json', '\.parquet', '\.csv'\]"):
+        load_rows(str(tmp_path / "data.txt"))
     with pytest.raises(CohortError, match="is a directory"):
         load_rows(str(tmp_path))
     (tmp_path / "broken.json").write_text('[{"a": 1},')

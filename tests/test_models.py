@@ -230,8 +230,10 @@ def test_random_init_model_saves_and_loads(tmp_path):
 
 # ---- errors ------------------------------------------------------------------------------------
 def test_missing_path_and_non_model_folder(tmp_path):
-    with pytest.raises(CohortError, match="no model at"):
+    with pytest.raises(CohortError, match=f"model folder '{tmp_path}/absent/deeper/model' does not exist \\({tmp_path}/ has"):
         from_pretrained(tmp_path / "absent" / "deeper" / "model")
+    with pytest.raises(CohortError, match="no model at"):
+        from_pretrained("nope")
     with pytest.raises(CohortError, match="no config.json"):
         from_pretrained(tmp_path)
 

@@ -17,8 +17,6 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DIR = Path.home() / ".cache" / "cohort" / "smollm2-135m-instruct"
-GET_SMOLLM2 = REPO.parent / "shared" / "models" / "smollm2-135m-instruct" / "get.sh"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rope_theta=50000.0)
 LAYER_NAMES = {  # transformers -> llama.cpp, written out here independently of cohort.models.gguf
@@ -136,21 +134,10 @@ def test_bad_gguf_files(tmp_path):
         from_pretrained(tmp_path)
 
 
-# ---- the real SmolLM2-135M-Instruct Q4_1 file ---------------------------------------------------
-@pytest.fixture(scope="module")
-def smollm2_gguf() -> Path:
-    path = SMOLLM2_DIR / SMOLLM2_NAME
-    if not path.is_file():
-        if not GET_SMOLLM2.is_file():
-            pytest.skip(f"{SMOLLM2_NAME} is not cached and {GET_SMOLLM2} (../shared) is absent")
-        fetched = subprocess.run(["bash", str(GET_SMOLLM2), str(SMOLLM2_DIR)], capture_output=True, text=True)
-        if fetched.returncode != 0 or not path.is_file():
-            pytest.skip(f"could not fetch {SMOLLM2_NAME}: {fetched.stderr.strip()[-200:]}")
-    return path
-
-
+# ---- the real SmolLM2-135M-Instruct Q4_1 file (conftest's smollm2_gguf fixture) ------------------
 @pytest.mark.slow
 def test_smollm2_gguf_matches_transformers_gguf_loader(smollm2_gguf):
+    smollm2_gguf = Path(smollm2_gguf)
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
     reference = AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
@@ -165,6 +152,7 @@ def test_smollm2_gguf_matches_transformers_gguf_loader(smollm2_gguf):
 
 @pytest.mark.slow
 def test_smollm2_gguf_tokenizer(smollm2_gguf):
+    smollm2_gguf = Path(smollm2_gguf)
     tokenizer = load_tokenizer(smollm2_gguf)
     text = "What is 12 + 30?"
     ids = tokenizer(text)["input_ids"]

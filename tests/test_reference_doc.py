@@ -16,7 +16,8 @@ DOCS = ROOT / "docs"
 FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)}
 # Flags of the other commands and of `cohort train` itself that are not GRPOConfig fields.
 OTHER_FLAGS = {
-    "config", "nproc_per_node", "help", "debug",  # cohort train (and every command: --help, --debug)
+    "config", "nproc_per_node", "help", "debug", "print_config", "version",  # cohort train; every command
+    "index_url",  # pip, in the README's CPU-only note
     "limit", "num_samples", "split", "output",  # cohort eval
     "system", "raw", "max_new_tokens",  # cohort chat
     "prompts", "chat",  # cohort generate (with --output)

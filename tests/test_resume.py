@@ -47,7 +47,7 @@ def train_command(root: Path, out: Path, *extra: str) -> list[str]:
             "--gradient_accumulation_steps", "1", "--max_completion_length", "5", "--max_prompt_length", "64",
             "--max_steps", str(MAX_STEPS), "--save_steps", "2", "--eval_limit", "4", "--eval_steps", "5",
             "--learning_rate", "3e-3", "--beta", "0.05", "--ref_reset_steps", "6", "--lr_scheduler_type", "cosine",
-            "--log_completions_steps", "3", "--seed", "7", "--device", "cpu", "--quiet", "--output_dir", str(out),
+            "--log_completions_steps", "3", "--logging_steps", "1", "--seed", "7", "--device", "cpu", "--quiet", "--output_dir", str(out),
             *extra]
 
 

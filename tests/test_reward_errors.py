@@ -159,7 +159,8 @@ def test_in_process_fallback_follows_the_same_rule(scoring_module, monkeypatch):
         raise OSError("cannot start python")
 
     monkeypatch.setattr(runner_module, "_Worker", no_workers)
-    with pytest.raises(CohortError, match=r"'marker_reward' raised RuntimeError: second line: the last one on sample 1"):
+    with pytest.raises(CohortError, match=r"'marker_reward' raised RuntimeError: second line: the last one on "
+                                          r"sample 1"):
         quiet_call(RewardRunner([scoring_module.marker_reward]), None, ["5", "RAISE"], None, {"solution": ["5", "5"]})
     out = quiet_call(RewardRunner([scoring_module.marker_reward], errors="warn"), None, ["5", "RAISE"], None,
                      {"solution": ["5", "5"]})

@@ -44,7 +44,7 @@ def trainer_stub(reward_funcs, **config) -> types.SimpleNamespace:
     """What `GRPOTrainer.add_rewards` and `estimate_advantages` read of the trainer, nothing more: the
     trainer's own methods run on it exactly as `train()` calls them."""
     args = GRPOConfig(num_generations=4, **config).validate()
-    return types.SimpleNamespace(args=args, rewards=RewardRunner(reward_funcs, timeout_s=30))
+    return types.SimpleNamespace(args=args, rewards=RewardRunner(reward_funcs, timeout_s=30, errors=args.reward_errors))
 
 
 def score_and_estimate(stub, completions: list[str]) -> tuple[Batch, torch.Tensor]:
@@ -139,7 +139,7 @@ def test_failing_function_makes_its_samples_unscored():
     def raises(prompts, completions, **_):
         raise RuntimeError("verifier crashed")
 
-    stub = trainer_stub([raises])
+    stub = trainer_stub([raises], reward_errors="warn")
     batch, advantages = score_and_estimate(stub, ["1", "0", "1", "0"])
     assert advantages.eq(0).all()
     assert batch.reward_metrics["rewards/unscored_frac"] == 1.0

@@ -45,10 +45,10 @@ EVAL_OPTIONS = {
     "seed": Option(int, 0, "seed of the n samples"),
     "device": Option(str, "auto", "auto, cpu or cuda"),
     "dtype": Option(str, "auto", "auto (float32), float32 or bfloat16"),
-    "output": Option(str, None, "per-question JSONL (default: <output_dir>/<task>_<split>.jsonl); "
+    "output": Option(str, None, "per-question JSONL; none: <output_dir>/<task>_<split>.jsonl; "
                                 "the summary goes beside it as <stem>.summary.json"),
-    "output_dir": Option(str, None, "folder of the results (default: <model folder>/eval, or "
-                                    "runs/eval/<model name> for the built-in model or a hub id)"),
+    "output_dir": Option(str, None, "folder of the results; none: <model folder>/eval (beside the model), "
+                                    "or runs/eval/<model name> for the built-in model or a hub id"),
 }
 
 BUILTIN_NAME = "builtin-tiny"  # the folder name of the built-in model's results under runs/eval/
@@ -185,6 +185,9 @@ def run_eval(argv: list[str], log=print):
         raise CohortError("cohort eval: --output names the file and --output_dir the folder of the results; "
                           "pass one of them")
     task = get_task(o["task"])
+    if not hasattr(task, "is_correct"):
+        raise CohortError(f"cohort eval: task {o['task']!r} has no verifier to grade answers with; evaluate with "
+                          "--task arithmetic or --task gsm8k")
     output = output_path(o, task.name)  # decided, and checked writable, before the model is loaded
     check_writable(output)
     rows = eval_rows(task, o["split"], o["data_files"], o["limit"], o["levels"], o["seed"])

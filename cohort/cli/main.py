@@ -15,10 +15,10 @@ USAGE = """usage: cohort [train] [--option value ...]   GRPO training (no option
        cohort train --data_files F --reward_funcs module:function [--prompt_column C]   your own rows
        cohort train [...] --print_config        the resolved options and where each came from; no training
        cohort train --nproc_per_node N [...]    the same on N processes (GPUs) through torchrun; --fsdp shards
-       cohort eval --model DIR --task NAME [--split test] [--limit N] [--num_samples n] [--output FILE]
+       cohort eval --model DIR --task NAME [--split test] [--limit N] [--num_samples n] [--output FILE | --output_dir DIR]
        cohort sft --model DIR --data_files FILE [--output_dir DIR] [--max_steps N] [--learning_rate LR]
        cohort report RUN_DIR [RUN_DIR ...] [--out DIR]
-       cohort chat MODEL_DIR            cohort generate MODEL_DIR --prompts FILE
+       cohort chat MODEL_DIR            cohort generate [MODEL_DIR] --prompts FILE
        cohort --version
 `cohort COMMAND --help` lists a command's options (`cohort train --task gsm8k --help`: with the defaults that
 run would use); add --debug to any command for a full traceback on errors"""
