@@ -159,10 +159,12 @@ class Sandbox:
 
     def _launch(self, host_workdir: str, start: float) -> SandboxResult:
         status_r, status_w = os.pipe()
-        cfg = self._config(host_workdir, status_w)
+        # the configuration goes in a file, not argv, where the program would read it in /proc/1/cmdline
+        config = Path(host_workdir, "sandbox.json")
+        config.write_text(json.dumps(self._config(host_workdir, status_w)), encoding="utf-8")
         try:
             proc = subprocess.Popen(
-                [self.python, "-I", "-S", str(LAUNCHER), json.dumps(cfg)],
+                [self.python, "-I", "-S", str(LAUNCHER), str(config)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
                 cwd=host_workdir, pass_fds=(status_w,), start_new_session=True, close_fds=True)
         finally:
@@ -204,6 +206,11 @@ class Sandbox:
                 if stopped:
                     break
         finally:
+            if not stopped:
+                try:
+                    proc.wait(timeout=1)  # the normal end: the launcher exits right after init
+                except subprocess.TimeoutExpired:
+                    pass
             if stopped or proc.poll() is None:
                 _stop(proc, pgid)
             proc.wait()

@@ -1,6 +1,7 @@
 """The process that `Sandbox` starts: it contains itself, then runs the untrusted program.
 
-Run as `python -I -S sandbox_launcher.py CONFIG_JSON` (standard library only; it must not import cohort).
+Run as `python -I -S sandbox_launcher.py CONFIG.json` (standard library only; it must not import cohort),
+the configuration in a file of the run's working folder, which it deletes once read.
 It is trusted code; the program it runs is not. Three processes:
 
     launcher (the host's namespaces)   sets up new namespaces and mounts, forks:
@@ -54,6 +55,9 @@ MOUNT_ATTR_NOSUID = 0x2
 AT_FDCWD = -100
 AT_RECURSIVE = 0x8000
 SYS_MOUNT_SETATTR = 442  # the same number on every Linux architecture (added in 5.12)
+
+P_ALL = getattr(os, "P_ALL", 0)  # waitid's id types (missing where the platform has no waitid)
+P_PID = getattr(os, "P_PID", 1)
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -296,6 +300,16 @@ def kill_children() -> None:
                 pass
 
 
+def exited_child(idtype: int, pid: int) -> int:
+    """Wait until a child (`pid`, or any with P_ALL) has exited, without reaping it: until reaped, its pid
+    cannot be reused, so a signal sent to it meanwhile cannot reach another process. Where waitid is
+    missing (or unreliable, as on macOS), this waits for any child and returns -1 (waitpid(-1) reaps
+    it then), accepting that small race."""
+    if sys.platform.startswith("linux"):
+        return os.waitid(idtype, pid, os.WEXITED | os.WNOWAIT).si_pid
+    return pid if idtype == P_PID else -1
+
+
 def identity_for(cfg: dict, report: dict, uid: int, workdir: str) -> dict:
     """Which user the program runs as, and whether RLIMIT_NPROC means anything for it.
 
@@ -346,12 +360,12 @@ def init(cfg: dict, report: dict, status, workdir: str, uid: int) -> None:
     exit_code = None
     while not reaped:
         try:
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # a child exited; not reaped yet
+            pid = exited_child(P_ALL, 0)
         except ChildProcessError:
             break
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        _, st = os.waitpid(info.si_pid, 0)
-        if info.si_pid == program:
+        pid, st = os.waitpid(pid, 0)
+        if pid == program:
             reaped = True
             exit_code = os.waitstatus_to_exitcode(st)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
@@ -374,7 +388,9 @@ def main() -> None:
         os.kill(init_pid, signal.SIGKILL if "pid" in report["namespaces"] else signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)
-    cfg = json.loads(sys.argv[1])
+    with open(sys.argv[1], encoding="utf-8") as f:
+        cfg = json.load(f)
+    os.unlink(sys.argv[1])  # the program has no business reading it
     status = os.fdopen(cfg["status_fd"], "w")
     host_workdir = cfg["host_workdir"]
     with open(os.path.join(host_workdir, "main.py"), "rb") as f:
@@ -395,7 +411,7 @@ def main() -> None:
         finally:
             os._exit(1)
     status.close()
-    os.waitid(os.P_PID, init_pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
+    exited_child(P_PID, init_pid)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     _, st = os.waitpid(init_pid, 0)
     os._exit(os.waitstatus_to_exitcode(st) & 0xFF)
