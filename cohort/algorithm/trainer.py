@@ -53,6 +53,7 @@ from ..update.logprobs import supports_hidden
 from ..update.policy_update import PolicyUpdate, sampler_correction_mode
 from ..update.schedule import lr_scheduler
 from .curriculum import Curriculum
+from .determinism import cpu_determinism
 from .dynamic_sampling import fill_informative
 from .objectives import group_advantages, overlong_penalty
 from .prompts import PromptStream
@@ -149,7 +150,7 @@ class GRPOTrainer:
         of per-step records is returned."""
         args = self.args
         self.started = time.perf_counter()
-        with self.lifecycle() as run:
+        with self.lifecycle() as run, cpu_determinism(self.device):  # CPU sums in a fixed order, busy or not
             try:
                 self.resume(run)  # --resume: continue from the newest complete checkpoint, exactly
                 self.callback_handler.event("on_train_begin")
