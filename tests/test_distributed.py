@@ -185,7 +185,7 @@ def train_options(model: str, out: Path, accumulation: int, *extra: str) -> list
             "--num_generations", "4", "--per_device_train_batch_size", "4",
             "--gradient_accumulation_steps", str(accumulation), "--max_completion_length", "8",
             "--max_prompt_length", "64", "--eval_limit", "5", "--learning_rate", "3e-4", "--beta", "0.04",
-            "--num_iterations", "2", "--seed", "3", "--device", "cpu", "--quiet", "--output_dir", str(out), *extra]
+            "--num_iterations", "2", "--seed", "3", "--logging_steps", "1", "--device", "cpu", "--quiet", "--output_dir", str(out), *extra]
 
 
 def run(root: Path, command: list[str], timeout: int = 240) -> str:
