@@ -205,7 +205,7 @@ def run(args) -> dict:
         trainer.train()
     except _Stop as stop:
         stop_reason = str(stop)
-        trainer.finish(time.perf_counter() - grpo_started)
+        trainer.finish()
     grpo_seconds = time.perf_counter() - grpo_started
     after = held_out("after GRPO")
     trainer.rewards.close()  # the per-sample scoring processes

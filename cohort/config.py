@@ -91,6 +91,18 @@ class GRPOConfig:
                 "naming the function; warn scores the samples it fails on None and counts them in "
                 "rewards/<name>/errors. A reward call that times out is not an error: it scores None either way."})
 
+    # Tools: multi-turn rollouts in which the model calls functions (cohort/tools/, docs/howto/tools.md).
+    tools: list[str] | None = field(default=None, metadata={
+        "help": "Tools the model may call while sampling: module:function (typed, with a Google-style docstring; "
+                "sync or async) or run_python (the sandboxed code tool); None uses the task's tools, if any."})
+    environment: str | None = field(default=None, metadata={
+        "help": "module:Class built once per completion (TRL's environment_factory): reset(**row) starts it, its "
+                "public methods are tools, an optional get_reward() adds its score to the reward."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={
+        "help": "Most tool-calling turns per completion; None: as many as max_completion_length allows."})
+    tool_timeout: float = field(default=30.0, metadata={
+        "help": "Seconds a tool call may take; a call that overruns is a failed call whose error the model sees."})
+
     # Algorithm breadth: DAPO, GSPO, an entropy bonus. The defaults leave plain GRPO unchanged.
     dynamic_sampling: bool = field(default=False, metadata={
         "help": "DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."})

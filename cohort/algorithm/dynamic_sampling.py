@@ -49,7 +49,8 @@ def select_groups(batch, groups: list[int], group_size: int):
         batch, rows=pick(batch.rows), prompt_ids=pick(batch.prompt_ids), completions=pick(batch.completions),
         rewards=pick(batch.rewards), per_function=pick(batch.per_function), advantages=pick(batch.advantages),
         rollout=Rollout(pick(rollout.completion_ids), pick(rollout.completion_mask), pick(rollout.logprobs),
-                        pick(rollout.finish_reasons)),
+                        pick(rollout.finish_reasons), pick(rollout.tool_mask)),
+        environments=pick(batch.environments),
     )
 
 
@@ -66,6 +67,10 @@ def concat_batches(batches: list, pad_id: int):
     logprobs = None
     if all(r.logprobs is not None for r in rollouts):
         logprobs = torch.cat([pad(r.logprobs, 0.0) for r in rollouts])
+    tool_mask = None
+    if any(r.tool_mask is not None for r in rollouts):
+        tool_mask = torch.cat([pad(r.tool_mask if r.tool_mask is not None else torch.ones_like(r.completion_mask), 0)
+                               for r in rollouts])
     # Reward metrics describe everything sampled this step: average them over the rounds.
     metrics = {}
     for key in batches[0].reward_metrics or {}:
@@ -80,8 +85,9 @@ def concat_batches(batches: list, pad_id: int):
         per_function=torch.cat([b.per_function for b in batches]) if batches[0].per_function is not None else None,
         rollout=Rollout(torch.cat([pad(r.completion_ids, pad_id) for r in rollouts]),
                         torch.cat([pad(r.completion_mask, 0) for r in rollouts]), logprobs,
-                        [f for r in rollouts for f in r.finish_reasons]),
+                        [f for r in rollouts for f in r.finish_reasons], tool_mask),
         reward_metrics=metrics,
+        environments=None if batches[0].environments is None else [e for b in batches for e in b.environments],
     )
 
 

@@ -62,15 +62,20 @@ def encode_sft_row(row: dict, tokenizer, max_completion_length: int | None = Non
 
 
 def sft_train(model, tokenizer, rows: list[dict], config: SFTConfig, log=print, should_stop=None,
-              check_every: int = 25) -> list[float]:
+              check_every: int = 25, encode=None) -> list[float]:
     """Train `model` in place on `rows`; returns the loss of every step.
 
     `should_stop(step) -> bool`, asked every `check_every` steps, ends training early (e.g. once a
-    validation accuracy is reached)."""
+    validation accuracy is reached). `encode(row)`, in place of `encode_sft_row`, returns (prompt ids,
+    completion ids) or (prompt ids, completion ids, loss mask): a 0 in the mask marks a completion token
+    the model reads but did not write (a tool's result), left out of the loss."""
     if not rows:
         raise CohortError("SFT data is empty: give at least one row")
     device = next(model.parameters()).device
-    encoded = [encode_sft_row(r, tokenizer, config.max_completion_length) for r in rows]
+    if encode is None:
+        def encode(row):
+            return encode_sft_row(row, tokenizer, config.max_completion_length)
+    encoded = [encode(r) for r in rows]
     rng = random.Random(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _warmup_cosine(s, config.warmup_steps, config.max_steps))
@@ -79,15 +84,19 @@ def sft_train(model, tokenizer, rows: list[dict], config: SFTConfig, log=print, 
     losses = []
     for step in range(1, config.max_steps + 1):
         batch = [encoded[rng.randrange(len(encoded))] for _ in range(config.batch_size)]
-        width = max(len(c) for _, c in batch)
+        width = max(len(item[1]) for item in batch)
         completion = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (_, c) in enumerate(batch):
+        loss_mask = torch.zeros((len(batch), width), dtype=torch.float32)
+        for i, item in enumerate(batch):
+            c = item[1]
             completion[i, : len(c)] = torch.tensor(c)
             mask[i, : len(c)] = 1
-        micro = pack_micro_batch([p for p, _ in batch], completion, mask, list(range(len(batch))), pad).to(device)
+            loss_mask[i, : len(c)] = torch.tensor(item[2], dtype=torch.float32) if len(item) > 2 else 1.0
+        micro = pack_micro_batch([item[0] for item in batch], completion, mask, list(range(len(batch))), pad).to(device)
         logp = micro_batch_logprobs(model, micro).logp
-        loss = -(logp * micro.completion_mask).sum() / mask.sum()
+        loss_mask = loss_mask.to(device)
+        loss = -(logp * loss_mask).sum() / loss_mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)

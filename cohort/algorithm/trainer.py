@@ -49,6 +49,8 @@ from ..tasks.data import dataset_rows
 from ..telemetry.metrics import MetricsLogger
 from ..telemetry.progress import Progress
 from ..telemetry.step_report import StepContext, StepReport, success_rate
+from ..tools.environments import environment_reward
+from ..tools.toolbox import make_toolbox
 from ..update.logprobs import supports_hidden
 from ..update.policy_update import PolicyUpdate, sampler_correction_mode
 from ..update.schedule import lr_scheduler
@@ -61,12 +63,15 @@ from .prompts import PromptStream
 
 class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
-                 processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None):
+                 processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
+                 tools=None, environment_factory=None):
         self.args = args = (args or GRPOConfig()).validate()
         # A run that fails before its first step leaves no folder behind (when it made the folder).
         self.new_output_dir = not Path(args.output_dir).exists()
         self.step = 0
         try:
+            # Tools the model may call while sampling (TRL's `tools` / `environment_factory`).
+            self.toolbox = make_toolbox(tools, environment_factory, args, task)
             self.build(model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
                        peft_config)
         except BaseException:
@@ -97,12 +102,15 @@ class GRPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
-        self.rewards = RewardRunner(resolve_reward_funcs(reward_funcs, args, task, self.tokenizer, self.device),
-                                    args.reward_weights,
-                                    timeout_s=args.reward_timeout, errors=args.reward_errors)
+        funcs, weights = resolve_reward_funcs(reward_funcs, args, task, self.tokenizer, self.device), args.reward_weights
+        env_reward = environment_reward(self.toolbox.environment_factory) if self.toolbox is not None else None
+        if env_reward is not None:  # the environment's get_reward(): one more reward, weight 1 (TRL)
+            funcs, weights = funcs + [env_reward], None if weights is None else list(weights) + [1.0]
+        self.rewards = RewardRunner(funcs, weights, timeout_s=args.reward_timeout, errors=args.reward_errors)
         self.train_rows = dataset_rows(train_dataset, "train_dataset")
         self.eval_rows = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-        self.rewards.check_columns(set(self.train_rows[0]))
+        provided = {"environments"} if self.toolbox is not None and self.toolbox.environment_factory else set()
+        self.rewards.check_columns(set(self.train_rows[0]) | provided)
         check_parallel_options(args, self.parallel)
         if args.torch_compile and hasattr(self.model, "compile_for_training"):
             self.model.compile_for_training()  # fused elementwise work, fewer saved activations
@@ -125,7 +133,7 @@ class GRPOTrainer:
                                     sampler=self.sampler, device=self.device, world_size=self.parallel.world_size,
                                     share_prompts=self.share_prompts, log=self.log_line)
         self.prompts = PromptStream(self.train_rows, args.prompts_per_step * self.parallel.world_size, args.seed)
-        self.group_sampler = GroupSampler(self.sampler, self.tokenizer, args, self.pad_id)
+        self.group_sampler = GroupSampler(self.sampler, self.tokenizer, args, self.pad_id, self.toolbox)
         # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
         self.sampler_correction = sampler_correction_mode(args, self.model, self.device)
         self.policy_update = PolicyUpdate(args, train_model=self.train_model, optimizer=self.optimizer,
@@ -138,6 +146,8 @@ class GRPOTrainer:
         self.seconds_before = 0.0  # training time of the attempts a resumed run continues
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         main = self.parallel.is_main  # rank 0 alone logs, prints and saves
+        if main and self.toolbox is not None:
+            self.toolbox.save(args.output_dir)  # `cohort chat` on the trained model offers the same tools
         metrics = MetricsLogger(args.output_dir, args.report_to, config=args.to_dict()) if main else SilentMetrics()
         progress = Progress(args.max_steps, quiet=args.quiet) if main else Progress(0, True, open(os.devnull, "w"))
         self.log = (progress.print if log is print else log) if main else silent
@@ -404,7 +414,8 @@ class GRPOTrainer:
             return {}
         with self.report.phase("eval"):  # each rank evaluates its block of the rows; the counts are summed
             result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.shard(self.eval_rows),
-                              self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length)
+                              self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length,
+                              toolbox=self.toolbox)
             result = result.summed(self.parallel.all_reduce_sums)
         metrics = result.metrics()
         self.report.metrics.log(self.step, metrics)

@@ -4,7 +4,8 @@ chat: the conversation is rendered with the tokenizer's chat template (or plain 
 lines when it has none) and the reply is streamed as it is sampled. Decoding is incremental: one
 KV-cache row holds the conversation so far, each new token is one single-token forward, and a new
 turn only runs the tokens the cache does not already hold (the longest common prefix is reused).
-Our own models use cohort's `KVCache`; any other model uses Hugging Face's `past_key_values`.
+Our own models use cohort's `KVCache`; any other model uses Hugging Face's `past_key_values`. Tools
+(--tools, --environment, a model folder's tools.json) are run by `chat_tools.ToolChatSession`.
 
 generate: every prompt of a .txt / .jsonl file through the batched engine (`cohort.rollout.make_sampler`),
 one JSONL row per completion: `{"index", "prompt", "completion", "finish_reason", "num_tokens"}`. A .txt
@@ -82,10 +83,10 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def format_messages(tokenizer, messages: list[dict]) -> str:
-    """The prompt text for a conversation, ending where the assistant's reply starts."""
+def format_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The prompt text for a conversation (and the tools' JSON schemas), ending where the reply starts."""
     if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     lines = [f"{FALLBACK_ROLES.get(m['role'], m['role'].title())}: {m['content']}" for m in messages]
     return "\n".join(lines) + "\nAssistant:"
 
@@ -215,6 +216,7 @@ class ChatSession:
         self.generator = torch.Generator(device=self.decoder.device)
         self.generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, (1,)).item()))
         self.history: list[dict] = []
+        self.tool_schemas: list[dict] | None = None  # what the chat template renders as the tools (chat_tools.py)
 
     def reset(self) -> None:
         """Forget the conversation (the cache is rewound lazily: the next prompt shares no prefix)."""
@@ -224,20 +226,18 @@ class ChatSession:
         system = [{"role": "system", "content": self.system}] if self.system else []
         return system + self.history + [{"role": "user", "content": user_text}]
 
-    def _prompt_ids(self, user_text: str) -> list[int]:
-        """The conversation's tokens; the oldest exchanges are dropped when it outgrows the context."""
+    def _prompt_ids(self, user_text: str, turns: list[dict] = ()) -> list[int]:
+        """The conversation's tokens, with `turns` (this reply's tool calls and results) after the message; the
+        oldest exchanges (a user message and all up to the next) are dropped when it outgrows the context."""
         limit = context_length(self.model) - 1
-        if self.raw:
-            ids = encode(self.tokenizer, user_text + "\n")  # one input line is one prompt line
-            if len(ids) > limit:
-                raise CohortError(f"the message is {len(ids)} tokens, more than the model's {limit + 1}-token "
-                                  "context; send a shorter message")
-            return ids
-        while True:
-            ids = encode(self.tokenizer, format_messages(self.tokenizer, self.messages(user_text)))
+        while True:  # raw mode has no history: one pass
+            conversation = self.messages(user_text) + list(turns)
+            ids = encode(self.tokenizer, user_text + "\n" if self.raw  # one input line is one prompt line
+                         else format_messages(self.tokenizer, conversation, self.tool_schemas))
             if len(ids) <= limit or not self.history:
                 break
-            self.history = self.history[2:]
+            later = [i for i, message in enumerate(self.history) if i and message["role"] == "user"]
+            self.history = self.history[later[0] if later else len(self.history):]
             self.notice(f"(the conversation outgrew the model's {limit + 1}-token context: dropped the oldest exchange)")
         if len(ids) > limit:
             raise CohortError(f"the message is {len(ids)} tokens, more than the model's {limit + 1}-token context; "
@@ -252,8 +252,8 @@ class ChatSession:
         filtered = filter_logits(scale_by_temperature(logits[None], self.temperature), top_p=self.top_p)[0]
         return int(torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=self.generator))
 
-    def reply(self, user_text: str, on_text: Callable[[str], None] = lambda piece: None) -> str:
-        prompt = self._prompt_ids(user_text)
+    def generate(self, prompt: list[int], on_text: Callable[[str], None]) -> TextStream:
+        """Sample and stream one turn after `prompt`, running only the tokens the cache does not hold."""
         shared = 0
         for cached, new in zip(self.decoder.tokens, prompt[:-1]):  # keep ≥1 token to feed: we need logits
             if cached != new:
@@ -272,7 +272,10 @@ class ChatSession:
                 break
             logits = self.decoder.extend([token])
         on_text(stream.finish())
-        answer = stream.text().strip()
+        return stream
+
+    def reply(self, user_text: str, on_text: Callable[[str], None] = lambda piece: None) -> str:
+        answer = self.generate(self._prompt_ids(user_text), on_text).text().strip()
         if not self.raw:
             self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": answer}]
         return answer
@@ -388,7 +391,7 @@ def generate_rows(model, tokenizer, prompts: list, *, model_spec: str | None = N
 
 
 # ---- command line --------------------------------------------------------------------------------
-def _common_options(parser: argparse.ArgumentParser, temperature: float) -> None:
+def common_options(parser: argparse.ArgumentParser, temperature: float) -> None:
     parser.add_argument("--max_new_tokens", type=int, default=256, help="most tokens per reply (default 256)")
     parser.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})")
     parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
@@ -401,24 +404,8 @@ def _common_options(parser: argparse.ArgumentParser, temperature: float) -> None
                             "completed as it is (base models, the built-in arithmetic model)")
 
 
-def _stderr_log(message: str) -> None:
+def stderr_log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def chat_main(argv: list[str]) -> int:
-    """`cohort chat [MODEL_DIR] [options]`; reads stdin, so it works from a pipe too."""
-    parser = argparse.ArgumentParser(prog="cohort chat", description="Chat with a model; /reset clears, /exit quits.")
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
-                        help="HF folder, .gguf file or hub id (default: runs/arithmetic if trained, else the tiny model)")
-    _common_options(parser, temperature=0.7)
-    args = parser.parse_args(argv)
-    spec = args.model if args.model is not None else default_model_spec(_stderr_log)
-    model, tokenizer, _ = load_for_inference(spec, args.device, args.dtype, log=_stderr_log)
-    session = ChatSession(model, tokenizer, model_spec=spec, system=args.system, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_p=args.top_p, seed=args.seed, raw=args.raw,
-                          notice=_stderr_log)
-    interactive = sys.stdin.isatty() and sys.stdout.isatty()
-    return chat_loop(session, sys.stdin, sys.stdout, sys.stderr, interactive)
 
 
 def generate_main(argv: list[str]) -> int:
@@ -433,13 +420,13 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--num_generations", type=int, default=1, help="completions per prompt (default 1)")
     parser.add_argument("--chat", action="store_true", help="wrap plain-text prompts as one user message "
                         "with the chat template (message-list prompts always get it)")
-    _common_options(parser, temperature=0.7)
+    common_options(parser, temperature=0.7)
     args = parser.parse_args(argv)
     if args.num_generations < 1:
         raise CohortError(f"--num_generations={args.num_generations}: it must be at least 1")
     prompts = read_prompts(args.prompts)
-    spec = args.model if args.model is not None else default_model_spec(_stderr_log)
-    model, tokenizer, _ = load_for_inference(spec, args.device, args.dtype, log=_stderr_log)
+    spec = args.model if args.model is not None else default_model_spec(stderr_log)
+    model, tokenizer, _ = load_for_inference(spec, args.device, args.dtype, log=stderr_log)
     rows = generate_rows(model, tokenizer, prompts, model_spec=spec, num_generations=args.num_generations,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          seed=args.seed if args.seed is not None else 0, system=args.system, as_chat=args.chat)
@@ -454,5 +441,5 @@ def generate_main(argv: list[str]) -> int:
         if out is not sys.stdout:
             out.close()
     if args.output:
-        _stderr_log(f"cohort: wrote {count} completions to {args.output}")
+        stderr_log(f"cohort: wrote {count} completions to {args.output}")
     return 0

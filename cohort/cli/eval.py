@@ -96,7 +96,8 @@ def default_output_dir(model: str | None) -> Path:
             out = folder / "eval" if path.is_dir() else folder / "eval" / path.stem
             if _writable(folder):
                 return out
-        name = (path.name if path.is_file() else path.resolve().name) if path.exists() else model.replace("/", "--")
+        name = (path.name if path.is_file() else path.resolve().name) if path.exists() else \
+            model.replace("/", "--").replace(":", "-")  # a hub id or a built-in name (cohort:tiny-tools)
     else:
         name = BUILTIN_NAME
     return Path("runs") / "eval" / (name or "model")
@@ -172,6 +173,8 @@ def run_eval(argv: list[str], log=print):
     from ..eval.evaluate import evaluate
     from ..models.policy import load_policy
     from ..tasks import get_task, prompt_text
+    from ..tools.loading import resolve_tools
+    from ..tools.toolbox import Toolbox, saved_toolbox
 
     if argv[:1] in (["-h"], ["--help"]):
         log("usage: cohort eval [--option value ...]\n\noptions:\n" + options_help(EVAL_OPTIONS))
@@ -194,17 +197,23 @@ def run_eval(argv: list[str], log=print):
     max_new = o["max_completion_length"] or getattr(task, "default_config", {}).get("max_completion_length", 256)
     started = time.perf_counter()
     device = pick_device(o["device"])
-    model, tokenizer = load_policy(o["model"], device=device, dtype=o["dtype"], log=log)
+    model_spec = o["model"] or getattr(task, "default_config", {}).get("model")  # a task's own built-in model
+    model, tokenizer = load_policy(model_spec, device=device, dtype=o["dtype"], log=log)
     model.eval()
     sampler = make_sampler(model, tokenizer)
+    # The tools the model was trained with (tools.json beside it), else the task's: it answers through them.
+    toolbox = saved_toolbox(model_spec) if model_spec and Path(str(model_spec)).is_dir() else None
+    if toolbox is None and getattr(task, "tools", None):
+        toolbox = Toolbox(tools=resolve_tools(task.tools),
+                          max_iterations=getattr(task, "default_config", {}).get("max_tool_calling_iterations"))
 
-    def encode(prompt) -> list[int]:
-        return tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    def encode(prompt, tools=None) -> list[int]:
+        return tokenizer(prompt_text(tokenizer, prompt, tools), add_special_tokens=False)["input_ids"]
 
     with torch.no_grad():
         result = evaluate(sampler, tokenizer, task, rows, encode, max_new_tokens=max_new,
                           num_samples=o["num_samples"], temperature=o["temperature"], batch_size=o["batch_size"],
-                          seed=o["seed"])
+                          seed=o["seed"], toolbox=toolbox)
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w") as f:
         for i, (row, record) in enumerate(zip(rows, result.records)):

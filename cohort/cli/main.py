@@ -142,10 +142,11 @@ def check_task_data(args) -> None:
 
 
 def _import_user_rewards_from_cwd(args) -> None:
-    """`--reward_funcs module:function` finds a module in the current directory, as `python -m cohort` does
+    """`--reward_funcs module:function` (and --tools, --environment) finds a module in the current directory,
+    as `python -m cohort` does
     (the `cohort` script's own folder is first on sys.path, not the current directory)."""
-    if any(":" in str(spec) for spec in args.reward_funcs or []) and os.getcwd() not in sys.path \
-            and "" not in sys.path:
+    specs = [*(args.reward_funcs or []), *(args.tools or []), args.environment or ""]
+    if any(":" in str(spec) for spec in specs) and os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
 
 
@@ -175,10 +176,12 @@ def _launch(argv: list[str], processes: str, args) -> int:
     if os.environ.get("WORLD_SIZE"):
         raise CohortError("--nproc_per_node launches torchrun, but this process already runs under torchrun; "
                           "leave --nproc_per_node out")
-    if args.model is None:  # build the warm-started tiny model once, not in every rank at the same time
-        from ..models.tiny import tiny_model_dir
+    from ..models.tiny import builtin_model_dir, is_builtin_model, tiny_model_dir
 
+    if args.model is None:  # build the warm-started tiny model once, not in every rank at the same time
         tiny_model_dir()
+    elif is_builtin_model(args.model):
+        builtin_model_dir(args.model)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                "-m", "cohort", "train", *argv]
     child = subprocess.Popen(command)
@@ -299,7 +302,7 @@ def _report(argv: list[str]) -> int:
 
 
 def _chat(argv: list[str]) -> int:
-    from .chat import chat_main
+    from .chat_tools import chat_main
 
     return chat_main(argv)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .passk import majority_vote, pass_at_k, pass_k_values
 from ..rollout.sampler import SamplingParams
+from ..tools.environments import reset_environments, with_addition
 
 @dataclass
 class EvalResult:
@@ -110,32 +111,71 @@ def _follows_format(task, text: str) -> bool:
     return bool(check(text)) if check is not None else _answer_of(task, text) is not None
 
 
+class ToolRollout:
+    """Samples with tools (a `Toolbox`): each completion its own environment and tool turns; its text to
+    judge is its last turn, the answer the model gave after its tool calls."""
+
+    def __init__(self, sampler, tokenizer, encode_prompt, toolbox):
+        self.sampler, self.tokenizer, self.encode_prompt, self.toolbox = sampler, tokenizer, encode_prompt, toolbox
+        self.conversations: list[list[dict]] = []
+
+    def generate(self, rows: list[dict], n: int, params: SamplingParams):
+        rows = [r for r in rows for _ in range(n)]
+        environments = prompts = None
+        if self.toolbox.environment_factory is not None:
+            environments, additions = reset_environments(self.toolbox.environment_factory, rows)
+            prompts = [with_addition(r["prompt"], a) for r, a in zip(rows, additions)]
+        else:
+            prompts = [r["prompt"] for r in rows]
+        ids = [self.encode_prompt(p, self.toolbox.schemas(None if environments is None else environments[i]))
+               for i, p in enumerate(prompts)]
+        turns = self.toolbox.turns(self.tokenizer, len(ids), environments)
+        rollout = self.sampler.generate(ids, 1, params, turns=turns)
+        self.conversations = [turns.conversation(i, c[m.bool()].tolist(), t[m.bool()].tolist()) for i, (c, m, t) in
+                              enumerate(zip(rollout.completion_ids, rollout.completion_mask, rollout.tool_mask))]
+        return rollout
+
+    def text(self, row: int) -> str:
+        """The last assistant message's content."""
+        mine = [m for m in self.conversations[row] if m.get("role") == "assistant"]
+        return mine[-1].get("content", "") if mine else ""
+
+
 def evaluate(sampler, tokenizer, task, rows: list[dict], encode_prompt, *, max_new_tokens: int = 256,
              num_samples: int = 1, temperature: float = 1.0, batch_size: int = 256, seed: int = 0,
-             records_path: str | Path | None = None) -> EvalResult:
-    """Score `rows` with `task.is_correct`; `encode_prompt(prompt) -> ids` applies the chat template."""
+             records_path: str | Path | None = None, toolbox=None) -> EvalResult:
+    """Score `rows` with `task.is_correct`; `encode_prompt(prompt[, tools]) -> ids` applies the chat
+    template. With a `toolbox` the model may call its tools, and the answer judged is its last turn."""
     eos = [tokenizer.eos_token_id]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     records = []
     ks = pass_k_values(num_samples) if num_samples > 1 else []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
-        ids = [encode_prompt(r["prompt"]) for r in chunk]
-        greedy = sampler.generate(ids, 1, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                                                         eos_token_ids=eos, pad_token_id=pad))
-        samples = None
-        if num_samples > 1:
-            samples = sampler.generate(ids, num_samples, SamplingParams(
-                max_new_tokens=max_new_tokens, temperature=temperature, eos_token_ids=eos, pad_token_id=pad,
-                seed=seed + start))
+        greedy_params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, eos_token_ids=eos,
+                                       pad_token_id=pad)
+        sample_params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_ids=eos,
+                                       pad_token_id=pad, seed=seed + start)
+        tool_greedy = tool_samples = None
+        if toolbox is not None:
+            tool_greedy, tool_samples = (ToolRollout(sampler, tokenizer, encode_prompt, toolbox) for _ in range(2))
+            greedy = tool_greedy.generate(chunk, 1, greedy_params)
+            samples = tool_samples.generate(chunk, num_samples, sample_params) if num_samples > 1 else None
+        else:
+            ids = [encode_prompt(r["prompt"]) for r in chunk]
+            greedy = sampler.generate(ids, 1, greedy_params)
+            samples = sampler.generate(ids, num_samples, sample_params) if num_samples > 1 else None
         for i, row in enumerate(chunk):
-            text = _decode(tokenizer, greedy, i)
+            text = _decode(tokenizer, greedy, i) if tool_greedy is None else tool_greedy.text(i)
             record = {"prompt": row["prompt"], "solution": row.get("solution"), "completion": text,
                       "correct": bool(task.is_correct(text, row)), "answer": _answer_of(task, text),
                       "format_ok": _follows_format(task, text),
                       "length": int(greedy.completion_mask[i].sum())}
+            if tool_greedy is not None:
+                record["conversation"] = tool_greedy.conversations[i]
             if samples is not None:
-                texts = [_decode(tokenizer, samples, i * num_samples + j) for j in range(num_samples)]
+                texts = [_decode(tokenizer, samples, i * num_samples + j) if tool_samples is None else
+                         tool_samples.text(i * num_samples + j) for j in range(num_samples)]
                 verdicts = [bool(task.is_correct(t, row)) for t in texts]
                 record.update(samples=texts, sample_correct=verdicts,
                               majority_correct=majority_vote([_answer_of(task, t) for t in texts], verdicts),

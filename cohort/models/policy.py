@@ -48,6 +48,8 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
         return model.to(device), processing_class
     if model is None:
         model = str(tiny.tiny_model_dir(log=log))
+    elif tiny.is_builtin_model(model):  # "cohort:tiny-tools": a built-in model, built on first use
+        model = str(tiny.builtin_model_dir(model, log=log))
     spec = str(model)
     path = Path(spec).expanduser()
     if not path.exists() and looks_local(spec):  # a mistyped path: one line naming it, never a hub error

@@ -5,6 +5,11 @@ build a small Llama-architecture model (~0.8M parameters), teach it the answer f
 short supervised pass on solved *easy* problems (`cohort.algorithm.sft.tiny_warm_start`), and cache
 the result as an ordinary Hugging Face folder (`AutoModelForCausalLM` / `AutoTokenizer` load it) in
 the user cache folder. GRPO then trains it on harder problems than it was shown.
+
+A second built-in model, the tiny *tools* model (`TINY_TOOLS_MODEL`, the calculator task's default), has
+the characters JSON needs, Qwen's tool tags as single tokens and a Hermes-style chat template; its warm
+start (`cohort.algorithm.sft_tools.tools_warm_start`) teaches it to call a calculator on some problems.
+A model name of the form `cohort:<name>` (`BUILTIN_MODELS`) stands for one of these.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from ..errors import CohortError
 
 ANSWER_TAGS = ["<answer>", "</answer>"]
 CHARS = list("0123456789+-*=?<>/.,:()# ") + list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") + ["\n"]
@@ -40,6 +47,64 @@ TINY_SPEC = {
 }
 
 
+# ---- the tools variant: JSON characters, Qwen's tool tags as single tokens, a Hermes-style template
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TOOLS_CHARS = CHARS + list('"{}[]_\'!;&|%$@^~`\\')
+TINY_TOOLS_MODEL = "cohort:tiny-tools"
+
+# The Hermes layout without the tools list in a system turn (the tiny context is short, and the warm
+# start teaches the one tool): a user turn is its content and a newline; an assistant turn its content,
+# its calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, then EOS; a tool turn
+# <tool_response>content</tool_response> and a newline. The assistant turn needs no opening text, so
+# add_generation_prompt adds nothing and the model writes right after the prompt.
+TINY_TOOLS_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- message.content or '' }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '<tool_call>{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- eos_token }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<tool_response>' + message.content + '</tool_response>\\n' }}"
+    "{%- else %}"
+    "{{- message.content + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+TINY_TOOLS_SPEC = {
+    "hidden_size": 96,
+    "intermediate_size": 256,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "chat_template": TINY_TOOLS_TEMPLATE,
+    "chars": "".join(TOOLS_CHARS),
+    "sft_steps": 1500,  # at most; the first pass stops once call trajectories are reproduced (see sft_tools)
+    "sft_min_steps": 100,
+    "sft_target_exact": 0.95,
+    "sft_tool_fraction": 0.3,  # of the second pass's problems solved with a call; the rest answered directly
+    "sft_mix_steps": 150,
+    "sft_batch_size": 32,
+    "sft_learning_rate": 3e-3,
+    "sft_seed": 0,
+    "version": 1,  # bump when the warm start's code or the calculator task's problems change
+}
+
+
+def build_tools_tokenizer(spec: dict = TINY_TOOLS_SPEC):
+    """The tools model's tokenizer: the characters of `spec["chars"]`, the answer and tool tags as single
+    tokens, and the tools chat template."""
+    tokenizer = build_tokenizer(list(spec["chars"]), ANSWER_TAGS + TOOL_TAGS)
+    tokenizer.chat_template = spec["chat_template"]
+    return tokenizer
+
+
 def cache_root() -> Path:
     base = os.environ.get("COHORT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cohort"
@@ -47,19 +112,20 @@ def cache_root() -> Path:
     return Path(base)
 
 
-def build_tokenizer():
-    """A character-level tokenizer: one token per character, plus <pad>, <eos>, <unk>."""
+def build_tokenizer(chars=CHARS, tags=ANSWER_TAGS):
+    """A character-level tokenizer: one token per character of `chars`, plus <pad>, <eos>, <unk>, and
+    each of `tags` as a single token."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
-    for ch in CHARS:
+    for ch in chars:
         vocab.setdefault(ch, len(vocab))
     # A BPE model with no merges splits text into single characters.
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
     # The answer tags are one token each: shorter sequences, and the format is one decision, not eight.
-    backend.add_tokens(ANSWER_TAGS)
+    backend.add_tokens(list(tags))
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
@@ -85,16 +151,54 @@ def build_model(tokenizer, seed: int = 0, spec: dict = TINY_SPEC):
 
 def tiny_model_dir(log=print, spec: dict = TINY_SPEC) -> Path:
     """Path of the warm-started tiny model, building and caching it on first use."""
+
+    def build():
+        from ..algorithm.sft import tiny_warm_start  # training code: imported only when the cache is empty
+
+        tokenizer = build_tokenizer()
+        model = build_model(tokenizer, seed=spec["sft_seed"], spec=spec)
+        tiny_warm_start(model, tokenizer, spec, log=log)
+        return model, tokenizer
+
+    return _cached_model("tiny-arithmetic", spec, build, log, "the built-in tiny model")
+
+
+def tiny_tools_model_dir(log=print, spec: dict = TINY_TOOLS_SPEC) -> Path:
+    """Path of the warm-started tiny tools model, building and caching it on first use."""
+
+    def build():
+        from ..algorithm.sft_tools import tools_warm_start  # training code: imported only when the cache is empty
+
+        tokenizer = build_tools_tokenizer(spec)
+        model = build_model(tokenizer, seed=spec["sft_seed"], spec=spec)
+        tools_warm_start(model, tokenizer, spec, log=log)
+        return model, tokenizer
+
+    return _cached_model("tiny-tools", spec, build, log, "the built-in tiny tools model")
+
+
+BUILTIN_MODELS = {"cohort:tiny-arithmetic": tiny_model_dir, TINY_TOOLS_MODEL: tiny_tools_model_dir}
+
+
+def is_builtin_model(name) -> bool:
+    return isinstance(name, str) and name in BUILTIN_MODELS
+
+
+def builtin_model_dir(name: str, log=print) -> Path:
+    """The folder of the built-in model `name` (a key of BUILTIN_MODELS), built on first use."""
+    if name not in BUILTIN_MODELS:
+        raise CohortError(f"unknown built-in model {name!r}; choose one of {sorted(BUILTIN_MODELS)}")
+    return BUILTIN_MODELS[name](log=log)
+
+
+def _cached_model(prefix: str, spec: dict, build, log, what: str) -> Path:
+    """`cache_root()/<prefix>-<hash of spec>`, made by `build() -> (model, tokenizer)` when missing."""
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    target = cache_root() / f"tiny-arithmetic-{key}"
+    target = cache_root() / f"{prefix}-{key}"
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
-    log(f"Building the built-in tiny model (one-time SFT warm start, cached in {target}) ...")
-    from ..algorithm.sft import tiny_warm_start  # training code: imported only when the cache is empty
-
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed=spec["sft_seed"], spec=spec)
-    tiny_warm_start(model, tokenizer, spec, log=log)
+    log(f"Building {what} (one-time SFT warm start, cached in {target}) ...")
+    model, tokenizer = build()
     # Write to a temporary folder and rename: a killed build never leaves a half-written cache.
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))

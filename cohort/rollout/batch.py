@@ -26,6 +26,8 @@ class Batch:
     ref_logp: torch.Tensor | None = None  # [B, T] log π_ref, when β > 0
     per_function: torch.Tensor | None = None  # [B, F] each reward function's score (NaN = not scored)
     reward_metrics: dict | None = None
+    environments: list | None = None  # [B] each completion's environment (environment_factory), or None
+    tool_metrics: dict | None = None  # tools/* of the rollout, when it could call tools
 
     @property
     def prompts(self) -> list:
@@ -35,8 +37,15 @@ class Batch:
     @property
     def columns(self) -> dict[str, list]:
         """The dataset's other columns, one list of B values each (reward functions take them as keywords)."""
-        return {k: [r[k] for r in self.rows] for k in self.rows[0] if k != "prompt"}
+        columns = {k: [r[k] for r in self.rows] for k in self.rows[0] if k != "prompt"}
+        if self.environments is not None:  # TRL passes them to reward functions as `environments`
+            columns["environments"] = self.environments
+        return columns
 
     def completion_token_ids(self) -> list[list[int]]:
         """[B] each completion's own token ids (padding removed)."""
         return [ids[m.bool()].tolist() for ids, m in zip(self.rollout.completion_ids, self.rollout.completion_mask)]
+
+    def sampled_token_ids(self) -> list[list[int]]:
+        """[B] the tokens each completion's model sampled (tool results left out)."""
+        return [ids[m.bool()].tolist() for ids, m in zip(self.rollout.completion_ids, self.rollout.loss_mask)]

@@ -26,6 +26,7 @@ from cohort.rollout.overlap import HostProgress, Retirement, Snapshot, to_device
 from cohort.rollout.sampling import sample_from_logits
 from cohort.rollout.scheduler import Scheduler, batch_buckets, round_up_to_bucket
 from cohort.rollout.sequence import Sequence, SlotState, assemble_rollout
+from cohort.rollout.turns import TurnHandler, TurnKeeper
 from cohort.errors import CohortError
 from cohort.models.cache import KVCache
 from cohort.kernels.elementwise import fused_kernels, triton_available
@@ -98,14 +99,18 @@ class Engine:
         self._weights_key = None
         self.stats: dict[str, float] = {}
         self._progress, self._retired = HostProgress(), []  # per generate() call (see _run)
+        self._turns: TurnKeeper | None = None  # per multi-turn generate() call
 
     @property
     def device(self) -> torch.device:
         return self.model.device
 
     # ---- public ------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
-        """G = num_generations completions per prompt, rows group-contiguous (see `Sampler`)."""
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 turns: TurnHandler | None = None) -> Rollout:
+        """G = num_generations completions per prompt, rows group-contiguous (see `Sampler`). With
+        `turns`, a sequence that ends a turn with budget left asks it what follows (turns.py): a tool's
+        result is appended and the sequence rejoins the batch, while the others keep decoding."""
         self._validate(prompt_ids, num_generations, params)
         max_len = self._sequence_capacity(prompt_ids, params)
         sequences = [
@@ -125,10 +130,17 @@ class Engine:
             self.state.begin(seed, list(params.eos_token_ids or []))
             scheduler = Scheduler(num_slots, [b for b in buckets if b <= rows] if buckets else None)
             scheduler.add(sequences)
-            self._run(scheduler, params)
+            self._turns = None if turns is None else TurnKeeper(turns, lambda seq: scheduler.add([seq]))
+            try:
+                self._run(scheduler, params)
+            finally:
+                if turns is not None:
+                    turns.close()
         self.stats["seconds"] = time.perf_counter() - started
         self.stats["graph_captures"] = self.graphs.captures
-        return assemble_rollout(sequences, params.pad_token_id)
+        if self._turns is not None:
+            self.stats["turns_continued"] = self._turns.turns_continued
+        return assemble_rollout(sequences, params.pad_token_id, multi_turn=turns is not None)
 
     def capture_graphs(self, num_sequences: int, max_len: int, max_new_tokens: int, pad_token_id: int = 0) -> int:
         """Capture ahead of time the decode graphs a call with `num_sequences` sequences of up to
@@ -225,8 +237,10 @@ class Engine:
             launched = None
             if unread is None or self._launch_ahead(unread, scheduler, params):
                 self._retire_at_limit(scheduler)
+                if self._turns is not None:  # turns ended: ask what follows; answered ones rejoin
+                    self._end_turns(params, block=scheduler.done and unread is None)
                 self._turn_over(scheduler, params)
-                if scheduler.done:
+                if scheduler.done and not (self._turns is not None and (self._turns.busy or self._retired)):
                     break  # whatever is unread concerns sequences already retired
                 launched = self._launch(scheduler, sampling, params)
                 if launched is not None and unread is not None:
@@ -236,6 +250,19 @@ class Engine:
             unread = launched
         for retirement in self._retired:  # the one wait for the retired rows' copies
             retirement.finish(self.tokenizer, params.stop, params.eos_token_ids or [])
+
+    def _end_turns(self, params: SamplingParams, block: bool) -> None:
+        """Collect the retired rows whose copies have landed (all of them when `block`, as nothing else
+        is left to do) and hand their turns to the TurnKeeper; resume those its handler has answered.
+        With `block` and no row to collect, wait for an answer."""
+        collected = False
+        while self._retired and (block or self._retired[0].landed()):
+            retirement = self._retired.pop(0)
+            retirement.finish(self.tokenizer, params.stop, params.eos_token_ids or [])
+            for seq in retirement.sequences:
+                self._turns.turn_ended(seq)
+            collected = True
+        self._turns.poll(block=block and not collected)
 
     def _launch_ahead(self, unread: Snapshot, scheduler: Scheduler, params: SamplingParams) -> bool:
         """With `overlap_checks`, unless sequences wait and one in the unread chunk may have stopped
@@ -287,8 +314,8 @@ class Engine:
         finished, generated = snapshot.progress.tolist()
         retiring, cuts = [], []
         for slot, seq in snapshot.rows:
-            if seq.slot is None:
-                continue  # retired at its limit before this read
+            if seq.slot is None or self._progress.known_at(seq) >= snapshot.steps:
+                continue  # retired before this read (a multi-turn sequence may be in its next turn by now)
             self._progress.known(seq, generated[slot], snapshot.steps)
             cut = None
             if params.stop:
@@ -382,7 +409,7 @@ class Engine:
         logits = logits[to_device([i for i, group in enumerate(groups) for _ in group], self.device)]
         # Token 0 of each sequence, keyed by its global index (params.sequence_offset + its row):
         # sequences sharing a prompt share its logits, not their draws.
-        sequences = to_device([params.sequence_offset + seq.index for seq in chunk], self.device)
+        sequences = to_device([seq.noise_key(params.sequence_offset) for seq in chunk], self.device)
         tokens, logprobs = sample_from_logits(logits, *_sampling_key(params), seed=self.state.seed,
                                               draw=torch.zeros_like(sequences), rows=sequences)
         limits = to_device([seq.limit for seq in chunk], self.device)

@@ -2,40 +2,67 @@
 
 Prompt rows in, a `Batch` out: each prompt rendered as training, evaluation and SFT render it
 (`tasks.prompt_text`), its G completions sampled by the `Sampler` (the engine, or Hugging Face
-`generate`), and decoded back to text, or to an assistant message for chat prompts.
+`generate`), and decoded back to text, or to chat messages for chat prompts.
+
+With tools (`Toolbox`), a completion may be several turns: the model calls a tool, the result is
+appended, the model goes on (cohort/rollout/turns.py, cohort/tools/turns.py). Each completion can have
+its own environment (TRL's `environment_factory`), reset on its row before sampling.
 """
 
 from __future__ import annotations
 
 from ..errors import CohortError
 from ..tasks import prompt_text
+from ..tools.environments import reset_environments, with_addition
+from ..tools.toolbox import Toolbox
 from .batch import Batch
 from .sampler import Sampler, SamplingParams
 
 
 class GroupSampler:
-    def __init__(self, sampler: Sampler, tokenizer, args, pad_id: int):
+    def __init__(self, sampler: Sampler, tokenizer, args, pad_id: int, toolbox: Toolbox | None = None):
         self.sampler, self.tokenizer, self.args, self.pad_id = sampler, tokenizer, args, pad_id
+        self.toolbox = toolbox
+        self.schemas = toolbox.schemas() if toolbox is not None and toolbox.environment_factory is None else None
 
     def __call__(self, rows: list[dict], seed: int, sequence_offset: int = 0) -> Batch:
         """G completions for each of `rows`. `seed` keys the sampling noise; `sequence_offset` is the
         global index of this rank's first completion (several ranks draw what one would)."""
         args, G = self.args, self.args.num_generations
-        prompt_ids = [self.encode_prompt(r["prompt"]) for r in rows]
         params = SamplingParams(
             max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, min_p=args.min_p, eos_token_ids=[self.tokenizer.eos_token_id],
             pad_token_id=self.pad_id, seed=seed, sequence_offset=sequence_offset)
-        rollout = self.sampler.generate(prompt_ids, G, params)
-        texts = [self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-                 for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        completion_rows = [r for r in rows for _ in range(G)]
+        environments = turns = None
+        if self.toolbox is not None and self.toolbox.environment_factory is not None:
+            # One environment per completion: the G completions of a prompt must not share state.
+            environments, additions = reset_environments(self.toolbox.environment_factory, completion_rows)
+            prompts = [with_addition(r["prompt"], a) for r, a in zip(completion_rows, additions)]
+            prompt_ids = [self.encode_prompt(p, self.toolbox.schemas(env)) for p, env in zip(prompts, environments)]
+            turns = self.toolbox.turns(self.tokenizer, len(prompt_ids), environments)
+            # Completion i*G+g keeps its global index (and so its sampling noise) with one prompt per row.
+            rollout = self.sampler.generate(prompt_ids, 1, params, turns=turns)
+        else:
+            distinct = [self.encode_prompt(r["prompt"], self.schemas) for r in rows]
+            prompt_ids = [p for p in distinct for _ in range(G)]
+            if self.toolbox is not None:
+                turns = self.toolbox.turns(self.tokenizer, len(prompt_ids))
+            rollout = self.sampler.generate(distinct, G, params, turns=turns)
         chat = isinstance(rows[0]["prompt"], list)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
-        return Batch(rows=[r for r in rows for _ in range(G)], prompt_ids=[p for p in prompt_ids for _ in range(G)],
-                     rollout=rollout, completions=completions)
+        if turns is not None and chat:
+            completions = [turns.conversation(i, ids[m.bool()].tolist(), t[m.bool()].tolist()) for i, (ids, m, t) in
+                           enumerate(zip(rollout.completion_ids, rollout.completion_mask, rollout.tool_mask))]
+        else:
+            texts = [self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+                     for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
+            completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        return Batch(rows=completion_rows, prompt_ids=prompt_ids, rollout=rollout, completions=completions,
+                     environments=environments,
+                     tool_metrics=None if turns is None else turns.metrics(len(completion_rows)))
 
-    def encode_prompt(self, prompt) -> list[int]:
-        text = prompt_text(self.tokenizer, prompt)  # the same rendering as evaluation and SFT
+    def encode_prompt(self, prompt, tools: list[dict] | None = None) -> list[int]:
+        text = prompt_text(self.tokenizer, prompt, tools)  # the same rendering as evaluation and SFT
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > self.args.max_prompt_length:
             raise CohortError(

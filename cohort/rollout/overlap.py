@@ -66,6 +66,10 @@ class HostProgress:
         seq.generated = generated
         self._mark[seq.index] = at_steps
 
+    def known_at(self, seq: Sequence) -> int:
+        """`steps` when the sequence's count was last known (its prefill, or the last snapshot read)."""
+        return self._mark[seq.index]
+
     def pending(self, seq: Sequence) -> int:
         """Decode steps enqueued over `seq` since its count was known."""
         return self.steps - self._mark[seq.index]
@@ -119,6 +123,10 @@ class Retirement:
         """Copy the first `columns` tokens and log-probs of rows `slots`, and their counts."""
         return cls(sequences, cuts, to_host(state.tokens[slots, :columns]), to_host(state.logprobs[slots, :columns]),
                    to_host(state.generated[slots]), record_event(slots.device))
+
+    def landed(self) -> bool:
+        """Whether the copies are done (never waits)."""
+        return self.ready is None or self.ready.query()
 
     def finish(self, tokenizer, stop: list[str], eos_token_ids: list[int]) -> None:
         """Wait for the copies, then record each sequence's tokens, log-probs and finish reason."""

@@ -7,10 +7,13 @@ wrapper over Hugging Face `generate` that serves every other architecture.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
+
+from cohort.rollout.turns import TURN_NOISE_STRIDE, TurnHandler
 
 
 @dataclass
@@ -38,10 +41,22 @@ class Rollout:
     completion_mask: torch.Tensor  # [B, T] long, 1 on generated tokens up to and including the first EOS
     logprobs: torch.Tensor | None  # [B, T] float32 sampling log-probs (after temperature), or None
     finish_reasons: list[str]  # "stop" (EOS or stop string) or "length"
+    # Multi-turn rollouts (cohort/rollout/turns.py): [B, T] long, 1 on tokens the model sampled, 0 on
+    # tokens appended between its turns (tool results); None when nothing was appended.
+    tool_mask: torch.Tensor | None = None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """[B, T] the tokens the policy is trained on: the completion's, less any appended ones (TRL's
+        `completion_mask * tool_mask`)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
 
 class Sampler(Protocol):
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout: ...
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 turns=None) -> Rollout:
+        """`turns`: a `cohort.rollout.turns.TurnHandler` for multi-turn (tool-calling) rollouts."""
+        ...
 
 
 def completion_mask_from_eos(ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,8 +129,14 @@ class HFGenerateSampler:
         self.model = model
         self.tokenizer = tokenizer
 
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 turns=None) -> Rollout:
+        if turns is not None:
+            return generate_turn_by_turn(self, prompt_ids, num_generations, params, turns)
+        return self.generate_single_turn(prompt_ids, num_generations, params)
+
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
+    def generate_single_turn(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams) -> Rollout:
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
@@ -154,3 +175,65 @@ class HFGenerateSampler:
         ids = ids.masked_fill(mask == 0, params.pad_token_id)
         reasons = ["stop" if (e or s) else "length" for e, s in zip(hit_eos.tolist(), hit_stop.tolist())]
         return Rollout(completion_ids=ids, completion_mask=mask, logprobs=None, finish_reasons=reasons)
+
+
+def generate_turn_by_turn(sampler, prompt_ids: list[list[int]], num_generations: int, params, handler: TurnHandler):
+    """Multi-turn rollouts over any `Sampler` that cannot pause a sequence (Hugging Face `generate`): each
+    round samples the next turn of every continuing sequence together, so a round waits for its slowest
+    tool. Same contract and output as the engine's (`Rollout.tool_mask`)."""
+    first = sampler.generate(prompt_ids, num_generations, params)
+    prompts = [p for p in prompt_ids for _ in range(num_generations)]
+    rows = len(prompts)
+    tokens = [ids[m.bool()].tolist() for ids, m in zip(first.completion_ids, first.completion_mask)]
+    logprobs = [[0.0] * len(t) if first.logprobs is None else first.logprobs[i, :len(t)].tolist()
+                for i, t in enumerate(tokens)]
+    sampled = [[1] * len(t) for t in tokens]
+    reasons, turn_start = list(first.finish_reasons), [0] * rows
+    active = list(range(rows))
+    turn = 0
+    try:
+        while active:
+            answers = {}
+            for i in active:
+                if reasons[i] != "stop" or len(tokens[i]) >= params.max_new_tokens:
+                    continue
+                answer = handler.end_of_turn(i, list(tokens[i]), turn_start[i])
+                answer = answer.result() if isinstance(answer, Future) else answer
+                if answer is not None:
+                    answers[i] = [int(t) for t in answer][:params.max_new_tokens - len(tokens[i])]
+            for i, appended in answers.items():
+                tokens[i] += appended
+                logprobs[i] += [0.0] * len(appended)
+                sampled[i] += [0] * len(appended)
+            active = [i for i in answers if len(tokens[i]) < params.max_new_tokens]
+            for i in answers:
+                if len(tokens[i]) >= params.max_new_tokens:
+                    reasons[i] = "length"
+            if not active:
+                break
+            turn += 1
+            room = max(params.max_new_tokens - len(tokens[i]) for i in active)
+            seed = None if params.seed is None else params.seed + turn * TURN_NOISE_STRIDE
+            nxt = sampler.generate([prompts[i] + tokens[i] for i in active], 1,
+                                   replace(params, max_new_tokens=room, seed=seed))
+            for row, i in enumerate(active):
+                new = nxt.completion_ids[row][nxt.completion_mask[row].bool()].tolist()
+                left = params.max_new_tokens - len(tokens[i])
+                turn_start[i] = len(tokens[i])
+                reasons[i] = nxt.finish_reasons[row] if len(new) <= left else "length"
+                new = new[:left]
+                tokens[i] += new
+                logprobs[i] += [0.0] * len(new) if nxt.logprobs is None else nxt.logprobs[row, :len(new)].tolist()
+                sampled[i] += [1] * len(new)
+    finally:
+        handler.close()
+    width = max(1, max(len(t) for t in tokens))
+    ids = torch.full((rows, width), params.pad_token_id, dtype=torch.long)
+    mask, tool_mask = torch.zeros((rows, width), dtype=torch.long), torch.zeros((rows, width), dtype=torch.long)
+    logp = torch.zeros((rows, width), dtype=torch.float32)
+    for i, t in enumerate(tokens):
+        ids[i, :len(t)], mask[i, :len(t)] = torch.tensor(t, dtype=torch.long), 1
+        tool_mask[i, :len(t)] = torch.tensor(sampled[i], dtype=torch.long)
+        logp[i, :len(t)] = torch.tensor(logprobs[i], dtype=torch.float32)
+    return Rollout(completion_ids=ids, completion_mask=mask, logprobs=None if first.logprobs is None else logp,
+                   finish_reasons=reasons, tool_mask=tool_mask)

@@ -13,6 +13,7 @@ import torch
 
 from cohort.errors import CohortError
 from cohort.rollout.sampler import Rollout
+from cohort.rollout.turns import TURN_NOISE_STRIDE
 
 
 @dataclass
@@ -27,11 +28,24 @@ class Sequence:
     stop_checked_upto: int = 0  # generated tokens already scanned for stop strings
     tokens: torch.Tensor | None = None  # final generated tokens (CPU long), set when finished
     logprobs: torch.Tensor | None = None  # their sampling log-probs (CPU float32)
+    sampled: torch.Tensor | None = None  # multi-turn: 1 where the model sampled the token, 0 where appended
     finish_reason: str | None = None
+    # Multi-turn (see turns.py): the completion before the current turn (earlier turns and appended,
+    # unsampled tokens), their sampling log-probs (0 on appended ones) and which of them the model sampled.
+    turn: int = 0
+    earlier: list[int] | None = None
+    earlier_logprobs: list[float] | None = None
+    earlier_sampled: list[int] | None = None
+    budget: int = 0  # the first turn's limit: the whole completion's (set when a turn first ends)
+    prompt_length: int = 0  # the first turn's prompt length (later turns' `prompt` holds the completion so far)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def noise_key(self, offset: int) -> int:
+        """The `rows` key of this turn's sampling noise: the sequence's global index, shifted per turn."""
+        return offset + self.index + self.turn * TURN_NOISE_STRIDE
 
 
 class SlotState:
@@ -136,17 +150,21 @@ class SlotState:
         self.clear(source)
 
 
-def assemble_rollout(sequences: list[Sequence], pad_token_id: int) -> Rollout:
-    """Right-pad the finished sequences into the Rollout tensors (on the CPU, like HFGenerateSampler)."""
+def assemble_rollout(sequences: list[Sequence], pad_token_id: int, multi_turn: bool = False) -> Rollout:
+    """Right-pad the finished sequences into the Rollout tensors (on the CPU, like HFGenerateSampler);
+    `multi_turn` adds the tool mask (1 on sampled tokens, 0 on appended ones)."""
     sequences = sorted(sequences, key=lambda seq: seq.index)
     length = max(len(seq.tokens) for seq in sequences)
     ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), length), dtype=torch.long)
     logprobs = torch.zeros((len(sequences), length), dtype=torch.float32)
+    tool_mask = torch.zeros((len(sequences), length), dtype=torch.long) if multi_turn else None
     for row, seq in enumerate(sequences):
         count = len(seq.tokens)
         ids[row, :count] = seq.tokens
         mask[row, :count] = 1
         logprobs[row, :count] = seq.logprobs
+        if tool_mask is not None:
+            tool_mask[row, :count] = seq.sampled if seq.sampled is not None else 1
     return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs,
-                   finish_reasons=[seq.finish_reason for seq in sequences])
+                   finish_reasons=[seq.finish_reason for seq in sequences], tool_mask=tool_mask)

@@ -9,6 +9,7 @@ from ..errors import CohortError
 # name → "module:attribute" so optional tasks import only when asked for.
 TASKS = {
     "arithmetic": "cohort.tasks.arithmetic:ArithmeticTask",
+    "calculator": "cohort.tasks.calculator:CalculatorTask",  # tool use: the tiny tools model and a calculator
     "gsm8k": "cohort.tasks.gsm8k:GSM8KTask",
     "generic": "cohort.tasks.generic:GenericTask",  # your rows and reward functions, no verifier
 }
@@ -21,12 +22,13 @@ def get_task(name: str):
     return getattr(importlib.import_module(module), attr)()
 
 
-def prompt_text(tokenizer, prompt) -> str:
+def prompt_text(tokenizer, prompt, tools: list[dict] | None = None) -> str:
     """The text a model sees for a prompt: a string as is; chat messages through the tokenizer's chat
-    template (with the assistant turn opened), or, for a tokenizer without one, the message contents
-    one per line. Training, evaluation and SFT all encode prompts with this, so they see the same text."""
+    template (with the assistant turn opened, and the `tools` schemas where the template shows them),
+    or, for a tokenizer without one, the message contents one per line. Training, evaluation and SFT
+    all encode prompts with this, so they see the same text."""
     if not isinstance(prompt, list):
         return prompt
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
     return "\n".join(m["content"] for m in prompt) + "\n"

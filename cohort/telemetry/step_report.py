@@ -82,12 +82,13 @@ class StepReport:
         """The step's metrics record: logged, shown, and appended to the history."""
         G = self.args.num_generations
         grouped = batch.rewards.view(-1, G)
-        lengths = batch.rollout.completion_mask.sum(dim=1).float()
+        lengths = batch.rollout.loss_mask.sum(dim=1).float()  # the model's tokens (TRL: tool results not counted)
         record = {"step": step}
         record.update({k: sum(d[k] for d in losses) / len(losses) for k in losses[0]})
         if not context.uses_reference:
             record.pop("kl", None)  # β = 0: no reference model, no KL to report (as TRL)
         record.update(batch.reward_metrics)
+        record.update(batch.tool_metrics or {})
         record.update(context.extra)
         scored = None if batch.per_function is None else ~torch.isnan(batch.per_function).all(dim=1)
         if scored is None or bool(scored.all()):

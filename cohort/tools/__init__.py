@@ -29,12 +29,14 @@ from .calls import (
     tool_result_messages,
     validate_tool_call,
 )
+from .loading import resolve_environment, resolve_tools, tool_spec
 from .sandbox import DEFAULT_SANDBOX, Sandbox, SandboxResult, run_python, sandbox_report
 from .schema import Tool, environment_tools, make_tool, make_tools, tool_schema
 
 __all__ = [
     "DEFAULT_SANDBOX", "FAMILIES", "ParsedTurn", "Sandbox", "SandboxResult", "Tool", "ToolCall", "ToolCallError",
     "ToolResult", "assistant_message", "detect_tool_call", "environment_tools", "error_text", "execute_tool_call",
-    "family_of_template", "format_tool_calls", "make_tool", "make_tools", "parse_tool_calls", "run_python",
-    "run_tool_call", "sandbox_report", "split_turn", "tool_result_messages", "tool_schema", "validate_tool_call",
+    "family_of_template", "format_tool_calls", "make_tool", "make_tools", "parse_tool_calls", "resolve_environment",
+    "resolve_tools", "run_python", "run_tool_call", "sandbox_report", "split_turn", "tool_result_messages",
+    "tool_schema", "tool_spec", "validate_tool_call",
 ]

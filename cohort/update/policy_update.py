@@ -66,16 +66,17 @@ class PolicyUpdate:
         keep_rows = self.loss_rows(batch)
         local_rows = len(batch.rows)
         total = self.parallel.all_reduce_sum(local_rows)
-        mask_all = batch.rollout.completion_mask * keep_rows.unsqueeze(1)
+        # Only the tokens the model sampled are trained on: tool results appended between turns are not.
+        mask_all = batch.rollout.loss_mask * keep_rows.unsqueeze(1)
         num_tokens = max(self.parallel.all_reduce_sum(float(mask_all.sum())), 1.0) if args.loss_type == "dapo" else None
         world = self.parallel.world_size
         plans = self.plan(batch)
         # The step's per-row tensors go to the device once; each micro-batch gathers its rows there.
         # Nothing in the loop waits for the GPU: statistics stay tensors until the loop has ended.
         sampling = batch.rollout.logprobs  # the sampler's own log-probs (None from HF generate)
-        old_all, ref_all, advantages_all, keep_all, sampling_all = (
+        old_all, ref_all, advantages_all, keep_all, sampling_all, tool_all = (
             None if t is None else to_device(t, self.device)
-            for t in (batch.old_logp, batch.ref_logp, batch.advantages, keep_rows, sampling))
+            for t in (batch.old_logp, batch.ref_logp, batch.advantages, keep_rows, sampling, batch.rollout.tool_mask))
         sums: dict[str, torch.Tensor] = {}
         for i, rows in enumerate(plans):
             micro = self.pack(batch, rows)
@@ -83,10 +84,11 @@ class PolicyUpdate:
             with self.parallel.no_sync(self.train_model, last=i == len(plans) - 1):  # DDP reduces after the last backward
                 width = micro.completion_ids.shape[1]
                 advantages = advantages_all[index] if advantages_all.dim() == 1 else advantages_all[index, :width]
+                mask = micro.completion_mask if tool_all is None else micro.completion_mask * tool_all[index, :width]
                 out = micro_batch_policy_loss(
                     self.train_model, micro, old_logp=None if old_all is None else old_all[index, :width],
                     ref_logp=None if ref_all is None else ref_all[index, :width], advantages=advantages,
-                    loss_mask=micro.completion_mask * keep_all[index].unsqueeze(1),  # truncated rows out, when asked
+                    loss_mask=mask * keep_all[index].unsqueeze(1),  # truncated rows out, when asked
                     temperature=args.temperature or 1.0, fused=args.fused_head_loss, epsilon=args.epsilon,
                     epsilon_high=args.epsilon_high, beta=args.beta, loss_type=args.loss_type,
                     max_completion_length=args.max_completion_length, num_tokens=num_tokens,
@@ -104,7 +106,6 @@ class PolicyUpdate:
             share = len(rows) / local_rows
             stats = dict(out.stats)
             stats["loss"] = out.loss.detach() * (1.0 if args.loss_type != "dapo" else 1 / share)
-            mask = micro.completion_mask
             stats["entropy"] = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
             for k, v in stats.items():  # the step's mean over micro-batches; extremes for /max and /min
                 if k in sums and k.endswith(("/max", "/min")):
