@@ -48,7 +48,9 @@ class GroupSampler:
             prompt_ids = [p for p in distinct for _ in range(G)]
             if self.toolbox is not None:
                 turns = self.toolbox.turns(self.tokenizer, len(prompt_ids))
-            rollout = self.sampler.generate(distinct, G, params, turns=turns)
+            # A sampler without tools is called as the plain `Sampler` protocol (user samplers need no `turns`).
+            rollout = (self.sampler.generate(distinct, G, params) if turns is None else
+                       self.sampler.generate(distinct, G, params, turns=turns))
         chat = isinstance(rows[0]["prompt"], list)
         if turns is not None and chat:
             completions = [turns.conversation(i, ids[m.bool()].tolist(), t[m.bool()].tolist()) for i, (ids, m, t) in

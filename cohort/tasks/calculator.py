@@ -19,7 +19,6 @@ import re
 from fractions import Fraction
 
 from ..errors import CohortError
-from ..models.tiny import TINY_TOOLS_MODEL
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 TOOL_RESPONSE_END = "</tool_response>"
@@ -134,7 +133,8 @@ class CalculatorTask:
     # A rollout is the call turn (66 tokens), the tool's result (10, not the model's) and the answer (10):
     # 86 of the 96 allowed. beta=0: no reference model to run, and nothing here to hold the policy near.
     default_config = dict(
-        model=TINY_TOOLS_MODEL, num_generations=8, per_device_train_batch_size=64,
+        model="cohort:tiny-tools",  # models/tiny.py's TINY_TOOLS_MODEL (its warm start imports this task)
+        num_generations=8, per_device_train_batch_size=64,
         gradient_accumulation_steps=1, max_completion_length=96, max_prompt_length=32,
         max_tool_calling_iterations=1, learning_rate=1e-4, beta=0.0, max_steps=60, temperature=1.0,
         eval_limit=200, output_dir="runs/calculator", seed=0, logging_steps=5, log_completions_steps=20,
