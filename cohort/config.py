@@ -103,6 +103,14 @@ class GRPOConfig:
     tool_timeout: float = field(default=30.0, metadata={
         "help": "Seconds a tool call may take; a call that overruns is a failed call whose error the model sees."})
 
+    # Asynchronous rollouts (cohort/rollout/async_rollouts.py): sampling of later steps overlaps the update.
+    async_rollouts: bool = field(default=False, metadata={
+        "help": "Sample the rollouts of later steps on a copy of the policy while the update trains; the update "
+                "corrects for the stale samples by importance sampling against the sampler's log-probs."})
+    max_staleness: int = field(default=1, metadata={
+        "help": "With async_rollouts: how many policy updates behind the trained policy the samples are (the "
+                "rollout of step t is sampled from the weights after update t - 1 - max_staleness)."})
+
     # Algorithm breadth: DAPO, GSPO, an entropy bonus. The defaults leave plain GRPO unchanged.
     dynamic_sampling: bool = field(default=False, metadata={
         "help": "DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."})
@@ -343,6 +351,16 @@ class GRPOConfig:
             if getattr(self, alias) is not None:  # TRL's names: they set cohort's, then step aside
                 setattr(self, name, getattr(self, alias))
                 setattr(self, alias, None)
+        if self.async_rollouts:
+            if self.max_staleness < 1:
+                bad(f"max_staleness={self.max_staleness}: asynchronous rollouts are at least 1 update behind; "
+                    "give --max_staleness 1 or more, or leave --async_rollouts off")
+            if self.importance_sampling_correction is False:
+                bad("async_rollouts trains on samples of an older policy, which only the sampler correction "
+                    "accounts for; leave importance_sampling_correction on (or unset) with async_rollouts")
+            if self.curriculum:
+                bad("async_rollouts with a curriculum is not supported (a rollout sampled ahead would cross a stage "
+                    "switch); train the stages without --async_rollouts")
         if self.importance_sampling_mode not in SAMPLER_CORRECTIONS:
             bad(f"unknown importance_sampling_mode {self.importance_sampling_mode!r}; choose one of "
                 f"{list(SAMPLER_CORRECTIONS)}")

@@ -98,7 +98,7 @@ def test_tools_train_log_call_frequency_and_leave_tool_results_out_of_the_loss(c
     results = [m["content"] for c in called for m in c if m["role"] == "tool"]
     # a sampled call the tool cannot take (bad JSON at T = 1) is a failure the model sees, not a crash
     assert all(r.isdigit() or r.startswith("{'error'") for r in results) and any(r.isdigit() for r in results)
-    assert batch.tool_metrics["tools/call_frequency"] == pytest.approx(len(called) / len(batch.completions))
+    assert batch.rollout_metrics["tools/call_frequency"] == pytest.approx(len(called) / len(batch.completions))
     trainer.score(batch)
     batch.advantages = trainer.estimate_advantages(batch)
     assert batch.advantages.abs().sum() > 0, "every group had equal rewards: nothing to compare"

@@ -92,6 +92,9 @@ class PPOTrainer(GRPOTrainer):
         if not isinstance(args, PPOConfig):
             raise CohortError("PPOTrainer needs a PPOConfig (it adds gamma, lam, cliprange_value, ...); "
                               "build one with PPOConfig(**your_options)")
+        if args.async_rollouts:
+            raise CohortError("PPOTrainer does not support async_rollouts (GAE needs the values of the policy "
+                              "that sampled); use GRPOTrainer, or leave --async_rollouts off")
         if kwargs.get("tools") or kwargs.get("environment_factory") or args.tools or args.environment:
             raise CohortError("PPOTrainer does not train on tool-calling rollouts (GAE over tool turns is not "
                               "implemented); use GRPOTrainer for tools")

@@ -38,6 +38,7 @@ from ..models.policy import frozen_copy, load_policy, save_policy
 from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
 from ..rewards.runner import RewardRunner
 from ..rollout import make_sampler
+from ..rollout.async_rollouts import AsyncRollouts, weights_snapshot
 from ..rollout.batch import Batch
 from ..rollout.group_sampler import GroupSampler
 from ..run.callbacks import CallbackHandler
@@ -134,6 +135,16 @@ class GRPOTrainer:
                                     share_prompts=self.share_prompts, log=self.log_line)
         self.prompts = PromptStream(self.train_rows, args.prompts_per_step * self.parallel.world_size, args.seed)
         self.group_sampler = GroupSampler(self.sampler, self.tokenizer, args, self.pad_id, self.toolbox)
+        # Asynchronous rollouts: a producer thread samples later steps on its own copy of the policy.
+        self.async_rollouts = None
+        if args.async_rollouts:
+            if self.toolbox is not None and self.toolbox.environment_factory is not None:
+                raise CohortError("async_rollouts with an environment_factory is not supported (an environment's "
+                                  "state cannot be checkpointed with the rollouts sampled ahead); leave one out")
+            sampler_policy = frozen_copy(self.model)
+            self.async_rollouts = AsyncRollouts(sampler_policy, GroupSampler(
+                make_sampler(sampler_policy, self.tokenizer), self.tokenizer, args, self.pad_id, self.toolbox),
+                args.max_staleness)
         # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
         self.sampler_correction = sampler_correction_mode(args, self.model, self.device)
         self.policy_update = PolicyUpdate(args, train_model=self.train_model, optimizer=self.optimizer,
@@ -170,7 +181,7 @@ class GRPOTrainer:
                 for step in self.steps():
                     if self.new_iteration(step):
                         self.reset_reference()  # π_ref ← π_θ
-                    batch = self.sample(self.next_prompts())  # π_old ← π_θ; G completions per prompt
+                    batch = self.rollout_of(step)  # π_old ← π_θ (async: max_staleness updates ago); G per prompt
                     self.score(batch)  # rewards r_φ(q, o_i)
                     batch = self.refill_uninformative(batch)  # DAPO dynamic sampling (off by default)
                     batch.old_logp, batch.ref_logp = self.reference_logprobs(batch)  # log π_old (μ > 1), log π_ref (β > 0)
@@ -183,6 +194,8 @@ class GRPOTrainer:
                 self.discard_unused_output_dir()
                 raise
             finally:
+                if self.async_rollouts is not None:
+                    self.async_rollouts.close()  # the producer thread, and what it was sampling
                 self.memory.close()  # a later run in this process can reclaim this run's objects
         return self.history
 
@@ -193,6 +206,8 @@ class GRPOTrainer:
         for step in range(self.step + 1, self.args.max_steps + 1):
             if self.callback_handler.control.should_training_stop:
                 return
+            if not (self.async_rollouts is None or self.async_rollouts.pending):
+                self.sample_ahead()  # asynchronous rollouts: the first steps' start from the weights as they are
             self.step, self.step_started = step, time.perf_counter()
             self.callback_handler.event("on_step_begin")
             yield step
@@ -216,6 +231,27 @@ class GRPOTrainer:
         """This rank's block of the next prompt batch (a curriculum switches the source at its stages)."""
         self.enter_curriculum_stage(self.step)
         return self.parallel.shard(self.prompts.next_rows())
+
+    def rollout_of(self, step: int) -> Batch:
+        """The step's rollout: sampled now from the current policy, or, with asynchronous rollouts, the one
+        sampled ahead from the policy of `max_staleness` updates ago (async/staleness says how many)."""
+        if self.async_rollouts is None:
+            return self.sample(self.next_prompts())
+        with self.report.phase("sampling"):  # only the wait: the sampling itself overlapped earlier steps
+            batch, version = self.async_rollouts.take(step)
+        batch.rollout_metrics = {**(batch.rollout_metrics or {}), "async/staleness": float(step - 1 - version)}
+        return batch
+
+    def sample_ahead(self) -> None:
+        """Asynchronous rollouts: start sampling, from the weights as they are now, the rollouts of the
+        steps that must use them (the first L + 1 at the start, then one per update)."""
+        if self.async_rollouts is None:
+            return
+        weights = weights_snapshot(self.model)
+        for ahead in self.async_rollouts.steps_ahead(self.step):
+            if ahead <= self.args.max_steps:
+                self.async_rollouts.submit(ahead, self.step, weights, self.next_prompts(),
+                                           self.prompts.next_seed(), self.sequence_offset)
 
     def sample(self, rows: list[dict]) -> Batch:
         """π_old ← π_θ (the sampler reads the current weights); G completions for each prompt."""
@@ -308,6 +344,7 @@ class GRPOTrainer:
         if self.parallel.fsdp:
             with self.report.phase("gather"):  # FSDP2: the updated shards into the full copy the engine samples
                 self.parallel.refresh_sampling_model()
+        self.sample_ahead()  # asynchronous rollouts: a later step's sampling starts from the updated weights
         self.log_step(batch, losses, time.perf_counter() - self.step_started)
         if self.step == self.first_step:  # the run's long-lived objects exist now
             self.memory.after_first_step()  # full collections stop walking them (cohort/memory/gc_pauses.py)
@@ -368,7 +405,11 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path:
         """checkpoint-<step> of the run as it is now (cohort/run/checkpoint.py)."""
         counters = self.policy_update.counters
-        folder = save_checkpoint(self.run_parts(), RunState(
+        parts = self.run_parts()
+        if self.async_rollouts is not None and self.parallel.world_size > 1:
+            saved = self.extra_checkpoint_state()  # a collective: every rank hands over its rollouts, rank 0 writes
+            parts.extra_state = lambda: saved
+        folder = save_checkpoint(parts, RunState(
             step=self.step, prompts=self.prompts.state_dict(), history=self.history,
             accuracy_before=self.accuracy_before, skipped_steps=counters.skipped_steps,
             nonfinite_in_a_row=counters.nonfinite_in_a_row, seconds=self.training_seconds()))
@@ -383,11 +424,18 @@ class GRPOTrainer:
                         load_extra_state=self.load_extra_checkpoint_state)
 
     def extra_checkpoint_state(self) -> dict | None:
-        """A subclass's own state for every checkpoint (PPO's critic); None: nothing to add."""
-        return None
+        """State beyond the model, optimizer and data order: the rollouts sampled ahead (asynchronous
+        rollouts), a subclass's own (PPO's critic); None: nothing to add."""
+        if self.async_rollouts is None:
+            return None
+        # Every rank samples its own block of each step: rank 0 writes all ranks' rollouts sampled ahead.
+        return {"async_rollouts": self.parallel.gather_objects(self.async_rollouts.state_dict())}
 
     def load_extra_checkpoint_state(self, state: dict) -> None:
         """Restore what `extra_checkpoint_state` saved."""
+        by_rank = state.get("async_rollouts")
+        if self.async_rollouts is not None and by_rank and len(by_rank) == self.parallel.world_size:
+            self.async_rollouts.load_state_dict(by_rank[self.parallel.rank])  # else: sampled again from here
 
     def enter_curriculum_stage(self, step: int) -> None:
         """At a stage boundary: that stage's rows (and reward functions)."""

@@ -15,6 +15,7 @@ USAGE = """usage: cohort [train] [--option value ...]   GRPO training (no option
        cohort train --data_files F --reward_funcs module:function [--prompt_column C]   your own rows
        cohort train [...] --print_config        the resolved options and where each came from; no training
        cohort train --nproc_per_node N [...]    the same on N processes (GPUs) through torchrun; --fsdp shards
+       cohort train --nproc_per_node N --nnodes M --node_rank R --master_addr HOST [...]   on each of M machines
        cohort eval --model DIR --task NAME [--split test] [--limit N] [--num_samples n] [--output FILE | --output_dir DIR]
        cohort sft --model DIR --data_files FILE [--output_dir DIR] [--max_steps N] [--learning_rate LR]
        cohort report RUN_DIR [RUN_DIR ...] [--out DIR]
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
 TRAIN_USAGE = """usage: cohort train [--config FILE.yaml] [--task NAME] [--option value ...]
        cohort train --nproc_per_node N [...]     N processes (GPUs) through torchrun
+       cohort train --nproc_per_node N --nnodes M --node_rank R --master_addr HOST [--master_port P] [...]
+                                                 the same on every one of M machines, R = 0 .. M-1
        cohort train [...] --print_config         print the resolved options with their sources; no training
 
 Each option's value comes from, lowest precedence first: the built-in default < the task's defaults (the
@@ -78,6 +81,10 @@ command options:
   --config FILE.yaml        options from a YAML file (option: value); flags override it
   --print_config            print every option's value and source as YAML (a --config file), then exit
   --nproc_per_node N        launch N processes through torchrun (DDP; --fsdp true shards the model)
+  --nnodes M                with --nproc_per_node: M machines, each running this command (M × N ranks)
+  --node_rank R             this machine's index, 0 .. M-1; node 0 alone logs and writes --output_dir
+  --master_addr HOST        the address of the machine with --node_rank 0, reachable from all of them
+  --master_port P           a free TCP port there, the same on every machine (default 29500)
   --debug                   a full traceback on errors
   --help                    this help (with --task, --config and other options: their defaults)"""
 
@@ -86,8 +93,8 @@ def _train_help(argv: list[str]) -> int:
     from ..config import config_help, resolve_config
 
     argv = [arg for arg in argv if arg not in HELP_FLAGS]
-    argv, _ = _pop_option(argv, "nproc_per_node")
-    argv, _ = _pop_option(argv, "print_config")
+    for name in ("nproc_per_node", "print_config", *NODE_OPTIONS):
+        argv, _ = _pop_option(argv, name)
     config, sources = resolve_config(argv, validate=False)
     print(TRAIN_USAGE + "\n\n" + config_help(config, sources))
     return 0
@@ -100,13 +107,18 @@ def _train(argv: list[str]) -> int:
 
     argv, processes = _pop_option(argv, "nproc_per_node")
     argv, print_config = _pop_option(argv, "print_config")
+    nodes = {}
+    for name in NODE_OPTIONS:
+        argv, nodes[name] = _pop_option(argv, name)
+    nodes = {name: value for name, value in nodes.items() if value is not None}
+    launcher = torchrun_arguments(processes, nodes) if processes is not None or nodes else None
     args, sources = resolve_config(argv)  # bad options fail here, once, before any rank starts
     if print_config is not None and print_config.lower() not in ("false", "0", "no", "off"):
         print(describe_config(args, sources))
         return 0
     check_task_data(args)
-    if processes is not None and processes != "1":
-        return _launch(argv, processes, args)
+    if launcher is not None and (processes != "1" or nodes):
+        return _launch(argv, launcher, args, processes, nodes)
     _import_user_rewards_from_cwd(args)
     task = get_task(args.task)
     # under torchrun every rank loads the rows; rank 0 alone says what it found
@@ -117,6 +129,8 @@ def _train(argv: list[str]) -> int:
         trainer.train()
     except RuntimeError as error:  # several ranks: a collective failed because another rank died or hung
         raise _lost_rank(error) from error
+    except FileNotFoundError as error:  # several machines: rank 0's checkpoint is not on this one
+        raise _unreachable_checkpoint(error, args) from error
     return 0
 
 
@@ -165,25 +179,90 @@ def _lost_rank(error: RuntimeError) -> Exception:
                        "bounds the wait)")
 
 
-def _launch(argv: list[str], processes: str, args) -> int:
-    """`cohort train --nproc_per_node N ...`: run `torchrun --standalone --nproc_per_node N -m cohort
-    train ...` (torch.distributed.run, PyTorch's launcher and its failure handling) and wait for it."""
+def _unreachable_checkpoint(error: FileNotFoundError, args) -> Exception:
+    """A one-line CohortError when a rank resuming a run cannot find a file of the checkpoint that rank 0
+    chose (its output_dir is not shared with this machine); any other error unchanged."""
+    path = str(error.filename or "")
+    resuming = args.resume or args.resume_from_checkpoint
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not resuming or "checkpoint-" not in path:
+        return error
+    return CohortError(f"rank {os.environ.get('RANK', '?')} cannot read {path}: rank 0 resumes from that checkpoint, "
+                       "and every machine must reach it at the same path; put --output_dir on a filesystem all "
+                       "machines share, or copy the checkpoint folder to that path on each machine")
+
+
+NODE_OPTIONS = ("nnodes", "node_rank", "master_addr", "master_port")
+
+
+def torchrun_arguments(processes: str | None, nodes: dict[str, str]) -> list[str]:
+    """torchrun's options for `--nproc_per_node N` and, on several machines, `--nnodes M --node_rank R
+    --master_addr HOST [--master_port P]` (static rendezvous at HOST:P, which node 0's torchrun hosts);
+    one machine without an address is `--standalone`. Every bad value is a one-line CohortError."""
+    if processes is None:
+        given = " / ".join(f"--{name}" for name in nodes)
+        raise CohortError(f"{given} without --nproc_per_node: add --nproc_per_node N, the number of processes "
+                          "torchrun starts on this machine (e.g. its GPUs; 1 for one process per machine)")
+    if (_whole(processes) or 0) < 1:
+        raise CohortError(f"--nproc_per_node {processes!r}: give the number of processes, e.g. --nproc_per_node 2")
+    count = _whole(nodes.get("nnodes", "1"))
+    if count is None or count < 1:
+        raise CohortError(f"--nnodes {nodes['nnodes']!r}: give the number of machines, e.g. --nnodes 2 (the same "
+                          "on every machine)")
+    rank = nodes.get("node_rank")
+    others = "1" if count == 2 else f"1 to {count - 1}"
+    if rank is None and count > 1:
+        raise CohortError(f"--nnodes {count} needs --node_rank: this machine's index, 0 on the machine at "
+                          f"--master_addr and {others} on the others")
+    if rank is not None and "nnodes" not in nodes and rank != "0":
+        raise CohortError(f"--node_rank {rank!r} needs --nnodes M, the number of machines (without it there is one "
+                          "machine, node 0)")
+    if rank is not None and _whole(rank) not in range(count):
+        raise CohortError(f"--node_rank {rank!r} is outside [0, {count}): give this machine's index among the "
+                          f"--nnodes {count} machines, 0 on the machine at --master_addr and {others} on the others")
+    address = nodes.get("master_addr")
+    if address is None and count > 1:
+        raise CohortError(f"--nnodes {count} needs --master_addr: the address of the machine with --node_rank 0, "
+                          "reachable from every machine (e.g. --master_addr 10.0.0.1), the same on all of them")
+    if address is not None and (not address or any(ch.isspace() for ch in address) or address.startswith("-")):
+        raise CohortError(f"--master_addr {address!r}: give the host name or IP address of the machine with "
+                          "--node_rank 0, e.g. --master_addr 10.0.0.1")
+    port = nodes.get("master_port")
+    if port is not None and not 1 <= (_whole(port) or 0) <= 65535:
+        raise CohortError(f"--master_port {port!r}: give a TCP port number from 1 to 65535, free on the machine at "
+                          "--master_addr and the same on every machine (default 29500)")
+    if count == 1 and address is None and port is None:
+        return ["--standalone", f"--nproc_per_node={_whole(processes)}"]
+    rendezvous = [f"--nnodes={count}", f"--node_rank={_whole(rank or '0')}", f"--master_addr={address or '127.0.0.1'}"]
+    if port is not None:
+        rendezvous.append(f"--master_port={_whole(port)}")
+    return [*rendezvous, f"--nproc_per_node={_whole(processes)}"]
+
+
+def _whole(value: str) -> int | None:
+    """`value` as a whole number (ASCII digits only), else None."""
+    return int(value) if value.isascii() and value.isdigit() else None
+
+
+def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: dict[str, str]) -> int:
+    """`cohort train --nproc_per_node N [--nnodes M --node_rank R --master_addr HOST ...] ...`: run
+    `torchrun <launcher> -m cohort train ...` on this machine (torch.distributed.run, PyTorch's launcher
+    and its failure handling; `torchrun_arguments` gives <launcher>) and wait for it."""
     import signal
     import subprocess
 
-    if not processes.isdigit() or int(processes) < 1:
-        raise CohortError(f"--nproc_per_node {processes!r}: give the number of processes, e.g. --nproc_per_node 2")
     if os.environ.get("WORLD_SIZE"):
         raise CohortError("--nproc_per_node launches torchrun, but this process already runs under torchrun; "
                           "leave --nproc_per_node out")
     from ..models.tiny import builtin_model_dir, is_builtin_model, tiny_model_dir
 
-    if args.model is None:  # build the warm-started tiny model once, not in every rank at the same time
+    # Build the warm-started tiny model once per machine (in its own cache), not in every rank at the same
+    # time. Machines may build copies that differ in the last bits (another CPU or GPU); the ranks start
+    # from rank 0's weights all the same (DDP and `Parallel.wrap` broadcast them).
+    if args.model is None:
         tiny_model_dir()
     elif is_builtin_model(args.model):
         builtin_model_dir(args.model)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-               "-m", "cohort", "train", *argv]
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "cohort", "train", *argv]
     child = subprocess.Popen(command)
     forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731 - SIGTERM to us reaches the ranks
     previous = signal.signal(signal.SIGTERM, forward)
@@ -196,7 +275,12 @@ def _launch(argv: list[str], processes: str, args) -> int:
                 continue
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if code != 0:
+    if code != 0 and int(nodes.get("nnodes", "1")) > 1:
+        print(f"cohort: error: the {processes} training process(es) of node {nodes['node_rank']} (of "
+              f"{nodes['nnodes']} machines) stopped with exit code {code} (torchrun's report above names this "
+              "machine's rank that failed first; one that lost a collective points to another machine's report)",
+              file=sys.stderr)
+    elif code != 0:
         print(f"cohort: error: the {processes} training processes stopped with exit code {code} (torchrun's report "
               "above names the rank that failed first)", file=sys.stderr)
     return code

@@ -27,7 +27,7 @@ class Batch:
     per_function: torch.Tensor | None = None  # [B, F] each reward function's score (NaN = not scored)
     reward_metrics: dict | None = None
     environments: list | None = None  # [B] each completion's environment (environment_factory), or None
-    tool_metrics: dict | None = None  # tools/* of the rollout, when it could call tools
+    rollout_metrics: dict | None = None  # tools/* of a tool-calling rollout, async/* of one sampled ahead
 
     @property
     def prompts(self) -> list:

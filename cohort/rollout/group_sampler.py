@@ -61,7 +61,7 @@ class GroupSampler:
             completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         return Batch(rows=completion_rows, prompt_ids=prompt_ids, rollout=rollout, completions=completions,
                      environments=environments,
-                     tool_metrics=None if turns is None else turns.metrics(len(completion_rows)))
+                     rollout_metrics=None if turns is None else turns.metrics(len(completion_rows)))
 
     def encode_prompt(self, prompt, tools: list[dict] | None = None) -> list[int]:
         text = prompt_text(self.tokenizer, prompt, tools)  # the same rendering as evaluation and SFT

@@ -88,7 +88,7 @@ class StepReport:
         if not context.uses_reference:
             record.pop("kl", None)  # β = 0: no reference model, no KL to report (as TRL)
         record.update(batch.reward_metrics)
-        record.update(batch.tool_metrics or {})
+        record.update(batch.rollout_metrics or {})
         record.update(context.extra)
         scored = None if batch.per_function is None else ~torch.isnan(batch.per_function).all(dim=1)
         if scored is None or bool(scored.all()):

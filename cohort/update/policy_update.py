@@ -185,8 +185,10 @@ class PolicyUpdate:
 
 def sampler_correction_mode(args, model, device: torch.device) -> str | None:
     """The sampler correction in force (objectives.SAMPLER_CORRECTIONS), or None. Automatic where the
-    sampler is not exact: a bf16 / fp16 policy on a GPU (float32 on the CPU agrees to ~1e-6)."""
+    sampler is not the policy being trained: a bf16 / fp16 policy on a GPU (float32 on the CPU agrees to
+    ~1e-6), and asynchronous rollouts (sampled by an older policy)."""
     on = args.importance_sampling_correction
     if on is None:
-        on = device.type == "cuda" and next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+        on = bool(getattr(args, "async_rollouts", False)) or (
+            device.type == "cuda" and next(model.parameters()).dtype in (torch.bfloat16, torch.float16))
     return args.importance_sampling_mode if on else None

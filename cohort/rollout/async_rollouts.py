@@ -1,0 +1,105 @@
+"""Asynchronous rollouts: the rollout of a later step is sampled while the update of this one trains.
+
+In synchronous GRPO the sampler waits for the update and the update for the sampler. Here a producer
+thread samples on its own copy of the policy (π_sampler), `max_staleness` = L updates behind: the rollout
+of step t is sampled from the weights after update t − 1 − L, and it starts as soon as those exist, so it
+runs while steps t − L … t − 1 score, compute log-probs and update. Which weights sample which step is
+fixed by that schedule, never by thread timing, so a run is as reproducible as a synchronous one (the
+same seed gives the same run, busy machine or not).
+
+The update then trains on samples up to L policy versions old. The trainer weighs each token by
+π_θ / π_sampler (the sampler correction, truncated at `importance_sampling_clip_max`: Yao et al. 2025,
+truncated importance sampling), computed from the log-probs the sampler recorded, so the gradient stays
+that of the current policy's objective; the step logs the log-prob gap and the ratios, and how stale
+its samples were (`async/staleness`).
+
+Each submitted rollout carries its own snapshot of the weights it must be sampled from (L + 1 snapshots
+at most), loaded into the sampler's copy by the producer just before it samples.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..errors import CohortError
+from .batch import Batch
+from .sampler import Rollout
+
+
+def weights_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the policy's weights as they are now (the version a rollout must be sampled from)."""
+    with torch.no_grad():
+        return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+class AsyncRollouts:
+    """Rollouts sampled ahead on a producer thread, on a copy of the policy.
+
+    sampler_policy: the policy's copy the producer samples with (its weights are replaced per rollout).
+    sample: `(rows, seed, sequence_offset) -> Batch` over that copy (a GroupSampler on its own engine).
+    max_staleness: L, how many updates behind the policy the samples are.
+    """
+
+    def __init__(self, sampler_policy: torch.nn.Module, sample, max_staleness: int):
+        if max_staleness < 1:
+            raise CohortError(f"max_staleness={max_staleness}: asynchronous rollouts need at least 1 (0 is the "
+                              "synchronous loop: leave --async_rollouts off)")
+        self.policy, self.sample, self.max_staleness = sampler_policy, sample, max_staleness
+        self.producer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cohort-rollouts")
+        self.pending: dict[int, tuple[Future, int]] = {}  # step -> (its batch, the policy version it samples)
+
+    def submit(self, step: int, version: int, weights: dict[str, torch.Tensor], rows: list[dict], seed: int,
+               sequence_offset: int) -> None:
+        """Queue the rollout of `step`, sampled from `weights` (the policy after `version` updates)."""
+        def job() -> Batch:
+            with torch.no_grad():
+                self.policy.load_state_dict(weights)
+            return self.sample(rows, seed, sequence_offset)
+
+        self.pending[step] = (self.producer.submit(job), version)
+
+    def take(self, step: int) -> tuple[Batch, int]:
+        """The rollout of `step` (waiting for it if it is still being sampled) and its policy version."""
+        if step not in self.pending:
+            raise CohortError(f"no asynchronous rollout was started for step {step}")
+        future, version = self.pending.pop(step)
+        return future.result(), version
+
+    def steps_ahead(self, step: int) -> list[int]:
+        """The steps whose rollouts start after update `step` (the first call, `step` = the last step done,
+        starts L + 1 of them, all from the current weights; every later update starts one)."""
+        if not self.pending:
+            return list(range(step + 1, step + 2 + self.max_staleness))
+        return [step + 1 + self.max_staleness]
+
+    def state_dict(self) -> dict:
+        """The rollouts sampled ahead (waited for), as plain values, so a checkpoint resumes exactly: they
+        were drawn from the data stream and the weights the checkpoint has already moved past."""
+        pending = []
+        for step, (future, version) in sorted(self.pending.items()):
+            batch = future.result()
+            rollout = batch.rollout
+            pending.append({"step": step, "version": version, "rows": batch.rows, "prompt_ids": batch.prompt_ids,
+                            "completions": batch.completions, "completion_ids": rollout.completion_ids,
+                            "completion_mask": rollout.completion_mask, "logprobs": rollout.logprobs,
+                            "finish_reasons": rollout.finish_reasons, "tool_mask": rollout.tool_mask,
+                            "rollout_metrics": batch.rollout_metrics})
+        return {"pending": pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put back the rollouts a checkpoint saved, as if just sampled."""
+        for item in state.get("pending", []):
+            rollout = Rollout(item["completion_ids"], item["completion_mask"], item["logprobs"],
+                              item["finish_reasons"], item["tool_mask"])
+            batch = Batch(rows=item["rows"], prompt_ids=item["prompt_ids"], rollout=rollout,
+                          completions=item["completions"], rollout_metrics=item["rollout_metrics"])
+            done: Future = Future()
+            done.set_result(batch)
+            self.pending[item["step"]] = (done, item["version"])
+
+    def close(self) -> None:
+        """Wait for what is being sampled and stop the producer."""
+        self.producer.shutdown(wait=True, cancel_futures=True)
+        self.pending.clear()
