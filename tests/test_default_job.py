@@ -33,3 +33,22 @@ def test_default_job_learns(tmp_path):
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "run")
     AutoTokenizer.from_pretrained(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_default_job_learns_with_asynchronous_rollouts(tmp_path):
+    """The same job with its rollouts sampled one update ahead: the importance-sampling correction keeps
+    it learning (59.5% -> 92.5% here, against 93.0% synchronously), and every logged step says how stale
+    its samples were and how far the sampler's log-probs were from the trainer's."""
+    env = dict(os.environ, COHORT_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-m", "cohort", "train", "--output_dir", str(tmp_path / "run"), "--quiet",
+                          "--async_rollouts", "true", "--max_staleness", "1"],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 600
+    assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.15, summary
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps and all(r["async/staleness"] == 1.0 for r in steps if r["step"] > 1)
+    assert all("sampling/importance_sampling_ratio/mean" in r and "sampling/sampling_logp_difference/mean" in r
+               for r in steps)

@@ -2,7 +2,10 @@
 collectives the trainer needs.
 
 One process per GPU (or CPU process with gloo), started by `torchrun --nproc_per_node=N -m cohort
-train ...` or by `cohort train --nproc_per_node N` (cohort/cli.py). Each rank samples and scores
+train ...` or by `cohort train --nproc_per_node N` (cohort/cli/main.py), on one machine or on each of
+several (`--nnodes M --node_rank R --master_addr HOST`: M·N ranks). The rank (RANK, global over the
+machines) decides the prompts and who logs and saves (global rank 0 alone); the local rank
+(LOCAL_RANK, the index on its machine) decides the GPU, cuda:LOCAL_RANK. Each rank samples and scores
 its own prompts, whole groups of G completions (so group statistics stay local, as GRPO needs),
 trains on them, and gradients are averaged over ranks by PyTorch's own engines:
 
@@ -107,17 +110,32 @@ class Parallel:
     def from_env(cls, device_spec: str, timeout_s: float) -> "Parallel":
         """From torchrun's RANK / WORLD_SIZE / LOCAL_RANK: one process group (NCCL on CUDA, gloo on
         CPU) whose collectives give up after `timeout_s` seconds, so a rank that died or hangs stops
-        the others with an error instead of a silent wait. Without torchrun: one process, no group."""
+        the others with an error instead of a silent wait. Without torchrun: one process, no group.
+
+        RANK is global (over every machine), LOCAL_RANK this machine's index of the process: the GPU
+        is cuda:LOCAL_RANK, so on a second machine rank 8 takes cuda:0, not cuda:8. Another launcher
+        (SLURM's srun, mpirun) works when it sets what torchrun sets: RANK, WORLD_SIZE, LOCAL_RANK,
+        MASTER_ADDR and MASTER_PORT for env:// initialisation."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size <= 1:
             return cls(device=pick_device(device_spec))
         import torch.distributed as dist
 
+        owns_group = not dist.is_initialized()
+        needed = ("RANK", "MASTER_ADDR", "MASTER_PORT") if owns_group else ("RANK",)
+        missing = [name for name in needed if not os.environ.get(name)]
+        if missing:
+            raise CohortError(f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: start the ranks with "
+                              "torchrun (or cohort train --nproc_per_node), or have your launcher set RANK, "
+                              "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in every process")
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
         device = pick_device(device_spec, local_rank, world_size)
+        if device.type == "cuda" and "LOCAL_RANK" not in os.environ and torch.cuda.device_count() > 1:
+            raise CohortError(f"rank {rank}: LOCAL_RANK is not set, and it picks this process's GPU among the "
+                              f"{torch.cuda.device_count()} here (cuda:LOCAL_RANK); have your launcher set it (under "
+                              "SLURM's srun: LOCAL_RANK=$SLURM_LOCALID), or start the ranks with torchrun")
         if timeout_s <= 0:
             raise CohortError(f"ddp_timeout={timeout_s}: it must be a positive number of seconds")
-        owns_group = not dist.is_initialized()
         if owns_group:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
@@ -127,6 +145,7 @@ class Parallel:
 
     @property
     def is_main(self) -> bool:
+        """Global rank 0 (node 0's first process): the one rank that prints, logs and saves."""
         return self.rank == 0
 
     def wrap(self, model: nn.Module, fsdp: bool = False) -> nn.Module:
@@ -150,6 +169,7 @@ class Parallel:
     def _fully_shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        self._broadcast_from_main(model)
         sharded = copy.deepcopy(model)
         policy = MixedPrecisionPolicy()
         if self.device.type == "cuda":  # fp32 masters sharded; bf16 gathers and compute, fp32 reduction
@@ -165,6 +185,17 @@ class Parallel:
         self.fsdp = True
         self._sampling_pair = (model, sharded)
         return sharded
+
+    @torch.no_grad()
+    def _broadcast_from_main(self, model: nn.Module) -> None:
+        """Rank 0's parameters into every rank's `model`, in place, as DDP does when it wraps a module:
+        machines that each built or converted the model themselves (the built-in tiny model is warm-started
+        once per machine) may hold copies that differ in the last bits, and FSDP2 would shard them as they
+        are (the plain sampling copy and π_ref too)."""
+        import torch.distributed as dist
+
+        for param in model.parameters():
+            dist.broadcast(param.data, src=0)
 
     @torch.no_grad()
     def refresh_sampling_model(self) -> None:
