@@ -175,8 +175,8 @@ def _lost_rank(error: RuntimeError) -> Exception:
         return error
     first_line = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
     return CohortError(f"rank {os.environ.get('RANK', '?')} stopped: a collective with the other ranks failed "
-                       f"({first_line}); another rank died or hung (torchrun's report names it; --ddp_timeout "
-                       "bounds the wait)")
+                       f"({first_line}); another rank died or hung (torchrun's report names it, on that rank's machine; "
+                       "--ddp_timeout bounds the wait)")
 
 
 def _unreachable_checkpoint(error: FileNotFoundError, args) -> Exception:
