@@ -33,7 +33,7 @@ triton_sampling = kernel_module("cohort.kernels.sampling", "_partial_kernel")
 
 def on_any_device(tensor: torch.Tensor) -> bool:
     """`kernels.triton_kernel_on` without its CUDA and torch.compile conditions."""
-    return kernels._state["on"] and not torch.is_grad_enabled()
+    return kernels.fused_path()
 
 
 @pytest.fixture

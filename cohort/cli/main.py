@@ -175,8 +175,8 @@ def _lost_rank(error: RuntimeError) -> Exception:
         return error
     first_line = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
     return CohortError(f"rank {os.environ.get('RANK', '?')} stopped: a collective with the other ranks failed "
-                       f"({first_line}); another rank died or hung (torchrun's report names it, on that rank's machine; "
-                       "--ddp_timeout bounds the wait)")
+                       f"({first_line}); another rank died or hung (torchrun's report names it, on that rank's "
+                       "machine; --ddp_timeout bounds the wait)")
 
 
 def _unreachable_checkpoint(error: FileNotFoundError, args) -> Exception:
@@ -252,7 +252,7 @@ def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: d
 
     if os.environ.get("WORLD_SIZE"):
         raise CohortError("--nproc_per_node launches torchrun, but this process already runs under torchrun; "
-                          "leave --nproc_per_node out")
+                          "leave --nproc_per_node (and --nnodes, --node_rank, --master_addr, --master_port) out")
     from ..models.tiny import builtin_model_dir, is_builtin_model, tiny_model_dir
 
     # Build the warm-started tiny model once per machine (in its own cache), not in every rank at the same

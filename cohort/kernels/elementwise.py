@@ -27,6 +27,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 
 import torch
 import torch.fx.experimental._config
@@ -35,7 +36,18 @@ import torch.nn.functional as F
 # COHORT_TRITON_KERNELS=0 keeps the hand-written Triton kernels (decode attention, sampling) off
 # and leaves those two to cuDNN's SDPA and the compiled torch version: a diagnostic switch, so a
 # benchmark can time the engine with and without them in one process.
-_state = {"on": False, "compile": True, "triton": os.environ.get("COHORT_TRITON_KERNELS", "1") != "0"}
+_state = {"triton": os.environ.get("COHORT_TRITON_KERNELS", "1") != "0"}
+
+
+class _Switch(threading.local):
+    """Whether fused kernels are on, per thread: asynchronous rollouts sample on a producer thread while
+    the main thread runs no-grad forwards (log-probs, evaluation) that must keep the plain path."""
+
+    on = False
+    compile = True
+
+
+_switch = _Switch()
 _compiled: dict[str, object] = {}
 _failed: set[str] = set()
 
@@ -124,7 +136,7 @@ def cache_keys_visible(position_ids: torch.Tensor, cache_len: int, window: int |
 def fused_path() -> bool:
     """Whether a forward takes the sampling path's regrouped pieces: fused kernels on and autograd
     off (a training forward never does, so its math is the plain one)."""
-    return _state["on"] and not torch.is_grad_enabled()
+    return _switch.on and not torch.is_grad_enabled()
 
 
 def triton_allowed(tensor: torch.Tensor) -> bool:
@@ -136,13 +148,13 @@ def triton_allowed(tensor: torch.Tensor) -> bool:
 def triton_kernel_on(tensor: torch.Tensor) -> bool:
     """Whether the sampling path may use a hand-written Triton kernel on `tensor`: fused kernels
     on and compiled, autograd off, and `triton_allowed`."""
-    return _state["on"] and _state["compile"] and not torch.is_grad_enabled() and triton_allowed(tensor)
+    return _switch.on and _switch.compile and not torch.is_grad_enabled() and triton_allowed(tensor)
 
 
 def fused(name: str, plain):
     """The compiled version of `plain` when fused kernels are on, else `plain` itself. If compiling
     it fails (no triton, an op the backend cannot generate), one notice, and `plain` from then on."""
-    if not _state["on"] or not _state["compile"] or name in _failed:
+    if not _switch.on or not _switch.compile or name in _failed:
         return plain
     fn = _compiled.get(name)
     if fn is None:
@@ -210,9 +222,9 @@ def fused_kernels(on: bool = True, compile: bool = True):
     """Use the fused pieces inside the block (for sampling; nothing here needs autograd), compiled
     unless `compile` is False (then their plain versions: the regrouped forward on plain ops, which
     tests compare with both the unfused and the compiled forward)."""
-    previous = dict(_state)
-    _state.update(on=on, compile=compile)
+    previous = (_switch.on, _switch.compile)
+    _switch.on, _switch.compile = on, compile
     try:
         yield
     finally:
-        _state.update(previous)
+        _switch.on, _switch.compile = previous

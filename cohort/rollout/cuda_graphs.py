@@ -93,7 +93,9 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: an asynchronous-rollout producer may capture while the main thread launches work
+        # (the default "global" mode would make that work an error inside the capture).
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = self.step(*key)
         restore()
         self.captures += 1

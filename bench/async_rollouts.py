@@ -1,0 +1,678 @@
+"""Synchronous GRPO against asynchronous rollouts (`async_rollouts=True, max_staleness=L`), same global batch,
+on R1-like completion lengths: throughput of the whole step, and what the stale samples cost.
+
+Both modes run through `cohort.GRPOTrainer.train()` — the trainer's real loop — in one process, on the same
+random-weight model (rebuilt from the same seed for each mode), the same prompts, the same sampling seeds and
+the same per-completion length draws. A callback stamps the end of every step.
+
+Workload (GPU defaults): a Qwen2.5-0.5B-shaped random model in bf16 (cohort's own `CausalLM`, the synthetic
+word-level tokenizer of bench/grpo_step_worker.py), 32 prompts × G = 8 = 256 completions per step, 128-token
+random prompts, β = 0.04, μ = 1, lr 1e-6, loss_type dapo, reward = fraction of distinct words (as
+bench/grpo_step.py); gradient checkpointing on and at most 65,536 padded tokens per micro-batch (`--option`
+changes any GRPOConfig field).
+
+How completions end (the lengths). Each completion's stop length is drawn before it is sampled, from a
+lognormal: median `--median` (1024) tokens, σ = `--sigma` (default ln(cap / median) / 2.326, so that the 99th
+percentile sits at the cap: 0.894 for 1024 / 8192), capped at `--cap` = max_completion_length (8192) — the
+long tail of R1-style outputs, so a step waits for its longest completion (with 256 draws, about 2.6 per step
+reach the cap). The draws of a call are keyed by (`--seed`, the rollout's sampling seed, its sequence offset),
+and the trainer gives step t the same sampling seed in both modes, so step t draws the same lengths in both.
+A random model never ends on its own (it samples EOS with probability ~1/151,936 per token), so the length is
+imposed inside the engine, where a real EOS acts: `DrawnLengthEngine` is cohort's `Engine` with one override,
+`_prefill`, which sets each new sequence's `Sequence.limit` to min(its drawn length, max_new_tokens) before the
+sequence enters its KV-cache slot. The engine then really decodes that many tokens and no more: the sequence
+finishes at its limit, its slot is retired and (continuous batching) refilled or compacted away, exactly what
+a sampled EOS does. Every token the trainer trains on was sampled by the engine, with its recorded sampling
+log-prob; none is appended or replaced (the completion has no EOS token at its end: the stop is the drawn
+length). A completion that stopped at a drawn length below the cap is relabelled finish_reason "stop" (as an
+EOS would leave it); one whose draw reached the cap keeps "length" (truncated, as a real overlong completion).
+An EOS the model does sample first ends the completion earlier, as it would anyway (counted: `eos_stops`).
+The engine is injected by building the trainer while `cohort.algorithm.trainer.make_sampler` returns
+`DrawnLengthEngine`s (the trainer's sampler and, with async rollouts, the producer's); nothing in cohort/ is
+edited.
+
+Measured per step (the record of the trainer's `StepReport`, plus the callback's clock and the engine's calls):
+- wall: seconds between the ends of consecutive steps (the steady-state period of the loop);
+- completion tokens per second over the whole step: tokens sampled for the step ÷ its wall time;
+- step_time (the trainer's own), `time/sampling` (sync: the sampling itself; async: only the wait for the
+  producer's rollout), `time/update`, `time/logprobs` (π_ref's pass), `time/rewards`;
+- the producer's own sampling seconds (the engine call that made the step's rollout: in async mode it ran
+  during earlier steps), decode steps, longest completion, CUDA-graph captures;
+- async: `async/staleness` and the `sampling/*` metrics (|log π_θ − log π_sampler| mean / max, the truncated
+  importance ratio min / mean / max). In bf16 on a GPU the sync mode logs them too (the sampler's kernels are
+  not the trainer's), so the two columns separate kernel mismatch from staleness.
+The first `--warmup` steps of each mode (compilation, allocator, the async pipeline filling) are left out of
+the means.
+
+One GPU. Acceptance targets 4 GPUs with disaggregated samplers, which do not exist yet: here the producer
+thread shares the one GPU (and its default CUDA stream) with the update, so what overlaps is host work
+(Python, launch, the engine's host checks) with device work, and the producer's decode with the trainer's
+phases only as far as one stream lets it; the trainer's phase clocks synchronise the whole device, so on
+one GPU `time/*` of the async mode include some of the producer's kernels. The figure is what the
+single-GPU async mode gives today, not the 4-GPU design.
+
+CUDA graphs (`--precapture`, on by default on CUDA): before `train()`, each sampling engine captures its
+decode graphs for every (width bucket, KV-length bucket) it can use, while nothing else runs. Otherwise the
+producer would capture graphs lazily while the main thread launches and synchronises kernels, which torch's
+default ("global") capture mode may refuse — the engine then decodes without graphs for good. Both modes
+precapture, so neither pays captures inside its measured steps (the table counts any that happen).
+
+`--curves`: both modes for `--curve_steps` (60) steps on the built-in arithmetic task, its default model
+(the warm-started tiny model) and its default options (8-token completions), on the CPU, held-out greedy
+accuracy every `--curve_eval_steps` (10) steps; writes async_rollouts_curves.json and, when matplotlib
+imports, async_rollouts_curves.png (reward and held-out accuracy against the step).
+
+    python bench/async_rollouts.py                 # GPU: both modes, 5 steps each (2 warm-up); ≈ 6-8 min on one H100 (estimated)
+    python bench/async_rollouts.py --curves_only   # CPU: the learning curves (≈ 1 min on 2 cores, estimated)
+    python bench/async_rollouts.py --smoke         # CPU, tiny model, lengths median 8 / cap 48: checks the plumbing
+    python bench/async_rollouts.py --smoke --curves   # ... and a 3-step run of the curves' code
+
+Prints a markdown table and a JSON line (card, date, command); writes async_rollouts.json / .md (and the
+curves' files) to --out (default: $OUT when set, else runs/async_rollouts_bench; a temporary folder with
+--smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # cohort from this checkout, without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shapes, tokenizer and prompts of grpo_step_worker
+
+from cohort.rollout.engine import Engine  # noqa: E402
+
+SAMPLING_KEYS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                 "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                 "sampling/importance_sampling_ratio/max")
+PHASES = ("time/sampling", "time/rewards", "time/logprobs", "time/update")
+BETA, LEARNING_RATE, LOSS_TYPE = 0.04, 1e-6, "dapo"  # bench/grpo_step.py's (TRL's defaults)
+Z99 = 2.3263478740408408  # the standard normal's 99th percentile
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="0.5b", help="Qwen2.5 shape of the random model: 0.5b, 1.5b, 3b, 7b")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--num_generations", type=int, default=8, help="G: completions per prompt")
+    p.add_argument("--prompt_len", type=int, default=128, help="tokens per (random) prompt")
+    p.add_argument("--median", type=float, default=1024, help="median drawn completion length (tokens)")
+    p.add_argument("--cap", type=int, default=8192, help="max_completion_length: draws above it are cut there")
+    p.add_argument("--sigma", type=float, default=None,
+                   help="lognormal σ of the lengths; default ln(cap / median) / 2.326 (99th percentile = cap)")
+    p.add_argument("--steps", type=int, default=5, help="GRPO steps per mode, warm-up included")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each mode left out of the means (>= 1)")
+    p.add_argument("--max_staleness", type=int, default=1, help="L of the async mode")
+    p.add_argument("--modes", default="sync,async", help="which modes to run, in order")
+    p.add_argument("--per_device", type=int, default=32, help="per_device_train_batch_size (rows per micro-batch)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a GRPOConfig field for both modes (repeatable), e.g. --option max_tokens_per_micro_batch=0")
+    p.add_argument("--precapture", choices=["on", "off"], default="on",
+                   help="CUDA: capture every decode graph before train() (see the docstring)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None, help="output folder (default $OUT, else runs/async_rollouts_bench)")
+    p.add_argument("--curves", action="store_true", help="also the learning curves on the arithmetic task (CPU)")
+    p.add_argument("--curves_only", action="store_true", help="only the learning curves")
+    p.add_argument("--curve_steps", type=int, default=60)
+    p.add_argument("--curve_eval_steps", type=int, default=10)
+    p.add_argument("--curve_eval_limit", type=int, default=200, help="held-out problems per evaluation")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, tiny random model, lengths median 8 / cap 48, 3 steps per mode: checks the plumbing")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.device, args.prompts, args.num_generations, args.prompt_len = "cpu", 4, 4, 16
+        args.median, args.cap, args.steps, args.warmup = 8.0, 48, 3, 1
+        args.curve_steps, args.curve_eval_steps, args.curve_eval_limit = 3, 2, 16
+    if args.curves_only:
+        args.curves = True
+    if args.sigma is None:
+        args.sigma = math.log(args.cap / args.median) / Z99 if args.cap > args.median else 0.5
+    if not 1 <= args.warmup < args.steps:
+        p.error(f"--warmup {args.warmup}: it must be at least 1 (a step's wall time runs from the previous step's "
+                f"end) and below --steps {args.steps}")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not set(args.modes) <= {"sync", "async"} or not args.modes:
+        p.error(f"--modes {args.modes}: sync and/or async")
+    return args
+
+
+# ------------------------------------------------------------------------------------ the lengths
+
+class LengthDraws:
+    """Per-completion stop lengths: ceil(median · exp(σ · z)), z ~ N(0, 1), at least 1 (uncapped: the engine
+    caps them at max_new_tokens). A call's draws are keyed by (seed, the call's sampling seed, its sequence
+    offset) and indexed by the completion's row (prompt i → rows i·G … i·G + G − 1)."""
+
+    def __init__(self, median: float, sigma: float, seed: int):
+        self.median, self.sigma, self.seed = median, sigma, seed
+
+    def draw(self, call_seed: int | None, offset: int, count: int) -> list[int]:
+        key = [self.seed, 0 if call_seed is None else call_seed & 0xFFFFFFFF, offset]
+        z = np.random.default_rng(key).standard_normal(count)
+        return np.maximum(1, np.ceil(self.median * np.exp(self.sigma * z))).astype(np.int64).tolist()
+
+    def describe(self, cap: int, batch: int) -> dict:
+        """The capped distribution, from 200,000 draws: quantiles, mean, share at the cap, expected longest."""
+        z = np.random.default_rng(12345).standard_normal(200_000)
+        lengths = np.minimum(cap, np.maximum(1, np.ceil(self.median * np.exp(self.sigma * z))))
+        at_cap = float((lengths >= cap).mean())
+        quantiles = {f"p{q}": float(np.quantile(lengths, q / 100)) for q in (10, 50, 90, 99)}
+        longest = np.minimum(cap, np.ceil(self.median * np.exp(self.sigma * np.random.default_rng(1).standard_normal(
+            (2000, batch)).max(axis=1))))
+        return dict(median=self.median, sigma=round(self.sigma, 4), cap=cap, mean=round(float(lengths.mean()), 1),
+                    share_at_cap=round(at_cap, 4), expected_at_cap_per_step=round(at_cap * batch, 2),
+                    expected_longest=round(float(longest.mean()), 1), **quantiles)
+
+
+class DrawnLengthEngine(Engine):
+    """cohort's `Engine`; each completion stops at its drawn length (see the docstring). `calls` records each
+    generate() call: its clock, the drawn and sampled lengths, how each completion ended, the engine's stats."""
+
+    def __init__(self, model, tokenizer=None, *, lengths: LengthDraws, **options):
+        super().__init__(model, tokenizer, **options)
+        self.lengths = lengths
+        self.calls: list[dict] = []
+        self._drawn: list[int] | None = None
+
+    def generate(self, prompt_ids, num_generations, params, turns=None):
+        count = len(prompt_ids) * num_generations
+        drawn = self.lengths.draw(params.seed, params.sequence_offset, count)
+        self._drawn = drawn
+        started = time.perf_counter()
+        try:
+            rollout = super().generate(prompt_ids, num_generations, params, turns=turns)
+        finally:
+            self._drawn = None
+        ended = time.perf_counter()
+        lengths = [int(n) for n in rollout.completion_mask.sum(dim=1).tolist()]
+        reasons = list(rollout.finish_reasons)
+        counts = dict(imposed_stops=0, eos_stops=0, cap_stops=0, violations=0)
+        for row, (n, reason) in enumerate(zip(lengths, reasons)):
+            limit = min(drawn[row], params.max_new_tokens)
+            if reason == "stop":  # the model sampled EOS itself (at or before its drawn length)
+                counts["eos_stops"] += 1
+                counts["violations"] += n > limit
+            elif n == limit < params.max_new_tokens:  # stopped at its drawn length: what an EOS there would do
+                reasons[row] = "stop"
+                counts["imposed_stops"] += 1
+            elif n == limit:  # its draw reached the cap: truncated, as a real overlong completion
+                counts["cap_stops"] += 1
+            else:
+                counts["violations"] += 1
+        rollout.finish_reasons = reasons
+        self.calls.append(dict(seed=params.seed, started=started, ended=ended, seconds=ended - started,
+                               drawn=[min(d, params.max_new_tokens) for d in drawn], lengths=lengths,
+                               tokens=sum(lengths), longest=max(lengths), **counts,
+                               decode_steps=int(self.stats.get("decode_steps", 0)),
+                               decode_row_steps=int(self.stats.get("decode_row_steps", 0)),
+                               graph_captures=int(self.stats.get("graph_captures", 0)),
+                               graphs_enabled=bool(self.graphs.enabled)))
+        return rollout
+
+    def _prefill(self, admitted, params):
+        if self._drawn is not None:
+            for seq in admitted:
+                if seq.turn == 0:  # the first time the sequence enters a slot
+                    seq.limit = min(seq.limit, self._drawn[seq.index])
+        super()._prefill(admitted, params)
+
+
+@contextlib.contextmanager
+def drawn_length_samplers(lengths: LengthDraws):
+    """While the trainer is built, its samplers (`make_sampler` in cohort/algorithm/trainer.py: the trainer's
+    own and, with async rollouts, the producer's) are `DrawnLengthEngine`s; yields the list of those made."""
+    import cohort.algorithm.trainer as trainer_module
+    from cohort.models.lora import base_model
+
+    made: list[DrawnLengthEngine] = []
+    original = trainer_module.make_sampler
+
+    def make_sampler(model, tokenizer=None, **options):
+        engine = DrawnLengthEngine(base_model(model), tokenizer, lengths=lengths, **options)
+        made.append(engine)
+        return engine
+
+    trainer_module.make_sampler = make_sampler
+    try:
+        yield made
+    finally:
+        trainer_module.make_sampler = original
+
+
+def precapture(engine: Engine, sequences: int, prompt_len: int, config, pad_id: int) -> tuple[int, float]:
+    """Capture every decode graph a call of `sequences` completions of `prompt_len`-token prompts can use
+    (every width bucket × KV-length bucket), now, while nothing else runs. (graphs, seconds); 0 off CUDA."""
+    from cohort.rollout.engine import KV_LENGTH_STEP, _sampling_key, sampling_mode
+    from cohort.rollout.sampler import SamplingParams
+    from cohort.rollout.scheduler import batch_buckets
+
+    if not engine.graphs.enabled:
+        return 0, 0.0
+    started = time.perf_counter()
+    cap = config.max_completion_length
+    engine.capture_graphs(sequences, prompt_len + cap, cap, pad_token_id=pad_id)  # sizes cache and state
+    rows, max_len = engine.cache.num_rows, engine.cache.max_len
+    key = _sampling_key(SamplingParams(max_new_tokens=cap, temperature=config.temperature, top_p=config.top_p,
+                                       top_k=config.top_k, min_p=config.min_p))
+    with sampling_mode(engine.model, fused=engine.compile_kernels):
+        for width in [w for w in batch_buckets(engine.max_batch_size) if w <= rows]:
+            for cache_len in sorted({*range(KV_LENGTH_STEP, max_len, KV_LENGTH_STEP), max_len}):
+                engine.graphs(width, cache_len, key)
+    torch.cuda.synchronize()
+    return len(engine.graphs.graphs), time.perf_counter() - started
+
+
+# ------------------------------------------------------------------------------------ the trainer
+
+def bench_trainer_class():
+    from cohort import GRPOTrainer
+
+    class BenchTrainer(GRPOTrainer):
+        """cohort's trainer minus checkpoints and the final save (a 0.5B run's optimizer state is GBs of
+        writes no step includes)."""
+
+        def save_checkpoint(self) -> Path:
+            return Path(self.args.output_dir)
+
+        def save_model(self, output_dir=None):
+            return Path(output_dir or self.args.output_dir)
+
+    return BenchTrainer
+
+
+class StepClock:
+    """A TrainerCallback: the time each step begins and ends (after the step's record; on CUDA the phases
+    have synchronised the device by then)."""
+
+    def __init__(self):
+        self.begin: dict[int, float] = {}
+        self.end: dict[int, float] = {}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.begin[state.global_step + 1] = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.end[state.global_step] = time.perf_counter()
+
+
+def numeric(record: dict) -> dict:
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def parse_option(text: str):
+    key, _, value = text.partition("=")
+    for convert in (int, float):
+        try:
+            return key.strip(), convert(value)
+        except ValueError:
+            pass
+    lowered = value.strip().lower()
+    if lowered in ("true", "false"):
+        return key.strip(), lowered == "true"
+    return key.strip(), None if lowered == "none" else value
+
+
+def mode_config(args, mode: str, output_dir: str):
+    from cohort import GRPOConfig
+
+    batch = args.prompts * args.num_generations
+    per_device = min(args.per_device, batch)
+    if batch % per_device:
+        raise SystemExit(f"{args.prompts} prompts × G={args.num_generations} = {batch} completions is not a multiple "
+                         f"of --per_device {per_device}")
+    options = dict(
+        output_dir=output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=batch // per_device,
+        num_generations=args.num_generations, max_prompt_length=args.prompt_len, max_completion_length=args.cap,
+        beta=BETA, num_iterations=1, learning_rate=LEARNING_RATE, temperature=1.0, top_k=0, top_p=1.0, dtype="auto",
+        max_steps=args.steps, loss_type=LOSS_TYPE, gradient_checkpointing=args.device != "cpu",
+        max_tokens_per_micro_batch=0 if args.device == "cpu" else 65536, eval_steps=0, save_steps=0,
+        log_completions_steps=10**6, report_to="none", seed=args.seed, device=args.device, quiet=True,
+        async_rollouts=mode == "async", max_staleness=args.max_staleness)
+    options.update(dict(parse_option(o) for o in args.option))
+    config = GRPOConfig(**options)
+    assert config.prompts_per_step == args.prompts, (config.prompts_per_step, args.prompts)
+    return config
+
+
+def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
+    """One mode through GRPOTrainer.train(): per-step records joined with the engine calls that made them."""
+    from grpo_step_worker import build_module, make_prompts, make_reward, make_tokenizer
+
+    vocab = shape["vocab_size"]
+    tokenizer = make_tokenizer(vocab)
+    rows = make_prompts(vocab, args.prompts * max(8, args.steps + 2), args.prompt_len)
+    prompt_lengths = {len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows[:8]}
+    if prompt_lengths != {args.prompt_len}:
+        raise RuntimeError(f"prompts tokenise to {sorted(prompt_lengths)} tokens, not {args.prompt_len}")
+    scratch = tempfile.mkdtemp(prefix=f"async-bench-{mode}-")
+    config = mode_config(args, mode, scratch)
+    clock = StepClock()
+    started = time.perf_counter()
+    model = build_module(shape, args.device)  # the same seed (0) for both modes: the same initial weights
+    with drawn_length_samplers(lengths) as engines:
+        trainer = bench_trainer_class()(model=model, reward_funcs=[make_reward(args.cap)], train_dataset=rows,
+                                        args=config, processing_class=tokenizer, callbacks=[clock],
+                                        log=lambda line: print(f"  [{mode}] {line}", flush=True))
+    sampling_engine = trainer.async_rollouts.sample.sampler if trainer.async_rollouts is not None else trainer.sampler
+    assert isinstance(sampling_engine, DrawnLengthEngine), type(sampling_engine)
+    setup = time.perf_counter() - started
+    graphs, capture_s = 0, 0.0
+    if args.device != "cpu" and args.precapture == "on":
+        graphs, capture_s = precapture(sampling_engine, args.prompts * args.num_generations, args.prompt_len, config,
+                                       trainer.pad_id)
+        print(f"  [{mode}] precaptured {graphs} decode graphs in {capture_s:.1f} s", flush=True)
+    train_started = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - train_started
+    calls = sorted((c for e in engines for c in e.calls), key=lambda c: c["started"])
+    history = [numeric(r) for r in trainer.history]
+    if len(calls) != len(history):
+        raise RuntimeError(f"{mode}: {len(calls)} engine calls for {len(history)} steps (one per step expected)")
+    steps = []
+    previous_end = None
+    for record, call in zip(history, calls):
+        step = int(record["step"])
+        end = clock.end[step]
+        wall = end - (previous_end if previous_end is not None else clock.begin[step])
+        previous_end = end
+        steps.append(dict(
+            record, wall=wall, first_wall_from_begin=step == 1, tokens=call["tokens"], longest=call["longest"],
+            engine_seconds=call["seconds"], decode_steps=call["decode_steps"],
+            graph_captures=call["graph_captures"], graphs_enabled=call["graphs_enabled"],
+            imposed_stops=call["imposed_stops"], eos_stops=call["eos_stops"], cap_stops=call["cap_stops"],
+            violations=call["violations"], sampling_started=call["started"] - train_started,
+            sampling_ended=call["ended"] - train_started, step_ended=end - train_started,
+            drawn=call["drawn"], lengths=call["lengths"]))
+    result = dict(mode=mode, setup_s=round(setup, 2), precapture_graphs=graphs, precapture_s=round(capture_s, 2),
+                  train_s=round(train_s, 2), steps=steps,
+                  graphs_enabled_at_end=all(e.graphs.enabled for e in engines if e.calls),
+                  sampler_correction=trainer.sampler_correction, config={k: getattr(config, k) for k in (
+                      "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+                      "max_completion_length", "max_tokens_per_micro_batch", "gradient_checkpointing", "beta",
+                      "loss_type", "async_rollouts", "max_staleness", "dtype")})
+    del trainer, model, engines, sampling_engine
+    gc.collect()
+    if args.device != "cpu":
+        torch.cuda.empty_cache()
+    shutil.rmtree(scratch, ignore_errors=True)
+    return result
+
+
+def summarize(result: dict, warmup: int) -> dict:
+    """Means over the measured steps (after the warm-up)."""
+    measured = [s for s in result["steps"] if s["step"] > warmup]
+
+    def mean(key):
+        values = [s[key] for s in measured if s.get(key) is not None]
+        return statistics.mean(values) if values else None
+
+    tokens, wall = sum(s["tokens"] for s in measured), sum(s["wall"] for s in measured)
+    summary = dict(mode=result["mode"], measured_steps=len(measured), tokens_per_step=mean("tokens"),
+                   tok_per_s=tokens / wall if wall else None, wall_s=mean("wall"), step_time_s=mean("step_time"),
+                   engine_s=mean("engine_seconds"), longest=mean("longest"), decode_steps=mean("decode_steps"),
+                   graph_captures=sum(s["graph_captures"] for s in measured),
+                   peak_memory_gib=max((s.get("peak_memory_gib") or 0.0 for s in result["steps"]), default=None) or None,
+                   staleness=mean("async/staleness"), clipped_ratio=mean("completions/clipped_ratio"),
+                   eos_stops=sum(s["eos_stops"] for s in measured), cap_stops=sum(s["cap_stops"] for s in measured))
+    for key in PHASES + SAMPLING_KEYS:
+        summary[key] = mean(key)
+    if result["mode"] == "async" and summary["engine_s"] is not None and summary["time/sampling"] is not None:
+        summary["hidden_sampling_s"] = summary["engine_s"] - summary["time/sampling"]  # sampled while others ran
+    return summary
+
+
+def fmt(value, spec: str = ".2f", none: str = "—") -> str:
+    return none if value is None else format(value, spec)
+
+
+def markdown(summaries: list[dict], header: str) -> str:
+    columns = ("mode", "steps", "completion tok/s (whole step)", "step wall s", "trainer step_time s",
+               "sampling wait s", "engine sampling s (async: the producer's)", "update s", "π_ref log-probs s",
+               "tokens / step", "longest", "staleness", "logp diff mean / max", "IS ratio min / mean / max", "peak GiB")
+    lines = [header, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for s in summaries:
+        lines.append(
+            f"| {s['mode']} | {s['measured_steps']} | {fmt(s['tok_per_s'], ',.0f')} | {fmt(s['wall_s'])} "
+            f"| {fmt(s['step_time_s'])} | {fmt(s['time/sampling'])} | {fmt(s['engine_s'])} | {fmt(s['time/update'])} "
+            f"| {fmt(s['time/logprobs'])} | {fmt(s['tokens_per_step'], ',.0f')} | {fmt(s['longest'], '.0f')} "
+            f"| {fmt(s['staleness'], '.0f')} | {fmt(s[SAMPLING_KEYS[0]], '.2e')} / {fmt(s[SAMPLING_KEYS[1]], '.2e')} "
+            f"| {fmt(s[SAMPLING_KEYS[2]], '.3f')} / {fmt(s[SAMPLING_KEYS[3]], '.3f')} / {fmt(s[SAMPLING_KEYS[4]], '.3f')} "
+            f"| {fmt(s['peak_memory_gib'], '.1f')} |")
+    by_mode = {s["mode"]: s for s in summaries}
+    if {"sync", "async"} <= set(by_mode) and by_mode["sync"]["tok_per_s"] and by_mode["async"]["tok_per_s"]:
+        lines.append("")
+        lines.append(f"async / sync: {by_mode['async']['tok_per_s'] / by_mode['sync']['tok_per_s']:.2f}× the completion "
+                     f"tokens per second; step wall {by_mode['async']['wall_s']:.2f} s against "
+                     f"{by_mode['sync']['wall_s']:.2f} s")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ the curves
+
+def run_curves(args, out: Path) -> dict:
+    """Both modes on the built-in arithmetic task, its default model and options, on the CPU."""
+    from cohort.cli.main import task_rows
+    from cohort.config import resolve_config
+    from cohort.tasks import get_task
+
+    BenchTrainer = bench_trainer_class()
+    curves = {}
+    for mode in args.modes:
+        scratch = tempfile.mkdtemp(prefix=f"async-curves-{mode}-")
+        argv = ["--task", "arithmetic", "--device", "cpu", "--max_steps", str(args.curve_steps), "--eval_steps",
+                str(args.curve_eval_steps), "--eval_limit", str(args.curve_eval_limit), "--output_dir", scratch,
+                "--quiet", "true", "--seed", str(args.seed), "--log_completions_steps", str(10**6)]
+        if mode == "async":
+            argv += ["--async_rollouts", "true", "--max_staleness", str(args.max_staleness)]
+        config, _ = resolve_config(argv)
+        task = get_task(config.task)
+        train_rows, eval_rows = task_rows(task, config, log=lambda line: None)
+        started = time.perf_counter()
+        trainer = BenchTrainer(config.model, None, train_rows, args=config, eval_dataset=eval_rows, task=task,
+                               log=lambda line, m=mode: print(f"  [curves {m}] {line}", flush=True))
+        trainer.train()
+        seconds = time.perf_counter() - started
+        history = [numeric(r) for r in trainer.history]
+        evals = [dict(step=int(r["step"]), accuracy=r["eval/accuracy"]) for r in trainer.state.log_history
+                 if "eval/accuracy" in r]
+        curves[mode] = dict(
+            seconds=round(seconds, 1), accuracy_before=trainer.accuracy_before, accuracy_after=trainer.accuracy_after,
+            steps=[int(r["step"]) for r in history], reward=[r["reward"] for r in history],
+            success=[r["success"] for r in history], staleness=[r.get("async/staleness") for r in history],
+            importance_ratio_mean=[r.get(SAMPLING_KEYS[3]) for r in history], eval=evals)
+        print(f"  [curves {mode}] {seconds:.1f} s, held-out accuracy {trainer.accuracy_before} -> "
+              f"{trainer.accuracy_after}", flush=True)
+        del trainer
+        gc.collect()
+        shutil.rmtree(scratch, ignore_errors=True)
+    result = dict(bench="async_rollouts_curves", task="arithmetic (default options, built-in tiny model)",
+                  max_staleness=args.max_staleness, steps=args.curve_steps, eval_steps=args.curve_eval_steps,
+                  eval_limit=args.curve_eval_limit, seed=args.seed, curves=curves)
+    (out / "async_rollouts_curves.json").write_text(json.dumps(result, indent=1) + "\n")
+    result["png"] = plot_curves(curves, out / "async_rollouts_curves.png", args)
+    return result
+
+
+def plot_curves(curves: dict, path: Path, args) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as error:  # noqa: BLE001 - the JSON is the result; the figure is a convenience
+        print(f"  no PNG: matplotlib does not import ({type(error).__name__}: {error})", flush=True)
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = {"sync": "synchronous", "async": f"async rollouts (max_staleness={args.max_staleness})"}
+    for mode, curve in curves.items():
+        rewards = np.array(curve["reward"], dtype=float)
+        window = max(1, min(10, len(rewards) // 5))
+        smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
+        line, = left.plot(curve["steps"], rewards, alpha=0.25)
+        left.plot(curve["steps"][window - 1:], smooth, color=line.get_color(), label=labels[mode])
+        right.plot([e["step"] for e in curve["eval"]], [100 * e["accuracy"] for e in curve["eval"]], marker="o",
+                   color=line.get_color(), label=labels[mode])
+    left.set(xlabel="step", ylabel="mean reward", title=f"reward (moving mean of {window})")
+    right.set(xlabel="step", ylabel="held-out greedy accuracy (%)", title="held-out accuracy")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.suptitle("cohort, arithmetic task (tiny model, CPU): synchronous vs asynchronous rollouts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------ checks and main
+
+def smoke_checks(results: dict, args) -> None:
+    """Both modes ran every step; async steps carry their staleness and the sampling/* metrics; every
+    completion stopped at its drawn length (or earlier at a sampled EOS); both modes drew the same lengths."""
+    for mode in args.modes:
+        steps = results[mode]["steps"]
+        assert [s["step"] for s in steps] == list(range(1, args.steps + 1)), (mode, [s["step"] for s in steps])
+        for s in steps:
+            assert s["violations"] == 0, (mode, s["step"], "a completion ran past its drawn length")
+            assert s["imposed_stops"] + s["eos_stops"] + s["cap_stops"] == len(s["lengths"])
+            for drawn, n in zip(s["drawn"], s["lengths"]):
+                assert n <= drawn, (mode, s["step"], drawn, n)
+            assert s["tokens"] == round(s["completions/mean_length"] * len(s["lengths"])), (mode, s["step"])
+    if "async" in results:
+        for s in results["async"]["steps"]:
+            expected = min(s["step"] - 1, args.max_staleness)  # the first L + 1 rollouts come from the initial weights
+            assert s.get("async/staleness") == expected, (s["step"], s.get("async/staleness"), expected)
+            missing = [k for k in SAMPLING_KEYS if k not in s]
+            assert not missing, (s["step"], missing)
+        assert any(s["async/staleness"] == args.max_staleness for s in results["async"]["steps"])
+    if {"sync", "async"} <= set(results):
+        for a, b in zip(results["sync"]["steps"], results["async"]["steps"]):
+            assert a["drawn"] == b["drawn"], (a["step"], "the modes drew different lengths")
+    print(f"smoke: OK — modes {args.modes} ran {args.steps} steps each; async staleness "
+          f"{[s.get('async/staleness') for s in results.get('async', {}).get('steps', [])]}, sampling/* present; "
+          "every completion stopped at its drawn length or at a sampled EOS; both modes drew the same lengths",
+          flush=True)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available() and not args.curves_only:
+        raise SystemExit("no CUDA device: run with --smoke (or --curves_only) on a CPU")
+    if args.smoke:
+        torch.set_num_threads(1)  # a shared CPU: more threads only wait on each other
+    out = Path(args.out or os.environ.get("OUT") or (tempfile.mkdtemp(prefix="async-bench-") if args.smoke
+                                                      else ROOT / "runs" / "async_rollouts_bench"))
+    out.mkdir(parents=True, exist_ok=True)
+    card = torch.cuda.get_device_name() if args.device != "cpu" and torch.cuda.is_available() else \
+        f"cpu ({os.cpu_count()} cores)"
+    command = "python " + " ".join([sys.argv[0]] + sys.argv[1:]) if argv is None else "main(" + repr(argv) + ")"
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    print(f"{stamp}  {card}  torch {torch.__version__}  out {out}", flush=True)
+    report: dict = dict(bench="async_rollouts", date=stamp, card=card, command=command, torch=torch.__version__)
+    started = time.perf_counter()
+
+    if not args.curves_only:
+        from grpo_step_worker import QWEN, SMOKE
+
+        shape = (SMOKE if args.smoke else QWEN)[args.model]
+        lengths = LengthDraws(args.median, args.sigma, args.seed)
+        batch = args.prompts * args.num_generations
+        distribution = lengths.describe(args.cap, batch)
+        print(f"lengths: {json.dumps(distribution)}", flush=True)
+        report.update(model=f"qwen2.5-{args.model} shape (random)" if not args.smoke else "tiny qwen2 (random)",
+                      dtype="bfloat16" if args.device != "cpu" else "float32",
+                      workload=dict(prompts=args.prompts, G=args.num_generations, completions=batch,
+                                    prompt_len=args.prompt_len, steps=args.steps, warmup=args.warmup,
+                                    max_staleness=args.max_staleness, options=args.option, precapture=args.precapture),
+                      lengths=distribution, modes={}, errors={})
+        results = {}
+        for mode in args.modes:
+            print(f"\n== {mode}: {args.steps} steps ({args.warmup} warm-up), {batch} completions per step "
+                  f"(elapsed {time.perf_counter() - started:.0f} s)", flush=True)
+            try:
+                results[mode] = run_mode(args, mode, shape, lengths)
+            except Exception as error:  # noqa: BLE001 - keep the other mode's figures; say what failed
+                if args.smoke:
+                    raise
+                report["errors"][mode] = f"{type(error).__name__}: {error}"[:600]
+                print(f"{mode} failed: {report['errors'][mode]}", flush=True)
+                import traceback
+
+                traceback.print_exc()
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            summary = summarize(results[mode], args.warmup)
+            results[mode]["summary"] = summary
+            report["modes"][mode] = {k: v for k, v in results[mode].items()}
+            print(f"== {mode}: done in {results[mode]['train_s']:.1f} s of training; "
+                  f"{json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})}",
+                  flush=True)
+            (out / "async_rollouts.json").write_text(json.dumps(report, indent=1, default=str) + "\n")  # per mode
+        summaries = [results[m]["summary"] for m in args.modes if m in results]
+        header = (f"{datetime.date.today().isoformat()}, {card}, `{command}`: {report['model']} in {report['dtype']}, "
+                  f"{args.prompts} prompts × G={args.num_generations} = {batch} completions per step, "
+                  f"{args.prompt_len}-token prompts, completion lengths lognormal (median {args.median:g}, "
+                  f"σ {args.sigma:.3f}, cap {args.cap}: mean {distribution['mean']:g}, p90 {distribution['p90']:g}, "
+                  f"p99 {distribution['p99']:g}), means over steps {args.warmup + 1}–{args.steps} of each mode; "
+                  f"async = async_rollouts, max_staleness={args.max_staleness}, one producer thread on the same "
+                  f"device")
+        table = markdown(summaries, header)
+        print("\n" + table + "\n", flush=True)
+        notes = []
+        for mode, r in results.items():
+            if not r["graphs_enabled_at_end"] and args.device != "cpu":
+                notes.append(f"{mode}: the sampling engine's CUDA graphs were disabled during the run (a capture "
+                             "failed; see stderr) — its decode ran eagerly")
+            if r["summary"]["graph_captures"]:
+                notes.append(f"{mode}: {r['summary']['graph_captures']} CUDA-graph captures inside the measured steps")
+        for note in notes:
+            print(f"NOTE: {note}", flush=True)
+        report["notes"] = notes
+        report["table"] = table
+        by_mode = {s["mode"]: s for s in summaries}
+        if {"sync", "async"} <= set(by_mode) and by_mode["sync"]["tok_per_s"]:
+            report["async_over_sync_tok_per_s"] = by_mode["async"]["tok_per_s"] / by_mode["sync"]["tok_per_s"]
+        (out / "async_rollouts.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        (out / "async_rollouts.md").write_text(table + "\n")
+        if args.smoke:
+            smoke_checks(results, args)
+
+    if args.curves:
+        print(f"\n== curves: arithmetic task, {args.curve_steps} steps per mode, CPU "
+              f"(elapsed {time.perf_counter() - started:.0f} s)", flush=True)
+        curves = run_curves(args, out)
+        report["curves"] = {m: dict(seconds=c["seconds"], accuracy_before=c["accuracy_before"],
+                                    accuracy_after=c["accuracy_after"]) for m, c in curves["curves"].items()}
+        report["curves_files"] = [str(out / "async_rollouts_curves.json")] + ([curves["png"]] if curves["png"] else [])
+        if args.smoke:
+            for mode, c in curves["curves"].items():
+                assert len(c["reward"]) == args.curve_steps and c["eval"], (mode, c)
+            print(f"smoke: OK — curves for {list(curves['curves'])}: {report['curves_files']}", flush=True)
+
+    report["elapsed_s"] = round(time.perf_counter() - started, 1)
+    line = {k: v for k, v in report.items() if k != "modes"}
+    line["summaries"] = {m: r.get("summary") for m, r in report.get("modes", {}).items()}
+    print(json.dumps(line, default=str), flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
