@@ -296,6 +296,7 @@ assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expect
 full = {name: param.full_tensor() for name, param in sharded.named_parameters()}
 assert all(torch.equal(full[name], value) for name, value in expected.named_parameters())
 print(f"rank {parallel.rank}: rank 0's weights")
+parallel.barrier()  # as a run ends (save_model's barrier, then close)
 parallel.close()
 '''
 
