@@ -288,7 +288,7 @@ LIST_FIELDS = {f.name for f in dataclasses.fields(GRPOConfig) if "list[" in str(
 def train_commands() -> list[tuple[str, str, list[str]]]:
     """(page, the command as written, its option arguments) for every `cohort train` command in the
     fenced code blocks of docs/howto/*.md. `...` placeholders are dropped, with a flag left without a
-    value; the launcher's --nproc_per_node is not a config option."""
+    value; the launcher's options (--nproc_per_node, --nnodes, ...) are not config options."""
     found = []
     for page in sorted((ROOT / "docs" / "howto").glob("*.md")):
         fenced = re.findall(r"^```([^\n]*)\n(.*?)^```", page.read_text(encoding="utf-8"), re.S | re.M)
@@ -311,7 +311,8 @@ def train_commands() -> list[tuple[str, str, list[str]]]:
                             argv.append(word)
                         continue  # `--model ...`: a placeholder, not an option
                     argv.append(word)
-                argv = drop_option(argv, "nproc_per_node")
+                for launcher_option in ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port"):
+                    argv = drop_option(argv, launcher_option)
                 found.append((page.name, " ".join(words[start:]), argv))
     return found
 

@@ -17,9 +17,11 @@ FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)}
 # Flags of the other commands and of `cohort train` itself that are not GRPOConfig fields.
 OTHER_FLAGS = {
     "config", "nproc_per_node", "help", "debug", "print_config", "version",  # cohort train; every command
+    "nnodes", "node_rank", "master_addr", "master_port",  # cohort train's launcher, on several machines
+    "standalone", "nodes", "ntasks_per_node", "gpus_per_task",  # torchrun and SLURM's srun, in multi-gpu.md
     "index_url",  # pip, in the README's CPU-only note
     "limit", "num_samples", "split", "output",  # cohort eval
-    "system", "raw", "max_new_tokens",  # cohort chat
+    "system", "raw", "max_new_tokens", "tool_timeout",  # cohort chat (and its tools: --tools, --environment)
     "prompts", "chat",  # cohort generate (with --output)
     "out",  # cohort report
 }
