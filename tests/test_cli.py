@@ -32,7 +32,8 @@ def _run_cli(capsys, *argv):
         (["frobnicate"], "unknown command 'frobnicate'"),
     ],
 )
-def test_bad_input_is_one_clear_line(capsys, argv, expected):
+def test_bad_input_is_one_clear_line(capsys, argv, expected, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the checkout, where a finished `cohort train` may have left runs/
     code, err = _run_cli(capsys, *argv)
     assert code == 2
     assert expected in err

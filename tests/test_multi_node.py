@@ -189,11 +189,21 @@ def free_port() -> int:
 
 
 def nodes(root: Path, options: list[str], succeed: bool = True, timeout: int = 240) -> list[str]:
+    """`launch_nodes` on a free port; again on another one if the port was taken between the probe and
+    torchrun's bind (another process on this shared machine may take it: not the code under test)."""
+    for attempt in range(3):
+        outputs, codes = launch_nodes(root, options, str(free_port()), timeout)
+        if not any("address already in use" in out.lower() for out in outputs) or attempt == 2:
+            break
+    for node, (code, output) in enumerate(zip(codes, outputs)):
+        assert (code == 0) == succeed, f"node {node}: exit code {code}\n{output[-4000:]}"
+    return outputs
+
+
+def launch_nodes(root: Path, options: list[str], port: str, timeout: int) -> tuple[list[str], list[int]]:
     """`cohort train --nproc_per_node 1 --nnodes 2 --node_rank R --master_addr 127.0.0.1 --master_port P ...options`
     for R = 0 and 1, started together, each in its own folder root/machineR as on machines that share no disk
-    (a relative --output_dir is a different folder on each). Their outputs, node 0 first; both exit 0
-    (`succeed`), or neither does."""
-    port = str(free_port())
+    (a relative --output_dir is a different folder on each). Their outputs and exit codes, node 0 first."""
     processes = []
     for node in (0, 1):
         (root / f"machine{node}").mkdir(exist_ok=True)
@@ -210,9 +220,7 @@ def nodes(root: Path, options: list[str], succeed: bool = True, timeout: int = 2
         for process in processes:
             if process.poll() is None:
                 process.kill()
-    for node, (process, output) in enumerate(zip(processes, outputs)):
-        assert (process.returncode == 0) == succeed, f"node {node}: exit code {process.returncode}\n{output[-4000:]}"
-    return outputs
+    return outputs, [process.returncode for process in processes]
 
 
 def files_in(folder: Path) -> list[str]:

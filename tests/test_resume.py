@@ -137,7 +137,9 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(setu
         break
     reference = uninterrupted()[0]
     assert sigterm_output is not None, "the SIGTERM attempt did not happen"
-    assert len(kills) >= 3, (seed, kills)
+    # Attempt 0's kill, and at least one after a checkpoint; a third happens unless the random waits
+    # let the run reach its last step first (a fast, idle machine: then nothing is left to kill).
+    assert len(kills) >= 2 and any(not k.endswith("checkpoint-0 the newest") for k in kills), (seed, kills)
     assert "resumed from" in output, output
     assert records(out / "metrics.jsonl") == records(reference / "metrics.jsonl"), (seed, kills)
     assert records(out / "completions.jsonl") == records(reference / "completions.jsonl"), (seed, kills)
