@@ -54,8 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+from gsm8k_smollm2 import GGUF_NAME, GGUF_SHA256  # noqa: E402 - the same file, checked the same way (bench/ is on sys.path)
 HALVES = [ROOT / ".models1" / "part", ROOT / ".models2" / "part"]  # the GGUF in two halves (git-ignored)
 BUNDLE = ROOT / ".bench" / "tools_smollm2"  # git-ignored; carried to the GPU machine
 WHEEL = "gguf==0.19.0"  # cohort's GGUF reader needs it; not on the GPU image (../shared/notes/device.md)

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from cohort.cli.chat import ChatSession
-from cohort.cli.chat_tools import chat_main
-from cohort.cli.chat_tools import ChatTools, ToolChatSession, visible_text
+from cohort.cli.chat_tools import ChatTools, ToolChatSession, chat_main, visible_text
 from cohort.errors import CohortError
 from cohort.models import from_pretrained
 from cohort.tools import ToolCall, format_tool_calls, resolve_environment, resolve_tools, run_python, tool_spec
+from helpers import QWEN_STYLE_TEMPLATE
 
 MODULE = "cohort_chat_tools_testmod"  # written into a temporary folder on sys.path by the `tools_module` fixture
 MODULE_SOURCE = textwrap.dedent('''
@@ -81,25 +81,6 @@ MODULE_SOURCE = textwrap.dedent('''
         pass
 ''')
 
-# A chat template in the Qwen2.5 layout for tools (written for these tests).
-QWEN_STYLE_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\nYou may call functions.\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
-    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
-    "{%- for tool_call in message.tool_calls | default([]) %}{%- set f = tool_call.function %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' + (f.arguments | tojson) "
-    "+ '}\\n</tool_call>' }}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 def build_chat_tokenizer(template: str | None = QWEN_STYLE_TEMPLATE):

@@ -25,6 +25,7 @@ from cohort.tools import (
     split_turn,
     tool_result_messages,
 )
+from helpers import QWEN_STYLE_TEMPLATE
 
 
 def multiply(a: int, b: int) -> int:
@@ -273,24 +274,6 @@ def test_an_unusable_call_fails_without_running_anything():
 
 # -- messages and the chat template ------------------------------------------------------------------------------
 
-# A chat template in the Qwen2.5 format for tools (its layout, written for this test).
-QWEN_STYLE_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\nYou may call functions.\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
-    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
-    "{%- for tool_call in message.tool_calls | default([]) %}{%- set f = tool_call.function %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' + (f.arguments | tojson) + '}\\n</tool_call>' }}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 def test_result_messages_render_through_the_chat_template_and_calls_round_trip():

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +31,10 @@ from ..errors import CohortError
 from ..tools import (ToolCall, ToolCallError, ToolResult, assistant_message, environment_tools, family_of_template,
                      make_tools, resolve_environment, resolve_tools, run_tool_call, split_turn, tool_result_messages)
 from ..tools.calls import CLOSE_TAG, DEFAULT_TIMEOUT_S, OPEN_TAG
+from ..tools.toolbox import TOOLS_FILE, read_tools_file
 from .chat import (ChatSession, chat_loop, common_options, default_model_spec, load_for_inference,
                    stderr_log)
 
-TOOLS_FILE = "tools.json"  # beside a trained model: the tools it was trained with
 DEFAULT_MAX_ITERATIONS = 5
 SHOWN_CHARS = 300  # a tool line shows at most this much of the arguments, and of the result
 
@@ -66,25 +65,6 @@ class ChatTools:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
-def read_tools_file(path: Path) -> dict:
-    """tools.json as written by training, checked: {"tools": [str], "environment": str | None,
-    "max_tool_calling_iterations": int | None}."""
-    try:
-        settings = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CohortError(f"{path} cannot be read as JSON ({' '.join(str(e).split())}); fix it, or chat "
-                          "without it: --tools none") from None
-    tools = settings.get("tools", []) if isinstance(settings, dict) else None
-    environment = settings.get("environment") if isinstance(settings, dict) else None
-    iterations = settings.get("max_tool_calling_iterations") if isinstance(settings, dict) else None
-    if (not isinstance(tools, list) or not all(isinstance(t, str) for t in tools)
-            or not isinstance(environment, (str, type(None)))
-            or not (iterations is None or (isinstance(iterations, int) and not isinstance(iterations, bool)))):
-        raise CohortError(f"{path} is not {{\"tools\": [\"module:function\", ...], \"environment\": \"module:Class\" "
-                          "or null, \"max_tool_calling_iterations\": N}; fix it, or chat without it: --tools none")
-    return {"tools": tools, "environment": environment, "max_tool_calling_iterations": iterations}
-
-
 def chat_tools_from_args(args: argparse.Namespace, model_spec: str | None,
                          log: Callable[[str], None]) -> ChatTools | None:
     """The tools the flags name, else those of MODEL_DIR/tools.json (said in one line to `log`), else None.
@@ -108,7 +88,10 @@ def chat_tools_from_args(args: argparse.Namespace, model_spec: str | None,
     path = Path(model_spec) / TOOLS_FILE if model_spec else None
     if args.raw or path is None or not path.is_file():
         return None
-    settings = read_tools_file(path)
+    try:
+        settings = read_tools_file(path)
+    except CohortError as e:
+        raise CohortError(f"{e}; or chat without it: --tools none") from None
     try:
         functions = resolve_tools(settings["tools"])
         environment = resolve_environment(settings["environment"]) if settings["environment"] else None

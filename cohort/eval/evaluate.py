@@ -127,7 +127,8 @@ class ToolRollout:
             prompts = [with_addition(r["prompt"], a) for r, a in zip(rows, additions)]
         else:
             prompts = [r["prompt"] for r in rows]
-        ids = [self.encode_prompt(p, self.toolbox.schemas(None if environments is None else environments[i]))
+        shared = self.toolbox.schemas() if environments is None else None  # made once, not per prompt
+        ids = [self.encode_prompt(p, shared if environments is None else self.toolbox.schemas(environments[i]))
                for i, p in enumerate(prompts)]
         turns = self.toolbox.turns(self.tokenizer, len(ids), environments)
         rollout = self.sampler.generate(ids, 1, params, turns=turns)

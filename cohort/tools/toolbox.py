@@ -13,6 +13,8 @@ from .loading import resolve_environment, resolve_tools, tool_spec
 from .schema import environment_tools, make_tools
 from .turns import ToolTurns
 
+TOOLS_FILE = "tools.json"  # beside a trained model: the tools it was trained with (`cohort chat`, `cohort eval`)
+
 
 @dataclass
 class Toolbox:
@@ -35,7 +37,7 @@ class Toolbox:
         """tools.json beside the model, so `cohort chat` offers the same tools (those importable by name)."""
         specs = [tool_spec(t) for t in self.tools]
         environment = tool_spec(self.environment_factory) if self.environment_factory is not None else None
-        Path(folder, "tools.json").write_text(json.dumps(
+        Path(folder, TOOLS_FILE).write_text(json.dumps(
             {"tools": [s for s in specs if s], "environment": environment,
              "max_tool_calling_iterations": self.max_iterations}, indent=1) + "\n")
 
@@ -63,18 +65,34 @@ def make_toolbox(tools, environment_factory, args, task) -> Toolbox | None:
                    max_iterations=args.max_tool_calling_iterations, timeout_s=args.tool_timeout)
 
 
+def read_tools_file(path: Path) -> dict:
+    """tools.json as written by training, checked: {"tools": [str], "environment": str | None,
+    "max_tool_calling_iterations": int | None}."""
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CohortError(f"{path} cannot be read as JSON ({' '.join(str(e).split())}); fix it or "
+                          "delete it") from None
+    tools = settings.get("tools", []) if isinstance(settings, dict) else None
+    environment = settings.get("environment") if isinstance(settings, dict) else None
+    iterations = settings.get("max_tool_calling_iterations") if isinstance(settings, dict) else None
+    if (not isinstance(tools, list) or not all(isinstance(t, str) for t in tools)
+            or not isinstance(environment, (str, type(None)))
+            or not (iterations is None or (isinstance(iterations, int) and not isinstance(iterations, bool)))):
+        raise CohortError(f"{path} is not {{\"tools\": [\"module:function\", ...], \"environment\": \"module:Class\" "
+                          "or null, \"max_tool_calling_iterations\": N}; fix it or delete it")
+    return {"tools": tools, "environment": environment, "max_tool_calling_iterations": iterations}
+
+
 def saved_toolbox(folder, timeout_s: float | None = 30.0) -> Toolbox | None:
     """The Toolbox a training run recorded beside its model (tools.json), or None when there is none."""
-    path = Path(folder, "tools.json") if folder else None
+    path = Path(folder, TOOLS_FILE) if folder else None
     if path is None or not path.is_file():
         return None
-    try:
-        saved = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CohortError(f"{path} is not valid JSON ({e}); delete it or write it again") from None
-    environment = resolve_environment(saved["environment"]) if saved.get("environment") else None
-    tools = resolve_tools(saved.get("tools") or [])
+    saved = read_tools_file(path)
+    environment = resolve_environment(saved["environment"]) if saved["environment"] else None
+    tools = resolve_tools(saved["tools"])
     if not tools and environment is None:
         return None
     return Toolbox(tools=tools, environment_factory=environment,
-                   max_iterations=saved.get("max_tool_calling_iterations"), timeout_s=timeout_s)
+                   max_iterations=saved["max_tool_calling_iterations"], timeout_s=timeout_s)
