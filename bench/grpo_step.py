@@ -82,11 +82,10 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.runs = dict(SMOKE_RUNS if args.smoke else RUNS)
-        if args.prompt_len or args.completion_len:  # another shape of the comparison (not the issue's)
-            compare = dict(self.runs["compare"])
-            compare.update({k: v for k, v in (("prompt_len", args.prompt_len),
-                                              ("completion_len", args.completion_len)) if v})
-            self.runs["compare"] = compare
+        other = {k: getattr(args, k) for k in ("prompt_len", "completion_len", "prompts", "generations", "per_device",
+                                               "grad_accum") if getattr(args, k)}
+        if other:  # another shape of the comparison (not the issue's), e.g. long completions
+            self.runs["compare"] = {**self.runs["compare"], **other}
         self.device = "cpu" if args.smoke else "cuda"
         self.budget = Budget(args.time_budget)
         self.scratch = Path(tempfile.mkdtemp(prefix="grpo-step-"))
@@ -110,7 +109,7 @@ class Bench:
         batch["rows"] = batch["prompts"] * 8  # trl_baseline.py's dataset: 32 prompts × 8 steps' worth
         extra.setdefault("cohort_options", dict(self.args.cohort_options))
         return dict(kind=kind, label=label, shape=shape, run=batch, device=self.device,
-                    gradient_checkpointing=self.args.gradient_checkpointing == "on",
+                    gradient_checkpointing={"on": True, "off": False}.get(self.args.gradient_checkpointing),
                     micro_batch_tokens=self.args.micro_batch_tokens, **extra)
 
     def worker(self, spec: dict) -> dict:
@@ -264,8 +263,9 @@ def parse_args(argv=None):
                         help="TRL steps, one number or one per --models entry in order (0 = skip TRL); default 3 for 0.5B, 2 for 1.5B "
                              "(its first step is warm-up: 2 steps give one steady-state step) to fit the 9-minute call")
     parser.add_argument("--cohort-steps", type=int, default=5)
-    parser.add_argument("--gradient-checkpointing", choices=("on", "off"), default="on",
-                        help="cohort's GRPOConfig.gradient_checkpointing (TRL always on, as its baseline)")
+    parser.add_argument("--gradient-checkpointing", choices=("default", "on", "off"), default="default",
+                        help="cohort's GRPOConfig.gradient_checkpointing (default: cohort's default, auto; TRL "
+                             "always on, as its baseline)")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="cohort's GRPOConfig.max_tokens_per_micro_batch, where that field exists")
     parser.add_argument("--cohort-options", default="",
@@ -277,6 +277,11 @@ def parse_args(argv=None):
                         help="prompt tokens of the comparison (default the issue's 128), e.g. 256 for GSM8K-like proportions")
     parser.add_argument("--completion-len", type=int, default=0,
                         help="completion tokens of the comparison (default the issue's 512)")
+    parser.add_argument("--prompts", type=int, default=0, help="prompts per step of the comparison (default 32)")
+    parser.add_argument("--generations", type=int, default=0, help="completions per prompt (default 8)")
+    parser.add_argument("--per-device", type=int, default=0,
+                        help="per-device batch of both trainers (default 32); × --grad-accum = prompts × generations")
+    parser.add_argument("--grad-accum", type=int, default=0, help="gradient accumulation steps (default 8)")
     parser.add_argument("--lora-7b", action="store_true", help="then train a Qwen2.5-7B shape with LoRA")
     parser.add_argument("--lora-steps", type=int, default=3)
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (alpha = 2r)")

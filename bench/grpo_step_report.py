@@ -195,7 +195,9 @@ def _configuration(results: dict, options: dict) -> str:
         parts.append("gradient checkpointing off")
     if extra.get("max_tokens_per_micro_batch"):
         parts.append(f"max_tokens_per_micro_batch={extra['max_tokens_per_micro_batch']}")
-    return "; ".join(parts) or "gradient_checkpointing=true (as TRL)"
+    if not parts and extra.get("gradient_checkpointing") == "on":
+        return "gradient_checkpointing=true (as TRL)"
+    return "; ".join(parts) or "defaults (auto: compile, checkpointing and micro-batches chosen by cohort)"
 
 
 def _row_base(results: dict, kind: str, shape: str) -> dict:

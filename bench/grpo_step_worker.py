@@ -270,8 +270,9 @@ def cohort_config(spec: dict, rec: Recorder):
         gradient_accumulation_steps=run["grad_accum"], num_generations=run["generations"],
         max_prompt_length=run["prompt_len"], max_completion_length=run["completion_len"], beta=BETA,
         num_iterations=1, learning_rate=LEARNING_RATE, temperature=1.0, top_k=0, top_p=1.0, dtype="auto",
-        max_steps=run["steps"], loss_type=LOSS_TYPE, gradient_checkpointing=spec["gradient_checkpointing"],
-        eval_steps=0, save_steps=0, log_completions_steps=10**6, report_to="none", seed=0, device=spec["device"])
+        max_steps=run["steps"], loss_type=LOSS_TYPE, eval_steps=0, save_steps=0, log_completions_steps=10**6, report_to="none", seed=0, device=spec["device"])
+    if spec.get("gradient_checkpointing") is not None:  # else cohort's default
+        options["gradient_checkpointing"] = spec["gradient_checkpointing"]
     if spec.get("micro_batch_tokens") is not None:
         if "max_tokens_per_micro_batch" in fields:
             options["max_tokens_per_micro_batch"] = spec["micro_batch_tokens"]
@@ -355,9 +356,10 @@ def run_cohort(spec: dict, rec: Recorder) -> None:
                            args=config, processing_class=tokenizer, **trainer_options)
     setup = time.perf_counter() - started
     describe_model(trainer, spec, rec)
-    rec.save(setup_seconds=round(setup, 1), config={k: getattr(config, k) for k in (
+    rec.save(setup_seconds=round(setup, 1), config={k: getattr(trainer.args, k) for k in (
         "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "max_prompt_length",
-        "max_completion_length", "beta", "loss_type", "dtype", "gradient_checkpointing")})
+        "max_completion_length", "beta", "loss_type", "dtype", "gradient_checkpointing", "torch_compile",
+        "max_tokens_per_micro_batch")})  # as the trainer resolved them
     trainer.train()
     describe_optimizer(trainer, rec)
     engine = getattr(trainer, "sampler", None)

@@ -223,20 +223,23 @@ class GRPOConfig:
         "help": "Micro-batches per optimizer step; the step samples per_device_train_batch_size × this completions."})
 
     # Memory and speed of the update (docs/howto/memory.md, docs/howto/speed.md).
-    gradient_checkpointing: bool = field(default=False, metadata={
-        "help": "Recompute decoder layers' activations in the backward instead of keeping them."})
+    gradient_checkpointing: bool | str = field(default="auto", metadata={
+        "help": "Recompute decoder layers' activations in the backward instead of keeping them. auto: on a GPU, "
+                "our models recompute only the layers the memory budget needs (gradient_checkpointing_layers=auto) "
+                "and other models every layer (TRL's default); off on a CPU."})
     gradient_checkpointing_layers: int | str | None = field(default=None, metadata={
         "help": "Our models, with gradient_checkpointing: recompute only the first N decoder layers and let the "
                 "later ones keep their activations (faster, more memory); auto (GPU) measures a kept layer's cost "
                 "in the first update and keeps as many as fit under max_memory_gib; None recomputes every layer."})
     max_memory_gib: float = field(default=0.0, metadata={
         "help": "The update's peak that gradient_checkpointing_layers=auto aims under, in GiB; 0 is 90% of the GPU."})
-    max_tokens_per_micro_batch: int = field(default=0, metadata={
+    max_tokens_per_micro_batch: int | str = field(default="auto", metadata={
         "help": "Cap on each micro-batch's padded tokens besides its rows (0 caps rows only); out of GPU memory, "
-                "rows and cap halve and the step is redone."})
-    torch_compile: bool = field(default=False, metadata={
+                "rows and cap halve and the step is redone. auto: 8192 on a GPU with our models (larger "
+                "micro-batches run no faster, only use more memory), 0 elsewhere."})
+    torch_compile: bool | str = field(default="auto", metadata={
         "help": "Compile each decoder layer's training forward and backward with torch.compile (our models; "
-                "needs triton on a GPU)."})
+                "needs triton on a GPU). auto: on with our models on a GPU where triton is installed, else off."})
     free_sampling_memory: bool = field(default=False, metadata={
         "help": "On a GPU, free the engine's KV cache and CUDA graphs after each rollout: less memory in the "
                 "update, a recapture each step."})
@@ -376,19 +379,24 @@ class GRPOConfig:
                 "value above 1 + epsilon_high, e.g. 4")
         if self.use_peft and self.lora_r < 1:
             bad(f"lora_r={self.lora_r}: the LoRA rank must be at least 1")
-        if self.max_tokens_per_micro_batch < 0:
+        for name in AUTO_OPTIONS:
+            if isinstance(getattr(self, name), str) and getattr(self, name) != "auto":
+                bad(f"{name}={getattr(self, name)!r} is not a value of it; pass auto or one of {CHOICES[name]}")
+        if self.max_tokens_per_micro_batch != "auto" and self.max_tokens_per_micro_batch < 0:
             bad(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is negative; use 0 (no token cap) or a "
                 "token budget such as 16384")
         if isinstance(self.gradient_checkpointing_layers, str) and self.gradient_checkpointing_layers != "auto":
             bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers!r} is neither a layer count nor "
                 "'auto'; pass a number such as 20, or auto")
-        if self.max_memory_gib < 0 or (self.max_memory_gib and self.gradient_checkpointing_layers != "auto"):
+        budgeted = self.gradient_checkpointing_layers == "auto" or (
+            self.gradient_checkpointing == "auto" and self.gradient_checkpointing_layers is None)
+        if self.max_memory_gib < 0 or (self.max_memory_gib and not budgeted):
             bad(f"max_memory_gib={self.max_memory_gib} is only the budget of gradient_checkpointing_layers=auto and "
                 "must be ≥ 0; pass --gradient_checkpointing_layers auto with it, or leave it at 0")
         if isinstance(self.gradient_checkpointing_layers, int) and self.gradient_checkpointing_layers < 0:
             bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers} is negative; use 0 (no layer "
                 "recomputed) up to the model's layer count, or leave it unset to recompute every layer")
-        if self.gradient_checkpointing_layers is not None and not self.gradient_checkpointing:
+        if self.gradient_checkpointing_layers is not None and self.gradient_checkpointing is False:
             bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers} does nothing without "
                 "gradient_checkpointing; pass --gradient_checkpointing true as well")
         if self.beta < 0:
@@ -492,8 +500,16 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model_impl": ("auto", "cohort", "hf"),
     "report_to": ("none", "tensorboard", "wandb", "all"),
     "gradient_checkpointing_layers": ("N", "auto"),
+    "gradient_checkpointing": ("auto", "true", "false"),
+    "torch_compile": ("auto", "true", "false"),
+    "max_tokens_per_micro_batch": ("auto", "0", "N"),
     "reward_errors": ("raise", "warn"),
 }
+
+
+# Options whose default, auto, the trainer resolves once it knows the device and the model
+# (cohort/update/fast_path.py): the fastest measured configuration is what a bare config gets.
+AUTO_OPTIONS = ("torch_compile", "gradient_checkpointing", "max_tokens_per_micro_batch")
 
 
 def default_task(data_files, dataset_name) -> str:
@@ -513,7 +529,7 @@ def _convert(name: str, raw, annotation) -> object:
         from .algorithm.curriculum import parse_curriculum
 
         return parse_curriculum(raw)
-    if name == "gradient_checkpointing_layers" and str(raw).strip().lower() == "auto":
+    if name in ("gradient_checkpointing_layers", *AUTO_OPTIONS) and str(raw).strip().lower() == "auto":
         return "auto"
     hint = typing.get_type_hints(GRPOConfig)[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]

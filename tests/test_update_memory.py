@@ -145,7 +145,7 @@ def test_gradient_checkpointing_layers_errors(tiny_dir, tmp_path):
     with pytest.raises(CohortError, match="gradient_checkpointing_layers=-1 is negative"):
         GRPOConfig(gradient_checkpointing=True, gradient_checkpointing_layers=-1).validate()
     with pytest.raises(CohortError, match="does nothing without gradient_checkpointing"):
-        GRPOConfig(gradient_checkpointing_layers=2).validate()
+        GRPOConfig(gradient_checkpointing=False, gradient_checkpointing_layers=2).validate()
     with pytest.raises(CohortError, match="needs cohort's own model implementation"):
         _trainer(tiny_dir, tmp_path, model_impl="hf", gradient_checkpointing=True, gradient_checkpointing_layers=1)
 

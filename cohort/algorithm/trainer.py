@@ -52,6 +52,7 @@ from ..telemetry.progress import Progress
 from ..telemetry.step_report import StepContext, StepReport, success_rate
 from ..tools.environments import environment_reward
 from ..tools.toolbox import make_toolbox
+from ..update.fast_path import fast_path_line, resolve_fast_path
 from ..update.logprobs import supports_hidden
 from ..update.policy_update import PolicyUpdate, sampler_correction_mode
 from ..update.schedule import lr_scheduler
@@ -79,7 +80,7 @@ class GRPOTrainer:
             self.discard_unused_output_dir()
             raise
         # transformers' TrainerState and TrainerCallbacks (cohort/run/callbacks.py).
-        self.callback_handler = CallbackHandler(callbacks, args, dict(
+        self.callback_handler = CallbackHandler(callbacks, self.args, dict(
             model=self.model, processing_class=self.tokenizer, optimizer=self.optimizer,
             lr_scheduler=self.scheduler))
         self.callback_handler.event("on_init_end")
@@ -113,6 +114,8 @@ class GRPOTrainer:
         provided = {"environments"} if self.toolbox is not None and self.toolbox.environment_factory else set()
         self.rewards.check_columns(set(self.train_rows[0]) | provided)
         check_parallel_options(args, self.parallel)
+        # Options left at auto take the fastest measured values for this device and model (docs/performance.md).
+        self.args = args = resolve_fast_path(args, self.model, self.device)
         if args.torch_compile and hasattr(self.model, "compile_for_training"):
             self.model.compile_for_training()  # fused elementwise work, fewer saved activations
         # Checkpointed layers are set before wrapping: FSDP's sharded copy must recompute them too.
@@ -164,6 +167,8 @@ class GRPOTrainer:
         self.log = (progress.print if log is print else log) if main else silent
         self.report = StepReport(args, model=self.model, device=self.device, parallel=self.parallel, metrics=metrics,
                                  progress=progress, log=self.log)
+        if self.device.type == "cuda":
+            self.log(fast_path_line(args))
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def train(self) -> list[dict]:

@@ -1,0 +1,65 @@
+"""What `auto` means for the update's speed options, once the device and the model are known.
+
+A bare `GRPOConfig` gets the configuration that measured fastest (docs/performance.md): on a GPU
+with cohort's own models,
+
+- `torch_compile=auto`: each decoder layer's training forward and backward compiled
+  (cohort/kernels/training_compile.py), where triton is installed, except under FSDP;
+- `gradient_checkpointing=auto`: only as many layers recompute their activations as the memory
+  budget (`max_memory_gib`, default 90% of the card) needs, measured in the first update
+  (cohort/memory/checkpointed_layers.py);
+- `max_tokens_per_micro_batch=auto`: micro-batches of at most `GPU_MICRO_BATCH_TOKENS` tokens.
+  At that size the update's GEMMs already run at the card's rate, so a larger micro-batch only
+  holds more activations; a smaller one lets every layer keep its activations under the budget,
+  which is faster than recomputing some of them.
+
+On a CPU all three are off (no triton kernels, and host memory is rarely what limits a CPU run);
+other model implementations (transformers) recompute every layer on a GPU, TRL's default. Each
+option, given explicitly, is left as given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import torch
+
+GPU_MICRO_BATCH_TOKENS = 8192
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_fast_path(args, model, device: torch.device, *, compiles: bool | None = None):
+    """`args` with every `auto` speed option replaced by its value for this device and model.
+
+    `model` is the policy as loaded; cohort's own models have `compile_for_training`. `compiles`
+    says whether triton can compile here (default: whether it is installed)."""
+    ours = hasattr(model, "compile_for_training")
+    gpu = device.type == "cuda"
+    if compiles is None:
+        compiles = triton_available()
+    changes = {}
+    if args.torch_compile == "auto":  # measured on one process and under DDP; FSDP's hooks are not compiled through
+        changes["torch_compile"] = bool(gpu and ours and compiles and not args.fsdp)
+    if args.gradient_checkpointing == "auto":
+        # A layer count or budget given with auto asks for checkpointing, on any device.
+        changes["gradient_checkpointing"] = gpu or args.gradient_checkpointing_layers is not None
+        if gpu and ours and args.gradient_checkpointing_layers is None:
+            changes["gradient_checkpointing_layers"] = "auto"
+    if args.max_tokens_per_micro_batch == "auto":
+        changes["max_tokens_per_micro_batch"] = GPU_MICRO_BATCH_TOKENS if gpu and ours else 0
+    return dataclasses.replace(args, **changes) if changes else args
+
+
+def fast_path_line(args) -> str:
+    """One log line: what the update runs with."""
+    layers = args.gradient_checkpointing_layers
+    checkpointing = ("off" if not args.gradient_checkpointing else "every layer" if layers is None
+                     else "layers chosen under the memory budget" if layers == "auto" else f"{layers} layers")
+    tokens = args.max_tokens_per_micro_batch
+    return (f"update: torch_compile {'on' if args.torch_compile else 'off'}, gradient checkpointing {checkpointing}, "
+            f"micro-batches of {args.per_device_train_batch_size} completions"
+            f"{f' / {tokens:,} tokens' if tokens else ''}")
