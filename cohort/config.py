@@ -233,10 +233,9 @@ class GRPOConfig:
                 "in the first update and keeps as many as fit under max_memory_gib; None recomputes every layer."})
     max_memory_gib: float = field(default=0.0, metadata={
         "help": "The update's peak that gradient_checkpointing_layers=auto aims under, in GiB; 0 is 90% of the GPU."})
-    max_tokens_per_micro_batch: int | str = field(default="auto", metadata={
+    max_tokens_per_micro_batch: int = field(default=0, metadata={
         "help": "Cap on each micro-batch's padded tokens besides its rows (0 caps rows only); out of GPU memory, "
-                "rows and cap halve and the step is redone. auto: 8192 on a GPU with our models (larger "
-                "micro-batches run no faster, only use more memory), 0 elsewhere."})
+                "rows and cap halve and the step is redone."})
     torch_compile: bool | str = field(default="auto", metadata={
         "help": "Compile each decoder layer's training forward and backward with torch.compile (our models; "
                 "needs triton on a GPU). auto: on with our models on a GPU where triton is installed, else off."})
@@ -382,7 +381,7 @@ class GRPOConfig:
         for name in AUTO_OPTIONS:
             if isinstance(getattr(self, name), str) and getattr(self, name) != "auto":
                 bad(f"{name}={getattr(self, name)!r} is not a value of it; pass auto or one of {CHOICES[name]}")
-        if self.max_tokens_per_micro_batch != "auto" and self.max_tokens_per_micro_batch < 0:
+        if self.max_tokens_per_micro_batch < 0:
             bad(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is negative; use 0 (no token cap) or a "
                 "token budget such as 16384")
         if isinstance(self.gradient_checkpointing_layers, str) and self.gradient_checkpointing_layers != "auto":
@@ -502,14 +501,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "gradient_checkpointing_layers": ("N", "auto"),
     "gradient_checkpointing": ("auto", "true", "false"),
     "torch_compile": ("auto", "true", "false"),
-    "max_tokens_per_micro_batch": ("auto", "0", "N"),
     "reward_errors": ("raise", "warn"),
 }
 
 
 # Options whose default, auto, the trainer resolves once it knows the device and the model
 # (cohort/update/fast_path.py): the fastest measured configuration is what a bare config gets.
-AUTO_OPTIONS = ("torch_compile", "gradient_checkpointing", "max_tokens_per_micro_batch")
+AUTO_OPTIONS = ("torch_compile", "gradient_checkpointing")
 
 
 def default_task(data_files, dataset_name) -> str:
@@ -557,7 +555,7 @@ def _convert(name: str, raw, annotation) -> object:
             raise ValueError
         return base(raw)
     except (TypeError, ValueError):
-        kind = getattr(base, "__name__", str(base))
+        kind = "true, false or auto" if name in AUTO_OPTIONS else getattr(base, "__name__", str(base))
         raise CohortError(f"--{name} expects {kind}, got {raw!r}") from None
 
 

@@ -6,7 +6,7 @@ import torch
 from cohort import GRPOConfig
 from cohort.config import parse_config
 from cohort.errors import CohortError
-from cohort.update.fast_path import GPU_MICRO_BATCH_TOKENS, fast_path_line, resolve_fast_path
+from cohort.update.fast_path import fast_path_line, resolve_fast_path
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
@@ -22,22 +22,21 @@ class HFModel(torch.nn.Module):
 
 def test_a_bare_config_is_all_auto():
     config = GRPOConfig().validate()
-    assert (config.torch_compile, config.gradient_checkpointing, config.max_tokens_per_micro_batch) == ("auto",) * 3
+    assert (config.torch_compile, config.gradient_checkpointing) == ("auto", "auto")
 
 
 def test_cpu_turns_everything_off():
     args = resolve_fast_path(GRPOConfig().validate(), OurModel(), CPU, compiles=True)
     assert args.torch_compile is False and args.gradient_checkpointing is False
-    assert args.max_tokens_per_micro_batch == 0 and args.gradient_checkpointing_layers is None
+    assert args.gradient_checkpointing_layers is None
 
 
 def test_gpu_with_our_model_gets_the_measured_fast_path():
     args = resolve_fast_path(GRPOConfig().validate(), OurModel(), GPU, compiles=True)
     assert args.torch_compile is True and args.gradient_checkpointing is True
-    assert args.gradient_checkpointing_layers == "auto"
-    assert args.max_tokens_per_micro_batch == GPU_MICRO_BATCH_TOKENS
-    assert fast_path_line(args) == ("update: torch_compile on, gradient checkpointing layers chosen under the memory "
-                                    f"budget, micro-batches of 16 completions / {GPU_MICRO_BATCH_TOKENS:,} tokens")
+    assert args.gradient_checkpointing_layers == "auto" and args.max_tokens_per_micro_batch == 0
+    assert fast_path_line(args) == ("update: torch_compile on, gradient checkpointing only the layers the memory "
+                                    "budget needs, micro-batches of 16 completions")
 
 
 def test_gpu_without_triton_or_under_fsdp_does_not_compile():
@@ -48,12 +47,11 @@ def test_gpu_without_triton_or_under_fsdp_does_not_compile():
 def test_transformers_models_recompute_every_layer_as_trl():
     args = resolve_fast_path(GRPOConfig().validate(), HFModel(), GPU, compiles=True)
     assert args.torch_compile is False and args.gradient_checkpointing is True
-    assert args.gradient_checkpointing_layers is None and args.max_tokens_per_micro_batch == 0
+    assert args.gradient_checkpointing_layers is None
 
 
 def test_explicit_values_are_kept():
-    given = GRPOConfig(torch_compile=False, gradient_checkpointing=True, gradient_checkpointing_layers=3,
-                       max_tokens_per_micro_batch=0).validate()
+    given = GRPOConfig(torch_compile=False, gradient_checkpointing=True, gradient_checkpointing_layers=3).validate()
     assert resolve_fast_path(given, OurModel(), GPU, compiles=True) is given
     # A layer count given with checkpointing left at auto asks for checkpointing, on a CPU too.
     args = resolve_fast_path(GRPOConfig(gradient_checkpointing_layers=2).validate(), OurModel(), CPU)
@@ -64,14 +62,13 @@ def test_explicit_values_are_kept():
 
 
 def test_command_line_values():
-    config = parse_config(["--torch_compile", "auto", "--gradient_checkpointing", "false",
-                           "--max_tokens_per_micro_batch", "4096"])
-    assert (config.torch_compile, config.gradient_checkpointing, config.max_tokens_per_micro_batch) == ("auto", False,
-                                                                                                      4096)
+    config = parse_config(["--torch_compile", "auto", "--gradient_checkpointing", "false"])
+    assert (config.torch_compile, config.gradient_checkpointing) == ("auto", False)
+    assert parse_config(["--gradient_checkpointing", "AUTO"]).gradient_checkpointing == "auto"
     with pytest.raises(CohortError, match="torch_compile='sometimes' is not a value of it; pass auto"):
         GRPOConfig(torch_compile="sometimes").validate()
-    with pytest.raises(CohortError, match="--max_tokens_per_micro_batch expects int"):
-        parse_config(["--max_tokens_per_micro_batch", "lots"])
+    with pytest.raises(CohortError, match="--torch_compile expects true, false or auto, got 'sometimes'"):
+        parse_config(["--torch_compile", "sometimes"])
     with pytest.raises(CohortError, match="only the budget of gradient_checkpointing_layers=auto"):
         GRPOConfig(gradient_checkpointing=True, max_memory_gib=30).validate()
 
@@ -81,7 +78,6 @@ def test_the_trainer_runs_with_the_resolved_options(tiny_dir, tmp_path):
 
     trainer = update_trainer(tiny_dir, tmp_path, device="cpu")
     assert trainer.args.torch_compile is False and trainer.args.gradient_checkpointing is False
-    assert trainer.args.max_tokens_per_micro_batch == 0 and trainer.memory.micro_tokens == 0
     assert not trainer.model.gradient_checkpointing
     checkpointed = update_trainer(tiny_dir, tmp_path / "c", device="cpu", gradient_checkpointing_layers=1)
     assert checkpointed.model.gradient_checkpointing and checkpointed.model.checkpointed_layers == 1
