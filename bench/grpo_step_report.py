@@ -197,7 +197,7 @@ def _configuration(results: dict, options: dict) -> str:
         parts.append(f"max_tokens_per_micro_batch={extra['max_tokens_per_micro_batch']}")
     if not parts and extra.get("gradient_checkpointing") == "on":
         return "gradient_checkpointing=true (as TRL)"
-    return "; ".join(parts) or "defaults (auto: compile, checkpointing and micro-batches chosen by cohort)"
+    return "; ".join(parts) or "defaults (torch_compile and gradient_checkpointing auto)"
 
 
 def _row_base(results: dict, kind: str, shape: str) -> dict:

@@ -29,7 +29,7 @@ Prints the per-step curve, a markdown table and a JSON line (card, date, command
 OUT_DIR/results.json.
 
     python bench/tools_smollm2.py prepare     # here: checks the GGUF halves, bundles the gguf wheel; prints the device calls
-    python bench/tools_smollm2.py --model /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/tools_run  # GPU, ≈ 6 min on an H100
+    python bench/tools_smollm2.py --model /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/tools_run  # GPU, ≈ 2.5 min on an H200
     python bench/tools_smollm2.py --smoke     # CPU: the tiny tools tokenizer, a tiny random model, a few steps
     python bench/tools_smollm2.py --smoke --model FILE.gguf   # CPU: SmolLM2 itself, one step of each stage (minutes)
 """
@@ -252,7 +252,8 @@ def parse_args(argv=None):
     p.add_argument("--train_problems", type=int, default=2000)
     p.add_argument("--eval_problems", type=int, default=200)
     p.add_argument("--tool_fraction", type=float, default=0.3, help="warm-start conversations solved with a call")
-    p.add_argument("--sft_round", type=int, default=40, help="SFT steps per warm-start round")
+    p.add_argument("--sft_round", type=int, default=5,
+                   help="SFT steps per warm-start round (40 overshoots: the greedy policy then already calls)")
     p.add_argument("--sft_max_steps", type=int, default=240)
     p.add_argument("--sft_batch_size", type=int, default=16)
     p.add_argument("--sft_learning_rate", type=float, default=5e-5)
@@ -261,7 +262,7 @@ def parse_args(argv=None):
     p.add_argument("--probe_problems", type=int, default=64, help="training problems sampled (×2) after each round")
     p.add_argument("--prompts_per_step", type=int, default=16)
     p.add_argument("--num_generations", type=int, default=8)
-    p.add_argument("--max_steps", type=int, default=40, help="GRPO steps per run (both runs)")
+    p.add_argument("--max_steps", type=int, default=60, help="GRPO steps per run (both runs)")
     p.add_argument("--learning_rate", type=float, default=3e-5)
     p.add_argument("--max_completion_length", type=int, default=128)
     p.add_argument("--time_budget", type=float, default=170.0, help="GRPO seconds per run at most (a safety stop)")
