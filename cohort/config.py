@@ -107,6 +107,9 @@ class GRPOConfig:
     async_rollouts: bool = field(default=False, metadata={
         "help": "Sample the rollouts of later steps on a copy of the policy while the update trains; the update "
                 "corrects for the stale samples by importance sampling against the sampler's log-probs."})
+    rollout_gpus: int = field(default=0, metadata={
+        "help": "With async_rollouts under torchrun: the last K ranks only sample (the engine), the others train; "
+                "weights go to the samplers over NCCL after each update (cohort/run/disaggregation.py)."})
     max_staleness: int = field(default=1, metadata={
         "help": "With async_rollouts: how many policy updates behind the trained policy the samples are (the "
                 "rollout of step t is sampled from the weights after update t - 1 - max_staleness)."})
@@ -363,6 +366,14 @@ class GRPOConfig:
             if self.curriculum:
                 bad("async_rollouts with a curriculum is not supported (a rollout sampled ahead would cross a stage "
                     "switch); train the stages without --async_rollouts")
+        if self.rollout_gpus < 0:
+            bad(f"rollout_gpus={self.rollout_gpus} is negative; give the number of sampling ranks, or 0")
+        if self.rollout_gpus and not self.async_rollouts:
+            bad(f"rollout_gpus={self.rollout_gpus} samples on other ranks, which is asynchronous by nature; pass "
+                "--async_rollouts true (and --max_staleness) with it")
+        if self.rollout_gpus and self.fsdp:
+            bad(f"rollout_gpus={self.rollout_gpus} with fsdp is not supported (the samplers need whole weights from "
+                "one rank); train the trainer ranks with DDP (leave out --fsdp)")
         if self.importance_sampling_mode not in SAMPLER_CORRECTIONS:
             bad(f"unknown importance_sampling_mode {self.importance_sampling_mode!r}; choose one of "
                 f"{list(SAMPLER_CORRECTIONS)}")

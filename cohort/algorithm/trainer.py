@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import random
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ from ..rollout import make_sampler
 from ..rollout.async_rollouts import AsyncRollouts, weights_snapshot
 from ..rollout.batch import Batch
 from ..rollout.group_sampler import GroupSampler
+from ..rollout.remote import RemoteRollouts, RolloutServer
 from ..run.callbacks import CallbackHandler
 from ..run.checkpoint import RunParts, RunState, save_checkpoint
 from ..run.checkpoint_load import checkpoint_step, load_checkpoint
@@ -79,6 +81,8 @@ class GRPOTrainer:
         except BaseException:
             self.discard_unused_output_dir()
             raise
+        if self.rollout_server is not None:
+            return  # a sampling rank (--rollout_gpus): no training state, no callbacks
         # transformers' TrainerState and TrainerCallbacks (cohort/run/callbacks.py).
         self.callback_handler = CallbackHandler(callbacks, self.args, dict(
             model=self.model, processing_class=self.tokenizer, optimizer=self.optimizer,
@@ -88,10 +92,11 @@ class GRPOTrainer:
     def build(self, model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
               peft_config) -> None:
         """The stages of the run, each given what it needs."""
-        self.task = task
+        self.task, self.rollout_server = task, None
         seed_everything(args.seed)
         prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
-        self.parallel = Parallel.from_env(args.device, args.ddp_timeout)  # torchrun's ranks (cohort/run/distributed.py)
+        # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample.
+        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
         self.device = self.parallel.device
         self.model, self.tokenizer = load_policy(model, processing_class, device=self.device, log=log,
                                                  dtype=resolve_dtype(args.dtype, self.device),
@@ -102,6 +107,10 @@ class GRPOTrainer:
         if self.tokenizer.eos_token_id is None:
             raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        if self.parallel.samples_only:  # --rollout_gpus: this rank samples for trainer ranks (cohort/rollout/remote.py)
+            self.rollout_server = RolloutServer(self.parallel.link, self.model, GroupSampler(
+                make_sampler(self.model, self.tokenizer), self.tokenizer, args, self.pad_id, self.toolbox))
+            return
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
         funcs, weights = resolve_reward_funcs(reward_funcs, args, task, self.tokenizer, self.device), args.reward_weights
@@ -144,10 +153,14 @@ class GRPOTrainer:
             if self.toolbox is not None and self.toolbox.environment_factory is not None:
                 raise CohortError("async_rollouts with an environment_factory is not supported (an environment's "
                                   "state cannot be checkpointed with the rollouts sampled ahead); leave one out")
-            sampler_policy = frozen_copy(self.model)
-            self.async_rollouts = AsyncRollouts(sampler_policy, GroupSampler(
-                make_sampler(sampler_policy, self.tokenizer), self.tokenizer, args, self.pad_id, self.toolbox),
-                args.max_staleness)
+            if self.parallel.link is not None:  # --rollout_gpus: sampled on other ranks
+                self.async_rollouts = RemoteRollouts(self.parallel.link, self.parallel.rank, args.max_staleness,
+                                                     self.device)
+            else:
+                sampler_policy = frozen_copy(self.model)
+                self.async_rollouts = AsyncRollouts(sampler_policy, GroupSampler(
+                    make_sampler(sampler_policy, self.tokenizer), self.tokenizer, args, self.pad_id, self.toolbox),
+                    args.max_staleness)
         # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
         self.sampler_correction = sampler_correction_mode(args, self.model, self.device)
         self.policy_update = PolicyUpdate(args, train_model=self.train_model, optimizer=self.optimizer,
@@ -175,6 +188,13 @@ class GRPOTrainer:
         """Run Algorithm 1 for max_steps steps (continuing a checkpoint with --resume); the history
         of per-step records is returned."""
         args = self.args
+        if self.rollout_server is not None:  # --rollout_gpus: this rank samples until the trainers stop
+            with cpu_determinism(self.device):
+                served = self.rollout_server.serve()
+            self.parallel.close()
+            print(f"cohort: rank {self.parallel.rank} sampled {served} rollouts for trainer rank(s) "
+                  f"{', '.join(map(str, self.rollout_server.trainers))}", file=sys.stderr, flush=True)
+            return []
         self.started = time.perf_counter()
         with self.lifecycle() as run, cpu_determinism(self.device):  # CPU sums in a fixed order, busy or not
             try:
@@ -488,6 +508,8 @@ class GRPOTrainer:
         self.accuracy_after = self.evaluate_held_out()
         out = Path(self.args.output_dir)
         self.save_model(out)
+        if self.async_rollouts is not None:
+            self.async_rollouts.close()  # with --rollout_gpus: the sampling ranks stop
         self.parallel.close()  # the last collective was save_model's barrier
         self.callback_handler.event("on_train_end")
         if not self.parallel.is_main:  # rank 0 alone writes the summary and prints

@@ -34,6 +34,34 @@ def weights_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
+def batch_state(batch: Batch) -> dict:
+    """A sampled rollout as plain values (a checkpoint's, or a message between ranks)."""
+    rollout = batch.rollout
+    return {"rows": batch.rows, "prompt_ids": batch.prompt_ids, "completions": batch.completions,
+            "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
+            "logprobs": rollout.logprobs, "finish_reasons": rollout.finish_reasons, "tool_mask": rollout.tool_mask,
+            "rollout_metrics": batch.rollout_metrics}
+
+
+def batch_from_state(item: dict, device: torch.device | None = None) -> Batch:
+    """Inverse of `batch_state`, its tensors moved to `device` when given."""
+    def to(tensor):
+        return tensor.to(device) if device is not None and isinstance(tensor, torch.Tensor) else tensor
+
+    rollout = Rollout(to(item["completion_ids"]), to(item["completion_mask"]), to(item["logprobs"]),
+                      item["finish_reasons"], to(item["tool_mask"]))
+    return Batch(rows=item["rows"], prompt_ids=item["prompt_ids"], rollout=rollout, completions=item["completions"],
+                 rollout_metrics=item["rollout_metrics"])
+
+
+def steps_to_start(step: int, max_staleness: int, anything_pending: bool) -> list[int]:
+    """The steps whose rollouts start after update `step`: at the start (nothing pending) L + 1 of them,
+    all from the current weights; after every later update one, step + 1 + L."""
+    if not anything_pending:
+        return list(range(step + 1, step + 2 + max_staleness))
+    return [step + 1 + max_staleness]
+
+
 class AsyncRollouts:
     """Rollouts sampled ahead on a producer thread, on a copy of the policy.
 
@@ -68,35 +96,20 @@ class AsyncRollouts:
         return future.result(), version
 
     def steps_ahead(self, step: int) -> list[int]:
-        """The steps whose rollouts start after update `step` (the first call, `step` = the last step done,
-        starts L + 1 of them, all from the current weights; every later update starts one)."""
-        if not self.pending:
-            return list(range(step + 1, step + 2 + self.max_staleness))
-        return [step + 1 + self.max_staleness]
+        """The steps whose rollouts start after update `step` (`steps_to_start`)."""
+        return steps_to_start(step, self.max_staleness, bool(self.pending))
 
     def state_dict(self) -> dict:
         """The rollouts sampled ahead (waited for), as plain values, so a checkpoint resumes exactly: they
         were drawn from the data stream and the weights the checkpoint has already moved past."""
-        pending = []
-        for step, (future, version) in sorted(self.pending.items()):
-            batch = future.result()
-            rollout = batch.rollout
-            pending.append({"step": step, "version": version, "rows": batch.rows, "prompt_ids": batch.prompt_ids,
-                            "completions": batch.completions, "completion_ids": rollout.completion_ids,
-                            "completion_mask": rollout.completion_mask, "logprobs": rollout.logprobs,
-                            "finish_reasons": rollout.finish_reasons, "tool_mask": rollout.tool_mask,
-                            "rollout_metrics": batch.rollout_metrics})
-        return {"pending": pending}
+        return {"pending": [{"step": step, "version": version, **batch_state(future.result())}
+                            for step, (future, version) in sorted(self.pending.items())]}
 
     def load_state_dict(self, state: dict) -> None:
         """Put back the rollouts a checkpoint saved, as if just sampled."""
         for item in state.get("pending", []):
-            rollout = Rollout(item["completion_ids"], item["completion_mask"], item["logprobs"],
-                              item["finish_reasons"], item["tool_mask"])
-            batch = Batch(rows=item["rows"], prompt_ids=item["prompt_ids"], rollout=rollout,
-                          completions=item["completions"], rollout_metrics=item["rollout_metrics"])
             done: Future = Future()
-            done.set_result(batch)
+            done.set_result(batch_from_state(item))
             self.pending[item["step"]] = (done, item["version"])
 
     def close(self) -> None:

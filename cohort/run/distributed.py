@@ -98,16 +98,24 @@ class Parallel:
     """This process's place among the ranks, and the collectives of a data-parallel GRPO step."""
 
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
-                 device: torch.device | None = None, owns_group: bool = False):
+                 device: torch.device | None = None, owns_group: bool = False, group=None, link=None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = device or torch.device("cpu")
         self.owns_group = owns_group
+        # The ranks that train, when some of the job's ranks only sample (--rollout_gpus): every collective
+        # of the step runs in this group (None: all ranks). `link` connects trainers and samplers.
+        self.group, self.link = group, link
         self.fsdp = False
         self._sampling_pair: tuple[nn.Module, nn.Module] | None = None  # FSDP2: (plain copy, sharded module)
 
     # ---- set-up --------------------------------------------------------------------------------
+    @property
+    def samples_only(self) -> bool:
+        """This rank runs the sampling engine for trainer ranks and trains nothing (--rollout_gpus)."""
+        return self.link is not None and self.link.placement.samples(self.rank)
+
     @classmethod
-    def from_env(cls, device_spec: str, timeout_s: float) -> "Parallel":
+    def from_env(cls, device_spec: str, timeout_s: float, rollout_gpus: int = 0) -> "Parallel":
         """From torchrun's RANK / WORLD_SIZE / LOCAL_RANK: one process group (NCCL on CUDA, gloo on
         CPU) whose collectives give up after `timeout_s` seconds, so a rank that died or hangs stops
         the others with an error instead of a silent wait. Without torchrun: one process, no group.
@@ -115,9 +123,15 @@ class Parallel:
         RANK is global (over every machine), LOCAL_RANK this machine's index of the process: the GPU
         is cuda:LOCAL_RANK, so on a second machine rank 8 takes cuda:0, not cuda:8. Another launcher
         (SLURM's srun, mpirun) works when it sets what torchrun sets: RANK, WORLD_SIZE, LOCAL_RANK,
-        MASTER_ADDR and MASTER_PORT for env:// initialisation."""
+        MASTER_ADDR and MASTER_PORT for env:// initialisation.
+
+        With `rollout_gpus` = K, the last K ranks sample for the others (cohort/run/disaggregation.py):
+        this object then describes the training ranks' group, or for a sampling rank, that rank alone."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size <= 1:
+            if rollout_gpus:
+                raise CohortError(f"rollout_gpus={rollout_gpus} needs ranks that train besides the ones that sample; "
+                                  f"start {rollout_gpus + 1} or more processes (--nproc_per_node), or leave it at 0")
             return cls(device=pick_device(device_spec))
         import torch.distributed as dist
 
@@ -141,6 +155,14 @@ class Parallel:
                 torch.cuda.set_device(device)
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s))
+        if rollout_gpus:
+            from .disaggregation import Placement, RolloutLink
+
+            placement = Placement(world_size, rollout_gpus)
+            link = RolloutLink.create(placement, rank, datetime.timedelta(seconds=timeout_s))
+            if placement.samples(rank):
+                return cls(rank, 1, local_rank, device, owns_group, link=link)
+            return cls(rank, placement.trainers, local_rank, device, owns_group, group=link.trainer_group, link=link)
         return cls(rank, world_size, local_rank, device, owns_group)
 
     @property
@@ -164,7 +186,7 @@ class Parallel:
         newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         buffers = {"forward_sync_buffers" if newer else "broadcast_buffers": False}
         return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                       **buffers)
+                                       process_group=self.group, **buffers)
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -274,7 +296,7 @@ class Parallel:
         import torch.distributed as dist
 
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.group)
         return tensor.tolist()
 
     def all_reduce_sum(self, value: float) -> float:
@@ -291,7 +313,7 @@ class Parallel:
         import torch.distributed as dist
 
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj):
@@ -301,7 +323,7 @@ class Parallel:
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.group)  # global rank 0 trains in every layout
         return box[0]
 
     def mean_metrics(self, record: dict, maximum: tuple[str, ...] = ("peak_memory_gib",)) -> dict:
@@ -319,11 +341,11 @@ class Parallel:
         if self.world_size > 1:
             import torch.distributed as dist
 
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def close(self) -> None:
         """Destroy the process group this object created (the end of a run)."""
-        if self.world_size > 1 and self.owns_group:
+        if self.owns_group:
             import torch.distributed as dist
 
             if dist.is_initialized():

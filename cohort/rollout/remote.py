@@ -1,0 +1,129 @@
+"""Asynchronous rollouts sampled on other ranks (`--rollout_gpus K`, cohort/run/disaggregation.py).
+
+`RemoteRollouts` is the trainer's side, with the interface of `AsyncRollouts` (cohort/rollout/
+async_rollouts.py), so the training loop is the same: after an update it submits the rollouts the
+schedule starts then, and each step takes its own. A submission is a message to this trainer's
+sampling rank (the rows, the seed, the noise offset, the policy version); rank 0 also broadcasts
+the weights of each new version to the sampling ranks once. `RolloutServer` is the sampling rank's
+loop: read the next request of each trainer it serves, load the version's weights when it changes,
+sample, send each rollout back. Requests are served in order, so version t's weights are loaded
+exactly when the first rollout that needs them is sampled.
+
+Messages carry plain values (`batch_state`); the weights travel from a snapshot taken after the
+update, so the broadcast runs while the next update changes the live weights.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..errors import CohortError
+from .async_rollouts import batch_from_state, batch_state, steps_to_start
+from .batch import Batch
+
+SAMPLE, ROLLOUT, STOP = "sample", "rollout", "stop"
+
+
+class RemoteRollouts:
+    """A trainer's rollouts, sampled by its sampling rank.
+
+    link: the job's `RolloutLink`; rank: this trainer's global rank; device: where taken batches go."""
+
+    def __init__(self, link, rank: int, max_staleness: int, device: torch.device):
+        if max_staleness < 1:
+            raise CohortError(f"max_staleness={max_staleness}: rollouts on other ranks are at least 1 update behind")
+        self.link, self.rank, self.max_staleness, self.device = link, rank, max_staleness, device
+        self.server = link.placement.server_of(rank)
+        self.pending: dict[int, int] = {}  # step -> policy version: submitted or loaded, not yet taken
+        self.received: dict[int, Batch] = {}
+        self.published_version: int | None = None
+        self.closed = False
+
+    def submit(self, step: int, version: int, weights: dict[str, torch.Tensor], rows: list[dict], seed: int,
+               sequence_offset: int) -> None:
+        """Ask for the rollout of `step`, sampled from `weights` (the policy after `version` updates)."""
+        self.link.send((SAMPLE, step, version, rows, seed, sequence_offset), self.server)
+        self.pending[step] = version
+        if version != self.published_version:
+            self.published_version = version
+            if self.rank == 0:  # every trainer holds the same weights: one of them sends
+                self.link.publish_weights(list(weights.values()))
+
+    def take(self, step: int) -> tuple[Batch, int]:
+        """The rollout of `step` (waiting for it) and the policy version it was sampled from."""
+        if step not in self.pending:
+            raise CohortError(f"no rollout was requested for step {step}")
+        self.receive_until(step)
+        return self.received.pop(step), self.pending.pop(step)
+
+    def receive_until(self, step: int) -> None:
+        while step not in self.received:
+            kind, done_step, state = self.link.receive(self.server)
+            if kind != ROLLOUT:
+                raise CohortError(f"rank {self.rank}: expected a rollout from sampling rank {self.server}, got {kind!r}")
+            self.received[done_step] = batch_from_state(state, self.device)
+
+    def steps_ahead(self, step: int) -> list[int]:
+        return steps_to_start(step, self.max_staleness, bool(self.pending))
+
+    def state_dict(self) -> dict:
+        """The rollouts requested and not yet trained on (waited for), for a checkpoint."""
+        if self.pending:
+            self.receive_until(max(self.pending))
+        return {"pending": [{"step": step, "version": version, **batch_state(self.received[step])}
+                            for step, version in sorted(self.pending.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The rollouts a checkpoint saved, as if just received."""
+        for item in state.get("pending", []):
+            self.received[item["step"]] = batch_from_state(item, self.device)
+            self.pending[item["step"]] = item["version"]
+
+    def close(self) -> None:
+        """Tell the sampling rank this trainer is done; wait until what it sent has gone. Once only."""
+        if not self.closed:
+            self.closed = True
+            self.link.send((STOP,), self.server)
+            self.link.flush()
+
+
+class RolloutServer:
+    """A sampling rank's loop: requests in, rollouts out, weights loaded per policy version.
+
+    policy: this rank's copy of the model (the engine samples it); sample: `(rows, seed, sequence_offset)
+    -> Batch` over it."""
+
+    def __init__(self, link, policy: torch.nn.Module, sample: Callable[..., Batch]):
+        self.link, self.policy, self.sample = link, policy, sample
+        self.trainers = link.placement.served_by(link.rank)
+        self.version: int | None = None
+        self.served = 0
+
+    def serve(self) -> int:
+        """Serve until every trainer has stopped; the number of rollouts sampled."""
+        live = list(self.trainers)
+        while live:
+            requests = {t: self.link.receive(t) for t in live}
+            live = [t for t in live if requests[t][0] != STOP]
+            for trainer in live:
+                _, step, version, rows, seed, sequence_offset = requests[trainer]
+                if version != self.version:
+                    self.load_weights()
+                    self.version = version
+                batch = self.sample(rows, seed, sequence_offset)
+                self.link.send((ROLLOUT, step, batch_state(on_cpu(batch))), trainer)
+                self.served += 1
+        self.link.flush()
+        return self.served
+
+    @torch.no_grad()
+    def load_weights(self) -> None:
+        self.link.receive_weights(list(self.policy.state_dict().values()))
+
+
+def on_cpu(batch: Batch) -> Batch:
+    """The batch with its rollout's tensors on the CPU (what a message can carry)."""
+    state = batch_state(batch)
+    return batch_from_state(state, torch.device("cpu"))

@@ -1,0 +1,125 @@
+"""Sampling and training on different ranks of one torchrun job (`--rollout_gpus K`).
+
+With W ranks, the first W − K train (DDP among themselves, as without this option) and the last K
+only run the sampling engine. Trainer t is served by sampler T + (t mod K), T = W − K. Three groups
+carry the traffic, made in the same order on every rank as torch.distributed requires:
+
+- the trainers' group: every collective of the update (DDP's gradient all-reduce, metrics);
+- the weights group, rank 0 and the samplers: after an update, rank 0 broadcasts the policy's
+  weights to every sampler (NCCL between GPUs; nothing goes through the disk or a server);
+- a gloo group of all ranks: sampling requests from trainers and rollouts back, as pickled messages
+  sent without blocking the sender (`RolloutLink.send`).
+
+The schedule is that of asynchronous rollouts on one GPU (cohort/rollout/async_rollouts.py): the
+rollout of step t is sampled from the weights after update t − 1 − max_staleness, whatever the
+timing, so a disaggregated run draws the same samples as `--async_rollouts` in one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CohortError
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which ranks train and which sample, and who serves whom."""
+
+    world_size: int
+    rollout_gpus: int
+
+    def __post_init__(self):
+        if not 0 < self.rollout_gpus < self.world_size:
+            raise CohortError(f"rollout_gpus={self.rollout_gpus} with {self.world_size} ranks: at least one rank must "
+                              f"train and one sample; give 1 to {self.world_size - 1}, or start more processes")
+
+    @property
+    def trainers(self) -> int:
+        return self.world_size - self.rollout_gpus
+
+    def samples(self, rank: int) -> bool:
+        return rank >= self.trainers
+
+    def server_of(self, trainer: int) -> int:
+        """The sampling rank that serves trainer rank `trainer`."""
+        return self.trainers + trainer % self.rollout_gpus
+
+    def served_by(self, server: int) -> list[int]:
+        """The trainer ranks sampling rank `server` serves, in rank order."""
+        return [t for t in range(self.trainers) if self.server_of(t) == server]
+
+
+class RolloutLink:
+    """This rank's end of the traffic between trainers and samplers."""
+
+    def __init__(self, placement: Placement, rank: int, trainer_group, weights_group, message_group):
+        self.placement, self.rank = placement, rank
+        self.trainer_group, self.weights_group, self.message_group = trainer_group, weights_group, message_group
+        self.in_flight: list[tuple] = []  # (work handles, the buffers they read): kept until sent
+        self.weights_in_flight: list = []
+
+    @classmethod
+    def create(cls, placement: Placement, rank: int, timeout: datetime.timedelta) -> "RolloutLink":
+        """The three groups (a collective: every rank of the job calls it, in the same order)."""
+        import torch.distributed as dist
+
+        trainer_group = dist.new_group(list(range(placement.trainers)), timeout=timeout)
+        weights_group = dist.new_group([0, *range(placement.trainers, placement.world_size)], timeout=timeout)
+        message_group = dist.new_group(list(range(placement.world_size)), backend="gloo", timeout=timeout)
+        return cls(placement, rank, trainer_group, weights_group, message_group)
+
+    # ---- messages (gloo, any picklable object; tensors go to the CPU first) ------------------------
+    def send(self, obj, dst: int) -> None:
+        """Start sending `obj` to rank `dst` and return; messages to one rank arrive in order."""
+        import torch.distributed as dist
+
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        works = [dist.isend(size, dst, group=self.message_group), dist.isend(payload, dst, group=self.message_group)]
+        self.in_flight = [item for item in self.in_flight if not all(w.is_completed() for w in item[0])]
+        self.in_flight.append((works, (size, payload)))
+
+    def receive(self, src: int):
+        """The next message from rank `src` (waits for it)."""
+        import torch.distributed as dist
+
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src, group=self.message_group)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(payload, src, group=self.message_group)
+        return pickle.loads(payload.numpy().tobytes())
+
+    # ---- weights (rank 0 to every sampler) ------------------------------------------------------------
+    def publish_weights(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0: start broadcasting `tensors` (a snapshot nothing writes meanwhile) to the samplers."""
+        import torch.distributed as dist
+
+        self.wait_weights()
+        works = [dist.broadcast(t, src=0, group=self.weights_group, async_op=True) for t in tensors]
+        self.weights_in_flight = [works, tensors]
+
+    def receive_weights(self, tensors: list[torch.Tensor]) -> None:
+        """A sampler: rank 0's broadcast, into `tensors` in place (the engine's graphs keep their addresses)."""
+        import torch.distributed as dist
+
+        for tensor in tensors:
+            dist.broadcast(tensor, src=0, group=self.weights_group)
+
+    def wait_weights(self) -> None:
+        if self.weights_in_flight:
+            for work in self.weights_in_flight[0]:
+                work.wait()
+            self.weights_in_flight = []
+
+    def flush(self) -> None:
+        """Wait until everything this rank started sending has gone."""
+        for works, _ in self.in_flight:
+            for work in works:
+                work.wait()
+        self.in_flight = []
+        self.wait_weights()

@@ -1,0 +1,123 @@
+"""Sampling on ranks of their own (`--rollout_gpus`): trainers and samplers in one torchrun job (gloo on
+the CPU) train exactly what one process with asynchronous rollouts trains, and resume exactly."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from cohort.config import GRPOConfig
+from cohort.errors import CohortError
+from cohort.run.disaggregation import Placement
+
+REWARD_MODULE = '''
+def digit_share(prompts, completions, completion_ids=None, **_):
+    """Share of digits plus a length bonus: dense, so every group has a spread of rewards."""
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) + 0.01 * len(c) for c in completions]
+'''
+TOLERANCE = 1e-5
+
+
+def test_placement_splits_trainers_and_samplers():
+    four = Placement(world_size=4, rollout_gpus=2)
+    assert four.trainers == 2 and [four.samples(r) for r in range(4)] == [False, False, True, True]
+    assert [four.server_of(t) for t in range(2)] == [2, 3] and four.served_by(2) == [0] and four.served_by(3) == [1]
+    three = Placement(world_size=3, rollout_gpus=1)
+    assert three.served_by(2) == [0, 1]
+    for world, k in ((2, 2), (2, 0), (1, 1)):
+        with pytest.raises(CohortError, match=f"rollout_gpus={k} with {world} ranks"):
+            Placement(world, k)
+
+
+def test_settings_that_cannot_work_are_refused():
+    with pytest.raises(CohortError, match="pass --async_rollouts true"):
+        GRPOConfig(rollout_gpus=1).validate()
+    with pytest.raises(CohortError, match="with fsdp is not supported"):
+        GRPOConfig(rollout_gpus=1, async_rollouts=True, fsdp=True).validate()
+    with pytest.raises(CohortError, match="rollout_gpus=-1 is negative"):
+        GRPOConfig(rollout_gpus=-1).validate()
+
+
+def test_one_process_cannot_sample_on_other_ranks(tiny_dir, tmp_path):
+    from cohort import GRPOTrainer
+
+    with pytest.raises(CohortError, match="rollout_gpus=1 needs ranks that train besides the ones that sample"):
+        GRPOTrainer(tiny_dir, lambda completions, **_: [0.0] * len(completions), [{"prompt": "1+1="}] * 4,
+                    args=GRPOConfig(rollout_gpus=1, async_rollouts=True, output_dir=str(tmp_path / "x"),
+                                    device="cpu", quiet=True))
+
+
+# ---- real processes --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("rollout_ranks")
+    (folder / "rewardmod.py").write_text(REWARD_MODULE)
+    return folder
+
+
+def options(model: str, out: Path, accumulation: int, *extra: str) -> list[str]:
+    """16 completions a step (4 prompts × G = 4): one process in 4 micro-batches of 4, each of 2 trainers
+    in 2. β > 0 and μ = 2, so the KL and the clipped ratio take part; rollouts 1 update behind."""
+    return ["--model", model, "--task", "arithmetic", "--reward_funcs", "rewardmod:digit_share",
+            "--num_generations", "4", "--per_device_train_batch_size", "4",
+            "--gradient_accumulation_steps", str(accumulation), "--max_completion_length", "8",
+            "--max_prompt_length", "64", "--eval_limit", "5", "--learning_rate", "3e-4", "--beta", "0.04",
+            "--num_iterations", "2", "--seed", "3", "--logging_steps", "1", "--device", "cpu", "--quiet",
+            "--async_rollouts", "true", "--max_staleness", "1", "--max_steps", "3", "--save_steps", "1",
+            "--save_total_limit", "0", "--output_dir", str(out), *extra]
+
+
+def run(root: Path, command: list[str], timeout: int = 600) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CI="1")
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout[-4000:]
+    return done.stdout
+
+
+def three_ranks(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m", "cohort",
+            "train", *args]
+
+
+def step_records(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def assert_same_training(out: Path, reference: Path, steps: slice = slice(None)) -> None:
+    got, expected = step_records(out)[steps], step_records(reference)[steps]
+    assert [r["step"] for r in got] == [r["step"] for r in expected] and got
+    for mine, theirs in zip(got, expected):
+        assert abs(mine["reward"] - theirs["reward"]) <= TOLERANCE  # the same completions were sampled
+        assert abs(mine["loss"] - theirs["loss"]) <= TOLERANCE, (mine["step"], mine["loss"], theirs["loss"])
+        assert mine["async/staleness"] == theirs["async/staleness"]
+    weights, expected_weights = load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")
+    worst = max((weights[k] - expected_weights[k]).abs().max().item() for k in weights)
+    assert worst <= TOLERANCE, worst
+
+
+@pytest.mark.slow
+def test_two_trainers_and_a_sampler_train_what_one_process_trains_and_resume(root, tiny_dir):
+    reference = root / "one"
+    run(root, [sys.executable, "-m", "cohort", "train", *options(tiny_dir, reference, 4)])
+    assert [r["async/staleness"] for r in step_records(reference)] == [0.0, 1.0, 1.0]
+
+    split = root / "split"
+    output = run(root, three_ranks(*options(tiny_dir, split, 2, "--rollout_gpus", "1")))
+    assert "cohort: rank 2 sampled 6 rollouts for trainer rank(s) 0, 1" in output  # 3 steps × 2 trainers
+    assert_same_training(split, reference)
+    assert not (split / "rank2").exists() and (split / "summary.json").is_file()
+
+    # Resume at step 2: the rollout of step 3, sampled ahead before the checkpoint, comes back from it.
+    resumed = root / "resumed"
+    resumed.mkdir()
+    shutil.copytree(split / "checkpoint-2", resumed / "checkpoint-2")
+    output = run(root, three_ranks(*options(tiny_dir, resumed, 2, "--rollout_gpus", "1", "--resume", "true")))
+    assert "cohort: rank 2 sampled 0 rollouts" in output  # step 3's came back from the checkpoint
+    assert_same_training(resumed, reference, slice(-1, None))
