@@ -44,12 +44,16 @@ Measured per step (the record of the trainer's `StepReport`, plus the callback's
 The first `--warmup` steps of each mode (compilation, allocator, the async pipeline filling) are left out of
 the means.
 
-One GPU. Acceptance targets 4 GPUs with disaggregated samplers, which do not exist yet: here the producer
-thread shares the one GPU (and its default CUDA stream) with the update, so what overlaps is host work
-(Python, launch, the engine's host checks) with device work, and the producer's decode with the trainer's
-phases only as far as one stream lets it; the trainer's phase clocks synchronise the whole device, so on
-one GPU `time/*` of the async mode include some of the producer's kernels. The figure is what the
-single-GPU async mode gives today, not the 4-GPU design.
+One process (the default): the producer thread shares the one GPU (and its default CUDA stream) with the
+update, so what overlaps is host work (Python, launch, the engine's host checks) with device work, and the
+producer's decode with the trainer's phases only as far as one stream lets it; the trainer's phase clocks
+synchronise the whole device, so on one GPU `time/*` of the async mode include some of the producer's kernels.
+
+Several GPUs (`--processes N --rollout_gpus K`): each mode runs under torchrun on N processes, with the same
+global batch. sync is DDP over all N (each rank samples and trains its share); async samples on K ranks of
+their own (`--rollout_gpus`, cohort/run/disaggregation.py) and trains on the other N − K, the weights going to
+the samplers after each update. Rank 0's records give the figures: tokens per step from the global mean
+completion length (the engine columns stay empty: rank 0's engine sees only its share, or nothing).
 
 CUDA graphs (`--precapture`, on by default on CUDA): before `train()`, each sampling engine captures its
 decode graphs for every (width bucket, KV-length bucket) it can use, while nothing else runs. Otherwise the
@@ -63,6 +67,7 @@ accuracy every `--curve_eval_steps` (10) steps; writes async_rollouts_curves.jso
 imports, async_rollouts_curves.png (reward and held-out accuracy against the step).
 
     python bench/async_rollouts.py                 # GPU: both modes, 5 steps each (2 warm-up); ≈ 6-8 min on one H100 (estimated)
+    python bench/async_rollouts.py --processes 4 --rollout_gpus 2   # 4 GPUs: DDP against 2 samplers + 2 trainers
     python bench/async_rollouts.py --curves_only   # CPU: the learning curves (≈ 1 min on 2 cores, estimated)
     python bench/async_rollouts.py --smoke         # CPU, tiny model, lengths median 8 / cap 48: checks the plumbing
     python bench/async_rollouts.py --smoke --curves   # ... and a 3-step run of the curves' code
@@ -118,6 +123,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5, help="GRPO steps per mode, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each mode left out of the means (>= 1)")
     p.add_argument("--max_staleness", type=int, default=1, help="L of the async mode")
+    p.add_argument("--processes", type=int, default=1,
+                   help="processes (GPUs) per mode, under torchrun: sync is DDP over all of them, async with "
+                        "--rollout_gpus K samples on K of them and trains on the others; same global batch")
+    p.add_argument("--rollout_gpus", type=int, default=0, help="with --processes: the async mode's sampling ranks")
+    p.add_argument("--worker", choices=["sync", "async"], help=argparse.SUPPRESS)  # one mode, under torchrun
+    p.add_argument("--result", help=argparse.SUPPRESS)  # where rank 0 of a worker writes its mode's result
     p.add_argument("--modes", default="sync,async", help="which modes to run, in order")
     p.add_argument("--per_device", type=int, default=32, help="per_device_train_batch_size (rows per micro-batch)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -146,6 +157,11 @@ def parse_args(argv=None):
     if not 1 <= args.warmup < args.steps:
         p.error(f"--warmup {args.warmup}: it must be at least 1 (a step's wall time runs from the previous step's "
                 f"end) and below --steps {args.steps}")
+    if args.processes < 1 or not 0 <= args.rollout_gpus < args.processes or (args.rollout_gpus and args.processes == 1):
+        p.error(f"--processes {args.processes} --rollout_gpus {args.rollout_gpus}: give 0 < K < N sampling ranks, or none")
+    for mode, ranks in (("sync", args.processes), ("async", args.processes - args.rollout_gpus)):
+        if args.prompts % ranks:
+            p.error(f"--prompts {args.prompts} do not split over the {ranks} training ranks of the {mode} mode")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not set(args.modes) <= {"sync", "async"} or not args.modes:
         p.error(f"--modes {args.modes}: sync and/or async")
@@ -328,14 +344,20 @@ def parse_option(text: str):
     return key.strip(), None if lowered == "none" else value
 
 
+def training_ranks(args, mode: str) -> int:
+    """Ranks that train in `mode` (the global batch is split over them)."""
+    return args.processes - (args.rollout_gpus if mode == "async" else 0)
+
+
 def mode_config(args, mode: str, output_dir: str):
     from cohort import GRPOConfig
 
-    batch = args.prompts * args.num_generations
+    prompts = args.prompts // training_ranks(args, mode)  # per training rank
+    batch = prompts * args.num_generations
     per_device = min(args.per_device, batch)
     if batch % per_device:
-        raise SystemExit(f"{args.prompts} prompts × G={args.num_generations} = {batch} completions is not a multiple "
-                         f"of --per_device {per_device}")
+        raise SystemExit(f"{prompts} prompts × G={args.num_generations} = {batch} completions a rank is not a "
+                         f"multiple of --per_device {per_device}")
     options = dict(
         output_dir=output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=batch // per_device,
         num_generations=args.num_generations, max_prompt_length=args.prompt_len, max_completion_length=args.cap,
@@ -343,10 +365,11 @@ def mode_config(args, mode: str, output_dir: str):
         max_steps=args.steps, loss_type=LOSS_TYPE, gradient_checkpointing=args.device != "cpu",
         max_tokens_per_micro_batch=0 if args.device == "cpu" else 65536, eval_steps=0, save_steps=0,
         log_completions_steps=10**6, report_to="none", seed=args.seed, device=args.device, quiet=True,
-        async_rollouts=mode == "async", max_staleness=args.max_staleness)
+        async_rollouts=mode == "async", max_staleness=args.max_staleness,
+        rollout_gpus=args.rollout_gpus if mode == "async" else 0)
     options.update(dict(parse_option(o) for o in args.option))
     config = GRPOConfig(**options)
-    assert config.prompts_per_step == args.prompts, (config.prompts_per_step, args.prompts)
+    assert config.prompts_per_step == prompts, (config.prompts_per_step, prompts)
     return config
 
 
@@ -364,23 +387,36 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
     config = mode_config(args, mode, scratch)
     clock = StepClock()
     started = time.perf_counter()
-    model = build_module(shape, args.device)  # the same seed (0) for both modes: the same initial weights
+    device = args.device
+    if args.processes > 1 and device == "cuda":  # under torchrun: this rank's GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    model = build_module(shape, device)  # the same seed (0) for both modes: the same initial weights
     with drawn_length_samplers(lengths) as engines:
         trainer = bench_trainer_class()(model=model, reward_funcs=[make_reward(args.cap)], train_dataset=rows,
                                         args=config, processing_class=tokenizer, callbacks=[clock],
                                         log=lambda line: print(f"  [{mode}] {line}", flush=True))
-    sampling_engine = trainer.async_rollouts.sample.sampler if trainer.async_rollouts is not None else trainer.sampler
-    assert isinstance(sampling_engine, DrawnLengthEngine), type(sampling_engine)
+    if trainer.rollout_server is not None:  # a sampling rank: its engine is the server's
+        sampling_engine = trainer.rollout_server.sample.sampler
+    elif trainer.async_rollouts is not None and hasattr(trainer.async_rollouts, "sample"):
+        sampling_engine = trainer.async_rollouts.sample.sampler
+    elif trainer.async_rollouts is not None:  # a training rank whose rollouts come from a sampling rank
+        sampling_engine = None
+    else:
+        sampling_engine = trainer.sampler
+    assert sampling_engine is None or isinstance(sampling_engine, DrawnLengthEngine), type(sampling_engine)
     setup = time.perf_counter() - started
     graphs, capture_s = 0, 0.0
-    if args.device != "cpu" and args.precapture == "on":
-        graphs, capture_s = precapture(sampling_engine, args.prompts * args.num_generations, args.prompt_len, config,
-                                       trainer.pad_id)
+    if args.device != "cpu" and args.precapture == "on" and sampling_engine is not None:
+        sequences = config.prompts_per_step * args.num_generations * (len(trainer.rollout_server.trainers)
+                                                                     if trainer.rollout_server is not None else 1)
+        graphs, capture_s = precapture(sampling_engine, sequences, args.prompt_len, config, trainer.pad_id)
         print(f"  [{mode}] precaptured {graphs} decode graphs in {capture_s:.1f} s", flush=True)
     train_started = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - train_started
     calls = sorted((c for e in engines for c in e.calls), key=lambda c: c["started"])
+    if trainer.rollout_server is not None or args.processes > 1:
+        return distributed_result(args, mode, trainer, clock, setup, graphs, capture_s, train_s, calls, scratch)
     history = [numeric(r) for r in trainer.history]
     if len(calls) != len(history):
         raise RuntimeError(f"{mode}: {len(calls)} engine calls for {len(history)} steps (one per step expected)")
@@ -412,6 +448,53 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
         torch.cuda.empty_cache()
     shutil.rmtree(scratch, ignore_errors=True)
     return result
+
+
+def distributed_result(args, mode, trainer, clock, setup, graphs, capture_s, train_s, calls, scratch) -> dict | None:
+    """One rank's part of a mode under torchrun: rank 0's per-step records (tokens from the global mean
+    length: this rank's engine saw only its share), None elsewhere."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    if trainer.rollout_server is not None or not trainer.parallel.is_main:
+        return None
+    batch = args.prompts * args.num_generations
+    steps, previous_end = [], None
+    for record in map(numeric, trainer.history):
+        step = int(record["step"])
+        end = clock.end[step]
+        wall = end - (previous_end if previous_end is not None else clock.begin[step])
+        previous_end = end
+        steps.append(dict(record, wall=wall, first_wall_from_begin=step == 1,
+                          tokens=round(record["completions/mean_length"] * batch), longest=None, engine_seconds=None,
+                          decode_steps=None, graph_captures=0, eos_stops=0, cap_stops=0, step_ended=end))
+    return dict(mode=mode, setup_s=round(setup, 2), precapture_graphs=graphs, precapture_s=round(capture_s, 2),
+                train_s=round(train_s, 2), steps=steps, graphs_enabled_at_end=True, ranks=args.processes,
+                training_ranks=training_ranks(args, mode), rank0_engine_calls=len(calls),
+                sampler_correction=trainer.sampler_correction)
+
+
+def launch_mode(args, mode: str, argv: list[str]) -> dict:
+    """Run `mode` under torchrun on --processes processes (this script again, as a worker); rank 0's result."""
+    import subprocess
+
+    result = Path(tempfile.mkdtemp(prefix=f"async-bench-{mode}-")) / "result.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.processes}",
+               str(Path(__file__).resolve()), *argv, "--worker", mode, "--result", str(result)]
+    done = subprocess.run(command, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if done.returncode != 0 or not result.is_file():
+        raise RuntimeError(f"{mode} on {args.processes} processes failed (exit {done.returncode})")
+    return json.loads(result.read_text())
+
+
+def run_worker(args) -> None:
+    """One mode on this rank (under torchrun); rank 0 writes the result."""
+    from grpo_step_worker import QWEN, SMOKE
+
+    if args.smoke:
+        torch.set_num_threads(1)
+    shape = (SMOKE if args.smoke else QWEN)[args.model]
+    result = run_mode(args, args.worker, shape, LengthDraws(args.median, args.sigma, args.seed))
+    if result is not None:
+        Path(args.result).write_text(json.dumps(result, default=str))
 
 
 def summarize(result: dict, warmup: int) -> dict:
@@ -548,7 +631,7 @@ def smoke_checks(results: dict, args) -> None:
     for mode in args.modes:
         steps = results[mode]["steps"]
         assert [s["step"] for s in steps] == list(range(1, args.steps + 1)), (mode, [s["step"] for s in steps])
-        for s in steps:
+        for s in steps if args.processes == 1 else ():  # under torchrun rank 0 sees no engine of the other ranks
             assert s["violations"] == 0, (mode, s["step"], "a completion ran past its drawn length")
             assert s["imposed_stops"] + s["eos_stops"] + s["cap_stops"] == len(s["lengths"])
             for drawn, n in zip(s["drawn"], s["lengths"]):
@@ -561,7 +644,7 @@ def smoke_checks(results: dict, args) -> None:
             missing = [k for k in SAMPLING_KEYS if k not in s]
             assert not missing, (s["step"], missing)
         assert any(s["async/staleness"] == args.max_staleness for s in results["async"]["steps"])
-    if {"sync", "async"} <= set(results):
+    if {"sync", "async"} <= set(results) and args.processes == 1:
         for a, b in zip(results["sync"]["steps"], results["async"]["steps"]):
             assert a["drawn"] == b["drawn"], (a["step"], "the modes drew different lengths")
     print(f"smoke: OK — modes {args.modes} ran {args.steps} steps each; async staleness "
@@ -606,7 +689,8 @@ def main(argv=None) -> dict:
             print(f"\n== {mode}: {args.steps} steps ({args.warmup} warm-up), {batch} completions per step "
                   f"(elapsed {time.perf_counter() - started:.0f} s)", flush=True)
             try:
-                results[mode] = run_mode(args, mode, shape, lengths)
+                results[mode] = (launch_mode(args, mode, list(sys.argv[1:] if argv is None else argv)) if args.processes > 1
+                                 else run_mode(args, mode, shape, lengths))
             except Exception as error:  # noqa: BLE001 - keep the other mode's figures; say what failed
                 if args.smoke:
                     raise
@@ -632,8 +716,11 @@ def main(argv=None) -> dict:
                   f"{args.prompt_len}-token prompts, completion lengths lognormal (median {args.median:g}, "
                   f"σ {args.sigma:.3f}, cap {args.cap}: mean {distribution['mean']:g}, p90 {distribution['p90']:g}, "
                   f"p99 {distribution['p99']:g}), means over steps {args.warmup + 1}–{args.steps} of each mode; "
-                  f"async = async_rollouts, max_staleness={args.max_staleness}, one producer thread on the same "
-                  f"device")
+                  + (f"async = async_rollouts, max_staleness={args.max_staleness}, one producer thread on the same "
+                     "device" if args.processes == 1 else
+                     f"{args.processes} processes: sync = DDP over all of them; async = max_staleness="
+                     f"{args.max_staleness}, rollout_gpus={args.rollout_gpus} ranks sampling for "
+                     f"{args.processes - args.rollout_gpus} training ranks"))
         table = markdown(summaries, header)
         print("\n" + table + "\n", flush=True)
         notes = []
@@ -675,4 +762,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    parsed = parse_args()
+    if parsed.worker:
+        run_worker(parsed)
+    else:
+        main()

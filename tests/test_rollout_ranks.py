@@ -121,3 +121,79 @@ def test_two_trainers_and_a_sampler_train_what_one_process_trains_and_resume(roo
     output = run(root, three_ranks(*options(tiny_dir, resumed, 2, "--rollout_gpus", "1", "--resume", "true")))
     assert "cohort: rank 2 sampled 0 rollouts" in output  # step 3's came back from the checkpoint
     assert_same_training(resumed, reference, slice(-1, None))
+
+
+class QueueLink:
+    """Two ends of a `RolloutLink` in one process: messages through queues (pickled, as on the wire), the
+    weights broadcast through a shared list."""
+
+    def __init__(self, placement, rank, wire, weights):
+        self.placement, self.rank, self.wire, self.weights = placement, rank, wire, weights
+
+    def send(self, obj, dst):
+        import pickle
+
+        self.wire[(self.rank, dst)].put(pickle.dumps(obj))
+
+    def receive(self, src):
+        import pickle
+
+        return pickle.loads(self.wire[(src, self.rank)].get(timeout=30))
+
+    def publish_weights(self, tensors):
+        self.weights.put([t.clone() for t in tensors])
+
+    def receive_weights(self, tensors):
+        for target, source in zip(tensors, self.weights.get(timeout=30)):
+            target.copy_(source)
+
+    def flush(self):
+        pass
+
+
+def test_a_trainer_and_its_sampling_rank_exchange_requests_weights_and_rollouts():
+    import queue
+    import threading
+
+    import torch
+
+    from cohort.rollout.batch import Batch
+    from cohort.rollout.remote import RemoteRollouts, RolloutServer
+    from cohort.rollout.sampler import Rollout
+
+    placement = Placement(world_size=2, rollout_gpus=1)
+    wire = {(a, b): queue.Queue() for a in range(2) for b in range(2)}
+    weights = queue.Queue()
+    policy = torch.nn.Linear(2, 1, bias=False)
+    seen = []
+
+    def sample(rows, seed, sequence_offset):  # the rollout says which weights and request made it
+        value = float(policy.weight.sum())
+        seen.append((seed, value))
+        ids = torch.full((len(rows), 3), seed)
+        return Batch(rows=rows, prompt_ids=[[1]] * len(rows), rollout=Rollout(
+            ids, torch.ones_like(ids), torch.full((len(rows), 3), value), ["stop"] * len(rows)),
+            completions=["x"] * len(rows), rollout_metrics={"offset": sequence_offset})
+
+    server = RolloutServer(QueueLink(placement, 1, wire, weights), policy, sample)
+    served = []
+    thread = threading.Thread(target=lambda: served.append(server.serve()))
+    thread.start()
+    trainer = RemoteRollouts(QueueLink(placement, 0, wire, weights), rank=0, max_staleness=1)
+    assert trainer.steps_ahead(0) == [1, 2]
+    v0 = {"weight": torch.full((1, 2), 0.5)}
+    for step in (1, 2):
+        trainer.submit(step, 0, v0, [{"prompt": "a"}, {"prompt": "b"}], seed=10 + step, sequence_offset=4)
+    batch, version = trainer.take(1)
+    assert version == 0 and batch.rollout.completion_ids.tolist() == [[11] * 3] * 2
+    assert batch.rollout.completion_ids.device.type == "cpu" and batch.rollout_metrics == {"offset": 4}
+    assert trainer.steps_ahead(1) == [3]
+    trainer.submit(3, 1, {"weight": torch.full((1, 2), 2.0)}, [{"prompt": "c"}], seed=13, sequence_offset=0)
+    saved = trainer.state_dict()  # waits for steps 2 and 3, as a checkpoint does
+    assert [item["step"] for item in saved["pending"]] == [2, 3]
+    assert trainer.take(2)[1] == 0 and trainer.take(3)[0].rollout.logprobs[0, 0].item() == 4.0
+    trainer.close()
+    thread.join(timeout=30)
+    assert served == [3] and seen == [(11, 1.0), (12, 1.0), (13, 4.0)]  # version 1's weights loaded for step 3
+    with pytest.raises(CohortError, match="no rollout was requested for step 4"):
+        trainer.take(4)

@@ -154,8 +154,7 @@ class GRPOTrainer:
                 raise CohortError("async_rollouts with an environment_factory is not supported (an environment's "
                                   "state cannot be checkpointed with the rollouts sampled ahead); leave one out")
             if self.parallel.link is not None:  # --rollout_gpus: sampled on other ranks
-                self.async_rollouts = RemoteRollouts(self.parallel.link, self.parallel.rank, args.max_staleness,
-                                                     self.device)
+                self.async_rollouts = RemoteRollouts(self.parallel.link, self.parallel.rank, args.max_staleness)
             else:
                 sampler_policy = frozen_copy(self.model)
                 self.async_rollouts = AsyncRollouts(sampler_policy, GroupSampler(

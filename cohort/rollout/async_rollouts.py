@@ -43,13 +43,10 @@ def batch_state(batch: Batch) -> dict:
             "rollout_metrics": batch.rollout_metrics}
 
 
-def batch_from_state(item: dict, device: torch.device | None = None) -> Batch:
-    """Inverse of `batch_state`, its tensors moved to `device` when given."""
-    def to(tensor):
-        return tensor.to(device) if device is not None and isinstance(tensor, torch.Tensor) else tensor
-
-    rollout = Rollout(to(item["completion_ids"]), to(item["completion_mask"]), to(item["logprobs"]),
-                      item["finish_reasons"], to(item["tool_mask"]))
+def batch_from_state(item: dict) -> Batch:
+    """Inverse of `batch_state` (the rollout's tensors stay on the CPU, where the engine makes them)."""
+    rollout = Rollout(item["completion_ids"], item["completion_mask"], item["logprobs"], item["finish_reasons"],
+                      item["tool_mask"])
     return Batch(rows=item["rows"], prompt_ids=item["prompt_ids"], rollout=rollout, completions=item["completions"],
                  rollout_metrics=item["rollout_metrics"])
 

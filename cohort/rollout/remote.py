@@ -29,12 +29,12 @@ SAMPLE, ROLLOUT, STOP = "sample", "rollout", "stop"
 class RemoteRollouts:
     """A trainer's rollouts, sampled by its sampling rank.
 
-    link: the job's `RolloutLink`; rank: this trainer's global rank; device: where taken batches go."""
+    link: the job's `RolloutLink`; rank: this trainer's global rank."""
 
-    def __init__(self, link, rank: int, max_staleness: int, device: torch.device):
+    def __init__(self, link, rank: int, max_staleness: int):
         if max_staleness < 1:
             raise CohortError(f"max_staleness={max_staleness}: rollouts on other ranks are at least 1 update behind")
-        self.link, self.rank, self.max_staleness, self.device = link, rank, max_staleness, device
+        self.link, self.rank, self.max_staleness = link, rank, max_staleness
         self.server = link.placement.server_of(rank)
         self.pending: dict[int, int] = {}  # step -> policy version: submitted or loaded, not yet taken
         self.received: dict[int, Batch] = {}
@@ -63,7 +63,7 @@ class RemoteRollouts:
             kind, done_step, state = self.link.receive(self.server)
             if kind != ROLLOUT:
                 raise CohortError(f"rank {self.rank}: expected a rollout from sampling rank {self.server}, got {kind!r}")
-            self.received[done_step] = batch_from_state(state, self.device)
+            self.received[done_step] = batch_from_state(state)
 
     def steps_ahead(self, step: int) -> list[int]:
         return steps_to_start(step, self.max_staleness, bool(self.pending))
@@ -78,7 +78,7 @@ class RemoteRollouts:
     def load_state_dict(self, state: dict) -> None:
         """The rollouts a checkpoint saved, as if just received."""
         for item in state.get("pending", []):
-            self.received[item["step"]] = batch_from_state(item, self.device)
+            self.received[item["step"]] = batch_from_state(item)
             self.pending[item["step"]] = item["version"]
 
     def close(self) -> None:
@@ -113,7 +113,7 @@ class RolloutServer:
                     self.load_weights()
                     self.version = version
                 batch = self.sample(rows, seed, sequence_offset)
-                self.link.send((ROLLOUT, step, batch_state(on_cpu(batch))), trainer)
+                self.link.send((ROLLOUT, step, batch_state(batch)), trainer)  # the engine's rollouts are on the CPU
                 self.served += 1
         self.link.flush()
         return self.served
@@ -122,8 +122,3 @@ class RolloutServer:
     def load_weights(self) -> None:
         self.link.receive_weights(list(self.policy.state_dict().values()))
 
-
-def on_cpu(batch: Batch) -> Batch:
-    """The batch with its rollout's tensors on the CPU (what a message can carry)."""
-    state = batch_state(batch)
-    return batch_from_state(state, torch.device("cpu"))
