@@ -7,8 +7,9 @@ carry the traffic, made in the same order on every rank as torch.distributed req
 - the trainers' group: every collective of the update (DDP's gradient all-reduce, metrics);
 - the weights group, rank 0 and the samplers: after an update, rank 0 broadcasts the policy's
   weights to every sampler (NCCL between GPUs; nothing goes through the disk or a server);
-- a gloo group of all ranks: sampling requests from trainers and rollouts back, as pickled messages
-  sent without blocking the sender (`RolloutLink.send`).
+- a gloo group of all ranks: sampling requests from trainers and rollouts back, as messages sent
+  without blocking the sender (`RolloutLink.send`), read back with `torch.load(weights_only=True)`:
+  plain values and tensors only, never code.
 
 The schedule is that of asynchronous rollouts on one GPU (cohort/rollout/async_rollouts.py): the
 rollout of step t is sampled from the weights after update t − 1 − max_staleness, whatever the
@@ -18,7 +19,7 @@ timing, so a disaggregated run draws the same samples as `--async_rollouts` in o
 from __future__ import annotations
 
 import datetime
-import pickle
+import io
 from dataclasses import dataclass
 
 import torch
@@ -73,12 +74,14 @@ class RolloutLink:
         message_group = dist.new_group(list(range(placement.world_size)), backend="gloo", timeout=timeout)
         return cls(placement, rank, trainer_group, weights_group, message_group)
 
-    # ---- messages (gloo, any picklable object; tensors go to the CPU first) ------------------------
+    # ---- messages (gloo; plain values and CPU tensors) -------------------------------------------
     def send(self, obj, dst: int) -> None:
         """Start sending `obj` to rank `dst` and return; messages to one rank arrive in order."""
         import torch.distributed as dist
 
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         works = [dist.isend(size, dst, group=self.message_group), dist.isend(payload, dst, group=self.message_group)]
         self.in_flight = [item for item in self.in_flight if not all(w.is_completed() for w in item[0])]
@@ -92,7 +95,12 @@ class RolloutLink:
         dist.recv(size, src, group=self.message_group)
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.recv(payload, src, group=self.message_group)
-        return pickle.loads(payload.numpy().tobytes())
+        try:
+            return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        except Exception as error:  # pickle.UnpicklingError: a type outside weights_only's plain values
+            raise CohortError(f"rank {self.rank}: a message from rank {src} holds a value only pickled code could "
+                              f"rebuild ({str(error).splitlines()[0][:160]}); keep dataset columns to plain Python "
+                              "values (str, int, float, lists, dicts)") from None
 
     # ---- weights (rank 0 to every sampler) ------------------------------------------------------------
     def publish_weights(self, tensors: list[torch.Tensor]) -> None:

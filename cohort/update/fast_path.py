@@ -41,7 +41,7 @@ def resolve_fast_path(args, model, device: torch.device, *, compiles: bool | Non
     if compiles is None:
         compiles = triton_available()
     changes = {}
-    if args.torch_compile == "auto":  # measured on one process and under DDP; FSDP's hooks are not compiled through
+    if args.torch_compile == "auto":  # FSDP2 hooks the layers the compiled function would call: left out there
         changes["torch_compile"] = bool(gpu and ours and compiles and not args.fsdp)
     if args.gradient_checkpointing == "auto":
         # A layer count or budget given with auto asks for checkpointing, on any device.
