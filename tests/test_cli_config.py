@@ -276,7 +276,7 @@ RECIPES = {
     "DAPO": ("gsm8k.md", "--loss_type dapo"),
     "GSPO": ("gsm8k.md", "--importance_sampling_level sequence"),
     "LoRA": ("memory.md", "--use_peft true"),
-    "activation checkpointing": ("memory.md", "--gradient_checkpointing_layers auto --max_memory_gib"),
+    "activation checkpointing": ("memory.md", "--max_memory_gib 36"),
     "resume": ("resume.md", "--resume"),
     "FSDP": ("multi-gpu.md", "--fsdp true"),
     "your own data": ("data.md", "--prompt_column question"),
