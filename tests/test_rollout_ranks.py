@@ -1,10 +1,7 @@
 """Sampling on ranks of their own (`--rollout_gpus`): trainers and samplers in one torchrun job (gloo on
 the CPU) train exactly what one process with asynchronous rollouts trains, and resume exactly."""
 
-import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,12 +11,8 @@ from safetensors.torch import load_file
 from cohort.config import GRPOConfig
 from cohort.errors import CohortError
 from cohort.run.disaggregation import Placement
+from test_distributed import REWARD_MODULE, run, step_records, train_options
 
-REWARD_MODULE = '''
-def digit_share(prompts, completions, completion_ids=None, **_):
-    """Share of digits plus a length bonus: dense, so every group has a spread of rewards."""
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) + 0.01 * len(c) for c in completions]
-'''
 TOLERANCE = 1e-5
 
 
@@ -61,33 +54,15 @@ def root(tmp_path_factory):
 
 
 def options(model: str, out: Path, accumulation: int, *extra: str) -> list[str]:
-    """16 completions a step (4 prompts × G = 4): one process in 4 micro-batches of 4, each of 2 trainers
-    in 2. β > 0 and μ = 2, so the KL and the clipped ratio take part; rollouts 1 update behind."""
-    return ["--model", model, "--task", "arithmetic", "--reward_funcs", "rewardmod:digit_share",
-            "--num_generations", "4", "--per_device_train_batch_size", "4",
-            "--gradient_accumulation_steps", str(accumulation), "--max_completion_length", "8",
-            "--max_prompt_length", "64", "--eval_limit", "5", "--learning_rate", "3e-4", "--beta", "0.04",
-            "--num_iterations", "2", "--seed", "3", "--logging_steps", "1", "--device", "cpu", "--quiet",
-            "--async_rollouts", "true", "--max_staleness", "1", "--max_steps", "3", "--save_steps", "1",
-            "--save_total_limit", "0", "--output_dir", str(out), *extra]
-
-
-def run(root: Path, command: list[str], timeout: int = 600) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CI="1")
-    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, done.stdout[-4000:]
-    return done.stdout
+    """test_distributed's run (16 completions a step: one process in 4 micro-batches of 4, each of 2 trainers
+    in 2; β > 0 and μ = 2) with rollouts 1 update behind, 3 steps, a checkpoint after each."""
+    return train_options(model, out, accumulation, "--async_rollouts", "true", "--max_staleness", "1",
+                         "--max_steps", "3", "--save_steps", "1", "--save_total_limit", "0", *extra)
 
 
 def three_ranks(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m", "cohort",
             "train", *args]
-
-
-def step_records(out: Path) -> list[dict]:
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
 def assert_same_training(out: Path, reference: Path, steps: slice = slice(None)) -> None:
@@ -105,11 +80,11 @@ def assert_same_training(out: Path, reference: Path, steps: slice = slice(None))
 @pytest.mark.slow
 def test_two_trainers_and_a_sampler_train_what_one_process_trains_and_resume(root, tiny_dir):
     reference = root / "one"
-    run(root, [sys.executable, "-m", "cohort", "train", *options(tiny_dir, reference, 4)])
+    run(root, [sys.executable, "-m", "cohort", "train", *options(tiny_dir, reference, 4)], timeout=600)
     assert [r["async/staleness"] for r in step_records(reference)] == [0.0, 1.0, 1.0]
 
     split = root / "split"
-    output = run(root, three_ranks(*options(tiny_dir, split, 2, "--rollout_gpus", "1")))
+    output = run(root, three_ranks(*options(tiny_dir, split, 2, "--rollout_gpus", "1")), timeout=600)
     assert "cohort: rank 2 sampled 6 rollouts for trainer rank(s) 0, 1" in output  # 3 steps × 2 trainers
     assert_same_training(split, reference)
     assert not (split / "rank2").exists() and (split / "summary.json").is_file()
@@ -118,7 +93,8 @@ def test_two_trainers_and_a_sampler_train_what_one_process_trains_and_resume(roo
     resumed = root / "resumed"
     resumed.mkdir()
     shutil.copytree(split / "checkpoint-2", resumed / "checkpoint-2")
-    output = run(root, three_ranks(*options(tiny_dir, resumed, 2, "--rollout_gpus", "1", "--resume", "true")))
+    output = run(root, three_ranks(*options(tiny_dir, resumed, 2, "--rollout_gpus", "1", "--resume", "true")),
+                 timeout=600)
     assert "cohort: rank 2 sampled 0 rollouts" in output  # step 3's came back from the checkpoint
     assert_same_training(resumed, reference, slice(-1, None))
 
