@@ -39,7 +39,7 @@ from ..models.policy import frozen_copy, load_policy, save_policy
 from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
 from ..rewards.runner import RewardRunner
 from ..rollout import make_sampler
-from ..rollout.async_rollouts import AsyncRollouts, weights_snapshot
+from ..rollout.async_rollouts import AsyncRollouts
 from ..rollout.batch import Batch
 from ..rollout.group_sampler import GroupSampler
 from ..rollout.remote import RemoteRollouts, RolloutServer
@@ -271,11 +271,13 @@ class GRPOTrainer:
         steps that must use them (the first L + 1 at the start, then one per update)."""
         if self.async_rollouts is None:
             return
-        weights = weights_snapshot(self.model)
-        for ahead in self.async_rollouts.steps_ahead(self.step):
-            if ahead <= self.args.max_steps:
-                self.async_rollouts.submit(ahead, self.step, weights, self.next_prompts(),
-                                           self.prompts.next_seed(), self.sequence_offset)
+        steps = [ahead for ahead in self.async_rollouts.steps_ahead(self.step) if ahead <= self.args.max_steps]
+        if not steps:
+            return
+        weights = self.async_rollouts.snapshot(self.model)
+        for ahead in steps:
+            self.async_rollouts.submit(ahead, self.step, weights, self.next_prompts(), self.prompts.next_seed(),
+                                       self.sequence_offset)
 
     def sample(self, rows: list[dict]) -> Batch:
         """π_old ← π_θ (the sampler reads the current weights); G completions for each prompt."""

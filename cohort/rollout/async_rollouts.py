@@ -75,6 +75,10 @@ class AsyncRollouts:
         self.producer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cohort-rollouts")
         self.pending: dict[int, tuple[Future, int]] = {}  # step -> (its batch, the policy version it samples)
 
+    def snapshot(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The weights the rollouts submitted now must be sampled from."""
+        return weights_snapshot(model)
+
     def submit(self, step: int, version: int, weights: dict[str, torch.Tensor], rows: list[dict], seed: int,
                sequence_offset: int) -> None:
         """Queue the rollout of `step`, sampled from `weights` (the policy after `version` updates)."""

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..errors import CohortError
-from .async_rollouts import batch_from_state, batch_state, steps_to_start
+from .async_rollouts import batch_from_state, batch_state, steps_to_start, weights_snapshot
 from .batch import Batch
 
 SAMPLE, ROLLOUT, STOP = "sample", "rollout", "stop"
@@ -41,14 +41,20 @@ class RemoteRollouts:
         self.published_version: int | None = None
         self.closed = False
 
-    def submit(self, step: int, version: int, weights: dict[str, torch.Tensor], rows: list[dict], seed: int,
+    def snapshot(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The weights to send with the next submissions: rank 0 alone sends them (every trainer holds the
+        same), so only rank 0 copies them."""
+        return weights_snapshot(model) if self.rank == 0 else None
+
+    def submit(self, step: int, version: int, weights: dict[str, torch.Tensor] | None, rows: list[dict], seed: int,
                sequence_offset: int) -> None:
-        """Ask for the rollout of `step`, sampled from `weights` (the policy after `version` updates)."""
+        """Ask for the rollout of `step`, sampled from `weights` (the policy after `version` updates; rank 0's
+        snapshot, None on the other trainers)."""
         self.link.send((SAMPLE, step, version, rows, seed, sequence_offset), self.server)
         self.pending[step] = version
         if version != self.published_version:
             self.published_version = version
-            if self.rank == 0:  # every trainer holds the same weights: one of them sends
+            if weights is not None:  # rank 0's (`snapshot`)
                 self.link.publish_weights(list(weights.values()))
 
     def take(self, step: int) -> tuple[Batch, int]:
