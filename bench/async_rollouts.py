@@ -326,6 +326,11 @@ class StepClock:
     def on_step_end(self, args, state, control, **kwargs):
         self.end[state.global_step] = time.perf_counter()
 
+    def walls(self, steps: list[int]) -> list[float]:
+        """Each step's wall time: from the previous step's end (the first: from its own beginning)."""
+        ends = [self.end[step] for step in steps]
+        return [end - start for end, start in zip(ends, [self.begin[steps[0]]] + ends[:-1])] if steps else []
+
 
 def numeric(record: dict) -> dict:
     return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -416,17 +421,16 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
     train_s = time.perf_counter() - train_started
     calls = sorted((c for e in engines for c in e.calls), key=lambda c: c["started"])
     if trainer.rollout_server is not None or args.processes > 1:
-        return distributed_result(args, mode, trainer, clock, setup, graphs, capture_s, train_s, calls, scratch)
+        return distributed_result(args, mode, trainer, clock, setup, graphs, capture_s, train_started, train_s, calls,
+                                  scratch)
     history = [numeric(r) for r in trainer.history]
     if len(calls) != len(history):
         raise RuntimeError(f"{mode}: {len(calls)} engine calls for {len(history)} steps (one per step expected)")
     steps = []
-    previous_end = None
-    for record, call in zip(history, calls):
+    walls = clock.walls([int(record["step"]) for record in history])
+    for record, call, wall in zip(history, calls, walls):
         step = int(record["step"])
         end = clock.end[step]
-        wall = end - (previous_end if previous_end is not None else clock.begin[step])
-        previous_end = end
         steps.append(dict(
             record, wall=wall, first_wall_from_begin=step == 1, tokens=call["tokens"], longest=call["longest"],
             engine_seconds=call["seconds"], decode_steps=call["decode_steps"],
@@ -450,22 +454,20 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
     return result
 
 
-def distributed_result(args, mode, trainer, clock, setup, graphs, capture_s, train_s, calls, scratch) -> dict | None:
+def distributed_result(args, mode, trainer, clock, setup, graphs, capture_s, train_started, train_s, calls,
+                       scratch) -> dict | None:
     """One rank's part of a mode under torchrun: rank 0's per-step records (tokens from the global mean
     length: this rank's engine saw only its share), None elsewhere."""
     shutil.rmtree(scratch, ignore_errors=True)
     if trainer.rollout_server is not None or not trainer.parallel.is_main:
         return None
     batch = args.prompts * args.num_generations
-    steps, previous_end = [], None
-    for record in map(numeric, trainer.history):
-        step = int(record["step"])
-        end = clock.end[step]
-        wall = end - (previous_end if previous_end is not None else clock.begin[step])
-        previous_end = end
-        steps.append(dict(record, wall=wall, first_wall_from_begin=step == 1,
-                          tokens=round(record["completions/mean_length"] * batch), longest=None, engine_seconds=None,
-                          decode_steps=None, graph_captures=0, eos_stops=0, cap_stops=0, step_ended=end))
+    history = [numeric(r) for r in trainer.history]
+    steps = [dict(record, wall=wall, first_wall_from_begin=record["step"] == 1,
+                  tokens=round(record["completions/mean_length"] * batch), longest=None, engine_seconds=None,
+                  decode_steps=None, graph_captures=0, eos_stops=0, cap_stops=0,
+                  step_ended=clock.end[int(record["step"])] - train_started)
+             for record, wall in zip(history, clock.walls([int(r["step"]) for r in history]))]
     return dict(mode=mode, setup_s=round(setup, 2), precapture_graphs=graphs, precapture_s=round(capture_s, 2),
                 train_s=round(train_s, 2), steps=steps, graphs_enabled_at_end=True, ranks=args.processes,
                 training_ranks=training_ranks(args, mode), rank0_engine_calls=len(calls),
