@@ -83,6 +83,9 @@ class AsyncRollouts:
                sequence_offset: int) -> None:
         """Queue the rollout of `step`, sampled from `weights` (the policy after `version` updates)."""
         def job() -> Batch:
+            device = next(self.policy.parameters()).device
+            if device.type == "cuda":  # a thread starts on GPU 0, whatever the rank's GPU
+                torch.cuda.set_device(device)
             with torch.no_grad():
                 self.policy.load_state_dict(weights)
             return self.sample(rows, seed, sequence_offset)

@@ -115,6 +115,9 @@ class SamplingLane:
         def job() -> None:
             with contextlib.ExitStack() as scope:
                 if self.stream is not None:
+                    # A thread starts on GPU 0, whatever rank it serves: the engine's streams, events and
+                    # synchronisations must be those of the lane's GPU.
+                    torch.cuda.set_device(self.stream.device)
                     scope.enter_context(torch.cuda.stream(self.stream))
                 batch = self.sample(rows, seed, sequence_offset)
             link.send((ROLLOUT, step, batch_state(batch)), trainer, ROLLOUTS)  # the engine's rollouts are on the CPU
