@@ -400,25 +400,22 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
         trainer = bench_trainer_class()(model=model, reward_funcs=[make_reward(args.cap)], train_dataset=rows,
                                         args=config, processing_class=tokenizer, callbacks=[clock],
                                         log=lambda line: print(f"  [{mode}] {line}", flush=True))
-    if trainer.rollout_server is not None:  # a sampling rank: one engine per lane (rollout in flight)
-        sampling_engines = [lane.sample.sampler for lane in trainer.rollout_server.lanes]
+    if trainer.rollout_server is not None:  # a sampling rank: its engine is the server's
+        sampling_engine = trainer.rollout_server.sample.sampler
     elif trainer.async_rollouts is not None and hasattr(trainer.async_rollouts, "sample"):
-        sampling_engines = [trainer.async_rollouts.sample.sampler]
+        sampling_engine = trainer.async_rollouts.sample.sampler
     elif trainer.async_rollouts is not None:  # a training rank whose rollouts come from a sampling rank
-        sampling_engines = []
+        sampling_engine = None
     else:
-        sampling_engines = [trainer.sampler]
-    assert all(isinstance(e, DrawnLengthEngine) for e in sampling_engines), [type(e) for e in sampling_engines]
+        sampling_engine = trainer.sampler
+    assert sampling_engine is None or isinstance(sampling_engine, DrawnLengthEngine), type(sampling_engine)
     setup = time.perf_counter() - started
     graphs, capture_s = 0, 0.0
-    if args.device != "cpu" and args.precapture == "on":
+    if args.device != "cpu" and args.precapture == "on" and sampling_engine is not None:
         # One engine call per step and trainer rank (a sampling rank samples each trainer's share in turn).
         sequences = config.prompts_per_step * args.num_generations
-        for engine in sampling_engines:
-            made, seconds = precapture(engine, sequences, args.prompt_len, config, trainer.pad_id)
-            graphs, capture_s = graphs + made, capture_s + seconds
-        if sampling_engines:
-            print(f"  [{mode}] precaptured {graphs} decode graphs in {capture_s:.1f} s", flush=True)
+        graphs, capture_s = precapture(sampling_engine, sequences, args.prompt_len, config, trainer.pad_id)
+        print(f"  [{mode}] precaptured {graphs} decode graphs in {capture_s:.1f} s", flush=True)
     train_started = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - train_started
@@ -449,7 +446,7 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
                       "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
                       "max_completion_length", "max_tokens_per_micro_batch", "gradient_checkpointing", "beta",
                       "loss_type", "async_rollouts", "max_staleness", "dtype")})
-    del trainer, model, engines, sampling_engines
+    del trainer, model, engines, sampling_engine
     gc.collect()
     if args.device != "cpu":
         torch.cuda.empty_cache()

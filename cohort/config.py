@@ -110,10 +110,6 @@ class GRPOConfig:
     rollout_gpus: int = field(default=0, metadata={
         "help": "With async_rollouts under torchrun: the last K ranks only sample (the engine), the others train; "
                 "weights go to the samplers over NCCL after each update (cohort/run/disaggregation.py)."})
-    rollouts_in_flight: int = field(default=0, metadata={
-        "help": "With rollout_gpus: rollouts a sampling rank samples at once, each on its own copy of the weights, "
-                "so the next step's rollout decodes beside the longest completions of this one; 0: max_staleness + 1 "
-                "(as many as the schedule can ask for at once)."})
     max_staleness: int = field(default=1, metadata={
         "help": "With async_rollouts: how many policy updates behind the trained policy the samples are (the "
                 "rollout of step t is sampled from the weights after update t - 1 - max_staleness)."})
@@ -375,13 +371,6 @@ class GRPOConfig:
         if self.rollout_gpus and not self.async_rollouts:
             bad(f"rollout_gpus={self.rollout_gpus} samples on other ranks, which is asynchronous by nature; pass "
                 "--async_rollouts true (and --max_staleness) with it")
-        if self.rollouts_in_flight < 0:
-            bad(f"rollouts_in_flight={self.rollouts_in_flight} is negative; give 1 or more, or 0 for max_staleness + 1")
-        if self.rollouts_in_flight and not self.rollout_gpus:
-            bad(f"rollouts_in_flight={self.rollouts_in_flight} sets how many rollouts a sampling rank samples at "
-                "once; it needs --rollout_gpus (sampling ranks of their own), or leave it at 0")
-        if self.rollout_gpus and not self.rollouts_in_flight:
-            self.rollouts_in_flight = self.max_staleness + 1
         if self.rollout_gpus and self.fsdp:
             bad(f"rollout_gpus={self.rollout_gpus} with fsdp is not supported (the samplers need whole weights from "
                 "one rank); train the trainer ranks with DDP (leave out --fsdp)")

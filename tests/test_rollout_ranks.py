@@ -34,13 +34,6 @@ def test_settings_that_cannot_work_are_refused():
         GRPOConfig(rollout_gpus=1, async_rollouts=True, fsdp=True).validate()
     with pytest.raises(CohortError, match="rollout_gpus=-1 is negative"):
         GRPOConfig(rollout_gpus=-1).validate()
-    with pytest.raises(CohortError, match="rollouts_in_flight=2 sets how many .* needs --rollout_gpus"):
-        GRPOConfig(async_rollouts=True, rollouts_in_flight=2).validate()
-    with pytest.raises(CohortError, match="rollouts_in_flight=-1 is negative"):
-        GRPOConfig(rollout_gpus=1, async_rollouts=True, rollouts_in_flight=-1).validate()
-    lanes = GRPOConfig(rollout_gpus=1, async_rollouts=True, max_staleness=2)
-    lanes.validate()
-    assert lanes.rollouts_in_flight == 3  # 0: as many as the schedule asks for at once
 
 
 def test_one_process_cannot_sample_on_other_ranks(tiny_dir, tmp_path):
@@ -113,15 +106,15 @@ class QueueLink:
     def __init__(self, placement, rank, wire, weights):
         self.placement, self.rank, self.wire, self.weights = placement, rank, wire, weights
 
-    def send(self, obj, dst, channel):
+    def send(self, obj, dst):
         import pickle
 
-        self.wire[(self.rank, dst, channel)].put(pickle.dumps(obj))
+        self.wire[(self.rank, dst)].put(pickle.dumps(obj))
 
-    def receive(self, src, channel):
+    def receive(self, src):
         import pickle
 
-        return pickle.loads(self.wire[(src, self.rank, channel)].get(timeout=30))
+        return pickle.loads(self.wire[(src, self.rank)].get(timeout=30))
 
     def publish_weights(self, tensors):
         self.weights.put([t.clone() for t in tensors])
@@ -141,33 +134,24 @@ def test_a_trainer_and_its_sampling_rank_exchange_requests_weights_and_rollouts(
     import torch
 
     from cohort.rollout.batch import Batch
-    from cohort.rollout.remote import RemoteRollouts, RolloutServer, SamplingLane
-    from cohort.run.disaggregation import REQUESTS, ROLLOUTS
+    from cohort.rollout.remote import RemoteRollouts, RolloutServer
     from cohort.rollout.sampler import Rollout
 
     placement = Placement(world_size=2, rollout_gpus=1)
-    wire = {(a, b, channel): queue.Queue() for a in range(2) for b in range(2) for channel in (REQUESTS, ROLLOUTS)}
+    wire = {(a, b): queue.Queue() for a in range(2) for b in range(2)}
     weights = queue.Queue()
+    policy = torch.nn.Linear(2, 1, bias=False)
     seen = []
-    step_2_started = threading.Event()
 
-    def sampler_of(policy):
-        def sample(rows, seed, sequence_offset):  # the rollout says which weights and request made it
-            if seed == 12:
-                step_2_started.set()
-            if seed == 11:  # step 1 ends only once step 2 decodes beside it, on the other lane
-                assert step_2_started.wait(timeout=20)
-            value = float(policy.weight.detach().sum())
-            seen.append((seed, value))
-            ids = torch.full((len(rows), 3), seed)
-            return Batch(rows=rows, prompt_ids=[[1]] * len(rows), rollout=Rollout(
-                ids, torch.ones_like(ids), torch.full((len(rows), 3), value), ["stop"] * len(rows)),
-                completions=["x"] * len(rows), rollout_metrics={"offset": sequence_offset})
-        return sample
+    def sample(rows, seed, sequence_offset):  # the rollout says which weights and request made it
+        value = float(policy.weight.sum())
+        seen.append((seed, value))
+        ids = torch.full((len(rows), 3), seed)
+        return Batch(rows=rows, prompt_ids=[[1]] * len(rows), rollout=Rollout(
+            ids, torch.ones_like(ids), torch.full((len(rows), 3), value), ["stop"] * len(rows)),
+            completions=["x"] * len(rows), rollout_metrics={"offset": sequence_offset})
 
-    policies = [torch.nn.Linear(2, 1, bias=False) for _ in range(2)]
-    server = RolloutServer(QueueLink(placement, 1, wire, weights),
-                           [SamplingLane(policy, sampler_of(policy)) for policy in policies])
+    server = RolloutServer(QueueLink(placement, 1, wire, weights), policy, sample)
     served = []
     thread = threading.Thread(target=lambda: served.append(server.serve()))
     thread.start()
@@ -186,8 +170,6 @@ def test_a_trainer_and_its_sampling_rank_exchange_requests_weights_and_rollouts(
     assert trainer.take(2)[1] == 0 and trainer.take(3)[0].rollout.logprobs[0, 0].item() == 4.0
     trainer.close()
     thread.join(timeout=30)
-    # Version 0 was broadcast once (lane 1 copied it from lane 0), version 1 once more.
-    assert served == [3] and sorted(seen) == [(11, 1.0), (12, 1.0), (13, 4.0)] and weights.empty()
-    assert [lane.version for lane in server.lanes] == [1, 0]
+    assert served == [3] and seen == [(11, 1.0), (12, 1.0), (13, 4.0)]  # version 1's weights loaded for step 3
     with pytest.raises(CohortError, match="no rollout was requested for step 4"):
         trainer.take(4)

@@ -42,7 +42,7 @@ from ..rollout import make_sampler
 from ..rollout.async_rollouts import AsyncRollouts
 from ..rollout.batch import Batch
 from ..rollout.group_sampler import GroupSampler
-from ..rollout.remote import RemoteRollouts, RolloutServer, SamplingLane
+from ..rollout.remote import RemoteRollouts, RolloutServer
 from ..run.callbacks import CallbackHandler
 from ..run.checkpoint import RunParts, RunState, save_checkpoint
 from ..run.checkpoint_load import checkpoint_step, load_checkpoint
@@ -108,10 +108,8 @@ class GRPOTrainer:
             raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         if self.parallel.samples_only:  # --rollout_gpus: this rank samples for trainer ranks (cohort/rollout/remote.py)
-            policies = [self.model] + [frozen_copy(self.model) for _ in range(args.rollouts_in_flight - 1)]
-            self.rollout_server = RolloutServer(self.parallel.link, [SamplingLane(policy, GroupSampler(
-                make_sampler(policy, self.tokenizer), self.tokenizer, args, self.pad_id, self.toolbox))
-                for policy in policies])
+            self.rollout_server = RolloutServer(self.parallel.link, self.model, GroupSampler(
+                make_sampler(self.model, self.tokenizer), self.tokenizer, args, self.pad_id, self.toolbox))
             return
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))

@@ -1,15 +1,15 @@
 """Sampling and training on different ranks of one torchrun job (`--rollout_gpus K`).
 
 With W ranks, the first W − K train (DDP among themselves, as without this option) and the last K
-only run the sampling engine. Trainer t is served by sampler T + (t mod K), T = W − K. Four groups
+only run the sampling engine. Trainer t is served by sampler T + (t mod K), T = W − K. Three groups
 carry the traffic, made in the same order on every rank as torch.distributed requires:
 
 - the trainers' group: every collective of the update (DDP's gradient all-reduce, metrics);
 - the weights group, rank 0 and the samplers: after an update, rank 0 broadcasts the policy's
   weights to every sampler (NCCL between GPUs; nothing goes through the disk or a server);
-- two gloo groups of all ranks, one for sampling requests from trainers and one for rollouts back, as
-  messages sent without blocking the sender (`RolloutLink.send`), read back with
-  `torch.load(weights_only=True)`: plain values and tensors only, never code.
+- a gloo group of all ranks: sampling requests from trainers and rollouts back, as messages sent
+  without blocking the sender (`RolloutLink.send`), read back with `torch.load(weights_only=True)`:
+  plain values and tensors only, never code.
 
 The schedule is that of asynchronous rollouts on one GPU (cohort/rollout/async_rollouts.py): the
 rollout of step t is sampled from the weights after update t − 1 − max_staleness, whatever the
@@ -20,16 +20,11 @@ from __future__ import annotations
 
 import datetime
 import io
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import CohortError
-
-# Two gloo groups carry the messages, one per direction: a sampling rank waits for the next request on
-# one while its lanes send finished rollouts on the other (one group is not safe from two threads at once).
-REQUESTS, ROLLOUTS = "requests", "rollouts"
 
 
 @dataclass(frozen=True)
@@ -63,10 +58,9 @@ class Placement:
 class RolloutLink:
     """This rank's end of the traffic between trainers and samplers."""
 
-    def __init__(self, placement: Placement, rank: int, trainer_group, weights_group, message_groups: dict):
+    def __init__(self, placement: Placement, rank: int, trainer_group, weights_group, message_group):
         self.placement, self.rank = placement, rank
-        self.trainer_group, self.weights_group, self.message_groups = trainer_group, weights_group, message_groups
-        self.sending = threading.Lock()
+        self.trainer_group, self.weights_group, self.message_group = trainer_group, weights_group, message_group
         self.in_flight: list[tuple] = []  # (work handles, the buffers they read): kept until sent
         self.weights_in_flight: list = []
 
@@ -77,35 +71,30 @@ class RolloutLink:
 
         trainer_group = dist.new_group(list(range(placement.trainers)), timeout=timeout)
         weights_group = dist.new_group([0, *range(placement.trainers, placement.world_size)], timeout=timeout)
-        every_rank = list(range(placement.world_size))
-        message_groups = {channel: dist.new_group(every_rank, backend="gloo", timeout=timeout)
-                          for channel in (REQUESTS, ROLLOUTS)}
-        return cls(placement, rank, trainer_group, weights_group, message_groups)
+        message_group = dist.new_group(list(range(placement.world_size)), backend="gloo", timeout=timeout)
+        return cls(placement, rank, trainer_group, weights_group, message_group)
 
     # ---- messages (gloo; plain values and CPU tensors) -------------------------------------------
-    def send(self, obj, dst: int, channel: str = REQUESTS) -> None:
-        """Start sending `obj` to rank `dst` on `channel` and return; messages to one rank on one channel
-        arrive in order. Safe from several threads (a sampling rank's lanes send their own rollouts)."""
+    def send(self, obj, dst: int) -> None:
+        """Start sending `obj` to rank `dst` and return; messages to one rank arrive in order."""
         import torch.distributed as dist
 
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
-        group = self.message_groups[channel]
-        with self.sending:  # a message's two parts stay together
-            works = [dist.isend(size, dst, group=group), dist.isend(payload, dst, group=group)]
-            self.in_flight = [item for item in self.in_flight if not all(w.is_completed() for w in item[0])]
-            self.in_flight.append((works, (size, payload)))
+        works = [dist.isend(size, dst, group=self.message_group), dist.isend(payload, dst, group=self.message_group)]
+        self.in_flight = [item for item in self.in_flight if not all(w.is_completed() for w in item[0])]
+        self.in_flight.append((works, (size, payload)))
 
-    def receive(self, src: int, channel: str = REQUESTS):
-        """The next message from rank `src` on `channel` (waits for it)."""
+    def receive(self, src: int):
+        """The next message from rank `src` (waits for it)."""
         import torch.distributed as dist
 
         size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src, group=self.message_groups[channel])
+        dist.recv(size, src, group=self.message_group)
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(payload, src, group=self.message_groups[channel])
+        dist.recv(payload, src, group=self.message_group)
         try:
             return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
         except Exception as error:  # pickle.UnpicklingError: a type outside weights_only's plain values
