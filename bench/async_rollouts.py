@@ -74,7 +74,8 @@ imports, async_rollouts_curves.png (reward and held-out accuracy against the ste
 
 Prints a markdown table and a JSON line (card, date, command); writes async_rollouts.json / .md (and the
 curves' files) to --out (default: $OUT when set, else runs/async_rollouts_bench; a temporary folder with
---smoke).
+--smoke). `python bench/async_rollouts_report.py async_rollouts.json --write-docs` puts
+the figures on docs/performance.md.
 """
 
 from __future__ import annotations
@@ -684,7 +685,8 @@ def main(argv=None) -> dict:
                       dtype="bfloat16" if args.device != "cpu" else "float32",
                       workload=dict(prompts=args.prompts, G=args.num_generations, completions=batch,
                                     prompt_len=args.prompt_len, steps=args.steps, warmup=args.warmup,
-                                    max_staleness=args.max_staleness, options=args.option, precapture=args.precapture),
+                                    max_staleness=args.max_staleness, options=args.option, precapture=args.precapture,
+                                    processes=args.processes, rollout_gpus=args.rollout_gpus),
                       lengths=distribution, modes={}, errors={})
         results = {}
         for mode in args.modes:

@@ -77,6 +77,13 @@ KINDS = {
         ("throughput vs 1 GPU", lambda r: _ratio(r.get("one_gpu_seconds"), r.get("seconds"))),
         ("s/step, these GPUs / 1 GPU", lambda r: _pair(r.get("seconds"), r.get("one_gpu_seconds"), ".2f")),
     )),
+    "async_rollouts": Kind("Asynchronous rollouts against the synchronous loop", (
+        ("completion tok/s vs synchronous", lambda r: _ratio(r.get("async_tok_per_s"), r.get("sync_tok_per_s"))),
+        ("step s, asynchronous / synchronous", lambda r: _pair(r.get("async_wall_s"), r.get("sync_wall_s"), ".2f")),
+        ("trainer's wait for its rollout s, async / sync sampling s",
+         lambda r: _pair(r.get("async_wait_s"), r.get("sync_sampling_s"), ".2f")),
+        ("update s, async / sync", lambda r: _pair(r.get("async_update_s"), r.get("sync_update_s"), ".2f")),
+    )),
     "capacity": Kind("What fits in memory", (
         ("peak GiB / card GiB", lambda r: _pair(r.get("peak_gib"), r.get("card_gib"), ".1f")
          + f" ({_share(r.get('peak_gib'), r.get('card_gib'))})"),

@@ -163,3 +163,25 @@ def test_grpo_step_report_writes_same_call_comparisons(tmp_path, monkeypatch, ca
     with pytest.raises(SystemExit):
         json_path.write_text(json.dumps({**results, "smoke": True}))
         report.main([str(json_path), "--write-docs", "--page", str(page)])
+
+
+def test_an_async_rollouts_report_becomes_its_row():
+    report_module = load("async_rollouts_report")
+
+    def summary(tok_per_s, wall, sampling, update):
+        return {"tok_per_s": tok_per_s, "wall_s": wall, "time/sampling": sampling, "time/update": update}
+
+    report = {"card": "NVIDIA H200", "date": "2026-11-27T16:11:22", "model": "qwen2.5-0.5b shape (random)",
+              "command": "python bench/async_rollouts.py --processes 4 --rollout_gpus 2 --out /root/out",
+              "errors": {}, "workload": {"prompts": 32, "G": 8, "max_staleness": 1},
+              "lengths": {"median": 1024, "cap": 8192, "mean": 1493.5},
+              "modes": {"sync": {"summary": summary(25000.0, 14.0, 7.5, 5.9)},
+                        "async": {"summary": summary(37500.0, 10.0, 2.0, 5.5)}}}
+    result = report_module.performance_row(report)
+    assert (result["card"], result["shape"]) == ("H200 ×4", "Qwen2.5-0.5B shape")
+    assert "async 2 sampling + 2 training" in result["configuration"] and "--out" not in result["command"]
+    cells = page_module._cells(page_module.row(result))
+    assert cells[1:5] == ["1.50×", "10.00 / 14.00", "2.00 / 7.50", "5.50 / 5.90"]
+    report["errors"] = {"async": "RuntimeError: hung"}
+    with pytest.raises(SystemExit, match="a mode failed"):
+        report_module.performance_row(report)
