@@ -83,6 +83,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import faulthandler
 import gc
 import json
 import math
@@ -137,6 +138,9 @@ def parse_args(argv=None):
     p.add_argument("--precapture", choices=["on", "off"], default="on",
                    help="CUDA: capture every decode graph before train() (see the docstring)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hang_dump_s", type=float, default=300,
+                   help="print every thread's Python stack (each rank) if train() still runs after this many "
+                        "seconds, as a hung run does; 0: never")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None, help="output folder (default $OUT, else runs/async_rollouts_bench)")
     p.add_argument("--curves", action="store_true", help="also the learning curves on the arithmetic task (CPU)")
@@ -418,7 +422,12 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
         graphs, capture_s = precapture(sampling_engine, sequences, args.prompt_len, config, trainer.pad_id)
         print(f"  [{mode}] precaptured {graphs} decode graphs in {capture_s:.1f} s", flush=True)
     train_started = time.perf_counter()
-    trainer.train()
+    if args.hang_dump_s > 0:  # a run still going then has hung: every thread's stack, on every rank
+        faulthandler.dump_traceback_later(args.hang_dump_s, exit=False)
+    try:
+        trainer.train()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     train_s = time.perf_counter() - train_started
     calls = sorted((c for e in engines for c in e.calls), key=lambda c: c["started"])
     if trainer.rollout_server is not None or args.processes > 1:
