@@ -100,7 +100,7 @@ class EvalResult:
 def _answer_of(task, text: str) -> str | None:
     extract = getattr(task, "extract_answer", None)
     if extract is None:
-        from ..rewards.rules import extract_answer as extract
+        from ..rewards.answers import extract_answer as extract
     return extract(text)
 
 

@@ -73,7 +73,7 @@ def mean_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
 def majority_vote(answers: Sequence[str | None], verdicts: Sequence[bool]) -> bool:
     """maj@k correctness of one problem from its k samples.
 
-    `answers[i]` is sample i's final answer in a normal form (e.g. `cohort.rewards.rules.
+    `answers[i]` is sample i's final answer in a normal form (e.g. `cohort.rewards.answers.
     canonical_answer`, so "18.00" and "$18" vote together), None when it gave none; `verdicts[i]`
     is whether sample i is correct. The most frequent non-None answer wins; ties go to the answer that
     appeared first; the problem is solved when the winner's sample is correct. No answers: not solved.

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..errors import CohortError
 from .replay import MixedBatches, ReplayBuffer, Sample, rng_state, set_rng_state, within_group_pairs
-from .rules import completion_text
+from .completions import completion_text
 from .runner import accepted_kwargs
 from .scorers import REWARD_OUTPUT_KEY, SCORERS, as_scorer, load_scorer
 

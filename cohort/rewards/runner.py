@@ -43,7 +43,8 @@ from typing import Callable
 import torch
 
 from ..errors import CohortError
-from .rules import completion_text, resolve_reward
+from .completions import completion_text
+from .rules import resolve_reward
 
 
 class RewardWarning(UserWarning):
