@@ -15,7 +15,7 @@ How completions end (the lengths). Each completion's stop length is drawn before
 lognormal: median `--median` (1024) tokens, σ = `--sigma` (default ln(cap / median) / 2.326, so that the 99th
 percentile sits at the cap: 0.894 for 1024 / 8192), capped at `--cap` = max_completion_length (8192) — the
 long tail of R1-style outputs, so a step waits for its longest completion (with 256 draws, about 2.6 per step
-reach the cap). The draws of a call are keyed by (`--seed`, the rollout's sampling seed, its sequence offset),
+reach the cap). Each completion's draw is keyed by (`--seed`, the rollout's sampling seed, its index in the step's batch),
 and the trainer gives step t the same sampling seed in both modes, so step t draws the same lengths in both.
 A random model never ends on its own (it samples EOS with probability ~1/151,936 per token), so the length is
 imposed inside the engine, where a real EOS acts: `DrawnLengthEngine` is cohort's `Engine` with one override,
@@ -115,7 +115,7 @@ Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="0.5b", help="Qwen2.5 shape of the random model: 0.5b, 1.5b, 3b, 7b")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 32; 4 with --smoke)")
     p.add_argument("--num_generations", type=int, default=8, help="G: completions per prompt")
     p.add_argument("--prompt_len", type=int, default=128, help="tokens per (random) prompt")
     p.add_argument("--median", type=float, default=1024, help="median drawn completion length (tokens)")
@@ -152,9 +152,11 @@ def parse_args(argv=None):
                    help="CPU, tiny random model, lengths median 8 / cap 48, 3 steps per mode: checks the plumbing")
     args = p.parse_args(argv)
     if args.smoke:
-        args.device, args.prompts, args.num_generations, args.prompt_len = "cpu", 4, 4, 16
+        args.device, args.num_generations, args.prompt_len = "cpu", 4, 16
+        args.prompts = args.prompts or 4
         args.median, args.cap, args.steps, args.warmup = 8.0, 48, 3, 1
         args.curve_steps, args.curve_eval_steps, args.curve_eval_limit = 3, 2, 16
+    args.prompts = args.prompts or 32
     if args.curves_only:
         args.curves = True
     if args.sigma is None:
@@ -177,15 +179,16 @@ def parse_args(argv=None):
 
 class LengthDraws:
     """Per-completion stop lengths: ceil(median · exp(σ · z)), z ~ N(0, 1), at least 1 (uncapped: the engine
-    caps them at max_new_tokens). A call's draws are keyed by (seed, the call's sampling seed, its sequence
-    offset) and indexed by the completion's row (prompt i → rows i·G … i·G + G − 1)."""
+    caps them at max_new_tokens). Each completion's draw is keyed by (seed, the call's sampling seed, its
+    index in the step's batch: the call's sequence offset + its row), so a step draws the same lengths however
+    its batch is split over ranks or merged into one engine call."""
 
     def __init__(self, median: float, sigma: float, seed: int):
         self.median, self.sigma, self.seed = median, sigma, seed
 
     def draw(self, call_seed: int | None, offset: int, count: int) -> list[int]:
-        key = [self.seed, 0 if call_seed is None else call_seed & 0xFFFFFFFF, offset]
-        z = np.random.default_rng(key).standard_normal(count)
+        call = 0 if call_seed is None else call_seed & 0xFFFFFFFF
+        z = np.array([np.random.default_rng([self.seed, call, offset + row]).standard_normal() for row in range(count)])
         return np.maximum(1, np.ceil(self.median * np.exp(self.sigma * z))).astype(np.int64).tolist()
 
     def describe(self, cap: int, batch: int) -> dict:

@@ -22,6 +22,10 @@ def test_placement_splits_trainers_and_samplers():
     assert [four.server_of(t) for t in range(2)] == [2, 3] and four.served_by(2) == [0] and four.served_by(3) == [1]
     three = Placement(world_size=3, rollout_gpus=1)
     assert three.served_by(2) == [0, 1]
+    eight = Placement(world_size=8, rollout_gpus=2)  # blocks of consecutive trainers: their completions follow
+    assert eight.served_by(6) == [0, 1, 2] and eight.served_by(7) == [3, 4, 5]
+    seven = Placement(world_size=7, rollout_gpus=2)
+    assert seven.served_by(5) == [0, 1, 2] and seven.served_by(6) == [3, 4]
     for world, k in ((2, 2), (2, 0), (1, 1)):
         with pytest.raises(CohortError, match=f"rollout_gpus={k} with {world} ranks"):
             Placement(world, k)
@@ -173,3 +177,37 @@ def test_a_trainer_and_its_sampling_rank_exchange_requests_weights_and_rollouts(
     assert served == [3] and seen == [(11, 1.0), (12, 1.0), (13, 4.0)]  # version 1's weights loaded for step 3
     with pytest.raises(CohortError, match="no rollout was requested for step 4"):
         trainer.take(4)
+
+
+def test_one_engine_call_for_a_block_of_trainers_samples_what_their_own_calls_do(tiny_dir):
+    """A sampling rank serving two trainers samples a step's requests in one engine call; each trainer's
+    part is what sampling its own rows at its own offset gives, token for token."""
+    import torch
+
+    from cohort import GRPOConfig
+    from cohort.models.policy import load_policy
+    from cohort.rollout import make_sampler
+    from cohort.rollout.group_sampler import GroupSampler
+    from cohort.rollout.remote import split_by_blocks
+
+    model, tokenizer = load_policy(tiny_dir, device="cpu", log=lambda line: None)
+    args = GRPOConfig(num_generations=4, max_completion_length=12, temperature=1.0)
+    sample = GroupSampler(make_sampler(model, tokenizer), tokenizer, args, tokenizer.pad_token_id)
+    first, second = [{"prompt": "12+34="}, {"prompt": "5+6="}], [{"prompt": "70+8="}, {"prompt": "1+99="}]
+    merged = split_by_blocks(sample(first + second, seed=7, sequence_offset=8), [2, 2])
+    for part, (rows, offset) in zip(merged, ((first, 8), (second, 16))):
+        alone = sample(rows, seed=7, sequence_offset=offset)
+        assert part.completions == alone.completions and part.rows == alone.rows
+        assert torch.equal(part.rollout.completion_ids, alone.rollout.completion_ids)
+        assert torch.equal(part.rollout.completion_mask, alone.rollout.completion_mask)
+        assert torch.allclose(part.rollout.logprobs, alone.rollout.logprobs, atol=1e-5)
+        assert part.rollout.finish_reasons == alone.rollout.finish_reasons
+    assert merged[0].completions != merged[1].completions  # the blocks' noise differs
+
+    from cohort.rollout.remote import SAMPLE, RolloutServer
+
+    server = RolloutServer(QueueLink(Placement(3, 1), 2, {}, None), model, sample, group_size=4, merge_requests=True)
+    requests = {0: (SAMPLE, 3, 1, first, 7, 8), 1: (SAMPLE, 3, 1, second, 7, 16)}
+    assert server.engine_calls([0, 1], requests) == [[0, 1]]
+    for changed in ((SAMPLE, 3, 1, second, 7, 20), (SAMPLE, 3, 2, second, 7, 16), (SAMPLE, 3, 1, second, 8, 16)):
+        assert server.engine_calls([0, 1], {**requests, 1: changed}) == [[0], [1]]  # not one batch's block

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..rollout.batch import select_groups
 from ..rollout.sampler import Rollout
 
 
@@ -32,26 +33,6 @@ def informative_groups(rewards: torch.Tensor, group_size: int, scored: torch.Ten
 def scored_rows(batch) -> torch.Tensor | None:
     """[B] bool: the completions some reward function scored (None: every one)."""
     return None if batch.per_function is None else ~torch.isnan(batch.per_function).all(dim=1)
-
-
-def select_groups(batch, groups: list[int], group_size: int):
-    """The batch restricted to the given group indices (each group's G rows, in order)."""
-    rows = [g * group_size + i for g in groups for i in range(group_size)]
-    index = torch.tensor(rows, dtype=torch.long)
-
-    def pick(x):
-        if x is None:
-            return None
-        return x[index] if isinstance(x, torch.Tensor) else [x[r] for r in rows]
-
-    rollout = batch.rollout
-    return dataclasses.replace(
-        batch, rows=pick(batch.rows), prompt_ids=pick(batch.prompt_ids), completions=pick(batch.completions),
-        rewards=pick(batch.rewards), per_function=pick(batch.per_function), advantages=pick(batch.advantages),
-        rollout=Rollout(pick(rollout.completion_ids), pick(rollout.completion_mask), pick(rollout.logprobs),
-                        pick(rollout.finish_reasons), pick(rollout.tool_mask)),
-        environments=pick(batch.environments),
-    )
 
 
 def concat_batches(batches: list, pad_id: int):

@@ -38,7 +38,7 @@ from ..models.lora import adapters_disabled, apply_lora, has_lora, lora_config_f
 from ..models.policy import frozen_copy, load_policy, save_policy
 from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
 from ..rewards.runner import RewardRunner
-from ..rollout import make_sampler
+from ..rollout import Engine, make_sampler
 from ..rollout.async_rollouts import AsyncRollouts
 from ..rollout.batch import Batch
 from ..rollout.group_sampler import GroupSampler
@@ -108,8 +108,12 @@ class GRPOTrainer:
             raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         if self.parallel.samples_only:  # --rollout_gpus: this rank samples for trainer ranks (cohort/rollout/remote.py)
-            self.rollout_server = RolloutServer(self.parallel.link, self.model, GroupSampler(
-                make_sampler(self.model, self.tokenizer), self.tokenizer, args, self.pad_id, self.toolbox))
+            sampler = make_sampler(self.model, self.tokenizer)
+            # One engine call per step for all the trainers served: our engine's noise is keyed by each
+            # completion's index in the step's batch, so merged calls draw what separate ones would.
+            self.rollout_server = RolloutServer(
+                self.parallel.link, self.model, GroupSampler(sampler, self.tokenizer, args, self.pad_id, self.toolbox),
+                group_size=args.num_generations, merge_requests=isinstance(sampler, Engine) and self.toolbox is None)
             return
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))

@@ -7,6 +7,7 @@ B = prompts × G completions, everything group-contiguous (prompt i → rows i*G
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,3 +50,39 @@ class Batch:
     def sampled_token_ids(self) -> list[list[int]]:
         """[B] the tokens each completion's model sampled (tool results left out)."""
         return [ids[m.bool()].tolist() for ids, m in zip(self.rollout.completion_ids, self.rollout.loss_mask)]
+
+
+def select_groups(batch, groups: list[int], group_size: int):
+    """The batch restricted to the given group indices (each group's G rows, in order)."""
+    rows = [g * group_size + i for g in groups for i in range(group_size)]
+    index = torch.tensor(rows, dtype=torch.long)
+
+    def pick(x):
+        if x is None:
+            return None
+        return x[index] if isinstance(x, torch.Tensor) else [x[r] for r in rows]
+
+    rollout = batch.rollout
+    return dataclasses.replace(
+        batch, rows=pick(batch.rows), prompt_ids=pick(batch.prompt_ids), completions=pick(batch.completions),
+        rewards=pick(batch.rewards), per_function=pick(batch.per_function), advantages=pick(batch.advantages),
+        rollout=Rollout(pick(rollout.completion_ids), pick(rollout.completion_mask), pick(rollout.logprobs),
+                        pick(rollout.finish_reasons), pick(rollout.tool_mask)),
+        environments=pick(batch.environments),
+    )
+
+
+def without_extra_padding(batch: Batch) -> Batch:
+    """The batch with its completion tensors cut to its longest completion (a part of a larger rollout
+    is then what sampling it alone gives)."""
+    rollout = batch.rollout
+    width = max(1, int(rollout.completion_mask.sum(dim=1).max()))
+    if width >= rollout.completion_ids.shape[1]:
+        return batch
+
+    def cut(x):
+        return None if x is None else x[:, :width]
+
+    return dataclasses.replace(batch, rollout=Rollout(cut(rollout.completion_ids), cut(rollout.completion_mask),
+                                                      cut(rollout.logprobs), rollout.finish_reasons,
+                                                      cut(rollout.tool_mask)))

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import CohortError
 from .async_rollouts import batch_from_state, batch_state, steps_to_start, weights_snapshot
-from .batch import Batch
+from .batch import Batch, select_groups, without_extra_padding
 
 SAMPLE, ROLLOUT, STOP = "sample", "rollout", "stop"
 
@@ -99,10 +99,15 @@ class RolloutServer:
     """A sampling rank's loop: requests in, rollouts out, weights loaded per policy version.
 
     policy: this rank's copy of the model (the engine samples it); sample: `(rows, seed, sequence_offset)
-    -> Batch` over it."""
+    -> Batch` over it; group_size: G. merge_requests: sample the requests of one step from all the trainers this rank
+    serves in one engine call (their completions are consecutive in the step's batch, `Placement`): the
+    call then waits once for the step's longest completion, not once per trainer. The engine keys its
+    noise by each completion's index in the step's batch, so the tokens are those of separate calls."""
 
-    def __init__(self, link, policy: torch.nn.Module, sample: Callable[..., Batch]):
+    def __init__(self, link, policy: torch.nn.Module, sample: Callable[..., Batch], group_size: int = 1,
+                 merge_requests: bool = False):
         self.link, self.policy, self.sample = link, policy, sample
+        self.group_size, self.merge_requests = group_size, merge_requests
         self.trainers = link.placement.served_by(link.rank)
         self.version: int | None = None
         self.served = 0
@@ -113,18 +118,44 @@ class RolloutServer:
         while live:
             requests = {t: self.link.receive(t) for t in live}
             live = [t for t in live if requests[t][0] != STOP]
-            for trainer in live:
-                _, step, version, rows, seed, sequence_offset = requests[trainer]
+            for trainers in self.engine_calls(live, requests):
+                _, step, version, rows, seed, sequence_offset = requests[trainers[0]]
                 if version != self.version:
                     self.load_weights()
                     self.version = version
-                batch = self.sample(rows, seed, sequence_offset)
-                self.link.send((ROLLOUT, step, batch_state(batch)), trainer)  # the engine's rollouts are on the CPU
-                self.served += 1
+                blocks = [requests[t][3] for t in trainers]
+                batch = self.sample([row for block in blocks for row in block], seed, sequence_offset)
+                for trainer, part in zip(trainers, split_by_blocks(batch, [len(block) for block in blocks])):
+                    self.link.send((ROLLOUT, step, batch_state(part)), trainer)  # the engine's rollouts are on the CPU
+                    self.served += 1
         self.link.flush()
         return self.served
+
+    def engine_calls(self, trainers: list[int], requests: dict) -> list[list[int]]:
+        """The trainers whose requests each engine call samples: all of them in one call when their requests
+        are for the same step, version and seed and their completions follow each other in the batch."""
+        if not self.merge_requests or len(trainers) < 2:
+            return [[t] for t in trainers]
+        first, expected = requests[trainers[0]], requests[trainers[0]][5]
+        for trainer in trainers:
+            _, step, version, rows, seed, offset = requests[trainer]
+            if (step, version, seed, offset) != (first[1], first[2], first[4], expected):
+                return [[t] for t in trainers]
+            expected = offset + len(rows) * self.group_size
+        return [trainers]
 
     @torch.no_grad()
     def load_weights(self) -> None:
         self.link.receive_weights(list(self.policy.state_dict().values()))
 
+
+def split_by_blocks(batch: Batch, prompts: list[int]) -> list[Batch]:
+    """One rollout per block of `prompts[i]` consecutive prompts, each as sampling it alone gives."""
+    if len(prompts) == 1:
+        return [batch]
+    group_size = len(batch.rows) // sum(prompts)
+    parts, start = [], 0
+    for count in prompts:
+        parts.append(without_extra_padding(select_groups(batch, list(range(start, start + count)), group_size)))
+        start += count
+    return parts

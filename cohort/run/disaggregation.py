@@ -1,7 +1,9 @@
 """Sampling and training on different ranks of one torchrun job (`--rollout_gpus K`).
 
 With W ranks, the first W − K train (DDP among themselves, as without this option) and the last K
-only run the sampling engine. Trainer t is served by sampler T + (t mod K), T = W − K. Three groups
+only run the sampling engine. The T = W − K trainers are split into K blocks of consecutive ranks,
+block k served by sampler T + k, which samples a step's requests of its block in one engine call
+(`RolloutServer`). Three groups
 carry the traffic, made in the same order on every rank as torch.distributed requires:
 
 - the trainers' group: every collective of the update (DDP's gradient all-reduce, metrics);
@@ -47,8 +49,9 @@ class Placement:
         return rank >= self.trainers
 
     def server_of(self, trainer: int) -> int:
-        """The sampling rank that serves trainer rank `trainer`."""
-        return self.trainers + trainer % self.rollout_gpus
+        """The sampling rank that serves trainer rank `trainer`: the trainers in K blocks of consecutive ranks
+        (sizes differing by one at most), so a sampling rank's trainers own consecutive completions of a step."""
+        return self.trainers + trainer * self.rollout_gpus // self.trainers
 
     def served_by(self, server: int) -> list[int]:
         """The trainer ranks sampling rank `server` serves, in rank order."""
