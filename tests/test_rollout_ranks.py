@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from cohort.config import GRPOConfig
 from cohort.errors import CohortError
-from cohort.run.disaggregation import Placement
+from cohort.run.disaggregation import Placement, RolloutLink
 from test_distributed import REWARD_MODULE, run, step_records, train_options
 
 TOLERANCE = 1e-5
@@ -211,3 +211,33 @@ def test_one_engine_call_for_a_block_of_trainers_samples_what_their_own_calls_do
     assert server.engine_calls([0, 1], requests) == [[0, 1]]
     for changed in ((SAMPLE, 3, 1, second, 7, 20), (SAMPLE, 3, 2, second, 7, 16), (SAMPLE, 3, 1, second, 8, 16)):
         assert server.engine_calls([0, 1], {**requests, 1: changed}) == [[0], [1]]  # not one batch's block
+
+
+def test_a_rank_keeps_at_most_its_window_of_messages_in_flight(monkeypatch):
+    """gloo's is_completed() stays False until wait(): the link waits for its oldest message to a rank once
+    more than `messages_in_flight` are kept, so a long run does not hold every rollout it ever sent."""
+    import itertools
+
+    import torch.distributed as dist
+
+    waited, numbers = [], itertools.count()
+
+    class Work:
+        def __init__(self):
+            self.number = next(numbers)
+
+        def is_completed(self):
+            return False
+
+        def wait(self):
+            waited.append(self.number)
+
+    monkeypatch.setattr(dist, "isend", lambda tensor, dst, group=None: Work())
+    link = RolloutLink(Placement(3, 1), 2, None, None, None, messages_in_flight=3)
+    for step in range(5):
+        link.send(("rollout", step), 0)
+    link.send(("rollout", 0), 1)
+    assert [len(link.in_flight[rank]) for rank in (0, 1)] == [3, 1]
+    assert waited == [0, 1, 2, 3]  # the two oldest messages to rank 0, two works (size, payload) each
+    link.flush()
+    assert link.in_flight == {} and sorted(waited) == list(range(12))

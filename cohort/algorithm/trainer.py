@@ -96,7 +96,7 @@ class GRPOTrainer:
         seed_everything(args.seed)
         prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
         # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample.
-        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
+        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus, args.max_staleness)
         self.device = self.parallel.device
         self.model, self.tokenizer = load_policy(model, processing_class, device=self.device, log=log,
                                                  dtype=resolve_dtype(args.dtype, self.device),

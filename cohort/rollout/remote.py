@@ -119,7 +119,7 @@ class RolloutServer:
             requests = {t: self.link.receive(t) for t in live}
             live = [t for t in live if requests[t][0] != STOP]
             for trainers in self.engine_calls(live, requests):
-                _, step, version, rows, seed, sequence_offset = requests[trainers[0]]
+                _, step, version, _, seed, sequence_offset = requests[trainers[0]]
                 if version != self.version:
                     self.load_weights()
                     self.version = version

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import io
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -61,21 +62,29 @@ class Placement:
 class RolloutLink:
     """This rank's end of the traffic between trainers and samplers."""
 
-    def __init__(self, placement: Placement, rank: int, trainer_group, weights_group, message_group):
+    def __init__(self, placement: Placement, rank: int, trainer_group, weights_group, message_group,
+                 messages_in_flight: int = 3):
         self.placement, self.rank = placement, rank
         self.trainer_group, self.weights_group, self.message_group = trainer_group, weights_group, message_group
-        self.in_flight: list[tuple] = []  # (work handles, the buffers they read): kept until sent
+        # Per destination, the messages sent and perhaps not yet read: (work handles, the buffers they read).
+        # gloo's is_completed() stays False until wait() is called, so the sender waits for the oldest once
+        # more than `messages_in_flight` are kept; the schedule leaves at most max_staleness + 1 unread in
+        # either direction, so with max_staleness + 2 that wait returns at once, and memory stays bounded.
+        self.in_flight: dict[int, deque] = {}
+        self.messages_in_flight = messages_in_flight
         self.weights_in_flight: list = []
 
     @classmethod
-    def create(cls, placement: Placement, rank: int, timeout: datetime.timedelta) -> "RolloutLink":
+    def create(cls, placement: Placement, rank: int, timeout: datetime.timedelta,
+               max_staleness: int = 1) -> "RolloutLink":
         """The three groups (a collective: every rank of the job calls it, in the same order)."""
         import torch.distributed as dist
 
         trainer_group = dist.new_group(list(range(placement.trainers)), timeout=timeout)
         weights_group = dist.new_group([0, *range(placement.trainers, placement.world_size)], timeout=timeout)
         message_group = dist.new_group(list(range(placement.world_size)), backend="gloo", timeout=timeout)
-        return cls(placement, rank, trainer_group, weights_group, message_group)
+        return cls(placement, rank, trainer_group, weights_group, message_group,
+                   messages_in_flight=max_staleness + 2)
 
     # ---- messages (gloo; plain values and CPU tensors) -------------------------------------------
     def send(self, obj, dst: int) -> None:
@@ -87,8 +96,11 @@ class RolloutLink:
         payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         works = [dist.isend(size, dst, group=self.message_group), dist.isend(payload, dst, group=self.message_group)]
-        self.in_flight = [item for item in self.in_flight if not all(w.is_completed() for w in item[0])]
-        self.in_flight.append((works, (size, payload)))
+        sent = self.in_flight.setdefault(dst, deque())
+        sent.append((works, (size, payload)))
+        while len(sent) > self.messages_in_flight:
+            for work in sent.popleft()[0]:
+                work.wait()
 
     def receive(self, src: int):
         """The next message from rank `src` (waits for it)."""
@@ -129,8 +141,9 @@ class RolloutLink:
 
     def flush(self) -> None:
         """Wait until everything this rank started sending has gone."""
-        for works, _ in self.in_flight:
-            for work in works:
-                work.wait()
-        self.in_flight = []
+        for sent in self.in_flight.values():
+            for works, _ in sent:
+                for work in works:
+                    work.wait()
+        self.in_flight = {}
         self.wait_weights()

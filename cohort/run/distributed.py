@@ -115,7 +115,7 @@ class Parallel:
         return self.link is not None and self.link.placement.samples(self.rank)
 
     @classmethod
-    def from_env(cls, device_spec: str, timeout_s: float, rollout_gpus: int = 0) -> "Parallel":
+    def from_env(cls, device_spec: str, timeout_s: float, rollout_gpus: int = 0, max_staleness: int = 1) -> "Parallel":
         """From torchrun's RANK / WORLD_SIZE / LOCAL_RANK: one process group (NCCL on CUDA, gloo on
         CPU) whose collectives give up after `timeout_s` seconds, so a rank that died or hangs stops
         the others with an error instead of a silent wait. Without torchrun: one process, no group.
@@ -125,8 +125,9 @@ class Parallel:
         (SLURM's srun, mpirun) works when it sets what torchrun sets: RANK, WORLD_SIZE, LOCAL_RANK,
         MASTER_ADDR and MASTER_PORT for env:// initialisation.
 
-        With `rollout_gpus` = K, the last K ranks sample for the others (cohort/run/disaggregation.py):
-        this object then describes the training ranks' group, or for a sampling rank, that rank alone."""
+        With `rollout_gpus` = K, the last K ranks sample for the others (cohort/run/disaggregation.py),
+        `max_staleness` updates behind: this object then describes the training ranks' group, or for a
+        sampling rank, that rank alone."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size <= 1:
             if rollout_gpus:
@@ -159,7 +160,7 @@ class Parallel:
             from .disaggregation import Placement, RolloutLink
 
             placement = Placement(world_size, rollout_gpus)
-            link = RolloutLink.create(placement, rank, datetime.timedelta(seconds=timeout_s))
+            link = RolloutLink.create(placement, rank, datetime.timedelta(seconds=timeout_s), max_staleness)
             if placement.samples(rank):
                 return cls(rank, 1, local_rank, device, owns_group, link=link)
             return cls(rank, placement.trainers, local_rank, device, owns_group, group=link.trainer_group, link=link)
