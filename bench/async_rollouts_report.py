@@ -14,8 +14,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from performance_page import PAGE, row, write_result  # noqa: E402
 
-CARDS = {"NVIDIA H200": "H200", "NVIDIA H100 80GB HBM3": "H100 80GB HBM3"}
-
 
 def performance_row(report: dict) -> dict:
     """The page's result dict: both modes' means over the measured steps of one call."""
@@ -28,10 +26,10 @@ def performance_row(report: dict) -> dict:
         words = report["command"].split()
         ranks = int(words[words.index("--processes") + 1]) if "--processes" in words else 1
         samplers = int(words[words.index("--rollout_gpus") + 1]) if "--rollout_gpus" in words else 0
-    card = CARDS.get(report["card"], report["card"]) + (f" ×{ranks}" if ranks > 1 else "")
+    card = report["card"].removeprefix("NVIDIA ").strip() + (f" ×{ranks}" if ranks > 1 else "")  # as grpo_step_report
     layout = (f"{ranks} GPUs: sync DDP over {ranks}, async {samplers} sampling + {ranks - samplers} training"
               if ranks > 1 else "one GPU")
-    return dict(kind="async_rollouts", shape=f"Qwen2.5-{report['model'].split('-')[1].split(' ')[0].upper()} shape",
+    return dict(kind="async_rollouts", shape=f"Qwen2.5-{report['model'].split()[0].removeprefix('qwen2.5-').upper()} shape",
                 card=card, date=report["date"][:10], command=report["command"].replace(" --out /root/out", ""),
                 configuration=(f"{layout}; {work['prompts']} prompts × {work['G']}, lengths lognormal median "
                                f"{lengths['median']:.0f} / cap {lengths['cap']} (mean {lengths['mean']:.0f}); "
