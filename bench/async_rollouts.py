@@ -420,8 +420,9 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
     setup = time.perf_counter() - started
     graphs, capture_s = 0, 0.0
     if args.device != "cpu" and args.precapture == "on" and sampling_engine is not None:
-        # One engine call per step and trainer rank (a sampling rank samples each trainer's share in turn).
-        sequences = config.prompts_per_step * args.num_generations
+        # One engine call per step (a sampling rank samples the shares of all the trainers it serves at once).
+        served = len(trainer.rollout_server.trainers) if trainer.rollout_server is not None else 1
+        sequences = config.prompts_per_step * args.num_generations * served
         graphs, capture_s = precapture(sampling_engine, sequences, args.prompt_len, config, trainer.pad_id)
         print(f"  [{mode}] precaptured {graphs} decode graphs in {capture_s:.1f} s", flush=True)
     train_started = time.perf_counter()
