@@ -129,6 +129,9 @@ def parse_args(argv=None):
                    help="processes (GPUs) per mode, under torchrun: sync is DDP over all of them, async with "
                         "--rollout_gpus K samples on K of them and trains on the others; same global batch")
     p.add_argument("--rollout_gpus", type=int, default=0, help="with --processes: the async mode's sampling ranks")
+    p.add_argument("--partial_rollouts", action="store_true",
+                   help="with --rollout_gpus and --max_staleness 2 or more: the async mode's sampling ranks run "
+                        "partial rollouts (a step takes the first groups to complete; the rest go on next call)")
     p.add_argument("--worker", choices=["sync", "async"], help=argparse.SUPPRESS)  # one mode, under torchrun
     p.add_argument("--result", help=argparse.SUPPRESS)  # where rank 0 of a worker writes its mode's result
     p.add_argument("--modes", default="sync,async", help="which modes to run, in order")
@@ -166,6 +169,9 @@ def parse_args(argv=None):
                 f"end) and below --steps {args.steps}")
     if args.processes < 1 or not 0 <= args.rollout_gpus < args.processes or (args.rollout_gpus and args.processes == 1):
         p.error(f"--processes {args.processes} --rollout_gpus {args.rollout_gpus}: give 0 < K < N sampling ranks, or none")
+    if args.partial_rollouts and (not args.rollout_gpus or args.max_staleness < 2):
+        p.error("--partial_rollouts runs on sampling ranks and carries groups 2 updates: give --rollout_gpus K "
+                "and --max_staleness 2 or more")
     for mode, ranks in (("sync", args.processes), ("async", args.processes - args.rollout_gpus)):
         if args.prompts % ranks:
             p.error(f"--prompts {args.prompts} do not split over the {ranks} training ranks of the {mode} mode")
@@ -212,6 +218,7 @@ class DrawnLengthEngine(Engine):
         super().__init__(model, tokenizer, **options)
         self.lengths = lengths
         self.calls: list[dict] = []
+        self.carried: dict[tuple, list] = {}  # partial rollouts: context -> [(drawn length, tokens so far)]
         self._drawn: list[int] | None = None
 
     def generate(self, prompt_ids, num_generations, params, turns=None):
@@ -248,6 +255,46 @@ class DrawnLengthEngine(Engine):
                                graph_captures=int(self.stats.get("graph_captures", 0)),
                                graphs_enabled=bool(self.graphs.enabled)))
         return rollout
+
+    def generate_until(self, prompt_ids, limits, params, enough):
+        """Partial rollouts: a fresh completion draws its length as `generate` does; a continued one keeps the
+        length drawn when it started (found by its context: prompt + its tokens so far)."""
+        fresh = self.lengths.draw(params.seed, params.sequence_offset, len(prompt_ids))
+        drawn, earlier = [], []
+        for row, prompt in enumerate(prompt_ids):
+            waiting = self.carried.get(tuple(prompt))  # completions not admitted yet share their context
+            total, done = waiting.pop(0) if waiting else (min(fresh[row], params.max_new_tokens), 0)
+            if waiting == []:
+                del self.carried[tuple(prompt)]
+            drawn.append(total)
+            earlier.append(done)
+        limits = [min(limit, total - done) for limit, total, done in zip(limits, drawn, earlier)]
+        started = time.perf_counter()
+        sequences = super().generate_until(prompt_ids, limits, params, enough)
+        ended = time.perf_counter()
+        counts = dict(imposed_stops=0, eos_stops=0, cap_stops=0, violations=0, paused=0)
+        for prompt, seq, total, done in zip(prompt_ids, sequences, drawn, earlier):
+            n = done + len(seq.tokens)
+            if seq.finish_reason is None:
+                counts["paused"] += 1
+                self.carried.setdefault(tuple(prompt) + tuple(seq.tokens.tolist()), []).append((total, n))
+            elif seq.finish_reason == "stop":
+                counts["eos_stops"] += 1
+            elif n == total < params.max_new_tokens:
+                seq.finish_reason = "stop"
+                counts["imposed_stops"] += 1
+            elif n == total:
+                counts["cap_stops"] += 1
+            else:
+                counts["violations"] += 1
+        new_tokens = [len(seq.tokens) for seq in sequences]
+        self.calls.append(dict(seed=params.seed, started=started, ended=ended, seconds=ended - started, drawn=drawn,
+                               lengths=new_tokens, tokens=sum(new_tokens), longest=max(new_tokens), **counts,
+                               decode_steps=int(self.stats.get("decode_steps", 0)),
+                               decode_row_steps=int(self.stats.get("decode_row_steps", 0)),
+                               graph_captures=int(self.stats.get("graph_captures", 0)),
+                               graphs_enabled=bool(self.graphs.enabled)))
+        return sequences
 
     def _prefill(self, admitted, params):
         if self._drawn is not None:
@@ -379,7 +426,8 @@ def mode_config(args, mode: str, output_dir: str):
         max_tokens_per_micro_batch=0 if args.device == "cpu" else 65536, eval_steps=0, save_steps=0,
         log_completions_steps=10**6, report_to="none", seed=args.seed, device=args.device, quiet=True,
         async_rollouts=mode == "async", max_staleness=args.max_staleness,
-        rollout_gpus=args.rollout_gpus if mode == "async" else 0)
+        rollout_gpus=args.rollout_gpus if mode == "async" else 0,
+        partial_rollouts=mode == "async" and args.partial_rollouts)
     options.update(dict(parse_option(o) for o in args.option))
     config = GRPOConfig(**options)
     assert config.prompts_per_step == prompts, (config.prompts_per_step, prompts)
@@ -422,7 +470,8 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
     if args.device != "cpu" and args.precapture == "on" and sampling_engine is not None:
         # One engine call per step (a sampling rank samples the shares of all the trainers it serves at once).
         served = len(trainer.rollout_server.trainers) if trainer.rollout_server is not None else 1
-        sequences = config.prompts_per_step * args.num_generations * served
+        in_flight = 2 if config.partial_rollouts else 1  # partial rollouts: a second batch of groups in flight
+        sequences = config.prompts_per_step * args.num_generations * served * in_flight
         graphs, capture_s = precapture(sampling_engine, sequences, args.prompt_len, config, trainer.pad_id)
         print(f"  [{mode}] precaptured {graphs} decode graphs in {capture_s:.1f} s", flush=True)
     train_started = time.perf_counter()
@@ -656,10 +705,14 @@ def smoke_checks(results: dict, args) -> None:
     if "async" in results:
         for s in results["async"]["steps"]:
             expected = min(s["step"] - 1, args.max_staleness)  # the first L + 1 rollouts come from the initial weights
+            if args.partial_rollouts:  # fresh groups 1 version old, carried ones up to L
+                assert s["step"] == 1 or 1 <= s.get("async/staleness") <= args.max_staleness, s
+                assert "async/carried_groups" in s and s["async/dropped_groups"] == 0, s
+                continue
             assert s.get("async/staleness") == expected, (s["step"], s.get("async/staleness"), expected)
             missing = [k for k in SAMPLING_KEYS if k not in s]
             assert not missing, (s["step"], missing)
-        assert any(s["async/staleness"] == args.max_staleness for s in results["async"]["steps"])
+        assert args.partial_rollouts or any(s["async/staleness"] == args.max_staleness for s in results["async"]["steps"])
     if {"sync", "async"} <= set(results) and args.processes == 1:
         for a, b in zip(results["sync"]["steps"], results["async"]["steps"]):
             assert a["drawn"] == b["drawn"], (a["step"], "the modes drew different lengths")
@@ -699,7 +752,8 @@ def main(argv=None) -> dict:
                       workload=dict(prompts=args.prompts, G=args.num_generations, completions=batch,
                                     prompt_len=args.prompt_len, steps=args.steps, warmup=args.warmup,
                                     max_staleness=args.max_staleness, options=args.option, precapture=args.precapture,
-                                    processes=args.processes, rollout_gpus=args.rollout_gpus),
+                                    processes=args.processes, rollout_gpus=args.rollout_gpus,
+                                    partial_rollouts=args.partial_rollouts),
                       lengths=distribution, modes={}, errors={})
         results = {}
         for mode in args.modes:
@@ -737,7 +791,8 @@ def main(argv=None) -> dict:
                      "device" if args.processes == 1 else
                      f"{args.processes} processes: sync = DDP over all of them; async = max_staleness="
                      f"{args.max_staleness}, rollout_gpus={args.rollout_gpus} ranks sampling for "
-                     f"{args.processes - args.rollout_gpus} training ranks"))
+                     f"{args.processes - args.rollout_gpus} training ranks"
+                     + (", partial rollouts" if args.partial_rollouts else "")))
         table = markdown(summaries, header)
         print("\n" + table + "\n", flush=True)
         notes = []

@@ -113,6 +113,11 @@ class GRPOConfig:
     max_staleness: int = field(default=1, metadata={
         "help": "With async_rollouts: how many policy updates behind the trained policy the samples are (the "
                 "rollout of step t is sampled from the weights after update t - 1 - max_staleness)."})
+    partial_rollouts: bool = field(default=False, metadata={
+        "help": "With rollout_gpus: a step trains the first groups to complete and the others go on in the next "
+                "sampling call, so no step waits for the longest completion (cohort/rollout/partial.py). Requests "
+                "then go out 1 update ahead and a group is carried while its oldest tokens stay within "
+                "max_staleness (2 or more)."})
 
     # Algorithm breadth: DAPO, GSPO, an entropy bonus. The defaults leave plain GRPO unchanged.
     dynamic_sampling: bool = field(default=False, metadata={
@@ -366,6 +371,13 @@ class GRPOConfig:
             if self.curriculum:
                 bad("async_rollouts with a curriculum is not supported (a rollout sampled ahead would cross a stage "
                     "switch); train the stages without --async_rollouts")
+        if self.partial_rollouts:
+            if not self.rollout_gpus:
+                bad("partial_rollouts runs on sampling ranks: pass --async_rollouts true --rollout_gpus K under "
+                    "torchrun, or leave partial_rollouts off")
+            if self.max_staleness < 2:
+                bad(f"partial_rollouts with max_staleness={self.max_staleness}: a group carried into the next call is "
+                    "2 updates old when trained; give --max_staleness 2 or more")
         if self.rollout_gpus < 0:
             bad(f"rollout_gpus={self.rollout_gpus} is negative; give the number of sampling ranks, or 0")
         if self.rollout_gpus and not self.async_rollouts:

@@ -38,6 +38,11 @@ def test_settings_that_cannot_work_are_refused():
         GRPOConfig(rollout_gpus=1, async_rollouts=True, fsdp=True).validate()
     with pytest.raises(CohortError, match="rollout_gpus=-1 is negative"):
         GRPOConfig(rollout_gpus=-1).validate()
+    with pytest.raises(CohortError, match="partial_rollouts runs on sampling ranks"):
+        GRPOConfig(partial_rollouts=True, async_rollouts=True, max_staleness=2).validate()
+    with pytest.raises(CohortError, match="give --max_staleness 2 or more"):
+        GRPOConfig(partial_rollouts=True, async_rollouts=True, rollout_gpus=1, max_staleness=1).validate()
+    GRPOConfig(partial_rollouts=True, async_rollouts=True, rollout_gpus=1, max_staleness=2).validate()
 
 
 def test_one_process_cannot_sample_on_other_ranks(tiny_dir, tmp_path):
@@ -241,3 +246,28 @@ def test_a_rank_keeps_at_most_its_window_of_messages_in_flight(monkeypatch):
     assert waited == [0, 1, 2, 3]  # the two oldest messages to rank 0, two works (size, payload) each
     link.flush()
     assert link.in_flight == {} and sorted(waited) == list(range(12))
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_a_sampling_rank_stay_within_max_staleness_and_resume_exactly(root, tiny_dir):
+    """Two trainers and a sampler with partial rollouts: every step gets complete groups no more than
+    max_staleness versions old, some carried over from an earlier call, and a run resumed from a checkpoint
+    (the sampling rank's pool comes back from it) trains what the uninterrupted run trains."""
+    partial = ("--rollout_gpus", "1", "--partial_rollouts", "true", "--max_staleness", "2",
+               "--max_completion_length", "16", "--max_steps", "5")
+    whole = root / "partial"
+    output = run(root, three_ranks(*options(tiny_dir, whole, 2, *partial)), timeout=600)
+    assert "cohort: rank 2 sampled 10 rollouts for trainer rank(s) 0, 1" in output  # 5 steps × 2 trainers
+    records = step_records(whole)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert all(r["async/staleness"] <= 2 for r in records) and records[0]["async/staleness"] == 0.0
+    assert any(r["async/carried_groups"] > 0 for r in records)  # some groups were continued in a later call
+    assert all(r["async/dropped_groups"] == 0 for r in records)
+
+    resumed = root / "partial_resumed"
+    resumed.mkdir()
+    shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
+    output = run(root, three_ranks(*options(tiny_dir, resumed, 2, *partial, "--resume", "true")), timeout=600)
+    # Steps 3 and 4 come back from the checkpoint; step 5 is sampled from the pool it kept.
+    assert "cohort: rank 2 sampled 2 rollouts" in output
+    assert_same_training(resumed, whole, slice(-3, None))

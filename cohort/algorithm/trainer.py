@@ -42,6 +42,7 @@ from ..rollout import Engine, make_sampler
 from ..rollout.async_rollouts import AsyncRollouts
 from ..rollout.batch import Batch
 from ..rollout.group_sampler import GroupSampler
+from ..rollout.partial import partial_rollouts
 from ..rollout.remote import RemoteRollouts, RolloutServer
 from ..run.callbacks import CallbackHandler
 from ..run.checkpoint import RunParts, RunState, save_checkpoint
@@ -111,9 +112,11 @@ class GRPOTrainer:
             sampler = make_sampler(self.model, self.tokenizer)
             # One engine call per step for all the trainers served: our engine's noise is keyed by each
             # completion's index in the step's batch, so merged calls draw what separate ones would.
+            group_sampler = GroupSampler(sampler, self.tokenizer, args, self.pad_id, self.toolbox)
             self.rollout_server = RolloutServer(
-                self.parallel.link, self.model, GroupSampler(sampler, self.tokenizer, args, self.pad_id, self.toolbox),
-                group_size=args.num_generations, merge_requests=isinstance(sampler, Engine) and self.toolbox is None)
+                self.parallel.link, self.model, group_sampler, group_size=args.num_generations,
+                merge_requests=isinstance(sampler, Engine) and self.toolbox is None,
+                partial=partial_rollouts(args, sampler, group_sampler, self.toolbox, self.pad_id))
             return
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
@@ -158,7 +161,8 @@ class GRPOTrainer:
                 raise CohortError("async_rollouts with an environment_factory is not supported (an environment's "
                                   "state cannot be checkpointed with the rollouts sampled ahead); leave one out")
             if self.parallel.link is not None:  # --rollout_gpus: sampled on other ranks
-                self.async_rollouts = RemoteRollouts(self.parallel.link, self.parallel.rank, args.max_staleness)
+                self.async_rollouts = RemoteRollouts(self.parallel.link, self.parallel.rank, args.max_staleness,
+                                                     partial=args.partial_rollouts)
             else:
                 sampler_policy = frozen_copy(self.model)
                 self.async_rollouts = AsyncRollouts(sampler_policy, GroupSampler(
@@ -279,9 +283,9 @@ class GRPOTrainer:
         if not steps:
             return
         weights = self.async_rollouts.snapshot(self.model)
-        for ahead in steps:
-            self.async_rollouts.submit(ahead, self.step, weights, self.next_prompts(), self.prompts.next_seed(),
-                                       self.sequence_offset)
+        for ahead in steps:  # partial rollouts: the first request brings the groups in flight beyond a step's
+            rows = [row for _ in range(self.async_rollouts.prompt_batches()) for row in self.next_prompts()]
+            self.async_rollouts.submit(ahead, self.step, weights, rows, self.prompts.next_seed(), self.sequence_offset)
 
     def sample(self, rows: list[dict]) -> Batch:
         """π_old ← π_θ (the sampler reads the current weights); G completions for each prompt."""

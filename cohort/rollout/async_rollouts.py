@@ -103,6 +103,10 @@ class AsyncRollouts:
         """The steps whose rollouts start after update `step` (`steps_to_start`)."""
         return steps_to_start(step, self.max_staleness, bool(self.pending))
 
+    def prompt_batches(self) -> int:
+        """Batches of prompts each submission carries (partial rollouts, on sampling ranks only, want more)."""
+        return 1
+
     def state_dict(self) -> dict:
         """The rollouts sampled ahead (waited for), as plain values, so a checkpoint resumes exactly: they
         were drawn from the data stream and the weights the checkpoint has already moved past."""

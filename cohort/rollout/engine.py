@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Callable
 
 import torch
 
@@ -112,12 +113,39 @@ class Engine:
         `turns`, a sequence that ends a turn with budget left asks it what follows (turns.py): a tool's
         result is appended and the sequence rejoins the batch, while the others keep decoding."""
         self._validate(prompt_ids, num_generations, params)
-        max_len = self._sequence_capacity(prompt_ids, params)
+        longest = max(len(p) for p in prompt_ids)
+        max_len = self._sequence_capacity(longest, longest + params.max_new_tokens)
         sequences = [
             Sequence(index=i * num_generations + g, prompt=list(prompt),
                      limit=min(params.max_new_tokens, max_len - len(prompt)))
             for i, prompt in enumerate(prompt_ids) for g in range(num_generations)
         ]
+        self._sample(sequences, max_len, params, turns=turns)
+        return assemble_rollout(sequences, params.pad_token_id, multi_turn=turns is not None)
+
+    def generate_until(self, prompt_ids: list[list[int]], limits: list[int], params: SamplingParams,
+                       enough: Callable[[list[Sequence]], bool]) -> list[Sequence]:
+        """One completion per prompt, `limits[i]` new tokens at most, stopped early once `enough(finished)`
+        holds at a check (`finished`: the sequences done so far). The sequences still decoding then pause:
+        each comes back with the tokens and log-probs it has, `finish_reason` None (partial rollouts,
+        cohort/rollout/partial.py, continue them later from prompt + those tokens). The stop falls at a check,
+        so where it falls depends on the tokens, never on timing."""
+        self._validate(prompt_ids, 1, params)
+        if len(limits) != len(prompt_ids) or min(limits) < 1:
+            raise CohortError(f"generate_until needs one limit of at least 1 per prompt, got {len(limits)} for "
+                              f"{len(prompt_ids)} prompts (smallest {min(limits, default=0)})")
+        max_len = self._sequence_capacity(max(len(p) for p in prompt_ids),
+                                          max(len(p) + n for p, n in zip(prompt_ids, limits)))
+        sequences = [Sequence(index=i, prompt=list(prompt), limit=min(limit, max_len - len(prompt)))
+                     for i, (prompt, limit) in enumerate(zip(prompt_ids, limits))]
+        self._sample(sequences, max_len, params, enough=enough)
+        for seq in sequences:
+            if seq.tokens is None:  # never admitted before the stop
+                seq.tokens, seq.logprobs = torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float32)
+        return sequences
+
+    def _sample(self, sequences: list[Sequence], max_len: int, params: SamplingParams,
+                turns: TurnHandler | None = None, enough: Callable | None = None) -> None:
         num_slots = min(self.max_batch_size, len(sequences))
         buckets = batch_buckets(self.max_batch_size) if self.bucketed else None
         rows = round_up_to_bucket(num_slots, buckets) if buckets else num_slots
@@ -132,7 +160,7 @@ class Engine:
             scheduler.add(sequences)
             self._turns = None if turns is None else TurnKeeper(turns, lambda seq: scheduler.add([seq]))
             try:
-                self._run(scheduler, params)
+                self._run(scheduler, params, enough)
             finally:
                 if turns is not None:
                     turns.close()
@@ -140,7 +168,6 @@ class Engine:
         self.stats["graph_captures"] = self.graphs.captures
         if self._turns is not None:
             self.stats["turns_continued"] = self._turns.turns_continued
-        return assemble_rollout(sequences, params.pad_token_id, multi_turn=turns is not None)
 
     def capture_graphs(self, num_sequences: int, max_len: int, max_new_tokens: int, pad_token_id: int = 0) -> int:
         """Capture ahead of time the decode graphs a call with `num_sequences` sequences of up to
@@ -187,14 +214,13 @@ class Engine:
             if len(prompt) == 0:
                 raise CohortError(f"prompt {i} is empty; every prompt needs at least one token")
 
-    def _sequence_capacity(self, prompt_ids, params: SamplingParams) -> int:
-        longest = max(len(p) for p in prompt_ids)
+    def _sequence_capacity(self, longest_prompt: int, needed: int) -> int:
+        """KV length per row for prompts of up to `longest_prompt` tokens that need `needed` in all."""
         if self.max_seq_len is not None:
-            if longest >= self.max_seq_len:
-                raise CohortError(f"a prompt has {longest} tokens, max_seq_len is {self.max_seq_len}: "
+            if longest_prompt >= self.max_seq_len:
+                raise CohortError(f"a prompt has {longest_prompt} tokens, max_seq_len is {self.max_seq_len}: "
                                   "shorten the prompts or raise max_seq_len")
             return self.max_seq_len
-        needed = longest + params.max_new_tokens
         if self.cache is not None and self.cache.max_len >= needed:
             return self.cache.max_len
         return -(-needed // KV_LENGTH_STEP) * KV_LENGTH_STEP
@@ -226,10 +252,11 @@ class Engine:
             self._weights_key = weights_key
 
     # ---- the loop ----------------------------------------------------------------------------
-    def _run(self, scheduler: Scheduler, params: SamplingParams) -> None:
-        """Decode until every sequence is finished. Each round launches a chunk of decode steps and
-        reads the progress after the previous one (its one host sync); launching first (see
-        `_launch_ahead`) keeps a chunk queued on the GPU while the host waits, retires and admits."""
+    def _run(self, scheduler: Scheduler, params: SamplingParams, enough: Callable | None = None) -> None:
+        """Decode until every sequence is finished (or `enough` says the finished ones suffice: the rest
+        pause). Each round launches a chunk of decode steps and reads the progress after the previous one
+        (its one host sync); launching first (see `_launch_ahead`) keeps a chunk queued on the GPU while
+        the host waits, retires and admits."""
         sampling = _sampling_key(params)
         self._progress, self._retired = HostProgress(), []
         unread: Snapshot | None = None  # the progress after the last chunk launched, not yet read
@@ -237,6 +264,9 @@ class Engine:
             launched = None
             if unread is None or self._launch_ahead(unread, scheduler, params):
                 self._retire_at_limit(scheduler)
+                if enough is not None and enough(scheduler.finished):
+                    self._pause(scheduler)  # the sequences still decoding, as far as the enqueued steps take them
+                    break
                 if self._turns is not None:  # turns ended: ask what follows; answered ones rejoin
                     self._end_turns(params, block=scheduler.done and unread is None)
                 self._turn_over(scheduler, params)
@@ -250,6 +280,13 @@ class Engine:
             unread = launched
         for retirement in self._retired:  # the one wait for the retired rows' copies
             retirement.finish(self.tokenizer, params.stop, params.eos_token_ids or [])
+
+    def _pause(self, scheduler: Scheduler) -> None:
+        """Copy out every running sequence as it stands after the steps enqueued so far (a sequence that
+        reached EOS or its limit in them is finished; the others come back with `finish_reason` None)."""
+        running = [scheduler.slots[s] for s in scheduler.running_slots()]
+        self._retire(scheduler, running, paused=True)
+        scheduler.waiting.clear()
 
     def _end_turns(self, params: SamplingParams, block: bool) -> None:
         """Collect the retired rows whose copies have landed (all of them when `block`, as nothing else
@@ -334,7 +371,8 @@ class Engine:
         running = [scheduler.slots[s] for s in scheduler.running_slots()]
         self._retire(scheduler, [seq for seq in running if self._progress.upper(seq) >= seq.limit])
 
-    def _retire(self, scheduler: Scheduler, sequences: list[Sequence], cuts: list | None = None) -> None:
+    def _retire(self, scheduler: Scheduler, sequences: list[Sequence], cuts: list | None = None,
+                paused: bool = False) -> None:
         """Free the slots of finished sequences. Their rows are copied out without waiting, up to the
         furthest count they can have reached (a row cut by a stop string may still be decoding in the
         chunk enqueued ahead; its columns below the cut never change), and collected at the end."""
@@ -342,7 +380,8 @@ class Engine:
             return
         slots = to_device([seq.slot for seq in sequences], self.device)
         columns = max(self._progress.upper(seq) for seq in sequences)
-        self._retired.append(Retirement.enqueue(self.state, slots, sequences, cuts or [None] * len(sequences), columns))
+        self._retired.append(Retirement.enqueue(self.state, slots, sequences, cuts or [None] * len(sequences), columns,
+                                                paused=paused))
         self.state.clear(slots)  # after the copies in stream order: a freed row is rewritten only once read
         for seq in sequences:
             scheduler.retire(seq)

@@ -28,11 +28,8 @@ class GroupSampler:
     def __call__(self, rows: list[dict], seed: int, sequence_offset: int = 0) -> Batch:
         """G completions for each of `rows`. `seed` keys the sampling noise; `sequence_offset` is the
         global index of this rank's first completion (several ranks draw what one would)."""
-        args, G = self.args, self.args.num_generations
-        params = SamplingParams(
-            max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, eos_token_ids=[self.tokenizer.eos_token_id],
-            pad_token_id=self.pad_id, seed=seed, sequence_offset=sequence_offset)
+        G = self.args.num_generations
+        params = self.sampling_params(seed, sequence_offset)
         completion_rows = [r for r in rows for _ in range(G)]
         environments = turns = None
         if self.toolbox is not None and self.toolbox.environment_factory is not None:
@@ -56,12 +53,24 @@ class GroupSampler:
             completions = [turns.conversation(i, ids[m.bool()].tolist(), t[m.bool()].tolist()) for i, (ids, m, t) in
                            enumerate(zip(rollout.completion_ids, rollout.completion_mask, rollout.tool_mask))]
         else:
-            texts = [self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-                     for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
-            completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+            completions = self.decode(rows, rollout)
         return Batch(rows=completion_rows, prompt_ids=prompt_ids, rollout=rollout, completions=completions,
                      environments=environments,
                      rollout_metrics=None if turns is None else turns.metrics(len(completion_rows)))
+
+    def sampling_params(self, seed: int, sequence_offset: int = 0) -> SamplingParams:
+        """The run's sampling settings for one call (`seed` and `sequence_offset` key its noise)."""
+        args = self.args
+        return SamplingParams(
+            max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, eos_token_ids=[self.tokenizer.eos_token_id],
+            pad_token_id=self.pad_id, seed=seed, sequence_offset=sequence_offset)
+
+    def decode(self, rows: list[dict], rollout) -> list:
+        """Each completion as text, or as an assistant message for chat prompts (rows: one per completion)."""
+        texts = [self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+                 for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        return [[{"role": "assistant", "content": t}] for t in texts] if isinstance(rows[0]["prompt"], list) else texts
 
     def encode_prompt(self, prompt, tools: list[dict] | None = None) -> list[int]:
         text = prompt_text(self.tokenizer, prompt, tools)  # the same rendering as evaluation and SFT

@@ -116,13 +116,14 @@ class Retirement:
     logprobs: torch.Tensor  # [rows, columns] float32
     counts: torch.Tensor  # [rows] long
     ready: torch.cuda.Event | None
+    paused: bool = False  # rows stopped before they finished (`Engine.generate_until`)
 
     @classmethod
     def enqueue(cls, state: SlotState, slots: torch.Tensor, sequences: list[Sequence], cuts: list[int | None],
-                columns: int) -> Retirement:
+                columns: int, paused: bool = False) -> Retirement:
         """Copy the first `columns` tokens and log-probs of rows `slots`, and their counts."""
         return cls(sequences, cuts, to_host(state.tokens[slots, :columns]), to_host(state.logprobs[slots, :columns]),
-                   to_host(state.generated[slots]), record_event(slots.device))
+                   to_host(state.generated[slots]), record_event(slots.device), paused)
 
     def landed(self) -> bool:
         """Whether the copies are done (never waits)."""
@@ -140,4 +141,8 @@ class Retirement:
             kept = count if cut is None else cut  # a cut row's later columns were decoded in vain
             seq.tokens = self.tokens[row, :kept].clone()
             seq.logprobs = self.logprobs[row, :kept].clone()
-            seq.finish_reason = "stop" if cut is not None or int(seq.tokens[-1]) in eos else "length"
+            stopped = cut is not None or (kept > 0 and int(seq.tokens[-1]) in eos)
+            if self.paused and not stopped and kept < seq.limit:
+                seq.finish_reason = None  # paused before it finished: it goes on in a later call
+            else:
+                seq.finish_reason = "stop" if stopped else "length"

@@ -22,22 +22,28 @@ import torch
 from ..errors import CohortError
 from .async_rollouts import batch_from_state, batch_state, steps_to_start, weights_snapshot
 from .batch import Batch, select_groups, without_extra_padding
+from .partial import GroupPool, PartialRollouts
 
-SAMPLE, ROLLOUT, STOP = "sample", "rollout", "stop"
+SAMPLE, ROLLOUT, STOP, RESTORE = "sample", "rollout", "stop", "restore"
 
 
 class RemoteRollouts:
     """A trainer's rollouts, sampled by its sampling rank.
 
-    link: the job's `RolloutLink`; rank: this trainer's global rank."""
+    link: the job's `RolloutLink`; rank: this trainer's global rank. partial: the sampling rank runs partial
+    rollouts (cohort/rollout/partial.py): requests go out 1 update ahead, the first with a second batch of
+    prompts, and each rollout comes with its oldest tokens' version and the pool it leaves (for checkpoints)."""
 
-    def __init__(self, link, rank: int, max_staleness: int):
+    def __init__(self, link, rank: int, max_staleness: int, partial: bool = False):
         if max_staleness < 1:
             raise CohortError(f"max_staleness={max_staleness}: rollouts on other ranks are at least 1 update behind")
-        self.link, self.rank, self.max_staleness = link, rank, max_staleness
+        self.link, self.rank, self.max_staleness, self.partial = link, rank, max_staleness, partial
+        self.lag = 1 if partial else max_staleness
         self.server = link.placement.server_of(rank)
         self.pending: dict[int, int] = {}  # step -> policy version: submitted or loaded, not yet taken
         self.received: dict[int, Batch] = {}
+        self.versions: dict[int, int] = {}  # step -> the version of its oldest tokens, as the sampling rank says
+        self.pool: dict | None = None  # partial rollouts: the sampling rank's pool after the newest rollout
         self.published_version: int | None = None
         self.closed = False
 
@@ -58,34 +64,47 @@ class RemoteRollouts:
                 self.link.publish_weights(list(weights.values()))
 
     def take(self, step: int) -> tuple[Batch, int]:
-        """The rollout of `step` (waiting for it) and the policy version it was sampled from."""
+        """The rollout of `step` (waiting for it) and the policy version of its oldest tokens."""
         if step not in self.pending:
             raise CohortError(f"no rollout was requested for step {step}")
         self.receive_until(step)
-        return self.received.pop(step), self.pending.pop(step)
+        requested = self.pending.pop(step)
+        return self.received.pop(step), self.versions.pop(step, requested)
 
     def receive_until(self, step: int) -> None:
         while step not in self.received:
             kind, done_step, state = self.link.receive(self.server)
             if kind != ROLLOUT:
                 raise CohortError(f"rank {self.rank}: expected a rollout from sampling rank {self.server}, got {kind!r}")
+            if "pool" in state:  # partial rollouts
+                self.versions[done_step], self.pool = state.pop("version"), state.pop("pool")
             self.received[done_step] = batch_from_state(state)
 
     def steps_ahead(self, step: int) -> list[int]:
-        return steps_to_start(step, self.max_staleness, bool(self.pending))
+        return steps_to_start(step, self.lag, bool(self.pending))
+
+    def prompt_batches(self) -> int:
+        """Batches of prompts the next request carries: 2 for the first one with partial rollouts (the groups
+        in flight beyond a step's), else 1."""
+        return 2 if self.partial and self.pool is None and not self.pending else 1
 
     def state_dict(self) -> dict:
-        """The rollouts requested and not yet trained on (waited for), for a checkpoint."""
+        """The rollouts requested and not yet trained on (waited for), and with partial rollouts the sampling
+        rank's pool after them, for a checkpoint."""
         if self.pending:
             self.receive_until(max(self.pending))
-        return {"pending": [{"step": step, "version": version, **batch_state(self.received[step])}
-                            for step, version in sorted(self.pending.items())]}
+        return {"pending": [{"step": step, "version": self.versions.get(step, version),
+                             **batch_state(self.received[step])} for step, version in sorted(self.pending.items())],
+                "pool": self.pool}
 
     def load_state_dict(self, state: dict) -> None:
-        """The rollouts a checkpoint saved, as if just received."""
+        """The rollouts a checkpoint saved, as if just received; the sampling rank gets its pool back."""
         for item in state.get("pending", []):
             self.received[item["step"]] = batch_from_state(item)
             self.pending[item["step"]] = item["version"]
+        if self.partial and state.get("pool") is not None:
+            self.pool = state["pool"]
+            self.link.send((RESTORE, self.pool), self.server)
 
     def close(self) -> None:
         """Tell the sampling rank this trainer is done; wait until what it sent has gone. Once only."""
@@ -102,22 +121,36 @@ class RolloutServer:
     -> Batch` over it; group_size: G. merge_requests: sample the requests of one step from all the trainers this rank
     serves in one engine call (their completions are consecutive in the step's batch, `Placement`): the
     call then waits once for the step's longest completion, not once per trainer. The engine keys its
-    noise by each completion's index in the step's batch, so the tokens are those of separate calls."""
+    noise by each completion's index in the step's batch, so the tokens are those of separate calls.
+    partial: `PartialRollouts`: each step's requests of all the trainers served go into one call over their
+    pools of groups in flight (cohort/rollout/partial.py)."""
 
     def __init__(self, link, policy: torch.nn.Module, sample: Callable[..., Batch], group_size: int = 1,
-                 merge_requests: bool = False):
+                 merge_requests: bool = False, partial: PartialRollouts | None = None):
         self.link, self.policy, self.sample = link, policy, sample
-        self.group_size, self.merge_requests = group_size, merge_requests
+        self.group_size, self.merge_requests, self.partial = group_size, merge_requests, partial
         self.trainers = link.placement.served_by(link.rank)
+        self.pools = {t: GroupPool() for t in self.trainers}
         self.version: int | None = None
         self.served = 0
+
+    def next_request(self, trainer: int):
+        """The next request of `trainer`, after putting back the pool a resumed trainer returns."""
+        while True:
+            message = self.link.receive(trainer)
+            if message[0] != RESTORE:
+                return message
+            self.pools[trainer] = GroupPool.from_state(message[1])
 
     def serve(self) -> int:
         """Serve until every trainer has stopped; the number of rollouts sampled."""
         live = list(self.trainers)
         while live:
-            requests = {t: self.link.receive(t) for t in live}
+            requests = {t: self.next_request(t) for t in live}
             live = [t for t in live if requests[t][0] != STOP]
+            if self.partial is not None and live:
+                self.serve_partial(live, requests)
+                continue
             for trainers in self.engine_calls(live, requests):
                 _, step, version, _, seed, sequence_offset = requests[trainers[0]]
                 if version != self.version:
@@ -143,6 +176,19 @@ class RolloutServer:
                 return [[t] for t in trainers]
             expected = offset + len(rows) * self.group_size
         return [trainers]
+
+    def serve_partial(self, trainers: list[int], requests: dict) -> None:
+        """One call over the pools of `trainers` (their requests are for the same step, version and seed)."""
+        _, step, version, _, seed, _ = requests[trainers[0]]
+        if version != self.version:
+            self.load_weights()
+            self.version = version
+        pools = [self.pools[t] for t in trainers]
+        results = self.partial(pools, [requests[t][3] for t in trainers], step, version, seed)
+        for trainer, pool, (batch, oldest, _) in zip(trainers, pools, results):
+            state = {**batch_state(batch), "version": oldest, "pool": pool.state_dict()}
+            self.link.send((ROLLOUT, step, state), trainer)
+            self.served += 1
 
     @torch.no_grad()
     def load_weights(self) -> None:
