@@ -33,7 +33,8 @@ def performance_row(report: dict) -> dict:
                 card=card, date=report["date"][:10], command=report["command"].replace(" --out /root/out", ""),
                 configuration=(f"{layout}; {work['prompts']} prompts × {work['G']}, lengths lognormal median "
                                f"{lengths['median']:.0f} / cap {lengths['cap']} (mean {lengths['mean']:.0f}); "
-                               f"max_staleness={work['max_staleness']}"),
+                               f"max_staleness={work['max_staleness']}"
+                               + (", partial rollouts" if work.get("partial_rollouts") else "")),
                 sync_tok_per_s=sync["tok_per_s"], async_tok_per_s=asynchronous["tok_per_s"],
                 sync_wall_s=sync["wall_s"], async_wall_s=asynchronous["wall_s"],
                 sync_sampling_s=sync["time/sampling"], async_wait_s=asynchronous["time/sampling"],
