@@ -84,8 +84,9 @@ def test_a_continuation_records_the_log_probs_of_the_model_given_prompt_and_earl
 
 
 def test_limits_must_match_the_prompts(model):
-    with pytest.raises(CohortError, match="one limit of at least 1 per prompt"):
-        engine(model).generate_until(PROMPTS, [4], params(), enough=lambda done: False)
+    for limits in ([4], [4] * 5 + [0], [4] * 5 + [41]):  # one per prompt, each within max_new_tokens (40)
+        with pytest.raises(CohortError, match="one limit per prompt, from 1 to max_new_tokens=40"):
+            engine(model).generate_until(PROMPTS, limits, params(), enough=lambda done: False)
 
 
 # ---- the pool ------------------------------------------------------------------------------------------

@@ -271,3 +271,37 @@ def test_partial_rollouts_on_a_sampling_rank_stay_within_max_staleness_and_resum
     # Steps 3 and 4 come back from the checkpoint; step 5 is sampled from the pool it kept.
     assert "cohort: rank 2 sampled 2 rollouts" in output
     assert_same_training(resumed, whole, slice(-3, None))
+
+
+EARLY_STOP = '''
+import sys
+from cohort import GRPOConfig, GRPOTrainer
+
+
+class StopAfterOne:
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = True
+
+
+args = GRPOConfig(output_dir=sys.argv[2], device="cpu", quiet=True, max_steps=4, async_rollouts=True, rollout_gpus=1,
+                  max_staleness=int(sys.argv[3]), partial_rollouts=sys.argv[4] == "1", num_generations=4,
+                  per_device_train_batch_size=8, max_completion_length=16, save_steps=0, eval_steps=0)
+trainer = GRPOTrainer(sys.argv[1], lambda completions, **_: [float(len(c)) for c in completions],
+                      [{"prompt": f"{a}+{a}="} for a in range(40)], args=args, callbacks=[StopAfterOne()])
+trainer.train()
+print("steps trained:", len(trainer.history))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness, partial", [(1, "0"), (2, "1")])
+def test_a_run_stopped_early_ends_cleanly_on_every_rank(root, tiny_dir, staleness, partial):
+    """A callback stops the run after step 1 with later rollouts requested: the trainers take them before
+    stopping, so the sampling rank's sends complete and every rank exits 0 (it used to fail in its flush)."""
+    script = root / "early_stop.py"
+    script.write_text(EARLY_STOP)
+    out = root / f"early-{staleness}-{partial}"
+    output = run(root, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                        str(script), str(tiny_dir), str(out), str(staleness), partial], timeout=300)
+    assert output.count("steps trained: 1") == 2 and output.count("steps trained: 0") == 1  # 2 trainers, 1 sampler
+    assert "cohort: rank 2 sampled" in output

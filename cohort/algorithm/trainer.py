@@ -551,8 +551,8 @@ class GRPOTrainer:
 
     @property
     def history(self) -> list[dict]:
-        """Every step's metrics record so far."""
-        return self.report.history
+        """Every step's metrics record so far (none on a rank that only samples: it trains no step)."""
+        return [] if self.rollout_server is not None else self.report.history
 
     @property
     def state(self):

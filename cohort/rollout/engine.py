@@ -131,9 +131,10 @@ class Engine:
         cohort/rollout/partial.py, continue them later from prompt + those tokens). The stop falls at a check,
         so where it falls depends on the tokens, never on timing."""
         self._validate(prompt_ids, 1, params)
-        if len(limits) != len(prompt_ids) or min(limits) < 1:
-            raise CohortError(f"generate_until needs one limit of at least 1 per prompt, got {len(limits)} for "
-                              f"{len(prompt_ids)} prompts (smallest {min(limits, default=0)})")
+        if len(limits) != len(prompt_ids) or min(limits, default=0) < 1 or max(limits) > params.max_new_tokens:
+            raise CohortError(f"generate_until needs one limit per prompt, from 1 to max_new_tokens="
+                              f"{params.max_new_tokens}; got {len(limits)} for {len(prompt_ids)} prompts "
+                              f"(from {min(limits, default=0)} to {max(limits, default=0)})")
         max_len = self._sequence_capacity(max(len(p) for p in prompt_ids),
                                           max(len(p) + n for p, n in zip(prompt_ids, limits)))
         sequences = [Sequence(index=i, prompt=list(prompt), limit=min(limit, max_len - len(prompt)))

@@ -107,9 +107,13 @@ class RemoteRollouts:
             self.link.send((RESTORE, self.pool), self.server)
 
     def close(self) -> None:
-        """Tell the sampling rank this trainer is done; wait until what it sent has gone. Once only."""
+        """Tell the sampling rank this trainer is done; wait until what it sent has gone. Once only. The rollouts
+        requested and not trained on (a run stopped early) are received first: the sampling rank's sends of them
+        complete only then."""
         if not self.closed:
             self.closed = True
+            if self.pending:
+                self.receive_until(max(self.pending))
             self.link.send((STOP,), self.server)
             self.link.flush()
 
