@@ -110,14 +110,16 @@ class GRPOConfig:
     rollout_gpus: int = field(default=0, metadata={
         "help": "With async_rollouts under torchrun: the last K ranks only sample (the engine), the others train; "
                 "weights go to the samplers over NCCL after each update (cohort/run/disaggregation.py)."})
-    max_staleness: int = field(default=1, metadata={
+    max_staleness: int | None = field(default=None, metadata={
         "help": "With async_rollouts: how many policy updates behind the trained policy the samples are (the "
-                "rollout of step t is sampled from the weights after update t - 1 - max_staleness)."})
-    partial_rollouts: bool = field(default=False, metadata={
+                "rollout of step t is sampled from the weights after update t - 1 - max_staleness). None: 2 with "
+                "partial rollouts, else 1."})
+    partial_rollouts: bool | str = field(default="auto", metadata={
         "help": "With rollout_gpus: a step trains the first groups to complete and the others go on in the next "
                 "sampling call, so no step waits for the longest completion (cohort/rollout/partial.py). Requests "
                 "then go out 1 update ahead and a group is carried while its oldest tokens stay within "
-                "max_staleness (2 or more)."})
+                "max_staleness (2 or more). auto: on with rollout_gpus where cohort's engine samples, without "
+                "tools, unless max_staleness is set below 2."})
 
     # Algorithm breadth: DAPO, GSPO, an entropy bonus. The defaults leave plain GRPO unchanged.
     dynamic_sampling: bool = field(default=False, metadata={
@@ -362,7 +364,7 @@ class GRPOConfig:
                 setattr(self, name, getattr(self, alias))
                 setattr(self, alias, None)
         if self.async_rollouts:
-            if self.max_staleness < 1:
+            if self.max_staleness is not None and self.max_staleness < 1:
                 bad(f"max_staleness={self.max_staleness}: asynchronous rollouts are at least 1 update behind; "
                     "give --max_staleness 1 or more, or leave --async_rollouts off")
             if self.importance_sampling_correction is False:
@@ -371,11 +373,11 @@ class GRPOConfig:
             if self.curriculum:
                 bad("async_rollouts with a curriculum is not supported (a rollout sampled ahead would cross a stage "
                     "switch); train the stages without --async_rollouts")
-        if self.partial_rollouts:
+        if self.partial_rollouts is True:
             if not self.rollout_gpus:
                 bad("partial_rollouts runs on sampling ranks: pass --async_rollouts true --rollout_gpus K under "
                     "torchrun, or leave partial_rollouts off")
-            if self.max_staleness < 2:
+            if self.max_staleness is not None and self.max_staleness < 2:
                 bad(f"partial_rollouts with max_staleness={self.max_staleness}: a group carried into the next call is "
                     "2 updates old when trained; give --max_staleness 2 or more")
         if self.rollout_gpus < 0:
@@ -524,13 +526,15 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "gradient_checkpointing_layers": ("N", "auto"),
     "gradient_checkpointing": ("auto", "true", "false"),
     "torch_compile": ("auto", "true", "false"),
+    "partial_rollouts": ("auto", "true", "false"),
     "reward_errors": ("raise", "warn"),
 }
 
 
 # Options whose default, auto, the trainer resolves once it knows the device and the model
-# (cohort/update/fast_path.py): the fastest measured configuration is what a bare config gets.
-AUTO_OPTIONS = ("torch_compile", "gradient_checkpointing")
+# (cohort/update/fast_path.py, cohort/rollout/partial.py): the fastest measured configuration is what a
+# bare config gets.
+AUTO_OPTIONS = ("torch_compile", "gradient_checkpointing", "partial_rollouts")
 
 
 def default_task(data_files, dataset_name) -> str:

@@ -164,3 +164,28 @@ def test_steps_get_complete_groups_within_max_staleness_and_carried_tokens_keep_
                 assert torch.allclose(batch.rollout.logprobs[row, :count], expected, atol=1e-4)
         assert all(len(pool.groups) <= per_step * 2 for pool in pools)
     assert delivered == 32 and carried > 0  # some groups were continued in a later call
+
+
+def test_partial_rollouts_are_on_by_default_wherever_they_can_run():
+    from types import SimpleNamespace
+
+    from cohort.config import GRPOConfig
+    from cohort.rollout.partial import resolve_partial_rollouts
+
+    engine_like, hf_like = SimpleNamespace(generate_until=None), SimpleNamespace()
+
+    def resolved(sampler=engine_like, toolbox=None, **options):
+        args = GRPOConfig(async_rollouts=True, **options)
+        args.validate()
+        resolve_partial_rollouts(args, sampler, toolbox)
+        return args.partial_rollouts, args.max_staleness
+
+    assert resolved(rollout_gpus=2) == (True, 2)  # sampling ranks, our engine: on, 2 updates
+    assert resolved(rollout_gpus=2, max_staleness=3) == (True, 3)
+    assert resolved(rollout_gpus=2, max_staleness=1) == (False, 1)  # a bound they cannot keep: off
+    assert resolved() == (False, 1)  # one process
+    assert resolved(hf_like, rollout_gpus=2) == (False, 1)  # a sampler that cannot pause a call
+    assert resolved(toolbox=object(), rollout_gpus=2) == (False, 1)
+    assert resolved(rollout_gpus=2, partial_rollouts=False) == (False, 1)
+    with pytest.raises(CohortError, match="partial_rollouts='sometimes' is not a value of it"):
+        GRPOConfig(partial_rollouts="sometimes").validate()

@@ -42,7 +42,7 @@ from ..rollout import Engine, make_sampler
 from ..rollout.async_rollouts import AsyncRollouts
 from ..rollout.batch import Batch
 from ..rollout.group_sampler import GroupSampler
-from ..rollout.partial import partial_rollouts
+from ..rollout.partial import partial_rollouts, resolve_partial_rollouts
 from ..rollout.remote import RemoteRollouts, RolloutServer
 from ..run.callbacks import CallbackHandler
 from ..run.checkpoint import RunParts, RunState, save_checkpoint
@@ -97,7 +97,8 @@ class GRPOTrainer:
         seed_everything(args.seed)
         prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
         # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample.
-        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus, args.max_staleness)
+        # The message window must cover max_staleness; unset, it becomes at most 2 (resolve_partial_rollouts).
+        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus, args.max_staleness or 2)
         self.device = self.parallel.device
         self.model, self.tokenizer = load_policy(model, processing_class, device=self.device, log=log,
                                                  dtype=resolve_dtype(args.dtype, self.device),
@@ -110,6 +111,7 @@ class GRPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         if self.parallel.samples_only:  # --rollout_gpus: this rank samples for trainer ranks (cohort/rollout/remote.py)
             sampler = make_sampler(self.model, self.tokenizer)
+            resolve_partial_rollouts(args, sampler, self.toolbox)
             # One engine call per step for all the trainers served: our engine's noise is keyed by each
             # completion's index in the step's batch, so merged calls draw what separate ones would.
             group_sampler = GroupSampler(sampler, self.tokenizer, args, self.pad_id, self.toolbox)
@@ -149,6 +151,7 @@ class GRPOTrainer:
         # models only (they take attention rows), and only where a prompt has several completions.
         self.share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(self.model))
         self.sampler = make_sampler(self.model, self.tokenizer)
+        resolve_partial_rollouts(args, self.sampler, self.toolbox)  # the sampling ranks settle it the same way
         self.memory = MemoryManager(args, auto_checkpointing=auto_checkpointing, ref_model=self.ref_model,
                                     sampler=self.sampler, device=self.device, world_size=self.parallel.world_size,
                                     share_prompts=self.share_prompts, log=self.log_line)
@@ -189,6 +192,9 @@ class GRPOTrainer:
                                  progress=progress, log=self.log)
         if self.device.type == "cuda":
             self.log(fast_path_line(args))
+        if args.rollout_gpus:
+            self.log(f"rollouts: sampled on {args.rollout_gpus} rank(s), max_staleness {args.max_staleness}"
+                     + (", partial rollouts" if args.partial_rollouts else ""))
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def train(self) -> list[dict]:
