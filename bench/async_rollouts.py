@@ -68,6 +68,8 @@ imports, async_rollouts_curves.png (reward and held-out accuracy against the ste
 
     python bench/async_rollouts.py                 # GPU: both modes, 5 steps each (2 warm-up); ≈ 6-8 min on one H100 (estimated)
     python bench/async_rollouts.py --processes 4 --rollout_gpus 2   # 4 GPUs: DDP against 2 samplers + 2 trainers
+                                   # (cohort's defaults there: partial rollouts, max_staleness 2; add
+                                   # --partial_rollouts false --max_staleness 1 for the plain schedule)
     python bench/async_rollouts.py --curves_only   # CPU: the learning curves (≈ 1 min on 2 cores, estimated)
     python bench/async_rollouts.py --smoke         # CPU, tiny model, lengths median 8 / cap 48: checks the plumbing
     python bench/async_rollouts.py --smoke --curves   # ... and a 3-step run of the curves' code
@@ -94,6 +96,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -103,6 +106,7 @@ sys.path.insert(0, str(ROOT))  # cohort from this checkout, without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shapes, tokenizer and prompts of grpo_step_worker
 
 from cohort.rollout.engine import Engine  # noqa: E402
+from cohort.rollout.partial import resolve_partial_rollouts  # noqa: E402
 
 SAMPLING_KEYS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
@@ -124,14 +128,15 @@ def parse_args(argv=None):
                    help="lognormal σ of the lengths; default ln(cap / median) / 2.326 (99th percentile = cap)")
     p.add_argument("--steps", type=int, default=5, help="GRPO steps per mode, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each mode left out of the means (>= 1)")
-    p.add_argument("--max_staleness", type=int, default=1, help="L of the async mode")
+    p.add_argument("--max_staleness", type=int, default=None,
+                   help="L of the async mode; default cohort's: 2 with partial rollouts, else 1")
     p.add_argument("--processes", type=int, default=1,
                    help="processes (GPUs) per mode, under torchrun: sync is DDP over all of them, async with "
                         "--rollout_gpus K samples on K of them and trains on the others; same global batch")
     p.add_argument("--rollout_gpus", type=int, default=0, help="with --processes: the async mode's sampling ranks")
-    p.add_argument("--partial_rollouts", action="store_true",
-                   help="with --rollout_gpus and --max_staleness 2 or more: the async mode's sampling ranks run "
-                        "partial rollouts (a step takes the first groups to complete; the rest go on next call)")
+    p.add_argument("--partial_rollouts", nargs="?", const="true", default="auto", choices=["auto", "true", "false"],
+                   help="the async mode's sampling ranks run partial rollouts (a step takes the first groups to "
+                        "complete; the rest go on next call); default cohort's: auto, on with --rollout_gpus")
     p.add_argument("--worker", choices=["sync", "async"], help=argparse.SUPPRESS)  # one mode, under torchrun
     p.add_argument("--result", help=argparse.SUPPRESS)  # where rank 0 of a worker writes its mode's result
     p.add_argument("--modes", default="sync,async", help="which modes to run, in order")
@@ -169,9 +174,14 @@ def parse_args(argv=None):
                 f"end) and below --steps {args.steps}")
     if args.processes < 1 or not 0 <= args.rollout_gpus < args.processes or (args.rollout_gpus and args.processes == 1):
         p.error(f"--processes {args.processes} --rollout_gpus {args.rollout_gpus}: give 0 < K < N sampling ranks, or none")
-    if args.partial_rollouts and (not args.rollout_gpus or args.max_staleness < 2):
+    wanted = {"auto": "auto", "true": True, "false": False}[args.partial_rollouts]
+    if wanted is True and (not args.rollout_gpus or (args.max_staleness is not None and args.max_staleness < 2)):
         p.error("--partial_rollouts runs on sampling ranks and carries groups 2 updates: give --rollout_gpus K "
                 "and --max_staleness 2 or more")
+    # What a GRPOConfig with these settings gets (our engine samples here, without tools), passed explicitly.
+    settled = SimpleNamespace(partial_rollouts=wanted, rollout_gpus=args.rollout_gpus, max_staleness=args.max_staleness)
+    resolve_partial_rollouts(settled, SimpleNamespace(generate_until=None), None)
+    args.partial_rollouts, args.max_staleness = settled.partial_rollouts, settled.max_staleness
     for mode, ranks in (("sync", args.processes), ("async", args.processes - args.rollout_gpus)):
         if args.prompts % ranks:
             p.error(f"--prompts {args.prompts} do not split over the {ranks} training ranks of the {mode} mode")
