@@ -339,7 +339,8 @@ def drawn_length_samplers(lengths: LengthDraws):
 def precapture(engine: Engine, sequences: int, prompt_len: int, config, pad_id: int) -> tuple[int, float]:
     """Capture every decode graph a call of `sequences` completions of `prompt_len`-token prompts can use
     (every width bucket × KV-length bucket), now, while nothing else runs. (graphs, seconds); 0 off CUDA."""
-    from cohort.rollout.engine import KV_LENGTH_STEP, _sampling_key, sampling_mode
+    from cohort.rollout.engine import KV_LENGTH_STEP, sampling_mode
+    from cohort.rollout.sampling import sampling_key
     from cohort.rollout.sampler import SamplingParams
     from cohort.rollout.scheduler import batch_buckets
 
@@ -349,7 +350,7 @@ def precapture(engine: Engine, sequences: int, prompt_len: int, config, pad_id: 
     cap = config.max_completion_length
     engine.capture_graphs(sequences, prompt_len + cap, cap, pad_token_id=pad_id)  # sizes cache and state
     rows, max_len = engine.cache.num_rows, engine.cache.max_len
-    key = _sampling_key(SamplingParams(max_new_tokens=cap, temperature=config.temperature, top_p=config.top_p,
+    key = sampling_key(SamplingParams(max_new_tokens=cap, temperature=config.temperature, top_p=config.top_p,
                                        top_k=config.top_k, min_p=config.min_p))
     with sampling_mode(engine.model, fused=engine.compile_kernels):
         for width in [w for w in batch_buckets(engine.max_batch_size) if w <= rows]:

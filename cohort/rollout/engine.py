@@ -24,14 +24,14 @@ import torch
 
 from cohort.rollout.cuda_graphs import DecodeGraphs
 from cohort.rollout.overlap import HostProgress, Retirement, Snapshot, to_device
-from cohort.rollout.sampling import sample_from_logits
+from cohort.rollout.prefill import prefill
+from cohort.rollout.sampling import sample_from_logits, sampling_key
 from cohort.rollout.scheduler import Scheduler, batch_buckets, round_up_to_bucket
 from cohort.rollout.sequence import Sequence, SlotState, assemble_rollout
 from cohort.rollout.turns import TurnHandler, TurnKeeper
 from cohort.errors import CohortError
 from cohort.models.cache import KVCache
 from cohort.kernels.elementwise import fused_kernels, triton_available
-from cohort.update.packing import prompt_groups
 from cohort.rollout.sampler import Rollout, SamplingParams, find_stop_string
 
 KV_LENGTH_STEP = 128  # cache lengths are rounded up to this so few (width, length) graphs exist
@@ -182,7 +182,7 @@ class Engine:
         with sampling_mode(self.model, fused=self.compile_kernels):
             self._prepare(rows, max_len, params)
             for cache_len in sorted({*range(KV_LENGTH_STEP, max_len, KV_LENGTH_STEP), max_len}):
-                self.graphs(rows, cache_len, _sampling_key(params))  # every slot is empty: a no-op step
+                self.graphs(rows, cache_len, sampling_key(params))  # every slot is empty: a no-op step
         return len(self.graphs.graphs)
 
     def idle_buffers(self) -> list[torch.Tensor]:
@@ -258,7 +258,7 @@ class Engine:
         pause). Each round launches a chunk of decode steps and reads the progress after the previous one
         (its one host sync); launching first (see `_launch_ahead`) keeps a chunk queued on the GPU while
         the host waits, retires and admits."""
-        sampling = _sampling_key(params)
+        sampling = sampling_key(params)
         self._progress, self._retired = HostProgress(), []
         unread: Snapshot | None = None  # the progress after the last chunk launched, not yet read
         while True:
@@ -404,62 +404,12 @@ class Engine:
         return tokens, logprobs
 
     def _prefill(self, admitted: list[Sequence], params: SamplingParams) -> None:
-        """Run each distinct prompt once into the cache row of its first sequence, copy those keys
-        and values to the rows of the other sequences with that prompt (GRPO's G completions of a
-        prompt share it), and sample every sequence's first token from its prompt's last position.
-        Prompts go in chunks of at most `prefill_tokens` padded tokens."""
-        groups = [[admitted[i] for i in group]
-                  for group in prompt_groups([seq.prompt for seq in admitted], max_rows=len(admitted))]
-        groups.sort(key=lambda group: len(group[0].prompt))  # similar lengths pad less
-        start = 0
-        while start < len(groups):
-            end = start + 1
-            while end < len(groups) and (end + 1 - start) * len(groups[end][0].prompt) <= self.prefill_tokens:
-                end += 1
-            self._prefill_chunk(groups[start:end], params)
-            start = end
-
-    def _prefill_chunk(self, groups: list[list[Sequence]], params: SamplingParams) -> None:
-        firsts = [group[0] for group in groups]
-        lengths = [len(seq.prompt) for seq in firsts]
-        width = max(lengths)
-        # Right padding: pad tokens sit at positions after the prompt, so no real token attends to
-        # them, and the keys they write are overwritten by the completion before anything reads them.
-        input_ids = torch.full((len(firsts), width), params.pad_token_id, dtype=torch.long)
-        for row, seq in enumerate(firsts):
-            input_ids[row, : len(seq.prompt)] = torch.tensor(seq.prompt, dtype=torch.long)
-        # Host data goes over without syncing (see `to_device`): a chunk may be decoding meanwhile.
-        input_ids = to_device(input_ids, self.device)
-        positions = torch.arange(width, device=self.device).expand(len(firsts), width)
-        chunk = [seq for group in groups for seq in group]
-        slots = to_device([seq.slot for seq in chunk], self.device)
-        self.cache.own_rows(slots)  # these rows are rewritten
-        # Plain ops here: a prefill runs once per prompt, not worth compiled variants for every length.
-        with fused_kernels(False):
-            hidden = self.model(input_ids, positions, kv_cache=self.cache, cache_rows=to_device(
-                [seq.slot for seq in firsts], self.device), return_hidden=True, cache_len=width)
-        copies = [(group[0].slot, seq.slot, len(seq.prompt)) for group in groups for seq in group[1:]]
-        if copies:
-            source, target, length = zip(*copies)
-            self.cache.share_prefix(to_device(list(source), self.device), to_device(list(target), self.device),
-                                    width, to_device(list(length), self.device))
-        last = to_device([n - 1 for n in lengths], self.device)
-        # Logits only at each prompt's last position: the full [B, T, V] tensor would be huge.
-        logits = self.model.lm_head(hidden[torch.arange(len(firsts), device=self.device), last])
-        logits = logits[to_device([i for i, group in enumerate(groups) for _ in group], self.device)]
-        # Token 0 of each sequence, keyed by its global index (params.sequence_offset + its row):
-        # sequences sharing a prompt share its logits, not their draws.
-        sequences = to_device([seq.noise_key(params.sequence_offset) for seq in chunk], self.device)
-        tokens, logprobs = sample_from_logits(logits, *_sampling_key(params), seed=self.state.seed,
-                                              draw=torch.zeros_like(sequences), rows=sequences)
-        limits = to_device([seq.limit for seq in chunk], self.device)
-        prompt_lengths = to_device([len(seq.prompt) for seq in chunk], self.device)
-        self.state.start(slots, tokens, logprobs, prompt_lengths, limits, sequences)
-        for seq in chunk:
+        """The admitted sequences into their rows, each with its first token (prefill.py)."""
+        counts = prefill(self.model, self.cache, self.state, admitted, params, self.prefill_tokens)
+        for seq in admitted:
             self._progress.known(seq, 1, self._progress.steps)
-        self.stats["prefill_forwards"] += 1
-        self.stats["prefill_tokens"] += len(firsts) * width
-        self.stats["prefill_shared_rows"] += len(copies)
+        for key, value in counts.items():
+            self.stats[key] += value
 
     def _compact(self, scheduler: Scheduler) -> None:
         """Pack the running sequences into the narrowest bucket once no waiting one can fill the holes."""
@@ -474,9 +424,3 @@ class Engine:
             state.move(source, target)
             scheduler.apply_moves(moves)
             self.stats["slot_moves"] += len(moves)
-
-
-def _sampling_key(params: SamplingParams) -> tuple:
-    """The sampling settings a decode step bakes in (part of a CUDA graph's key)."""
-    return (params.temperature, params.top_k, params.top_p, params.min_p)
-

@@ -162,3 +162,9 @@ def _sample(logits, temperature: float, top_k: int, top_p: float, min_p: float, 
 def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] per row, without materialising the full log-softmax."""
     return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sampling_key(params) -> tuple:
+    """The sampling settings a decode step bakes in (part of a CUDA graph's key): temperature, top-k, top-p, min-p
+    of a `SamplingParams`."""
+    return (params.temperature, params.top_k, params.top_p, params.min_p)
