@@ -283,6 +283,29 @@ def test_sigterm_saves_a_checkpoint_then_stops(model_dir, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is previous  # the handler was given back
 
 
+def test_a_repeat_of_the_signal_at_once_is_the_same_stop_and_a_later_one_stops_at_once():
+    """torchrun sends its workers SIGTERM twice in a row: that is one stop (finish the step, save). A second
+    signal after `REPEAT_WINDOW_S` is the user insisting: the previous handler takes over."""
+    import os
+
+    from cohort.run.lifecycle import StopRequest
+
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    stop = StopRequest()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM and received == []  # noted once, the repeat ignored
+        stop.noted_at -= StopRequest.REPEAT_WINDOW_S + 1  # as if the first came a while ago
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert received == [signal.SIGTERM]  # the previous handler ran: a stop at once
+    finally:
+        stop.uninstall()
+        signal.signal(signal.SIGTERM, previous)
+
+
 class CountingReward:
     """A reward object with state (as a learned reward model with a replay buffer has)."""
 

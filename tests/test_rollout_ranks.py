@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from cohort.config import GRPOConfig
 from cohort.errors import CohortError
 from cohort.run.disaggregation import Placement, RolloutLink
-from test_distributed import REWARD_MODULE, run, step_records, train_options
+from test_distributed import REWARD_MODULE, environment, run, step_records, train_options
 
 TOLERANCE = 1e-5
 
@@ -305,3 +305,41 @@ def test_a_run_stopped_early_ends_cleanly_on_every_rank(root, tiny_dir, stalenes
                         str(script), str(tiny_dir), str(out), str(staleness), partial], timeout=300)
     assert output.count("steps trained: 1") == 2 and output.count("steps trained: 0") == 1  # 2 trainers, 1 sampler
     assert "cohort: rank 2 sampled" in output
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_job_with_a_sampling_rank_saves_a_checkpoint_and_resumes(root, tiny_dir):
+    """SIGTERM to `cohort train --nproc_per_node 3` with a sampling rank: torchrun passes it on to every rank
+    (twice in a row); the trainers finish their step and save, the sampling rank serves them until then, the
+    job exits 128 + 15, and --resume goes on from that checkpoint."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    out = root / "sigterm"
+    command = [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "3",
+               *train_options(tiny_dir, out, 2, "--async_rollouts", "true", "--rollout_gpus", "1",
+                              "--max_steps", "400", "--logging_steps", "1")]
+    process = subprocess.Popen(command, env=environment(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.is_file() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 143, output[-3000:]
+    stops = [line for line in output.splitlines() if line.startswith("cohort: stopped by SIGTERM after step")]
+    assert len(stops) == 1, output[-3000:]  # rank 0 says it; every trainer rank saved with it
+    step = int(stops[0].split("after step ")[1].split(";")[0])
+    assert (out / f"checkpoint-{step}").is_dir() and 3 <= step < 400
+    resumed = subprocess.run(command[:-4] + ["--max_steps", str(step + 2), "--logging_steps", "1", "--resume", "true"],
+                             env=environment(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0 and f"resumed from {out / f'checkpoint-{step}'} at step {step}" in resumed.stdout, \
+        resumed.stdout[-3000:]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()
+            if '"loss"' in line][-2:] == [step + 1, step + 2]

@@ -48,7 +48,7 @@ from ..run.callbacks import CallbackHandler
 from ..run.checkpoint import RunParts, RunState, save_checkpoint
 from ..run.checkpoint_load import checkpoint_step, load_checkpoint
 from ..run.distributed import Parallel, SilentMetrics, check_parallel_options, silent
-from ..run.lifecycle import RunLifecycle, prepare_output_dir
+from ..run.lifecycle import RunLifecycle, StopRequest, prepare_output_dir
 from ..tasks.data import dataset_rows
 from ..telemetry.metrics import MetricsLogger
 from ..telemetry.progress import Progress
@@ -202,8 +202,15 @@ class GRPOTrainer:
         of per-step records is returned."""
         args = self.args
         if self.rollout_server is not None:  # --rollout_gpus: this rank samples until the trainers stop
-            with cpu_determinism(self.device):
-                served = self.rollout_server.serve()
+            # SIGINT / SIGTERM reach every rank: the trainers finish their step and save, which needs this rank's
+            # rollouts, so a first signal is noted and serving goes on until they stop (a second one stops it).
+            stop = StopRequest()
+            stop.install()
+            try:
+                with cpu_determinism(self.device):
+                    served = self.rollout_server.serve()
+            finally:
+                stop.uninstall()
             self.parallel.close()
             print(f"cohort: rank {self.parallel.rank} sampled {served} rollouts for trainer rank(s) "
                   f"{', '.join(map(str, self.rollout_server.trainers))}", file=sys.stderr, flush=True)

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cohort: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:  # cohort.run.lifecycle.TrainingInterrupted: SIGINT/SIGTERM, checkpoint saved
-        print(f"cohort: {stop}" if str(stop) else "cohort: interrupted", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every trainer rank stops alike: rank 0 says so
+            print(f"cohort: {stop}" if str(stop) else "cohort: interrupted", file=sys.stderr)
         return getattr(stop, "exit_code", 130)
 
 
@@ -264,7 +265,12 @@ def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: d
         builtin_model_dir(args.model)
     command = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "cohort", "train", *argv]
     child = subprocess.Popen(command)
-    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731 - SIGTERM to us reaches the ranks
+    stops: list[int] = []
+
+    def forward(signum, frame):  # SIGTERM to us reaches the ranks, which finish their step and save
+        stops.append(signum)
+        child.send_signal(signum)
+
     previous = signal.signal(signal.SIGTERM, forward)
     try:
         while True:
@@ -275,6 +281,10 @@ def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: d
                 continue
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if stops and code != 0:  # torchrun itself exits 1 on a signal; the ranks' own lines say what they saved
+        print(f"cohort: the {processes} training processes stopped on {signal.Signals(stops[0]).name} (torchrun's "
+              "report above is its own exit); continue from the newest checkpoint with --resume", file=sys.stderr)
+        return 128 + stops[0]
     if code != 0 and int(nodes.get("nnodes", "1")) > 1:
         print(f"cohort: error: the {processes} training process(es) of node {nodes['node_rank']} (of "
               f"{nodes['nnodes']} machines) stopped with exit code {code} (torchrun's report above names this "

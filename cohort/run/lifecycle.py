@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 import threading
 from pathlib import Path
 from typing import Callable
@@ -140,13 +141,18 @@ class RunLifecycle:
 
 class StopRequest:
     """SIGINT / SIGTERM during training: note it, finish the current step, save, stop. A second one stops
-    at once (the previous handler, e.g. KeyboardInterrupt, takes over). Nothing is printed inside the
-    handler: writing to a stream the main thread is writing to would raise a reentrant-call error."""
+    at once (the previous handler, e.g. KeyboardInterrupt, takes over), unless it comes within
+    `REPEAT_WINDOW_S` of the first: that is the same stop delivered twice (torchrun sends its workers SIGTERM
+    twice in a row, and a terminal's Ctrl-C reaches every rank besides torchrun's SIGTERM), and acting on it
+    would kill the ranks before they save. Nothing is printed inside the handler: writing to a stream the main
+    thread is writing to would raise a reentrant-call error."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    REPEAT_WINDOW_S = 2.0
 
     def __init__(self):
         self.signum: int | None = None
+        self.noted_at = 0.0
         self.previous: dict[int, object] = {}
 
     def install(self) -> None:
@@ -162,7 +168,9 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         if self.signum is None:
-            self.signum = signum
+            self.signum, self.noted_at = signum, time.monotonic()
+            return
+        if time.monotonic() - self.noted_at < self.REPEAT_WINDOW_S:
             return
         previous = self.previous.get(signum, signal.SIG_DFL)
         self.uninstall()
