@@ -187,5 +187,9 @@ def test_partial_rollouts_are_on_by_default_wherever_they_can_run():
     assert resolved(hf_like, rollout_gpus=2) == (False, 1)  # a sampler that cannot pause a call
     assert resolved(toolbox=object(), rollout_gpus=2) == (False, 1)
     assert resolved(rollout_gpus=2, partial_rollouts=False) == (False, 1)
+    with pytest.raises(CohortError, match="partial_rollouts needs cohort's engine"):  # asked for: refused
+        resolved(hf_like, rollout_gpus=2, partial_rollouts=True)
+    with pytest.raises(CohortError, match="partial_rollouts with tools is not supported"):
+        resolved(toolbox=object(), rollout_gpus=2, partial_rollouts=True)
     with pytest.raises(CohortError, match="partial_rollouts='sometimes' is not a value of it"):
         GRPOConfig(partial_rollouts="sometimes").validate()

@@ -118,7 +118,7 @@ class GRPOTrainer:
             self.rollout_server = RolloutServer(
                 self.parallel.link, self.model, group_sampler, group_size=args.num_generations,
                 merge_requests=isinstance(sampler, Engine) and self.toolbox is None,
-                partial=partial_rollouts(args, sampler, group_sampler, self.toolbox, self.pad_id))
+                partial=partial_rollouts(args, sampler, group_sampler, self.pad_id))
             return
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))

@@ -190,24 +190,29 @@ class PartialRollouts:
 def resolve_partial_rollouts(args, sampler, toolbox) -> None:
     """Settle `partial_rollouts=auto` and an unset `max_staleness` in `args`, the same on every rank (each holds
     the same model and tools): partial rollouts, measured 1.8× the synchronous loop against 1.47× without on
-    4 GPUs (docs/performance.md), are on wherever they can run."""
+    4 GPUs (docs/performance.md), are on wherever they can run. Asked for where they cannot, they are refused
+    here, on every rank alike."""
+    if not hasattr(sampler, "generate_until"):
+        cannot = (f"partial_rollouts needs cohort's engine, which can pause a call; this model samples with "
+                  f"{type(sampler).__name__}: load a Llama, Mistral, Qwen2 or Qwen3 model with model_impl='cohort', "
+                  "or leave partial_rollouts off")
+    elif toolbox is not None:
+        cannot = ("partial_rollouts with tools is not supported (a paused turn's tool call would have to wait "
+                  "across calls); leave one of them out")
+    else:
+        cannot = None
     if args.partial_rollouts == "auto":
-        args.partial_rollouts = bool(args.rollout_gpus and hasattr(sampler, "generate_until") and toolbox is None
+        args.partial_rollouts = bool(args.rollout_gpus and cannot is None
                                      and (args.max_staleness is None or args.max_staleness >= 2))
+    elif args.partial_rollouts and cannot is not None:
+        raise CohortError(cannot)
     if args.max_staleness is None:
         args.max_staleness = 2 if args.partial_rollouts else 1
 
 
-def partial_rollouts(args, sampler, group_sampler, toolbox, pad_id: int) -> PartialRollouts | None:
-    """A sampling rank's `PartialRollouts` when `args.partial_rollouts` asks for them (None otherwise)."""
+def partial_rollouts(args, sampler, group_sampler, pad_id: int) -> PartialRollouts | None:
+    """A sampling rank's `PartialRollouts` when `args.partial_rollouts` (resolved) asks for them, else None."""
     if not args.partial_rollouts:
         return None
-    if not hasattr(sampler, "generate_until"):
-        raise CohortError(f"partial_rollouts needs cohort's engine, which can pause a call; this model samples with "
-                          f"{type(sampler).__name__}: load a Llama, Mistral, Qwen2 or Qwen3 model with "
-                          "model_impl='cohort', or leave partial_rollouts off")
-    if toolbox is not None:
-        raise CohortError("partial_rollouts with tools is not supported (a paused turn's tool call would have to "
-                          "wait across calls); leave one of them out")
     return PartialRollouts(sampler, group_sampler, args.num_generations, args.prompts_per_step, args.max_staleness,
                            pad_id)
