@@ -157,9 +157,7 @@ class RolloutServer:
                 continue
             for trainers in self.engine_calls(live, requests):
                 _, step, version, _, seed, sequence_offset = requests[trainers[0]]
-                if version != self.version:
-                    self.load_weights()
-                    self.version = version
+                self.use_weights_of(version)
                 blocks = [requests[t][3] for t in trainers]
                 batch = self.sample([row for block in blocks for row in block], seed, sequence_offset)
                 for trainer, part in zip(trainers, split_by_blocks(batch, [len(block) for block in blocks])):
@@ -184,9 +182,7 @@ class RolloutServer:
     def serve_partial(self, trainers: list[int], requests: dict) -> None:
         """One call over the pools of `trainers` (their requests are for the same step, version and seed)."""
         _, step, version, _, seed, _ = requests[trainers[0]]
-        if version != self.version:
-            self.load_weights()
-            self.version = version
+        self.use_weights_of(version)
         pools = [self.pools[t] for t in trainers]
         results = self.partial(pools, [requests[t][3] for t in trainers], step, version, seed)
         for trainer, pool, (batch, oldest, _) in zip(trainers, pools, results):
@@ -195,8 +191,12 @@ class RolloutServer:
             self.served += 1
 
     @torch.no_grad()
-    def load_weights(self) -> None:
-        self.link.receive_weights(list(self.policy.state_dict().values()))
+    def use_weights_of(self, version: int) -> None:
+        """The policy after `version` updates in this rank's copy: rank 0 broadcasts each version once, when the
+        first request that needs it is served."""
+        if version != self.version:
+            self.link.receive_weights(list(self.policy.state_dict().values()))
+            self.version = version
 
 
 def split_by_blocks(batch: Batch, prompts: list[int]) -> list[Batch]:
