@@ -220,6 +220,23 @@ class LengthDraws:
                     expected_longest=round(float(longest.mean()), 1), **quantiles)
 
 
+def count_ending(counts: dict, reason: str, n: int, limit: int, cap: int) -> str:
+    """Tally in `counts` how a completion of `n` tokens, drawn to stop at `limit` (at most the cap), ended, and
+    return its finish reason as the trainer should see it."""
+    if reason == "stop":  # the model sampled EOS itself (at or before its drawn length)
+        counts["eos_stops"] += 1
+        counts["violations"] += n > limit
+        return reason
+    if n == limit < cap:  # stopped at its drawn length: what an EOS there would do
+        counts["imposed_stops"] += 1
+        return "stop"
+    if n == limit:  # its draw reached the cap: truncated, as a real overlong completion
+        counts["cap_stops"] += 1
+    else:
+        counts["violations"] += 1
+    return reason
+
+
 class DrawnLengthEngine(Engine):
     """cohort's `Engine`; each completion stops at its drawn length (see the docstring). `calls` records each
     generate() call: its clock, the drawn and sampled lengths, how each completion ended, the engine's stats."""
@@ -242,28 +259,11 @@ class DrawnLengthEngine(Engine):
             self._drawn = None
         ended = time.perf_counter()
         lengths = [int(n) for n in rollout.completion_mask.sum(dim=1).tolist()]
-        reasons = list(rollout.finish_reasons)
         counts = dict(imposed_stops=0, eos_stops=0, cap_stops=0, violations=0)
-        for row, (n, reason) in enumerate(zip(lengths, reasons)):
-            limit = min(drawn[row], params.max_new_tokens)
-            if reason == "stop":  # the model sampled EOS itself (at or before its drawn length)
-                counts["eos_stops"] += 1
-                counts["violations"] += n > limit
-            elif n == limit < params.max_new_tokens:  # stopped at its drawn length: what an EOS there would do
-                reasons[row] = "stop"
-                counts["imposed_stops"] += 1
-            elif n == limit:  # its draw reached the cap: truncated, as a real overlong completion
-                counts["cap_stops"] += 1
-            else:
-                counts["violations"] += 1
-        rollout.finish_reasons = reasons
-        self.calls.append(dict(seed=params.seed, started=started, ended=ended, seconds=ended - started,
-                               drawn=[min(d, params.max_new_tokens) for d in drawn], lengths=lengths,
-                               tokens=sum(lengths), longest=max(lengths), **counts,
-                               decode_steps=int(self.stats.get("decode_steps", 0)),
-                               decode_row_steps=int(self.stats.get("decode_row_steps", 0)),
-                               graph_captures=int(self.stats.get("graph_captures", 0)),
-                               graphs_enabled=bool(self.graphs.enabled)))
+        drawn = [min(d, params.max_new_tokens) for d in drawn]
+        rollout.finish_reasons = [count_ending(counts, reason, n, limit, params.max_new_tokens)
+                                  for reason, n, limit in zip(rollout.finish_reasons, lengths, drawn)]
+        self.record_call(params, started, ended, drawn, lengths, counts)
         return rollout
 
     def generate_until(self, prompt_ids, limits, params, enough):
@@ -288,23 +288,21 @@ class DrawnLengthEngine(Engine):
             if seq.finish_reason is None:
                 counts["paused"] += 1
                 self.carried.setdefault(tuple(prompt) + tuple(seq.tokens.tolist()), []).append((total, n))
-            elif seq.finish_reason == "stop":
-                counts["eos_stops"] += 1
-            elif n == total < params.max_new_tokens:
-                seq.finish_reason = "stop"
-                counts["imposed_stops"] += 1
-            elif n == total:
-                counts["cap_stops"] += 1
             else:
-                counts["violations"] += 1
-        new_tokens = [len(seq.tokens) for seq in sequences]
+                seq.finish_reason = count_ending(counts, seq.finish_reason, n, total, params.max_new_tokens)
+        self.record_call(params, started, ended, drawn, [len(seq.tokens) for seq in sequences], counts)
+        return sequences
+
+    def record_call(self, params, started: float, ended: float, drawn: list[int], lengths: list[int],
+                    counts: dict) -> None:
+        """One entry of `calls`: the clock, the drawn lengths and the tokens sampled in this call, how the
+        completions ended, the engine's stats."""
         self.calls.append(dict(seed=params.seed, started=started, ended=ended, seconds=ended - started, drawn=drawn,
-                               lengths=new_tokens, tokens=sum(new_tokens), longest=max(new_tokens), **counts,
+                               lengths=lengths, tokens=sum(lengths), longest=max(lengths), **counts,
                                decode_steps=int(self.stats.get("decode_steps", 0)),
                                decode_row_steps=int(self.stats.get("decode_row_steps", 0)),
                                graph_captures=int(self.stats.get("graph_captures", 0)),
                                graphs_enabled=bool(self.graphs.enabled)))
-        return sequences
 
     def _prefill(self, admitted, params):
         if self._drawn is not None:
