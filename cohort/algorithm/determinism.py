@@ -22,10 +22,19 @@ is (no NaN fill). GPU runs are left alone: there the flag would swap many kernel
 from __future__ import annotations
 
 import contextlib
+import random
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.utils.deterministic
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and PyTorch's global generators from the run's seed (the same run from the same seed)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 @contextlib.contextmanager

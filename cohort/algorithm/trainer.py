@@ -18,14 +18,10 @@ display) and `RunLifecycle` (resume, signals, checkpoints).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
-import random
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..config import GRPOConfig
@@ -38,21 +34,16 @@ from ..models.lora import adapters_disabled, apply_lora, has_lora, lora_config_f
 from ..models.policy import frozen_copy, load_policy, save_policy
 from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
 from ..rewards.runner import RewardRunner
-from ..rollout import Engine, make_sampler
-from ..rollout.async_rollouts import AsyncRollouts
+from ..rollout import make_sampler
 from ..rollout.batch import Batch
-from ..rollout.group_sampler import GroupSampler
-from ..rollout.partial import partial_rollouts, resolve_partial_rollouts
-from ..rollout.remote import RemoteRollouts, RolloutServer
+from ..rollout.setup import build_rollouts, serve_rollouts
 from ..run.callbacks import CallbackHandler
 from ..run.checkpoint import RunParts, RunState, save_checkpoint
 from ..run.checkpoint_load import checkpoint_step, load_checkpoint
-from ..run.distributed import Parallel, SilentMetrics, check_parallel_options, silent
-from ..run.lifecycle import RunLifecycle, StopRequest, prepare_output_dir
+from ..run.distributed import Parallel, check_parallel_options
+from ..run.lifecycle import RunLifecycle, prepare_output_dir
 from ..tasks.data import dataset_rows
-from ..telemetry.metrics import MetricsLogger
-from ..telemetry.progress import Progress
-from ..telemetry.step_report import StepContext, StepReport, success_rate
+from ..telemetry.step_report import StepContext, open_step_report, success_rate
 from ..tools.environments import environment_reward
 from ..tools.toolbox import make_toolbox
 from ..update.fast_path import fast_path_line, resolve_fast_path
@@ -60,7 +51,7 @@ from ..update.logprobs import supports_hidden
 from ..update.policy_update import PolicyUpdate, sampler_correction_mode
 from ..update.schedule import lr_scheduler
 from .curriculum import Curriculum
-from .determinism import cpu_determinism
+from .determinism import cpu_determinism, seed_everything
 from .dynamic_sampling import fill_informative
 from .objectives import group_advantages, overlong_penalty
 from .prompts import PromptStream
@@ -110,15 +101,8 @@ class GRPOTrainer:
             raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         if self.parallel.samples_only:  # --rollout_gpus: this rank samples for trainer ranks (cohort/rollout/remote.py)
-            sampler = make_sampler(self.model, self.tokenizer)
-            resolve_partial_rollouts(args, sampler, self.toolbox)
-            # One engine call per step for all the trainers served: our engine's noise is keyed by each
-            # completion's index in the step's batch, so merged calls draw what separate ones would.
-            group_sampler = GroupSampler(sampler, self.tokenizer, args, self.pad_id, self.toolbox)
-            self.rollout_server = RolloutServer(
-                self.parallel.link, self.model, group_sampler, group_size=args.num_generations,
-                merge_requests=isinstance(sampler, Engine) and self.toolbox is None,
-                partial=partial_rollouts(args, sampler, group_sampler, self.pad_id))
+            self.rollout_server = build_rollouts(args, self.model, self.tokenizer, self.pad_id, self.toolbox,
+                                                 link=self.parallel.link, serve=True, make_sampler=make_sampler).server
             return
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
@@ -150,46 +134,28 @@ class GRPOTrainer:
         # The G completions of a prompt share its forward in the log-prob passes and the update: our
         # models only (they take attention rows), and only where a prompt has several completions.
         self.share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(self.model))
-        self.sampler = make_sampler(self.model, self.tokenizer)
-        resolve_partial_rollouts(args, self.sampler, self.toolbox)  # the sampling ranks settle it the same way
+        # make_sampler goes in from this module: benchmarks inject their engine by replacing the name here.
+        rollouts = build_rollouts(args, self.model, self.tokenizer, self.pad_id, self.toolbox, link=self.parallel.link,
+                                  rank=self.parallel.rank, make_sampler=make_sampler)
+        self.sampler, self.group_sampler = rollouts.sampler, rollouts.group_sampler
+        self.async_rollouts, self.sequence_offset = rollouts.async_rollouts, rollouts.sequence_offset
         self.memory = MemoryManager(args, auto_checkpointing=auto_checkpointing, ref_model=self.ref_model,
                                     sampler=self.sampler, device=self.device, world_size=self.parallel.world_size,
                                     share_prompts=self.share_prompts, log=self.log_line)
         self.prompts = PromptStream(self.train_rows, args.prompts_per_step * self.parallel.world_size, args.seed)
-        self.group_sampler = GroupSampler(self.sampler, self.tokenizer, args, self.pad_id, self.toolbox)
-        # Asynchronous rollouts: a producer thread samples later steps on its own copy of the policy.
-        self.async_rollouts = None
-        if args.async_rollouts:
-            if self.toolbox is not None and self.toolbox.environment_factory is not None:
-                raise CohortError("async_rollouts with an environment_factory is not supported (an environment's "
-                                  "state cannot be checkpointed with the rollouts sampled ahead); leave one out")
-            if self.parallel.link is not None:  # --rollout_gpus: sampled on other ranks
-                self.async_rollouts = RemoteRollouts(self.parallel.link, self.parallel.rank, args.max_staleness,
-                                                     partial=args.partial_rollouts)
-            else:
-                sampler_policy = frozen_copy(self.model)
-                self.async_rollouts = AsyncRollouts(sampler_policy, GroupSampler(
-                    make_sampler(sampler_policy, self.tokenizer), self.tokenizer, args, self.pad_id, self.toolbox),
-                    args.max_staleness)
         # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
         self.sampler_correction = sampler_correction_mode(args, self.model, self.device)
         self.policy_update = PolicyUpdate(args, train_model=self.train_model, optimizer=self.optimizer,
                                           scheduler=self.scheduler, memory=self.memory, parallel=self.parallel,
                                           device=self.device, pad_id=self.pad_id, share_prompts=self.share_prompts,
                                           sampler_correction=self.sampler_correction, log=self.log_line)
-        # Global index of this rank's first completion in a step's batch (the sampling noise is keyed by it).
-        self.sequence_offset = args.prompts_per_step * self.parallel.rank * args.num_generations
         self.accuracy_before = self.accuracy_after = None
         self.seconds_before = 0.0  # training time of the attempts a resumed run continues
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        main = self.parallel.is_main  # rank 0 alone logs, prints and saves
-        if main and self.toolbox is not None:
+        if self.parallel.is_main and self.toolbox is not None:  # rank 0 alone logs, prints and saves
             self.toolbox.save(args.output_dir)  # `cohort chat` on the trained model offers the same tools
-        metrics = MetricsLogger(args.output_dir, args.report_to, config=args.to_dict()) if main else SilentMetrics()
-        progress = Progress(args.max_steps, quiet=args.quiet) if main else Progress(0, True, open(os.devnull, "w"))
-        self.log = (progress.print if log is print else log) if main else silent
-        self.report = StepReport(args, model=self.model, device=self.device, parallel=self.parallel, metrics=metrics,
-                                 progress=progress, log=self.log)
+        self.report = open_step_report(args, model=self.model, device=self.device, parallel=self.parallel, log=log)
+        self.log = self.report.log
         if self.device.type == "cuda":
             self.log(fast_path_line(args))
         if args.rollout_gpus:
@@ -202,18 +168,7 @@ class GRPOTrainer:
         of per-step records is returned."""
         args = self.args
         if self.rollout_server is not None:  # --rollout_gpus: this rank samples until the trainers stop
-            # SIGINT / SIGTERM reach every rank: the trainers finish their step and save, which needs this rank's
-            # rollouts, so a first signal is noted and serving goes on until they stop (a second one stops it).
-            stop = StopRequest()
-            stop.install()
-            try:
-                with cpu_determinism(self.device):
-                    served = self.rollout_server.serve()
-            finally:
-                stop.uninstall()
-            self.parallel.close()
-            print(f"cohort: rank {self.parallel.rank} sampled {served} rollouts for trainer rank(s) "
-                  f"{', '.join(map(str, self.rollout_server.trainers))}", file=sys.stderr, flush=True)
+            serve_rollouts(self.rollout_server, self.parallel, cpu_determinism(self.device))
             return []
         self.started = time.perf_counter()
         with self.lifecycle() as run, cpu_determinism(self.device):  # CPU sums in a fixed order, busy or not
@@ -593,9 +548,3 @@ class GRPOTrainer:
     def log_line(self, line: str) -> None:
         """What the stages built before the display exists log through (the display's, once it does)."""
         self.log(line)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

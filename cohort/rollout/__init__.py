@@ -5,8 +5,10 @@
 slots (`scheduler.py`), per-sequence state (`sequence.py`), device-side sampling (`sampling.py`),
 CUDA-graph decode (`cuda_graphs.py`) and the overlapped host checks (`overlap.py`).
 
-`make_sampler(model, tokenizer)` is the one entry point the trainer needs: our own `CausalLM`
-gets the `Engine`; any other model gets Hugging Face `generate` (`HFGenerateSampler`).
+`make_sampler(model, tokenizer)` makes a sampler for any model: our own `CausalLM` gets the
+`Engine`; any other model gets Hugging Face `generate` (`HFGenerateSampler`). `setup.py` builds a
+run's whole rollout side for the trainer (`build_rollouts`): the sampler, the `GroupSampler` stage,
+asynchronous rollouts, or a sampling rank's server.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ hands it each step's batch, update statistics and counters explicitly (`record`)
 from __future__ import annotations
 
 import math
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,9 +18,10 @@ import torch
 
 from ..memory.gc_pauses import collector_seconds
 from ..rollout.batch import Batch
+from ..run.distributed import SilentMetrics, silent
 from ..update.packing import computed_prompt_tokens
-from .metrics import rollout_attention_pairs, throughput_metrics
-from .progress import PHASES
+from .metrics import MetricsLogger, rollout_attention_pairs, throughput_metrics
+from .progress import PHASES, Progress
 
 
 def allocator_retries(device: torch.device) -> int:
@@ -165,6 +167,19 @@ class StepReport:
         self.log(f"Iteration {iteration}: avg loss={np.mean([r['loss'] for r in recent]):.4f}, "
                  f"success={100 * np.mean([r['success'] for r in recent]):.2f}%, "
                  f"avg reward={np.mean([r['reward'] for r in recent]):.4f}")
+
+
+def open_step_report(args, *, model, device: torch.device, parallel, log) -> StepReport:
+    """The run's `StepReport`. Rank 0 alone writes the metrics files, shows progress and logs, through `log`
+    (`print` becomes the display's own, which prints above its bars); the other ranks get silent ones, so
+    every rank runs the same code."""
+    if not parallel.is_main:
+        return StepReport(args, model=model, device=device, parallel=parallel, metrics=SilentMetrics(),
+                          progress=Progress(0, True, open(os.devnull, "w")), log=silent)
+    metrics = MetricsLogger(args.output_dir, args.report_to, config=args.to_dict())
+    progress = Progress(args.max_steps, quiet=args.quiet)
+    return StepReport(args, model=model, device=device, parallel=parallel, metrics=metrics, progress=progress,
+                      log=progress.print if log is print else log)
 
 
 def completion_samples(batch: Batch, reward_names: list[str], limit: int = 8) -> list[dict]:
