@@ -4,7 +4,8 @@
 rebuilds the fp32 masters from the bf16 weights and their 16 low bits, runs torch's fused AdamW, and
 splits the masters again. The baseline is what that replaces: `torch.optim.AdamW(fused=True)` over
 whole fp32 masters with whole fp32 gradients (4 + 4 bytes a parameter more), then the bf16 copy-back.
-`--compare FILE` times another version of precision.py as well (say, the previous commit's:
+The step is timed twice: with fp32 moments, and with the bf16 moments that are the default on a GPU
+(widened per chunk, narrowed by stochastic rounding). `--compare FILE` times another version of precision.py as well (say, the previous commit's:
 `git show HEAD~1:cohort/memory/precision.py > /tmp/old_precision.py`), in the same process.
 
     python bench/optimizer_step.py --models 0.5b,1.5b --steps 10 --compare /tmp/old_precision.py
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.grpo_step_worker import QWEN  # noqa: E402
-from cohort.memory.precision import MasterWeightAdamW# noqa: E402
+from cohort.memory.precision import MasterWeightAdamW  # noqa: E402
 
 KWARGS = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999))
 
@@ -58,11 +59,11 @@ def time_steps(step, set_grads, steps: int) -> float:
     return total / steps
 
 
-def measure(shapes, optimizer_class, steps: int) -> float:
+def measure(shapes, optimizer_class, steps: int, **options) -> float:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda").to(torch.bfloat16) * 0.02) for s in shapes]
     grads = [torch.randn_like(p) * 1e-3 for p in params]
-    optimizer = optimizer_class(params, **KWARGS)
+    optimizer = optimizer_class(params, **KWARGS, **options)
 
     def set_grads():
         for p, g in zip(params, grads):
@@ -106,9 +107,9 @@ def main() -> None:
         spec.loader.exec_module(module)
         other = module.MasterWeightAdamW
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| model | parameters | fused AdamW, fp32 masters ms | MasterWeightAdamW ms | ratio |"
-          + (" compared ms | this / compared |" if other else ""))
-    print("| --- | --- | --- | --- | --- |" + (" --- | --- |" if other else ""))
+    print("| model | parameters | fused AdamW, fp32 masters ms | MasterWeightAdamW, fp32 moments ms | ratio "
+          "| bf16 moments ms | ratio |" + (" compared ms | this / compared |" if other else ""))
+    print("| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if other else ""))
     for name in args.models.split(","):
         shapes = parameter_shapes(QWEN[name])
         count = sum(torch.Size(s).numel() for s in shapes)
@@ -116,7 +117,10 @@ def main() -> None:
         torch.cuda.empty_cache()  # each run's tensors are gone with its function
         ours = measure(shapes, MasterWeightAdamW, args.steps)
         torch.cuda.empty_cache()
-        row = f"| {name} | {count / 1e9:.2f} B | {baseline:.1f} | {ours:.1f} | {ours / baseline:.2f}× |"
+        narrow = measure(shapes, MasterWeightAdamW, args.steps, state_dtype=torch.bfloat16)
+        torch.cuda.empty_cache()
+        row = (f"| {name} | {count / 1e9:.2f} B | {baseline:.1f} | {ours:.1f} | {ours / baseline:.2f}× "
+               f"| {narrow:.1f} | {narrow / baseline:.2f}× |")
         if other is not None:
             theirs = measure(shapes, other, args.steps)
             row += f" {theirs:.1f} | {ours / theirs:.2f}× |"

@@ -6,12 +6,16 @@ import torch
 from cohort import GRPOConfig
 from cohort.config import parse_config
 from cohort.errors import CohortError
-from cohort.update.fast_path import fast_path_line, resolve_fast_path
+from cohort.update.fast_path import MICRO_BATCH_FLOP, fast_path_line, resolve_fast_path
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
 
 class OurModel(torch.nn.Module):
+    def __init__(self, parameters: int = 1_000_000_000):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(parameters, device="meta"))  # counted, never allocated
+
     def compile_for_training(self):  # what marks cohort's own implementation
         raise AssertionError("resolving options must not compile anything")
 
@@ -23,20 +27,26 @@ class HFModel(torch.nn.Module):
 def test_a_bare_config_is_all_auto():
     config = GRPOConfig().validate()
     assert (config.torch_compile, config.gradient_checkpointing) == ("auto", "auto")
+    assert config.max_tokens_per_micro_batch == "auto"
 
 
 def test_cpu_turns_everything_off():
     args = resolve_fast_path(GRPOConfig().validate(), OurModel(), CPU, compiles=True)
     assert args.torch_compile is False and args.gradient_checkpointing is False
-    assert args.gradient_checkpointing_layers is None
+    assert args.gradient_checkpointing_layers is None and args.max_tokens_per_micro_batch == 0
 
 
 def test_gpu_with_our_model_gets_the_measured_fast_path():
     args = resolve_fast_path(GRPOConfig().validate(), OurModel(), GPU, compiles=True)
     assert args.torch_compile is True and args.gradient_checkpointing is True
-    assert args.gradient_checkpointing_layers == "auto" and args.max_tokens_per_micro_batch == 0
+    # 1.1e14 FLOPs ÷ (6 × 1e9 parameters) = 18,333 tokens, down to a multiple of 256.
+    assert MICRO_BATCH_FLOP == 1.1e14
+    assert args.gradient_checkpointing_layers == "auto" and args.max_tokens_per_micro_batch == 18_176
     assert fast_path_line(args) == ("update: torch_compile on, gradient checkpointing only the layers the memory "
-                                    "budget needs, micro-batches of 16 completions")
+                                    "budget needs, micro-batches of 16 completions / 18,176 tokens")
+    # A model 3× larger takes a third: 6,111 tokens, 5,888 in multiples of 256; a huge one still gets 1,024.
+    assert resolve_fast_path(GRPOConfig().validate(), OurModel(3_000_000_000), GPU).max_tokens_per_micro_batch == 5_888
+    assert resolve_fast_path(GRPOConfig().validate(), OurModel(10**11), GPU).max_tokens_per_micro_batch == 1_024
 
 
 def test_gpu_without_triton_or_under_fsdp_does_not_compile():
@@ -47,11 +57,12 @@ def test_gpu_without_triton_or_under_fsdp_does_not_compile():
 def test_transformers_models_recompute_every_layer_as_trl():
     args = resolve_fast_path(GRPOConfig().validate(), HFModel(), GPU, compiles=True)
     assert args.torch_compile is False and args.gradient_checkpointing is True
-    assert args.gradient_checkpointing_layers is None
+    assert args.gradient_checkpointing_layers is None and args.max_tokens_per_micro_batch == 0
 
 
 def test_explicit_values_are_kept():
-    given = GRPOConfig(torch_compile=False, gradient_checkpointing=True, gradient_checkpointing_layers=3).validate()
+    given = GRPOConfig(torch_compile=False, gradient_checkpointing=True, gradient_checkpointing_layers=3,
+                       max_tokens_per_micro_batch=0).validate()
     assert resolve_fast_path(given, OurModel(), GPU, compiles=True) is given
     # A layer count given with checkpointing left at auto asks for checkpointing, on a CPU too.
     args = resolve_fast_path(GRPOConfig(gradient_checkpointing_layers=2).validate(), OurModel(), CPU)
@@ -71,6 +82,14 @@ def test_command_line_values():
         parse_config(["--torch_compile", "sometimes"])
     with pytest.raises(CohortError, match="only the budget of gradient_checkpointing_layers=auto"):
         GRPOConfig(gradient_checkpointing=True, max_memory_gib=30).validate()
+    assert parse_config(["--max_tokens_per_micro_batch", "8192"]).max_tokens_per_micro_batch == 8192
+    assert parse_config(["--max_tokens_per_micro_batch", "Auto"]).max_tokens_per_micro_batch == "auto"
+    with pytest.raises(CohortError, match="--max_tokens_per_micro_batch expects int, got 'lots'"):
+        parse_config(["--max_tokens_per_micro_batch", "lots"])
+    with pytest.raises(CohortError, match="max_tokens_per_micro_batch='lots' is neither a token count nor 'auto'"):
+        GRPOConfig(max_tokens_per_micro_batch="lots").validate()
+    with pytest.raises(CohortError, match="max_tokens_per_micro_batch=-1 is negative"):
+        GRPOConfig(max_tokens_per_micro_batch=-1).validate()
 
 
 def test_the_trainer_runs_with_the_resolved_options(tiny_dir, tmp_path):

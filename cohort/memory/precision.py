@@ -22,13 +22,27 @@ a parameter instead of 4 (2.9 GiB less at 1.5B, 14 GiB at 7B) with the same fp32
 price is one rounding rule: a master exactly halfway between two bf16 values (its low half is
 0x8000) rounds away from zero, where a plain cast rounds to the even one, because 16 bits cannot
 tell those two halfway masters apart otherwise (1 element in 65,536 per step, by one bf16 unit).
+
+AdamW's two moments are 8 of those bytes a parameter (11.5 GiB at 1.5B, 57 GiB at 7B). On a GPU they
+are kept in bf16 by default (`optimizer_state_dtype=auto`), as DeepSeek-V3 keeps them (DeepSeek-AI
+2024, §3.3.2), and stepped in fp32. On a GPU one kernel a parameter does the whole step in registers
+(cohort/kernels/adamw.py: 10 ms at 1.5B, half the time of torch's fused AdamW over fp32 masters);
+elsewhere each chunk widens its moments, steps, and narrows them again.
+The narrowing rounds stochastically (`round_stochastic`), because rounding to nearest cannot follow
+a slowly decaying second moment. A step moves v by a fraction 1 − β2 of itself: 1% at β2 = 0.99, near
+bf16's spacing of 0.4–0.8%, and 0.1% at β2 = 0.999, under half of it. Rounded to nearest, a decaying v
+would move by the wrong amount or not at all, and the step size would shrink for good. Rounded
+stochastically, every moment is right on average.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..errors import CohortError
+from ..kernels.adamw import adamw_bf16_step, fused_adamw_available
 
 # fp32 gradient bytes alive at once in the optimizer step; a larger tensor is a chunk of its own.
 GRADIENT_CHUNK_BYTES = 1 << 30
@@ -49,6 +63,8 @@ def _chunks_by_bytes(tensors: list[torch.Tensor], budget: int) -> list[range]:
 
 HALF = 1 << 16  # one bf16 unit in the last place, counted in fp32 bit patterns
 TIE = 1 << 15  # a low half exactly halfway between two bf16 values
+HIGH = 1 if sys.byteorder == "little" else 0  # which int16 of an fp32 pattern holds its bf16 top half
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's per-parameter state tensors
 
 
 @torch.no_grad()
@@ -82,6 +98,28 @@ def join_master(weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return bits.add_(low).view(torch.float32)
 
 
+@torch.no_grad()
+def round_stochastic(values: torch.Tensor, out: torch.Tensor, generator: torch.Generator,
+                     noise: torch.Tensor, nan: torch.Tensor) -> None:
+    """Write fp32 `values` into bf16 `out`, rounding each element to one of its two bf16 neighbours
+    with the probability that makes the expected result the value itself (stochastic rounding).
+
+    A uniform integer in [0, 2^16) is added to each fp32 bit pattern and the low 16 bits dropped:
+    a value a fraction f of the way from its lower-magnitude neighbour to the next rounds up with
+    probability f. `values` is overwritten (it is the step's scratch). `noise` (int16) and `nan`
+    (bool) are scratch of at least `values.numel()` elements, so rounding allocates nothing. The
+    draws depend on `generator` and the element count only, so any chunking draws the same noise.
+    A NaN stays NaN (its pattern plus noise could wrap to a number)."""
+    n = values.numel()
+    flat = values.view(-1)
+    is_nan = torch.ne(flat, flat, out=nan[:n])  # NaN alone differs from itself
+    bits = flat.view(torch.int32)
+    drawn = torch.randint(-TIE, TIE, (n,), generator=generator, dtype=torch.int16, device=flat.device, out=noise[:n])
+    bits.add_(drawn).add_(TIE)  # int32 arithmetic: the top half moves up by one unit with probability f
+    flat.masked_fill_(is_nan, float("nan"))
+    out.view(-1).view(torch.int16).copy_(bits.view(torch.int16).view(-1, 2)[:, HIGH])
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> str:
     """`auto` is bfloat16 on a GPU (with fp32 master weights) and float32 on CPU."""
     if dtype == "auto":
@@ -100,10 +138,14 @@ class MasterWeightAdamW(torch.optim.AdamW):
     (`lows[i]`; `split_master`): `masters[i]` then holds data only inside the step, where the chunk
     being stepped rebuilds it. Other dtypes (fp16) keep a whole fp32 master. `master_weights()` gives
     every master in fp32; they travel in `state_dict()`, so a resumed run continues from the exact
-    fp32 values, not from their bf16 rounding.
+    fp32 values, not from their bf16 rounding. With `state_dtype=torch.bfloat16` the moments are
+    stored in bf16 and widened to fp32 for their chunk's step (`round_stochastic` narrows them).
     """
 
-    def __init__(self, params, chunk_bytes: int = GRADIENT_CHUNK_BYTES, **kwargs):
+    def __init__(self, params, chunk_bytes: int = GRADIENT_CHUNK_BYTES, state_dtype: torch.dtype = torch.float32,
+                 seed: int = 0, **kwargs):
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise CohortError(f"AdamW's moments can be kept in float32 or bfloat16, not {state_dtype}")
         self.model_params = [p for p in params if p.requires_grad]
         if not self.model_params:
             raise CohortError("no trainable parameters: every parameter has requires_grad=False")
@@ -118,6 +160,17 @@ class MasterWeightAdamW(torch.optim.AdamW):
             kwargs.setdefault("fused", True)  # one kernel per chunk
         super().__init__(masters, **kwargs)
         self.masters = masters
+        self.state_dtype = state_dtype
+        # bf16 moments round stochastically: every rank draws the same noise (DDP replicas stay equal),
+        # and the generator's state travels in state_dict for an exact resume.
+        self.rounding = torch.Generator(device=self.model_params[0].device).manual_seed(seed)
+        self.seed = seed
+        self.steps = [0] * len(masters)  # the kernel's step counts, on the host (the state's are on the device)
+        # One kernel a parameter (cohort/kernels/adamw.py) where every master is split and the moments are
+        # bf16 on a GPU; the chunked torch step otherwise.
+        self.fused_kernel = (state_dtype == torch.bfloat16 and all(low is not None for low in self.lows)
+                             and fused_adamw_available(self.model_params[0])
+                             and not self.defaults["amsgrad"] and not self.defaults["maximize"])
         self.chunk_bytes = chunk_bytes
         self.chunks = _chunks_by_bytes(self.model_params, chunk_bytes)
         self.chunk_shrinks = 0  # chunks halved after running out of memory (the trainer logs each)
@@ -175,6 +228,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
             with torch.enable_grad():  # as torch's optimizers call it
                 loss = closure()
         self._allocate_state()  # moments dropped since (LoRA's π_ref reset): all made before any chunk moves
+        if self.fused_kernel:
+            self._fused_step()
+            return loss
         pending = self._with_grads(range(len(self.model_params)))  # chunked below, by what is left
         done = 0
         while done < len(pending):
@@ -198,6 +254,27 @@ class MasterWeightAdamW(torch.optim.AdamW):
         self.clip_coefficient = None
         return loss
 
+    def _fused_step(self) -> None:
+        """Every parameter with a gradient stepped by one kernel each: no fp32 copy of anything exists."""
+        group = self.param_groups[0]
+        (beta1, beta2), stepped = group["betas"], []
+        for i in self._with_grads(range(len(self.model_params))):
+            param, state = self.model_params[i], self.state[self.masters[i]]
+            self.steps[i] += 1
+            adamw_bf16_step(param.data, self.lows[i], param.grad, state["exp_avg"], state["exp_avg_sq"],
+                            step=self.steps[i], lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                            weight_decay=group["weight_decay"], seed=self.noise_seed(i),
+                            clip=self.clip_coefficient)
+            param.grad = None  # a bf16 gradient not lent from the KV cache is freed here
+            stepped.append(state["step"])
+        if stepped:
+            torch._foreach_add_(stepped, 1.0)  # the state's count, as torch's step keeps it
+        self.clip_coefficient = None
+
+    def noise_seed(self, i: int) -> int:
+        """The stochastic rounding's key for parameter `i` at its current step, from the run's seed."""
+        return (self.seed * 0x9E3779B1 + i * 0x85EBCA77 + self.steps[i] * 0xC2B2AE3D) & 0x7FFFFFFF
+
     def shrink_chunks(self, failed_bytes: int) -> None:
         """Chunks of at most half the fp32 bytes of the one that could not get its memory."""
         self.chunk_bytes = max(1, min(self.chunk_bytes, failed_bytes) // 2)
@@ -206,14 +283,21 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     def _chunk_scratch(self, indices: list[int]):
         """Every tensor a chunk's step needs, made before anything changes: the fp32 gradients, the
-        rebuilt masters, and the tie mask `split_master` writes."""
+        rebuilt masters, the fp32 moments widened from bf16 ones, the tie mask `split_master` writes
+        (also the NaN mask of `round_stochastic`), and the rounding's noise."""
         grads = self._fp32_grads(indices)
         full = [self.master_weight(i) if self.lows[i] is not None else None for i in indices]
-        split = [self.model_params[i].numel() for i in indices if self.lows[i] is not None]
-        tie = self.model_params[indices[0]].new_empty(max(split, default=0), dtype=torch.bool)
-        return grads, full, tie
+        narrow = self.state_dtype != torch.float32
+        wide = [{name: self.state[self.masters[i]][name].float() for name in MOMENTS
+                 if name in self.state[self.masters[i]]} if narrow else None for i in indices]
+        first = self.model_params[indices[0]]
+        largest = max([self.model_params[i].numel() for i in indices if self.lows[i] is not None or narrow], default=0)
+        tie = first.new_empty(largest, dtype=torch.bool)
+        noise = first.new_empty(largest if narrow else 0, dtype=torch.int16)
+        return grads, full, wide, tie, noise
 
-    def _step_chunk(self, indices: list[int], grads: list[torch.Tensor], full: list, tie: torch.Tensor) -> None:
+    def _step_chunk(self, indices: list[int], grads: list[torch.Tensor], full: list, wide: list,
+                    tie: torch.Tensor, noise: torch.Tensor) -> None:
         if self.clip_coefficient is not None:
             torch._foreach_mul_(grads, self.clip_coefficient.to(grads[0].device))
         for i, grad, master in zip(indices, grads, full):
@@ -221,7 +305,12 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 self.masters[i].data = master
             self.masters[i].grad = grad
             self.model_params[i].grad = None  # a bf16 gradient not lent from the KV cache is freed here
+        stored = [self._swap_moments(i, moments) for i, moments in zip(indices, wide)]
         super().step()  # AdamW skips the masters without a gradient: the other chunks
+        for i, moments in zip(indices, stored):
+            for name, narrow in (moments or {}).items():  # in a fixed order: the noise drawn is too
+                round_stochastic(self.state[self.masters[i]][name], narrow, self.rounding, noise, tie)
+            self._swap_moments(i, moments)
         for i in indices:
             master, low, param = self.masters[i], self.lows[i], self.model_params[i]
             if low is None:
@@ -230,6 +319,15 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 split_master(master, param, low, tie[: param.numel()].view(param.shape))
                 master.data = master.new_empty(0)
             master.grad = None
+
+    def _swap_moments(self, i: int, moments: dict | None) -> dict | None:
+        """Put `moments` in master `i`'s AdamW state; returns the tensors they replaced."""
+        if moments is None:
+            return None
+        state = self.state[self.masters[i]]
+        replaced = {name: state[name] for name in moments}
+        state.update(moments)
+        return replaced
 
     @staticmethod
     def _part_way(done: int, total: int) -> str:
@@ -244,10 +342,11 @@ class MasterWeightAdamW(torch.optim.AdamW):
         before any chunk moves. Made lazily per chunk, an out-of-memory error in a later chunk would
         come after earlier chunks had stepped, and the retried update would step them twice."""
         group = self.param_groups[0]  # the one group: the masters, in model_params' order
-        moment = dict(dtype=torch.float32, memory_format=torch.preserve_format)
-        for master, param in zip(self.masters, self.model_params):  # the param's shape: a split master is empty
+        moment = dict(dtype=self.state_dtype, memory_format=torch.preserve_format)
+        for i, (master, param) in enumerate(zip(self.masters, self.model_params)):  # a split master is empty
             if len(self.state.get(master, {})) > 0:
                 continue
+            self.steps[i] = 0
             state = {}  # complete or not at all: a half-made state would pass for a made one
             if group["fused"] or group["capturable"]:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
@@ -269,12 +368,27 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def state_dict(self):
         state = super().state_dict()
         state["master_weights"] = [self.master_weight(i).cpu() for i in range(len(self.masters))]
+        state["moment_rounding"] = self.rounding.get_state()
         return state
 
     def load_state_dict(self, state_dict) -> None:
         state_dict = dict(state_dict)
         masters = state_dict.pop("master_weights", None)
+        rounding = state_dict.pop("moment_rounding", None)
+        # torch would cast every moment to its master's dtype on the device (fp32: a whole fp32 copy
+        # of bf16 moments at once); they are set below one at a time, in this optimizer's dtype.
+        saved = state_dict.get("state", {})
+        moments = {key: {name: v for name, v in value.items() if name in MOMENTS} for key, value in saved.items()}
+        state_dict["state"] = {key: {name: v for name, v in value.items() if name not in MOMENTS}
+                               for key, value in saved.items()}
         super().load_state_dict(state_dict)
+        for key, master in enumerate(self.masters):
+            for name, value in moments.get(key, {}).items():
+                self.state[master][name] = value.to(device=master.device, dtype=self.state_dtype)
+            if "step" in self.state.get(master, {}):
+                self.steps[key] = int(self.state[master]["step"])
+        if rounding is not None and rounding.numel() == self.rounding.get_state().numel():
+            self.rounding.set_state(rounding)  # else saved on another device's generator: this one draws on
         if masters is None:  # a checkpoint from a plain-AdamW run: start from the model's values
             masters = [p.detach().float() for p in self.model_params]
         elif len(masters) != len(self.masters):
@@ -303,6 +417,11 @@ def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters: masters in fp32 when the weights are low precision."""
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs = dict(lr=args.learning_rate, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2))
+    choice = getattr(args, "optimizer_state_dtype", "auto")
     if any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
-        return MasterWeightAdamW(params, **kwargs)
+        state_dtype = torch.bfloat16 if choice in ("auto", "bfloat16") else torch.float32
+        return MasterWeightAdamW(params, state_dtype=state_dtype, seed=getattr(args, "seed", 0), **kwargs)
+    if choice == "bfloat16":
+        raise CohortError("optimizer_state_dtype=bfloat16 needs low-precision weights with fp32 masters (dtype "
+                          "bfloat16, the default on a GPU); with float32 weights pass optimizer_state_dtype=auto")
     return torch.optim.AdamW(params, **kwargs)

@@ -10,13 +10,18 @@ with cohort's own models,
   (cohort/memory/checkpointed_layers.py). Where everything fits, no layer recomputes: the fastest
   update. A smaller budget trades speed for memory.
 
-Micro-batches stay as large as `per_device_train_batch_size` allows: capping their tokens to save
-memory measured slower than recomputing layers (each micro-batch pays a fixed cost of launches),
-e.g. 2.85 s against 2.55 s for the 1.5B shape's update with one prompt group per micro-batch.
+- `max_tokens_per_micro_batch=auto`: micro-batches of about `MICRO_BATCH_FLOP` of forward and
+  backward work (6 × parameters × tokens): 11,776 tokens at 1.5B, 36,864 at 0.5B, 2,304 at 7B. Each
+  micro-batch pays a fixed cost on the host (launching a compiled layer's kernels, the head's chunks),
+  which the GPU's work on it must hide; past that size a larger micro-batch only keeps more
+  activations alive. At 1.5B, micro-batches of 2 prompt groups (8,448 tokens) instead of 4 take the
+  update's peak from 52.0 to 34.7 GiB for a step 2% longer; one group (4,224 tokens) costs 12%
+  (H100, docs/performance.md). A small model needs more tokens to hide the same host cost.
 
-On a CPU both are off (no triton kernels, and host memory is rarely what limits a CPU run); other
-model implementations (transformers) recompute every layer on a GPU, TRL's default. Each option,
-given explicitly, is left as given.
+On a CPU all three are off (no triton kernels, and host memory is rarely what limits a CPU run);
+other model implementations (transformers) recompute every layer on a GPU, TRL's default, in
+micro-batches of `per_device_train_batch_size` rows only. Each option, given explicitly, is left as
+given.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import dataclasses
 import importlib.util
 
 import torch
+
+MICRO_BATCH_FLOP = 1.1e14  # `max_tokens_per_micro_batch=auto` with our models on a GPU: work per micro-batch
 
 
 def triton_available() -> bool:
@@ -48,7 +55,16 @@ def resolve_fast_path(args, model, device: torch.device, *, compiles: bool | Non
         changes["gradient_checkpointing"] = gpu or args.gradient_checkpointing_layers is not None
         if gpu and ours and args.gradient_checkpointing_layers is None:
             changes["gradient_checkpointing_layers"] = "auto"
+    if args.max_tokens_per_micro_batch == "auto":
+        changes["max_tokens_per_micro_batch"] = micro_batch_tokens(model) if gpu and ours else 0
     return dataclasses.replace(args, **changes) if changes else args
+
+
+def micro_batch_tokens(model) -> int:
+    """Tokens of a training micro-batch that does `MICRO_BATCH_FLOP` of work through `model` (forward and
+    backward: 6 FLOPs a parameter a token), in multiples of 256, at least 1,024."""
+    parameters = max(1, sum(p.numel() for p in model.parameters()))
+    return max(1024, int(MICRO_BATCH_FLOP / (6 * parameters)) // 256 * 256)
 
 
 def fast_path_line(args) -> str:
