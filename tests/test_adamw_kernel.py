@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 
-from cohort.memory.precision import MasterWeightAdamW, join_master, split_master
+from cohort.memory.bf16 import join_master, split_master
+from cohort.memory.precision import MasterWeightAdamW
 from triton_interpreter import ON_CUDA, kernel_module
 
 pytest.importorskip("triton")

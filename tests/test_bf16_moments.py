@@ -10,7 +10,8 @@ import torch
 
 from cohort.config import GRPOConfig
 from cohort.errors import CohortError
-from cohort.memory.precision import MasterWeightAdamW, make_optimizer, round_stochastic
+from cohort.memory.bf16 import round_stochastic
+from cohort.memory.precision import MasterWeightAdamW, make_optimizer
 
 SHAPES = [(64, 32), (32,), (128, 16), (7,)]
 

@@ -52,7 +52,7 @@ def _adamw_bf16_kernel(weight_ptr, low_ptr, grad_ptr, m_ptr, v_ptr, clip_ptr, n,
     denominator = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     master = master - tl.div_rn(step_size * m, denominator)
 
-    # The split of precision.split_master: round to nearest even (in integers, as torch's cast rounds, not
+    # The split of bf16.split_master (cohort/memory): round to nearest even (in integers, as torch's cast rounds, not
     # as a backend's conversion might), and a tie stored rounded away from zero.
     bits = master.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16

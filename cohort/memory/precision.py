@@ -37,12 +37,11 @@ stochastically, every moment is right on average.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from ..errors import CohortError
 from ..kernels.adamw import adamw_bf16_step, fused_adamw_available
+from .bf16 import join_master, round_stochastic, split_master
 
 # fp32 gradient bytes alive at once in the optimizer step; a larger tensor is a chunk of its own.
 GRADIENT_CHUNK_BYTES = 1 << 30
@@ -61,63 +60,7 @@ def _chunks_by_bytes(tensors: list[torch.Tensor], budget: int) -> list[range]:
     return chunks
 
 
-HALF = 1 << 16  # one bf16 unit in the last place, counted in fp32 bit patterns
-TIE = 1 << 15  # a low half exactly halfway between two bf16 values
-HIGH = 1 if sys.byteorder == "little" else 0  # which int16 of an fp32 pattern holds its bf16 top half
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's per-parameter state tensors
-
-
-@torch.no_grad()
-def split_master(master: torch.Tensor, weight: torch.Tensor, low: torch.Tensor,
-                 tie: torch.Tensor | None = None) -> None:
-    """Write fp32 `master` as bf16 `weight` (rounded to nearest) and int16 `low`, the difference of
-    their bit patterns, so that `join_master(weight, low)` gives `master` back bit for bit. `master`
-    is overwritten: the step's rebuilt masters are dropped next, so its memory serves as scratch.
-
-    Bit patterns as integers order the floats of one sign, and rounding to bf16 moves a pattern by
-    at most half a bf16 unit (2^15): the difference fits 16 signed bits, except at an exact tie
-    that rounds to the even value below (+2^15). Such a tie is stored rounded away from zero instead
-    (−2^15). Worked example: 1 + 2^-8 is 0x3F808000, halfway between the bf16 values 1 (0x3F80) and
-    1 + 2^-7 (0x3F81); torch rounds it to the even 0x3F80 with a difference of +0x8000, so it is
-    stored as 0x3F81 with −0x8000.
-
-    `tie`, a bool tensor of `master`'s shape, is the scratch for the tie mask; given, the split
-    allocates nothing (the optimizer step makes it before it changes any weight)."""
-    weight.copy_(master)  # round to nearest, ties to even
-    bits = master.view(torch.int32)
-    bits.sub_(weight.view(torch.int16), alpha=HALF)  # int32 arithmetic; the true result is small
-    tie = torch.eq(bits, TIE, out=tie) if tie is not None else bits == TIE
-    weight.view(torch.int16).add_(tie)  # one bf16 unit away from zero: the pattern's magnitude grows
-    low.copy_(bits.masked_fill_(tie, -TIE))
-
-
-@torch.no_grad()
-def join_master(weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The fp32 master `split_master` stored as bf16 `weight` and int16 `low` (a new tensor)."""
-    bits = weight.view(torch.int16).to(torch.int32).mul_(HALF)  # at most 2^31 − 2^16 in size: no overflow
-    return bits.add_(low).view(torch.float32)
-
-
-@torch.no_grad()
-def round_stochastic(values: torch.Tensor, out: torch.Tensor, generator: torch.Generator,
-                     noise: torch.Tensor, nan: torch.Tensor) -> None:
-    """Write fp32 `values` into bf16 `out`, rounding each element to one of its two bf16 neighbours
-    with the probability that makes the expected result the value itself (stochastic rounding).
-
-    A uniform integer in [0, 2^16) is added to each fp32 bit pattern and the low 16 bits dropped:
-    a value a fraction f of the way from its lower-magnitude neighbour to the next rounds up with
-    probability f. `values` is overwritten (it is the step's scratch). `noise` (int16) and `nan`
-    (bool) are scratch of at least `values.numel()` elements, so rounding allocates nothing. The
-    draws depend on `generator` and the element count only, so any chunking draws the same noise.
-    A NaN stays NaN (its pattern plus noise could wrap to a number)."""
-    n = values.numel()
-    flat = values.view(-1)
-    is_nan = torch.ne(flat, flat, out=nan[:n])  # NaN alone differs from itself
-    bits = flat.view(torch.int32)
-    drawn = torch.randint(-TIE, TIE, (n,), generator=generator, dtype=torch.int16, device=flat.device, out=noise[:n])
-    bits.add_(drawn).add_(TIE)  # int32 arithmetic: the top half moves up by one unit with probability f
-    flat.masked_fill_(is_nan, float("nan"))
-    out.view(-1).view(torch.int16).copy_(bits.view(torch.int16).view(-1, 2)[:, HIGH])
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
