@@ -11,7 +11,7 @@ import torch
 from cohort.config import GRPOConfig
 from cohort.errors import CohortError
 from cohort.memory.bf16 import round_stochastic
-from cohort.memory.precision import MasterWeightAdamW, make_optimizer
+from cohort.memory.precision import MasterWeightAdamW, make_optimizer, optimizer_line
 
 SHAPES = [(64, 32), (32,), (128, 16), (7,)]
 
@@ -165,6 +165,12 @@ def test_make_optimizer_keeps_bf16_moments_by_default_for_bf16_weights_only():
     assert type(make_optimizer(fp32_model, GRPOConfig())) is torch.optim.AdamW
     with pytest.raises(CohortError, match="optimizer_state_dtype=bfloat16 needs low-precision weights"):
         make_optimizer(fp32_model, GRPOConfig(optimizer_state_dtype="bfloat16"))
+    # On a CPU the bf16 moments step in torch chunks (the kernel is for GPU tensors).
+    assert optimizer_line(make_optimizer(bf16_model, GRPOConfig())) == (
+        "optimizer: AdamW, fp32 masters, bf16 moments (stochastic rounding), chunked torch step")
+    assert optimizer_line(make_optimizer(bf16_model, GRPOConfig(optimizer_state_dtype="float32"))).endswith(
+        "fp32 moments, chunked torch step")
+    assert optimizer_line(make_optimizer(fp32_model, GRPOConfig())) == "optimizer: AdamW over the weights in their own dtype"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the fused AdamW kernel and the CUDA generator")

@@ -29,7 +29,7 @@ from ..errors import CohortError
 from ..eval.evaluate import evaluate
 from ..memory.checkpointed_layers import AutoCheckpointing
 from ..memory.manager import MemoryManager
-from ..memory.precision import make_optimizer, resolve_dtype
+from ..memory.precision import make_optimizer, optimizer_line, resolve_dtype
 from ..models.lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
 from ..models.policy import frozen_copy, load_policy, save_policy
 from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
@@ -158,6 +158,7 @@ class GRPOTrainer:
         self.log = self.report.log
         if self.device.type == "cuda":
             self.log(fast_path_line(args))
+            self.log(optimizer_line(self.optimizer))
         if args.rollout_gpus:
             self.log(f"rollouts: sampled on {args.rollout_gpus} rank(s), max_staleness {args.max_staleness}"
                      + (", partial rollouts" if args.partial_rollouts else ""))

@@ -356,6 +356,15 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, model: torch.nn.Module, max
     return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
 
 
+def optimizer_line(optimizer: torch.optim.Optimizer) -> str:
+    """One log line: how the optimizer keeps and steps its state."""
+    if not isinstance(optimizer, MasterWeightAdamW):
+        return "optimizer: AdamW over the weights in their own dtype"
+    moments = "bf16 moments (stochastic rounding)" if optimizer.state_dtype == torch.bfloat16 else "fp32 moments"
+    step = "one kernel a parameter" if optimizer.fused_kernel else "chunked torch step"
+    return f"optimizer: AdamW, fp32 masters, {moments}, {step}"
+
+
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters: masters in fp32 when the weights are low precision."""
     params = [p for p in model.parameters() if p.requires_grad]
