@@ -273,6 +273,7 @@ def test_master_weights_round_trip_through_state_dict():
 class _Args:
     def __init__(self, lr):
         self.learning_rate, self.weight_decay, self.adam_beta1, self.adam_beta2 = lr, 0.0, 0.9, 0.999
+        self.optimizer_state_dtype, self.seed = "auto", 0
 
 
 def test_compiled_training_layers_give_the_same_gradient(tiny_dir, tmp_path):

@@ -104,11 +104,12 @@ class MasterWeightAdamW(torch.optim.AdamW):
         super().__init__(masters, **kwargs)
         self.masters = masters
         self.state_dtype = state_dtype
-        # bf16 moments round stochastically: every rank draws the same noise (DDP replicas stay equal),
-        # and the generator's state travels in state_dict for an exact resume.
-        self.rounding = torch.Generator(device=self.model_params[0].device).manual_seed(seed)
+        # bf16 moments round stochastically, with noise keyed by (seed, tensor, step) alone (`noise_seed`):
+        # every rank draws the same (DDP replicas stay equal), any chunking too, and a resumed run needs only
+        # the seed and the step counts to continue bit for bit.
         self.seed = seed
-        self.steps = [0] * len(masters)  # the kernel's step counts, on the host (the state's are on the device)
+        self.steps = [0] * len(masters)  # each master's step count, on the host (the state's is on the device)
+        self.rounding = torch.Generator(device=self.model_params[0].device)  # the torch step's, reseeded per tensor
         # One kernel a parameter (cohort/kernels/adamw.py) where every master is split and the moments are
         # bf16 on a GPU; the chunked torch step otherwise.
         self.fused_kernel = (state_dtype == torch.bfloat16 and all(low is not None for low in self.lows)
@@ -215,7 +216,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
         self.clip_coefficient = None
 
     def noise_seed(self, i: int) -> int:
-        """The stochastic rounding's key for parameter `i` at its current step, from the run's seed."""
+        """The stochastic rounding's key for parameter `i` at its current step, from the run's seed (both
+        the kernel and the chunked torch step draw from it)."""
         return (self.seed * 0x9E3779B1 + i * 0x85EBCA77 + self.steps[i] * 0xC2B2AE3D) & 0x7FFFFFFF
 
     def shrink_chunks(self, failed_bytes: int) -> None:
@@ -251,6 +253,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
         stored = [self._swap_moments(i, moments) for i, moments in zip(indices, wide)]
         super().step()  # AdamW skips the masters without a gradient: the other chunks
         for i, moments in zip(indices, stored):
+            self.steps[i] += 1
+            if moments is not None:
+                self.rounding.manual_seed(self.noise_seed(i))
             for name, narrow in (moments or {}).items():  # in a fixed order: the noise drawn is too
                 round_stochastic(self.state[self.masters[i]][name], narrow, self.rounding, noise, tie)
             self._swap_moments(i, moments)
@@ -311,13 +316,13 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def state_dict(self):
         state = super().state_dict()
         state["master_weights"] = [self.master_weight(i).cpu() for i in range(len(self.masters))]
-        state["moment_rounding"] = self.rounding.get_state()
+        state["noise_seed"] = self.seed
         return state
 
     def load_state_dict(self, state_dict) -> None:
         state_dict = dict(state_dict)
         masters = state_dict.pop("master_weights", None)
-        rounding = state_dict.pop("moment_rounding", None)
+        self.seed = state_dict.pop("noise_seed", self.seed)
         # torch would cast every moment to its master's dtype on the device (fp32: a whole fp32 copy
         # of bf16 moments at once); they are set below one at a time, in this optimizer's dtype.
         saved = state_dict.get("state", {})
@@ -330,8 +335,6 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 self.state[master][name] = value.to(device=master.device, dtype=self.state_dtype)
             if "step" in self.state.get(master, {}):
                 self.steps[key] = int(self.state[master]["step"])
-        if rounding is not None and rounding.numel() == self.rounding.get_state().numel():
-            self.rounding.set_state(rounding)  # else saved on another device's generator: this one draws on
         if masters is None:  # a checkpoint from a plain-AdamW run: start from the model's values
             masters = [p.detach().float() for p in self.model_params]
         elif len(masters) != len(self.masters):
@@ -369,11 +372,10 @@ def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters: masters in fp32 when the weights are low precision."""
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs = dict(lr=args.learning_rate, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2))
-    choice = getattr(args, "optimizer_state_dtype", "auto")
     if any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
-        state_dtype = torch.bfloat16 if choice in ("auto", "bfloat16") else torch.float32
-        return MasterWeightAdamW(params, state_dtype=state_dtype, seed=getattr(args, "seed", 0), **kwargs)
-    if choice == "bfloat16":
+        state_dtype = torch.bfloat16 if args.optimizer_state_dtype in ("auto", "bfloat16") else torch.float32
+        return MasterWeightAdamW(params, state_dtype=state_dtype, seed=args.seed, **kwargs)
+    if args.optimizer_state_dtype == "bfloat16":
         raise CohortError("optimizer_state_dtype=bfloat16 needs low-precision weights with fp32 masters (dtype "
                           "bfloat16, the default on a GPU); with float32 weights pass optimizer_state_dtype=auto")
     return torch.optim.AdamW(params, **kwargs)
