@@ -212,3 +212,25 @@ def test_clip_high_counts_only_ratios_above_one_plus_epsilon_high():
                                None, 0.2, 0.28)
     assert float(direct["clip_ratio/high_mean"]) == pytest.approx(4 / n)
     assert float(direct["kl"]) == 0.0  # no reference
+
+
+def test_nonfinite_counts_loss_tokens_with_a_nan_logprob_or_an_overflowing_ratio_only():
+    """A NaN sampler log-prob inside the mask counts (the correction would read it as ratio 1); one in
+    padding does not; a finite log-ratio of 100 overflows ρ = e^100 to inf in float32 and counts, though
+    the clipped loss stays finite."""
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    logp = -torch.ones(2, 3)
+    spec = LossSpec(importance_sampling_mode="token_truncate")
+    sampling = logp.clone()
+    sampling[0, 2] = sampling[1, 2] = float("nan")  # padding: not counted
+    out = policy_loss(logp.clone().requires_grad_(), logp, torch.tensor([1.0, 1.0]), mask, spec,
+                      sampling_logp=sampling)
+    assert int(out.nonfinite) == 0
+    sampling[0, 1] = float("nan")
+    out = policy_loss(logp.clone().requires_grad_(), logp, torch.tensor([1.0, 1.0]), mask, spec,
+                      sampling_logp=sampling)
+    assert int(out.nonfinite) == 1 and torch.isfinite(out.loss)
+    old = logp.clone()
+    old[1, 0] = -101.0
+    out = policy_loss(logp.clone().requires_grad_(), old, torch.tensor([1.0, 1.0]), mask)
+    assert int(out.nonfinite) == 1 and torch.isfinite(out.loss)

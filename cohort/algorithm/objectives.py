@@ -289,8 +289,9 @@ def policy_loss(logp: Tensor | FusedTokenLossHead, old_logp: Tensor | None, adva
                 is_weight = None
             elif sequence_correction:
                 is_weight = sequence_weight[rows, cols]
-            else:  # token modes: element-wise in the token's own values
-                is_weight = sampler_correction_weights(old_t - sampling_logp[rows, cols], correction, *clip)
+            else:  # token modes: element-wise in the token's own values (NaN read as 0, as sampler_log_ratio does)
+                log_ratio_t = torch.nan_to_num(old_t - sampling_logp[rows, cols], nan=0.0)
+                is_weight = sampler_correction_weights(log_ratio_t, correction, *clip)
             return per_token_policy_loss(token_logp, token_logp - old_t, adv[rows, cols], spec, ref_logp=ref_t,
                                          entropy=token_entropy, is_weight=is_weight)
 
