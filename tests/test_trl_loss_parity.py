@@ -263,3 +263,35 @@ def test_advantages(scale, with_unscored):
     got = group_advantages(rewards, G, scale, scored=scored if with_unscored else None)
     want = trl_advantages(rewards.masked_fill(~scored, math.nan), G, scale)
     assert torch.allclose(got, want, rtol=0, atol=TOL), (got - want).abs().max()
+
+
+# ---- where the sampling/importance_sampling_ratio metrics depart from TRL's, by design -----------------
+
+def trl_ratio_mean(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's `sampling/importance_sampling_ratio/mean`: the weights of every completion token (a
+    NaN log-prob read as ratio 1), or of every completion at the sequence level, empty ones included."""
+    weights = trl_sampler_weights(old, sampling, mask, mode, clip_min, clip_max)
+    return (weights.flatten() if mode.startswith("sequence") else weights[mask.bool()]).mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ratio_metrics_leave_out_what_was_not_measured(mode):
+    """cohort's ratio statistics average only what the sampler measured: a token whose sampler log-prob is
+    NaN, and at the sequence level a completion with no loss token, are left out (TRL counts each as a
+    ratio of 1). docs/howto/from-trl.md states the difference."""
+    logp, old, _, sampling, advantages, mask = inputs()
+    sampling = sampling.clone()
+    sampling[3, 1] = math.nan
+    mask = mask.clone()
+    mask[4] = 0  # a completion left out of the loss (a truncated one, say)
+    spec = LossSpec(importance_sampling_mode=mode, importance_sampling_clip_min=0.5, importance_sampling_clip_max=3.0)
+    got = policy_loss(logp.clone().requires_grad_(), old, advantages, mask, spec, sampling_logp=sampling).stats
+    weights = trl_sampler_weights(old, sampling, mask, mode, 0.5, 3.0)
+    if mode.startswith("sequence"):
+        measured = weights.flatten()[mask.sum(dim=1) > 0]
+    else:
+        measured = weights[mask.bool() & ~torch.isnan(sampling)]
+    assert got["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(measured.mean().item(), abs=TOL)
+    assert got["sampling/importance_sampling_ratio/min"].item() == pytest.approx(measured.min().item(), abs=TOL)
+    trl = trl_ratio_mean(old, sampling, mask, mode, 0.5, 3.0).item()
+    assert abs(got["sampling/importance_sampling_ratio/mean"].item() - trl) > 1e-3  # the case tells them apart
