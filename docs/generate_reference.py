@@ -39,7 +39,8 @@ METRICS: list[tuple[str, str, str]] = [
     ("success", "every step", "fraction of completions the task's verifier accepts (else reward > 0)"),
     ("completions/mean_length", "every step", "mean completion length in tokens, EOS included"),
     ("completions/clipped_ratio", "every step", "fraction of completions cut at max_completion_length"),
-    ("loss", "every step", "the optimised loss, mean over the μ updates"),
+    ("loss", "every step", "the optimised loss (normalised over the whole step and every rank), mean over "
+                           "the μ updates"),
     ("entropy", "every step", "mean per-token entropy of the policy on its own completions (nats)"),
     ("kl", "β > 0", "mean per-token k3 estimate of KL(π_θ‖π_ref); 0 at the first step of each outer iteration"),
     ("clip_ratio/low_mean", "every step", "fraction of tokens with ρ < 1 − ε and a negative advantage (clip "
@@ -50,7 +51,11 @@ METRICS: list[tuple[str, str, str]] = [
     ("learning_rate", "every step", "the scheduler's learning rate"),
     ("num_iterations", "every step", "μ, the policy updates made on this rollout"),
     ("micro_batches", "every step", "micro-batches in the update's optimizer step"),
-    ("skipped_steps", "every step", "updates skipped so far for a non-finite loss or gradient norm"),
+    ("skipped_steps", "every step", "updates skipped so far for a non-finite loss, gradient norm, log-prob or "
+                                    "importance ratio (docs/reliability.md)"),
+    ("nonfinite_logprobs", "every step", "loss tokens of this update (all ranks) whose log π_θ, log π_old, log "
+                                         "π_ref (β > 0), sampler log-prob (correction on) or ratio ρ was NaN/inf; "
+                                         "the update is skipped when it is not 0"),
     ("oom_retries", "every step", "out-of-GPU-memory retries so far (a halved micro-batch or optimizer chunk)"),
     ("step_time", "every step", "seconds of the whole step"),
     ("time/<phase>", "every step", "seconds of each phase: sampling, rewards, resampling (dynamic_sampling), "

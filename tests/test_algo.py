@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from cohort.algorithm.objectives import aggregate_loss, group_advantages, kl_penalty, policy_loss, policy_loss_stats
+from cohort.algorithm.objectives import (LossSpec, aggregate_loss, group_advantages, kl_penalty, policy_loss,
+                                         policy_loss_stats)
 
 
 def _std(xs):  # Bessel-corrected
@@ -108,8 +109,8 @@ def test_policy_loss_matches_loop(loss_type, eps_high):
     ref = logp + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5) * 0.3
     adv = torch.tensor([1.0, -0.5, 0.25, -2.0], dtype=torch.float64)
     mask = torch.tensor([[1] * 6, [1] * 2 + [0] * 4, [1] * 4 + [0] * 2, [1] + [0] * 5])
-    loss, stats = policy_loss(logp, old, adv, mask, ref_logp=ref, epsilon=0.2, epsilon_high=eps_high,
-                              beta=0.04, loss_type=loss_type, max_completion_length=8)
+    spec = LossSpec(epsilon=0.2, epsilon_high=eps_high, beta=0.04, loss_type=loss_type, max_completion_length=8)
+    loss, stats = policy_loss(logp, old, adv, mask, spec, ref_logp=ref)
     want = _loop_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), ref.tolist(), 0.2,
                              eps_high or 0.2, 0.04, loss_type, 8)
     assert loss.item() == pytest.approx(want, abs=1e-10)
@@ -137,7 +138,7 @@ def test_aggregate_loss_docstring_example():
 
 def test_no_reference_means_no_kl_term():
     logp = torch.zeros(2, 3)
-    loss, stats = policy_loss(logp, logp, torch.tensor([1.0, -1.0]), torch.ones(2, 3), beta=0.5)
+    loss, stats = policy_loss(logp, logp, torch.tensor([1.0, -1.0]), torch.ones(2, 3), LossSpec(beta=0.5))
     assert stats["kl"] == 0.0
     assert loss.item() == pytest.approx(0.0)
 
@@ -179,7 +180,7 @@ def test_logged_kl_is_the_k3_estimate_of_the_masked_tokens():
     assert min(abs(k3 - k1), abs(k3 - k2)) > 0.05  # the estimators are told apart here
     stats = policy_loss_stats(logp, torch.zeros_like(logp), advantages.unsqueeze(1), mask, ref, 0.2, 0.2)
     assert float(stats["kl"]) == pytest.approx(k3, abs=1e-12)
-    _, stats = policy_loss(logp, logp, advantages, mask, ref_logp=ref, beta=0.04)
+    _, stats = policy_loss(logp, logp, advantages, mask, LossSpec(beta=0.04), ref_logp=ref)
     assert float(stats["kl"]) == pytest.approx(k3, abs=1e-12)
 
 
@@ -197,7 +198,7 @@ def test_clip_high_counts_only_ratios_above_one_plus_epsilon_high():
     old = -torch.rand(3, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     logp = (old + ratios.log()).requires_grad_()
     n = int(mask.sum())
-    loss, stats = policy_loss(logp, old, advantages, mask, epsilon=0.2, epsilon_high=0.28, loss_type="dapo")
+    loss, stats = policy_loss(logp, old, advantages, mask, LossSpec(epsilon=0.2, epsilon_high=0.28, loss_type="dapo"))
     assert float(stats["clip_ratio/high_mean"]) == pytest.approx(4 / n)
     assert float(stats["clip_ratio/low_mean"]) == pytest.approx(2 / n)
     assert float(stats["clip_ratio/region_mean"]) == pytest.approx(6 / n)
@@ -211,3 +212,25 @@ def test_clip_high_counts_only_ratios_above_one_plus_epsilon_high():
                                None, 0.2, 0.28)
     assert float(direct["clip_ratio/high_mean"]) == pytest.approx(4 / n)
     assert float(direct["kl"]) == 0.0  # no reference
+
+
+def test_nonfinite_counts_loss_tokens_with_a_nan_logprob_or_an_overflowing_ratio_only():
+    """A NaN sampler log-prob inside the mask counts (the correction would read it as ratio 1); one in
+    padding does not; a finite log-ratio of 100 overflows ρ = e^100 to inf in float32 and counts, though
+    the clipped loss stays finite."""
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    logp = -torch.ones(2, 3)
+    spec = LossSpec(importance_sampling_mode="token_truncate")
+    sampling = logp.clone()
+    sampling[0, 2] = sampling[1, 2] = float("nan")  # padding: not counted
+    out = policy_loss(logp.clone().requires_grad_(), logp, torch.tensor([1.0, 1.0]), mask, spec,
+                      sampling_logp=sampling)
+    assert int(out.nonfinite) == 0
+    sampling[0, 1] = float("nan")
+    out = policy_loss(logp.clone().requires_grad_(), logp, torch.tensor([1.0, 1.0]), mask, spec,
+                      sampling_logp=sampling)
+    assert int(out.nonfinite) == 1 and torch.isfinite(out.loss)
+    old = logp.clone()
+    old[1, 0] = -101.0
+    out = policy_loss(logp.clone().requires_grad_(), old, torch.tensor([1.0, 1.0]), mask)
+    assert int(out.nonfinite) == 1 and torch.isfinite(out.loss)

@@ -1,12 +1,15 @@
-"""Issue 10's pure functions against independent float64 loops: overlong penalty, GSPO ratio and
+"""The variants' pure functions against independent float64 loops: overlong penalty, GSPO ratio and
 gradient, GAE, whitening, clipped value loss, entropy bonus, and DAPO dynamic sampling's drop/refill."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from cohort.algorithm.objectives import gae_advantages, overlong_penalty, policy_loss, sequence_log_ratio, value_loss, whiten
+from cohort.algorithm.objectives import (LossSpec, gae_advantages, overlong_penalty, policy_loss, sequence_log_ratio,
+                                         value_loss, whiten)
+from cohort.errors import CohortError
 from cohort.algorithm.dynamic_sampling import fill_informative, informative_groups
 from cohort.update.logprobs import selected_logprobs
 from cohort.rollout.sampler import Rollout
@@ -62,8 +65,8 @@ def test_gspo_loss_and_gradient_match_explicit_calculation(loss_type):
     # Per-row shifts of log π_old so that rows 0 (A > 0, s ≈ e^0.2) and 3 (A < 0, s ≈ e^−0.3) clip.
     old = old + torch.tensor([[-0.2], [0.0], [0.0], [0.3]], dtype=torch.float64)
     eps, eps_high = 0.05, 0.08
-    loss, stats = policy_loss(logp, old, adv, mask, epsilon=eps, epsilon_high=eps_high, loss_type=loss_type,
-                              importance_sampling_level="sequence")
+    spec = LossSpec(epsilon=eps, epsilon_high=eps_high, loss_type=loss_type, importance_sampling_level="sequence")
+    loss, stats = policy_loss(logp, old, adv, mask, spec)
     loss.backward()
     lengths = [int(m) for m in mask.sum(1)]
     total_tokens = sum(lengths)
@@ -92,7 +95,7 @@ def test_gspo_equals_grpo_gradient_on_policy():
     grads = []
     for level in ("token", "sequence"):
         x = logp.detach().clone().requires_grad_(True)
-        loss, _ = policy_loss(x, x.detach(), adv, mask, importance_sampling_level=level)
+        loss, _ = policy_loss(x, x.detach(), adv, mask, LossSpec(importance_sampling_level=level))
         loss.backward()
         grads.append(x.grad)
     assert torch.allclose(grads[0], grads[1], atol=1e-14)
@@ -100,8 +103,8 @@ def test_gspo_equals_grpo_gradient_on_policy():
 
 def test_unknown_importance_level_rejected():
     logp, old, mask, adv = _random_case(3)
-    with pytest.raises(ValueError):
-        policy_loss(logp, old, adv, mask, importance_sampling_level="word")
+    with pytest.raises(CohortError, match="importance_sampling_level='word'"):
+        policy_loss(logp, old, adv, mask, LossSpec(importance_sampling_level="word"))
 
 
 # ---- per-token advantages and the entropy bonus --------------------------------------------------
@@ -112,7 +115,8 @@ def test_policy_loss_accepts_per_token_advantages_and_entropy_bonus():
     adv = torch.randn(4, 6, generator=g, dtype=torch.float64)
     entropy = torch.rand(4, 6, generator=g, dtype=torch.float64) * 2
     coef = 0.3
-    loss, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, loss_type="grpo", entropy=entropy, entropy_coef=coef)
+    loss, _ = policy_loss(logp, old, adv, mask, LossSpec(epsilon=0.2, loss_type="grpo", entropy_coef=coef),
+                          entropy=entropy)
     want = 0.0
     for b in range(4):
         n = int(mask[b].sum())
@@ -124,7 +128,7 @@ def test_policy_loss_accepts_per_token_advantages_and_entropy_bonus():
         want += row / n / 4
     assert loss.item() == pytest.approx(want, abs=1e-12)
     with pytest.raises(ValueError):
-        policy_loss(logp, old, adv, mask, entropy_coef=0.1)  # a bonus needs the entropy
+        policy_loss(logp, old, adv, mask, LossSpec(entropy_coef=0.1))  # a bonus needs the entropy
 
 
 def test_entropy_has_gradient_matching_explicit_formula():
@@ -367,7 +371,7 @@ def test_gspo_update_equals_grpo_update_on_policy(tiny_dir, tmp_path):
     trainer = _trainer(tiny_dir, tmp_path, importance_sampling_level="sequence")
     batch = _scored_batch(trainer)
     sequence = update_gradient(trainer, batch)[0]
-    trainer.args.importance_sampling_level = "token"
+    trainer.policy_update.loss = dataclasses.replace(trainer.policy_update.loss, importance_sampling_level="token")
     token = update_gradient(trainer, batch)[0]
     assert torch.allclose(sequence, token, atol=1e-6) and sequence.abs().sum() > 0
 

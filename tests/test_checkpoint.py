@@ -257,7 +257,7 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(model_dir, tmp_
     bad_steps.update(range(1, 10))
     trainer = trainer_for(model_dir, tmp_path / "all", max_steps=8, beta=0.0, max_consecutive_nonfinite=3)
     initial = state(trainer.model)
-    with pytest.raises(CohortError, match=r"3 updates in a row had a non-finite loss or gradient \(up to step 3\)"):
+    with pytest.raises(CohortError, match=r"3 updates in a row had a non-finite loss, gradient or log-prob \(up to step 3\)"):
         trainer.train()
     folder = tmp_path / "all" / "checkpoint-3"
     assert ckpt.check_checkpoint(folder) is None
@@ -402,3 +402,60 @@ def test_a_subclass_saves_and_restores_its_own_state(model_dir, tmp_path):
         tmp_path, max_steps=4, beta=0.0, resume_from_checkpoint=str(tmp_path / "checkpoint-2")))
     resumed.resume()
     assert resumed.step == 2 and int(resumed.own_steps) == 2
+
+
+class NanSamplerLogprob:
+    """`trainer`'s group sampler, reporting NaN for one sampled token (inside the loss mask) on `bad_steps`."""
+
+    def __init__(self, trainer, bad_steps):
+        self.trainer, self.bad_steps, self.inner = trainer, bad_steps, trainer.group_sampler
+        trainer.group_sampler = self
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        batch = self.inner(*args, **kwargs)
+        if self.trainer.step in self.bad_steps:
+            logprobs = batch.rollout.logprobs.clone()
+            row, col = batch.rollout.loss_mask.nonzero()[0].tolist()
+            logprobs[row, col] = float("nan")
+            batch.rollout.logprobs = logprobs
+        return batch
+
+
+def nan_sampler_logprob_on(trainer, bad_steps):
+    NanSamplerLogprob(trainer, bad_steps)
+    return trainer
+
+
+def test_a_nan_sampler_logprob_skips_the_update_and_a_resumed_run_still_matches(model_dir, tmp_path):
+    """With the sampler correction on, a NaN sampler log-prob would be read as ratio 1 (TRL's nan_to_num)
+    and the step would train on a finite loss: the update is skipped and counted instead, the run goes
+    on, and a run resumed across the skipped step is the uninterrupted one."""
+    options = dict(max_steps=5, save_steps=2, beta=0.0, eval_steps=0, importance_sampling_correction=True)
+    trainer = nan_sampler_logprob_on(trainer_for(model_dir, tmp_path / "one", **options), {3})
+    weights = {}
+    record = trainer.log_step
+
+    def snapshot(batch, losses, seconds):
+        record(batch, losses, seconds)
+        weights[trainer.step] = state(trainer.model)
+
+    trainer.log_step = snapshot
+    history = trainer.train()
+    assert [h["skipped_steps"] for h in history] == [0, 0, 1, 1, 1]
+    assert [h["nonfinite_logprobs"] > 0 for h in history] == [False, False, True, False, False]
+    assert all(np.isfinite(h["loss"]) for h in history)  # the loss alone would not have caught it
+    assert all(torch.equal(weights[2][k], v) for k, v in weights[3].items())  # step 3 left θ alone
+    assert not all(torch.equal(weights[3][k], v) for k, v in weights[4].items())  # step 4 trained
+
+    crashed = nan_sampler_logprob_on(trainer_for(model_dir, tmp_path / "two", **options), {3})
+    crash_in_step(crashed, 4)
+    with pytest.raises(Crash):
+        crashed.train()
+    resumed = nan_sampler_logprob_on(trainer_for(model_dir, tmp_path / "two", resume=True, **options), {3})
+    resumed.train()
+    assert without_wall_clock(resumed.history) == without_wall_clock(history)
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.state_dict().values(),
+                                                 resumed.model.state_dict().values()))

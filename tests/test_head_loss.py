@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from cohort.algorithm.objectives import token_weights
+from cohort.algorithm.objectives import BatchShare, LossSpec, token_weights
 from cohort.update.fused_head import micro_batch_policy_loss
 from cohort.update.logprobs import micro_batch_logprobs
 from cohort.update.packing import pack_micro_batch
@@ -61,8 +61,9 @@ def test_fused_head_loss_equals_plain_loss_statistics_and_gradients(tiny_dir, lo
     loss_mask = micro.completion_mask.clone()
     loss_mask[2] = 0  # a row left out of the loss (a truncated completion, say)
     kwargs = dict(old_logp=old, ref_logp=ref, advantages=torch.randn(shape[0], generator=g), loss_mask=loss_mask,
-                  temperature=0.8, epsilon=0.2, epsilon_high=0.28, beta=0.04, loss_type=loss_type,
-                  max_completion_length=8, num_tokens=float(loss_mask.sum()) + 3.0, entropy_coef=entropy_coef)
+                  temperature=0.8, spec=LossSpec(epsilon=0.2, epsilon_high=0.28, beta=0.04, loss_type=loss_type,
+                                                 max_completion_length=8, entropy_coef=entropy_coef),
+                  share=BatchShare(shape[0], shape[0], float(loss_mask.sum()) + 3.0))
     plain_loss, plain_stats, plain_out, plain_grads = _loss_and_grads(model, micro, fused=False, **kwargs)
     fused_loss, fused_stats, fused_out, fused_grads = _loss_and_grads(model, micro, fused=True, **kwargs)
 
@@ -83,7 +84,7 @@ def test_on_policy_ratio_gives_the_reinforce_gradient(tiny_dir):
     model = _model(tiny_dir)
     micro = _micro(model.config.vocab_size, seed=3)
     kwargs = dict(old_logp=None, ref_logp=None, advantages=torch.tensor([1.0, -0.5, 2.0, 0.0, -1.0, 0.3]),
-                  loss_mask=micro.completion_mask, loss_type="grpo")
+                  loss_mask=micro.completion_mask, spec=LossSpec(loss_type="grpo"))
     plain_loss, _, _, plain_grads = _loss_and_grads(model, micro, fused=False, **kwargs)
     fused_loss, fused_stats, _, fused_grads = _loss_and_grads(model, micro, fused=True, **kwargs)
     assert torch.allclose(fused_loss, plain_loss, atol=ATOL)
@@ -97,7 +98,7 @@ def test_token_loss_weights_are_each_normalisation():
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]])
     grpo = token_weights(mask, "grpo")
     assert torch.allclose(grpo, torch.tensor([[0.5, 0, 0, 0], [1 / 6, 1 / 6, 1 / 6, 0]]))
-    dapo = token_weights(mask, "dapo", num_tokens=8.0)  # the whole batch's token count, not this one's
+    dapo = token_weights(mask, "dapo", share=BatchShare(2, 2, 8.0))  # the whole batch's token count, not this one's
     assert torch.allclose(dapo, mask / 8.0)
     dr_grpo = token_weights(mask, "dr_grpo", max_completion_length=4)
     assert torch.allclose(dr_grpo, mask / 8.0)
@@ -121,8 +122,8 @@ def test_statistics_count_clip_high_against_epsilon_high_and_kl_as_k3(tiny_dir, 
     ref = ((current + shifts) * mask).float()
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 1.0])
     _, stats = micro_batch_policy_loss(model, micro, fused=fused, chunk_rows=5, old_logp=old, ref_logp=ref,
-                                       advantages=advantages, loss_mask=mask, epsilon=0.2, epsilon_high=0.28,
-                                       beta=0.04, loss_type="grpo")
+                                       advantages=advantages, loss_mask=mask,
+                                       spec=LossSpec(epsilon=0.2, epsilon_high=0.28, beta=0.04, loss_type="grpo"))
     high = low = between = n = 0
     k3 = 0.0
     for b in range(mask.shape[0]):

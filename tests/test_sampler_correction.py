@@ -9,7 +9,8 @@ import torch
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.algorithm import objectives
-from cohort.algorithm.objectives import policy_loss, sampler_correction_weights, sampler_log_ratio
+from cohort.algorithm.objectives import (BatchShare, LossSpec, policy_loss, sampler_correction_weights,
+                                         sampler_log_ratio)
 from cohort.errors import CohortError
 from cohort.update.fused_head import FusedHead
 from cohort.update.logprobs import micro_batch_logprobs
@@ -58,7 +59,7 @@ def test_policy_loss_weighs_the_surrogate_as_an_independent_computation(correcti
     old = (logp + 0.1 * torch.randn(3, 4, generator=g, dtype=torch.float64)) * mask
     sampling = (old + 0.8 * torch.randn(3, 4, generator=g, dtype=torch.float64)) * mask  # some ratios above 3
     adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
-    out = policy_loss(logp, old, adv, mask, sampling_logp=sampling, importance_sampling_correction=correction)
+    out = policy_loss(logp, old, adv, mask, LossSpec(importance_sampling_mode=correction), sampling_logp=sampling)
     want = _float64_loss(logp, old, sampling, adv, mask, correction)
     assert out.loss.item() == pytest.approx(want, abs=1e-12)
     unweighted = policy_loss(logp, old, adv, mask).loss.item()
@@ -80,15 +81,17 @@ def test_fused_and_plain_paths_apply_the_same_correction(tiny_dir, correction):
     sampling = (current + 0.6 * torch.randn(mask.shape, generator=g)) * mask
     old = current if correction.startswith("sequence") else None  # sequence weights need π_old up front
     advantages = torch.randn(6, generator=g)
-    options = dict(sampling_logp=sampling, importance_sampling_correction=correction, loss_type="dapo",
-                   num_tokens=float(mask.sum()))
+    spec = LossSpec(importance_sampling_mode=correction, loss_type="dapo")
+    share = BatchShare(6, 6, float(mask.sum()))
     results = []
     for fused in (True, False):
         model.zero_grad(set_to_none=True)
         if fused:
-            out = policy_loss(FusedHead(model, micro, chunk_rows=4), old, advantages, mask, **options)
+            out = policy_loss(FusedHead(model, micro, chunk_rows=4), old, advantages, mask, spec, sampling_logp=sampling,
+                              share=share)
         else:
-            out = policy_loss(micro_batch_logprobs(model, micro).logp, old, advantages, mask, **options)
+            out = policy_loss(micro_batch_logprobs(model, micro).logp, old, advantages, mask, spec, sampling_logp=sampling,
+                              share=share)
         out.loss.backward()
         results.append((out, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     (a, grads_a), (b, grads_b) = results

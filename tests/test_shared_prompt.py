@@ -11,6 +11,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.errors import CohortError
+from cohort.algorithm.loss_spec import BatchShare, LossSpec
 from cohort.update.fused_head import micro_batch_policy_loss
 from cohort.update.logprobs import micro_batch_logprobs, rollout_logprobs
 from cohort.models import from_pretrained
@@ -148,8 +149,8 @@ def test_shared_layout_gives_the_same_loss_and_gradients(families, fused, loss_t
         model.zero_grad(set_to_none=True)
         (loss, stats) = out = micro_batch_policy_loss(
             model, micro, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages, loss_mask=mask.float(),
-            fused=fused, beta=0.04, loss_type=loss_type, max_completion_length=mask.shape[1],
-            num_tokens=float(mask.sum()), entropy_coef=0.01, chunk_rows=7)
+            fused=fused, chunk_rows=7, share=BatchShare(len(rows), len(rows), float(mask.sum())),
+            spec=LossSpec(beta=0.04, loss_type=loss_type, max_completion_length=mask.shape[1], entropy_coef=0.01))
         loss.backward()
         results.append((loss.detach(), out.logp, {k: v.detach() for k, v in stats.items()},
                         {n: p.grad.clone() for n, p in model.named_parameters()}))

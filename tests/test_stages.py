@@ -78,16 +78,19 @@ def test_fused_and_plain_backends_give_one_loss_and_gradient_through_policy_loss
     old = (current + 0.5 * torch.randn(mask.shape, generator=g)) * mask
     ref = (current + 0.3 * torch.randn(mask.shape, generator=g)) * mask
     advantages = torch.randn(6, generator=g)
-    options = dict(ref_logp=ref, beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type,
-                   max_completion_length=mask.shape[1], num_tokens=float(mask.sum()), entropy_coef=0.01)
+    spec = objectives.LossSpec(beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type,
+                               max_completion_length=mask.shape[1], entropy_coef=0.01)
+    share = objectives.BatchShare(6, 6, float(mask.sum()))
     results = []
     for fused in (True, False):
         model.zero_grad(set_to_none=True)
         if fused:
-            out = objectives.policy_loss(FusedHead(model, micro, chunk_rows=4), old, advantages, mask, **options)
+            out = objectives.policy_loss(FusedHead(model, micro, chunk_rows=4), old, advantages, mask, spec, ref_logp=ref,
+                                         share=share)
         else:
             lp = micro_batch_logprobs(model, micro, with_entropy=True)
-            out = objectives.policy_loss(lp.logp, old, advantages, mask, entropy=lp.entropy, **options)
+            out = objectives.policy_loss(lp.logp, old, advantages, mask, spec, ref_logp=ref, entropy=lp.entropy,
+                                         share=share)
         out.loss.backward()
         results.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (fused_out, fused_grads), (plain_out, plain_grads) = results
@@ -104,7 +107,8 @@ def test_fused_and_plain_backends_give_one_loss_and_gradient_through_policy_loss
 
 def test_policy_loss_refuses_a_sequence_ratio_through_a_fused_head(tiny_dir):
     with pytest.raises(ValueError, match="sequence ratio"):
-        objectives.policy_loss(object(), None, torch.zeros(2), torch.ones(2, 3), importance_sampling_level="sequence")
+        objectives.policy_loss(object(), None, torch.zeros(2), torch.ones(2, 3),
+                               objectives.LossSpec(importance_sampling_level="sequence"))
 
 
 def test_prompt_stream_walks_epochs_and_restores_exactly():

@@ -17,11 +17,9 @@ micro-batch and no gradient accumulation: grpo = mean over completions of each o
 bnpo = token sum ÷ this batch's token count; dapo = token sum ÷ the generation batch's token count;
 dr_grpo = token sum ÷ (B × max_completion_length).
 
-Gradients with respect to logp are compared too (1e-10), except in the one place cohort's gradient
-differs by design: at the sequence level cohort uses GSPO's token form of the ratio, whose value is
-TRL's but whose gradient reaches only each token's own logp. Weighted the same on every token of a
-completion (the surrogate, a sequence-level sampler weight), the two give the same gradient; weighted
-per token they do not: the per-token KL of use_bias_correction_kl, and a token-level sampler weight.
+Gradients with respect to logp are compared too (1e-10), at the sequence level as well: there the
+ratio's gradient flows through every token of the completion, as TRL's does, so a term weighted per
+token (the KL of use_bias_correction_kl, a token-level sampler weight) reaches the whole completion.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ import math
 import pytest
 import torch
 
-from cohort.algorithm.objectives import group_advantages, policy_loss
+from cohort.algorithm.objectives import BatchShare, LossSpec, group_advantages, policy_loss
 
 torch.set_num_threads(1)
 
@@ -131,7 +129,13 @@ def both(options: dict, cohort_only: dict, seed=0):
     use_old = options.pop("use_old", True)
     old = old if use_old else None
     a = logp.clone().requires_grad_(True)
-    out = policy_loss(a, old, advantages, mask, ref_logp=ref, **options, **cohort_only)
+    spec_options = {k: v for k, v in {**options, **cohort_only}.items() if k not in ("sampling_logp", "num_tokens")}
+    if "importance_sampling_correction" in spec_options:
+        spec_options["importance_sampling_mode"] = spec_options.pop("importance_sampling_correction")
+    num_tokens = options.get("num_tokens")
+    share = None if num_tokens is None else BatchShare(len(a), len(a), num_tokens)
+    out = policy_loss(a, old, advantages, mask, LossSpec(**spec_options), ref_logp=ref,
+                      sampling_logp=options.get("sampling_logp"), share=share)
     (grad_cohort,) = torch.autograd.grad(out.loss, a)
     b = logp.clone().requires_grad_(True)
     trl_options = dict(options)
@@ -147,12 +151,11 @@ def both(options: dict, cohort_only: dict, seed=0):
     return out.loss.detach(), want.detach(), grad_cohort, grad_trl
 
 
-def check(options: dict, *, gradient=True, seed=0):
+def check(options: dict, *, seed=0):
     got, want, grad_got, grad_want = both(dict(options), {}, seed)
     assert got.dtype == torch.float64
     assert abs(got.item() - want.item()) <= TOL * max(1.0, abs(want.item())), (got.item(), want.item())
-    if gradient:
-        assert torch.allclose(grad_got, grad_want, rtol=0, atol=1e-10), (grad_got - grad_want).abs().max()
+    assert torch.allclose(grad_got, grad_want, rtol=0, atol=1e-10), (grad_got - grad_want).abs().max()
 
 
 # ---- the loss -----------------------------------------------------------------------------------------
@@ -191,9 +194,8 @@ def test_two_sided_clipping(loss_type, level, delta, use_old):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("delta", [None, 1.5])
 def test_bias_corrected_kl(loss_type, level, delta):
-    # Sequence level: the value is TRL's, the KL gradient is GSPO-token's (see the module docstring).
     check(dict(loss_type=loss_type, importance_sampling_level=level, beta=0.1, use_bias_correction_kl=True,
-               delta=delta, max_completion_length=7), gradient=level == "token")
+               delta=delta, max_completion_length=7))
 
 
 def test_bias_corrected_kl_is_off_by_default_and_changes_the_loss_off_policy():
@@ -228,8 +230,7 @@ def test_everything_at_once(mode, level):
         check(dict(loss_type=loss_type, importance_sampling_level=level, sampling_logp=sampling,
                    importance_sampling_correction=mode, importance_sampling_clip_min=0.5,
                    importance_sampling_clip_max=2.0, beta=0.07, use_bias_correction_kl=bias_kl, delta=1.6,
-                   epsilon=0.15, epsilon_high=0.3, max_completion_length=8),
-              gradient=not (level == "sequence" and (bias_kl or mode.startswith("token"))), seed=5)
+                   epsilon=0.15, epsilon_high=0.3, max_completion_length=8), seed=5)
 
 
 def test_sampling_logp_without_a_correction_changes_nothing():
@@ -262,3 +263,35 @@ def test_advantages(scale, with_unscored):
     got = group_advantages(rewards, G, scale, scored=scored if with_unscored else None)
     want = trl_advantages(rewards.masked_fill(~scored, math.nan), G, scale)
     assert torch.allclose(got, want, rtol=0, atol=TOL), (got - want).abs().max()
+
+
+# ---- where the sampling/importance_sampling_ratio metrics depart from TRL's, by design -----------------
+
+def trl_ratio_mean(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's `sampling/importance_sampling_ratio/mean`: the weights of every completion token (a
+    NaN log-prob read as ratio 1), or of every completion at the sequence level, empty ones included."""
+    weights = trl_sampler_weights(old, sampling, mask, mode, clip_min, clip_max)
+    return (weights.flatten() if mode.startswith("sequence") else weights[mask.bool()]).mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ratio_metrics_leave_out_what_was_not_measured(mode):
+    """cohort's ratio statistics average only what the sampler measured: a token whose sampler log-prob is
+    NaN, and at the sequence level a completion with no loss token, are left out (TRL counts each as a
+    ratio of 1). docs/howto/from-trl.md states the difference."""
+    logp, old, _, sampling, advantages, mask = inputs()
+    sampling = sampling.clone()
+    sampling[3, 1] = math.nan
+    mask = mask.clone()
+    mask[4] = 0  # a completion left out of the loss (a truncated one, say)
+    spec = LossSpec(importance_sampling_mode=mode, importance_sampling_clip_min=0.5, importance_sampling_clip_max=3.0)
+    got = policy_loss(logp.clone().requires_grad_(), old, advantages, mask, spec, sampling_logp=sampling).stats
+    weights = trl_sampler_weights(old, sampling, mask, mode, 0.5, 3.0)
+    if mode.startswith("sequence"):
+        measured = weights.flatten()[mask.sum(dim=1) > 0]
+    else:
+        measured = weights[mask.bool() & ~torch.isnan(sampling)]
+    assert got["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(measured.mean().item(), abs=TOL)
+    assert got["sampling/importance_sampling_ratio/min"].item() == pytest.approx(measured.min().item(), abs=TOL)
+    trl = trl_ratio_mean(old, sampling, mask, mode, 0.5, 3.0).item()
+    assert abs(got["sampling/importance_sampling_ratio/mean"].item() - trl) > 1e-3  # the case tells them apart

@@ -20,22 +20,20 @@ independent float64 computation. Sources:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable, Literal, Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 
-ScaleRewards = Literal["group", "batch", "none"]
-KLEstimator = Literal["k1", "k2", "k3"]
-LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
+from .loss_spec import (IMPORTANCE_LEVELS, KL_CHOICES, LOSS_TYPES, SAMPLER_CORRECTIONS, SCALE_CHOICES, BatchShare,
+                        KLEstimator, LossSpec, LossType, ScaleRewards)
+from .sampler_correction import sampler_correction_weights, sampler_log_ratio, sampler_mismatch_stats
 
-SCALE_CHOICES = ("group", "batch", "none")
-KL_CHOICES = ("k1", "k2", "k3")
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-SAMPLER_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+__all__ = ["IMPORTANCE_LEVELS", "KL_CHOICES", "LOSS_TYPES", "SAMPLER_CORRECTIONS", "SCALE_CHOICES", "BatchShare",
+           "LossSpec", "aggregate_loss", "gae_advantages", "group_advantages", "kl_penalty", "nonfinite_tokens",
+           "overlong_penalty", "per_token_policy_loss", "policy_loss", "policy_loss_stats", "sampler_correction_weights",
+           "sampler_log_ratio", "sampler_mismatch_stats", "sequence_log_ratio", "token_weights", "value_loss", "whiten"]
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: ScaleRewards = "group", eps: float = 1e-4,
@@ -126,40 +124,47 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") ->
     raise ValueError(f"estimator must be one of {KL_CHOICES}, got {estimator!r}")
 
 
-def aggregate_loss(
-    per_token: Tensor,
-    mask: Tensor,
-    loss_type: LossType = "grpo",
-    max_completion_length: int | None = None,
-    num_tokens: float | None = None,
-) -> Tensor:
-    """Reduce a `[B, T]` per-token loss to a scalar: every length-normalisation choice lives here.
+def aggregate_loss(per_token: Tensor, mask: Tensor, loss_type: LossType = "grpo",
+                   max_completion_length: int | None = None, share: BatchShare | None = None) -> Tensor:
+    """Reduce a `[B, T]` per-token loss to a scalar: every normalisation of the loss lives here.
 
     - ``"grpo"`` (DeepSeekMath eq. 3): mean over each completion's own tokens, then mean over
       completions — a token of a short completion weighs more than one of a long completion.
     - ``"bnpo"`` / ``"dapo"`` (DAPO §3.3, token-level): sum over all tokens ÷ number of tokens, so every
-      token weighs the same. `num_tokens` overrides the divisor (DAPO divides by the token count
-      of the whole accumulated batch, not of one micro-batch).
+      token weighs the same.
     - ``"dr_grpo"`` (Dr. GRPO §3.1): sum over all tokens ÷ (B × max_completion_length), a constant,
       so no length bias at all.
+
+    `share` (None: these rows are the whole step) places a micro-batch in the optimizer step that
+    accumulates it, so the sum of the micro-batches' losses over every rank is the step's loss:
+    grpo, bnpo and dr_grpo weigh the micro-batch by its share of the step's completions; dapo divides
+    by the step's token count instead of its own (TRL's ``num_items_in_batch``). Both are multiplied
+    by the world size, because DDP averages the ranks' gradients while these divisors already count
+    every rank's rows.
 
     Worked example, B = 2, mask rows of length 1 and 3, every token's loss = its row index + 1::
 
         grpo    → (1/1 + 6/3) / 2 = 1.5
         dapo    → (1 + 6) / 4   = 1.75
         dr_grpo → (1 + 6) / (2 × 4) = 0.875   # max_completion_length = 4
+
+    and as one of two ranks' micro-batches of a step of 8 completions and 14 tokens: grpo → 1.5 × 2/8 × 2
+    = 0.75, dapo → 7 / 14 × 2 = 1.0.
     """
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
+    if loss_type == "dapo" and share is not None:
+        return masked.sum() / share.step_tokens * share.world_size
     if loss_type == "grpo":
-        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
-    if loss_type in ("bnpo", "dapo"):
-        divisor = num_tokens if num_tokens is not None else mask.sum().clamp(min=1.0)
-        return masked.sum() / divisor
-    if loss_type == "dr_grpo":
+        loss = (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
+    elif loss_type in ("bnpo", "dapo"):
+        loss = masked.sum() / mask.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
         length = max_completion_length if max_completion_length is not None else per_token.shape[1]
-        return masked.sum() / (per_token.shape[0] * length)
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        loss = masked.sum() / (per_token.shape[0] * length)
+    else:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    return loss if share is None else loss * (share.rows / share.step_rows * share.world_size)
 
 
 @dataclass
@@ -185,10 +190,11 @@ class PolicyLossStats:
 class PolicyLossOutput:
     """What `policy_loss` returns. Unpacks as `loss, stats = policy_loss(...)` too."""
 
-    loss: Tensor  # scalar, with gradient
-    stats: dict[str, Tensor]  # PolicyLossStats.as_dict(): 0-dim tensors
+    loss: Tensor  # [] with gradient, normalised for the step when given a BatchShare
+    stats: dict[str, Tensor]  # PolicyLossStats.as_dict() and sampling/*: [] tensors
     logp: Tensor  # [B, T] log π_θ, detached
     entropy: Tensor | None  # [B, T] entropy of π_θ, detached (when computed)
+    nonfinite: Tensor | None = None  # [] loss tokens whose log-probs or importance ratio are NaN/inf
 
     def __iter__(self):
         return iter((self.loss, self.stats))
@@ -206,40 +212,23 @@ class FusedTokenLossHead(Protocol):
     def weighted_token_loss(self, token_loss: TokenLoss, weights: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
-def policy_loss(
-    logp: Tensor | FusedTokenLossHead,
-    old_logp: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    ref_logp: Tensor | None = None,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
-    loss_type: LossType = "grpo",
-    max_completion_length: int | None = None,
-    num_tokens: float | None = None,
-    importance_sampling_level: str = "token",
-    entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    delta: float | None = None,
-    use_bias_correction_kl: bool = False,
-    sampling_logp: Tensor | None = None,
-    importance_sampling_correction: str | None = None,
-    importance_sampling_clip_min: float | None = None,
-    importance_sampling_clip_max: float | None = 3.0,
-) -> PolicyLossOutput:
+DEFAULT_SPEC = LossSpec()
+
+
+def policy_loss(logp: Tensor | FusedTokenLossHead, old_logp: Tensor | None, advantages: Tensor, mask: Tensor,
+                spec: LossSpec = DEFAULT_SPEC, *, ref_logp: Tensor | None = None, entropy: Tensor | None = None,
+                sampling_logp: Tensor | None = None, share: BatchShare | None = None) -> PolicyLossOutput:
     """The GRPO objective (DeepSeekMath eq. 3), negated so that minimising it is ascent.
 
-    Shapes: `logp`, `old_logp`, `ref_logp`, `mask`, `entropy` are `[B, T]`; `advantages` is `[B]`
-    (one per completion, broadcast over its tokens) or `[B, T]` (one per token, as PPO's GAE gives).
-    Per token::
+    Shapes: `logp`, `old_logp`, `ref_logp`, `mask`, `entropy`, `sampling_logp` are `[B, T]`;
+    `advantages` is `[B]` (one per completion, broadcast over its tokens) or `[B, T]` (one per token,
+    as PPO's GAE gives). Per token, with the settings of `spec` (`LossSpec`)::
 
         ρ = exp(logp − old_logp)
         loss = −[ min(ρ·A, clip(ρ, 1−ε, 1+ε_high)·A) − β · k3(logp, ref_logp) ]
 
-    then reduced by `aggregate_loss(loss_type)`. ε_high=None means ε (symmetric clip); DAPO's
-    "clip-higher" sets ε_high > ε. `old_logp=None` means π_old = π_θ (μ = 1, one update per
+    then reduced by `aggregate_loss(spec.loss_type, share)`. ε_high=None means ε (symmetric clip);
+    DAPO's "clip-higher" sets ε_high > ε. `old_logp=None` means π_old = π_θ (μ = 1, one update per
     rollout): ρ = 1 and only its gradient matters, ∇ρ = ∇logp, so the loss is the REINFORCE
     estimator with group baselines.
 
@@ -252,43 +241,40 @@ def policy_loss(
     caps ρ in the unclipped term too (INTELLECT-2's two-sided clipping), and
     `use_bias_correction_kl` weighs each token's KL by ρ (DeepSeek-V3.2's unbiased estimator).
 
-    `sampling_logp` ([B, T], the sampler's own log-probs) measures how far the sampler's arithmetic
-    is from the trainer's (`stats["sampling/..."]`); with `importance_sampling_correction` (one of
-    SAMPLER_CORRECTIONS) the surrogate term is weighted by `sampler_correction_weights` of the
-    trainer's π_old against it (π_θ's own detached log-probs at μ = 1).
+    `sampling_logp` (the sampler's own log-probs) measures how far the sampler's arithmetic is from
+    the trainer's (`stats["sampling/..."]`); with `spec.importance_sampling_mode` the surrogate term is
+    weighted by `sampler_correction_weights` of the trainer's π_old against it (π_θ's own detached
+    log-probs at μ = 1).
+
+    `nonfinite` counts the loss tokens whose log π_θ, log π_old, log π_ref (β ≠ 0), sampler log-prob
+    (with a correction on) or ratio ρ is NaN or ±inf: the update skips a step where it is not 0, since
+    such a token's term is NaN, or silently clamped, or dropped by a later `nan_to_num`.
 
     `logp` is either the log-probs themselves (with their gradient) or a head that computes them
     (`FusedTokenLossHead`): since the token-level loss is Σ_t w_t ℓ_t with w = `token_weights`, such a
     head gets each token's gradient as soon as its log π exists and never recomputes the logits. The
     formula is the same either way: `per_token_policy_loss` weighted as `aggregate_loss` weighs it.
     """
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    if importance_sampling_level not in IMPORTANCE_LEVELS:
-        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_LEVELS}, got {importance_sampling_level!r}")
-    options = dict(epsilon=epsilon, epsilon_high=eps_high, beta=beta, entropy_coef=entropy_coef, delta=delta,
-                   use_bias_correction_kl=use_bias_correction_kl)
-    correction = importance_sampling_correction if sampling_logp is not None else None
-    if correction is not None and correction not in SAMPLER_CORRECTIONS:
-        raise ValueError(f"importance_sampling_correction must be one of {SAMPLER_CORRECTIONS}, got {correction!r}")
-    clip = (importance_sampling_clip_min, importance_sampling_clip_max)
-    sequence_correction = correction is not None and correction.startswith("sequence")
+    correction = spec.importance_sampling_mode if sampling_logp is not None else None
+    clip = (spec.importance_sampling_clip_min, spec.importance_sampling_clip_max)
     if isinstance(logp, Tensor):
         old = logp.detach() if old_logp is None else old_logp
-        if importance_sampling_level == "token":
+        if spec.importance_sampling_level == "token":
             log_ratio = logp - old
         else:
             log_ratio = sequence_log_ratio(logp, old, mask)
         adv = _per_token(advantages, logp)
         is_weight = None if correction is None else sampler_correction_weights(
             sampler_log_ratio(old, sampling_logp, mask, correction), correction, *clip)
-        per_token = per_token_policy_loss(logp, log_ratio, adv.expand_as(logp), ref_logp=ref_logp, entropy=entropy,
-                                          is_weight=is_weight, **options)
-        loss = aggregate_loss(per_token, mask, loss_type, max_completion_length, num_tokens)
+        per_token = per_token_policy_loss(logp, log_ratio, adv.expand_as(logp), spec, ref_logp=ref_logp,
+                                          entropy=entropy, is_weight=is_weight)
+        loss = aggregate_loss(per_token, mask, spec.loss_type, spec.max_completion_length, share)
         logp, entropy = logp.detach(), None if entropy is None else entropy.detach()
         log_ratio = log_ratio.detach()
     else:
-        if importance_sampling_level != "token":
+        if spec.importance_sampling_level != "token":
             raise ValueError("GSPO's sequence ratio couples a completion's tokens: pass the log-probs themselves")
+        sequence_correction = correction is not None and spec.sequence_correction
         if sequence_correction and old_logp is None:
             raise ValueError("a sequence-level sampler correction needs π_old's log-probs before the head runs: "
                              "pass old_logp")
@@ -303,19 +289,23 @@ def policy_loss(
                 is_weight = None
             elif sequence_correction:
                 is_weight = sequence_weight[rows, cols]
-            else:  # token modes: element-wise in the token's own values
-                is_weight = sampler_correction_weights(old_t - sampling_logp[rows, cols], correction, *clip)
-            return per_token_policy_loss(token_logp, token_logp - old_t, adv[rows, cols], ref_logp=ref_t,
-                                         entropy=token_entropy, is_weight=is_weight, **options)
+            else:  # token modes: element-wise in the token's own values (NaN read as 0, as sampler_log_ratio does)
+                log_ratio_t = torch.nan_to_num(old_t - sampling_logp[rows, cols], nan=0.0)
+                is_weight = sampler_correction_weights(log_ratio_t, correction, *clip)
+            return per_token_policy_loss(token_logp, token_logp - old_t, adv[rows, cols], spec, ref_logp=ref_t,
+                                         entropy=token_entropy, is_weight=is_weight)
 
-        weights = token_weights(mask, loss_type, max_completion_length, num_tokens)
+        weights = token_weights(mask, spec.loss_type, spec.max_completion_length, share)
         loss, logp, entropy = logp.weighted_token_loss(token_loss, weights)
         log_ratio = torch.zeros_like(logp) if old_logp is None else logp - old_logp
-    stats = policy_loss_stats(logp, log_ratio, _per_token(advantages, logp), mask, ref_logp, epsilon, eps_high)
+    stats = policy_loss_stats(logp, log_ratio, _per_token(advantages, logp), mask, ref_logp, spec.epsilon,
+                              spec.upper_epsilon)
     if sampling_logp is not None:
         stats.update(sampler_mismatch_stats(logp if old_logp is None else old_logp, sampling_logp, mask, correction,
                                             *clip))
-    return PolicyLossOutput(loss, stats, logp, entropy)
+    nonfinite = nonfinite_tokens(mask, logp, old_logp, ref_logp if spec.beta != 0.0 else None,
+                                 sampling_logp if correction is not None else None, torch.exp(log_ratio))
+    return PolicyLossOutput(loss, stats, logp, entropy, nonfinite)
 
 
 def _per_token(advantages: Tensor, like: Tensor) -> Tensor:
@@ -325,90 +315,52 @@ def _per_token(advantages: Tensor, like: Tensor) -> Tensor:
 
 
 def token_weights(mask: Tensor, loss_type: LossType, max_completion_length: int | None = None,
-                  num_tokens: float | None = None) -> Tensor:
+                  share: BatchShare | None = None) -> Tensor:
     """[B, T] weight of each token's loss in `aggregate_loss`, float32.
 
     `aggregate_loss` is linear in the per-token losses, so its gradient with respect to them is the
-    same at every point: these weights. Reading them off by autograd keeps every length
-    normalisation in `aggregate_loss` alone. Worked example, "grpo", rows of 1 and 3 tokens:
+    same at every point: these weights. Reading them off by autograd keeps every normalisation in
+    `aggregate_loss` alone. Worked example, "grpo", rows of 1 and 3 tokens:
     [[1/2, 0, 0], [1/6, 1/6, 1/6]] (each row's mean, then the mean over 2 rows)."""
     probe = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device, requires_grad=True)
     with torch.enable_grad():
-        (weights,) = torch.autograd.grad(aggregate_loss(probe, mask, loss_type, max_completion_length, num_tokens),
-                                         probe)
+        (weights,) = torch.autograd.grad(aggregate_loss(probe, mask, loss_type, max_completion_length, share), probe)
     return weights
 
 
-def per_token_policy_loss(logp: Tensor, log_ratio: Tensor, advantages: Tensor, *, ref_logp: Tensor | None = None,
-                          epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
-                          entropy: Tensor | None = None, entropy_coef: float = 0.0, delta: float | None = None,
-                          use_bias_correction_kl: bool = False, is_weight: Tensor | None = None) -> Tensor:
+def per_token_policy_loss(logp: Tensor, log_ratio: Tensor, advantages: Tensor, spec: LossSpec = DEFAULT_SPEC, *,
+                          ref_logp: Tensor | None = None, entropy: Tensor | None = None,
+                          is_weight: Tensor | None = None) -> Tensor:
     """`policy_loss` before its length normalisation: the loss of each token, any shape (all
     arguments alike, `advantages` included). Element-wise in the token's own values, which is what
     lets a fused head take its gradient one chunk of tokens at a time.
 
     `is_weight` (no gradient) multiplies the surrogate term only, not the KL or the entropy bonus."""
-    eps_high = epsilon if epsilon_high is None else epsilon_high
     ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * advantages
-    unclipped = (ratio if delta is None else torch.clamp(ratio, max=delta)) * advantages
+    clipped = torch.clamp(ratio, 1.0 - spec.epsilon, 1.0 + spec.upper_epsilon) * advantages
+    unclipped = (ratio if spec.delta is None else torch.clamp(ratio, max=spec.delta)) * advantages
     per_token = -torch.min(unclipped, clipped)
     if is_weight is not None:
         per_token = per_token * is_weight
-    if ref_logp is not None and beta != 0.0:
+    if ref_logp is not None and spec.beta != 0.0:
         kl = kl_penalty(logp, ref_logp, "k3")
-        per_token = per_token + beta * (kl * ratio if use_bias_correction_kl else kl)
-    if entropy_coef != 0.0:
+        per_token = per_token + spec.beta * (kl * ratio if spec.use_bias_correction_kl else kl)
+    if spec.entropy_coef != 0.0:
         if entropy is None:
             raise ValueError("entropy_coef != 0 needs the per-token entropy (with its gradient)")
-        per_token = per_token - entropy_coef * entropy
+        per_token = per_token - spec.entropy_coef * entropy
     return per_token
 
 
-def sampler_log_ratio(trainer_logp: Tensor, sampling_logp: Tensor, mask: Tensor, correction: str) -> Tensor:
-    """log(π_trainer / π_sampler) of the sampled tokens: `[B, T]` for the token-level corrections,
-    `[B, 1]` (summed over each completion) for the sequence-level ones; 0 off the mask."""
-    diff = torch.nan_to_num((trainer_logp - sampling_logp) * mask.to(trainer_logp.dtype), nan=0.0)
-    return diff.sum(dim=1, keepdim=True) if correction.startswith("sequence") else diff
-
-
 @torch.no_grad()
-def sampler_correction_weights(log_ratio: Tensor, correction: str, clip_min: float | None = None,
-                               clip_max: float | None = 3.0) -> Tensor:
-    """Importance weights π_trainer / π_sampler for samples drawn by a sampler whose arithmetic
-    differs from the trainer's (bf16 kernels, another engine): `*_truncate` clamps them to
-    [clip_min, clip_max] (truncated IS), `*_mask` sets those outside to 0 (the sample leaves the loss).
-
-    Worked example, ratios [0.5, 1.2, 4.0], clip_max 3: token_truncate → [0.5, 1.2, 3.0];
-    token_mask → [0.5, 1.2, 0.0]."""
-    ratio = torch.exp(log_ratio)
-    if correction.endswith("truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-
-
-@torch.no_grad()
-def sampler_mismatch_stats(trainer_logp: Tensor, sampling_logp: Tensor, mask: Tensor, correction: str | None,
-                           clip_min: float | None = None, clip_max: float | None = 3.0) -> dict[str, Tensor]:
-    """TRL's `sampling/*` metrics: |log π_trainer − log π_sampler| over the completion tokens (mean, max),
-    and the importance ratio the correction applies (its token or sequence values; the raw ratio
-    exp(Σ Δ) per token when no correction is on): min, mean, max."""
-    fmask = mask.to(trainer_logp.dtype)
-    valid = fmask.bool() & ~torch.isnan(sampling_logp)
-    diff = (trainer_logp - sampling_logp).abs()[valid]
-    log_ratio = sampler_log_ratio(trainer_logp, sampling_logp, mask, correction or "token_truncate")
-    ratio = torch.exp(log_ratio) if correction is None else sampler_correction_weights(log_ratio, correction,
-                                                                                        clip_min, clip_max)
-    ratio = ratio[valid] if ratio.shape == mask.shape else ratio.reshape(-1)[fmask.sum(dim=1) > 0]
-    zero = torch.zeros((), device=trainer_logp.device)
-    some = diff.numel() > 0
-    return {"sampling/sampling_logp_difference/mean": diff.mean() if some else zero,
-            "sampling/sampling_logp_difference/max": diff.max() if some else zero,
-            "sampling/importance_sampling_ratio/min": ratio.min() if ratio.numel() else zero,
-            "sampling/importance_sampling_ratio/mean": ratio.mean() if ratio.numel() else zero,
-            "sampling/importance_sampling_ratio/max": ratio.max() if ratio.numel() else zero}
+def nonfinite_tokens(mask: Tensor, *values: Tensor | None) -> Tensor:
+    """[] count of the tokens inside `mask` ([B, T]) where any of `values` ([B, T] or [B, 1]; None
+    skipped) is NaN or ±inf. Positions outside the mask hold padding and are not counted."""
+    bad = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
+    for value in values:
+        if value is not None:
+            bad = bad | ~torch.isfinite(value).expand(mask.shape)
+    return (bad & mask.bool()).sum()
 
 
 @torch.no_grad()
@@ -430,23 +382,22 @@ def policy_loss_stats(logp: Tensor, log_ratio: Tensor, advantages: Tensor, mask:
 
 
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """GSPO's importance log-ratio, `[B, T]`, in the paper's stop-gradient token form (its "GSPO-token").
-
-    The sequence ratio is the geometric mean of the token ratios over the completion's own tokens::
+    """GSPO's importance log-ratio: each completion's mean token log-ratio, `[B, T]` (its value on every token).
 
         log s_i = (1/|y_i|) Σ_t (logp_t − old_logp_t)
 
-    and every token t of completion i gets ``log s_i,t = sg[log s_i] + logp_t − sg[logp_t]``. Its value
-    equals log s_i on every token, and ∇ s_i,t = s_i · ∇logp_t, so with one advantage per completion and
-    the per-completion mean ("grpo" aggregation) the gradient is s_i · A_i · mean_t ∇logp_t — exactly
-    the gradient of GSPO's sequence-level objective s_i · A_i.
+    The gradient flows through the whole sum, as in GSPO's sequence-level objective and TRL 1.16:
+    ∇ log s_i = (1/|y_i|) Σ_t ∇logp_t, so a per-token term that multiplies s_i (the KL of
+    `use_bias_correction_kl`, a token-level sampler weight) moves every token of its completion.
+    With one weight per completion (the surrogate alone) this equals GSPO's token form
+    (sg[s_i] · π_t / sg[π_t]), whose gradient reaches only each token's own log-prob.
 
-    Worked example: token log-ratios [0.1, 0.3, (padding)] → log s = 0.2 on both tokens.
+    Worked example: token log-ratios [0.1, 0.3, (padding)] → log s = 0.2 on every position.
     """
     fmask = mask.to(logp.dtype)
     token_log_ratio = (logp - old_logp) * fmask
     seq = token_log_ratio.sum(dim=1, keepdim=True) / fmask.sum(dim=1, keepdim=True).clamp(min=1.0)
-    return seq.detach() + logp - logp.detach()
+    return seq.expand_as(logp)
 
 
 def overlong_penalty(lengths: Tensor, max_completion_length: int, buffer_length: int, factor: float = 1.0) -> Tensor:

@@ -53,6 +53,7 @@ from ..update.schedule import lr_scheduler
 from .curriculum import Curriculum
 from .determinism import cpu_determinism, seed_everything
 from .dynamic_sampling import fill_informative
+from .loss_spec import LossSpec
 from .objectives import group_advantages, overlong_penalty
 from .prompts import PromptStream
 
@@ -145,10 +146,11 @@ class GRPOTrainer:
         self.prompts = PromptStream(self.train_rows, args.prompts_per_step * self.parallel.world_size, args.seed)
         # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
         self.sampler_correction = sampler_correction_mode(args, self.model, self.device)
+        self.loss_spec = LossSpec.from_config(args, self.sampler_correction)  # the loss's settings, in one value
         self.policy_update = PolicyUpdate(args, train_model=self.train_model, optimizer=self.optimizer,
                                           scheduler=self.scheduler, memory=self.memory, parallel=self.parallel,
                                           device=self.device, pad_id=self.pad_id, share_prompts=self.share_prompts,
-                                          sampler_correction=self.sampler_correction, log=self.log_line)
+                                          loss=self.loss_spec, log=self.log_line)
         self.accuracy_before = self.accuracy_after = None
         self.seconds_before = 0.0  # training time of the attempts a resumed run continues
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -303,7 +305,7 @@ class GRPOTrainer:
         and ρ ≡ 1) or when a sequence-level sampler correction needs it up front, π_ref's only when β > 0."""
         old = ref = None
         with self.report.phase("logprobs"):
-            if self.args.num_iterations > 1 or (self.sampler_correction or "").startswith("sequence"):
+            if self.args.num_iterations > 1 or self.loss_spec.sequence_correction:
                 old = self.policy_update.logprobs(self.model, batch)
             if self.ref_model is not None:
                 with self.memory.reference_pass():

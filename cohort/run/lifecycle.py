@@ -122,7 +122,7 @@ class RunLifecycle:
             folder = self.save_once(step)
         if too_many_faults:
             self.close_logs()
-            raise CohortError(f"{nonfinite_in_a_row} updates in a row had a non-finite loss or gradient (up to "
+            raise CohortError(f"{nonfinite_in_a_row} updates in a row had a non-finite loss, gradient or log-prob (up to "
                               f"step {step}); stopped with the last finite weights in {folder}: lower --learning_rate, "
                               "lower --max_grad_norm, or check the reward functions for inf/NaN")
         if stop.signum is not None:

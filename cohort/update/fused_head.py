@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..algorithm.objectives import PolicyLossOutput, policy_loss
+from ..algorithm.loss_spec import BatchShare, LossSpec
+from ..algorithm.objectives import DEFAULT_SPEC, PolicyLossOutput, policy_loss
 from .logprobs import (accumulate_chunk_grads, chunk_rows_for, chunk_stats_function, completion_hidden,
                        micro_batch_logprobs, scatter_to_rows, supports_hidden)
 from .packing import MicroBatch
@@ -111,15 +112,10 @@ class FusedHead:
 
 
 def micro_batch_policy_loss(model, micro: MicroBatch, *, old_logp: Tensor | None, ref_logp: Tensor | None,
-                            advantages: Tensor, loss_mask: Tensor, temperature: float = 1.0, fused: bool = True,
-                            epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
-                            loss_type: str = "grpo", max_completion_length: int | None = None,
-                            num_tokens: float | None = None, importance_sampling_level: str = "token",
-                            entropy_coef: float = 0.0, chunk_rows: int | None = None, delta: float | None = None,
-                            use_bias_correction_kl: bool = False, sampling_logp: Tensor | None = None,
-                            importance_sampling_correction: str | None = None,
-                            importance_sampling_clip_min: float | None = None,
-                            importance_sampling_clip_max: float | None = 3.0) -> PolicyLossOutput:
+                            advantages: Tensor, loss_mask: Tensor, spec: LossSpec = DEFAULT_SPEC,
+                            share: BatchShare | None = None, sampling_logp: Tensor | None = None,
+                            temperature: float = 1.0, fused: bool = True,
+                            chunk_rows: int | None = None) -> PolicyLossOutput:
     """`objectives.policy_loss` of `micro`'s completions under `model`, with the log-probs from the
     fused head where it applies (`fused`, token-level ratios, a model that gives hidden states), else
     from `micro_batch_logprobs`. Same value and gradient either way.
@@ -127,18 +123,14 @@ def micro_batch_policy_loss(model, micro: MicroBatch, *, old_logp: Tensor | None
     old_logp: [b, T] log π_old, or None for μ = 1, where π_old is π_θ itself (ratio 1, gradient of
     log π); ref_logp: [b, T] or None; advantages: [b] or [b, T]; loss_mask: [b, T], the completion
     mask with any row left out of the loss zeroed; sampling_logp: [b, T], the sampler's log-probs.
+    `spec` and `share` go to `policy_loss` as they are.
     """
-    options = dict(ref_logp=ref_logp, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta, loss_type=loss_type,
-                   max_completion_length=max_completion_length, num_tokens=num_tokens,
-                   importance_sampling_level=importance_sampling_level, entropy_coef=entropy_coef, delta=delta,
-                   use_bias_correction_kl=use_bias_correction_kl, sampling_logp=sampling_logp,
-                   importance_sampling_correction=importance_sampling_correction,
-                   importance_sampling_clip_min=importance_sampling_clip_min,
-                   importance_sampling_clip_max=importance_sampling_clip_max)
     # A sequence-level sampler correction needs each completion's whole ratio before the head runs.
-    sequence_weights_unknown = (sampling_logp is not None and old_logp is None
-                                and (importance_sampling_correction or "").startswith("sequence"))
-    if fused and importance_sampling_level == "token" and supports_hidden(model) and not sequence_weights_unknown:
-        return policy_loss(FusedHead(model, micro, temperature, chunk_rows), old_logp, advantages, loss_mask, **options)
+    sequence_weights_unknown = sampling_logp is not None and old_logp is None and spec.sequence_correction
+    if fused and spec.importance_sampling_level == "token" and supports_hidden(model) and not sequence_weights_unknown:
+        head = FusedHead(model, micro, temperature, chunk_rows)
+        return policy_loss(head, old_logp, advantages, loss_mask, spec, ref_logp=ref_logp, sampling_logp=sampling_logp,
+                           share=share)
     out = micro_batch_logprobs(model, micro, temperature=temperature, with_entropy=True, chunk_rows=chunk_rows)
-    return policy_loss(out.logp, old_logp, advantages, loss_mask, entropy=out.entropy, **options)
+    return policy_loss(out.logp, old_logp, advantages, loss_mask, spec, ref_logp=ref_logp, entropy=out.entropy,
+                       sampling_logp=sampling_logp, share=share)

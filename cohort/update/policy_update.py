@@ -2,10 +2,12 @@
 
 The step is gradient accumulation over length-bucketed micro-batches (`packing.py`), each one's loss
 being `objectives.policy_loss` (through the fused head where it applies, `fused_head.py`), then
-clipping and the optimizer step (fp32 masters on a GPU, `memory/precision.py`). The loss
-normalisers (completions; tokens for DAPO) are global over the rollout and over ranks, so the
-micro-batch split never changes the gradient. An update whose loss or gradient norm is NaN/inf is
-skipped and counted: one bad batch must not poison the weights and the Adam moments.
+clipping and the optimizer step (fp32 masters on a GPU, `memory/precision.py`). The loss's settings
+are one `LossSpec`, built once from the config; each micro-batch tells the loss its `BatchShare` of the
+step (completions and tokens over every rank), from which `objectives.aggregate_loss` normalises, so
+the micro-batch split never changes the gradient. An update whose loss or gradient norm is NaN/inf,
+or any of whose loss tokens has a NaN/inf log-prob or importance ratio, is skipped and counted: one
+bad batch must not poison the weights and the Adam moments.
 
 Memory is the `MemoryManager`'s business: it sets the micro-batch sizes, lends the gradients their
 storage and retries a step that ran out of memory.
@@ -19,6 +21,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..algorithm.loss_spec import BatchShare, LossSpec
 from ..memory.manager import MemoryManager
 from ..memory.precision import clip_grad_norm
 from ..rollout.batch import Batch
@@ -29,7 +32,8 @@ from .packing import MicroBatch, pack, plan_rollout, to_device
 
 @dataclass
 class UpdateCounters:
-    """Updates skipped for a non-finite loss or gradient: in all, and in a row up to now."""
+    """Updates skipped for a non-finite loss, gradient, log-prob or importance ratio: in all, and in a row
+    up to now."""
 
     skipped_steps: int = 0
     nonfinite_in_a_row: int = 0
@@ -37,10 +41,10 @@ class UpdateCounters:
 
 class PolicyUpdate:
     def __init__(self, args, *, train_model, optimizer, scheduler, memory: MemoryManager, parallel,
-                 device: torch.device, pad_id: int, share_prompts: bool, sampler_correction: str | None = None,
+                 device: torch.device, pad_id: int, share_prompts: bool, loss: LossSpec,
                  log: Callable[[str], None] = print):
         self.args, self.train_model, self.optimizer, self.scheduler = args, train_model, optimizer, scheduler
-        self.sampler_correction = sampler_correction  # objectives.SAMPLER_CORRECTIONS mode, or None
+        self.loss = loss
         self.memory, self.parallel, self.device, self.pad_id = memory, parallel, device, pad_id
         self.share_prompts, self.log = share_prompts, log
         self.counters = UpdateCounters()
@@ -65,10 +69,9 @@ class PolicyUpdate:
         self.train_model.train()
         keep_rows = self.loss_rows(batch)
         local_rows = len(batch.rows)
-        total = self.parallel.all_reduce_sum(local_rows)
         # Only the tokens the model sampled are trained on: tool results appended between turns are not.
         mask_all = batch.rollout.loss_mask * keep_rows.unsqueeze(1)
-        num_tokens = max(self.parallel.all_reduce_sum(float(mask_all.sum())), 1.0) if args.loss_type == "dapo" else None
+        total_rows, total_tokens = self.parallel.all_reduce_sums([local_rows, float(mask_all.sum())])
         world = self.parallel.world_size
         plans = self.plan(batch)
         # The step's per-row tensors go to the device once; each micro-batch gathers its rows there.
@@ -78,6 +81,7 @@ class PolicyUpdate:
             None if t is None else to_device(t, self.device)
             for t in (batch.old_logp, batch.ref_logp, batch.advantages, keep_rows, sampling, batch.rollout.tool_mask))
         sums: dict[str, torch.Tensor] = {}
+        loss = nonfinite = torch.zeros((), device=self.device)
         for i, rows in enumerate(plans):
             micro = self.pack(batch, rows)
             index = micro.row_index
@@ -89,23 +93,15 @@ class PolicyUpdate:
                     self.train_model, micro, old_logp=None if old_all is None else old_all[index, :width],
                     ref_logp=None if ref_all is None else ref_all[index, :width], advantages=advantages,
                     loss_mask=mask * keep_all[index].unsqueeze(1),  # truncated rows out, when asked
-                    temperature=args.temperature or 1.0, fused=args.fused_head_loss, epsilon=args.epsilon,
-                    epsilon_high=args.epsilon_high, beta=args.beta, loss_type=args.loss_type,
-                    max_completion_length=args.max_completion_length, num_tokens=num_tokens,
-                    importance_sampling_level=args.importance_sampling_level, entropy_coef=args.entropy_coef,
-                    delta=args.delta, use_bias_correction_kl=args.use_bias_correction_kl,
+                    spec=self.loss, share=BatchShare(len(rows), int(total_rows), max(total_tokens, 1.0), world),
                     sampling_logp=None if sampling_all is None else sampling_all[index, :width],
-                    importance_sampling_correction=self.sampler_correction,
-                    importance_sampling_clip_min=args.importance_sampling_clip_min,
-                    importance_sampling_clip_max=args.importance_sampling_clip_max,
+                    temperature=args.temperature or 1.0, fused=args.fused_head_loss,
                 )  # None for π_old: at μ = 1 it is π_θ itself
-                # Token-level DAPO already divides by the whole batch's tokens; the others average
-                # micro-batches by their share of completions. DDP averages over ranks: × world.
-                weight = (1.0 if args.loss_type == "dapo" else len(rows) / total) * world
-                (out.loss * weight).backward()
+                out.loss.backward()  # normalised for the whole step already (objectives.aggregate_loss)
+            # Averaged over ranks (the step report's mean), these sums are the step's loss.
+            loss, nonfinite = loss + out.loss.detach(), nonfinite + out.nonfinite
             share = len(rows) / local_rows
             stats = dict(out.stats)
-            stats["loss"] = out.loss.detach() * (1.0 if args.loss_type != "dapo" else 1 / share)
             stats["entropy"] = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
             for k, v in stats.items():  # the step's mean over micro-batches; extremes for /max and /min
                 if k in sums and k.endswith(("/max", "/min")):
@@ -117,10 +113,13 @@ class PolicyUpdate:
         grad_norm = clip_grad_norm(self.optimizer, self.train_model, args.max_grad_norm)  # FSDP2: the sharded grads
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the shards
             grad_norm = grad_norm.full_tensor()
-        names = list(sums)
-        values = torch.stack([sums[k].float() for k in names] + [torch.as_tensor(grad_norm).float().to(self.device)])
-        record = dict(zip(names + ["grad_norm"], values.tolist()))  # the step's one host sync
-        if self.is_finite(record.get("loss", 0.0), record["grad_norm"], step):  # NaN/inf: skipped, counted
+        names = ["loss", *sums, "grad_norm", "nonfinite_logprobs"]
+        values = torch.stack([loss.float(), *(v.float() for v in sums.values()),
+                              torch.as_tensor(grad_norm).float().to(self.device), nonfinite.float()])
+        record = dict(zip(names, values.tolist()))  # the step's one host sync
+        # Every rank skips or none does: a NaN log-prob on one rank need not make the others' gradients NaN.
+        record["nonfinite_logprobs"] = int(self.parallel.all_reduce_sum(record["nonfinite_logprobs"]))
+        if self.is_finite(record, step):  # NaN/inf: skipped, counted
             self.optimizer_step()
             self.scheduler.step()  # as transformers' Trainer: the schedule advances with real updates only
         # Free the gradients now, not at the next update: fp32 master gradients (4 bytes a parameter)
@@ -129,17 +128,20 @@ class PolicyUpdate:
         record["micro_batches"] = len(plans)
         return record
 
-    def is_finite(self, loss: float, grad_norm, step: int) -> bool:
-        """False (and the gradients dropped, the skip counted) when the loss or the gradient norm is NaN/inf."""
+    def is_finite(self, record: dict, step: int) -> bool:
+        """False (and the gradients dropped, the skip counted) when the step's loss or gradient norm is
+        NaN/inf, or some loss token's log-prob or importance ratio was (`nonfinite_logprobs`, all ranks)."""
         counters = self.counters
-        if np.isfinite(loss) and bool(torch.isfinite(torch.as_tensor(grad_norm)).all()):
+        loss, grad_norm, tokens = record["loss"], record["grad_norm"], record["nonfinite_logprobs"]
+        if np.isfinite(loss) and np.isfinite(grad_norm) and tokens == 0:
             counters.nonfinite_in_a_row = 0
             return True
         self.optimizer.zero_grad(set_to_none=True)
         counters.skipped_steps += 1
         counters.nonfinite_in_a_row += 1
-        self.log(f"step {step}: non-finite loss ({loss}) or gradient norm ({float(grad_norm)}): update "
-                 f"skipped ({counters.nonfinite_in_a_row} in a row, {counters.skipped_steps} in all)")
+        self.log(f"step {step}: non-finite loss ({loss}), gradient norm ({grad_norm}) or log-probs / importance "
+                 f"ratio ({tokens} tokens): update skipped ({counters.nonfinite_in_a_row} in a row, "
+                 f"{counters.skipped_steps} in all)")
         return False
 
     def optimizer_step(self) -> None:
