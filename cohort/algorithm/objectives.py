@@ -27,15 +27,19 @@ from typing import Callable, Literal, Protocol
 import torch
 from torch import Tensor
 
+from ..choices import CHOICES
+
 ScaleRewards = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
 LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
 
-SCALE_CHOICES = ("group", "batch", "none")
+# The option values come from the one table of them (cohort/choices.py); the Literals above name them for
+# type checkers only.
+SCALE_CHOICES = CHOICES["scale_rewards"]
 KL_CHOICES = ("k1", "k2", "k3")
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-SAMPLER_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+LOSS_TYPES = CHOICES["loss_type"]
+IMPORTANCE_LEVELS = CHOICES["importance_sampling_level"]
+SAMPLER_CORRECTIONS = CHOICES["importance_sampling_mode"]
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: ScaleRewards = "group", eps: float = 1e-4,
