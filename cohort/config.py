@@ -4,8 +4,9 @@ A config comes from Python (`GRPOConfig(learning_rate=...)`), or from the comman
 (`resolve_config`), where one precedence rule holds for every option, lowest first: the built-in
 default < the task's defaults (`default_config` of the task that the command line or the YAML names)
 < the YAML file (`--config run.yaml`) < the command line (`--learning_rate 1e-5`, dashes accepted).
-`resolve_config` also says where each value came from. `validate()` turns contradictions into
-one-line `CohortError`s.
+`resolve_config` also says where each value came from. `validate()` returns a checked copy (contradictions
+and values outside the table of cohort/choices.py are one-line `CohortError`s) and never changes the
+object it is called on; the `auto` options are settled later, once, by `cohort.resolve.resolve_run_config`.
 """
 
 from __future__ import annotations
@@ -534,8 +535,7 @@ def _convert(name: str, raw, annotation) -> object:
         from .algorithm.curriculum import parse_curriculum
 
         return parse_curriculum(raw)
-    if name in ("gradient_checkpointing_layers", "max_tokens_per_micro_batch", *AUTO_OPTIONS) and \
-            str(raw).strip().lower() == "auto":
+    if name in AUTO_OPTIONS and str(raw).strip().lower() == "auto":
         return "auto"
     hint = typing.get_type_hints(GRPOConfig)[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
