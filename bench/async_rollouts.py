@@ -106,7 +106,7 @@ sys.path.insert(0, str(ROOT))  # cohort from this checkout, without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shapes, tokenizer and prompts of grpo_step_worker
 
 from cohort.rollout.engine import Engine  # noqa: E402
-from cohort.rollout.partial import resolve_partial_rollouts  # noqa: E402
+from cohort.rollout.partial import partial_rollout_settings  # noqa: E402
 
 SAMPLING_KEYS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
@@ -179,9 +179,9 @@ def parse_args(argv=None):
         p.error("--partial_rollouts runs on sampling ranks and carries groups 2 updates: give --rollout_gpus K "
                 "and --max_staleness 2 or more")
     # What a GRPOConfig with these settings gets (our engine samples here, without tools), passed explicitly.
-    settled = SimpleNamespace(partial_rollouts=wanted, rollout_gpus=args.rollout_gpus, max_staleness=args.max_staleness)
-    resolve_partial_rollouts(settled, SimpleNamespace(generate_until=None), None)
-    args.partial_rollouts, args.max_staleness = settled.partial_rollouts, settled.max_staleness
+    asked = SimpleNamespace(partial_rollouts=wanted, rollout_gpus=args.rollout_gpus, max_staleness=args.max_staleness)
+    settled = partial_rollout_settings(asked, engine=True, tools=False)
+    args.partial_rollouts, args.max_staleness = settled["partial_rollouts"], settled["max_staleness"]
     for mode, ranks in (("sync", args.processes), ("async", args.processes - args.rollout_gpus)):
         if args.prompts % ranks:
             p.error(f"--prompts {args.prompts} do not split over the {ranks} training ranks of the {mode} mode")

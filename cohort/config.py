@@ -4,8 +4,9 @@ A config comes from Python (`GRPOConfig(learning_rate=...)`), or from the comman
 (`resolve_config`), where one precedence rule holds for every option, lowest first: the built-in
 default < the task's defaults (`default_config` of the task that the command line or the YAML names)
 < the YAML file (`--config run.yaml`) < the command line (`--learning_rate 1e-5`, dashes accepted).
-`resolve_config` also says where each value came from. `validate()` turns contradictions into
-one-line `CohortError`s.
+`resolve_config` also says where each value came from. `validate()` returns a checked copy (contradictions
+and values outside the table of cohort/choices.py are one-line `CohortError`s) and never changes the
+object it is called on; the `auto` options are settled later, once, by `cohort.resolve.resolve_run_config`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .algorithm.objectives import IMPORTANCE_LEVELS, LOSS_TYPES, SAMPLER_CORRECTIONS, SCALE_CHOICES
+from .choices import AUTO_OPTIONS, CHOICES, choose, values_text
 from .errors import CohortError
-from .tasks import TASKS
 
 
 @dataclass
@@ -339,12 +339,57 @@ class GRPOConfig:
     def prompts_per_step(self) -> int:
         return self.generation_batch_size // self.num_generations
 
+    def __setattr__(self, name, value):
+        if self.__dict__.get("frozen_as_resolved"):
+            raise CohortError(f"cannot set {name}: a trainer's resolved config is read-only; set it on the GRPOConfig "
+                              "you build the trainer from (dataclasses.replace(trainer.args, ...) gives a copy)")
+        super().__setattr__(name, value)
+
+    def freeze(self) -> "GRPOConfig":
+        """This config, read-only from now on (setting a field raises a one-line `CohortError`); the
+        resolved config of a run is frozen, so every stage built from it reads the same values."""
+        self.__dict__["frozen_as_resolved"] = True
+        return self
+
+    @property
+    def frozen(self) -> bool:
+        return bool(self.__dict__.get("frozen_as_resolved"))
+
     def validate(self) -> "GRPOConfig":
+        """A checked copy with its spellings settled (the task chosen from the data when unnamed, TRL's
+        boolean scale_rewards and vllm_* names turned into cohort's, a curriculum parsed); contradictions
+        are one-line `CohortError`s. This object is left as it is: a caller may reuse it. What needs the
+        device or the model (the `auto` options) is settled later, by `cohort.resolve.resolve_run_config`."""
+        changes: dict = {}
+        for alias, _ in ALIASES:  # checked under the name given, before it hands its value on
+            if alias in CHOICES and getattr(self, alias) is not None:
+                choose(alias, getattr(self, alias))
+        if self.task is None:
+            changes["task"] = default_task(self.data_files, self.dataset_name)
+        if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
+            # TRL's booleans, from Python, YAML (True) or the command line (true): True is group, False none.
+            changes["scale_rewards"] = "group" if str(self.scale_rewards).lower() == "true" else "none"
+        for alias, name in ALIASES:
+            if getattr(self, alias) is not None:  # TRL's names: they set cohort's, then step aside
+                changes[name], changes[alias] = getattr(self, alias), None
+        if self.curriculum is not None:
+            from .algorithm.curriculum import parse_curriculum
+
+            changes["curriculum"] = parse_curriculum(self.curriculum)
+        config = dataclasses.replace(self, **changes)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        """Raise a one-line `CohortError` for the first value that is out of range or contradicts another."""
         def bad(msg: str) -> None:
             raise CohortError(msg)
 
-        if self.task is None:
-            self.task = default_task(self.data_files, self.dataset_name)
+        hints = typing.get_type_hints(type(self))
+        for name in CHOICES:
+            value = getattr(self, name)
+            if not (value is None and type(None) in typing.get_args(hints[name])):
+                choose(name, value)
         if self.data_files is not None and self.dataset_name is not None:
             bad(f"data_files={self.data_files!r} and dataset_name={self.dataset_name!r} both name the training "
                 "rows; pass only one")
@@ -356,17 +401,6 @@ class GRPOConfig:
                 f"per_device_train_batch_size × gradient_accumulation_steps = {self.generation_batch_size} completions "
                 f"is not divisible by num_generations={self.num_generations}; make it a multiple"
             )
-        if self.loss_type not in LOSS_TYPES:
-            bad(f"unknown loss_type {self.loss_type!r}; choose one of {list(LOSS_TYPES)}")
-        if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
-            # TRL's booleans, from Python, YAML (True) or the command line (true): True is group, False none.
-            self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
-        if self.scale_rewards not in SCALE_CHOICES:
-            bad(f"unknown scale_rewards {self.scale_rewards!r}; choose one of {list(SCALE_CHOICES)}")
-        for alias, name in ALIASES:
-            if getattr(self, alias) is not None:  # TRL's names: they set cohort's, then step aside
-                setattr(self, name, getattr(self, alias))
-                setattr(self, alias, None)
         if self.async_rollouts:
             if self.max_staleness is not None and self.max_staleness < 1:
                 bad(f"max_staleness={self.max_staleness}: asynchronous rollouts are at least 1 update behind; "
@@ -392,9 +426,6 @@ class GRPOConfig:
         if self.rollout_gpus and self.fsdp:
             bad(f"rollout_gpus={self.rollout_gpus} with fsdp is not supported (the samplers need whole weights from "
                 "one rank); train the trainer ranks with DDP (leave out --fsdp)")
-        if self.importance_sampling_mode not in SAMPLER_CORRECTIONS:
-            bad(f"unknown importance_sampling_mode {self.importance_sampling_mode!r}; choose one of "
-                f"{list(SAMPLER_CORRECTIONS)}")
         low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
         if (low is not None and low < 0) or (high is not None and high <= 0) or (
                 low is not None and high is not None and low >= high):
@@ -407,18 +438,9 @@ class GRPOConfig:
                 "value above 1 + epsilon_high, e.g. 4")
         if self.use_peft and self.lora_r < 1:
             bad(f"lora_r={self.lora_r}: the LoRA rank must be at least 1")
-        for name in AUTO_OPTIONS:
-            if isinstance(getattr(self, name), str) and getattr(self, name) != "auto":
-                bad(f"{name}={getattr(self, name)!r} is not a value of it; pass auto or one of {CHOICES[name]}")
-        if isinstance(self.max_tokens_per_micro_batch, str) and self.max_tokens_per_micro_batch != "auto":
-            bad(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch!r} is neither a token count nor 'auto'; "
-                "pass a number such as 16384, 0 (no token cap) or auto")
         if isinstance(self.max_tokens_per_micro_batch, int) and self.max_tokens_per_micro_batch < 0:
             bad(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is negative; use 0 (no token cap) or a "
                 "token budget such as 16384")
-        if isinstance(self.gradient_checkpointing_layers, str) and self.gradient_checkpointing_layers != "auto":
-            bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers!r} is neither a layer count nor "
-                "'auto'; pass a number such as 20, or auto")
         budgeted = self.gradient_checkpointing_layers == "auto" or (
             self.gradient_checkpointing == "auto" and self.gradient_checkpointing_layers is None)
         if self.max_memory_gib < 0 or (self.max_memory_gib and not budgeted):
@@ -465,26 +487,11 @@ class GRPOConfig:
             bad(f"top_p={self.top_p} must lie in (0, 1]")
         if self.learning_rate <= 0:
             bad(f"learning_rate={self.learning_rate} must be positive")
-        if self.lr_scheduler_type not in ("constant", "cosine", "linear"):
-            bad(f"unknown lr_scheduler_type {self.lr_scheduler_type!r}; choose constant, cosine or linear")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            bad(f"unknown device {self.device!r}; choose auto, cpu or cuda")
-        if self.model_impl not in ("auto", "cohort", "hf"):
-            bad(f"unknown model_impl {self.model_impl!r}; choose auto, cohort or hf")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            bad(f"unknown dtype {self.dtype!r}; choose auto, float32 or bfloat16")
-        if self.optimizer_state_dtype not in CHOICES["optimizer_state_dtype"]:
-            bad(f"unknown optimizer_state_dtype {self.optimizer_state_dtype!r}; choose auto, float32 or bfloat16")
-        if self.importance_sampling_level not in IMPORTANCE_LEVELS:
-            bad(f"unknown importance_sampling_level {self.importance_sampling_level!r}; choose token or sequence")
         if self.max_resample_tries < 0:
             bad(f"max_resample_tries={self.max_resample_tries} must be ≥ 0")
         if not 0 <= self.overlong_buffer_length <= self.max_completion_length:
             bad(f"overlong_buffer_length={self.overlong_buffer_length} must lie in [0, max_completion_length="
                 f"{self.max_completion_length}]")
-        if self.rm_loss not in ("pointwise", "pairwise") or self.rm_buffer_policy not in ("fifo", "reservoir"):
-            bad(f"rm_loss={self.rm_loss!r} / rm_buffer_policy={self.rm_buffer_policy!r}: choose pointwise or pairwise / "
-                "fifo or reservoir")
         if not 0 <= self.rm_replay_ratio < 1 or not 0 < self.rm_label_fraction <= 1:
             bad(f"rm_replay_ratio={self.rm_replay_ratio} must lie in [0, 1) and rm_label_fraction="
                 f"{self.rm_label_fraction} in (0, 1]")
@@ -493,17 +500,12 @@ class GRPOConfig:
                 bad(f"{name}={getattr(self, name)} must be at least 1")
         if self.rm_updates_per_step < 0 or self.rm_train_steps < 0 or self.rm_learning_rate <= 0:
             bad("rm_updates_per_step and rm_train_steps must be ≥ 0 and rm_learning_rate > 0")
-        if self.rm_scorer not in ("head", "likelihood") or self.rm_warmup_batches < 0 or self.rm_warmup_updates < 0:
-            bad(f"rm_scorer={self.rm_scorer!r} must be head or likelihood; rm_warmup_batches / rm_warmup_updates ≥ 0")
+        if self.rm_warmup_batches < 0 or self.rm_warmup_updates < 0:
+            bad(f"rm_warmup_batches={self.rm_warmup_batches} / rm_warmup_updates={self.rm_warmup_updates} must be ≥ 0")
         if self.rm_head_learning_rate is not None and self.rm_head_learning_rate <= 0:
             bad(f"rm_head_learning_rate={self.rm_head_learning_rate} must be > 0")
-        if self.curriculum is not None:
-            from .algorithm.curriculum import parse_curriculum
-
-            self.curriculum = parse_curriculum(self.curriculum)
         if self.reward_weights is not None and self.reward_funcs is not None and len(self.reward_weights) != len(self.reward_funcs):
             bad(f"{len(self.reward_weights)} reward_weights for {len(self.reward_funcs)} reward_funcs; give one weight per function")
-        return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -515,38 +517,6 @@ ALIASES = (("vllm_importance_sampling_correction", "importance_sampling_correcti
            ("vllm_importance_sampling_clip_min", "importance_sampling_clip_min"),
            ("vllm_importance_sampling_clip_max", "importance_sampling_clip_max"),
            ("vllm_importance_sampling_cap", "importance_sampling_clip_max"))
-
-# The values an option takes, where they are a fixed set (shown by `cohort train --help`).
-CHOICES: dict[str, tuple[str, ...]] = {
-    "task": tuple(TASKS),
-    "loss_type": LOSS_TYPES,
-    "scale_rewards": SCALE_CHOICES,
-    "importance_sampling_level": IMPORTANCE_LEVELS,
-    "importance_sampling_mode": SAMPLER_CORRECTIONS,
-    "vllm_importance_sampling_mode": SAMPLER_CORRECTIONS,
-    "lr_scheduler_type": ("constant", "cosine", "linear"),
-    "rm_buffer_policy": ("fifo", "reservoir"),
-    "rm_loss": ("pointwise", "pairwise"),
-    "rm_scorer": ("head", "likelihood"),
-    "device": ("auto", "cpu", "cuda", "cuda:N"),
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "optimizer_state_dtype": ("auto", "float32", "bfloat16"),
-    "model_impl": ("auto", "cohort", "hf"),
-    "report_to": ("none", "tensorboard", "wandb", "all"),
-    "gradient_checkpointing_layers": ("N", "auto"),
-    "max_tokens_per_micro_batch": ("N", "auto"),
-    "gradient_checkpointing": ("auto", "true", "false"),
-    "torch_compile": ("auto", "true", "false"),
-    "partial_rollouts": ("auto", "true", "false"),
-    "reward_errors": ("raise", "warn"),
-}
-
-
-# Options whose default, auto, the trainer resolves once it knows the device and the model
-# (cohort/update/fast_path.py, cohort/rollout/partial.py): the fastest measured configuration is what a
-# bare config gets.
-AUTO_OPTIONS = ("torch_compile", "gradient_checkpointing", "partial_rollouts")
-
 
 def default_task(data_files, dataset_name) -> str:
     """The task when none is named: your rows (generic) when data is given, else the built-in arithmetic."""
@@ -565,8 +535,7 @@ def _convert(name: str, raw, annotation) -> object:
         from .algorithm.curriculum import parse_curriculum
 
         return parse_curriculum(raw)
-    if name in ("gradient_checkpointing_layers", "max_tokens_per_micro_batch", *AUTO_OPTIONS) and \
-            str(raw).strip().lower() == "auto":
+    if name in AUTO_OPTIONS and str(raw).strip().lower() == "auto":
         return "auto"
     hint = typing.get_type_hints(GRPOConfig)[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -594,7 +563,7 @@ def _convert(name: str, raw, annotation) -> object:
             raise ValueError
         return base(raw)
     except (TypeError, ValueError):
-        kind = "true, false or auto" if name in AUTO_OPTIONS else getattr(base, "__name__", str(base))
+        kind = values_text(name) if name in CHOICES else getattr(base, "__name__", str(base))
         raise CohortError(f"--{name} expects {kind}, got {raw!r}") from None
 
 
@@ -698,7 +667,7 @@ def resolve_config(argv: list[str], defaults_of: Callable[[str], dict] | None = 
     config = GRPOConfig(**resolved)
     if validate:
         aliased = {alias: sources[alias] for alias, _ in ALIASES}
-        config.validate()
+        config = config.validate()
         for alias, name in ALIASES:  # a TRL name set cohort's field: the field's value came from there
             if aliased[alias] != "default":
                 sources[name] = aliased[alias]
@@ -738,12 +707,13 @@ def _yaml_value(value) -> str:
 
 def describe_config(config: GRPOConfig, sources: dict[str, str]) -> str:
     """`cohort train --print_config`: every option with its value and where the value came from, as a
-    YAML file (`--config` reads it back to the same config)."""
+    YAML file (`--config` reads it back to the same config). Given a run's resolved config
+    (`cohort.resolve`), it holds the values the run uses, `auto` settled."""
     rows = [(f"{f.name}: {_yaml_value(getattr(config, f.name))}", sources.get(f.name, "default"))
             for f in dataclasses.fields(GRPOConfig)]
     width = max(len(text) for text, _ in rows) + 2
     head = ("# cohort train: the resolved configuration. Each value's source, lowest precedence first: "
-            "default < task:<name> < yaml:<file> < cli")
+            "default < task:<name> < yaml:<file> < cli; 'resolved from X': the value the run uses for X here")
     return "\n".join([head] + [f"{text:<{width}}# {source}" for text, source in rows])
 
 

@@ -1,5 +1,6 @@
 """Write docs/reference.md from the code: every `GRPOConfig` field (name, type, default, help), grouped
-by the section comments of the class in cohort/config.py, and every metric name the step log writes.
+by the section comments of the class in cohort/config.py, with the values of each option that takes a fixed set
+(the table in cohort/choices.py), and every metric name the step log writes.
 
     python docs/generate_reference.py           # rewrite docs/reference.md
     python docs/generate_reference.py --check   # exit 1 if docs/reference.md is not what the code gives
@@ -166,8 +167,18 @@ def cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def type_cell(f: dataclasses.Field, choices: dict[str, tuple[str, ...]]) -> str:
+    """The field's type, and its values where the one table of them (cohort/choices.py) lists them."""
+    text = f"`{cell(f.type)}`"
+    if f.name in choices:
+        values = ", ".join(f"`{value}`" for value in choices[f.name])
+        text += f": {values}"
+    return text
+
+
 def render() -> str:
     sys.path.insert(0, str(ROOT))
+    from cohort.choices import CHOICES
     from cohort.config import GRPOConfig
 
     fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
@@ -186,7 +197,18 @@ def render() -> str:
         "bare `--flag` means true; lists are comma-separated), a key of a YAML file passed with `--config run.yaml` "
         "(flags override it) and a keyword of `GRPOConfig(...)`. The defaults are `GRPOConfig`'s; `cohort train` "
         "starts from its task's defaults (`default_config` in cohort/tasks/), then the YAML, then the flags; "
-        "`cohort train --help` shows each default this invocation would use and its source.",
+        "`cohort train --help` shows each default this invocation would use and its source. A value outside an "
+        "option's listed values (the one table of them, cohort/choices.py) is a one-line error.",
+        "",
+        "A run settles its configuration once, when the device and the model are known (cohort/resolve.py): "
+        "every `auto` (and unset `max_staleness`, `importance_sampling_correction`) gets the value the run uses, "
+        "and every stage is built from that resolved config. `GRPOTrainer(...).args` is it, read-only (setting a "
+        "field raises a one-line `CohortError`; `dataclasses.replace(trainer.args, ...)` gives an editable copy); "
+        "the `GRPOConfig` you pass in is never changed, so one config can build several trainers. "
+        "`cohort train ... --print_config` loads the model, resolves, prints that configuration as YAML with each "
+        "value's source (`resolved from auto` where resolution chose it) and exits untrained; `--config` reads the "
+        "file back to the same run. `gradient_checkpointing_layers: auto` can stay: it is measured in the first "
+        "update.",
         "",
         "- [Options](#options): " + ", ".join(f"[{title}](#{anchor(title)})" for title, _, _ in groups),
         "- [Metrics](#metrics): the names in `metrics.jsonl`, TensorBoard and Weights & Biases",
@@ -200,7 +222,7 @@ def render() -> str:
         lines += ["| option | type | default | what it does |", "| --- | --- | --- | --- |"]
         for name in names:
             f = fields[name]
-            lines.append(f"| `{name}` | `{cell(f.type)}` | {cell(default_text(f))} | "
+            lines.append(f"| `{name}` | {type_cell(f, CHOICES)} | {cell(default_text(f))} | "
                          f"{cell(f.metadata.get('help', ''))} |")
     lines += ["", "## Metrics", "",
               "Each line of `<output_dir>/metrics.jsonl` is one JSON object, `{\"step\", \"time\", <name>: value, …}`, "

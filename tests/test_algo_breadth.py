@@ -331,6 +331,12 @@ def _trainer(tiny_dir, tmp_path, reward=digit_first, **overrides):
     return GRPOTrainer(tiny_dir, reward, PROMPTS, args=GRPOConfig(**base))
 
 
+def retarget(trainer, **changes):
+    """The same trainer's update under other options: the run's config is frozen, so the update is handed a
+    copy with `changes` (the weights, optimizer and batch stay the same)."""
+    trainer.policy_update.args = dataclasses.replace(trainer.policy_update.args, **changes)
+
+
 def _scored_batch(trainer, seed=0):
     batch = trainer.sample(trainer.next_prompts())
     trainer.score(batch)
@@ -344,13 +350,13 @@ def test_mask_truncated_completions_equals_training_without_those_rows(tiny_dir,
     batch.rollout.finish_reasons = ["length" if i % 3 == 0 else "stop" for i in range(len(batch.rows))]
     masked = update_gradient(trainer, batch)[0]
     kept = [i for i, r in enumerate(batch.rollout.finish_reasons) if r == "stop"]
-    trainer.args.mask_truncated_completions = False
+    retarget(trainer, mask_truncated_completions=False)
     restricted = update_gradient(trainer, select_groups(batch, kept, 1))[0]
     everything = update_gradient(trainer, batch)[0]
     assert torch.allclose(masked, restricted, atol=1e-6)
     assert not torch.allclose(masked, everything, atol=1e-4)
     # Every completion truncated: nothing left to learn from, the gradient is exactly zero.
-    trainer.args.mask_truncated_completions = True
+    retarget(trainer, mask_truncated_completions=True)
     batch.rollout.finish_reasons = ["length"] * len(batch.rows)
     assert torch.count_nonzero(update_gradient(trainer, batch)[0]) == 0
 

@@ -159,7 +159,8 @@ def test_auto_options_parse_and_errors():
     assert config.gradient_checkpointing_layers == "auto" and config.max_memory_gib == 36.0
     assert parse_config(["--gradient_checkpointing", "true", "--gradient_checkpointing_layers", "20"]
                         ).gradient_checkpointing_layers == 20
-    with pytest.raises(CohortError, match="neither a layer count nor 'auto'"):
+    with pytest.raises(CohortError, match="gradient_checkpointing_layers='most' is not one of its values; pass a "
+                                          "whole number or auto"):
         GRPOConfig(gradient_checkpointing=True, gradient_checkpointing_layers="most").validate()
     with pytest.raises(CohortError, match="max_memory_gib=36 is only the budget of gradient_checkpointing_layers=auto"):
         GRPOConfig(gradient_checkpointing=True, max_memory_gib=36).validate()

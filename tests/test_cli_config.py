@@ -139,23 +139,32 @@ def test_trl_alias_sets_the_field_and_its_source():
 
 # ---- --print_config ---------------------------------------------------------------------------
 
-def test_print_config_shows_each_value_and_source_and_does_not_train(tmp_path, recorder, capsys):
-    config = write_yaml(tmp_path / "g.yaml", {"task": "gsm8k", "model": "runs/arithmetic"})
+def test_print_config_shows_each_value_and_source_and_does_not_train(tmp_path, tiny_dir, capsys, monkeypatch):
+    import cohort.algorithm.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module.GRPOTrainer, "train", lambda self: pytest.fail("--print_config trained"))
+    monkeypatch.chdir(tmp_path)  # the task's output_dir, runs/arithmetic, is made and removed here
+    config = write_yaml(tmp_path / "g.yaml", {"task": "arithmetic", "model": tiny_dir, "device": "cpu"})
     assert main(["train", "--config", config, "--max_steps", "5", "--print_config"]) == 0
     out = capsys.readouterr().out
-    assert recorder == []  # no trainer built
     lines = {line.split(":")[0]: line for line in out.splitlines() if not line.startswith("#")}
     assert set(lines) == {f.name for f in dataclasses.fields(GRPOConfig)}
-    assert re.search(r"^task: gsm8k +# yaml:" + re.escape(config) + "$", lines["task"])
-    assert re.search(r"^model: runs/arithmetic +# yaml:", lines["model"])
+    assert re.search(r"^task: arithmetic +# yaml:" + re.escape(config) + "$", lines["task"])
+    assert re.search(r"^model: \S+ +# yaml:", lines["model"])
     assert re.search(r"^max_steps: 5 +# cli$", lines["max_steps"])
-    assert re.search(r"^output_dir: runs/gsm8k +# task:gsm8k$", lines["output_dir"])
+    assert re.search(r"^output_dir: runs/arithmetic +# task:arithmetic$", lines["output_dir"])
     assert re.search(r"^epsilon: 0.2 +# default$", lines["epsilon"])
-    # the printout is a YAML config that resolves to the same configuration
+    assert re.search(r"^dtype: float32 +# default, resolved from auto$", lines["dtype"])
+    # the printout is a YAML config that resolves to the same configuration, `auto` settled
     saved = tmp_path / "printed.yaml"
     saved.write_text(out)
     again = resolve_config(["--config", str(saved)])[0]
-    assert again.to_dict() == resolve_config(["--config", config, "--max_steps", "5"])[0].to_dict()
+    asked = resolve_config(["--config", config, "--max_steps", "5"])[0]
+    assert {name: value for name, value in again.to_dict().items() if asked.to_dict()[name] != value} == {
+        "max_staleness": 1, "partial_rollouts": False, "importance_sampling_correction": False,
+        "optimizer_state_dtype": "float32", "gradient_checkpointing": False, "max_tokens_per_micro_batch": 0,
+        "torch_compile": False, "dtype": "float32", "model_impl": "cohort"}
+    assert not (tmp_path / "runs" / "arithmetic").exists()
 
 
 def test_describe_config_round_trips_lists_and_curricula(tmp_path):

@@ -1,12 +1,14 @@
 """The update's `auto` speed options: what a bare config resolves to on each device and model."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from cohort import GRPOConfig
 from cohort.config import parse_config
 from cohort.errors import CohortError
-from cohort.update.fast_path import MICRO_BATCH_FLOP, fast_path_line, resolve_fast_path
+from cohort.update.fast_path import MICRO_BATCH_FLOP, fast_path_line, fast_path_settings
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
@@ -22,6 +24,11 @@ class OurModel(torch.nn.Module):
 
 class HFModel(torch.nn.Module):
     pass
+
+
+def resolve_fast_path(args, model, device, **options):
+    """`args` with the fast path's settings for `model` on `device` in place of its `auto`s."""
+    return dataclasses.replace(args, **fast_path_settings(args, model, device, **options))
 
 
 def test_a_bare_config_is_all_auto():
@@ -63,7 +70,7 @@ def test_transformers_models_recompute_every_layer_as_trl():
 def test_explicit_values_are_kept():
     given = GRPOConfig(torch_compile=False, gradient_checkpointing=True, gradient_checkpointing_layers=3,
                        max_tokens_per_micro_batch=0).validate()
-    assert resolve_fast_path(given, OurModel(), GPU, compiles=True) is given
+    assert fast_path_settings(given, OurModel(), GPU, compiles=True) == {}
     # A layer count given with checkpointing left at auto asks for checkpointing, on a CPU too.
     args = resolve_fast_path(GRPOConfig(gradient_checkpointing_layers=2).validate(), OurModel(), CPU)
     assert args.gradient_checkpointing is True and args.gradient_checkpointing_layers == 2
@@ -76,17 +83,17 @@ def test_command_line_values():
     config = parse_config(["--torch_compile", "auto", "--gradient_checkpointing", "false"])
     assert (config.torch_compile, config.gradient_checkpointing) == ("auto", False)
     assert parse_config(["--gradient_checkpointing", "AUTO"]).gradient_checkpointing == "auto"
-    with pytest.raises(CohortError, match="torch_compile='sometimes' is not a value of it; pass auto"):
+    with pytest.raises(CohortError, match="torch_compile='sometimes' is not one of its values; pass auto, true or false"):
         GRPOConfig(torch_compile="sometimes").validate()
-    with pytest.raises(CohortError, match="--torch_compile expects true, false or auto, got 'sometimes'"):
+    with pytest.raises(CohortError, match="--torch_compile expects auto, true or false, got 'sometimes'"):
         parse_config(["--torch_compile", "sometimes"])
     with pytest.raises(CohortError, match="only the budget of gradient_checkpointing_layers=auto"):
         GRPOConfig(gradient_checkpointing=True, max_memory_gib=30).validate()
     assert parse_config(["--max_tokens_per_micro_batch", "8192"]).max_tokens_per_micro_batch == 8192
     assert parse_config(["--max_tokens_per_micro_batch", "Auto"]).max_tokens_per_micro_batch == "auto"
-    with pytest.raises(CohortError, match="--max_tokens_per_micro_batch expects int, got 'lots'"):
+    with pytest.raises(CohortError, match="--max_tokens_per_micro_batch expects a whole number or auto, got 'lots'"):
         parse_config(["--max_tokens_per_micro_batch", "lots"])
-    with pytest.raises(CohortError, match="max_tokens_per_micro_batch='lots' is neither a token count nor 'auto'"):
+    with pytest.raises(CohortError, match="max_tokens_per_micro_batch='lots' is not one of its values; pass a whole number or auto"):
         GRPOConfig(max_tokens_per_micro_batch="lots").validate()
     with pytest.raises(CohortError, match="max_tokens_per_micro_batch=-1 is negative"):
         GRPOConfig(max_tokens_per_micro_batch=-1).validate()

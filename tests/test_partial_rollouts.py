@@ -167,18 +167,15 @@ def test_steps_get_complete_groups_within_max_staleness_and_carried_tokens_keep_
 
 
 def test_partial_rollouts_are_on_by_default_wherever_they_can_run():
-    from types import SimpleNamespace
-
     from cohort.config import GRPOConfig
-    from cohort.rollout.partial import resolve_partial_rollouts
+    from cohort.rollout.partial import partial_rollout_settings
 
-    engine_like, hf_like = SimpleNamespace(generate_until=None), SimpleNamespace()
+    engine_like, hf_like = True, False
 
-    def resolved(sampler=engine_like, toolbox=None, **options):
-        args = GRPOConfig(async_rollouts=True, **options)
-        args.validate()
-        resolve_partial_rollouts(args, sampler, toolbox)
-        return args.partial_rollouts, args.max_staleness
+    def resolved(engine=engine_like, toolbox=None, **options):
+        args = GRPOConfig(async_rollouts=True, **options).validate()
+        settings = partial_rollout_settings(args, engine=engine, tools=toolbox is not None)
+        return settings["partial_rollouts"], settings["max_staleness"]
 
     assert resolved(rollout_gpus=2) == (True, 2)  # sampling ranks, our engine: on, 2 updates
     assert resolved(rollout_gpus=2, max_staleness=3) == (True, 3)
@@ -191,5 +188,5 @@ def test_partial_rollouts_are_on_by_default_wherever_they_can_run():
         resolved(hf_like, rollout_gpus=2, partial_rollouts=True)
     with pytest.raises(CohortError, match="partial_rollouts with tools is not supported"):
         resolved(toolbox=object(), rollout_gpus=2, partial_rollouts=True)
-    with pytest.raises(CohortError, match="partial_rollouts='sometimes' is not a value of it"):
+    with pytest.raises(CohortError, match="partial_rollouts='sometimes' is not one of its values"):
         GRPOConfig(partial_rollouts="sometimes").validate()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..choices import CHOICES
 from ..errors import CohortError
 
 ScaleRewards = Literal["group", "batch", "none"]
@@ -19,11 +20,13 @@ LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
 ImportanceLevel = Literal["token", "sequence"]
 SamplerCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
-SCALE_CHOICES = ("group", "batch", "none")
+# The option values come from the one table of them (cohort/choices.py); the Literals above name them
+# for type checkers only.
+SCALE_CHOICES = CHOICES["scale_rewards"]
 KL_CHOICES = ("k1", "k2", "k3")
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-SAMPLER_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+LOSS_TYPES = CHOICES["loss_type"]
+IMPORTANCE_LEVELS = CHOICES["importance_sampling_level"]
+SAMPLER_CORRECTIONS = CHOICES["importance_sampling_mode"]
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,8 @@ class PPOConfig(GRPOConfig):
     whiten_advantages: bool = True  # normalise GAE advantages over the batch's tokens
     loss_type: str = "dapo"  # PPO's usual token-mean over the batch
 
-    def validate(self) -> "PPOConfig":
-        super().validate()
+    def check(self) -> None:
+        super().check()
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise CohortError(f"{name}={getattr(self, name)} must lie in [0, 1]")
@@ -56,7 +56,6 @@ class PPOConfig(GRPOConfig):
             raise CohortError(f"cliprange_value={self.cliprange_value} must be positive")
         if self.critic_learning_rate is not None and self.critic_learning_rate <= 0:
             raise CohortError(f"critic_learning_rate={self.critic_learning_rate} must be positive")
-        return self
 
 
 class ValueModel(nn.Module):

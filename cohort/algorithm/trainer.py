@@ -32,6 +32,7 @@ from ..memory.manager import MemoryManager
 from ..memory.precision import make_optimizer, optimizer_line, resolve_dtype
 from ..models.lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
 from ..models.policy import frozen_copy, load_policy, save_policy
+from ..resolve import resolve_run_config
 from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
 from ..rewards.runner import RewardRunner
 from ..rollout import make_sampler
@@ -46,7 +47,7 @@ from ..tasks.data import dataset_rows
 from ..telemetry.step_report import StepContext, open_step_report, success_rate
 from ..tools.environments import environment_reward
 from ..tools.toolbox import make_toolbox
-from ..update.fast_path import fast_path_line, resolve_fast_path
+from ..update.fast_path import fast_path_line
 from ..update.logprobs import supports_hidden
 from ..update.policy_update import PolicyUpdate, sampler_correction_mode
 from ..update.schedule import lr_scheduler
@@ -62,6 +63,7 @@ class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
                  processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
                  tools=None, environment_factory=None):
+        # The raw values checked before anything loads, on a copy: the caller's config is never changed.
         self.args = args = (args or GRPOConfig()).validate()
         # A run that fails before its first step leaves no folder behind (when it made the folder).
         self.new_output_dir = not Path(args.output_dir).exists()
@@ -89,8 +91,7 @@ class GRPOTrainer:
         seed_everything(args.seed)
         prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
         # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample.
-        # The message window must cover max_staleness; unset, it becomes at most 2 (resolve_partial_rollouts).
-        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus, args.max_staleness or 2)
+        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
         self.device = self.parallel.device
         self.model, self.tokenizer = load_policy(model, processing_class, device=self.device, log=log,
                                                  dtype=resolve_dtype(args.dtype, self.device),
@@ -98,6 +99,11 @@ class GRPOTrainer:
         peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
         if peft_config is not None:  # LoRA: adapters injected in place; π_ref = the base model (adapters off)
             apply_lora(self.model, peft_config)
+        # The run's configuration, settled once, frozen; every stage below is built from it (cohort/resolve.py).
+        self.args = args = resolve_run_config(args, model=self.model, device=self.device,
+                                              world_size=self.parallel.world_size, tools=self.toolbox is not None)
+        if self.parallel.link is not None:  # the rollout link's message window covers the resolved staleness
+            self.parallel.link.cover_staleness(args.max_staleness)
         if self.tokenizer.eos_token_id is None:
             raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -107,7 +113,7 @@ class GRPOTrainer:
             return
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
-        funcs, weights = resolve_reward_funcs(reward_funcs, args, task, self.tokenizer, self.device), args.reward_weights
+        funcs, weights = resolve_reward_funcs(reward_funcs, args, task, self.tokenizer, self.device)
         env_reward = environment_reward(self.toolbox.environment_factory) if self.toolbox is not None else None
         if env_reward is not None:  # the environment's get_reward(): one more reward, weight 1 (TRL)
             funcs, weights = funcs + [env_reward], None if weights is None else list(weights) + [1.0]
@@ -117,8 +123,6 @@ class GRPOTrainer:
         provided = {"environments"} if self.toolbox is not None and self.toolbox.environment_factory else set()
         self.rewards.check_columns(set(self.train_rows[0]) | provided)
         check_parallel_options(args, self.parallel)
-        # Options left at auto take the fastest measured values for this device and model (docs/performance.md).
-        self.args = args = resolve_fast_path(args, self.model, self.device)
         if args.torch_compile and hasattr(self.model, "compile_for_training"):
             self.model.compile_for_training()  # fused elementwise work, fewer saved activations
         # Checkpointed layers are set before wrapping: FSDP's sharded copy must recompute them too.

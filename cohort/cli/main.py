@@ -13,7 +13,7 @@ from ..errors import CohortError
 USAGE = """usage: cohort [train] [--option value ...]   GRPO training (no options: the built-in task)
        cohort train --config run.yaml [...]     options from a YAML file; flags override it
        cohort train --data_files F --reward_funcs module:function [--prompt_column C]   your own rows
-       cohort train [...] --print_config        the resolved options and where each came from; no training
+       cohort train [...] --print_config        the run's resolved options (a --config file); no training
        cohort train --nproc_per_node N [...]    the same on N processes (GPUs) through torchrun; --fsdp shards
        cohort train --nproc_per_node N --nnodes M --node_rank R --master_addr HOST [...]   on each of M machines
        cohort eval --model DIR --task NAME [--split test] [--limit N] [--num_samples n] [--output FILE | --output_dir DIR]
@@ -65,7 +65,7 @@ TRAIN_USAGE = """usage: cohort train [--config FILE.yaml] [--task NAME] [--optio
        cohort train --nproc_per_node N [...]     N processes (GPUs) through torchrun
        cohort train --nproc_per_node N --nnodes M --node_rank R --master_addr HOST [--master_port P] [...]
                                                  the same on every one of M machines, R = 0 .. M-1
-       cohort train [...] --print_config         print the resolved options with their sources; no training
+       cohort train [...] --print_config         print the run's resolved options with their sources; no training
 
 Each option's value comes from, lowest precedence first: the built-in default < the task's defaults (the
 task that --task or the YAML's `task:` names) < the YAML file (--config) < the command line. The defaults
@@ -80,7 +80,8 @@ held-out evaluation.
 
 command options:
   --config FILE.yaml        options from a YAML file (option: value); flags override it
-  --print_config            print every option's value and source as YAML (a --config file), then exit
+  --print_config            load the model, settle every auto option for this device and model, print
+                            each option's value and source as YAML (a --config file), then exit untrained
   --nproc_per_node N        launch N processes through torchrun (DDP; --fsdp true shards the model)
   --nnodes M                with --nproc_per_node: M machines, each running this command (M × N ranks)
   --node_rank R             this machine's index, 0 .. M-1; node 0 alone logs and writes --output_dir
@@ -102,7 +103,7 @@ def _train_help(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from ..config import describe_config, resolve_config
+    from ..config import resolve_config
     from ..tasks import get_task
     from ..algorithm.trainer import GRPOTrainer
 
@@ -114,24 +115,41 @@ def _train(argv: list[str]) -> int:
     nodes = {name: value for name, value in nodes.items() if value is not None}
     launcher = torchrun_arguments(processes, nodes) if processes is not None or nodes else None
     args, sources = resolve_config(argv)  # bad options fail here, once, before any rank starts
-    if print_config is not None and print_config.lower() not in ("false", "0", "no", "off"):
-        print(describe_config(args, sources))
-        return 0
+    printing = print_config is not None and print_config.lower() not in ("false", "0", "no", "off")
     check_task_data(args)
     if launcher is not None and (processes != "1" or nodes):
-        return _launch(argv, launcher, args, processes, nodes)
+        return _launch(argv + ["--print_config"] * printing, launcher, args, processes, nodes)
     _import_user_rewards_from_cwd(args)
     task = get_task(args.task)
-    # under torchrun every rank loads the rows; rank 0 alone says what it found
+    # under torchrun every rank loads the rows; rank 0 alone says what it found (on stderr when the
+    # resolved config is printed, so that stdout is the YAML alone)
     quiet = os.environ.get("RANK", "0") != "0"
-    train_rows, eval_rows = task_rows(task, args, log=(lambda *_: None) if quiet else print)
+    say = (lambda *_: None) if quiet else (lambda *line: print(*line, file=sys.stderr)) if printing else print
+    train_rows, eval_rows = task_rows(task, args, log=say)
     try:
-        trainer = GRPOTrainer(args.model, None, train_rows, args=args, eval_dataset=eval_rows, task=task)
+        trainer = GRPOTrainer(args.model, None, train_rows, args=args, eval_dataset=eval_rows, task=task, log=say)
+        if printing:
+            return print_resolved(trainer, args, sources)
         trainer.train()
     except RuntimeError as error:  # several ranks: a collective failed because another rank died or hung
         raise _lost_rank(error) from error
     except FileNotFoundError as error:  # several machines: rank 0's checkpoint is not on this one
         raise _unreachable_checkpoint(error, args) from error
+    return 0
+
+
+def print_resolved(trainer, settled, sources: dict[str, str]) -> int:
+    """`--print_config`: the trainer's resolved config as YAML (rank 0), each value with its source (a value
+    that resolution settled says so), then the trainer is let go untrained."""
+    from ..config import describe_config
+    from ..resolve import resolved_sources
+
+    if trainer.parallel.is_main:
+        print(describe_config(trainer.args, resolved_sources(settled, trainer.args, sources)))
+    if trainer.rollout_server is None:
+        trainer.close_logs()
+    trainer.discard_unused_output_dir()  # no run happened: a folder this build made goes again
+    trainer.parallel.close()
     return 0
 
 

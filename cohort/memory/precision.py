@@ -368,6 +368,16 @@ def optimizer_line(optimizer: torch.optim.Optimizer) -> str:
     return f"optimizer: AdamW, fp32 masters, {moments}, {step}"
 
 
+def optimizer_state_dtype(args, model: torch.nn.Module, *, sharded_in_fp32: bool = False) -> str:
+    """`optimizer_state_dtype` as `make_optimizer` uses it for `model`: auto is bfloat16 where the trainable
+    weights are low precision (fp32 masters; bf16 moments rounded stochastically), else float32.
+    `sharded_in_fp32`: FSDP on a GPU trains an fp32 copy of the weights, whose moments are fp32."""
+    if args.optimizer_state_dtype != "auto":
+        return args.optimizer_state_dtype
+    low = any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters() if p.requires_grad)
+    return "bfloat16" if low and not sharded_in_fp32 else "float32"
+
+
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters: masters in fp32 when the weights are low precision."""
     params = [p for p in model.parameters() if p.requires_grad]

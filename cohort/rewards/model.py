@@ -36,13 +36,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..choices import CHOICES
 from ..errors import CohortError
 from .replay import MixedBatches, ReplayBuffer, Sample, rng_state, set_rng_state, within_group_pairs
 from .completions import completion_text
 from .runner import accepted_kwargs
 from .scorers import REWARD_OUTPUT_KEY, SCORERS, as_scorer, load_scorer
 
-RM_LOSSES = ("pointwise", "pairwise")
+RM_LOSSES = CHOICES["rm_loss"]
 REWARD_OUTPUTS = ("probability", "logit")
 
 
@@ -378,18 +379,20 @@ def warm_up_reward_models(reward_funcs: list, args, rows: list[dict], sample: Ca
             f"{100 * metrics.get('rm/warmup_online_accuracy_after', float('nan')):.1f}%")
 
 
-def resolve_reward_funcs(reward_funcs, args, task, tokenizer, device) -> list:
-    """The run's reward functions: `reward_funcs` as given, else --reward_funcs, else the task's (with its
-    weights, unless reward_weights are set); model folders and objects become r_φ (`prepare_reward_funcs`)."""
+def resolve_reward_funcs(reward_funcs, args, task, tokenizer, device) -> tuple[list, list[float] | None]:
+    """The run's reward functions and their weights: `reward_funcs` as given, else --reward_funcs, else the task's
+    (with its weights, unless reward_weights are set); model folders and objects become r_φ
+    (`prepare_reward_funcs`). `args` is read, never changed."""
+    weights = args.reward_weights
     if reward_funcs is None and args.reward_funcs:
         reward_funcs = list(args.reward_funcs)  # --reward_funcs: names, module:function, reward-model folders
     if reward_funcs is None:
         if task is None:
             raise CohortError("no reward functions: pass reward_funcs=[...] or a task")
         reward_funcs = list(task.reward_funcs)
-        args.reward_weights = args.reward_weights or list(task.reward_weights)
+        weights = weights or list(task.reward_weights)
     reward_funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    return prepare_reward_funcs(list(reward_funcs), args=args, tokenizer=tokenizer, device=device, task=task)
+    return prepare_reward_funcs(list(reward_funcs), args=args, tokenizer=tokenizer, device=device, task=task), weights
 
 
 def prepare_reward_funcs(reward_funcs: list, *, args, tokenizer, device, task=None) -> list:

@@ -18,9 +18,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from ..choices import CHOICES
 from ..errors import CohortError
 
-BUFFER_POLICIES = ("fifo", "reservoir")
+BUFFER_POLICIES = CHOICES["rm_buffer_policy"]
 
 
 @dataclass(frozen=True)

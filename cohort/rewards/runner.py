@@ -42,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from ..choices import CHOICES
 from ..errors import CohortError
 from .completions import completion_text
 from .rules import resolve_reward
@@ -51,7 +52,7 @@ class RewardWarning(UserWarning):
     """A reward function failed on some samples; those samples were scored None."""
 
 
-ERROR_POLICIES = ("raise", "warn")  # what a reward function that raises does: stop the run, or score None
+ERROR_POLICIES = CHOICES["reward_errors"]  # what a reward function that raises does: stop the run, or score None
 
 
 @dataclass

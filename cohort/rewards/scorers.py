@@ -35,12 +35,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..choices import CHOICES
 from ..errors import CohortError
 
 REWARD_OUTPUT_KEY = "cohort_reward_output"  # config.json key: "probability" or "logit"
 SCORER_KEY = "cohort_scorer"  # config.json key of a likelihood scorer: "likelihood"
 LIKELIHOOD_HEAD_KEY = "cohort_likelihood_head"  # its [a, b]
-SCORERS = ("head", "likelihood")
+SCORERS = CHOICES["rm_scorer"]
 
 
 class CausalLMScorer(nn.Module):

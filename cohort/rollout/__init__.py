@@ -17,7 +17,14 @@ from cohort.rollout.engine import Engine
 from cohort.models.lora import base_model
 from cohort.rollout.sampler import HFGenerateSampler, Rollout, Sampler, SamplingParams
 
-__all__ = ["Engine", "HFGenerateSampler", "Rollout", "Sampler", "SamplingParams", "make_sampler"]
+__all__ = ["Engine", "HFGenerateSampler", "Rollout", "Sampler", "SamplingParams", "engine_samples", "make_sampler"]
+
+
+def engine_samples(model) -> bool:
+    """Whether `make_sampler` gives `model` cohort's engine: it is our `CausalLM` (also inside a PEFT wrapper)."""
+    from cohort.models.modeling import CausalLM
+
+    return isinstance(base_model(model), CausalLM)
 
 
 def make_sampler(model, tokenizer=None, **engine_options) -> Sampler:
@@ -26,10 +33,8 @@ def make_sampler(model, tokenizer=None, **engine_options) -> Sampler:
     `engine_options` go to `Engine` (max_batch_size, max_seq_len, use_cuda_graph, ...) and are
     ignored by the fallback, which prints one notice line saying it is in use.
     """
-    from cohort.models.modeling import CausalLM
-
     base = base_model(model)
-    if isinstance(base, CausalLM):
+    if engine_samples(model):
         # A PEFT model's LoRA layers live inside the base modules, so sampling the base samples the adapter too.
         return Engine(base, tokenizer, **engine_options)
     print(f"cohort: {type(base).__name__} is not one of cohort's own models; sampling with Hugging Face "

@@ -187,27 +187,28 @@ class PartialRollouts:
             group.calls += 1
 
 
-def resolve_partial_rollouts(args, sampler, toolbox) -> None:
-    """Settle `partial_rollouts=auto` and an unset `max_staleness` in `args`, the same on every rank (each holds
-    the same model and tools): partial rollouts, measured 1.8× the synchronous loop against 1.47× without on
-    4 GPUs (docs/performance.md), are on wherever they can run. Asked for where they cannot, they are refused
-    here, on every rank alike."""
-    if not hasattr(sampler, "generate_until"):
-        cannot = (f"partial_rollouts needs cohort's engine, which can pause a call; this model samples with "
-                  f"{type(sampler).__name__}: load a Llama, Mistral, Qwen2 or Qwen3 model with model_impl='cohort', "
-                  "or leave partial_rollouts off")
-    elif toolbox is not None:
+def partial_rollout_settings(args, *, engine: bool, tools: bool) -> dict:
+    """`partial_rollouts` and `max_staleness` as the run uses them: `auto` and an unset `max_staleness` settled,
+    the same on every rank (each holds the same model and tools). Partial rollouts, measured 1.8× the
+    synchronous loop against 1.47× without on 4 GPUs (docs/performance.md), are on wherever they can run;
+    asked for where they cannot, they are refused here, on every rank alike. `engine`: the policy samples with
+    cohort's engine, which can pause a call; `tools`: completions may call tools."""
+    if not engine:
+        cannot = ("partial_rollouts needs cohort's engine, which can pause a call; this model samples with Hugging "
+                  "Face generate: load a Llama, Mistral, Qwen2 or Qwen3 model with model_impl='cohort', or leave "
+                  "partial_rollouts off")
+    elif tools:
         cannot = ("partial_rollouts with tools is not supported (a paused turn's tool call would have to wait "
                   "across calls); leave one of them out")
     else:
         cannot = None
-    if args.partial_rollouts == "auto":
-        args.partial_rollouts = bool(args.rollout_gpus and cannot is None
-                                     and (args.max_staleness is None or args.max_staleness >= 2))
-    elif args.partial_rollouts and cannot is not None:
+    partial = args.partial_rollouts
+    if partial == "auto":
+        partial = bool(args.rollout_gpus and cannot is None and (args.max_staleness is None or args.max_staleness >= 2))
+    elif partial and cannot is not None:
         raise CohortError(cannot)
-    if args.max_staleness is None:
-        args.max_staleness = 2 if args.partial_rollouts else 1
+    staleness = args.max_staleness if args.max_staleness is not None else 2 if partial else 1
+    return {"partial_rollouts": partial, "max_staleness": staleness}
 
 
 def partial_rollouts(args, sampler, group_sampler, pad_id: int) -> PartialRollouts | None:

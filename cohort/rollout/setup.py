@@ -4,8 +4,8 @@ rank (`--rollout_gpus`) serves.
 A trainer rank gets its sampler over the live policy and the `GroupSampler` stage over it, plus, with
 `--async_rollouts`, the rollouts sampled ahead: on a producer thread over a copy of the policy
 (`AsyncRollouts`), or by its sampling rank (`RemoteRollouts`). A sampling rank gets the `RolloutServer` it
-runs until its trainers stop (`serve_rollouts`). Both settle `partial_rollouts` and `max_staleness` the same
-way, from the same model and tools, so every rank of a job agrees on them without a message.
+runs until its trainers stop (`serve_rollouts`). Both read `partial_rollouts` and `max_staleness` from the run's
+resolved config, settled from the same model and tools on every rank, so the ranks agree without a message.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from . import make_sampler as default_make_sampler
 from .async_rollouts import AsyncRollouts
 from .engine import Engine
 from .group_sampler import GroupSampler
-from .partial import partial_rollouts, resolve_partial_rollouts
+from .partial import partial_rollouts
 from .remote import RemoteRollouts, RolloutServer
 from .sampler import Sampler
 
@@ -52,9 +52,9 @@ def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None 
     tools a completion may call. link: the job's `RolloutLink` with --rollout_gpus, else None; rank: this rank's
     global rank. serve: this rank only samples, for the trainers `link` connects it to. make_sampler(model,
     tokenizer): makes each sampler; the trainer passes the name in its own module, which a benchmark replaces
-    to inject its engine. `args.partial_rollouts` and an unset `args.max_staleness` are settled in place."""
+    to inject its engine. `args` is the run's resolved config (`cohort.resolve`): `partial_rollouts` and
+    `max_staleness` are settled there."""
     sampler = make_sampler(model, tokenizer)
-    resolve_partial_rollouts(args, sampler, toolbox)
     group_sampler = GroupSampler(sampler, tokenizer, args, pad_id, toolbox)
     if serve:
         # One engine call per step for all the trainers served: our engine's noise is keyed by each

@@ -86,6 +86,11 @@ class RolloutLink:
         return cls(placement, rank, trainer_group, weights_group, message_group,
                    messages_in_flight=max_staleness + 2)
 
+    def cover_staleness(self, max_staleness: int) -> None:
+        """Size the message window for the run's resolved `max_staleness` (settled once the model is loaded,
+        after this link is made; no message has been sent by then)."""
+        self.messages_in_flight = max_staleness + 2
+
     # ---- messages (gloo; plain values and CPU tensors) -------------------------------------------
     def send(self, obj, dst: int) -> None:
         """Start sending `obj` to rank `dst` and return; messages to one rank arrive in order."""

@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from cohort.choices import CHOICES
 from cohort.errors import CohortError
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
-KNOWN_REPORTERS = ("none", "tensorboard", "wandb", "all")
+KNOWN_REPORTERS = CHOICES["report_to"]
 
 
 def _json_value(value: Any) -> Any:

@@ -27,7 +27,6 @@ given.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 import torch
@@ -39,8 +38,8 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_fast_path(args, model, device: torch.device, *, compiles: bool | None = None):
-    """`args` with every `auto` speed option replaced by its value for this device and model.
+def fast_path_settings(args, model, device: torch.device, *, compiles: bool | None = None) -> dict:
+    """The `auto` speed options of `args` with their values for this device and model (the others: absent).
 
     `model` is the policy as loaded; cohort's own models have `compile_for_training`. `compiles`
     says whether triton can compile here (default: whether it is installed)."""
@@ -58,7 +57,7 @@ def resolve_fast_path(args, model, device: torch.device, *, compiles: bool | Non
             changes["gradient_checkpointing_layers"] = "auto"
     if args.max_tokens_per_micro_batch == "auto":
         changes["max_tokens_per_micro_batch"] = micro_batch_tokens(model) if gpu and ours else 0
-    return dataclasses.replace(args, **changes) if changes else args
+    return changes
 
 
 def micro_batch_tokens(model) -> int:

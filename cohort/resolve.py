@@ -1,0 +1,63 @@
+"""The run's configuration, settled once: every `auto` (and unset) option given the value the run uses.
+
+A `GRPOConfig` says what the user asked for; several options only mean something once the device and the
+model are known (`auto`: the fastest measured choice there). `resolve_run_config` turns the two into the
+run's final configuration, in one place and in this order:
+
+1. `GRPOConfig.validate`: the raw values checked and their spellings settled (a copy; the caller's object is
+   never changed, so a TRL user may build several trainers from one config);
+2. what the device alone decides: `device` (this rank's), `dtype` (the same rule `load_policy` is given,
+   `cohort.memory.precision.resolve_dtype`, so the loaded weights and the config agree);
+3. what the loaded model decides (after LoRA, which changes what trains): `model_impl`, the update's speed
+   options (`cohort.update.fast_path`), `optimizer_state_dtype`, the sampler correction, `partial_rollouts`
+   and `max_staleness` (`cohort.rollout.partial`).
+
+The result is frozen: setting a field raises a one-line `CohortError`, so every stage built from it (the
+curriculum, the rollout link's message window, the samplers, the update, the memory manager, the reports)
+reads the same values for the whole run. `GRPOTrainer.args` is this config; `cohort train --print_config`
+prints it. `gradient_checkpointing_layers=auto` stays `auto` where it is the value the run uses: it measures
+how many layers fit in the first update, a choice no earlier step can make.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .config import GRPOConfig, show_value
+from .memory.precision import optimizer_state_dtype, resolve_dtype
+from .rollout import engine_samples
+from .rollout.partial import partial_rollout_settings
+from .update.fast_path import fast_path_settings
+from .update.policy_update import sampler_correction_mode
+
+
+def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_size: int = 1,
+                       tools: bool = False, compiles: bool | None = None) -> GRPOConfig:
+    """The frozen configuration of a run of `args` on `device` with the loaded `model` (`world_size` training
+    ranks; `tools`: completions may call tools; `compiles`: triton can compile here, default whether it is
+    installed). `args` itself is left as it is."""
+    config = args.validate()
+    changes: dict = {"device": str(device), "dtype": resolve_dtype(config.dtype, device)}
+    engine = engine_samples(model)
+    if config.model_impl == "auto":
+        changes["model_impl"] = "cohort" if engine else "hf"
+    changes.update(fast_path_settings(config, model, device, compiles=compiles))
+    sharded_in_fp32 = config.fsdp and world_size > 1 and device.type == "cuda"
+    changes["optimizer_state_dtype"] = optimizer_state_dtype(config, model, sharded_in_fp32=sharded_in_fp32)
+    if config.importance_sampling_correction is None:
+        changes["importance_sampling_correction"] = sampler_correction_mode(config, model, device) is not None
+    changes.update(partial_rollout_settings(config, engine=engine, tools=tools))
+    return dataclasses.replace(config, **changes).freeze()
+
+
+def resolved_sources(settled: GRPOConfig, resolved: GRPOConfig, sources: dict[str, str]) -> dict[str, str]:
+    """`sources` (where each value of `settled` came from: `cohort.config.resolve_config`) with each value that
+    resolution settled marked `resolved from <what was asked>`."""
+    out = dict(sources)
+    for f in dataclasses.fields(resolved):
+        asked, used = getattr(settled, f.name), getattr(resolved, f.name)
+        if asked != used:
+            out[f.name] = f"{sources.get(f.name, 'default')}, resolved from {show_value(asked)}"
+    return out
