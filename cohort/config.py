@@ -289,7 +289,8 @@ class GRPOConfig:
     fsdp: bool = field(default=False, metadata={
         "help": "Several processes: shard parameters, gradients and optimizer state with FSDP2 instead of DDP."})
     ddp_timeout: int = field(default=1800, metadata={
-        "help": "Seconds a collective waits for the other ranks before it fails (transformers' name)."})
+        "help": "Seconds any wait on another rank lasts before the job stops (collectives, rollout messages, the "
+                "weight broadcast to sampling ranks; transformers' name)."})
     dtype: str = field(default="auto", metadata={
         "help": "Weights' dtype: auto (bf16 with fp32 master weights on a GPU, fp32 on a CPU), "
                 "float32 or bfloat16."})

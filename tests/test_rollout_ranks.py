@@ -125,10 +125,10 @@ class QueueLink:
 
         return pickle.loads(self.wire[(src, self.rank)].get(timeout=30))
 
-    def publish_weights(self, tensors):
+    def publish_weights(self, tensors, version=None):
         self.weights.put([t.clone() for t in tensors])
 
-    def receive_weights(self, tensors):
+    def receive_weights(self, tensors, version=None):
         for target, source in zip(tensors, self.weights.get(timeout=30)):
             target.copy_(source)
 

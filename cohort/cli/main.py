@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     except CohortError as error:
         if debug:
             raise
-        print(f"cohort: error: {error}", file=sys.stderr)
+        from ..run.faults import record_rank_error
+
+        if not record_rank_error(str(error)):  # under our launcher, it prints the line of the rank that failed first
+            print(f"cohort: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:  # cohort.run.lifecycle.TrainingInterrupted: SIGINT/SIGTERM, checkpoint saved
         if os.environ.get("RANK", "0") == "0":  # under torchrun every trainer rank stops alike: rank 0 says so
@@ -185,17 +188,9 @@ def _import_user_rewards_from_cwd(args) -> None:
 
 def _lost_rank(error: RuntimeError) -> Exception:
     """A one-line CohortError for a failed collective under torchrun; any other error unchanged."""
-    import torch.distributed as dist
+    from ..run.faults import lost_rank_error
 
-    text = str(error)
-    failed_collective = isinstance(error, getattr(dist, "DistError", ())) or any(
-        marker in text for marker in ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out"))
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not failed_collective:
-        return error
-    first_line = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
-    return CohortError(f"rank {os.environ.get('RANK', '?')} stopped: a collective with the other ranks failed "
-                       f"({first_line}); another rank died or hung (torchrun's report names it, on that rank's "
-                       "machine; --ddp_timeout bounds the wait)")
+    return lost_rank_error(error)
 
 
 def _unreachable_checkpoint(error: FileNotFoundError, args) -> Exception:
@@ -266,6 +261,7 @@ def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: d
     """`cohort train --nproc_per_node N [--nnodes M --node_rank R --master_addr HOST ...] ...`: run
     `torchrun <launcher> -m cohort train ...` on this machine (torch.distributed.run, PyTorch's launcher
     and its failure handling; `torchrun_arguments` gives <launcher>) and wait for it."""
+    import shutil
     import signal
     import subprocess
 
@@ -281,8 +277,17 @@ def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: d
         tiny_model_dir()
     elif is_builtin_model(args.model):
         builtin_model_dir(args.model)
-    command = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "cohort", "train", *argv]
-    child = subprocess.Popen(command)
+    import tempfile
+    from pathlib import Path
+
+    from ..run.faults import REPORT_ENV, job_failure_line
+
+    # torchrun runs inside cohort.run.faults, which keeps its failures for the one line below; the ranks leave
+    # their own error lines in the same folder.
+    reports = Path(tempfile.mkdtemp(prefix="cohort-faults-"))
+    command = [sys.executable, "-m", "cohort.run.faults", str(reports / "torchrun.json"), *launcher, "-m", "cohort",
+               "train", *argv]
+    child = subprocess.Popen(command, env={**os.environ, REPORT_ENV: str(reports)})
     stops: list[int] = []
 
     def forward(signum, frame):  # SIGTERM to us reaches the ranks, which finish their step and save
@@ -299,18 +304,25 @@ def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: d
                 continue
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if stops and code != 0:  # torchrun itself exits 1 on a signal; the ranks' own lines say what they saved
-        print(f"cohort: the {processes} training processes stopped on {signal.Signals(stops[0]).name} (torchrun's "
-              "report above is its own exit); continue from the newest checkpoint with --resume", file=sys.stderr)
+    count = int(processes) * int(nodes.get("nnodes", "1"))
+    failure = job_failure_line(reports, args.rollout_gpus, count) if code != 0 else None
+    shutil.rmtree(reports, ignore_errors=True)
+    if failure is not None and not stops:
+        where = f" on node {nodes['node_rank']}" if int(nodes.get("nnodes", "1")) > 1 else ""
+        print(f"cohort: error: {failure}{where}; the job stopped — continue from the newest checkpoint with --resume",
+              file=sys.stderr)
+        return code
+    if stops and code != 0:  # the ranks' own lines say what they saved
+        print(f"cohort: the {processes} training processes stopped on {signal.Signals(stops[0]).name}; continue "
+              "from the newest checkpoint with --resume", file=sys.stderr)
         return 128 + stops[0]
     if code != 0 and int(nodes.get("nnodes", "1")) > 1:
         print(f"cohort: error: the {processes} training process(es) of node {nodes['node_rank']} (of "
-              f"{nodes['nnodes']} machines) stopped with exit code {code} (torchrun's report above names this "
-              "machine's rank that failed first; one that lost a collective points to another machine's report)",
-              file=sys.stderr)
+              f"{nodes['nnodes']} machines) stopped with exit code {code} (the log above shows why; a rank that "
+              "lost a collective points to another machine's line)", file=sys.stderr)
     elif code != 0:
-        print(f"cohort: error: the {processes} training processes stopped with exit code {code} (torchrun's report "
-              "above names the rank that failed first)", file=sys.stderr)
+        print(f"cohort: error: the {processes} training processes stopped with exit code {code} (the log above "
+              "shows why)", file=sys.stderr)
     return code
 
 

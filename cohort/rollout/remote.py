@@ -61,7 +61,7 @@ class RemoteRollouts:
         if version != self.published_version:
             self.published_version = version
             if weights is not None:  # rank 0's (`snapshot`)
-                self.link.publish_weights(list(weights.values()))
+                self.link.publish_weights(list(weights.values()), version)
 
     def take(self, step: int) -> tuple[Batch, int]:
         """The rollout of `step` (waiting for it) and the policy version of its oldest tokens."""
@@ -195,7 +195,7 @@ class RolloutServer:
         """The policy after `version` updates in this rank's copy: rank 0 broadcasts each version once, when the
         first request that needs it is served."""
         if version != self.version:
-            self.link.receive_weights(list(self.policy.state_dict().values()))
+            self.link.receive_weights(list(self.policy.state_dict().values()), version)
             self.version = version
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CohortError
+from .faults import wait_all, waiting_for, withheld_weights
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,10 @@ class RolloutLink:
     """This rank's end of the traffic between trainers and samplers."""
 
     def __init__(self, placement: Placement, rank: int, trainer_group, weights_group, message_group,
-                 messages_in_flight: int = 3):
+                 messages_in_flight: int = 3, timeout_s: float = 1800.0, poll_weights: bool = False):
         self.placement, self.rank = placement, rank
+        # The weight broadcast's deadline; poll_weights: its works complete without wait() (NCCL), see `wait_all`.
+        self.timeout_s, self.poll_weights = timeout_s, poll_weights
         self.trainer_group, self.weights_group, self.message_group = trainer_group, weights_group, message_group
         # Per destination, the messages sent and perhaps not yet read: (work handles, the buffers they read).
         # gloo's is_completed() stays False until wait() is called, so the sender waits for the oldest once
@@ -81,10 +84,14 @@ class RolloutLink:
         import torch.distributed as dist
 
         trainer_group = dist.new_group(list(range(placement.trainers)), timeout=timeout)
-        weights_group = dist.new_group([0, *range(placement.trainers, placement.world_size)], timeout=timeout)
+        # On NCCL, `wait_all` ends a broadcast that hangs after `timeout`, in one line; NCCL's watchdog, which
+        # aborts the process with a page of log, is left as the backstop, twice as late.
+        poll = dist.get_backend() == "nccl"
+        weights_group = dist.new_group([0, *range(placement.trainers, placement.world_size)],
+                                       timeout=timeout * 2 if poll else timeout)
         message_group = dist.new_group(list(range(placement.world_size)), backend="gloo", timeout=timeout)
         return cls(placement, rank, trainer_group, weights_group, message_group,
-                   messages_in_flight=max_staleness + 2)
+                   messages_in_flight=max_staleness + 2, timeout_s=timeout.total_seconds(), poll_weights=poll)
 
     def cover_staleness(self, max_staleness: int) -> None:
         """Size the message window for the run's resolved `max_staleness` (settled once the model is loaded,
@@ -112,9 +119,11 @@ class RolloutLink:
         import torch.distributed as dist
 
         size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src, group=self.message_group)
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(payload, src, group=self.message_group)
+        part = "sampling rank" if self.placement.samples(src) else "trainer rank"
+        with waiting_for(f"a message from {part} {src}"):
+            dist.recv(size, src, group=self.message_group)
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(payload, src, group=self.message_group)
         try:
             return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
         except Exception as error:  # pickle.UnpicklingError: a type outside weights_only's plain values
@@ -123,26 +132,32 @@ class RolloutLink:
                               "values (str, int, float, lists, dicts)") from None
 
     # ---- weights (rank 0 to every sampler) ------------------------------------------------------------
-    def publish_weights(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0: start broadcasting `tensors` (a snapshot nothing writes meanwhile) to the samplers."""
+    def publish_weights(self, tensors: list[torch.Tensor], version: int | None = None) -> None:
+        """Rank 0: start broadcasting `tensors` (a snapshot nothing writes meanwhile), the policy after `version`
+        updates, to the samplers."""
         import torch.distributed as dist
 
         self.wait_weights()
+        if version is not None and withheld_weights(version):
+            return
         works = [dist.broadcast(t, src=0, group=self.weights_group, async_op=True) for t in tensors]
-        self.weights_in_flight = [works, tensors]
+        self.weights_in_flight = [works, tensors, version]
 
-    def receive_weights(self, tensors: list[torch.Tensor]) -> None:
-        """A sampler: rank 0's broadcast, into `tensors` in place (the engine's graphs keep their addresses)."""
+    def receive_weights(self, tensors: list[torch.Tensor], version: int | None = None) -> None:
+        """A sampler: rank 0's broadcast of the policy after `version` updates, into `tensors` in place (the
+        engine's graphs keep their addresses), within --ddp_timeout."""
         import torch.distributed as dist
 
-        for tensor in tensors:
-            dist.broadcast(tensor, src=0, group=self.weights_group)
+        works = [dist.broadcast(tensor, src=0, group=self.weights_group, async_op=True) for tensor in tensors]
+        wait_all(works, f"the weight broadcast of policy version {version} from rank 0", self.timeout_s,
+                 self.poll_weights)
 
     def wait_weights(self) -> None:
         if self.weights_in_flight:
-            for work in self.weights_in_flight[0]:
-                work.wait()
+            works, _, version = self.weights_in_flight
             self.weights_in_flight = []
+            wait_all(works, f"the weight broadcast of policy version {version} to the sampling ranks", self.timeout_s,
+                     self.poll_weights)
 
     def flush(self) -> None:
         """Wait until everything this rank started sending has gone."""

@@ -1,0 +1,140 @@
+"""Faults in a job of several ranks: a rank killed, a sampling rank killed, a weight broadcast that never
+completes. Each ends the job within a bounded time with one line naming the rank and what failed, and
+--resume from the newest checkpoint then trains what the uninterrupted run trains."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from cohort.errors import CohortError
+from cohort.run.faults import INJECT_ENV, job_failure_line, wait_all, withheld_weights
+from test_distributed import REWARD_MODULE, environment, rank_one_pid, run, step_records, train_options
+
+TOLERANCE = 1e-5
+
+
+# ---- the pieces ----------------------------------------------------------------------------------------------
+def write_reports(folder: Path, torchrun: dict, ranks: dict) -> Path:
+    folder.mkdir(exist_ok=True)
+    (folder / "torchrun.json").write_text(json.dumps(torchrun))
+    for rank, (at, line) in ranks.items():
+        (folder / f"rank-{rank}.json").write_text(json.dumps({"time": at, "line": line}))
+    return folder
+
+
+def test_the_root_cause_is_a_killed_rank_else_the_first_line_a_rank_left(tmp_path):
+    lost = "rank 0 stopped waiting for a message from sampling rank 2 after 0.1 s (Connection closed by peer)"
+    killed = write_reports(tmp_path / "killed", {"2": {"exitcode": -9, "signal": "SIGKILL", "time": 10},
+                                                 "0": {"exitcode": 2, "signal": None, "time": 10}}, {0: (9.5, lost)})
+    assert job_failure_line(killed, rollout_gpus=1, world_size=3) == "rank 2 (sampling rank) was killed by SIGKILL"
+    # Ranks that torchrun stopped (SIGTERM) are no cause; the earliest line is, without its leading "rank N".
+    hung = write_reports(tmp_path / "hung", {"1": {"exitcode": -15, "signal": "SIGTERM", "time": 20},
+                                             "0": {"exitcode": 2, "signal": None, "time": 20}},
+                         {0: (19.0, lost), 2: (18.0, "rank 2 stopped waiting for the weight broadcast")})
+    assert job_failure_line(hung, rollout_gpus=1, world_size=3) == \
+        "rank 2 (sampling rank) stopped waiting for the weight broadcast"
+    assert job_failure_line(write_reports(tmp_path / "bare", {"1": {"exitcode": 1, "signal": None, "time": 3}}, {}),
+                            rollout_gpus=0, world_size=2) == "rank 1 (trainer) exited with code 1"
+    assert job_failure_line(tmp_path / "nothing", rollout_gpus=0, world_size=2) is None
+
+
+def test_a_wait_that_never_completes_ends_at_its_deadline_naming_what(monkeypatch):
+    class Stuck:
+        def is_completed(self):
+            return False
+
+        def wait(self):
+            raise AssertionError("a polled wait must not block in wait()")
+
+    monkeypatch.setenv("RANK", "2")
+    started = time.monotonic()
+    with pytest.raises(CohortError, match=r"^rank 2 stopped waiting for the weight broadcast of policy version 3 "
+                                          r"from rank 0 after 0\.[2-9] s \(Timed out"):
+        wait_all([Stuck()], "the weight broadcast of policy version 3 from rank 0", 0.2, poll=True)
+    assert time.monotonic() - started < 2
+
+
+def test_the_injected_fault_withholds_weights_from_its_version_on(monkeypatch):
+    assert not withheld_weights(5)
+    monkeypatch.setenv(INJECT_ENV, "withhold_weights:2")
+    assert [withheld_weights(v) for v in range(4)] == [False, False, True, True]
+
+
+# ---- real jobs: one trainer and one sampling rank (gloo) -----------------------------------------------------
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("faults")
+    (folder / "rewardmod.py").write_text(REWARD_MODULE)
+    return folder
+
+
+def job(model: str, out: Path, *extra: str) -> list[str]:
+    """`cohort train --nproc_per_node 2 --rollout_gpus 1` (partial rollouts, 2 updates behind), a checkpoint
+    after every step."""
+    return [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2",
+            *train_options(model, out, 4, "--async_rollouts", "true", "--rollout_gpus", "1", "--eval_limit", "0",
+                           "--save_steps", "1", "--save_total_limit", "0", *extra)]
+
+
+def failed(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("cohort: error:")]
+
+
+@pytest.mark.slow
+def test_a_weight_broadcast_that_never_completes_ends_within_the_timeout_and_resume_equals_the_whole_run(
+        root, tiny_dir):
+    reference = root / "whole"
+    run(root, job(tiny_dir, reference, "--max_steps", "4"), timeout=300)
+
+    out = root / "withheld"
+    started = time.monotonic()
+    done = subprocess.run(job(tiny_dir, out, "--max_steps", "4", "--ddp_timeout", "5"), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300,
+                          env=environment(root, **{INJECT_ENV: "withhold_weights:2"}))
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0 and elapsed < 120, (elapsed, done.stdout[-3000:])
+    [line] = failed(done.stdout)
+    assert line.startswith("cohort: error: rank 1 (sampling rank) stopped waiting for the weight broadcast of "
+                           "policy version 2 from rank 0 after 5."), line
+    assert "continue from the newest checkpoint with --resume" in line
+    assert not (out / "checkpoint-4").exists()
+
+    done = run(root, job(tiny_dir, out, "--max_steps", "4", "--resume", "true"), timeout=300)
+    assert "resumed from" in done
+    got, expected = step_records(out), step_records(reference)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for mine, theirs in zip(got, expected):
+        assert abs(mine["loss"] - theirs["loss"]) <= TOLERANCE and abs(mine["reward"] - theirs["reward"]) <= TOLERANCE
+    weights, expected_weights = load_file(out / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert max((weights[k] - expected_weights[k]).abs().max().item() for k in weights) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_sampling_rank_killed_ends_the_job_with_one_line_naming_it(root, tiny_dir):
+    out = root / "killed"
+    tag = f"cohort-dead-sampler-{os.getpid()}"
+    process = subprocess.Popen(job(tiny_dir, out, "--max_steps", "1000", "--ddp_timeout", "60"),
+                               env=environment(root, COHORT_TEST_TAG=tag), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not (out / "metrics.jsonl").is_file() or not step_records(out):
+            assert process.poll() is None and time.monotonic() < deadline, "the job did not reach step 1"
+            time.sleep(0.2)
+        os.kill(rank_one_pid(tag), signal.SIGKILL)
+        killed_at = time.monotonic()
+        output, _ = process.communicate(timeout=120)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0 and elapsed < 45, (elapsed, output[-3000:])
+    assert failed(output) == ["cohort: error: rank 1 (sampling rank) was killed by SIGKILL; the job stopped — "
+                              "continue from the newest checkpoint with --resume"], output[-3000:]
