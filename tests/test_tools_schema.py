@@ -3,7 +3,8 @@ CohortErrors, and the tools of an environment object (TRL's environment_factory 
 
 from __future__ import annotations
 
-from typing import Literal
+import enum
+from typing import Literal, Optional, Union
 
 import pytest
 
@@ -116,6 +117,10 @@ class Point:
     pass
 
 
+class Colour(enum.Enum):
+    RED = "red"
+
+
 def test_a_type_that_json_schema_cannot_express_is_named():
     def move(p: Point) -> None:
         """Move.
@@ -222,3 +227,23 @@ def test_an_environment_without_reset_or_with_an_undocumented_tool_is_refused():
         environment_tools(NoReset())
     with pytest.raises(CohortError, match="jump: has no docstring"):
         environment_tools(Undocumented())
+
+
+def test_unexpressible_hints_are_found_whatever_transformers_does():
+    """cohort judges the hints itself: transformers 5.17 writes {"type": "object"} for a custom class
+    instead of refusing it, so a tool with such an argument would reach the model with no schema."""
+    from cohort.tools.schema import unexpressible_hint
+
+    def ok(a: int, b: Optional[str], c: Literal["x", "y"], d: Colour, e: dict[str, list[float]],
+           f: tuple[int, ...], g: Union[int, str], h: bool | None) -> Point:
+        return Point()
+
+    def custom(a: int, b: list[Point]) -> None:
+        return None
+
+    def nested(a: dict[str, Optional[Point]]) -> None:
+        return None
+
+    assert unexpressible_hint(ok) is None
+    assert unexpressible_hint(custom) is Point
+    assert unexpressible_hint(nested) is Point

@@ -190,9 +190,15 @@ class Parallel:
                                        process_group=self.group, **buffers)
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self._broadcast_from_main(model)
+        # The mesh names the run's device and group: fully_shard's default mesh is CUDA whenever the
+        # machine has a GPU (a --device cpu run then shards onto it) and spans every rank (sampling
+        # ranks too).
+        mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
         sharded = copy.deepcopy(model)
         policy = MixedPrecisionPolicy()
         if self.device.type == "cuda":  # fp32 masters sharded; bf16 gathers and compute, fp32 reduction
@@ -203,8 +209,8 @@ class Parallel:
             raise CohortError(f"--fsdp found no decoder layers in {type(model).__name__} to shard; use DDP "
                               "(leave out --fsdp) for this model")
         for layer in layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(sharded, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(sharded, mesh=mesh, mp_policy=policy)
         self.fsdp = True
         self._sampling_pair = (model, sharded)
         return sharded

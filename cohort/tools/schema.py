@@ -23,8 +23,11 @@ is missing. `environment_tools(env)` lists the tools of an environment object (T
 
 from __future__ import annotations
 
+import enum
 import inspect
 import re
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -66,6 +69,9 @@ def tool_schema(function: Callable[..., Any]) -> dict:
         raise CohortError(f"tool {name}: has no __name__ (a functools.partial or a callable object?); "
                           "wrap it in a def with its own name, type hints and docstring")
     try:
+        unexpressible = unexpressible_hint(function)
+        if unexpressible is not None:  # some transformers versions write {"type": "object"} for a custom class
+            raise TypeHintParsingException(f"Couldn't convert the type hint {unexpressible!r} to a JSON schema")
         return get_json_schema(function)
     except TypeHintParsingException as e:
         message = " ".join(str(e).split())
@@ -89,6 +95,31 @@ def tool_schema(function: Callable[..., Any]) -> dict:
         raise CohortError(f"tool {name}: cannot read its docstring ({message[:200]})") from None
     except NameError as e:  # a string annotation naming something that is not defined
         raise CohortError(f"tool {name}: a type hint cannot be resolved ({e})") from None
+
+
+JSON_SCALARS = (str, int, float, bool, type(None), Any)
+JSON_CONTAINERS = (list, dict, tuple, typing.Union, types.UnionType, typing.Literal)
+
+
+def unexpressible_hint(function: Callable[..., Any]):
+    """The first argument type hint of `function` that JSON schema cannot express, or None: what is
+    left is str, int, float, bool, None, Any, Enum classes, Literal, and list/dict/tuple/unions of them.
+    Raises NameError for a string hint naming nothing."""
+    hints = typing.get_type_hints(function)
+    hints.pop("return", None)
+
+    def first_bad(hint):
+        if hint in JSON_SCALARS or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
+            return None
+        origin = typing.get_origin(hint)
+        if origin is typing.Literal:
+            return None
+        if origin in JSON_CONTAINERS or hint in (list, dict, tuple):
+            return next((bad for arg in typing.get_args(hint) if arg is not Ellipsis
+                         for bad in [first_bad(arg)] if bad is not None), None)
+        return hint
+
+    return next((bad for hint in hints.values() for bad in [first_bad(hint)] if bad is not None), None)
 
 
 def is_async_callable(function: Callable[..., Any]) -> bool:
