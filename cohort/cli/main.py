@@ -105,6 +105,7 @@ def _train(argv: list[str]) -> int:
     from ..config import describe_config, resolve_config
     from ..tasks import get_task
     from ..algorithm.trainer import GRPOTrainer
+    from ..rollout.sampling_rank import SamplingRank, is_sampling_rank
 
     argv, processes = _pop_option(argv, "nproc_per_node")
     argv, print_config = _pop_option(argv, "print_config")
@@ -122,12 +123,16 @@ def _train(argv: list[str]) -> int:
         return _launch(argv, launcher, args, processes, nodes)
     _import_user_rewards_from_cwd(args)
     task = get_task(args.task)
-    # under torchrun every rank loads the rows; rank 0 alone says what it found
-    quiet = os.environ.get("RANK", "0") != "0"
-    train_rows, eval_rows = task_rows(task, args, log=(lambda *_: None) if quiet else print)
+    # --rollout_gpus: the last ranks only sample for the trainer ranks; they need no rows
+    sampling = is_sampling_rank(args)
+    if not sampling:  # under torchrun every rank loads the rows; rank 0 alone says what it found
+        quiet = os.environ.get("RANK", "0") != "0"
+        train_rows, eval_rows = task_rows(task, args, log=(lambda *_: None) if quiet else print)
     try:
-        trainer = GRPOTrainer(args.model, None, train_rows, args=args, eval_dataset=eval_rows, task=task)
-        trainer.train()
+        if sampling:
+            SamplingRank(args.model, args, task=task).serve()
+        else:
+            GRPOTrainer(args.model, None, train_rows, args=args, eval_dataset=eval_rows, task=task).train()
     except RuntimeError as error:  # several ranks: a collective failed because another rank died or hung
         raise _lost_rank(error) from error
     except FileNotFoundError as error:  # several machines: rank 0's checkpoint is not on this one
