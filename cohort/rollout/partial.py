@@ -189,8 +189,8 @@ class PartialRollouts:
 
 def resolve_partial_rollouts(args, sampler, toolbox) -> None:
     """Settle `partial_rollouts=auto` and an unset `max_staleness` in `args`, the same on every rank (each holds
-    the same model and tools): partial rollouts, measured 1.8× the synchronous loop against 1.47× without on
-    4 GPUs (docs/performance.md), are on wherever they can run. Asked for where they cannot, they are refused
+    the same model and tools): partial rollouts, the fastest option on sampling ranks (docs/performance.md),
+    are on wherever they can run. Asked for where they cannot, they are refused
     here, on every rank alike."""
     if not hasattr(sampler, "generate_until"):
         cannot = (f"partial_rollouts needs cohort's engine, which can pause a call; this model samples with "
