@@ -27,9 +27,9 @@ log-prob; none is appended or replaced (the completion has no EOS token at its e
 length). A completion that stopped at a drawn length below the cap is relabelled finish_reason "stop" (as an
 EOS would leave it); one whose draw reached the cap keeps "length" (truncated, as a real overlong completion).
 An EOS the model does sample first ends the completion earlier, as it would anyway (counted: `eos_stops`).
-The engine is injected by building the trainer while `cohort.algorithm.trainer.make_sampler` returns
-`DrawnLengthEngine`s (the trainer's sampler and, with async rollouts, the producer's); nothing in cohort/ is
-edited.
+The engine is injected through the trainer's `sampler_factory` argument (a sampling rank's: `SamplingRank`'s),
+which makes `DrawnLengthEngine`s (the trainer's sampler and, with async rollouts, the producer's); nothing in
+cohort/ is edited.
 
 Measured per step (the record of the trainer's `StepReport`, plus the callback's clock and the engine's calls):
 - wall: seconds between the ends of consecutive steps (the steady-state period of the loop);
@@ -83,7 +83,6 @@ the figures on docs/performance.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import faulthandler
 import gc
@@ -312,26 +311,19 @@ class DrawnLengthEngine(Engine):
         super()._prefill(admitted, params)
 
 
-@contextlib.contextmanager
 def drawn_length_samplers(lengths: LengthDraws):
-    """While the trainer is built, its samplers (`make_sampler` in cohort/algorithm/trainer.py: the trainer's
-    own and, with async rollouts, the producer's) are `DrawnLengthEngine`s; yields the list of those made."""
-    import cohort.algorithm.trainer as trainer_module
+    """A `sampler_factory` for the trainer (or a sampling rank) that makes `DrawnLengthEngine`s (the trainer's own
+    and, with async rollouts, the producer's), and the list of those it made."""
     from cohort.models.lora import base_model
 
     made: list[DrawnLengthEngine] = []
-    original = trainer_module.make_sampler
 
     def make_sampler(model, tokenizer=None, **options):
         engine = DrawnLengthEngine(base_model(model), tokenizer, lengths=lengths, **options)
         made.append(engine)
         return engine
 
-    trainer_module.make_sampler = make_sampler
-    try:
-        yield made
-    finally:
-        trainer_module.make_sampler = original
+    return make_sampler, made
 
 
 def precapture(engine: Engine, sequences: int, prompt_len: int, config, pad_id: int) -> tuple[int, float]:
@@ -447,6 +439,8 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
     """One mode through GRPOTrainer.train(): per-step records joined with the engine calls that made them."""
     from grpo_step_worker import build_module, make_prompts, make_reward, make_tokenizer
 
+    from cohort import SamplingRank, is_sampling_rank
+
     vocab = shape["vocab_size"]
     tokenizer = make_tokenizer(vocab)
     rows = make_prompts(vocab, args.prompts * max(8, args.steps + 2), args.prompt_len)
@@ -461,12 +455,17 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
     if args.processes > 1 and device == "cuda":  # under torchrun: this rank's GPU
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     model = build_module(shape, device)  # the same seed (0) for both modes: the same initial weights
-    with drawn_length_samplers(lengths) as engines:
+    factory, engines = drawn_length_samplers(lengths)
+    log = lambda line: print(f"  [{mode}] {line}", flush=True)  # noqa: E731
+    trainer = sampler = None
+    if is_sampling_rank(config):  # --rollout_gpus: this rank only samples, for the trainers it serves
+        sampler = SamplingRank(model, config, processing_class=tokenizer, sampler_factory=factory, log=log)
+    else:
         trainer = bench_trainer_class()(model=model, reward_funcs=[make_reward(args.cap)], train_dataset=rows,
                                         args=config, processing_class=tokenizer, callbacks=[clock],
-                                        log=lambda line: print(f"  [{mode}] {line}", flush=True))
-    if trainer.rollout_server is not None:  # a sampling rank: its engine is the server's
-        sampling_engine = trainer.rollout_server.sample.sampler
+                                        sampler_factory=factory, log=log)
+    if sampler is not None:  # a sampling rank: its engine is the server's
+        sampling_engine = sampler.sampler
     elif trainer.async_rollouts is not None and hasattr(trainer.async_rollouts, "sample"):
         sampling_engine = trainer.async_rollouts.sample.sampler
     elif trainer.async_rollouts is not None:  # a training rank whose rollouts come from a sampling rank
@@ -478,21 +477,28 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
     graphs, capture_s = 0, 0.0
     if args.device != "cpu" and args.precapture == "on" and sampling_engine is not None:
         # One engine call per step (a sampling rank samples the shares of all the trainers it serves at once).
-        served = len(trainer.rollout_server.trainers) if trainer.rollout_server is not None else 1
+        served = len(sampler.server.trainers) if sampler is not None else 1
         in_flight = 2 if config.partial_rollouts else 1  # partial rollouts: a second batch of groups in flight
         sequences = config.prompts_per_step * args.num_generations * served * in_flight
-        graphs, capture_s = precapture(sampling_engine, sequences, args.prompt_len, config, trainer.pad_id)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        graphs, capture_s = precapture(sampling_engine, sequences, args.prompt_len, config, pad_id)
         print(f"  [{mode}] precaptured {graphs} decode graphs in {capture_s:.1f} s", flush=True)
     train_started = time.perf_counter()
     if args.hang_dump_s > 0:  # a run still going then has hung: every thread's stack, on every rank
         faulthandler.dump_traceback_later(args.hang_dump_s, exit=False)
     try:
-        trainer.train()
+        if sampler is not None:
+            sampler.serve()
+        else:
+            trainer.train()
     finally:
         faulthandler.cancel_dump_traceback_later()
     train_s = time.perf_counter() - train_started
     calls = sorted((c for e in engines for c in e.calls), key=lambda c: c["started"])
-    if trainer.rollout_server is not None or args.processes > 1:
+    if sampler is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+        return None  # rank 0 gives the results
+    if args.processes > 1:
         return distributed_result(args, mode, trainer, clock, setup, graphs, capture_s, train_started, train_s, calls,
                                   scratch)
     history = [numeric(r) for r in trainer.history]
@@ -531,7 +537,7 @@ def distributed_result(args, mode, trainer, clock, setup, graphs, capture_s, tra
     """One rank's part of a mode under torchrun: rank 0's per-step records (tokens from the global mean
     length: this rank's engine saw only its share), None elsewhere."""
     shutil.rmtree(scratch, ignore_errors=True)
-    if trainer.rollout_server is not None or not trainer.parallel.is_main:
+    if not trainer.parallel.is_main:
         return None
     batch = args.prompts * args.num_generations
     history = [numeric(r) for r in trainer.history]

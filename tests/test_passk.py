@@ -6,7 +6,7 @@ import random
 import pytest
 
 from cohort.errors import CohortError
-from cohort.eval.passk import majority_vote, mean_pass_at_k, pass_at_k, pass_k_values
+from cohort.eval.passk import majority_vote, pass_at_k, pass_k_values
 
 
 def brute_force_pass_at_k(n, c, k):
@@ -63,10 +63,6 @@ def test_pass_at_k_is_stable_for_large_n():
 
     exact = 1 - comb(190, 10) / comb(200, 10)
     assert pass_at_k(200, 10, 10) == pytest.approx(exact, rel=1e-12)
-
-
-def test_mean_pass_at_k():
-    assert mean_pass_at_k([(4, 1), (4, 0), (4, 4)], 2) == pytest.approx((0.5 + 0.0 + 1.0) / 3)
 
 
 @pytest.mark.parametrize("n, c, k", [(4, 1, 5), (4, 5, 2), (0, 0, 1), (4, 1, 0), (4, -1, 1)])

@@ -54,6 +54,27 @@ def test_one_process_cannot_sample_on_other_ranks(tiny_dir, tmp_path):
                                     device="cpu", quiet=True))
 
 
+def test_the_last_ranks_sample_and_each_side_refuses_the_other_s_rank(tiny_dir, tmp_path, monkeypatch):
+    """With rollout_gpus=1 of 3 ranks, rank 2 alone samples: a GRPOTrainer built there, or a SamplingRank built
+    on a trainer rank, stops at once with a line that says what to run instead."""
+    from cohort import GRPOTrainer, SamplingRank, is_sampling_rank
+
+    args = GRPOConfig(rollout_gpus=1, async_rollouts=True, output_dir=str(tmp_path / "x"), device="cpu", quiet=True)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    ranks = []
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        ranks.append(is_sampling_rank(args))
+    assert ranks == [False, False, True]
+    assert not is_sampling_rank(GRPOConfig(output_dir=str(tmp_path / "x")))
+    with pytest.raises(CohortError, match=r"GRPOTrainer on a rank that only samples .*SamplingRank\(model, args\)"):
+        GRPOTrainer(tiny_dir, lambda completions, **_: [0.0] * len(completions), [{"prompt": "1+1="}] * 4, args=args)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(CohortError, match="SamplingRank on a rank that trains"):
+        SamplingRank(tiny_dir, args)
+    assert not (tmp_path / "x").exists()  # neither got as far as the output folder
+
+
 # ---- real processes --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
@@ -275,7 +296,7 @@ def test_partial_rollouts_on_a_sampling_rank_stay_within_max_staleness_and_resum
 
 EARLY_STOP = '''
 import sys
-from cohort import GRPOConfig, GRPOTrainer
+from cohort import GRPOConfig, GRPOTrainer, SamplingRank, is_sampling_rank
 
 
 class StopAfterOne:
@@ -286,10 +307,13 @@ class StopAfterOne:
 args = GRPOConfig(output_dir=sys.argv[2], device="cpu", quiet=True, max_steps=4, async_rollouts=True, rollout_gpus=1,
                   max_staleness=int(sys.argv[3]), partial_rollouts=sys.argv[4] == "1", num_generations=4,
                   per_device_train_batch_size=8, max_completion_length=16, save_steps=0, eval_steps=0)
-trainer = GRPOTrainer(sys.argv[1], lambda completions, **_: [float(len(c)) for c in completions],
-                      [{"prompt": f"{a}+{a}="} for a in range(40)], args=args, callbacks=[StopAfterOne()])
-trainer.train()
-print("steps trained:", len(trainer.history))
+if is_sampling_rank(args):
+    print("rollouts served:", SamplingRank(sys.argv[1], args).serve())
+else:
+    trainer = GRPOTrainer(sys.argv[1], lambda completions, **_: [float(len(c)) for c in completions],
+                          [{"prompt": f"{a}+{a}="} for a in range(40)], args=args, callbacks=[StopAfterOne()])
+    trainer.train()
+    print("steps trained:", len(trainer.history))
 '''
 
 
@@ -303,7 +327,7 @@ def test_a_run_stopped_early_ends_cleanly_on_every_rank(root, tiny_dir, stalenes
     out = root / f"early-{staleness}-{partial}"
     output = run(root, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
                         str(script), str(tiny_dir), str(out), str(staleness), partial], timeout=300)
-    assert output.count("steps trained: 1") == 2 and output.count("steps trained: 0") == 1  # 2 trainers, 1 sampler
+    assert output.count("steps trained: 1") == 2 and output.count("rollouts served: ") == 1  # 2 trainers, 1 sampler
     assert "cohort: rank 2 sampled" in output
 
 

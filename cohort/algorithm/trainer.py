@@ -35,12 +35,12 @@ from ..models.policy import frozen_copy, load_policy, save_policy
 from ..resolve import resolve_run_config
 from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
 from ..rewards.runner import RewardRunner
-from ..rollout import make_sampler
 from ..rollout.batch import Batch
-from ..rollout.setup import build_rollouts, serve_rollouts
+from ..rollout.setup import build_rollouts
 from ..run.callbacks import CallbackHandler
 from ..run.checkpoint import RunParts, RunState, save_checkpoint
 from ..run.checkpoint_load import checkpoint_step, load_checkpoint
+from ..run.disaggregation import samples_here
 from ..run.distributed import Parallel, check_parallel_options
 from ..run.lifecycle import RunLifecycle, prepare_output_dir
 from ..tasks.data import dataset_rows
@@ -62,9 +62,15 @@ from .prompts import PromptStream
 class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
                  processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
-                 tools=None, environment_factory=None):
+                 tools=None, environment_factory=None, sampler_factory=None):
         # The raw values checked before anything loads, on a copy: the caller's config is never changed.
         self.args = args = (args or GRPOConfig()).validate()
+        if samples_here(args.rollout_gpus):
+            raise CohortError(f"GRPOTrainer on a rank that only samples (rollout_gpus={args.rollout_gpus}: the last "
+                              "ranks): run cohort.SamplingRank(model, args).serve() there instead "
+                              "(cohort.is_sampling_rank(args) tells the ranks apart)")
+        # A benchmark or test samples with its own engine through this; None: cohort.rollout.make_sampler.
+        self.sampler_factory = sampler_factory
         # A run that fails before its first step leaves no folder behind (when it made the folder).
         self.new_output_dir = not Path(args.output_dir).exists()
         self.step = 0
@@ -76,8 +82,6 @@ class GRPOTrainer:
         except BaseException:
             self.discard_unused_output_dir()
             raise
-        if self.rollout_server is not None:
-            return  # a sampling rank (--rollout_gpus): no training state, no callbacks
         # transformers' TrainerState and TrainerCallbacks (cohort/run/callbacks.py).
         self.callback_handler = CallbackHandler(callbacks, self.args, dict(
             model=self.model, processing_class=self.tokenizer, optimizer=self.optimizer,
@@ -87,10 +91,10 @@ class GRPOTrainer:
     def build(self, model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
               peft_config) -> None:
         """The stages of the run, each given what it needs."""
-        self.task, self.rollout_server = task, None
+        self.task = task
         seed_everything(args.seed)
         prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
-        # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample.
+        # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
         self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
         self.device = self.parallel.device
         self.model, self.tokenizer = load_policy(model, processing_class, device=self.device, log=log,
@@ -107,10 +111,6 @@ class GRPOTrainer:
         if self.tokenizer.eos_token_id is None:
             raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        if self.parallel.samples_only:  # --rollout_gpus: this rank samples for trainer ranks (cohort/rollout/remote.py)
-            self.rollout_server = build_rollouts(args, self.model, self.tokenizer, self.pad_id, self.toolbox,
-                                                 link=self.parallel.link, serve=True, make_sampler=make_sampler).server
-            return
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
         funcs, weights = resolve_reward_funcs(reward_funcs, args, task, self.tokenizer, self.device)
@@ -139,9 +139,8 @@ class GRPOTrainer:
         # The G completions of a prompt share its forward in the log-prob passes and the update: our
         # models only (they take attention rows), and only where a prompt has several completions.
         self.share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(self.model))
-        # make_sampler goes in from this module: benchmarks inject their engine by replacing the name here.
         rollouts = build_rollouts(args, self.model, self.tokenizer, self.pad_id, self.toolbox, link=self.parallel.link,
-                                  rank=self.parallel.rank, make_sampler=make_sampler)
+                                  rank=self.parallel.rank, sampler_factory=self.sampler_factory)
         self.sampler, self.group_sampler = rollouts.sampler, rollouts.group_sampler
         self.async_rollouts, self.sequence_offset = rollouts.async_rollouts, rollouts.sequence_offset
         self.memory = MemoryManager(args, auto_checkpointing=auto_checkpointing, ref_model=self.ref_model,
@@ -174,9 +173,6 @@ class GRPOTrainer:
         """Run Algorithm 1 for max_steps steps (continuing a checkpoint with --resume); the history
         of per-step records is returned."""
         args = self.args
-        if self.rollout_server is not None:  # --rollout_gpus: this rank samples until the trainers stop
-            serve_rollouts(self.rollout_server, self.parallel, cpu_determinism(self.device))
-            return []
         self.started = time.perf_counter()
         with self.lifecycle() as run, cpu_determinism(self.device):  # CPU sums in a fixed order, busy or not
             try:
@@ -526,8 +522,8 @@ class GRPOTrainer:
 
     @property
     def history(self) -> list[dict]:
-        """Every step's metrics record so far (none on a rank that only samples: it trains no step)."""
-        return [] if self.rollout_server is not None else self.report.history
+        """Every step's metrics record so far."""
+        return self.report.history
 
     @property
     def state(self):

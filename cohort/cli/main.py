@@ -109,6 +109,7 @@ def _train(argv: list[str]) -> int:
     from ..config import resolve_config
     from ..tasks import get_task
     from ..algorithm.trainer import GRPOTrainer
+    from ..rollout.sampling_rank import SamplingRank, is_sampling_rank
 
     argv, processes = _pop_option(argv, "nproc_per_node")
     argv, print_config = _pop_option(argv, "print_config")
@@ -124,12 +125,22 @@ def _train(argv: list[str]) -> int:
         return _launch(argv + ["--print_config"] * printing, launcher, args, processes, nodes)
     _import_user_rewards_from_cwd(args)
     task = get_task(args.task)
-    # under torchrun every rank loads the rows; rank 0 alone says what it found (on stderr when the
-    # resolved config is printed, so that stdout is the YAML alone)
-    quiet = os.environ.get("RANK", "0") != "0"
-    say = (lambda *_: None) if quiet else (lambda *line: print(*line, file=sys.stderr)) if printing else print
-    train_rows, eval_rows = task_rows(task, args, log=say)
+    # --rollout_gpus: the last ranks only sample for the trainer ranks; they need no rows
+    sampling = is_sampling_rank(args)
+    if not sampling:
+        # under torchrun every rank loads the rows; rank 0 alone says what it found (on stderr when the
+        # resolved config is printed, so that stdout is the YAML alone)
+        quiet = os.environ.get("RANK", "0") != "0"
+        say = (lambda *_: None) if quiet else (lambda *line: print(*line, file=sys.stderr)) if printing else print
+        train_rows, eval_rows = task_rows(task, args, log=say)
     try:
+        if sampling:
+            sampler_rank = SamplingRank(args.model, args, task=task)
+            if printing:  # rank 0 prints the config; this rank joined the job's groups only to let it start
+                sampler_rank.parallel.close()
+            else:
+                sampler_rank.serve()
+            return 0
         trainer = GRPOTrainer(args.model, None, train_rows, args=args, eval_dataset=eval_rows, task=task, log=say)
         if printing:
             return print_resolved(trainer, args, sources)
@@ -149,8 +160,7 @@ def print_resolved(trainer, settled, sources: dict[str, str]) -> int:
 
     if trainer.parallel.is_main:
         print(describe_config(trainer.args, resolved_sources(settled, trainer.args, sources)))
-    if trainer.rollout_server is None:
-        trainer.close_logs()
+    trainer.close_logs()
     trainer.discard_unused_output_dir()  # no run happened: a folder this build made goes again
     trainer.parallel.close()
     return 0

@@ -37,10 +37,6 @@ class EvalResult:
     temperature: float | None = None  # of the samples
 
     @property
-    def greedy_accuracy(self) -> float:
-        return self.accuracy
-
-    @property
     def num_samples(self) -> int:
         return self.k
 

@@ -63,13 +63,6 @@ def pass_k_values(n: int) -> list[int]:
     return ks if ks[-1] == n else ks + [n]
 
 
-def mean_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
-    """pass@k over a set of problems: the mean of `pass_at_k(n, c, k)` over (n, c) pairs."""
-    if not counts:
-        raise CohortError("mean_pass_at_k needs at least one problem")
-    return sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
-
-
 def majority_vote(answers: Sequence[str | None], verdicts: Sequence[bool]) -> bool:
     """maj@k correctness of one problem from its k samples.
 

@@ -161,10 +161,10 @@ def fused(name: str, plain):
         # Shapes static at first (every dimension specialised: hidden size, head size, vocabulary),
         # then, when a new batch width or cache length arrives, one recompile with only that
         # dimension dynamic (torch.compile's default). Compiling with every dimension dynamic
-        # instead made the decode step 40% slower (3.76 against 2.66 ms at 256 rows, H200): the
-        # KV-cache write and rotary kernel alone took 0.87 ms per step with symbolic sizes, 0.08
-        # ms specialised. Duck sizing off: a width equal to another dimension (64 rows, head_dim
-        # 64) must not be fused into one symbol.
+        # instead made the decode step markedly slower, mostly in the KV-cache write and rotary
+        # kernel, which symbolic sizes keep from specialising (docs/history/benchmarks-2026-11.md).
+        # Duck sizing off: a width equal to another dimension (64 rows, head_dim 64) must not be
+        # fused into one symbol.
         torch.fx.experimental._config.use_duck_shape = False
         fn = _compiled[name] = torch.compile(plain)
 

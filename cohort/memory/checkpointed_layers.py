@@ -4,8 +4,8 @@ One vocabulary throughout: a *checkpointed* layer drops its activations after th
 recomputes them in the backward; the others keep them. `gradient_checkpointing_layers` (the option),
 `CausalLM.checkpointed_layers` and the `checkpointed_layers` metric all count the checkpointed ones.
 
-Recomputing a layer in the backward costs one more forward of it (~30 ms a layer at the 1.5B shape
-with 32-row micro-batches) and saves what the layer would keep for its backward (1.18 GiB there).
+Recomputing a layer in the backward costs one more forward of it and saves what the layer would keep
+for its backward.
 Which layers to recompute therefore depends on the card, the model and the micro-batch. `auto`
 measures instead of asking:
 

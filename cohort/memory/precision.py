@@ -26,7 +26,8 @@ tell those two halfway masters apart otherwise (1 element in 65,536 per step, by
 AdamW's two moments are 8 of those bytes a parameter (11.5 GiB at 1.5B, 57 GiB at 7B). On a GPU they
 are kept in bf16 by default (`optimizer_state_dtype=auto`), as DeepSeek-V3 keeps them (DeepSeek-AI
 2024, §3.3.2), and stepped in fp32. On a GPU one kernel a parameter does the whole step in registers
-(cohort/kernels/adamw.py: 10 ms at 1.5B, half the time of torch's fused AdamW over fp32 masters);
+(cohort/kernels/adamw.py: one pass over memory; its timings against torch's fused AdamW are in
+docs/performance.md);
 elsewhere each chunk widens its moments, steps, and narrows them again.
 The narrowing rounds stochastically (`round_stochastic`), because rounding to nearest cannot follow
 a slowly decaying second moment. A step moves v by a fraction 1 − β2 of itself: 1% at β2 = 0.99, near

@@ -13,8 +13,8 @@ outputs; the copies are dropped, so their gradient is zero and the keys' and val
 over the group through the gather).
 
 What is repeated per completion is the prompt queries' attention only, a few percent of a layer's
-FLOPs; FlexAttention's document masks would avoid even that, but its backward ran 4× slower than
-cuDNN's on an H100 (docs/history/benchmarks-2026-11.md, "Shared-prompt packing"), more than the whole saving.
+FLOPs; FlexAttention's document masks would avoid even that, but its backward ran so much slower than
+cuDNN's (docs/history/benchmarks-2026-11.md, "Shared-prompt packing") that it cost more than the whole saving.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ CUDA-graph decode (`cuda_graphs.py`) and the overlapped host checks (`overlap.py
 
 `make_sampler(model, tokenizer)` makes a sampler for any model: our own `CausalLM` gets the
 `Engine`; any other model gets Hugging Face `generate` (`HFGenerateSampler`). `setup.py` builds a
-run's whole rollout side for the trainer (`build_rollouts`): the sampler, the `GroupSampler` stage,
-asynchronous rollouts, or a sampling rank's server.
+run's whole rollout side for the trainer (`build_rollouts`: the sampler, the `GroupSampler` stage,
+asynchronous rollouts) or a sampling rank's server (`build_rollout_server`), which `sampling_rank.py`
+(`SamplingRank`) runs on the ranks that only sample.
 """
 
 from __future__ import annotations

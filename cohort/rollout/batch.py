@@ -47,10 +47,6 @@ class Batch:
         """[B] each completion's own token ids (padding removed)."""
         return [ids[m.bool()].tolist() for ids, m in zip(self.rollout.completion_ids, self.rollout.completion_mask)]
 
-    def sampled_token_ids(self) -> list[list[int]]:
-        """[B] the tokens each completion's model sampled (tool results left out)."""
-        return [ids[m.bool()].tolist() for ids, m in zip(self.rollout.completion_ids, self.rollout.loss_mask)]
-
 
 def select_groups(batch, groups: list[int], group_size: int):
     """The batch restricted to the given group indices (each group's G rows, in order)."""

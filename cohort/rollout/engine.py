@@ -305,7 +305,7 @@ class Engine:
     def _launch_ahead(self, unread: Snapshot, scheduler: Scheduler, params: SamplingParams) -> bool:
         """With `overlap_checks`, unless sequences wait and one in the unread chunk may have stopped
         early (EOS, stop string): its slot would idle a whole extra chunk before a waiting sequence
-        took it, which over several waves adds decode steps and checks (~15% steps, CPU tests)."""
+        took it, which over several waves adds decode steps and checks."""
         if not self.overlap_checks:
             return False
         may_stop_early = bool(params.eos_token_ids or params.stop)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -58,6 +59,15 @@ class Placement:
     def served_by(self, server: int) -> list[int]:
         """The trainer ranks sampling rank `server` serves, in rank order."""
         return [t for t in range(self.trainers) if self.server_of(t) == server]
+
+
+def samples_here(rollout_gpus: int) -> bool:
+    """Whether this process, by torchrun's RANK and WORLD_SIZE, is one of the last `rollout_gpus` ranks, which
+    only sample; False in a single process (where rollout_gpus > 0 fails later, with its own message)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if not rollout_gpus or world_size <= 1:
+        return False
+    return Placement(world_size, rollout_gpus).samples(int(os.environ.get("RANK", "0")))
 
 
 class RolloutLink:

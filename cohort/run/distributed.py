@@ -109,11 +109,6 @@ class Parallel:
         self._sampling_pair: tuple[nn.Module, nn.Module] | None = None  # FSDP2: (plain copy, sharded module)
 
     # ---- set-up --------------------------------------------------------------------------------
-    @property
-    def samples_only(self) -> bool:
-        """This rank runs the sampling engine for trainer ranks and trains nothing (--rollout_gpus)."""
-        return self.link is not None and self.link.placement.samples(self.rank)
-
     @classmethod
     def from_env(cls, device_spec: str, timeout_s: float, rollout_gpus: int = 0, max_staleness: int = 1) -> "Parallel":
         """From torchrun's RANK / WORLD_SIZE / LOCAL_RANK: one process group (NCCL on CUDA, gloo on
@@ -238,19 +233,6 @@ class Parallel:
         for name, param in sharded.named_parameters():
             target = targets[name]
             target.copy_(param.detach().to(target.dtype).full_tensor())
-
-    @torch.no_grad()
-    def load_sharded_from_plain(self) -> None:
-        """FSDP2, on resume: the plain copy's (just loaded) weights into this rank's shards."""
-        if self._sampling_pair is None:
-            return
-        from torch.distributed.tensor import distribute_tensor
-
-        plain, sharded = self._sampling_pair
-        sources = dict(plain.named_parameters())
-        for name, param in sharded.named_parameters():
-            full = sources[name].detach().to(param.dtype)
-            param.copy_(distribute_tensor(full, param.device_mesh, param.placements))
 
     def optimizer_state(self, train_model: nn.Module, optimizer) -> dict:
         """What a checkpoint stores for the optimizer: its state_dict, or under FSDP2 the full

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..errors import CohortError

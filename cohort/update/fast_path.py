@@ -14,10 +14,8 @@ with cohort's own models,
   backward work (6 × parameters × tokens): 11,776 tokens at 1.5B, 36,864 at 0.5B, 2,304 at 7B. Each
   micro-batch pays a fixed cost on the host (launching a compiled layer's kernels, the head's chunks),
   which the GPU's work on it must hide; past that size a larger micro-batch only keeps more
-  activations alive. At 1.5B, micro-batches of 2 prompt groups (8,448 tokens) instead of 4 take the
-  update's peak from 52.0 to 34.7 GiB for a step 2–4% longer (H100, docs/performance.md); one group
-  (4,224 tokens) made the update 2.85 s against 2.55 s (H200). A small model needs more tokens to hide
-  the same host cost.
+  activations alive, and a smaller one leaves the host cost exposed (the measurements behind the
+  constant: docs/performance.md). A small model needs more tokens to hide the same host cost.
 
 On a CPU all three are off (no triton kernels, and host memory is rarely what limits a CPU run);
 other model implementations (transformers) recompute every layer on a GPU, TRL's default, in

@@ -1,0 +1,92 @@
+"""A rank of a torchrun job that only samples, for the ranks that train (`--rollout_gpus K`: the last K ranks).
+
+It holds no training state: it loads the policy as the trainers do (the same dtype and LoRA adapters, so the
+weights rank 0 broadcasts after each update fit its copy), builds its `RolloutServer` (cohort/rollout/remote.py)
+and serves its trainers' requests until they stop. `cohort train` starts one on those ranks itself; a torchrun
+script of your own does it with
+
+    if is_sampling_rank(args):
+        SamplingRank(model, args, processing_class=tokenizer).serve()
+    else:
+        GRPOTrainer(model, reward_funcs, train_dataset, args=args, processing_class=tokenizer).train()
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from ..algorithm.determinism import cpu_determinism, seed_everything
+from ..errors import CohortError
+from ..memory.precision import resolve_dtype
+from ..models.lora import apply_lora, lora_config_from_args
+from ..models.policy import load_policy
+from ..resolve import resolve_run_config
+from ..run.disaggregation import samples_here
+from ..run.distributed import Parallel
+from ..run.lifecycle import StopRequest
+from ..tools.toolbox import make_toolbox
+from .sampler import Sampler
+from .setup import build_rollout_server
+
+
+def is_sampling_rank(args) -> bool:
+    """Whether this process (torchrun's RANK among WORLD_SIZE) is one of the last `args.rollout_gpus` ranks,
+    which run a `SamplingRank` instead of a `GRPOTrainer`."""
+    return samples_here(args.rollout_gpus)
+
+
+class SamplingRank:
+    """This rank's sampling side of a `--rollout_gpus` job: built from the trainers' own arguments (those a
+    sampling rank needs: the model, its tokenizer, the config, the tools and LoRA settings), then `serve()`.
+
+    sampler_factory(model, tokenizer): makes the sampler (default `cohort.rollout.make_sampler`), as given to
+    `GRPOTrainer`. After construction: `server` (the `RolloutServer`), `sampler` (its engine), `parallel`."""
+
+    def __init__(self, model, args, processing_class=None, *, task=None, tools=None, environment_factory=None,
+                 peft_config=None, sampler_factory: Callable[..., Sampler] | None = None, log=print):
+        self.args = args = args.validate()
+        if not is_sampling_rank(args):
+            raise CohortError(f"SamplingRank on a rank that trains (rollout_gpus={args.rollout_gpus}): build a "
+                              "GRPOTrainer on the ranks where cohort.is_sampling_rank(args) is False")
+        toolbox = make_toolbox(tools, environment_factory, args, task)
+        seed_everything(args.seed)
+        # The same process groups as the trainers make.
+        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
+        device = self.parallel.device
+        self.model, self.tokenizer = load_policy(model, processing_class, device=device, log=log,
+                                                 dtype=resolve_dtype(args.dtype, device),
+                                                 trust_remote_code=args.trust_remote_code, impl=args.model_impl)
+        peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
+        if peft_config is not None:  # the trainers' parameters, adapters included, arrive in this copy
+            apply_lora(self.model, peft_config)
+        # Settled as the trainers settle theirs (cohort/resolve.py), from the same model and tools, so both sides
+        # agree on partial_rollouts and max_staleness without a message.
+        self.args = args = resolve_run_config(args, model=self.model, device=device,
+                                              world_size=self.parallel.world_size, tools=toolbox is not None)
+        self.parallel.link.cover_staleness(args.max_staleness)
+        if self.tokenizer.eos_token_id is None:
+            raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.server = build_rollout_server(args, self.model, self.tokenizer, pad_id, toolbox, self.parallel.link,
+                                           sampler_factory)
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.server.sample.sampler
+
+    def serve(self) -> int:
+        """Serve the trainers until they stop, then leave the job; the number of rollouts sampled."""
+        # SIGINT / SIGTERM reach every rank: the trainers finish their step and save, which needs this rank's
+        # rollouts, so a first signal is noted and serving goes on until they stop (a second one stops it).
+        stop = StopRequest()
+        stop.install()
+        try:
+            with cpu_determinism(self.parallel.device):
+                served = self.server.serve()
+        finally:
+            stop.uninstall()
+        self.parallel.close()
+        print(f"cohort: rank {self.parallel.rank} sampled {served} rollouts for trainer rank(s) "
+              f"{', '.join(map(str, self.server.trainers))}", file=sys.stderr, flush=True)
+        return served
