@@ -208,7 +208,8 @@ def main(argv=None) -> int:
 
     recorder = step_recorder(box, records, out, started, args.time_budget, meta)
     rows = make_prompts(vocab, max(64, run["prompts"] * 4), run["prompt_len"])
-    box["trainer"] = SoakTrainer(model=build_module(shape, args.device), reward_funcs=[make_reward(run["completion_len"])],
+    box["trainer"] = SoakTrainer(model=build_module(shape, args.device),
+                                 reward_funcs=[make_reward(run["completion_len"])],
                                  train_dataset=rows, args=config, processing_class=make_tokenizer(vocab),
                                  callbacks=[recorder], log=lambda *_: None)
     meta["torch_compile"] = box["trainer"].args.torch_compile

@@ -97,7 +97,8 @@ def test_the_default_job_does_not_drift_over_600_steps(tmp_path):
     assert sorted(records) == list(range(1, steps + 1))
     first, last = records[FIRST], records[steps]
     # Resident memory after a collection: 565.4 -> 573.1 and 567.0 -> 572.0 MiB measured (+1.4%, +0.9%),
-    # rising until about step 250, then by the records alone (a few KiB a step). A tensor kept per step, a batch's logits or activations,
+    # rising until about step 250, then by the records alone (a few KiB a step). A tensor kept per step,
+    # a batch's logits or activations,
     # would add far more than the 2% (11 MiB) over 550 steps.
     growth = last["rss_after_gc_mib"] - first["rss_after_gc_mib"]
     assert growth <= max(4.0, 0.02 * first["rss_after_gc_mib"]), (first, last)
