@@ -4,10 +4,12 @@ alone. On CPU it runs in Triton's interpreter; on a GPU (COHORT_TEST_GPU=1) the 
 is checked against the chunked torch step."""
 
 import copy
+import io
 
 import pytest
 import torch
 
+from cohort.memory import precision
 from cohort.memory.bf16 import join_master, split_master
 from cohort.memory.precision import MasterWeightAdamW
 from triton_interpreter import ON_CUDA, kernel_module
@@ -145,3 +147,96 @@ def test_on_the_gpu_the_optimizer_steps_with_the_kernel_as_the_chunked_step_does
     resumed.load_state_dict(saved)  # the checkpoint's masters go into the fresh parameters
     run(resumed_params, resumed, range(200, 210))
     assert all(torch.equal(a, b) for a, b in zip(kernel_params, resumed_params))
+
+
+# -- the optimizer's step count, on the kernel's path ---------------------------------------------------------
+# The kernel takes AdamW's bias corrections from the optimizer's host-side count (`steps`), not from the
+# state's tensor that torch's step reads; on CPU the optimizer is made to take that path, the kernel run in
+# Triton's interpreter. β2 = 0.999 makes the correction large for many steps: at step 8 it scales the update
+# by √(1 − 0.999⁸) / (1 − 0.9⁸) ≈ 0.16, at step 1 by 0.32, so a count stuck or restarted moves the weights
+# by far more than the bf16 moments' rounding (well under 1% of an update).
+OPTIMIZER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+SHAPES = [(48, 32), (40,), (33, 7)]
+
+
+def _kernel_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=generator).to(torch.bfloat16).to(DEVICE)) for s in SHAPES]
+
+
+def _on_the_kernel(module, monkeypatch, params, seed: int = 3) -> MasterWeightAdamW:
+    monkeypatch.setattr(precision, "adamw_bf16_step", module.adamw_bf16_step)  # interpreted on CPU
+    optimizer = MasterWeightAdamW(params, state_dtype=torch.bfloat16, seed=seed, **OPTIMIZER)
+    optimizer.fused_kernel = True  # what a GPU gets by itself
+    return optimizer
+
+
+def _gradients(step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    scale = 1.0 if step % 3 else 4.0  # uneven, so m and v are not one gradient's multiples
+    return [(torch.randn(s, generator=generator) * scale).to(torch.bfloat16) for s in SHAPES]
+
+
+def _kernel_steps(optimizer: MasterWeightAdamW, params, steps: range) -> None:
+    for step in steps:
+        for p, g in zip(params, _gradients(step)):
+            p.grad = g.to(DEVICE)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _adamw_float64(starts: list[torch.Tensor], steps: range) -> list[torch.Tensor]:
+    """AdamW from the definition, in float64, with the step count t = 1, 2, ... in both corrections."""
+    beta1, beta2 = OPTIMIZER["betas"]
+    lr, eps, decay = OPTIMIZER["lr"], OPTIMIZER["eps"], OPTIMIZER["weight_decay"]
+    masters = [s.cpu().double() for s in starts]
+    m = [torch.zeros_like(x) for x in masters]
+    v = [torch.zeros_like(x) for x in masters]
+    for t, step in enumerate(steps, start=1):
+        for i, g in enumerate(_gradients(step)):
+            g = g.double()
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            masters[i] = masters[i] * (1 - lr * decay)
+            m_hat, v_hat = m[i] / (1 - beta1 ** t), v[i] / (1 - beta2 ** t)
+            masters[i] = masters[i] - lr * m_hat / (v_hat.sqrt() + eps)
+    return masters
+
+
+def test_the_kernel_path_counts_its_steps_for_the_bias_corrections(module, monkeypatch):
+    params = _kernel_params()
+    starts = [p.detach().float().cpu() for p in params]
+    optimizer = _on_the_kernel(module, monkeypatch, params)
+    _kernel_steps(optimizer, params, range(8))
+    assert optimizer.steps == [8] * len(SHAPES)
+    assert [float(optimizer.state[m]["step"]) for m in optimizer.masters] == [8.0] * len(SHAPES)
+    got = torch.cat([w.cpu().double().flatten() for w in optimizer.master_weights()])
+    want = torch.cat([w.flatten() for w in _adamw_float64(starts, range(8))])
+    moved = (want - torch.cat([s.double().flatten() for s in starts])).norm()
+    assert (got - want).norm() < 0.01 * moved, f"{(got - want).norm() / moved:.4f} of the movement off AdamW's"
+
+
+def test_the_kernel_paths_step_count_survives_a_checkpoint(module, monkeypatch):
+    """Four steps, a checkpoint through torch.save, four more in a fresh optimizer: the same bits as eight
+    uninterrupted steps. A count restarted on resume would correct steps 5-8 as steps 1-4."""
+    straight_params = _kernel_params()
+    straight = _on_the_kernel(module, monkeypatch, straight_params)
+    _kernel_steps(straight, straight_params, range(8))
+
+    first = _kernel_params()
+    interrupted = _on_the_kernel(module, monkeypatch, first)
+    _kernel_steps(interrupted, first, range(4))
+    buffer = io.BytesIO()
+    torch.save(interrupted.state_dict(), buffer)
+    buffer.seek(0)
+    resumed_params = _kernel_params(seed=99)  # the checkpoint's masters must win over these values
+    resumed = _on_the_kernel(module, monkeypatch, resumed_params, seed=0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=False))
+    assert resumed.steps == [4] * len(SHAPES)
+    _kernel_steps(resumed, resumed_params, range(4, 8))
+    assert resumed.steps == straight.steps == [8] * len(SHAPES)
+    for a, b in zip(straight.master_weights(), resumed.master_weights()):
+        assert torch.equal(a, b)
+    for m, n in zip(straight.masters, resumed.masters):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(straight.state[m][name], resumed.state[n][name])

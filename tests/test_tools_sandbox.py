@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 import tracemalloc
+import venv
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -252,6 +255,34 @@ def test_the_private_tmp_and_dev_null_work(report):
         "            seen += files\n"
         "print(seen)\n")
     assert text == "/tmp /tmp/sandbox\n['sandbox']\n[]\n"
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["venv", "interpreter"])
+def test_the_private_tmp_is_empty_when_python_lies_under_tmp(report, copies):
+    """A clean clone set up by a new user may put its virtual environment (a venv's prefix) or the
+    interpreter itself (`venv --copies`) under /tmp; the private /tmp must not show them."""
+    if not namespaced(report):
+        pytest.skip("no mount namespace here")
+    home = tempfile.mkdtemp(prefix="cohort-newcomer-", dir="/tmp")
+    try:
+        venv.EnvBuilder(symlinks=not copies, with_pip=False).create(os.path.join(home, "venv"))
+        python = os.path.join(home, "venv", "bin", "python")
+        assert os.path.realpath(python).startswith("/tmp/") == copies
+        # sandbox.py is standard library only: loaded from its file, it runs without cohort's dependencies
+        script = (
+            "import importlib.util, sys\n"
+            "spec = importlib.util.spec_from_file_location('sandbox', sys.argv[1])\n"
+            "sandbox = sys.modules['sandbox'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(sandbox)\n"
+            "assert sys.prefix.startswith('/tmp/'), sys.prefix\n"
+            "print(sandbox.run_python('import os, sys; print(sorted(os.listdir(\"/tmp\")), sys.version_info[:2])'), end='')\n"
+        )
+        sandbox_py = Path(__file__).resolve().parent.parent / "cohort" / "tools" / "sandbox.py"
+        done = subprocess.run([python, "-I", "-c", script, str(sandbox_py)], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == f"['sandbox'] {tuple(sys.version_info[:2])}\n"
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_private_tmp_is_size_limited(report):

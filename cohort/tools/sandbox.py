@@ -101,6 +101,7 @@ class Sandbox:
         self.site_packages = bool(site_packages)
         self.python = os.path.realpath(python or sys.executable)
         self._report: dict | None = None
+        self._binary_names: list | None = None  # Python folders under /tmp that the interpreter's binary names
         self._remount_fallback = False  # the tests' way to take the path of kernels before 5.12
         self._report_lock = threading.Lock()
 
@@ -133,7 +134,9 @@ class Sandbox:
             shutil.rmtree(host_workdir, ignore_errors=True)
 
     def _config(self, host_workdir: str, status_fd: int) -> dict:
-        prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)} if self._is_this_python() else set()
+        # sys.prefix is left out: a venv's folder is read only by its own bin/python, and the sandbox runs
+        # the interpreter that one links to (a venv made with --copies has it inside: <prefix>/bin/python)
+        prefixes = {os.path.realpath(sys.base_prefix)} if self._is_this_python() else set()
         prefixes.add(os.path.dirname(os.path.dirname(self.python)))  # <prefix>/bin/python
         prefixes.add(os.path.dirname(self.python))
         home = os.environ.get("HOME", "")
@@ -147,12 +150,27 @@ class Sandbox:
             "require_isolation": self.require_isolation,
             "disk_mb": self.disk_mb,
             "keep_paths": sorted(prefixes),
+            "moved_paths": self._movable(sorted(prefixes)),
             "exec_paths": [self.python],
             "hide_paths": hide,
             "force_remount_fallback": self._remount_fallback,
             "limits": {"cpu_s": self.cpu_s, "memory_mb": self.memory_mb, "file_size_mb": self.file_size_mb,
                        "open_files": self.max_open_files, "processes": self.max_processes},
         }
+
+    def _movable(self, prefixes: list) -> list:
+        """The Python folders under /tmp, which the launcher shows under /run/cohort-python instead, so the
+        program's private /tmp is empty. Not where the interpreter's binary names one (an absolute
+        RUNPATH, as pyenv builds have): the loader would look for libpython at the original path."""
+        under_tmp = [p for p in prefixes if p == "/tmp" or p.startswith("/tmp/")]
+        if under_tmp and self._binary_names is None:
+            try:
+                with open(self.python, "rb") as f:
+                    data = f.read()
+            except OSError:
+                data = b""
+            self._binary_names = [p for p in under_tmp if p.encode() in data]
+        return [p for p in under_tmp if not any(n == p or n.startswith(p + "/") for n in self._binary_names or [])]
 
     def _is_this_python(self) -> bool:
         return self.python == os.path.realpath(sys.executable)

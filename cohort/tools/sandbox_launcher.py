@@ -24,7 +24,8 @@ What is tried, best first (each step is reported, none is fatal unless the paren
 With a mount namespace: everything is remounted read-only (recursively); /tmp becomes a private,
 size-limited tmpfs holding the working directory /tmp/sandbox; /root, /home, $HOME, /run, /var/tmp,
 /dev/shm, /mnt and /media are hidden under empty read-only tmpfs mounts, except the directories of the
-Python installation, which are bound back read-only at their own paths.
+Python installation, which are bound back read-only at their own paths, or, those under /tmp, at
+/run/cohort-python/tmp/... (the program then runs the interpreter from there), so /tmp is empty.
 """
 
 import ctypes
@@ -64,6 +65,7 @@ PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 
 INSIDE_WORKDIR = "/tmp/sandbox"
+MOVED_ROOT = "/run/cohort-python"  # where Python folders that lie under /tmp are bound (in /run's tmpfs)
 USERNS_UID = 65534  # what the caller's uid is called inside a user namespace ("nobody")
 PRIVATE_UID_BASE = 2_000_000_000  # root mode: the program runs as this + the launcher's pid
 
@@ -148,10 +150,11 @@ def contain_filesystem(cfg: dict, uid: int, gid: int, code: bytes) -> dict:
     """In a fresh mount namespace: read-only everything, private /tmp, hidden private folders."""
     report = {}
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below may reach the host's namespace
-    keep = []  # (fd, path) of the Python installation's folders, opened before anything is hidden
+    keep = []  # (fd, path, where it is bound) of the Python installation's folders, opened before hiding
+    moved = set(cfg.get("moved_paths", ())) if os.path.dirname(MOVED_ROOT) in cfg["hide_paths"] else set()
     for path in cfg["keep_paths"]:
         try:
-            keep.append((os.open(path, os.O_PATH | os.O_DIRECTORY), path))
+            keep.append((os.open(path, os.O_PATH | os.O_DIRECTORY), path, MOVED_ROOT + path if path in moved else path))
         except OSError:
             pass
     report["read_only"] = remount_all_read_only(cfg.get("force_remount_fallback", False))
@@ -166,14 +169,20 @@ def contain_filesystem(cfg: dict, uid: int, gid: int, code: bytes) -> dict:
         except OSError as e:
             report.setdefault("not_hidden", []).append(f"{folder} ({e.strerror})")
             continue
+        if folder == "/tmp" and os.path.dirname(MOVED_ROOT) not in hidden:  # nowhere else to bind them
+            keep = [(fd, path, path) for fd, path, _ in keep]
         hidden.append(folder)
-        for fd, path in keep:
-            if inside(path, folder):
-                bind_back(fd, path)
+        for fd, path, where in keep:
+            if inside(where, folder):
+                bind_back(fd, where)
         if not writable:
             mount(None, folder, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     report["hidden"] = [h for h in hidden if h != "/tmp"]
-    for fd, _ in keep:
+    for fd, path, where in sorted(keep, key=lambda k: -len(k[1])):  # the deepest folder holding it
+        if inside(cfg["python"], path):
+            report["python"] = where + cfg["python"][len(path):]
+            break
+    for fd, _, _ in keep:
         os.close(fd)
     os.mkdir(INSIDE_WORKDIR, 0o700)
     with open(os.path.join(INSIDE_WORKDIR, "main.py"), "wb") as f:
@@ -257,7 +266,7 @@ def can_run_as(uid: int, gid: int, paths: list) -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
-def run_program(cfg: dict, identity: dict, workdir: str) -> None:
+def run_program(cfg: dict, identity: dict, workdir: str, python: str) -> None:
     """The program's process: limits, unprivileged user, no inherited files, exec. Never returns."""
     try:
         set_limits(cfg, nproc=identity["nproc"])
@@ -269,8 +278,7 @@ def run_program(cfg: dict, identity: dict, workdir: str) -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
         os.chdir(workdir)
         os.closerange(3, 1 << 16)
-        argv = [cfg["python"], *cfg["python_args"], "main.py"]
-        os.execve(cfg["python"], argv, {})
+        os.execve(python, [python, *cfg["python_args"], "main.py"], {})
     except BaseException as e:  # noqa: BLE001 - report anything, then leave without cleanup
         os.write(2, f"sandbox: could not start the program: {e}\n".encode())
         os._exit(127)
@@ -348,7 +356,7 @@ def init(cfg: dict, report: dict, status, workdir: str, uid: int) -> None:
     status.flush()
     program = os.fork()
     if program == 0:
-        run_program(cfg, identity, workdir)
+        run_program(cfg, identity, workdir, report.get("python", cfg["python"]))
     reaped = False
 
     def stop(signum, frame):  # no PID namespace: the launcher asks us to end the run
