@@ -4,10 +4,11 @@ import os
 import subprocess
 from pathlib import Path
 
-# The suite asserts CPU behaviour (float32 tolerances, in-process looks at weights a GPU run keeps on
-# the host, the default job's learning threshold), as CI runs it. On a machine with a GPU it hides the
-# GPU, so `python -m pytest` means the same everywhere; CUDA_VISIBLE_DEVICES is read when CUDA starts,
-# which nothing has done yet. COHORT_TEST_GPU=1 keeps the GPU for the GPU tests (README, "Tests").
+# CI has no GPU. On a machine with one, `python -m pytest` hides it, so the command means the same
+# everywhere; CUDA_VISIBLE_DEVICES is read when CUDA starts, which nothing has done yet.
+# COHORT_TEST_GPU=1 keeps the GPU: every test then runs where the code puts it (the GPU when there is
+# one), except those marked `cpu` — tests whose numbers are CPU numbers (float32 tolerances, bitwise
+# equal runs, the CPU's own paths); the `cpu_pinned` fixture below runs those on the CPU.
 if os.environ.get("COHORT_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
@@ -21,6 +22,21 @@ from cohort.models.tiny import build_model, build_tokenizer# noqa: E402
 # now, to pytest's session-wide capture, not to one test's capsys stream: that stream is closed when
 # its test ends, and a later warning would print "--- Logging error ---" and a traceback instead.
 transformers_logging.get_logger("transformers")
+
+
+@pytest.fixture(autouse=True)
+def cpu_pinned(request, monkeypatch):
+    """A test marked `@pytest.mark.cpu("why")` runs on the CPU with the GPU visible (COHORT_TEST_GPU=1):
+    `auto` devices resolve to the CPU in this process, and child processes (torchrun, the CLI) see no GPU."""
+    marker = request.node.get_closest_marker("cpu")
+    if marker is None:
+        return
+    if not (marker.args or marker.kwargs.get("reason")):
+        pytest.fail("@pytest.mark.cpu needs its reason: why the test's numbers are CPU numbers")
+    if os.environ.get("COHORT_TEST_GPU") == "1":
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from cohort.run.checkpoint import check_checkpoint, list_checkpoints
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cpu("the CPU's determinism beside a busy CPU is what it tests")]
 
 STEPS = 6
 ARGS = ("--max_steps", str(STEPS), "--seed", "11", "--eval_limit", "0", "--logging_steps", "1", "--quiet")

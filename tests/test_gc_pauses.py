@@ -53,10 +53,14 @@ def test_objects_are_frozen_from_the_second_step_and_thawed_at_the_end(tiny_dir,
         frozen_during_step.append(gc.get_freeze_count())
         return [float(len(c)) for c in completions]
 
+    # Counted from what was frozen before the run: another library of the process may freeze objects of its
+    # own (torch.compile's workers do, on a GPU), and the run must leave those as it found them.
+    before = gc.get_freeze_count()
     history = _trainer(tiny_dir, tmp_path, reward, gc_freeze=freeze).train()
-    assert frozen_during_step[0] == 0
-    assert all((n > 0) == freeze for n in frozen_during_step[1:]) and len(frozen_during_step) == 3, frozen_during_step
-    assert gc.get_freeze_count() == 0, gc.get_freeze_count()
+    assert frozen_during_step[0] == before
+    assert all((n > before) == freeze for n in frozen_during_step[1:]) and len(frozen_during_step) == 3, frozen_during_step
+    if before == 0:  # thawed at the end (what others froze first is left frozen: gc.unfreeze thaws all)
+        assert gc.get_freeze_count() == 0, gc.get_freeze_count()
 
 
 def test_each_step_logs_the_collector_pauses_inside_it(tiny_dir, tmp_path):

@@ -16,6 +16,9 @@ from cohort.rollout.sampler import SamplingParams# noqa: E402
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
 
 
+pytestmark = pytest.mark.cpu("float32 logits of a CPU reference model compared at 1e-5, and bitwise resumes")
+
+
 def first_char_digit(completions, **kwargs):
     return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
 

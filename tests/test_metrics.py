@@ -392,6 +392,7 @@ ISSUE_METRICS = ("reward", "reward_std", "rewards/first_is_digit/mean", "rewards
                  "tokens_per_second/logprobs", "tokens_per_second/update", "peak_memory_gib", "mfu")
 
 
+@pytest.mark.cpu("which metrics a CPU run leaves empty (a GPU run logs MFU and CUDA memory too)")
 def test_every_metric_of_the_issue_is_logged_each_step(kl_run, tiny_dir):
     trainer, _, _ = kl_run
     records = read_metrics(trainer.args.output_dir)
@@ -542,6 +543,7 @@ def test_peak_flops_table_prefers_the_specific_name(monkeypatch):
     assert metrics.peak_flops("cpu") is None
 
 
+@pytest.mark.cpu("a CPU run's report has no MFU figure; a GPU run's has")
 def test_report_of_a_tiny_run_draws_every_figure_the_issue_names(kl_run, tmp_path):
     """`cohort report` on a real run's output: reward per function, accuracy, KL, entropy, length, clip
     fractions, throughput (each phase), memory; non-blank PNGs; the completions table."""

@@ -89,6 +89,7 @@ def config(tmp_path, **overrides):
     return GRPOConfig(**base)
 
 
+@pytest.mark.cpu("a logged loss compared to 1e-5: float32 CPU arithmetic")
 def test_tools_train_log_call_frequency_and_leave_tool_results_out_of_the_loss(caller_dir, tmp_path):
     trainer = GRPOTrainer(caller_dir, [answer_reward], rows(), args=config(tmp_path), tools=[add])
     batch = trainer.sample(trainer.next_prompts())

@@ -100,6 +100,7 @@ def test_packed_chunked_logprobs_equal_unpadded_per_row_computation(tiny_dir):
 
 # ---- the update: micro-batch invariance, OOM retry, checkpointing ------------------------------
 
+@pytest.mark.cpu("gradients compared at float32 tolerances")
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_update_gradient_is_independent_of_micro_batching(tiny_dir, tmp_path, loss_type):
     trainer = _trainer(tiny_dir, tmp_path, loss_type=loss_type)
@@ -117,6 +118,7 @@ def test_update_gradient_is_independent_of_micro_batching(tiny_dir, tmp_path, lo
     assert bucketed_stats["loss"] == pytest.approx(whole_stats["loss"], abs=1e-5)
 
 
+@pytest.mark.cpu("gradients compared at float32 tolerances")
 def test_gradient_checkpointing_gives_the_same_gradient(tiny_dir, tmp_path):
     plain = _trainer(tiny_dir, tmp_path / "a")
     checkpointed = _trainer(tiny_dir, tmp_path / "b", gradient_checkpointing=True)
@@ -125,6 +127,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_dir, tmp_path):
     assert torch.allclose(update_gradient(plain, batch)[0], update_gradient(checkpointed, batch)[0], atol=1e-6)
 
 
+@pytest.mark.cpu("gradients compared at float32 tolerances")
 def test_checkpointing_the_first_layers_recomputes_only_those_and_gives_the_same_gradient(tiny_dir, tmp_path):
     plain = _trainer(tiny_dir, tmp_path / "a")
     partial = _trainer(tiny_dir, tmp_path / "b", gradient_checkpointing=True, gradient_checkpointing_layers=1)
@@ -141,6 +144,7 @@ def test_checkpointing_the_first_layers_recomputes_only_those_and_gives_the_same
     assert done == [2 * micro] + [micro] * (len(done) - 1)  # layer 0 forward + recompute; the rest once
 
 
+@pytest.mark.cpu("the CPU's checkpointing plan (a GPU measures its own)")
 def test_gradient_checkpointing_layers_errors(tiny_dir, tmp_path):
     with pytest.raises(CohortError, match="gradient_checkpointing_layers=-1 is negative"):
         GRPOConfig(gradient_checkpointing=True, gradient_checkpointing_layers=-1).validate()
@@ -163,6 +167,7 @@ def test_update_frees_the_gradients_after_its_step(tiny_dir, tmp_path, dtype):
     assert all(m.grad is None for m in masters)
 
 
+@pytest.mark.cpu("the CPU's micro-batch plan (a GPU cuts micro-batches by FLOPs) and float32 updates")
 def test_out_of_memory_halves_the_micro_batch_and_matches_that_size_from_the_start(tiny_dir, tmp_path, monkeypatch):
     import cohort.update.policy_update as update_module
 
@@ -193,6 +198,7 @@ def test_out_of_memory_halves_the_micro_batch_and_matches_that_size_from_the_sta
     assert any(not torch.equal(a, b) for a, b in zip(retried.model.parameters(), retried.ref_model.parameters()))
 
 
+@pytest.mark.cpu("the CPU optimizer's chunked step and float32 updates (a GPU steps with one kernel a parameter)")
 def test_out_of_memory_in_the_optimizer_step_halves_its_chunks_and_the_update_is_the_same(tiny_dir, tmp_path,
                                                                                          monkeypatch):
     """bf16 weights (fp32 masters) on the CPU, one tensor's fp32 bytes a chunk at most 64 KiB: the

@@ -212,12 +212,15 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         split_mask = offs_s < num_splits
         slot = (row * num_heads + head) * num_splits + offs_s
-        lse = tl.load(part_lse_ptr + slot, mask=split_mask, other=float("-inf"))
+        # Each split's log-sum-exp is loaded into every column of the [splits, D] tile, so that every value
+        # stays in the tile's own layout: broadcasting a [splits] vector into it is a layout conversion
+        # through shared memory, where threads holding the same element all write it (racecheck hazards).
+        tile_mask = split_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+        lse = tl.load(part_lse_ptr + slot[:, None] + 0 * offs_d[None, :], mask=tile_mask, other=float("-inf"))
         # Every row sees its own key, so some split is finite and the max is finite.
-        weights = tl.exp2(lse - _row_max(lse, 0))
-        part = tl.load(part_out_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=split_mask[:, None], other=0.0)
-        out = _row_sum(part * weights[:, None], 0) / _row_sum(weights, 0)
+        weights = tl.exp2(lse - _row_max(lse, 0)[None, :])
+        part = tl.load(part_out_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=tile_mask, other=0.0)
+        out = _row_sum(part * weights, 0) / _row_sum(weights, 0)
         tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od,
                  out.to(out_ptr.dtype.element_ty))
 

@@ -40,9 +40,11 @@ def collector_seconds() -> float:
 
 def freeze_long_lived_objects() -> int:
     """Collect once, then exempt every object alive now from later collections; returns how many."""
+    # gc.unfreeze thaws everything: only a freeze that started from nothing frozen can be undone without
+    # thawing what another part of the process froze for itself.
+    _state["frozen"] = gc.get_freeze_count() == 0
     gc.collect()
     gc.freeze()
-    _state["frozen"] = True
     return gc.get_freeze_count()
 
 
