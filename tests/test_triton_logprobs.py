@@ -60,3 +60,17 @@ def test_empty_chunk():
     logp, entropy, lse = triton_logprobs.chunk_logprob_stats(logits, torch.zeros(0, dtype=torch.long,
                                                                                  device=DEVICE), 1.0)
     assert logp.shape == entropy.shape == lse.shape == (0,)
+
+
+def test_a_token_outside_the_vocabulary_is_nan_and_reads_no_other_row():
+    """Token ids -1 and V (padding written as -1, or a tokenizer larger than the head) give NaN, which the
+    loss's non-finite guard counts; the in-range rows keep the reference values."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 777
+    logits = torch.randn(4, vocab, generator=g).to(DEVICE)
+    tokens = torch.tensor([5, -1, vocab, vocab - 1]).to(DEVICE)
+    logp, entropy, lse = triton_logprobs.chunk_logprob_stats(logits, tokens, 1.0)
+    want = torch.log_softmax(logits.cpu().double(), -1)
+    assert torch.isnan(logp[1]) and torch.isnan(logp[2])
+    assert torch.allclose(logp[[0, 3]].cpu().double(), want[[0, 3], [5, vocab - 1]], atol=1e-5)
+    assert torch.isfinite(entropy).all() and torch.isfinite(lse).all()

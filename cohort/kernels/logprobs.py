@@ -81,7 +81,11 @@ def _stats_kernel(logits_ptr, row_stride, tokens_ptr, token_stride, logp_ptr, en
     moment = tl.reduce(lane_moment * weight, 0, SUM_COMBINE)
     lse = row_max + tl.log(total)
     token = tl.load(tokens_ptr + row * token_stride)
-    chosen = tl.load(base + token).to(tl.float32) * inv_temperature
+    # A token id outside [0, V) reads nothing outside its row: its log-prob is NaN, which the loss's
+    # non-finite guard counts and skips, instead of whatever memory lies there (or an illegal address).
+    in_vocab = (token >= 0) & (token < vocab)
+    chosen = tl.load(base + tl.where(in_vocab, token, 0)).to(tl.float32) * inv_temperature
+    chosen = tl.where(in_vocab, chosen, float("nan"))
     tl.store(lse_ptr + row, lse)
     tl.store(logp_ptr + row, chosen - lse)
     tl.store(entropy_ptr + row, lse - moment / total)
