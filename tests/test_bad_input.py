@@ -62,7 +62,7 @@ def one_error_line(capsys, argv, *expected: str) -> str:
 
 @pytest.mark.parametrize("argv, expected", [
     (["--task", "nope"], ["unknown task 'nope'", "--task"]),
-    (["--loss_type", "ppo2"], ["unknown loss_type 'ppo2'", "choose one of"]),
+    (["--loss_type", "ppo2"], ["loss_type='ppo2' is not one of its values", "pass grpo, bnpo, dapo or dr_grpo"]),
     (["--num_generations", "3", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"],
      ["8 completions is not divisible by num_generations=3", "make it a multiple"]),
     (["--epsilon", "0.2", "--epsilon_high", "0.1"], ["epsilon_high=0.1 is below epsilon=0.2"]),
