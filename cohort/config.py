@@ -72,7 +72,7 @@ class GRPOConfig:
         "help": "GRPO steps in the run (I·M in Algorithm 1)."})
     num_train_epochs: float | None = field(default=None, metadata={
         "help": "TRL's: instead of max_steps, this many passes over the training rows (steps = epochs × rows ÷ "
-                "prompts per step, rounded up); None counts max_steps."})
+                "prompts per step, rounded up), max_steps then unused; None counts max_steps."})
     epsilon: float = field(default=0.2, metadata={
         "help": "ε: the importance ratio is clipped to [1 − ε, 1 + epsilon_high]."})
     epsilon_high: float | None = field(default=None, metadata={

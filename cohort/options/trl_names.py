@@ -116,8 +116,6 @@ def translate(kwargs: dict, defaults: dict) -> dict:
             refuse_unknown(name, value, defaults)
     if out.get("min_p", 0.0) is None:  # TRL's spelling of off
         out["min_p"] = 0.0
-    if "num_train_epochs" in given and out.get("max_steps", -1) > 0 and out["num_train_epochs"] is not None:
-        out["num_train_epochs"] = None  # transformers: a positive max_steps overrides num_train_epochs
     if out.get("max_steps") == -1:  # transformers' "train for num_train_epochs" (3 unless given)
         del out["max_steps"]
         if out.get("num_train_epochs") is None:
