@@ -111,7 +111,7 @@ def translate(kwargs: dict, defaults: dict) -> dict:
         elif name in FIXED:
             accepted, why = FIXED[name]
             if accepted is not ANY and not any(value == v and type(value) is type(v) or value is v for v in accepted):
-                raise CohortError(f"GRPOConfig({name}={value!r}) is TRL's, and cohort cannot honour it: {why}")
+                raise CohortError(f"cohort cannot honour GRPOConfig({name}={value!r}): {why}")
         else:
             refuse_unknown(name, value, defaults)
     if out.get("min_p", 0.0) is None:  # TRL's spelling of off
