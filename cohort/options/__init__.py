@@ -1,3 +1,3 @@
 """What a `GRPOConfig` keyword accepts beyond its dataclass field: TRL's names for it (`trl_names`), the
-type its value must have (`types`), and how an error spells an option for whoever passed it (`spelling`:
-`name=value` from Python, `--name value` from `cohort train`)."""
+type its value must have (`types`), and TRL's `num_train_epochs` turned into steps once the training
+rows are known (`epochs`)."""
