@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
+import json
+import os
 import re
 import textwrap
 import typing
@@ -23,6 +26,8 @@ from pathlib import Path
 
 from .choices import AUTO_OPTIONS, CHOICES, choose, values_text
 from .errors import CohortError
+from .options.trl_names import translate
+from .options.types import fits, type_problem
 
 
 @dataclass
@@ -65,6 +70,9 @@ class GRPOConfig:
         "help": "M: steps per outer iteration, at whose start π_ref ← π_θ; 0 never resets π_ref."})
     max_steps: int = field(default=100, metadata={
         "help": "GRPO steps in the run (I·M in Algorithm 1)."})
+    num_train_epochs: float | None = field(default=None, metadata={
+        "help": "TRL's: instead of max_steps, this many passes over the training rows (steps = epochs × rows ÷ "
+                "prompts per step, rounded up), max_steps then unused; None counts max_steps."})
     epsilon: float = field(default=0.2, metadata={
         "help": "ε: the importance ratio is clipped to [1 − ε, 1 + epsilon_high]."})
     epsilon_high: float | None = field(default=None, metadata={
@@ -211,6 +219,9 @@ class GRPOConfig:
         "help": "Sample among the k most likely tokens only; 0 is off, 1 (greedy) is refused."})
     min_p: float = field(default=0.0, metadata={
         "help": "Drop tokens less likely than min_p × the most likely token's probability; 0.0 is off, below 1."})
+    chat_template_kwargs: dict | None = field(default=None, metadata={
+        "help": "Keywords for the chat template wherever prompts are rendered (e.g. {enable_thinking: false} for "
+                "Qwen3); a JSON object on the command line."})
 
     # Optimisation.
     learning_rate: float = field(default=1e-6, metadata={
@@ -386,6 +397,7 @@ class GRPOConfig:
         def bad(msg: str) -> None:
             raise CohortError(msg)
 
+        self.check_types()
         hints = typing.get_type_hints(type(self))
         for name in CHOICES:
             value = getattr(self, name)
@@ -459,6 +471,8 @@ class GRPOConfig:
             bad(f"epsilon={self.epsilon} must lie in (0, 1)")
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
             bad(f"epsilon_high={self.epsilon_high} is below epsilon={self.epsilon}; clip-higher needs epsilon_high ≥ epsilon")
+        if self.num_train_epochs is not None and self.num_train_epochs <= 0:
+            bad(f"num_train_epochs={self.num_train_epochs} must be positive, or None to count max_steps")
         for name in ("num_iterations", "max_steps", "max_completion_length", "per_device_train_batch_size",
                      "gradient_accumulation_steps", "max_prompt_length", "logging_steps", "log_completions_steps"):
             if getattr(self, name) < 1:
@@ -508,8 +522,42 @@ class GRPOConfig:
         if self.reward_weights is not None and self.reward_funcs is not None and len(self.reward_weights) != len(self.reward_funcs):
             bad(f"{len(self.reward_weights)} reward_weights for {len(self.reward_funcs)} reward_funcs; give one weight per function")
 
+    def check_types(self) -> None:
+        """Raise a one-line `CohortError` naming the first option whose value is not of its type."""
+        for name, hint in option_hints().items():
+            problem = type_problem(name, getattr(self, name), hint)
+            if problem:
+                raise CohortError(problem)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@functools.cache
+def option_hints() -> dict:
+    return typing.get_type_hints(GRPOConfig)
+
+
+def field_defaults() -> dict:
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(GRPOConfig)}
+
+
+def accepting_trl_names(init):
+    """GRPOConfig's constructor taking TRL's keywords as well (cohort/options/trl_names.py) and checking
+    each value's type where it is written, not where a later comparison trips over it."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        kwargs = translate(kwargs, field_defaults())
+        for name, value in kwargs.items():  # a pathlib.Path where a folder's name goes, as TRL takes it
+            if isinstance(value, os.PathLike) and fits("", option_hints().get(name)):
+                kwargs[name] = os.fspath(value)
+        init(self, *args, **kwargs)
+        self.check_types()
+    return __init__
+
+
+GRPOConfig.__init__ = accepting_trl_names(GRPOConfig.__init__)
 
 
 # TRL's names that set cohort's field, then step aside (validate).
@@ -562,6 +610,11 @@ def _convert(name: str, raw, annotation) -> object:
             raise ValueError
         if base is int and isinstance(raw, float) and not raw.is_integer():
             raise ValueError
+        if base is dict:  # a JSON object on the command line, a mapping in YAML
+            value = json.loads(raw) if isinstance(raw, str) else raw
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
         return base(raw)
     except (TypeError, ValueError):
         kind = values_text(name) if name in CHOICES else getattr(base, "__name__", str(base))

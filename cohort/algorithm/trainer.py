@@ -32,6 +32,7 @@ from ..memory.manager import MemoryManager
 from ..memory.precision import make_optimizer, optimizer_line, resolve_dtype
 from ..models.lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
 from ..models.policy import frozen_copy, load_policy, save_policy
+from ..options.epochs import with_epoch_steps
 from ..resolve import resolve_run_config
 from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
 from ..rewards.runner import RewardRunner
@@ -103,6 +104,9 @@ class GRPOTrainer:
         peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
         if peft_config is not None:  # LoRA: adapters injected in place; π_ref = the base model (adapters off)
             apply_lora(self.model, peft_config)
+        self.train_rows = self.training_rows(train_dataset, args)
+        # TRL's num_train_epochs: the steps follow from the rows (resolved before the config is frozen).
+        args = with_epoch_steps(args, len(self.train_rows), self.parallel.world_size)
         # The run's configuration, settled once, frozen; every stage below is built from it (cohort/resolve.py).
         self.args = args = resolve_run_config(args, model=self.model, device=self.device,
                                               world_size=self.parallel.world_size, tools=self.toolbox is not None)
@@ -113,12 +117,14 @@ class GRPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
-        funcs, weights = resolve_reward_funcs(reward_funcs, args, task, self.tokenizer, self.device)
         env_reward = environment_reward(self.toolbox.environment_factory) if self.toolbox is not None else None
+        if env_reward is not None and reward_funcs is None and not args.reward_funcs and task is None:
+            funcs, weights = [], None  # TRL: an environment's get_reward() may be the whole reward
+        else:
+            funcs, weights = resolve_reward_funcs(reward_funcs, args, task, self.tokenizer, self.device)
         if env_reward is not None:  # the environment's get_reward(): one more reward, weight 1 (TRL)
             funcs, weights = funcs + [env_reward], None if weights is None else list(weights) + [1.0]
         self.rewards = RewardRunner(funcs, weights, timeout_s=args.reward_timeout, errors=args.reward_errors)
-        self.train_rows = dataset_rows(train_dataset, "train_dataset")
         self.eval_rows = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         provided = {"environments"} if self.toolbox is not None and self.toolbox.environment_factory else set()
         self.rewards.check_columns(set(self.train_rows[0]) | provided)
@@ -167,6 +173,17 @@ class GRPOTrainer:
         if args.rollout_gpus:
             self.log(f"rollouts: sampled on {args.rollout_gpus} rank(s), max_staleness {args.max_staleness}"
                      + (", partial rollouts" if args.partial_rollouts else ""))
+
+    def training_rows(self, train_dataset, args) -> list[dict]:
+        """The rows prompts are drawn from. Without a train_dataset, an environment that writes the prompt in
+        its reset() (TRL) is driven by one step's worth of empty user turns that reset() fills in."""
+        if train_dataset is None and self.toolbox is not None and self.toolbox.environment_factory is not None:
+            if args.num_train_epochs is not None:
+                raise CohortError(f"num_train_epochs={args.num_train_epochs} counts passes over a train_dataset, and "
+                                  "there is none (the environment writes the prompts); set max_steps instead")
+            return [{"prompt": [{"role": "user", "content": ""}]}
+                    for _ in range(args.prompts_per_step * self.parallel.world_size)]
+        return dataset_rows(train_dataset, "train_dataset")
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def train(self) -> list[dict]:

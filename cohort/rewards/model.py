@@ -388,7 +388,8 @@ def resolve_reward_funcs(reward_funcs, args, task, tokenizer, device) -> tuple[l
         reward_funcs = list(args.reward_funcs)  # --reward_funcs: names, module:function, reward-model folders
     if reward_funcs is None:
         if task is None:
-            raise CohortError("no reward functions: pass reward_funcs=[...] or a task")
+            raise CohortError("no reward functions: pass reward_funcs=[...], a task, or an environment_factory "
+                              "whose environment has get_reward()")
         reward_funcs = list(task.reward_funcs)
         weights = weights or list(task.reward_weights)
     reward_funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]

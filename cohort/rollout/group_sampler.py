@@ -73,7 +73,8 @@ class GroupSampler:
         return [[{"role": "assistant", "content": t}] for t in texts] if isinstance(rows[0]["prompt"], list) else texts
 
     def encode_prompt(self, prompt, tools: list[dict] | None = None) -> list[int]:
-        text = prompt_text(self.tokenizer, prompt, tools)  # the same rendering as evaluation and SFT
+        # the same rendering as evaluation and SFT
+        text = prompt_text(self.tokenizer, prompt, tools, self.args.chat_template_kwargs)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > self.args.max_prompt_length:
             raise CohortError(

@@ -22,13 +22,15 @@ def get_task(name: str):
     return getattr(importlib.import_module(module), attr)()
 
 
-def prompt_text(tokenizer, prompt, tools: list[dict] | None = None) -> str:
+def prompt_text(tokenizer, prompt, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
     """The text a model sees for a prompt: a string as is; chat messages through the tokenizer's chat
-    template (with the assistant turn opened, and the `tools` schemas where the template shows them),
-    or, for a tokenizer without one, the message contents one per line. Training, evaluation and SFT
-    all encode prompts with this, so they see the same text."""
+    template (with the assistant turn opened, the `tools` schemas where the template shows them, and
+    `template_kwargs`, the run's chat_template_kwargs), or, for a tokenizer without one, the message
+    contents one per line. Training, evaluation and SFT all encode prompts with this, so they see the
+    same text."""
     if not isinstance(prompt, list):
         return prompt
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}))
     return "\n".join(m["content"] for m in prompt) + "\n"
