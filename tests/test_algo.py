@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from cohort.algorithm.objectives import (LossSpec, aggregate_loss, group_advantages, kl_penalty, policy_loss,
-                                         policy_loss_stats)
+from cohort.algorithm.advantages import group_advantages
+from cohort.algorithm.objectives import LossSpec, aggregate_loss, kl_penalty, policy_loss, policy_loss_stats
 
 
 def _std(xs):  # Bessel-corrected

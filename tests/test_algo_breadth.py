@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from cohort.algorithm.objectives import (LossSpec, gae_advantages, overlong_penalty, policy_loss, sequence_log_ratio,
-                                         value_loss, whiten)
+from cohort.algorithm.advantages import gae_advantages, overlong_penalty, whiten
+from cohort.algorithm.objectives import LossSpec, policy_loss, sequence_log_ratio, value_loss
 from cohort.errors import CohortError
 from cohort.algorithm.dynamic_sampling import fill_informative, informative_groups
 from cohort.update.logprobs import selected_logprobs

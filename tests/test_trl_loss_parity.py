@@ -30,7 +30,8 @@ import math
 import pytest
 import torch
 
-from cohort.algorithm.objectives import BatchShare, LossSpec, group_advantages, policy_loss
+from cohort.algorithm.advantages import group_advantages
+from cohort.algorithm.objectives import BatchShare, LossSpec, policy_loss
 
 torch.set_num_threads(1)
 

@@ -213,7 +213,7 @@ def test_soft_overlong_punishment_matches_the_trainers_overlong_penalty():
     """One formula: the reward function gives what `--overlong_buffer_length` adds in the trainer."""
     import torch
 
-    from cohort.algorithm.objectives import overlong_penalty
+    from cohort.algorithm.advantages import overlong_penalty
 
     lengths = list(range(0, 140, 3))
     f = get_soft_overlong_punishment(max_completion_len=128, soft_punish_cache=32)

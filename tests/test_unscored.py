@@ -14,7 +14,7 @@ import torch
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.algorithm.dynamic_sampling import select_groups
-from cohort.algorithm.objectives import group_advantages
+from cohort.algorithm.advantages import group_advantages
 from cohort.config import parse_config
 from cohort.errors import CohortError
 from cohort.rewards.runner import RewardOutput, RewardRunner, RewardWarning

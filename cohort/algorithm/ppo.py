@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .objectives import gae_advantages, kl_penalty, value_loss, whiten
+from .advantages import gae_advantages, whiten
+from .objectives import kl_penalty, value_loss
 from ..config import GRPOConfig
 from ..errors import CohortError
 from ..update.logprobs import forward_hidden, scatter_to_rows, supports_hidden

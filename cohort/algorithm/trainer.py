@@ -5,7 +5,7 @@
         sample a prompt batch
         π_old ← π_θ;  sample G completions per prompt from π_old    (cohort/rollout/)
         score each completion with the reward functions r_φ          (cohort/rewards/)
-        A_i = (r_i − mean(group)) / (std(group) + eps)               (objectives.group_advantages)
+        A_i = (r_i − mean(group)) / (std(group) + eps)               (advantages.group_advantages)
         μ times: update π_θ on the clipped surrogate − β·KL          (cohort/update/, objectives.policy_loss)
         update r_φ by continuous training with replay                (learned reward models only)
 
@@ -56,7 +56,7 @@ from .curriculum import Curriculum
 from .determinism import cpu_determinism, seed_everything
 from .dynamic_sampling import fill_informative
 from .loss_spec import LossSpec
-from .objectives import group_advantages, overlong_penalty
+from .advantages import group_advantages, overlong_penalty
 from .prompts import PromptStream
 
 

@@ -169,7 +169,7 @@ class _SoftOverlongPunishment:
             return [-1.0 if n > self.max_completion_len else 0.0 for n in lengths]
         import torch
 
-        from ..algorithm.objectives import overlong_penalty
+        from ..algorithm.advantages import overlong_penalty
 
         penalty = overlong_penalty(torch.tensor(lengths, dtype=torch.float64), self.max_completion_len,
                                    self.soft_punish_cache)

@@ -3,7 +3,7 @@
 The combined reward of sample i is Σ_f w_f · r_f(i), where a function's None ("does not score this
 sample") counts as 0 — TRL's `nansum` over the `[B, F]` table. A sample that no function scores is
 *unscored* (`RewardOutput.unscored`, the all-NaN rows of the table): as in TRL 1.16 it is left out of
-its group's baseline and gets advantage 0 (`objectives.group_advantages(scored=...)`), and out of the
+its group's baseline and gets advantage 0 (`advantages.group_advantages(scored=...)`), and out of the
 `reward` / `reward_std` metrics; `rewards/unscored_frac` counts it.
 
 Faults. A reward function that *raises* is a bug the user should hear about at once: by default
