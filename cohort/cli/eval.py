@@ -25,8 +25,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 from ..errors import CohortError
 from .options import Option, options_help, parse_options, pick_device
 
@@ -169,12 +167,7 @@ def summary_lines(result, temperature: float) -> list[str]:
 
 def run_eval(argv: list[str], log=print):
     """`cohort eval` (argv without the command word); returns the `EvalResult`."""
-    from ..rollout import make_sampler
-    from ..eval.evaluate import evaluate
-    from ..models.policy import load_policy
     from ..tasks import get_task, prompt_text
-    from ..tools.loading import resolve_tools
-    from ..tools.toolbox import Toolbox, saved_toolbox
 
     if argv[:1] in (["-h"], ["--help"]):
         log("usage: cohort eval [--option value ...]\n\noptions:\n" + options_help(EVAL_OPTIONS))
@@ -187,6 +180,15 @@ def run_eval(argv: list[str], log=print):
     if o["output"] and o["output_dir"]:
         raise CohortError("cohort eval: --output names the file and --output_dir the folder of the results; "
                           "pass one of them")
+    # the model's side (torch, transformers: seconds) loads once the options hold
+    import torch
+
+    from ..rollout import make_sampler
+    from ..eval.evaluate import evaluate
+    from ..models.policy import load_policy
+    from ..tools.loading import resolve_tools
+    from ..tools.toolbox import Toolbox, saved_toolbox
+
     task = get_task(o["task"])
     if not hasattr(task, "is_correct"):
         raise CohortError(f"cohort eval: task {o['task']!r} has no verifier to grade answers with; evaluate with "

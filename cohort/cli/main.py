@@ -108,8 +108,6 @@ def _train_help(argv: list[str]) -> int:
 def _train(argv: list[str]) -> int:
     from ..config import resolve_config
     from ..tasks import get_task
-    from ..algorithm.trainer import GRPOTrainer
-    from ..rollout.sampling_rank import SamplingRank, is_sampling_rank
 
     argv, processes = _pop_option(argv, "nproc_per_node")
     argv, print_config = _pop_option(argv, "print_config")
@@ -123,6 +121,11 @@ def _train(argv: list[str]) -> int:
     check_task_data(args)
     if launcher is not None and (processes != "1" or nodes):
         return _launch(argv + ["--print_config"] * printing, launcher, args, processes, nodes)
+    # only now, the options checked: the trainer brings torch and transformers (seconds), which a mistyped
+    # option should not wait for
+    from ..algorithm.trainer import GRPOTrainer
+    from ..rollout.sampling_rank import SamplingRank, is_sampling_rank
+
     _import_user_rewards_from_cwd(args)
     task = get_task(args.task)
     # --rollout_gpus: the last ranks only sample for the trainer ranks; they need no rows

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..config import option_pairs
 from ..errors import CohortError
 
@@ -56,6 +54,8 @@ def options_help(options: dict[str, Option]) -> str:
 
 def pick_device(spec: str) -> torch.device:
     """The torch device `--device auto|cpu|cuda[:N]` names; asking for CUDA without a GPU is a `CohortError`."""
+    import torch  # here, not at the top: `cohort eval --help` and a mistyped option answer without it
+
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec.startswith("cuda") and not torch.cuda.is_available():
