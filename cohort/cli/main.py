@@ -76,10 +76,10 @@ below are the ones this command would use, with their source when it is not the 
 Options: --name value, --name=value, dashes or underscores; a bare --flag is true; lists are
 comma-separated; none clears an optional value.
 
-Tasks: arithmetic (built in, the default), gsm8k, generic. Data without --task (--data_files or
---dataset_name) is the generic task: prompts from --prompt_column, the other columns passed to
---reward_funcs (built-in names or module:function; a module in the current directory works), no
-held-out evaluation.
+Tasks: arithmetic (built in, the default), calculator (built in: tool calls, with the cohort:tiny-tools
+model), gsm8k, generic. Data without --task (--data_files or --dataset_name) is the generic task: prompts
+from --prompt_column, the other columns passed to --reward_funcs (built-in names or module:function; a
+module in the current directory works), no held-out evaluation.
 
 command options:
   --config FILE.yaml        options from a YAML file (option: value); flags override it
