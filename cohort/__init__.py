@@ -6,9 +6,26 @@ With `rollout_gpus` under torchrun, the last ranks only sample: there, `Sampling
 runs instead of the trainer (`is_sampling_rank(args)` tells the ranks apart; `cohort train` does this itself).
 """
 
-from .config import GRPOConfig
-from .algorithm.trainer import GRPOTrainer
-from .rollout.sampling_rank import SamplingRank, is_sampling_rank
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "SamplingRank", "is_sampling_rank"]
 __version__ = "0.1.0"
+
+# The names load on first use (PEP 562): importing the trainer pulls in torch, transformers and peft, some
+# five seconds that `cohort --version`, `--help` and a mistyped command must not wait for.
+_HOMES = {"GRPOConfig": ".config", "GRPOTrainer": ".algorithm.trainer", "SamplingRank": ".rollout.sampling_rank",
+          "is_sampling_rank": ".rollout.sampling_rank"}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'cohort' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
+    globals()[name] = value  # once loaded, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -36,8 +36,9 @@ class GRPOConfig:
     model: str | None = field(default=None, metadata={
         "help": "The policy: a local Hugging Face folder, a hub id or a .gguf file; None is the built-in tiny model."})
     task: str | None = field(default=None, metadata={
-        "help": "The task that supplies prompts, reward functions and the held-out verifier: arithmetic, gsm8k or "
-                "generic (your rows and --reward_funcs, no verifier); None is generic when data_files or "
+        "help": "The task that supplies prompts, reward functions and the held-out verifier: arithmetic, "
+                "calculator (tool calls: the built-in cohort:tiny-tools model learns to use a calculator), gsm8k "
+                "or generic (your rows and --reward_funcs, no verifier); None is generic when data_files or "
                 "dataset_name is given, else arithmetic."})
     data_files: str | None = field(default=None, metadata={
         "help": "Local training rows: .jsonl, .json, .parquet or .csv file(s), comma-separated or a glob."})

@@ -221,6 +221,16 @@ def test_masked_sft_leaves_tool_tokens_out_of_the_loss(tokenizer):
     assert exact == 0.0 and 0.0 < call_probability < 1.0  # an untrained model reproduces nothing
 
 
+def test_sft_log_lines_start_with_the_pass_they_count(tokenizer):
+    lines = []
+    encoded = encode_trajectory(tokenizer, conversation())
+    sft_train(build_model(tokenizer, seed=0, spec=SMALL), tokenizer, [{}],
+              SFTConfig(max_steps=2, batch_size=1, logging_steps=1), log=lines.append, encode=lambda _: encoded,
+              label="SFT pass 2 of 2 (the mixture)")
+    assert [line.split(":")[0] for line in lines] == ["SFT pass 2 of 2 (the mixture) step 1/2",
+                                                       "SFT pass 2 of 2 (the mixture) step 2/2"]
+
+
 def test_the_builtin_name_loads_a_cached_hugging_face_folder(tmp_path, monkeypatch):
     """`--model cohort:tiny-tools` builds the warm start once (here a 2-step one of a tiny spec) into an
     ordinary Hugging Face folder, tokenizer and chat template included, and loads it as the policy."""
@@ -237,6 +247,8 @@ def test_the_builtin_name_loads_a_cached_hugging_face_folder(tmp_path, monkeypat
     folder = tiny.builtin_model_dir(TINY_TOOLS_MODEL, log=lines.append)
     assert folder.parent == tmp_path and folder.name.startswith("tiny-tools-")
     assert sum("Building the built-in tiny tools model" in line for line in lines) == 1  # cached after
+    # each pass counts its steps from 1: its lines say which pass they are of
+    assert any(line.startswith("SFT pass 2 of 2 (the mixture) done (2 steps in both passes): ") for line in lines)
     assert AutoTokenizer.from_pretrained(folder).chat_template == tiny.TINY_TOOLS_TEMPLATE
     assert family_of_template(tokenizer.chat_template) == "hermes"
     assert model.config.max_position_embeddings == 256

@@ -389,6 +389,20 @@ def test_chat_uses_the_tools_json_of_the_model_folder(model_dir, tools_module, m
                                               "--max_tool_calling_iterations", "1"],
                         "Run it.\n", [hermes_call("run_python", code="print(6 * 7)"), "Printed."])
     assert out == "[run_python(code='print(6 * 7)') -> 42]\nPrinted.\n" and "tools.json" not in err
+    assert "cohort: tools: run_python; at most 1 round of tool calls per reply" in err.splitlines()
+
+
+def test_chat_says_when_the_tools_json_names_no_tools(model_dir, tmp_path, monkeypatch, capsys):
+    """A run whose tools could not be recorded by name left `"tools": []`: chat says so instead of nothing."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    (folder / "tools.json").write_text(json.dumps({"tools": [], "environment": None, "max_tool_calling_iterations": 2}))
+    replies = [hermes_call("calculator", expression="6*7")]
+    out, err = run_chat(monkeypatch, capsys, [str(folder), "--temperature", "0"], "What is 6*7?\n", replies)
+    assert out == replies[0] + "\n"  # no tools: the call is only text
+    assert "names no tools" in err and "pass --tools module:function" in err
 
 
 def test_bad_tool_flags_and_files_fail_before_the_model_loads(model_dir, tools_module, tmp_path, monkeypatch):

@@ -226,3 +226,53 @@ def test_each_figure_holds_exactly_the_logged_series(tmp_path):
     assert 7 not in kl_a["steps"] and len(kl_a["steps"]) == STEPS - 1  # the NaN step is left out
     per_function = {(c["run"], c["metric"]) for c in figures["reward_per_function.png"]["curves"]}
     assert per_function == {(r, f"rewards/{f}/mean") for r in ("a", "b") for f in ("accuracy", "format")}
+
+
+def test_a_tool_run_shows_its_tool_curves_and_its_conversations(tmp_path):
+    """tools/* are drawn, and a completion shows the calls it made, not only the results it got back."""
+    tool_metrics = {step: {"tools/call_frequency": 1 + step / STEPS, "tools/turns": 1.0,
+                           "tools/failure_frequency": 0.5 / step, "tools/seconds_per_call": 0.01}
+                    for step in range(1, STEPS + 1)}
+    run = write_run(tmp_path / "tools", lambda s: s / STEPS, completions=False, extra=tool_metrics)
+    conversation = [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "347*2891"}}}]},
+        {"role": "tool", "name": "calculator", "content": "1003177"},
+        {"role": "assistant", "content": "It is 1003177."},
+    ]
+    with MetricsLogger(run) as logger:
+        logger.log_completions(STEPS, [{"prompt": [{"role": "user", "content": "What is 347*2891?"}],
+                                        "completion": conversation, "rewards": {"accuracy": 1.0}, "advantage": 0.5}])
+    page = build_report([run])
+    figures = json.loads((page.parent / "figures.json").read_text())
+    drawn = {c["metric"] for name in ("tool_calls.png", "tool_failures.png", "tool_time.png")
+             for c in figures[name]["curves"]}
+    assert drawn == set(tool_metrics[1])
+    text = page.read_text()
+    assert ("user: What is 347*2891?</pre></td><td><pre>assistant: [calculator(expression=&#x27;347*2891&#x27;)]\n"
+            "tool (calculator): 1003177\nassistant: It is 1003177.</pre>") in text
+
+
+def test_summary_rewards_name_the_steps_they_were_logged_at(tmp_path):
+    with MetricsLogger(tmp_path / "run") as logger:
+        for step in (10, 20, 30):
+            logger.log(step, {"reward": step / 100})
+    text = build_report([tmp_path / "run"]).read_text()
+    assert "reward (first logged step)" in text
+    assert "<td>0.1 <span class='note'>(step 10)</span></td><td>0.3 <span class='note'>(step 30)</span></td>" in text
+
+
+def test_two_evaluations_are_two_points_not_a_line(tmp_path):
+    """A run evaluated before and after training: the accuracy figure marks the two values and draws no line
+    between them, which would show progress that nobody measured."""
+    with MetricsLogger(tmp_path / "run") as logger:
+        for step in range(1, STEPS + 1):
+            logger.log(step, {"reward": 0.5, **({"eval/accuracy": step / STEPS} if step in (1, STEPS) else {})})
+    page = build_report([tmp_path / "run"])
+    columns, _ = line_pixels(page.parent / "accuracy.png", "C0")
+    gaps = np.diff(columns)
+    assert len(columns) and gaps.max() > FIGURE_PIXELS[0] // 2  # two marks at the ends, nothing in between
+    assert len(columns) < 40
+    figures = json.loads((page.parent / "figures.json").read_text())
+    assert [c["joined"] for c in figures["accuracy.png"]["curves"]] == [False]
+    assert [c["joined"] for c in figures["reward.png"]["curves"]] == [True]

@@ -62,8 +62,9 @@ def encode_sft_row(row: dict, tokenizer, max_completion_length: int | None = Non
 
 
 def sft_train(model, tokenizer, rows: list[dict], config: SFTConfig, log=print, should_stop=None,
-              check_every: int = 25, encode=None) -> list[float]:
-    """Train `model` in place on `rows`; returns the loss of every step.
+              check_every: int = 25, encode=None, label: str = "SFT") -> list[float]:
+    """Train `model` in place on `rows`; returns the loss of every step. Its log lines start with `label`
+    (a warm start of several passes names each, since every pass counts its steps from 1).
 
     `should_stop(step) -> bool`, asked every `check_every` steps, ends training early (e.g. once a
     validation accuracy is reached). `encode(row)`, in place of `encode_sft_row`, returns (prompt ids,
@@ -104,7 +105,8 @@ def sft_train(model, tokenizer, rows: list[dict], config: SFTConfig, log=print, 
         schedule.step()
         losses.append(float(loss.detach()))
         if config.logging_steps and step % config.logging_steps == 0:
-            log(f"SFT step {step}/{config.max_steps}: loss={sum(losses[-config.logging_steps:]) / config.logging_steps:.4f}")
+            recent = losses[-config.logging_steps:]
+            log(f"{label} step {step}/{config.max_steps}: loss={sum(recent) / len(recent):.4f}")
         if should_stop is not None and step % check_every == 0:
             model.eval()
             stop = should_stop(step)

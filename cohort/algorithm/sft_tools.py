@@ -116,14 +116,15 @@ def tools_warm_start(model, tokenizer, spec: dict, log=print) -> list[float]:
     def encode(row):
         return encode_trajectory(tokenizer, row["messages"])
 
-    def check(step: int) -> float:
+    first, second = "SFT pass 1 of 2 (every problem with a call)", "SFT pass 2 of 2 (the mixture)"
+
+    def check(where: str) -> float:
         exact, call_probability = reproduced_fraction(model, tokenizer, validation)
-        log(f"SFT step {step}: {100 * exact:.0f}% of held-out call trajectories reproduced; "
-            f"P(call) {call_probability:.2f}")
+        log(f"{where}: {100 * exact:.0f}% of held-out call trajectories reproduced; P(call) {call_probability:.2f}")
         return exact
 
     def learnt_the_calls(step: int) -> bool:
-        return step >= spec["sft_min_steps"] and check(step) >= spec["sft_target_exact"]
+        return step >= spec["sft_min_steps"] and check(f"{first} step {step}") >= spec["sft_target_exact"]
 
     def pass_config(steps: int, seed: int) -> SFTConfig:
         return SFTConfig(learning_rate=spec["sft_learning_rate"], max_steps=steps, batch_size=spec["sft_batch_size"],
@@ -132,9 +133,10 @@ def tools_warm_start(model, tokenizer, spec: dict, log=print) -> list[float]:
     with torch.random.fork_rng():
         calls = [{"messages": m} for m in tool_trajectories(rows, 1.0, spec["sft_seed"])]
         losses = sft_train(model, tokenizer, calls, pass_config(spec["sft_steps"], spec["sft_seed"]), log=log,
-                           should_stop=learnt_the_calls, encode=encode)
+                           should_stop=learnt_the_calls, encode=encode, label=first)
         mixture = [{"messages": m} for m in tool_trajectories(rows, spec["sft_tool_fraction"], spec["sft_seed"] + 1)]
-        losses += sft_train(model, tokenizer, mixture, pass_config(spec["sft_mix_steps"], spec["sft_seed"] + 1),
-                            log=log, encode=encode)
-        check(len(losses))
+        mixed = sft_train(model, tokenizer, mixture, pass_config(spec["sft_mix_steps"], spec["sft_seed"] + 1),
+                          log=log, encode=encode, label=second)
+        check(f"{second} done ({len(losses) + len(mixed)} steps in both passes)")
+        losses += mixed
     return losses

@@ -164,7 +164,8 @@ class GRPOTrainer:
         self.seconds_before = 0.0  # training time of the attempts a resumed run continues
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         if self.parallel.is_main and self.toolbox is not None:  # rank 0 alone logs, prints and saves
-            self.toolbox.save(args.output_dir)  # `cohort chat` on the trained model offers the same tools
+            for warning in self.toolbox.save(args.output_dir):  # `cohort chat` on the model offers the same tools
+                log(warning)
         self.report = open_step_report(args, model=self.model, device=self.device, parallel=self.parallel, log=log)
         self.log = self.report.log
         if self.device.type == "cuda":

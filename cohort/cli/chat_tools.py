@@ -81,10 +81,13 @@ def chat_tools_from_args(args: argparse.Namespace, model_spec: str | None,
     if chosen or args.environment:
         if args.raw:
             raise CohortError("--raw has no chat template to give the model its tools; drop --raw or the tools")
-        return ChatTools(functions=resolve_tools(args.tools) if chosen else [],
-                         environment=resolve_environment(args.environment) if args.environment else None,
-                         max_iterations=args.max_tool_calling_iterations or DEFAULT_MAX_ITERATIONS,
-                         timeout_s=args.tool_timeout)
+        tools = ChatTools(functions=resolve_tools(args.tools) if chosen else [],
+                          environment=resolve_environment(args.environment) if args.environment else None,
+                          max_iterations=args.max_tool_calling_iterations or DEFAULT_MAX_ITERATIONS,
+                          timeout_s=args.tool_timeout)
+        named = [t.strip() for t in args.tools.split(",") if t.strip()] if chosen else []
+        log(f"cohort: tools: {loaded_names(named, args.environment)}; {rounds_text(tools.max_iterations)}")
+        return tools
     path = Path(model_spec) / TOOLS_FILE if model_spec else None
     if args.raw or path is None or not path.is_file():
         return None
@@ -98,11 +101,22 @@ def chat_tools_from_args(args: argparse.Namespace, model_spec: str | None,
     except CohortError as e:
         raise CohortError(f"{path}: {e}; or chat without its tools: --tools none") from None
     iterations = args.max_tool_calling_iterations or settings["max_tool_calling_iterations"] or DEFAULT_MAX_ITERATIONS
-    named = settings["tools"] + ([f"environment {settings['environment']}"] if environment else [])
-    log(f"cohort: using the tools the model was trained with ({path}): {', '.join(named) or 'none'}; at most "
-        f"{iterations} rounds of tool calls per reply (--tools none to chat without them)")
+    if not functions and environment is None:  # training had tools it could not record by name
+        log(f"cohort: {path} names no tools (training could not save them by import name; its log said why): "
+            "chatting without tools; pass --tools module:function to give the model its tools")
+        return None
+    log(f"cohort: tools: {loaded_names(settings['tools'], settings['environment'])}, the ones the model was trained "
+        f"with ({path}); {rounds_text(iterations)} (--tools none to chat without them)")
     return ChatTools(functions=functions, environment=environment, max_iterations=iterations,
                      timeout_s=args.tool_timeout)
+
+
+def loaded_names(tools: list[str], environment: str | None) -> str:
+    return ", ".join(tools + ([f"environment {environment}"] if environment else [])) or "none"
+
+
+def rounds_text(iterations: int) -> str:
+    return f"at most {iterations} round{'s' if iterations != 1 else ''} of tool calls per reply"
 
 
 # ---- what the user sees ------------------------------------------------------------------------------

@@ -25,30 +25,30 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 from ..errors import CohortError
 from .options import Option, options_help, parse_options, pick_device
 
 EVAL_OPTIONS = {
     "model": Option(str, None, "HF folder, .gguf file or hub id; none: the built-in tiny model"),
-    "task": Option(str, "arithmetic", "arithmetic or gsm8k"),
+    "task": Option(str, "arithmetic", "arithmetic, calculator or gsm8k"),
     "split": Option(str, "test", "the split to score"),
     "data_files": Option(str, None, "local .jsonl/.json/.parquet file(s) for the split (comma-separated)"),
-    "limit": Option(int, None, "score the first N questions (arithmetic: generate N; default 200)"),
+    "limit": Option(int, None, "score the first N questions (arithmetic generates N)",
+                    "all of the split; arithmetic: 200"),
     "levels": Option(str, None, "arithmetic difficulty levels, e.g. 3 or 1,2"),
     "num_samples": Option(int, 1, "n > 1: also sample n completions per question for pass@k "
                                   "(k = 1, 2, 4, …, n) and maj@n"),
     "temperature": Option(float, 1.0, "sampling temperature of the n samples (the greedy accuracy is at 0)"),
-    "max_completion_length": Option(int, None, "new tokens per completion (default: the task's, else 256)"),
+    "max_completion_length": Option(int, None, "new tokens per completion", "the task's, else 256"),
     "batch_size": Option(int, 64, "questions per generation batch"),
     "seed": Option(int, 0, "seed of the n samples"),
     "device": Option(str, "auto", "auto, cpu or cuda"),
     "dtype": Option(str, "auto", "auto (float32), float32 or bfloat16"),
-    "output": Option(str, None, "per-question JSONL; none: <output_dir>/<task>_<split>.jsonl; "
-                                "the summary goes beside it as <stem>.summary.json"),
-    "output_dir": Option(str, None, "folder of the results; none: <model folder>/eval (beside the model), "
-                                    "or runs/eval/<model name> for the built-in model or a hub id"),
+    "output": Option(str, None, "per-question JSONL; the summary goes beside it as <stem>.summary.json",
+                     "<output_dir>/<task>_<split>.jsonl"),
+    "output_dir": Option(str, None, "folder of the results",
+                         "<model folder>/eval (beside the model), or runs/eval/<model name> for the built-in model "
+                         "or a hub id"),
 }
 
 BUILTIN_NAME = "builtin-tiny"  # the folder name of the built-in model's results under runs/eval/
@@ -169,12 +169,7 @@ def summary_lines(result, temperature: float) -> list[str]:
 
 def run_eval(argv: list[str], log=print):
     """`cohort eval` (argv without the command word); returns the `EvalResult`."""
-    from ..rollout import make_sampler
-    from ..eval.evaluate import evaluate
-    from ..models.policy import load_policy
     from ..tasks import get_task, prompt_text
-    from ..tools.loading import resolve_tools
-    from ..tools.toolbox import Toolbox, saved_toolbox
 
     if argv[:1] in (["-h"], ["--help"]):
         log("usage: cohort eval [--option value ...]\n\noptions:\n" + options_help(EVAL_OPTIONS))
@@ -187,10 +182,19 @@ def run_eval(argv: list[str], log=print):
     if o["output"] and o["output_dir"]:
         raise CohortError("cohort eval: --output names the file and --output_dir the folder of the results; "
                           "pass one of them")
+    # the model's side (torch, transformers: seconds) loads once the options hold
+    import torch
+
+    from ..rollout import make_sampler
+    from ..eval.evaluate import evaluate
+    from ..models.policy import load_policy
+    from ..tools.loading import resolve_tools
+    from ..tools.toolbox import Toolbox, saved_toolbox
+
     task = get_task(o["task"])
     if not hasattr(task, "is_correct"):
         raise CohortError(f"cohort eval: task {o['task']!r} has no verifier to grade answers with; evaluate with "
-                          "--task arithmetic or --task gsm8k")
+                          "--task arithmetic, calculator or gsm8k")
     output = output_path(o, task.name)  # decided, and checked writable, before the model is loaded
     check_writable(output)
     rows = eval_rows(task, o["split"], o["data_files"], o["limit"], o["levels"], o["seed"])

@@ -76,10 +76,10 @@ below are the ones this command would use, with their source when it is not the 
 Options: --name value, --name=value, dashes or underscores; a bare --flag is true; lists are
 comma-separated; none clears an optional value.
 
-Tasks: arithmetic (built in, the default), gsm8k, generic. Data without --task (--data_files or
---dataset_name) is the generic task: prompts from --prompt_column, the other columns passed to
---reward_funcs (built-in names or module:function; a module in the current directory works), no
-held-out evaluation.
+Tasks: arithmetic (built in, the default), calculator (built in: tool calls, with the cohort:tiny-tools
+model), gsm8k, generic. Data without --task (--data_files or --dataset_name) is the generic task: prompts
+from --prompt_column, the other columns passed to --reward_funcs (built-in names or module:function; a
+module in the current directory works), no held-out evaluation.
 
 command options:
   --config FILE.yaml        options from a YAML file (option: value); flags override it
@@ -108,8 +108,6 @@ def _train_help(argv: list[str]) -> int:
 def _train(argv: list[str]) -> int:
     from ..config import resolve_config
     from ..tasks import get_task
-    from ..algorithm.trainer import GRPOTrainer
-    from ..rollout.sampling_rank import SamplingRank, is_sampling_rank
 
     argv, processes = _pop_option(argv, "nproc_per_node")
     argv, print_config = _pop_option(argv, "print_config")
@@ -123,6 +121,11 @@ def _train(argv: list[str]) -> int:
     check_task_data(args)
     if launcher is not None and (processes != "1" or nodes):
         return _launch(argv + ["--print_config"] * printing, launcher, args, processes, nodes)
+    # only now, the options checked: the trainer brings torch and transformers (seconds), which a mistyped
+    # option should not wait for
+    from ..algorithm.trainer import GRPOTrainer
+    from ..rollout.sampling_rank import SamplingRank, is_sampling_rank
+
     _import_user_rewards_from_cwd(args)
     task = get_task(args.task)
     # --rollout_gpus: the last ranks only sample for the trainer ranks; they need no rows

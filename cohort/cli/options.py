@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..config import option_pairs
 from ..errors import CohortError
 
@@ -19,6 +17,7 @@ class Option:
     type: type
     default: object = None
     help: str = ""
+    default_text: str | None = None  # the default in words, where the value (None) depends on other options
 
 
 def parse_options(argv: list[str], options: dict[str, Option], command: str) -> dict:
@@ -46,16 +45,18 @@ def _convert(command: str, key: str, raw: str, kind: type):
 
 def options_help(options: dict[str, Option]) -> str:
     """One line per option: its name, the kind of value it takes, what it does and its default."""
-    def default(value) -> str:
-        return "none" if value is None else str(value)
+    def default(option: Option) -> str:
+        return option.default_text or ("none" if option.default is None else str(option.default))
 
     width = max(len(f"--{name} {o.type.__name__.upper()}") for name, o in options.items()) + 2
-    return "\n".join(f"  {f'--{name} {o.type.__name__.upper()}':<{width}}{o.help} (default: {default(o.default)})"
+    return "\n".join(f"  {f'--{name} {o.type.__name__.upper()}':<{width}}{o.help} (default: {default(o)})"
                      for name, o in options.items())
 
 
 def pick_device(spec: str) -> torch.device:
     """The torch device `--device auto|cpu|cuda[:N]` names; asking for CUDA without a GPU is a `CohortError`."""
+    import torch  # here, not at the top: `cohort eval --help` and a mistyped option answer without it
+
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec.startswith("cuda") and not torch.cuda.is_available():

@@ -41,6 +41,7 @@ class PlotSpec:
     ylabel: str
     keys: tuple[str, ...] = ()
     pattern: str | None = None
+    joined: bool = True  # False: a marker per logged value, no line (evaluations, a few steps apart)
 
     def metric_names(self, available: set[str]) -> list[str]:
         names = [key for key in self.keys if key in available]
@@ -57,7 +58,11 @@ class PlotSpec:
 PLOTS = (
     PlotSpec("reward", "Reward (mean over the batch)", "reward", ("reward",)),
     PlotSpec("reward_per_function", "Reward per function", "mean reward", pattern=r"rewards/(.+)/mean"),
-    PlotSpec("accuracy", "Held-out accuracy", "accuracy", ("eval/accuracy",)),
+    # Evaluated at a few steps only: a line between them would draw progress nobody measured.
+    PlotSpec("accuracy", "Held-out accuracy (at each evaluation)", "accuracy", ("eval/accuracy",), joined=False),
+    PlotSpec("tool_calls", "Tool use per completion", "per completion", ("tools/call_frequency", "tools/turns")),
+    PlotSpec("tool_failures", "Failed tool calls (fraction of calls)", "fraction", ("tools/failure_frequency",)),
+    PlotSpec("tool_time", "Seconds per tool call", "seconds", ("tools/seconds_per_call",)),
     PlotSpec("kl", "KL to the reference model", "KL", ("kl",)),
     PlotSpec("entropy", "Policy entropy", "nats / token", ("entropy",)),
     PlotSpec("completion_length", "Completion length", "tokens", ("completions/mean_length",)),
@@ -141,7 +146,7 @@ def plot(spec: PlotSpec, runs: Sequence[Run], path: Path) -> list[dict[str, Any]
                 style = LINE_STYLES[run_index % len(LINE_STYLES)]
                 lines.append((" · ".join(parts) or name, style, steps, values))
                 drawn.append({"run": run.label, "metric": name, "label": lines[-1][0], "steps": steps,
-                              "values": values})
+                              "values": values, "joined": spec.joined})
     if not lines:
         return []
     figure = Figure(figsize=FIGURE_INCHES, dpi=FIGURE_DPI, layout="constrained")
@@ -149,8 +154,9 @@ def plot(spec: PlotSpec, runs: Sequence[Run], path: Path) -> list[dict[str, Any]
     axes = figure.add_subplot()
     sparse = max(len(steps) for _, _, steps, _ in lines) <= 30  # few points: mark each one
     for index, (label, style, steps, values) in enumerate(lines):
-        axes.plot(steps, values, color=f"C{index % 10}", linestyle=style, label=label, linewidth=1.8,
-                  marker="o" if sparse else None, markersize=3.5)
+        axes.plot(steps, values, color=f"C{index % 10}", linestyle=style if spec.joined else "none", label=label,
+                  linewidth=1.8, marker="o" if sparse or not spec.joined else None,
+                  markersize=3.5 if spec.joined else 6)
     axes.set_title(spec.title)
     axes.set_xlabel("step")
     axes.set_ylabel(spec.ylabel)
@@ -170,8 +176,9 @@ def _number(value: Any, digits: int = 4) -> str:
 
 
 def _summary_table(runs: Sequence[Run]) -> str:
+    # metrics.jsonl holds every logging_steps-th step: the first reward logged is that step's, said with it
     header = ("run", "steps", "seconds", "accuracy before", "accuracy after",
-              "reward (first step)", "reward (last step)")
+              "reward (first logged step)", "reward (last logged step)")
     rows = []
     for run in runs:
         steps, rewards = run.series("reward")
@@ -181,24 +188,44 @@ def _summary_table(runs: Sequence[Run]) -> str:
             _number(run.summary.get("seconds")),
             _number(run.summary.get("accuracy_before")),
             _number(run.summary.get("accuracy_after")),
-            _number(rewards[0] if rewards else None),
-            _number(rewards[-1] if rewards else None),
+            _at_step(rewards[0], steps[0]) if rewards else _number(None),
+            _at_step(rewards[-1], steps[-1]) if rewards else _number(None),
         ))
     head = "".join(f"<th>{h}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _at_step(value: float, step: float) -> str:
+    return f"{_number(value)} <span class='note'>(step {_number(step)})</span>"
+
+
 def _text(value: Any) -> str:
-    """A prompt or completion as escaped text; chat message lists become `role: content` lines."""
+    """A prompt or completion as escaped text; a chat message list becomes its conversation, one line a turn,
+    with the tool calls an assistant turn made and the tool each result came from."""
     if isinstance(value, list):
-        value = "\n".join(
-            f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, dict) else str(m) for m in value
-        )
+        value = "\n".join(line for m in value for line in _message_lines(m))
     text = "" if value is None else str(value)
     if len(text) > TEXT_LIMIT:
         text = text[:TEXT_LIMIT] + f" … [{len(text) - TEXT_LIMIT} more characters]"
     return html.escape(text)
+
+
+def _message_lines(message: Any) -> list[str]:
+    """`assistant: text`, `assistant: [calculator(expression='6*7')]` per call, `tool (calculator): 42`."""
+    if not isinstance(message, dict):
+        return [str(message)]
+    role, content = message.get("role", "?"), message.get("content") or ""
+    if role == "tool" and message.get("name"):
+        role = f"tool ({message['name']})"
+    calls = [call.get("function", call) for call in message.get("tool_calls") or [] if isinstance(call, dict)]
+    lines = [f"{role}: {content}"] if content or not calls else []
+    for call in calls:
+        arguments = call.get("arguments")
+        shown = (", ".join(f"{k}={v!r}" for k, v in arguments.items()) if isinstance(arguments, dict)
+                 else "" if arguments is None else str(arguments))
+        lines.append(f"{message.get('role', '?')}: [{call.get('name', '?')}({shown})]")
+    return lines
 
 
 def sample_completions(completions: list[dict[str, Any]], limit: int = COMPLETIONS_PER_RUN) -> list[dict]:

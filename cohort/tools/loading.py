@@ -11,7 +11,12 @@ for a JSON schema (type hints and a Google-style docstring) here, before any mod
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import CohortError
@@ -31,6 +36,10 @@ def _import_target(spec: str, what: str, example: str) -> Any:
     module_name, colon, attribute_path = spec.partition(":")
     if not colon or not module_name or not attribute_path:
         raise CohortError(f"{what} {spec!r} is not 'module:name'; write it as e.g. {example!r}")
+    # A module in the current folder resolves as it does for `python -m cohort`: the `cohort` script's own
+    # folder is first on sys.path instead, and a training script's tools are recorded as `script:function`.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         target = importlib.import_module(module_name)
     except Exception as e:  # a module that fails while importing is as unusable as a missing one
@@ -111,8 +120,10 @@ def tool_spec(function: Any) -> str | None:
             return name
     module_name = getattr(function, "__module__", None)
     qualname = getattr(function, "__qualname__", None)
-    if not module_name or not qualname or module_name == "__main__" or "<" in qualname:
-        return None  # __main__ is another module in the process that loads the name; "<locals>", "<lambda>"
+    if not module_name or not qualname or "<" in qualname:
+        return None  # "<locals>", "<lambda>"
+    if module_name == "__main__":  # another module in the process that loads the name: the script's own
+        return _script_spec(function, qualname)
     try:
         target: Any = importlib.import_module(module_name)  # the loaded module itself when it is loaded
     except Exception:  # noqa: BLE001 - not importable by its name: no spec, not an error
@@ -123,3 +134,82 @@ def tool_spec(function: Any) -> str | None:
         if target is missing:
             return None
     return f"{module_name}:{qualname}" if target is function else None
+
+
+def unsaved_reason(function: Any) -> str:
+    """Why `tool_spec(function)` is None, and what makes the name importable: one clause for a warning."""
+    qualname = getattr(function, "__qualname__", None) or ""
+    name = getattr(function, "__name__", None) or type(function).__name__
+    if not qualname or not getattr(function, "__module__", None):
+        return f"{name} has no module-level name; make it a function (or class) defined at the top of a module"
+    if "<" in qualname:
+        return (f"{name} is a lambda or a function defined inside another; define it at the top level of a "
+                "module (e.g. my_tools.py beside your script) and import it from there")
+    if function.__module__ == "__main__":
+        return _script_check(function, qualname)[0] or f"{name} cannot be imported again by name"
+    return (f"{name} cannot be imported again by the name {function.__module__}:{qualname}; define it at the top "
+            "level of an importable module")
+
+
+def _script_spec(function: Any, qualname: str) -> str | None:
+    problem, name = _script_check(function, qualname)
+    return None if problem else f"{name}:{qualname}"
+
+
+def _script_check(function: Any, qualname: str) -> tuple[str | None, str]:
+    """(None, the import name) when a function of the script being run (`python train.py`, `python -m
+    pkg.train`) can be recorded as "script:function": importing that name later is harmless (the script only
+    defines things, its run guarded by `if __name__ == "__main__":`) and finds this very file (`train.py` run
+    from its own folder, which chat and eval resolve names from, or the module `-m` named); else (what to
+    do instead, "")."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    elsewhere = f"move {qualname} into a module of its own (e.g. my_tools.py) and import it from there"
+    if not path or not str(path).endswith(".py") or "." in qualname or getattr(main, qualname, None) is not function:
+        return f"{qualname} belongs to no script file that can be imported again; {elsewhere}", ""
+    script = Path(path)
+    spec = getattr(main, "__spec__", None)
+    name = spec.name if spec is not None else script.stem
+    if not all(part.isidentifier() for part in name.split(".")) or name in sys.stdlib_module_names:
+        return (f"{qualname} is defined in {script.name}, whose name is not a module of its own; rename the script "
+                f"or {elsewhere}"), ""
+    if spec is None and script.resolve().parent != Path.cwd().resolve():
+        return (f"{qualname} is defined in {script.name}, which is not in the current folder; run the script from "
+                f"its folder ({script.parent}), or {elsewhere}"), ""
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.origin or Path(found.origin).resolve() != script.resolve():
+        return f"{qualname} is defined in {script.name}, which the name {name} does not import; {elsewhere}", ""
+    if not _defines_only(script):
+        return (f"{qualname} is defined in {script.name}, which runs code when imported; put the script's training "
+                f"code under `if __name__ == \"__main__\":`, or {elsewhere}"), ""
+    return None, name
+
+
+def _defines_only(script: Path) -> bool:
+    """Whether importing `script` only defines names: imports, functions, classes, docstrings, assignments
+    that call nothing, and an `if __name__ == "__main__":` block (which an import skips)."""
+    try:
+        tree = ast.parse(script.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and not any(
+                isinstance(child, ast.Call) for child in ast.walk(node)):
+            continue
+        if isinstance(node, ast.If) and _is_main_guard(node.test):
+            continue
+        return False
+    return True
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq) and len(test.comparators) == 1
+            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == "__main__")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CohortError
-from .loading import resolve_environment, resolve_tools, tool_spec
+from .loading import resolve_environment, resolve_tools, tool_spec, unsaved_reason
 from .schema import environment_tools, make_tools
 from .turns import ToolTurns
 
@@ -33,13 +33,20 @@ class Toolbox:
         return ToolTurns(tokenizer, self.tools, environments=environments, max_iterations=self.max_iterations,
                          timeout_s=self.timeout_s, num_rows=num_rows)
 
-    def save(self, folder: str | Path) -> None:
-        """tools.json beside the model, so `cohort chat` offers the same tools (those importable by name)."""
+    def save(self, folder: str | Path) -> list[str]:
+        """tools.json beside the model, so `cohort chat` and `cohort eval` offer the same tools (by import
+        name); returns one warning line for each tool or environment that has no such name."""
         specs = [tool_spec(t) for t in self.tools]
         environment = tool_spec(self.environment_factory) if self.environment_factory is not None else None
-        Path(folder, TOOLS_FILE).write_text(json.dumps(
+        path = Path(folder, TOOLS_FILE)
+        path.write_text(json.dumps(
             {"tools": [s for s in specs if s], "environment": environment,
              "max_tool_calling_iterations": self.max_iterations}, indent=1) + "\n")
+        lost = [(t, "tool") for t, s in zip(self.tools, specs) if s is None]
+        if self.environment_factory is not None and environment is None:
+            lost.append((self.environment_factory, "environment"))
+        return [f"warning: {what} {getattr(t, '__name__', t)!s} is not saved in {path}: `cohort chat` and `cohort "
+                f"eval` on this model will run without it; {unsaved_reason(t)}" for t, what in lost]
 
 
 def make_toolbox(tools, environment_factory, args, task) -> Toolbox | None:
