@@ -24,7 +24,7 @@ def _run_cli(capsys, *argv):
         (["train", "--num_generations", "3", "--per_device_train_batch_size", "8",
           "--gradient_accumulation_steps", "1"], "not divisible by num_generations=3"),
         (["train", "--model", "/no/such/model_dir"], "/no/such/model_dir"),
-        (["train", "--loss_type", "ppo2"], "unknown loss_type 'ppo2'"),
+        (["train", "--loss_type", "ppo2"], "loss_type='ppo2' is not one of its values"),
         (["train", "--epsilon_high", "0.1"], "epsilon_high=0.1 is below epsilon=0.2"),
         (["train", "--beta", "-1"], "beta=-1.0 is negative"),
         (["train", "--learnig_rate", "1e-5"], "did you mean learning_rate"),
