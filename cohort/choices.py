@@ -41,6 +41,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "max_tokens_per_micro_batch": ("N", "auto"),
     "torch_compile": ("auto", "true", "false"),
     "partial_rollouts": ("auto", "true", "false"),
+    "cpu_threads": ("auto", "N"),
 }
 
 # Options whose default, auto, is settled once the device and the model are known (cohort/resolve.py).

@@ -298,6 +298,11 @@ class GRPOConfig:
         "help": "Seed of the data order, the sampling and the global random generators."})
     device: str = field(default="auto", metadata={
         "help": "auto, cpu, cuda or cuda:N; under torchrun each process takes cuda:LOCAL_RANK."})
+    cpu_threads: int | str = field(default="auto", metadata={
+        "help": "PyTorch's threads on a CPU run. auto: one fewer than the cores this process may use (at least "
+                "one), so that another busy program slows training by about the core it takes, not many times "
+                "over; OMP_NUM_THREADS, when set, is the count instead. The same count gives the same numbers, "
+                "busy or not."})
     fsdp: bool = field(default=False, metadata={
         "help": "Several processes: shard parameters, gradients and optimizer state with FSDP2 instead of DDP."})
     ddp_timeout: int = field(default=1800, metadata={
@@ -460,6 +465,8 @@ class GRPOConfig:
         if self.max_memory_gib < 0 or (self.max_memory_gib and not budgeted):
             bad(f"max_memory_gib={self.max_memory_gib} is only the budget of gradient_checkpointing_layers=auto and "
                 "must be ≥ 0; pass --gradient_checkpointing_layers auto with it, or leave it at 0")
+        if isinstance(self.cpu_threads, int) and self.cpu_threads < 1:
+            bad(f"cpu_threads={self.cpu_threads} must be at least 1; pass a count of threads, or auto")
         if isinstance(self.gradient_checkpointing_layers, int) and self.gradient_checkpointing_layers < 0:
             bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers} is negative; use 0 (no layer "
                 "recomputed) up to the model's layer count, or leave it unset to recompute every layer")

@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 
+from .algorithm.determinism import cpu_thread_count
 from .config import GRPOConfig, show_value
 from .memory.precision import optimizer_state_dtype, resolve_dtype
 from .rollout import engine_samples
@@ -40,6 +41,8 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_s
     installed). `args` itself is left as it is."""
     config = args.validate()
     changes: dict = {"device": str(device), "dtype": resolve_dtype(config.dtype, device)}
+    if device.type == "cpu":
+        changes["cpu_threads"] = cpu_thread_count(config.cpu_threads)
     engine = engine_samples(model)
     if config.model_impl == "auto":
         changes["model_impl"] = "cohort" if engine else "hf"

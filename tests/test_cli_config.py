@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 import cohort
+from cohort.algorithm.determinism import cpu_thread_count
 from cohort.cli import main
 from cohort.config import GRPOConfig, config_help, describe_config, parse_config, resolve_config
 from cohort.errors import CohortError
@@ -163,7 +164,7 @@ def test_print_config_shows_each_value_and_source_and_does_not_train(tmp_path, t
     assert {name: value for name, value in again.to_dict().items() if asked.to_dict()[name] != value} == {
         "max_staleness": 1, "partial_rollouts": False, "importance_sampling_correction": False,
         "optimizer_state_dtype": "float32", "gradient_checkpointing": False, "max_tokens_per_micro_batch": 0,
-        "torch_compile": False, "dtype": "float32", "model_impl": "cohort"}
+        "torch_compile": False, "dtype": "float32", "model_impl": "cohort", "cpu_threads": cpu_thread_count()}
     assert not (tmp_path / "runs" / "arithmetic").exists()
 
 

@@ -1,4 +1,4 @@
-"""Bit-for-bit repeatable CPU training, however busy the machine is.
+"""Bit-for-bit repeatable CPU training, however busy the machine is, and fast beside other work.
 
 Same seed, same run; a resumed run continues exactly. On the CPU one PyTorch kernel in the update
 breaks that: the backward of advanced indexing (`hidden[rows, cols]` in the LM head's gather of the
@@ -17,11 +17,18 @@ here than the contended atomics: these sums are small). On the CPU the flag pick
 such accumulating scatters and nothing else the training step calls; `warn_only` keeps a run going
 (with a warning) should some op lack a deterministic version, and uninitialised memory is left as it
 is (no NaN fill). GPU runs are left alone: there the flag would swap many kernels for slower ones.
+
+Threads (`cpu_threads`): PyTorch's intra-op threads (OpenMP) wait for each other at the end of every
+parallel region, spinning first. When another busy process shares a core with one of them, every region
+waits for the thread the scheduler has put aside, and a step can take many times longer. One thread
+fewer than the cores leaves the other program a core of its own. The count is fixed for the run, so the
+numbers do not depend on how busy the machine is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from typing import Iterator
 
@@ -37,19 +44,34 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def cpu_thread_count(setting: int | str = "auto") -> int:
+    """The intra-op threads of a CPU run: `setting` when it is a count, else OMP_NUM_THREADS when set, else
+    one fewer than the cores this process may run on (at least one)."""
+    if isinstance(setting, int) and not isinstance(setting, bool):
+        return setting
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
 @contextlib.contextmanager
-def cpu_determinism(device: torch.device) -> Iterator[None]:
+def cpu_determinism(device: torch.device, threads: int | None = None) -> Iterator[None]:
     """Inside the block, with `device` the CPU: PyTorch's deterministic algorithms on (warn-only, no
-    fill of uninitialised memory). The process's previous settings are restored on exit."""
+    fill of uninitialised memory) and `threads` intra-op threads (None: as they are). The process's
+    previous settings are restored on exit."""
     if device.type != "cpu":
         yield
         return
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.utils.deterministic.fill_uninitialized_memory)
+              torch.utils.deterministic.fill_uninitialized_memory, torch.get_num_threads())
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.utils.deterministic.fill_uninitialized_memory = before[2]
+        torch.set_num_threads(before[3])

@@ -192,7 +192,7 @@ class GRPOTrainer:
         of per-step records is returned."""
         args = self.args
         self.started = time.perf_counter()
-        with self.lifecycle() as run, cpu_determinism(self.device):  # CPU sums in a fixed order, busy or not
+        with self.lifecycle() as run, cpu_determinism(self.device, self.args.cpu_threads):  # the same sums, busy or not
             try:
                 self.resume(run)  # --resume: continue from the newest complete checkpoint, exactly
                 self.callback_handler.event("on_train_begin")

@@ -82,7 +82,7 @@ class SamplingRank:
         stop = StopRequest()
         stop.install()
         try:
-            with cpu_determinism(self.parallel.device):
+            with cpu_determinism(self.parallel.device, self.args.cpu_threads):
                 served = self.server.serve()
         finally:
             stop.uninstall()

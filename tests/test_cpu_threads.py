@@ -1,0 +1,39 @@
+"""The CPU run's thread count: one fewer than the cores by default, OMP_NUM_THREADS or cpu_threads when
+given, set for the run and restored after it (timings beside a busy program: bench/busy_cpu.py)."""
+
+import os
+
+import pytest
+import torch
+
+from cohort.algorithm.determinism import cpu_determinism, cpu_thread_count
+from cohort.config import GRPOConfig
+from cohort.errors import CohortError
+
+
+def test_auto_leaves_one_core_to_other_work(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_thread_count("auto") == max(1, cores - 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    assert cpu_thread_count("auto") == 7
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    assert cpu_thread_count("auto") == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_thread_count("auto") == 3  # the environment's count wins over auto
+    assert cpu_thread_count(2) == 2  # and an explicit count over both
+
+
+def test_the_count_holds_inside_the_run_and_is_restored():
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2
+    with cpu_determinism(torch.device("cpu"), wanted):
+        assert torch.get_num_threads() == wanted
+    assert torch.get_num_threads() == before
+    with cpu_determinism(torch.device("meta"), wanted):  # not a CPU run: left alone
+        assert torch.get_num_threads() == before
+
+
+def test_a_count_below_one_is_refused():
+    with pytest.raises(CohortError, match=r"cpu_threads=0 must be at least 1"):
+        GRPOConfig(cpu_threads=0).validate()
