@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .choices import AUTO_OPTIONS, CHOICES, choose, values_text
 from .errors import CohortError
+from .options.spelling import learn_options
 from .options.trl_names import translate
 from .options.types import fits, type_problem
 
@@ -558,6 +559,7 @@ def accepting_trl_names(init):
 
 
 GRPOConfig.__init__ = accepting_trl_names(GRPOConfig.__init__)
+learn_options(lambda: {name: (hint, CHOICES.get(name, ())) for name, hint in option_hints().items()})
 
 
 # TRL's names that set cohort's field, then step aside (validate).

@@ -1,0 +1,99 @@
+"""Errors read in the words of the front end that raised them: from Python, `GRPOConfig`'s keywords
+(`resume=True`); from `cohort train`, its flags (`--resume`)."""
+
+import sys
+
+import pytest
+
+from cohort import GRPOConfig, GRPOTrainer
+from cohort.cli.main import main
+from cohort.errors import CohortError, command_line
+from cohort.options.spelling import python_spelling
+
+
+def cli_error(capsys, *argv) -> str:
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cohort: error: ") and "\n" not in err, err
+    return err
+
+
+# ---- one bad input, two front ends ----------------------------------------------------------------
+
+def test_a_contradiction_names_keywords_from_python_and_flags_from_the_command_line(capsys):
+    with pytest.raises(CohortError) as caught:
+        GRPOConfig(async_rollouts=True, max_staleness=0).validate()
+    assert str(caught.value).endswith("give max_staleness=1 or more, or leave async_rollouts off")
+    assert "--" not in str(caught.value)
+
+    err = cli_error(capsys, "--async_rollouts", "--max_staleness", "0")
+    assert err.endswith("give --max_staleness 1 or more, or leave --async_rollouts off")
+
+
+def test_an_earlier_run_in_output_dir_names_resume_as_each_front_end_writes_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    (out / "checkpoint-2").mkdir(parents=True)
+    with pytest.raises(CohortError) as caught:
+        GRPOTrainer(model=None, args=GRPOConfig(output_dir=str(out)))
+    assert str(caught.value).endswith("pass resume=True to continue it, overwrite_output_dir=True to start over, "
+                                      "or choose another output_dir")
+
+    err = cli_error(capsys, "--output_dir", str(out))
+    assert err.endswith("pass --resume to continue it, --overwrite_output_dir to start over, or choose another "
+                        "--output_dir")
+    # The command is over: the same error shown from Python again reads as Python.
+    assert "resume=True" in str(CohortError("pass --resume"))
+
+
+def test_a_debug_traceback_keeps_the_flags(tmp_path):
+    with pytest.raises(CohortError) as caught:
+        main(["train", "--async_rollouts", "--max_staleness", "0", "--debug"])
+    assert "give --max_staleness 1 or more" in str(caught.value)
+
+
+def test_within_command_line_the_message_is_left_as_written():
+    error = CohortError("pass --resume or --max_staleness 2")
+    with command_line():
+        assert str(error) == "pass --resume or --max_staleness 2"
+    assert str(error) == "pass resume=True or max_staleness=2"
+
+
+# ---- the rewrite itself ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("message, python", [
+    ("continue the run with --resume", "continue the run with resume=True"),
+    ("pass --resume=false", "pass resume=False"),
+    ("(--resume) with more memory", "(resume=True) with more memory"),
+    ("set --rm_updates_per_step 0 --rm_warmup_batches 0 or run one process",
+     "set rm_updates_per_step=0, rm_warmup_batches=0 or run one process"),
+    ("lower --learning_rate, or check", "lower learning_rate, or check"),
+    ("the learning rate, e.g. --learning_rate 1e-5.", "the learning rate, e.g. learning_rate=1e-5."),
+    ("pass --offload_ref_model false to keep it", "pass offload_ref_model=False to keep it"),
+    ("use --device cpu", "use device='cpu'"),
+    ("use --scale_rewards none (Dr. GRPO)", "use scale_rewards='none' (Dr. GRPO)"),
+    ("or chat without it: --tools none", "or chat without it: tools=None"),
+    ("pass --tools module:function or --environment module:Class",
+     "pass tools=['module:function'] or environment='module:Class'"),
+    ("pass --data_files FILE or --task NAME", "pass data_files=FILE or task=NAME"),
+    ("e.g. --curriculum arithmetic:50,gsm8k:200",
+     "e.g. curriculum=[{'task': 'arithmetic', 'steps': 50}, {'task': 'gsm8k', 'steps': 200}]"),
+    # prose after a name is no value of it
+    ("resume with the --model it was trained from", "resume with the model it was trained from"),
+    ("--ddp_timeout bounds the wait", "ddp_timeout bounds the wait"),
+    ("pass --temperature > 0", "pass temperature > 0"),
+    ("leave --async_rollouts off", "leave async_rollouts off"),
+    ("--lora_r / --lora_target_modules", "lora_r / lora_target_modules"),
+])
+def test_known_options_become_keywords(message, python):
+    assert python_spelling(message) == python
+
+
+@pytest.mark.parametrize("message", [
+    "resume with --nproc_per_node 2",               # the launcher's flag, no GRPOConfig option
+    "see `cohort train --help`; --config run.yaml",
+    "unexpected argument '--resume'; options look like --name value",  # a quoted argument as typed
+    "--max-steps 3 and a--resume and ---resume",
+    "no option named here at all",
+])
+def test_other_text_is_left_alone(message):
+    assert python_spelling(message) == message
