@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .choices import AUTO_OPTIONS, CHOICES, choose, values_text
 from .errors import CohortError
+from .options.output_dir import COMMAND_LINE_OUTPUT_DIR, DESCRIPTION, script_output_dir
 from .options.spelling import learn_options
 from .options.trl_names import translate
 from .options.types import fits, type_problem
@@ -59,8 +60,11 @@ class GRPOConfig:
         "help": "Train on N of the training rows, chosen by the seed; None uses them all."})
     levels: str = field(default="3", metadata={
         "help": "Arithmetic task: the difficulty levels (1-6) trained on, comma-separated."})
-    output_dir: str = field(default="runs/cohort", metadata={
-        "help": "Folder of the run: metrics.jsonl, completions.jsonl, checkpoints and the final policy."})
+    output_dir: str = field(default_factory=script_output_dir, metadata={
+        "help": "Folder of the run: metrics.jsonl, completions.jsonl, checkpoints and the final policy. From "
+                "Python the default is runs/<script name> (runs/cohort without a script file, as in an "
+                "interactive session); cohort train's is runs/<task> for a built-in task, else runs/cohort.",
+        "default_text": DESCRIPTION})
 
     # Algorithm 1.
     num_generations: int = field(default=8, metadata={
@@ -714,7 +718,7 @@ def resolve_config(argv: list[str], defaults_of: Callable[[str], dict] | None = 
     layers.insert(0, (f"task:{task}", defaults))
 
     sources = {name: "default" for name in fields}
-    resolved: dict = {}
+    resolved: dict = {"output_dir": COMMAND_LINE_OUTPUT_DIR}  # the command's default, not the running script's
     for source, layer in layers:
         for key, value in layer.items():
             resolved[key] = value
@@ -835,7 +839,7 @@ def sections() -> list[tuple[str, list[str]]]:
 def config_help(config: GRPOConfig | None = None, sources: dict[str, str] | None = None, width: int = 100) -> str:
     """Every option of `cohort train`: its kind (type or choices), the default this invocation would use
     and where that default comes from, and the field's help text, grouped as in the class."""
-    config = config if config is not None else GRPOConfig()
+    config = config if config is not None else GRPOConfig(output_dir=COMMAND_LINE_OUTPUT_DIR)
     sources = sources or {}
     fields = _fields()
     blocks = []

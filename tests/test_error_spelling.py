@@ -1,13 +1,18 @@
 """Errors read in the words of the front end that raised them: from Python, `GRPOConfig`'s keywords
-(`resume=True`); from `cohort train`, its flags (`--resume`)."""
+(`resume=True`); from `cohort train`, its flags (`--resume`). A script's default output_dir is named after
+the script; the command keeps its own."""
 
+import subprocess
 import sys
+import types
 
 import pytest
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.cli.main import main
+from cohort.config import resolve_config
 from cohort.errors import CohortError, command_line
+from cohort.options.output_dir import script_output_dir
 from cohort.options.spelling import python_spelling
 
 
@@ -97,3 +102,43 @@ def test_known_options_become_keywords(message, python):
 ])
 def test_other_text_is_left_alone(message):
     assert python_spelling(message) == message
+
+
+# ---- the default output_dir ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("main_file, folder", [
+    ("/home/me/project/train_gsm8k.py", "runs/train_gsm8k"),
+    ("/home/me/project/mypackage/__main__.py", "runs/mypackage"),  # python -m mypackage
+    (None, "runs/cohort"),  # python -c, an interactive session, a notebook
+])
+def test_a_scripts_default_output_dir_is_named_after_it(monkeypatch, main_file, folder):
+    module = types.ModuleType("__main__")
+    if main_file is not None:
+        module.__file__ = main_file
+    monkeypatch.setitem(sys.modules, "__main__", module)
+    assert script_output_dir() == folder
+    assert GRPOConfig().output_dir == folder
+    assert GRPOConfig(output_dir="elsewhere").output_dir == "elsewhere"
+
+
+def test_two_scripts_in_one_folder_write_to_two_runs(tmp_path):
+    folders = []
+    for name in ("first_port.py", "second_port.py"):
+        script = tmp_path / name
+        script.write_text("from cohort import GRPOConfig\nprint(GRPOConfig().output_dir)\n")
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        folders.append(done.stdout.strip())
+    assert folders == ["runs/first_port", "runs/second_port"]
+
+
+def test_the_command_keeps_its_own_default(monkeypatch, tmp_path):
+    module = types.ModuleType("__main__")
+    module.__file__ = "/usr/local/bin/some_wrapper"
+    monkeypatch.setitem(sys.modules, "__main__", module)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1="}\n')
+    config, sources = resolve_config(["--data_files", str(rows)])
+    assert (config.output_dir, sources["output_dir"]) == ("runs/cohort", "default")
+    config, sources = resolve_config([])
+    assert (config.output_dir, sources["output_dir"]) == ("runs/arithmetic", "task:arithmetic")
