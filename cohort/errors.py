@@ -24,10 +24,14 @@ class CohortError(Exception):
     """Bad input: printed as one line by the CLI, never with a traceback (unless --debug)."""
 
     def __str__(self) -> str:
-        text = super().__str__()
-        return text if _front_end["command_line"] or self.from_command_line else python_spelling(text)
+        return super().__str__() if self.from_command_line else in_front_end_words(super().__str__())
 
     from_command_line = False  # set when it leaves `command_line()`: a --debug traceback keeps the flags
+
+
+def in_front_end_words(text: str) -> str:
+    """`text`, written with the command line's flags, as the front end running now names the options."""
+    return text if _front_end["command_line"] else python_spelling(text)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 (`resume=True`); from `cohort train`, its flags (`--resume`). A script's default output_dir is named after
 the script; the command keeps its own."""
 
+import signal
 import subprocess
 import sys
 import types
@@ -14,6 +15,7 @@ from cohort.config import resolve_config
 from cohort.errors import CohortError, command_line
 from cohort.options.output_dir import script_output_dir
 from cohort.options.spelling import python_spelling
+from cohort.run.lifecycle import TrainingInterrupted
 
 
 def cli_error(capsys, *argv) -> str:
@@ -142,3 +144,11 @@ def test_the_command_keeps_its_own_default(monkeypatch, tmp_path):
     assert (config.output_dir, sources["output_dir"]) == ("runs/cohort", "default")
     config, sources = resolve_config([])
     assert (config.output_dir, sources["output_dir"]) == ("runs/arithmetic", "task:arithmetic")
+
+
+def test_a_stopped_run_says_how_to_continue_it_in_the_front_ends_words(tmp_path):
+    stop = TrainingInterrupted(signal.SIGTERM, tmp_path / "checkpoint-3")
+    assert str(stop).endswith(f"after step 3; checkpoint saved in {tmp_path / 'checkpoint-3'} — continue the run "
+                              "with resume=True")
+    with command_line():
+        assert str(stop).endswith("continue the run with --resume")
