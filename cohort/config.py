@@ -225,8 +225,9 @@ class GRPOConfig:
     min_p: float = field(default=0.0, metadata={
         "help": "Drop tokens less likely than min_p × the most likely token's probability; 0.0 is off, below 1."})
     chat_template_kwargs: dict | None = field(default=None, metadata={
-        "help": "Keywords for the chat template wherever prompts are rendered (e.g. {enable_thinking: false} for "
-                "Qwen3); a JSON object on the command line."})
+        "help": "Keywords for the chat template wherever a chat is rendered: prompts, tool turns, evaluation "
+                "(e.g. {enable_thinking: false} for Qwen3); a JSON object on the command line, where cohort eval "
+                "and cohort sft take it too."})
 
     # Optimisation.
     learning_rate: float = field(default=1e-6, metadata={
