@@ -26,6 +26,8 @@ from pathlib import Path
 
 from .choices import AUTO_OPTIONS, CHOICES, choose, values_text
 from .errors import CohortError
+from .options.output_dir import COMMAND_LINE_OUTPUT_DIR, DESCRIPTION, script_output_dir
+from .options.spelling import learn_options
 from .options.trl_names import translate
 from .options.types import fits, type_problem
 
@@ -59,8 +61,11 @@ class GRPOConfig:
         "help": "Train on N of the training rows, chosen by the seed; None uses them all."})
     levels: str = field(default="3", metadata={
         "help": "Arithmetic task: the difficulty levels (1-6) trained on, comma-separated."})
-    output_dir: str = field(default="runs/cohort", metadata={
-        "help": "Folder of the run: metrics.jsonl, completions.jsonl, checkpoints and the final policy."})
+    output_dir: str = field(default_factory=script_output_dir, metadata={
+        "help": "Folder of the run: metrics.jsonl, completions.jsonl, checkpoints and the final policy. From "
+                "Python the default is runs/<script name> (runs/cohort without a script file, as in an "
+                "interactive session); cohort train's is runs/<task> for a built-in task, else runs/cohort.",
+        "default_text": DESCRIPTION})
 
     # Algorithm 1.
     num_generations: int = field(default=8, metadata={
@@ -221,8 +226,9 @@ class GRPOConfig:
     min_p: float = field(default=0.0, metadata={
         "help": "Drop tokens less likely than min_p × the most likely token's probability; 0.0 is off, below 1."})
     chat_template_kwargs: dict | None = field(default=None, metadata={
-        "help": "Keywords for the chat template wherever prompts are rendered (e.g. {enable_thinking: false} for "
-                "Qwen3); a JSON object on the command line."})
+        "help": "Keywords for the chat template wherever a chat is rendered: prompts, tool turns, evaluation "
+                "(e.g. {enable_thinking: false} for Qwen3); a JSON object on the command line, where cohort eval "
+                "and cohort sft take it too."})
 
     # Optimisation.
     learning_rate: float = field(default=1e-6, metadata={
@@ -566,6 +572,7 @@ def accepting_trl_names(init):
 
 
 GRPOConfig.__init__ = accepting_trl_names(GRPOConfig.__init__)
+learn_options(lambda: {name: (hint, CHOICES.get(name, ())) for name, hint in option_hints().items()})
 
 
 # TRL's names that set cohort's field, then step aside (validate).
@@ -720,7 +727,7 @@ def resolve_config(argv: list[str], defaults_of: Callable[[str], dict] | None = 
     layers.insert(0, (f"task:{task}", defaults))
 
     sources = {name: "default" for name in fields}
-    resolved: dict = {}
+    resolved: dict = {"output_dir": COMMAND_LINE_OUTPUT_DIR}  # the command's default, not the running script's
     for source, layer in layers:
         for key, value in layer.items():
             resolved[key] = value
@@ -841,7 +848,7 @@ def sections() -> list[tuple[str, list[str]]]:
 def config_help(config: GRPOConfig | None = None, sources: dict[str, str] | None = None, width: int = 100) -> str:
     """Every option of `cohort train`: its kind (type or choices), the default this invocation would use
     and where that default comes from, and the field's help text, grouped as in the class."""
-    config = config if config is not None else GRPOConfig()
+    config = config if config is not None else GRPOConfig(output_dir=COMMAND_LINE_OUTPUT_DIR)
     sources = sources or {}
     fields = _fields()
     blocks = []

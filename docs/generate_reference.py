@@ -151,6 +151,8 @@ def sections(cls) -> list[tuple[str, str, list[str]]]:
 
 
 def default_text(f: dataclasses.Field) -> str:
+    if "default_text" in f.metadata:  # a default that depends on where it is read, described
+        return f"`{f.metadata['default_text']}`"
     if f.default is not dataclasses.MISSING:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:

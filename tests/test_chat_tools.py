@@ -16,7 +16,7 @@ import torch
 
 from cohort.cli.chat import ChatSession
 from cohort.cli.chat_tools import ChatTools, ToolChatSession, chat_main, visible_text
-from cohort.errors import CohortError
+from cohort.errors import CohortError, command_line
 from cohort.models import from_pretrained
 from cohort.tools import ToolCall, format_tool_calls, resolve_environment, resolve_tools, run_python, tool_spec
 from helpers import QWEN_STYLE_TEMPLATE
@@ -348,7 +348,7 @@ def test_llama3_json_calls_are_run_too(model, tools_module):
 
 def test_a_template_without_a_tool_call_format_is_refused(model, tools_module):
     plain = build_chat_tokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    with pytest.raises(CohortError, match="renders no tool-call format.*--tools none"):
+    with command_line(), pytest.raises(CohortError, match="renders no tool-call format.*--tools none"):
         ToolChatSession(model, plain, ChatTools(resolve_tools("run_python")))
 
 
@@ -411,14 +411,14 @@ def test_bad_tool_flags_and_files_fail_before_the_model_loads(model_dir, tools_m
     monkeypatch.setattr(chat, "load_for_inference", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(CohortError, match="tool 'cohort_chat_tools_nowhere:f': cannot import module"):
         chat_main([str(model_dir), "--tools", "cohort_chat_tools_nowhere:f"])
-    with pytest.raises(CohortError, match="--max_tool_calling_iterations=0: it must be at least 1"):
+    with command_line(), pytest.raises(CohortError, match="--max_tool_calling_iterations=0: it must be at least 1"):
         chat_main([str(model_dir), "--max_tool_calling_iterations", "0"])
-    with pytest.raises(CohortError, match="--raw has no chat template"):
+    with command_line(), pytest.raises(CohortError, match="--raw has no chat template"):
         chat_main([str(model_dir), "--raw", "--tools", "run_python"])
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "tools.json").write_text(json.dumps({"tools": [f"{MODULE}:missing"], "environment": None}))
-    with pytest.raises(CohortError, match=rf"tools\.json: tool '{MODULE}:missing': .* --tools none"):
+    with command_line(), pytest.raises(CohortError, match=rf"tools\.json: tool '{MODULE}:missing': .* --tools none"):
         chat_main([str(folder)])
     (folder / "tools.json").write_text('{"tools": "calculator"}')
     with pytest.raises(CohortError, match=r"tools\.json is not \{\"tools\""):

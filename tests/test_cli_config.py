@@ -19,6 +19,7 @@ from cohort.algorithm.determinism import cpu_thread_count
 from cohort.cli import main
 from cohort.config import GRPOConfig, config_help, describe_config, parse_config, resolve_config
 from cohort.errors import CohortError
+from cohort.options.output_dir import COMMAND_LINE_OUTPUT_DIR
 from cohort.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +122,7 @@ def test_data_without_a_task_is_the_generic_task_and_task_wins(tmp_path):
     for argv in (["--data_files", "rows.jsonl"], ["--config", config], ["--dataset_name", "org/data"]):
         args, sources = resolve_config(argv)
         assert (args.task, sources["task"]) == ("generic", "default")
-        assert args.output_dir == GRPOConfig.output_dir  # the generic task has no defaults of its own
+        assert args.output_dir == COMMAND_LINE_OUTPUT_DIR  # the generic task has no defaults of its own
     assert resolve_config(["--data_files", "rows.jsonl", "--task", "gsm8k"])[0].task == "gsm8k"
     assert GRPOConfig().validate().task == "arithmetic"
     assert GRPOConfig(data_files="rows.jsonl").validate().task == "generic"

@@ -140,7 +140,7 @@ def test_comma_separated_files_are_concatenated(tmp_path):
 def test_a_missing_prompt_column_names_the_columns_and_the_option(tmp_path):
     data = write_rows(tmp_path / "rows.jsonl")
     with pytest.raises(CohortError, match=r"row 0 has no 'prompt' column \(columns: \['level', 'question', 'target'\]\)"
-                                          r"; name the prompt column with --prompt_column NAME"):
+                                          r"; name the prompt column with prompt_column=NAME"):
         get_task("generic").load("train", data_files=data)
 
 

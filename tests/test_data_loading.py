@@ -102,5 +102,5 @@ def test_parquet_without_pyarrow_is_an_error_naming_the_fix(tmp_path, monkeypatc
 def test_hub_dataset_without_datasets_or_network_is_a_clear_error():
     # Either `datasets` is missing or there is no network here: both must end in a CohortError
     # that points at --data_files.
-    with pytest.raises(CohortError, match="--data_files"):
+    with pytest.raises(CohortError, match="a local file with data_files"):
         load_hub_dataset("cohort-test/definitely-not-a-dataset", None, "train")

@@ -7,7 +7,7 @@ import torch
 
 from cohort import GRPOConfig
 from cohort.config import parse_config
-from cohort.errors import CohortError
+from cohort.errors import CohortError, command_line
 from cohort.update.fast_path import MICRO_BATCH_FLOP, fast_path_line, fast_path_settings
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
@@ -85,13 +85,15 @@ def test_command_line_values():
     assert parse_config(["--gradient_checkpointing", "AUTO"]).gradient_checkpointing == "auto"
     with pytest.raises(CohortError, match="torch_compile='sometimes' is not one of its values; pass auto, true or false"):
         GRPOConfig(torch_compile="sometimes").validate()
-    with pytest.raises(CohortError, match="--torch_compile expects auto, true or false, got 'sometimes'"):
+    with command_line(), pytest.raises(CohortError,
+                                       match="--torch_compile expects auto, true or false, got 'sometimes'"):
         parse_config(["--torch_compile", "sometimes"])
     with pytest.raises(CohortError, match="only the budget of gradient_checkpointing_layers=auto"):
         GRPOConfig(gradient_checkpointing=True, max_memory_gib=30).validate()
     assert parse_config(["--max_tokens_per_micro_batch", "8192"]).max_tokens_per_micro_batch == 8192
     assert parse_config(["--max_tokens_per_micro_batch", "Auto"]).max_tokens_per_micro_batch == "auto"
-    with pytest.raises(CohortError, match="--max_tokens_per_micro_batch expects a whole number or auto, got 'lots'"):
+    with command_line(), pytest.raises(
+            CohortError, match="--max_tokens_per_micro_batch expects a whole number or auto, got 'lots'"):
         parse_config(["--max_tokens_per_micro_batch", "lots"])
     with pytest.raises(CohortError, match="max_tokens_per_micro_batch='lots' is not one of its values; pass a whole number or auto"):
         GRPOConfig(max_tokens_per_micro_batch="lots").validate()

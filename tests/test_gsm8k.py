@@ -170,7 +170,7 @@ def test_hub_is_the_fallback_source(monkeypatch):
                           "with --data_files")
 
     monkeypatch.setattr(gsm8k, "load_hub_dataset", offline_hub)
-    with pytest.raises(CohortError, match="no local gsm8k 'train' file.*--data_files"):
+    with pytest.raises(CohortError, match="no local gsm8k 'train' file.*data_files"):
         GSM8KTask().load("train")
 
 

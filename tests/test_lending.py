@@ -121,7 +121,7 @@ def test_offloaded_weights_leave_the_device_and_come_back_exactly():
     with offload.on_device():
         assert torch.equal(model(x), want)
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # freed
-    with pytest.raises(CohortError, match=r"reference_pass\(\), or pass --offload_ref_model false"):
+    with pytest.raises(CohortError, match=r"reference_pass\(\), or pass offload_ref_model=False"):
         model(x)  # refused before any kernel reads the freed storage (on a GPU, an illegal access)
     offload.prefetch()
     with offload.on_device():

@@ -175,7 +175,7 @@ def test_a_checkpoint_that_this_machine_cannot_reach_is_one_line(monkeypatch):
     error = _unreachable_checkpoint(missing, GRPOConfig(resume=True))
     assert isinstance(error, CohortError) and str(error) == (
         "rank 2 cannot read /runs/x/checkpoint-20/trainer_state.json: rank 0 resumes from that checkpoint, and every "
-        "machine must reach it at the same path; put --output_dir on a filesystem all machines share, or copy the "
+        "machine must reach it at the same path; put output_dir on a filesystem all machines share, or copy the "
         "checkpoint folder to that path on each machine")
     assert _unreachable_checkpoint(missing, GRPOConfig()) is missing  # not resuming: another problem
     monkeypatch.setenv("WORLD_SIZE", "1")

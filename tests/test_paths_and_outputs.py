@@ -163,7 +163,7 @@ def test_hub_dataset_with_an_unreachable_hub_tries_the_cache_once(dead_hub, monk
     assert "\n" not in message
     assert message.startswith("could not load hub dataset 'openai/gsm8k' (config 'main', split 'test'): the Hugging "
                               f"Face hub cannot be reached ({CLOSED_PORT}:")
-    assert message.endswith("not in the datasets cache; pass a local file with --data_files")
+    assert message.endswith("not in the datasets cache; pass a local file with data_files")
     assert seen == [("openai/gsm8k", "main", "test", True)]  # one call, in offline mode (the cache only)
     assert fake.config.HF_HUB_OFFLINE is False  # restored
 
@@ -173,7 +173,7 @@ def test_hub_dataset_with_the_real_datasets_package_fails_fast(dead_hub):
     from cohort.tasks.data import load_hub_dataset
 
     started = time.monotonic()
-    with pytest.raises(CohortError, match="cannot be reached.*--data_files"):
+    with pytest.raises(CohortError, match="cannot be reached.*data_files"):
         load_hub_dataset("cohort-test/not-a-dataset", None, "train")
     assert time.monotonic() - started < 15  # not five retries with back-off (~25 s)
 

@@ -313,7 +313,7 @@ def test_out_of_memory_after_tensors_stepped_stops_the_run_rather_than_step_them
     with pytest.raises(CohortError, match=r"part-way through the optimizer step \(2 of 6 tensors updated\)") as error:
         optimizer.step()
     assert not isinstance(error.value, torch.OutOfMemoryError)
-    assert "--resume" in str(error.value) and "\n" not in str(error.value)
+    assert "resume=True" in str(error.value) and "\n" not in str(error.value)
     assert [float(optimizer.state[m]["step"]) for m in optimizer.masters] == [1, 1, 0, 0, 0, 0]
 
 

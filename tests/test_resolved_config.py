@@ -116,7 +116,7 @@ def test_one_table_drives_validation_help_and_the_reference(monkeypatch):
     monkeypatch.setitem(CHOICES, "loss_type", (*CHOICES["loss_type"], "grpo_plus"))
     assert GRPOConfig(loss_type="grpo_plus").validate().loss_type == "grpo_plus"
     with pytest.raises(CohortError, match=r"^loss_type='nope' is not one of its values; pass grpo, bnpo, dapo, "
-                                          r"dr_grpo or grpo_plus \(--loss_type\)$"):
+                                          r"dr_grpo or grpo_plus \(loss_type\)$"):
         GRPOConfig(loss_type="nope").validate()
     assert "--loss_type {grpo,bnpo,dapo,dr_grpo,grpo_plus}" in config_help()
     (row,) = [line for line in reference_page().splitlines() if line.startswith("| `loss_type` |")]

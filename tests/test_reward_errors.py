@@ -84,7 +84,7 @@ def test_raise_is_the_default_and_names_the_function_and_the_exception_in_one_li
     message = str(caught.value)
     assert "\n" not in message
     assert "reward 'raising_reward' raised ValueError: boom" in message
-    assert "on a batch of 4 completions" in message and "--reward_errors warn" in message
+    assert "on a batch of 4 completions" in message and "reward_errors='warn'" in message
 
 
 def test_the_exception_is_cut_to_its_last_line():
@@ -125,7 +125,7 @@ def test_a_timeout_is_not_an_error():
 
 
 def test_an_unknown_policy_is_refused():
-    with pytest.raises(CohortError, match=r"reward_errors='ignore': choose raise .* or warn .*--reward_errors"):
+    with pytest.raises(CohortError, match=r"reward_errors='ignore': choose raise .* or warn .*\(reward_errors\)"):
         RewardRunner([length_reward], errors="ignore")
 
 

@@ -32,7 +32,7 @@ def test_placement_splits_trainers_and_samplers():
 
 
 def test_settings_that_cannot_work_are_refused():
-    with pytest.raises(CohortError, match="pass --async_rollouts true"):
+    with pytest.raises(CohortError, match="pass async_rollouts=True"):
         GRPOConfig(rollout_gpus=1).validate()
     with pytest.raises(CohortError, match="with fsdp is not supported"):
         GRPOConfig(rollout_gpus=1, async_rollouts=True, fsdp=True).validate()
@@ -40,7 +40,7 @@ def test_settings_that_cannot_work_are_refused():
         GRPOConfig(rollout_gpus=-1).validate()
     with pytest.raises(CohortError, match="partial_rollouts runs on sampling ranks"):
         GRPOConfig(partial_rollouts=True, async_rollouts=True, max_staleness=2).validate()
-    with pytest.raises(CohortError, match="give --max_staleness 2 or more"):
+    with pytest.raises(CohortError, match="give max_staleness=2 or more"):
         GRPOConfig(partial_rollouts=True, async_rollouts=True, rollout_gpus=1, max_staleness=1).validate()
     GRPOConfig(partial_rollouts=True, async_rollouts=True, rollout_gpus=1, max_staleness=2).validate()
 

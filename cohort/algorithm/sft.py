@@ -39,9 +39,11 @@ class SFTConfig:
     seed: int = 0
     logging_steps: int = 50
     max_completion_length: int | None = None  # truncate longer targets (their EOS is then dropped)
+    chat_template_kwargs: dict | None = None  # as GRPOConfig's: the prompts SFT trains on are the ones GRPO samples
 
 
-def encode_sft_row(row: dict, tokenizer, max_completion_length: int | None = None) -> tuple[list[int], list[int]]:
+def encode_sft_row(row: dict, tokenizer, max_completion_length: int | None = None,
+                   template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     """(prompt ids, completion ids + EOS) for one row."""
     if "messages" in row:
         messages = row["messages"]
@@ -54,7 +56,8 @@ def encode_sft_row(row: dict, tokenizer, max_completion_length: int | None = Non
             target = "".join(m["content"] for m in target)
     else:
         raise CohortError(f"SFT rows need 'prompt' and 'completion' columns or 'messages'; got columns {sorted(row)}")
-    prompt_ids = tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    prompt_ids = tokenizer(prompt_text(tokenizer, prompt, None, template_kwargs),
+                           add_special_tokens=False)["input_ids"]
     completion = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     if max_completion_length is not None:
         completion = completion[:max_completion_length]
@@ -75,7 +78,7 @@ def sft_train(model, tokenizer, rows: list[dict], config: SFTConfig, log=print, 
     device = next(model.parameters()).device
     if encode is None:
         def encode(row):
-            return encode_sft_row(row, tokenizer, config.max_completion_length)
+            return encode_sft_row(row, tokenizer, config.max_completion_length, config.chat_template_kwargs)
     encoded = [encode(r) for r in rows]
     rng = random.Random(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)

@@ -25,7 +25,8 @@ from ..update.packing import pack_micro_batch
 from .sft import SFTConfig, sft_train
 
 
-def encode_trajectory(tokenizer, messages: list[dict]) -> tuple[list[int], list[int], list[int]]:
+def encode_trajectory(tokenizer, messages: list[dict],
+                      template_kwargs: dict | None = None) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, completion ids, loss mask) of a conversation through the tokenizer's chat template.
 
     The prompt is everything before the first assistant turn, with the generation prompt. Each later
@@ -37,7 +38,8 @@ def encode_trajectory(tokenizer, messages: list[dict]) -> tuple[list[int], list[
         raise CohortError("a tool trajectory needs at least one message before its first assistant turn, and one")
 
     def render(upto: int, opened: bool) -> str:
-        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=opened)
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=opened,
+                                             **(template_kwargs or {}))
 
     def ids(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]

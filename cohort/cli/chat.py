@@ -36,10 +36,10 @@ PROMPT_BATCH = 256  # prompts per engine call in `generate` (bounds memory; rows
 def default_model_spec(log: Callable[[str], None]) -> str | None:
     """No MODEL_DIR: the default run's output folder when `cohort train` has finished one, else None
     (the built-in tiny model's warm start)."""
-    from ..config import GRPOConfig
+    from ..options.output_dir import COMMAND_LINE_OUTPUT_DIR
     from ..tasks import get_task
 
-    candidates = [getattr(get_task("arithmetic"), "default_config", {}).get("output_dir"), GRPOConfig.output_dir]
+    candidates = [getattr(get_task("arithmetic"), "default_config", {}).get("output_dir"), COMMAND_LINE_OUTPUT_DIR]
     for folder in candidates:
         if folder and (Path(folder) / "config.json").is_file():
             log(f"cohort: no MODEL_DIR given; using the trained model in {folder}")

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from ..errors import CohortError
-from .options import Option, options_help, parse_options, pick_device
+from .options import Option, mapping, options_help, parse_options, pick_device
 
 EVAL_OPTIONS = {
     "model": Option(str, None, "HF folder, .gguf file or hub id; none: the built-in tiny model"),
@@ -41,6 +41,7 @@ EVAL_OPTIONS = {
     "temperature": Option(float, 1.0, "sampling temperature of the n samples (the greedy accuracy is at 0)"),
     "max_completion_length": Option(int, None, "new tokens per completion", "the task's, else 256"),
     "batch_size": Option(int, 64, "questions per generation batch"),
+    "chat_template_kwargs": Option(mapping, None, "a JSON object passed to the chat template, as in cohort train"),
     "seed": Option(int, 0, "seed of the n samples"),
     "device": Option(str, "auto", "auto, cpu or cuda"),
     "dtype": Option(str, "auto", "auto (float32), float32 or bfloat16"),
@@ -211,8 +212,12 @@ def run_eval(argv: list[str], log=print):
         toolbox = Toolbox(tools=resolve_tools(task.tools),
                           max_iterations=getattr(task, "default_config", {}).get("max_tool_calling_iterations"))
 
+    if toolbox is not None:
+        toolbox.template_kwargs = o["chat_template_kwargs"]
+
     def encode(prompt, tools=None) -> list[int]:
-        return tokenizer(prompt_text(tokenizer, prompt, tools), add_special_tokens=False)["input_ids"]
+        text = prompt_text(tokenizer, prompt, tools, o["chat_template_kwargs"])
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     with torch.no_grad():
         result = evaluate(sampler, tokenizer, task, rows, encode, max_new_tokens=max_new,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..errors import CohortError
+from ..errors import CohortError, command_line
 
 USAGE = """usage: cohort [train] [--option value ...]   GRPO training (no options: the built-in task)
        cohort train --config run.yaml [...]     options from a YAML file; flags override it
@@ -27,6 +27,7 @@ run would use); add --debug to any command for a full traceback on errors"""
 HELP_FLAGS = ("-h", "--help")
 
 
+@command_line()  # its errors name --flags, not GRPOConfig's keywords
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv

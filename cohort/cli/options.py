@@ -6,6 +6,7 @@ pairs through `cohort.config.option_pairs`, so the two spell options the same wa
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from ..config import option_pairs
@@ -41,6 +42,14 @@ def _convert(command: str, key: str, raw: str, kind: type):
         return kind(raw)
     except ValueError:
         raise CohortError(f"cohort {command}: --{key} expects {kind.__name__}, got {raw!r}") from None
+
+
+def mapping(raw: str) -> dict:
+    """A JSON object given on the command line (`--chat_template_kwargs '{"enable_thinking": false}'`)."""
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError(raw)
+    return value
 
 
 def options_help(options: dict[str, Option]) -> str:

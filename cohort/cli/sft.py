@@ -18,7 +18,7 @@ import torch
 from ..algorithm.sft import SFTConfig, sft_train
 from ..errors import CohortError
 from ..models.policy import load_policy, save_policy
-from .options import Option, options_help, parse_options, pick_device
+from .options import Option, mapping, options_help, parse_options, pick_device
 
 SFT_OPTIONS = {
     "model": Option(str, None, "HF folder, .gguf file or hub id to fine-tune (required)"),
@@ -33,6 +33,7 @@ SFT_OPTIONS = {
     "weight_decay": Option(float, SFTConfig.weight_decay, "AdamW weight decay"),
     "max_grad_norm": Option(float, SFTConfig.max_grad_norm, "gradient clipping"),
     "max_completion_length": Option(int, None, "truncate targets to N tokens"),
+    "chat_template_kwargs": Option(mapping, None, "a JSON object passed to the chat template, as in cohort train"),
     "logging_steps": Option(int, 10, "print the mean loss every N steps"),
     "seed": Option(int, 0, "seed of the row order"),
     "device": Option(str, "auto", "auto, cpu or cuda"),
@@ -78,7 +79,8 @@ def run_sft(argv: list[str], log=print) -> Path | None:
     config = SFTConfig(learning_rate=o["learning_rate"], max_steps=o["max_steps"], batch_size=o["batch_size"],
                        warmup_steps=o["warmup_steps"], weight_decay=o["weight_decay"],
                        max_grad_norm=o["max_grad_norm"], seed=o["seed"], logging_steps=o["logging_steps"],
-                       max_completion_length=o["max_completion_length"])
+                       max_completion_length=o["max_completion_length"],
+                       chat_template_kwargs=o["chat_template_kwargs"])
     model, tokenizer = load_policy(o["model"], device=pick_device(o["device"]), dtype=o["dtype"], log=log)
     log(f"cohort sft: {len(rows)} rows, {config.max_steps} steps of {config.batch_size} rows, lr {config.learning_rate:g}")
     torch.manual_seed(config.seed)

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from ..errors import CohortError
+from ..errors import CohortError, in_front_end_words
 from ..telemetry.metrics import COMPLETIONS_FILE, METRICS_FILE
 from .checkpoint import check_checkpoint, list_checkpoints, newest_complete, remove_leftovers, step_of, truncate_logs
 
@@ -33,6 +33,9 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.exit_code = 128 + signum
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step_of(checkpoint)}; checkpoint "
                          f"saved in {checkpoint} — continue the run with --resume")
+
+    def __str__(self) -> str:  # a script continues with resume=True
+        return in_front_end_words(super().__str__())
 
 
 def prepare_output_dir(args, log=print) -> None:

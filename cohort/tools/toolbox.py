@@ -22,6 +22,7 @@ class Toolbox:
     environment_factory: object = None
     max_iterations: int | None = None
     timeout_s: float | None = 30.0
+    template_kwargs: dict | None = None  # the run's chat_template_kwargs, for the tool turns
 
     def schemas(self, environment=None) -> list[dict] | None:
         """The tool schemas the chat template renders into the prompt (an environment's methods too)."""
@@ -31,7 +32,7 @@ class Toolbox:
     def turns(self, tokenizer, num_rows: int, environments=None) -> ToolTurns:
         """The turn handler of one rollout of `num_rows` completions."""
         return ToolTurns(tokenizer, self.tools, environments=environments, max_iterations=self.max_iterations,
-                         timeout_s=self.timeout_s, num_rows=num_rows)
+                         timeout_s=self.timeout_s, num_rows=num_rows, template_kwargs=self.template_kwargs)
 
     def save(self, folder: str | Path) -> list[str]:
         """tools.json beside the model, so `cohort chat` and `cohort eval` offer the same tools (by import
@@ -69,7 +70,8 @@ def make_toolbox(tools, environment_factory, args, task) -> Toolbox | None:
         raise CohortError(f"max_tool_calling_iterations={args.max_tool_calling_iterations}: it must be at least 1 "
                           "(or None for no limit)")
     return Toolbox(tools=tools, environment_factory=environment_factory,
-                   max_iterations=args.max_tool_calling_iterations, timeout_s=args.tool_timeout)
+                   max_iterations=args.max_tool_calling_iterations, timeout_s=args.tool_timeout,
+                   template_kwargs=args.chat_template_kwargs)
 
 
 def read_tools_file(path: Path) -> dict:

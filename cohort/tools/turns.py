@@ -56,11 +56,14 @@ class ToolTurns:
     tools: the rollout's tool functions (typed, documented; sync or async).
     environments: one object per completion (row order) whose public methods are tools too, or None.
     max_iterations: most tool turns per completion (None: no limit but the completion budget).
+    template_kwargs: the run's chat_template_kwargs, rendered into the tool turns as into the prompt.
     """
 
     def __init__(self, tokenizer, tools=(), *, environments: list | None = None, max_iterations: int | None = None,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S, family: str | None = None, num_rows: int = 0):
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, family: str | None = None, num_rows: int = 0,
+                 template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
         template = getattr(tokenizer, "chat_template", None)
         family = family or family_of_template(template)
         if family is None:
@@ -117,8 +120,9 @@ class ToolTurns:
         conversation = [{"role": "user", "content": "?"}, assistant_message(calls)]
         render = self.tokenizer.apply_chat_template
         try:
-            before = render(conversation, tools=schemas, tokenize=False)
-            after = render(conversation + messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+            before = render(conversation, tools=schemas, tokenize=False, **self.template_kwargs)
+            after = render(conversation + messages, tools=schemas, tokenize=False, add_generation_prompt=True,
+                           **self.template_kwargs)
         except Exception as e:  # noqa: BLE001 - a template error is the user's to fix, said in one line
             raise CohortError(f"the chat template cannot render a tool turn ({type(e).__name__}: {e}); "
                               "use a template with a 'tool' role") from e
