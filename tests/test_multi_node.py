@@ -273,7 +273,7 @@ def test_resume_needs_the_checkpoint_on_every_node(setup, two_nodes, one_process
     out0, out1, _ = two_nodes
     resume = train_options(tiny_dir, Path("run"), 2, "--max_steps", "3", "--resume", "--ddp_timeout", "60")
     node0, node1 = nodes(setup, resume, succeed=False)
-    assert ("cohort: error: rank 1 cannot read run/checkpoint-2/trainer_state.json: rank 0 resumes from that "
+    assert ("cohort: error: rank 1 (trainer) cannot read run/checkpoint-2/trainer_state.json: rank 0 resumes from that "
             "checkpoint, and every machine must reach it at the same path") in node1, node1[-3000:]
     assert "the 1 training process(es) of node 1 (of 2 machines) stopped with exit code" in node1
     assert "of node 0 (of 2 machines) stopped" in node0, node0[-3000:]
