@@ -35,7 +35,7 @@ def test_default_job_learns(tmp_path):
     AutoTokenizer.from_pretrained(tmp_path / "run")
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # a second whole default job (minutes): CI runs it with -m soak, after the suite
 def test_default_job_learns_with_asynchronous_rollouts(tmp_path):
     """The same job with its rollouts sampled one update ahead: the importance-sampling correction keeps
     it learning (59.5% -> 92.5% here, against 93.0% synchronously), and every logged step says how stale
