@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 
 import torch
 
@@ -26,20 +25,7 @@ from ..tasks import prompt_text
 from ..tasks.arithmetic import ArithmeticTask
 from ..update.logprobs import micro_batch_logprobs
 from ..update.packing import pack_micro_batch
-
-
-@dataclass
-class SFTConfig:
-    learning_rate: float = 1e-3
-    max_steps: int = 300
-    batch_size: int = 32
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    logging_steps: int = 50
-    max_completion_length: int | None = None  # truncate longer targets (their EOS is then dropped)
-    chat_template_kwargs: dict | None = None  # as GRPOConfig's: the prompts SFT trains on are the ones GRPO samples
+from .sft_config import SFTConfig
 
 
 def encode_sft_row(row: dict, tokenizer, max_completion_length: int | None = None,

@@ -13,11 +13,8 @@ import json
 import random
 from pathlib import Path
 
-import torch
-
-from ..algorithm.sft import SFTConfig, sft_train
+from ..algorithm.sft_config import SFTConfig
 from ..errors import CohortError
-from ..models.policy import load_policy, save_policy
 from .options import Option, mapping, options_help, parse_options, pick_device
 
 SFT_OPTIONS = {
@@ -70,6 +67,11 @@ def run_sft(argv: list[str], log=print) -> Path | None:
             + options_help(SFT_OPTIONS))
         return None
     o = parse_options(argv, SFT_OPTIONS, "sft")
+    import torch  # after the options: help and bad options answer without loading it
+
+    from ..algorithm.sft import sft_train
+    from ..models.policy import load_policy, save_policy
+
     if o["model"] is None:
         raise CohortError("cohort sft needs --model (a Hugging Face folder, a .gguf file or a hub id)")
     for name in ("max_steps", "batch_size"):
