@@ -41,6 +41,8 @@ def run_cohort(*argv: str) -> tuple[subprocess.CompletedProcess, set[str], float
     (["eval", "--limt", "3"], 2, "unknown option --limt"),
     (["sft", "--help"], 0, "usage: cohort sft"),
     (["sft", "--modle", "x"], 2, "unknown option"),
+    (["chat", "--help"], 0, "usage: cohort chat"),
+    (["generate", "--help"], 0, "usage: cohort generate"),
 ])
 def test_answers_without_loading_torch_or_transformers(argv, code, words):
     done, imported, _ = run_cohort(*argv)

@@ -15,7 +15,6 @@ built-in model answers after the newline, and a file of the task's questions get
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 from ..rollout.sampling import filter_logits, scale_by_temperature
 from ..errors import CohortError
 from ..models.lora import base_model
+from .chat_options import generate_parser
 
 FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 FALLBACK_STOPS = ["\nUser:"]  # the plain format has no end-of-turn token: the next "User:" line ends a reply
@@ -391,36 +391,13 @@ def generate_rows(model, tokenizer, prompts: list, *, model_spec: str | None = N
 
 
 # ---- command line --------------------------------------------------------------------------------
-def common_options(parser: argparse.ArgumentParser, temperature: float) -> None:
-    parser.add_argument("--max_new_tokens", type=int, default=256, help="most tokens per reply (default 256)")
-    parser.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})")
-    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
-    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible samples")
-    parser.add_argument("--system", default=None, help="a system message put before the conversation")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16")
-    if "chat" in parser.prog:
-        parser.add_argument("--raw", action="store_true", help="no chat format and no history: each line is "
-                            "completed as it is (base models, the built-in arithmetic model)")
-
-
 def stderr_log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
 def generate_main(argv: list[str]) -> int:
     """`cohort generate [MODEL_DIR] --prompts FILE [--output out.jsonl] [options]`."""
-    parser = argparse.ArgumentParser(prog="cohort generate", description="Complete every prompt of a file.")
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
-                        help="HF folder, .gguf file or hub id (default: runs/arithmetic if trained, else the tiny model)")
-    parser.add_argument("--prompts", required=True, help=".txt (one prompt a line, completed after the line's "
-                        "newline, as training prompts end) or .jsonl with a 'prompt' column (completed exactly as "
-                        "written)")
-    parser.add_argument("--output", default=None, help="JSONL file to write (default: standard output)")
-    parser.add_argument("--num_generations", type=int, default=1, help="completions per prompt (default 1)")
-    parser.add_argument("--chat", action="store_true", help="wrap plain-text prompts as one user message "
-                        "with the chat template (message-list prompts always get it)")
-    common_options(parser, temperature=0.7)
+    parser = generate_parser()
     args = parser.parse_args(argv)
     if args.num_generations < 1:
         raise CohortError(f"--num_generations={args.num_generations}: it must be at least 1")

@@ -32,26 +32,10 @@ from ..tools import (ToolCall, ToolCallError, ToolResult, assistant_message, env
                      make_tools, resolve_environment, resolve_tools, run_tool_call, split_turn, tool_result_messages)
 from ..tools.calls import CLOSE_TAG, DEFAULT_TIMEOUT_S, OPEN_TAG
 from ..tools.toolbox import TOOLS_FILE, read_tools_file
-from .chat import (ChatSession, chat_loop, common_options, default_model_spec, load_for_inference,
-                   stderr_log)
+from .chat import ChatSession, chat_loop, default_model_spec, load_for_inference, stderr_log
+from .chat_options import DEFAULT_MAX_ITERATIONS, chat_parser
 
-DEFAULT_MAX_ITERATIONS = 5
 SHOWN_CHARS = 300  # a tool line shows at most this much of the arguments, and of the result
-
-
-def add_tool_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tools", default=None, metavar="SPECS",
-                        help="tools the model may call: module:function,... (typed functions with Google-style "
-                        "docstrings; 'run_python' is the built-in sandbox); 'none': no tools, whatever "
-                        f"MODEL_DIR/{TOOLS_FILE} says (default: the tools of MODEL_DIR/{TOOLS_FILE}, if any)")
-    parser.add_argument("--environment", default=None, metavar="MODULE:CLASS",
-                        help="an environment class, instantiated for each conversation: its public methods are "
-                        "tools, and the text its reset() returns is appended to the first message")
-    parser.add_argument("--max_tool_calling_iterations", type=int, default=None, metavar="N",
-                        help=f"most rounds of tool calls in one reply (default: {TOOLS_FILE}'s, else "
-                        f"{DEFAULT_MAX_ITERATIONS})")
-    parser.add_argument("--tool_timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                        help=f"seconds one tool call may run (default {DEFAULT_TIMEOUT_S:g})")
 
 
 @dataclass
@@ -291,11 +275,7 @@ def chat_session(model, tokenizer, tools: ChatTools | None, **options) -> ChatSe
 
 def chat_main(argv: list[str]) -> int:
     """`cohort chat [MODEL_DIR] [options]`; reads stdin, so it works from a pipe too."""
-    parser = argparse.ArgumentParser(prog="cohort chat", description="Chat with a model; /reset clears, /exit quits.")
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
-                        help="HF folder, .gguf file or hub id (default: runs/arithmetic if trained, else the tiny model)")
-    common_options(parser, temperature=0.7)
-    add_tool_options(parser)
+    parser = chat_parser()
     args = parser.parse_args(argv)
     spec = args.model if args.model is not None else default_model_spec(stderr_log)
     tools = chat_tools_from_args(args, spec, stderr_log)  # before the model loads: a bad name fails at once

@@ -440,12 +440,18 @@ def _report(argv: list[str]) -> int:
 
 
 def _chat(argv: list[str]) -> int:
+    from .chat_options import chat_parser
+
+    chat_parser().parse_args(argv)  # --help and bad options answer here, before torch loads
     from .chat_tools import chat_main
 
     return chat_main(argv)
 
 
 def _generate(argv: list[str]) -> int:
+    from .chat_options import generate_parser
+
+    generate_parser().parse_args(argv)  # --help and bad options answer here, before torch loads
     from .chat import generate_main
 
     return generate_main(argv)
