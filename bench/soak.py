@@ -1,9 +1,11 @@
 """No drift over a long run, on one GPU: a random-weight Qwen2.5-0.5B shape trained for as many steps as one
-device call allows (short completions: 32 prompts × 8 generations of 64 tokens, 64-token prompts).
+device call allows (short completions: 16 prompts × 8 generations of 64 tokens, 64-token prompts).
 
 Each step records torch.cuda.memory_allocated / memory_reserved and the process's RSS, the graphs
-torch.compile has compiled so far (torch._dynamo's counters), the engine's CUDA-graph captures, and the
-step's seconds. The table compares step W (the end of warm-up, 50) with the last step, and the mean step
+torch.compile has compiled so far (torch._dynamo's counters), the engine's CUDA-graph captures, the
+step's seconds with the trainer's own phase times (`time/*`), and on a GPU the SM clock and power that
+nvidia-smi reports: a window that is slow because the card clocked down is the machine, not drift.
+The table compares step W (the end of warm-up, 50) with the last step, and the mean step
 time of steps W+1..2W with that of the last W steps:
 
     memory (allocated and reserved; RSS on CPU)   within 2%      PASS / FAIL
@@ -33,7 +35,7 @@ from grpo_step_worker import QWEN, SMOKE, build_module, make_prompts, make_rewar
 
 import torch  # noqa: E402
 
-RUN = dict(prompts=32, generations=8, prompt_len=64, completion_len=64, per_device=32, grad_accum=8)
+RUN = dict(prompts=16, generations=8, prompt_len=64, completion_len=64, per_device=32, grad_accum=4)
 TINY_RUN = dict(prompts=4, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=4)
 LIMITS = dict(memory=0.02, time=0.05)  # relative drift allowed between the end of warm-up and the end
 
@@ -46,6 +48,43 @@ def rss_mib() -> float:
     except OSError:
         pass
     return float("nan")
+
+
+class ClockSampler:
+    """nvidia-smi's SM clock (MHz) and power (W), sampled every 200 ms in a child process; `since(t)` gives
+    the means since perf_counter time t (None where nvidia-smi is missing)."""
+
+    def __init__(self):
+        import subprocess
+        import threading
+
+        self.samples: list[tuple[float, float, float]] = []
+        try:
+            self.process = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-i", "0",
+                 "-lms", "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.process = None
+            return
+        threading.Thread(target=self.read, daemon=True).start()
+
+    def read(self):
+        for line in self.process.stdout:
+            try:
+                clock, power = (float(x) for x in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.perf_counter(), clock, power))
+
+    def since(self, start: float) -> tuple[float | None, float | None]:
+        window = [(c, p) for t, c, p in self.samples[-200:] if t >= start]
+        if not window:
+            return None, None
+        return (round(sum(c for c, _ in window) / len(window), 1), round(sum(p for _, p in window) / len(window), 1))
+
+    def stop(self):
+        if self.process is not None:
+            self.process.terminate()
 
 
 def compiled_graphs() -> int:
@@ -61,20 +100,30 @@ def step_recorder(trainer_box: dict, records: list, out: Path, started: float, b
     """A TrainerCallback-shaped object: one record a step, the JSON rewritten, the run stopped at the budget."""
     cuda = meta["device"] == "cuda"
 
+    clocks = ClockSampler() if cuda else None
+
     class Recorder:
         last = None
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if clocks is not None:
+                clocks.stop()
 
         def on_step_end(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
             now = time.perf_counter()
             engine = getattr(trainer_box.get("trainer"), "sampler", None)
+            logged = state.log_history[-1] if state.log_history else {}
+            phases = {k[5:]: round(v, 4) for k, v in logged.items() if k.startswith("time/") and isinstance(v, float)}
+            clock, power = clocks.since(self.last) if clocks is not None and self.last is not None else (None, None)
             records.append(dict(
                 step=state.global_step, seconds=None if self.last is None else round(now - self.last, 4),
                 allocated_mib=torch.cuda.memory_allocated() / 2**20 if cuda else None,
                 reserved_mib=torch.cuda.memory_reserved() / 2**20 if cuda else None,
                 rss_mib=rss_mib(), compiled_graphs=compiled_graphs(),
-                graph_captures=getattr(getattr(engine, "graphs", None), "captures", None)))
+                graph_captures=getattr(getattr(engine, "graphs", None), "captures", None),
+                phases=phases, sm_clock_mhz=clock, power_w=power))
             write(out, meta, records)
             self.last = time.perf_counter()  # the rewrite grows with the records: no step's time includes it
             if now - started > budget_s:
@@ -135,8 +184,22 @@ def summarize(records: list, warmup: int, device: str) -> dict:
     noise = dict(window_means=[round(w, 4) for w in windows],
                  window_spread=(max(windows) - min(windows)) / min(windows) if windows else None,
                  trend=slope * (timed[-1][0] - timed[0][0]) / mean_t if n > 1 else None)
+    # Where a change in step time comes from: each phase's mean, and the card's clock, in the same two windows.
+    early_records = [by_step[s] for s in range(warmup + 1, 2 * warmup + 1) if s in by_step]
+    late_records = records[-warmup:]
+
+    def window_mean(window, read):
+        values = [v for v in map(read, window) if isinstance(v, (int, float))]
+        return sum(values) / len(values) if values else None
+
+    phase_names = sorted({k for r in late_records for k in (r.get("phases") or {})})
+    causes = {f"time/{k}": (window_mean(early_records, lambda r: (r.get("phases") or {}).get(k)),
+                            window_mean(late_records, lambda r: (r.get("phases") or {}).get(k))) for k in phase_names}
+    for key in ("sm_clock_mhz", "power_w"):
+        causes[key] = (window_mean(early_records, lambda r: r.get(key)), window_mean(late_records, lambda r: r.get(key)))
+    causes = {k: dict(early=a, late=b, change=relative(a, b)) for k, (a, b) in causes.items() if a is not None}
     verdicts = [r["verdict"] for r in rows.values() if r["verdict"]]
-    return {"warmup": warmup, "steps": last["step"], "rows": rows, "step_time_noise": noise,
+    return {"warmup": warmup, "steps": last["step"], "rows": rows, "step_time_noise": noise, "causes": causes,
             "verdict": "PASS" if all(v == "PASS" for v in verdicts) else "FAIL"}
 
 
@@ -162,6 +225,9 @@ def table(summary: dict) -> str:
         lines.append(f"step time of {w}-step windows after warm-up: {min(noise['window_means']):.3f}-"
                      f"{max(noise['window_means']):.3f} s (spread {noise['window_spread']:.1%}); least-squares "
                      f"trend over the run {noise['trend']:+.1%}: a change within the spread is noise, not drift")
+    for key, cause in summary.get("causes", {}).items():
+        change = "-" if cause["change"] is None else f"{cause['change']:+.2%}"
+        lines.append(f"  {key:22} {cause['early']:>14.4f} {cause['late']:>14.4f} {change:>10}  (cause)")
     lines.append(f"{summary['steps']} steps: {summary['verdict']} (memory within {LIMITS['memory']:.0%}, no "
                  f"recompilation after step {w}, step time within {LIMITS['time']:.0%})")
     return "\n".join(lines)
