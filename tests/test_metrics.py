@@ -379,6 +379,14 @@ def kl_run(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def kl_run_on_cpu(kl_run, tiny_dir, tmp_path_factory):
+    """kl_run where it ran on the CPU; with the GPU visible (COHORT_TEST_GPU=1), the same run on the CPU."""
+    if kl_run[0].device.type == "cpu":
+        return kl_run
+    return tiny_run(tiny_dir, tmp_path_factory.mktemp("kl_run_cpu"), device="cpu")
+
+
+@pytest.fixture(scope="module")
 def clip_run(tiny_dir, tmp_path_factory):
     """β = 0, μ = 2 with a tight clip range and a large step, so the second update clips."""
     return tiny_run(tiny_dir, tmp_path_factory.mktemp("clip_run"), beta=0.0, num_iterations=2, epsilon=0.01,
@@ -393,8 +401,8 @@ ISSUE_METRICS = ("reward", "reward_std", "rewards/first_is_digit/mean", "rewards
 
 
 @pytest.mark.cpu("which metrics a CPU run leaves empty (a GPU run logs MFU and CUDA memory too)")
-def test_every_metric_of_the_issue_is_logged_each_step(kl_run, tiny_dir):
-    trainer, _, _ = kl_run
+def test_every_metric_of_the_issue_is_logged_each_step(kl_run_on_cpu, tiny_dir):
+    trainer, _, _ = kl_run_on_cpu
     records = read_metrics(trainer.args.output_dir)
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]

@@ -133,7 +133,9 @@ def test_every_step_logs_the_mismatch_and_the_correction_reaches_the_update(tiny
 
 
 def test_the_correction_is_automatic_where_the_sampler_is_not_exact(tiny_dir, tmp_path):
-    assert _trainer(tiny_dir, tmp_path / "cpu").sampler_correction is None  # float32 on the CPU: exact enough
+    assert _trainer(tiny_dir, tmp_path / "cpu", device="cpu").sampler_correction is None  # float32: exact enough
+    if torch.cuda.is_available():  # bf16 on a GPU: the engine's log-probs are not the trainer's
+        assert _trainer(tiny_dir, tmp_path / "gpu", device="cuda").sampler_correction == "token_truncate"
     assert GRPOConfig(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
                       vllm_importance_sampling_cap=2.0).validate().importance_sampling_mode == "sequence_mask"
     with pytest.raises(CohortError, match="importance_sampling_mode"):

@@ -205,24 +205,26 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, stride_od,
-                             num_heads, num_splits, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+                             num_heads, num_splits, HEAD_DIM: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
-        offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, HEAD_DIM)
-        split_mask = offs_s < num_splits
-        slot = (row * num_heads + head) * num_splits + offs_s
-        # Each split's log-sum-exp is loaded into every column of the [splits, D] tile, so that every value
-        # stays in the tile's own layout: broadcasting a [splits] vector into it is a layout conversion
-        # through shared memory, where threads holding the same element all write it (racecheck hazards).
-        tile_mask = split_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-        lse = tl.load(part_lse_ptr + slot[:, None] + 0 * offs_d[None, :], mask=tile_mask, other=float("-inf"))
-        # Every row sees its own key, so some split is finite and the max is finite.
-        weights = tl.exp2(lse - _row_max(lse, 0)[None, :])
-        part = tl.load(part_out_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=tile_mask, other=0.0)
-        out = _row_sum(part * weights, 0) / _row_sum(weights, 0)
+        first = (row * num_heads + head) * num_splits
+        # One split at a time, every value a scalar or a [D] vector in one layout: a [splits, D] tile
+        # reduced over its splits goes through shared memory, where the threads that hold the same
+        # element of the result all write it (compute-sanitizer's racecheck reports those writes).
+        # Every row sees its own key, so some split's log-sum-exp is finite and so is the max.
+        top = tl.load(part_lse_ptr + first)
+        for split in range(1, num_splits):
+            top = tl.maximum(top, tl.load(part_lse_ptr + first + split))
+        acc = tl.full([HEAD_DIM], 0.0, tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+        for split in range(0, num_splits):
+            weight = tl.exp2(tl.load(part_lse_ptr + first + split) - top)  # 0 for a split with no key
+            acc += weight * tl.load(part_out_ptr + (first + split) * HEAD_DIM + offs_d)
+            total += weight
         tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od,
-                 out.to(out_ptr.dtype.element_ty))
+                 (acc / total).to(out_ptr.dtype.element_ty))
 
 
 def default_launch(head_dim: int) -> tuple[int, int, int]:
@@ -314,5 +316,5 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     if not write_final:
         _merge_splits_kernel[(batch, heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), out.stride(3), heads, num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=1)
+            HEAD_DIM=head_dim, num_warps=1)
     return out

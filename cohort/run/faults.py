@@ -92,11 +92,16 @@ def wait_all(works: Sequence, what: str, timeout_s: float, poll: bool) -> None:
             work.wait()
 
 
+# The line of a collective that failed outside a named wait: a symptom of another rank's fault, whose own
+# line (a named wait, a kill) is the root cause when there is one, even if it was written a moment later.
+LOST_COLLECTIVE = "a collective with the other ranks failed"
+
+
 def lost_rank_error(error: RuntimeError) -> Exception:
     """A one-line CohortError for a collective that failed outside a named wait; any other error unchanged."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not failed_collective(error):
         return error
-    return CohortError(f"rank {this_rank()} stopped: a collective with the other ranks failed ({first_line(error)}); "
+    return CohortError(f"rank {this_rank()} stopped: {LOST_COLLECTIVE} ({first_line(error)}); "
                        "another rank died or hung (--ddp_timeout bounds the wait)")
 
 
@@ -118,7 +123,8 @@ def record_rank_error(line: str) -> bool:
 def job_failure_line(folder: Path, rollout_gpus: int, world_size: int) -> str | None:
     """The one line that ends a failed job: the rank that failed first, its part (trainer or sampling rank) and
     what failed. Root cause: a rank killed by a signal torchrun does not send (kill -9, a crash), else the
-    earliest error line a rank left, else torchrun's first failure. None when nothing was recorded."""
+    earliest error line a rank left (one that names what it waited for before a collective that merely failed),
+    else torchrun's first failure. None when nothing was recorded."""
     try:
         failures = json.loads((folder / "torchrun.json").read_text())
     except (OSError, ValueError):
@@ -137,7 +143,7 @@ def job_failure_line(folder: Path, rollout_gpus: int, world_size: int) -> str | 
         if failures[str(rank)]["signal"] == "SIGABRT":
             what += " (NCCL's watchdog aborts a rank whose collective ran past --ddp_timeout)"
     elif reports:
-        rank = min(reports, key=lambda r: reports[r]["time"])
+        rank = min(reports, key=lambda r: (LOST_COLLECTIVE in reports[r]["line"], reports[r]["time"]))
         what = reports[rank]["line"]
         if what.startswith(f"rank {rank} "):
             what = what[len(f"rank {rank} "):]
