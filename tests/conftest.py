@@ -24,6 +24,14 @@ from cohort.models.tiny import build_model, build_tokenizer# noqa: E402
 transformers_logging.get_logger("transformers")
 
 
+def pytest_collection_modifyitems(config, items):
+    """With -n (pytest-xdist), tests marked slow first (a stable sort: the rest keep their order): a worker
+    that draws a minutes-long test late keeps the whole run waiting after the others have finished. A serial
+    run keeps each module together, so its module-scoped fixtures are built once."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True)
 def cpu_pinned(request, monkeypatch):
     """A test marked `@pytest.mark.cpu("why")` runs on the CPU with the GPU visible (COHORT_TEST_GPU=1):

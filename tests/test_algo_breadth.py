@@ -362,6 +362,7 @@ def test_mask_truncated_completions_equals_training_without_those_rows(tiny_dir,
     assert torch.count_nonzero(update_gradient(trainer, batch)[0]) == 0
 
 
+@pytest.mark.slow
 def test_overlong_penalty_is_added_to_the_reward(tiny_dir, tmp_path):
     trainer = _trainer(tiny_dir, tmp_path, overlong_buffer_length=2, overlong_penalty_factor=0.5)
     batch = trainer.sample(trainer.next_prompts())
@@ -384,6 +385,7 @@ def test_gspo_update_equals_grpo_update_on_policy(tiny_dir, tmp_path):
     assert torch.allclose(sequence, token, atol=1e-6) and sequence.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_entropy_bonus_raises_entropy(tiny_dir, tmp_path):
     def mean_entropy(trainer, batch):
         from cohort.update.logprobs import micro_batch_logprobs

@@ -75,6 +75,7 @@ def test_each_step_samples_from_the_policy_max_staleness_updates_ago(tiny_dir, t
 
 
 @pytest.mark.cpu("bitwise-equal runs: the CPU sums in a fixed order, a GPU's atomics do not")
+@pytest.mark.slow
 def test_same_seed_same_run_and_an_exact_resume(tiny_dir, tmp_path):
     GRPOTrainer(tiny_dir, odd_length, UPDATE_PROMPTS, args=config(tmp_path / "a")).train()
     GRPOTrainer(tiny_dir, odd_length, UPDATE_PROMPTS, args=config(tmp_path / "b")).train()

@@ -277,6 +277,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(files, tmp_path, c
     assert not list(out.glob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_no_traceback_from_a_real_process(files, tmp_path):
     """The same contract in a real process: stderr is the single line, exit code 2."""
     argv = small_run(files, tmp_path / "out", "--reward_funcs", "nosuch")

@@ -172,6 +172,7 @@ def test_a_long_conversation_drops_the_oldest_exchange_instead_of_failing(tiny):
         session.reply("9" * 200)
 
 
+@pytest.mark.slow
 def test_chat_from_a_pipe_prints_the_replies_and_exits_zero(tiny_dir, tiny):
     model, tokenizer = tiny
     env = {**os.environ, "PYTHONIOENCODING": "utf-8", "TERM": "xterm-256color"}
@@ -200,6 +201,7 @@ def test_chat_loop_ends_at_end_of_input_and_prompts_only_when_interactive(tiny):
     assert "/reset" in err.getvalue()
 
 
+@pytest.mark.slow
 def test_generate_writes_one_row_per_completion(tmp_path, tiny_dir, tiny, capsys):
     model, tokenizer = tiny
     txt = tmp_path / "prompts.txt"
@@ -241,6 +243,7 @@ def test_bad_prompt_files_name_the_file_and_line(tmp_path):
         read_prompts(tmp_path / "empty.txt")
 
 
+@pytest.mark.slow
 def test_generate_completes_a_file_of_arithmetic_prompts_as_the_task_does(tmp_path, capsys):
     """The built-in model answers after the prompt's newline: a .txt file of the arithmetic task's prompts
     (one a line) gets exactly the completions of the task's own prompt strings, and they are answers."""

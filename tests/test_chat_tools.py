@@ -371,6 +371,7 @@ def run_chat(monkeypatch, capsys, argv: list[str], text: str, replies: list[str]
     return captured.out, captured.err
 
 
+@pytest.mark.slow
 def test_chat_uses_the_tools_json_of_the_model_folder(model_dir, tools_module, monkeypatch, capsys):
     replies = [hermes_call("calculator", expression="6*7"), "It is 42."]
     out, err = run_chat(monkeypatch, capsys, [str(model_dir), "--temperature", "0", "--device", "cpu"],

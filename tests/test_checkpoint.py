@@ -133,6 +133,7 @@ def test_only_the_newest_save_total_limit_are_kept(model_dir, tmp_path):
     assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".trash-*"))
 
 
+@pytest.mark.slow
 def test_same_seed_same_run_and_crash_resume_is_exact(model_dir, tmp_path):
     """Cosine LR, μ = 2, β > 0 with π_ref resets and periodic evaluation: everything the next step depends on."""
     options = dict(max_steps=7, save_steps=3, num_iterations=2, ref_reset_steps=2, eval_steps=2,
@@ -163,6 +164,7 @@ def test_same_seed_same_run_and_crash_resume_is_exact(model_dir, tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_resume_inside_a_curriculum_stage_is_exact(model_dir, tmp_path):
     """A checkpoint in the middle of stage 2 restores that stage's rows and the position in them."""
     options = dict(max_steps=7, save_steps=2, beta=0.0, curriculum=[
@@ -184,6 +186,7 @@ def test_resume_inside_a_curriculum_stage_is_exact(model_dir, tmp_path):
                                                  resumed.model.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(model_dir, tmp_path, monkeypatch):
     reference = trainer_for(model_dir, tmp_path / "ref", max_steps=6)
     reference.train()
@@ -429,6 +432,7 @@ def nan_sampler_logprob_on(trainer, bad_steps):
     return trainer
 
 
+@pytest.mark.slow
 def test_a_nan_sampler_logprob_skips_the_update_and_a_resumed_run_still_matches(model_dir, tmp_path):
     """With the sampler correction on, a NaN sampler log-prob would be read as ratio 1 (TRL's nan_to_num)
     and the step would train on a finite loss: the update is skipped and counted instead, the run goes

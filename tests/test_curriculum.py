@@ -78,6 +78,7 @@ def _args(tmp_path, **overrides):
     return GRPOConfig(**base)
 
 
+@pytest.mark.slow
 def test_trainer_switches_prompts_and_rewards_at_the_boundary(tiny_dir, tmp_path):
     data = tmp_path / "gsm.jsonl"
     data.write_text("".join(json.dumps({"question": f"Add {a} and {a}.", "answer": f"x\n#### {2 * a}"}) + "\n"

@@ -60,6 +60,7 @@ GC_COUNTS_ON_CPU = pytest.mark.cpu("counts of frozen objects: with torch.compile
 
 @GC_COUNTS_ON_CPU
 @pytest.mark.parametrize("freeze", [True, False])
+@pytest.mark.slow
 def test_objects_are_frozen_from_the_second_step_and_thawed_at_the_end(nothing_frozen, tiny_dir, tmp_path, freeze):
     frozen_during_step = []
 

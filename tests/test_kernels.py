@@ -51,6 +51,7 @@ def test_regrouped_forward_on_plain_ops_equals_the_unfused_forward_exactly(famil
 
 @needs_compiler
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_compiled_decode_matches_the_unfused_forward(family):
     model = build(family)
     ids = torch.randint(0, TINY["vocab_size"], (3, 9), generator=torch.Generator().manual_seed(2))
@@ -114,6 +115,7 @@ def test_rotate_and_cache_equals_norm_rotate_and_kv_cache_write():
 
 
 @needs_compiler
+@pytest.mark.slow
 def test_compiled_pieces_equal_their_plain_versions():
     generator = torch.Generator().manual_seed(7)
     batch, heads, kv_heads, dim = 5, 4, 2, 16

@@ -192,6 +192,7 @@ def _train(tiny_dir, tmp_path, offload=False, **overrides):
     return trainer
 
 
+@pytest.mark.slow
 def test_training_with_lent_gradients_and_offloaded_reference_is_bit_for_bit_the_same(tiny_dir, tmp_path, monkeypatch):
     lent_bytes = []
     real = update_module.lend_gradients

@@ -83,6 +83,7 @@ def test_lora_folder_loads_merged_in_transformers_and_as_peft_adapter(tiny_dir, 
     assert torch.allclose(_logits(adapted, ids), want, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_resume_restores_adapters_exactly(tiny_dir, tmp_path):
     full = _trainer(tiny_dir, tmp_path / "full", max_steps=3)
     full.train()
@@ -113,6 +114,7 @@ def test_lora_bad_targets_fail_clearly(tiny_dir, tmp_path):
         _trainer(tiny_dir, tmp_path / "a", lora_target_modules=["qkv"])
 
 
+@pytest.mark.slow
 def test_lora_reference_reset_folds_the_adapters_into_the_base(tiny_dir, tmp_path):
     """π_ref ← π_θ with LoRA: the policy is unchanged, 'adapters off' becomes it, B restarts at 0."""
     trainer = _trainer(tiny_dir, tmp_path)

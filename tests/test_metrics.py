@@ -401,6 +401,7 @@ ISSUE_METRICS = ("reward", "reward_std", "rewards/first_is_digit/mean", "rewards
 
 
 @pytest.mark.cpu("which metrics a CPU run leaves empty (a GPU run logs MFU and CUDA memory too)")
+@pytest.mark.slow
 def test_every_metric_of_the_issue_is_logged_each_step(kl_run_on_cpu, tiny_dir):
     trainer, _, _ = kl_run_on_cpu
     records = read_metrics(trainer.args.output_dir)

@@ -35,6 +35,7 @@ def _estimate(trainer, batch):
     batch.advantages = trainer.estimate_advantages(batch)
 
 
+@pytest.mark.slow
 def test_ppo_advantages_are_gae_of_terminal_reward_minus_kl(tiny_dir, tmp_path):
     trainer = _trainer(tiny_dir, tmp_path)
     with torch.no_grad():  # a non-zero critic and a reference unlike the policy, so every term matters
@@ -111,6 +112,7 @@ def test_ppo_config_validation(tiny_dir, tmp_path):
 
 
 @pytest.mark.cpu("bitwise-equal resume: the CPU sums in a fixed order, a GPU's atomics do not")
+@pytest.mark.slow
 def test_ppo_resume_restores_the_critic_exactly(tiny_dir, tmp_path):
     """2 steps, a checkpoint, then --resume to step 3 equals 3 steps straight: policy and critic."""
     full = _trainer(tiny_dir, tmp_path / "full", max_steps=3)

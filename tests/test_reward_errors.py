@@ -129,6 +129,7 @@ def test_an_unknown_policy_is_refused():
         RewardRunner([length_reward], errors="ignore")
 
 
+@pytest.mark.slow
 def test_per_sample_workers_follow_the_same_rule(scoring_module):
     completions, solution = ["5", "HANG", "6", "RAISE", "7"], {"solution": ["5", "5", "5", "5", "7"]}
     raising = RewardRunner([scoring_module.marker_reward], timeout_s=2.0, sample_workers=2)

@@ -365,6 +365,7 @@ def test_warm_up_holds_out_groups_learns_and_fills_the_buffer(tokenizer, scorer)
     assert rm.model.score.weight.abs().sum() > 0  # the probe moved the head
 
 
+@pytest.mark.slow
 def test_trainer_warm_up_trains_r_phi_before_step_one_and_leaves_the_data_stream_alone(tokenizer, tmp_path):
     policy_dir = _policy_folder(tokenizer, tmp_path / "policy")
     task = ArithmeticTask()

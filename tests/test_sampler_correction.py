@@ -110,6 +110,7 @@ def _trainer(tiny_dir, tmp_path, **overrides):
                        args=GRPOConfig(**args))
 
 
+@pytest.mark.slow
 def test_every_step_logs_the_mismatch_and_the_correction_reaches_the_update(tiny_dir, tmp_path):
     """A sampler that reports every token 10 nats less likely than the trainer finds it: ratio e^10
     > clip_max, so token_mask drops every sample and the update has no gradient; uncorrected it has one."""

@@ -39,6 +39,7 @@ def smoke(tmp_path_factory):
     return json.loads((out / "sampler_mismatch.json").read_text()), done.stdout
 
 
+@pytest.mark.slow
 def test_smoke_writes_every_field(smoke):
     results, printed = smoke
     config = results["config"]

@@ -182,6 +182,7 @@ def _reward_length(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+@pytest.mark.slow
 def test_trainer_step_is_the_same_with_and_without_sharing(tiny_dir, tmp_path):
     """One step each way from the same seed: the same rollout, metrics and gradient (read off AdamW's
     first moment, (1 − β1)·g after one step; the weights themselves move by ≈ lr·sign(g), which

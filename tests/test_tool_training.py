@@ -113,6 +113,7 @@ def test_tools_train_log_call_frequency_and_leave_tool_results_out_of_the_loss(c
     assert abs(float(expected - with_tool_tokens)) > 1e-4, "the check must tell the two masks apart"
 
 
+@pytest.mark.slow
 def test_a_run_with_tools_logs_tools_metrics_and_records_its_tools(caller_dir, tmp_path):
     trainer = GRPOTrainer(caller_dir, [answer_reward], rows(), args=config(tmp_path, max_steps=2), tools=[add])
     history = trainer.train()

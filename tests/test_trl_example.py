@@ -45,6 +45,7 @@ def test_the_import_is_the_only_cohort_line():
         assert name in source
 
 
+@pytest.mark.slow
 def test_quickstart_runs_two_steps_on_a_tiny_model(tiny_qwen2, tmp_path):
     env = dict(os.environ, COHORT_EXAMPLE_MAX_STEPS="2", COHORT_EXAMPLE_MAX_COMPLETION_LENGTH="8",
                COHORT_EXAMPLE_OUTPUT_DIR=str(tmp_path / "out"), OMP_NUM_THREADS="1",
