@@ -509,6 +509,7 @@ class GRPOTrainer:
         if self.async_rollouts is not None:
             self.async_rollouts.close()  # with --rollout_gpus: the sampling ranks stop
         self.parallel.close()  # the last collective was save_model's barrier
+        self.memory.end_of_run()  # π_ref back from the host: the caller may read trainer.ref_model
         self.callback_handler.event("on_train_end")
         if not self.parallel.is_main:  # rank 0 alone writes the summary and prints
             self.report.progress.close()

@@ -92,6 +92,10 @@ class MemoryManager:
         if self.args.gc_freeze:
             freeze_long_lived_objects()
 
+    def end_of_run(self) -> None:
+        """The run trained to its end: π_ref whole on the device again, for `on_train_end` and the caller."""
+        self.ref_offload.restore()
+
     def close(self) -> None:
         """End of the run (also when it raises): a later run in this process can reclaim this one's objects."""
         thaw_frozen_objects()

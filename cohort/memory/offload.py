@@ -76,6 +76,14 @@ class HostOffload:
             self.ready.record(stream)
         self.resident = True
 
+    def restore(self) -> None:
+        """The weights back on the device for good (until the next `on_device` block): after a run, code that
+        reads the model reads its weights, not the emptied storage a kernel would fault on."""
+        self.prefetch()
+        if self.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+            self.ready = None
+
     @contextmanager
     def on_device(self, modified: bool = False) -> Iterator[None]:
         """The weights on the device inside the block, freed there again after it. `modified=True`
