@@ -110,11 +110,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8, help="steps of every run (the kill comes after step 2)")
     parser.add_argument("--timeout", type=int, default=20, help="--ddp_timeout of the withheld-weights run")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="largest loss / weight difference for equal")
-    parser.add_argument("--limit", type=float, default=300, help="seconds any one job may take")
+    parser.add_argument("--limit", type=float, default=300,
+                        help="seconds any one job may take (on a GPU, compilation takes about 20 s of each)")
     parser.add_argument("--workdir", default=None, help="folder for the runs (default: a temporary one)")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     work = Path(args.workdir or tempfile.mkdtemp(prefix="cohort-faults-bench-"))
+    # The built-in model is built once per machine (an SFT warm start, about 45 s on an H200): before the
+    # timed jobs, so no job's limit is spent on it.
+    sys.path.insert(0, str(ROOT))
+    from cohort.models.tiny import builtin_model_dir
+
+    builtin_model_dir("cohort:tiny-arithmetic")
     rollout = ["--async_rollouts", "true", "--rollout_gpus", "1"]
     faults = [("trainer_killed", [], 1, None), ("sampler_killed", rollout, 1, None),
               ("weights_withheld", [*rollout, "--ddp_timeout", str(args.timeout)], None, "withhold_weights:2")]
@@ -124,8 +131,9 @@ def main() -> int:
         layout = "rollout" if extra else "ddp"
         if layout not in references:
             references[layout] = work / f"reference-{layout}"
-            subprocess.run(options(references[layout], device, args.steps, *extra), env=environment(), check=True,
-                           timeout=args.limit, stdout=subprocess.DEVNULL)
+            with open(work / f"reference-{layout}.log", "w") as log:  # read it when a reference run fails
+                subprocess.run(options(references[layout], device, args.steps, *extra), env=environment(),
+                               check=True, timeout=args.limit, stdout=log, stderr=subprocess.STDOUT)
         out = work / name
         row = {"fault": name}
         try:
@@ -135,8 +143,11 @@ def main() -> int:
                        line=lines[0] if len(lines) == 1 else f"{len(lines)} error lines")
             resumed = subprocess.run(options(out, device, args.steps, *extra, "--resume", "true"), env=environment(),
                                      timeout=args.limit, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            (work / f"{name}-resume.log").write_text(resumed.stdout)
             equal, worst = same_run(out, references[layout], args.tolerance) if resumed.returncode == 0 else (False, None)
             row.update(resume_equal=equal, resume_max_difference=worst, resume_exit_code=resumed.returncode)
+            if resumed.returncode != 0:
+                row["resume_output"] = resumed.stdout.splitlines()[-15:]
         except (RuntimeError, subprocess.TimeoutExpired, OSError, TypeError) as error:
             row.update(error=f"{type(error).__name__}: {error}", resume_equal=False)
         results.append(row)
