@@ -116,6 +116,7 @@ def main() -> int:
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     work = Path(args.workdir or tempfile.mkdtemp(prefix="cohort-faults-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     # The built-in model is built once per machine (an SFT warm start, about 45 s on an H200): before the
     # timed jobs, so no job's limit is spent on it.
     sys.path.insert(0, str(ROOT))
