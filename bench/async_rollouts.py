@@ -631,7 +631,7 @@ def markdown(summaries: list[dict], header: str) -> str:
 def run_curves(args, out: Path) -> dict:
     """Both modes on the built-in arithmetic task, its default model and options, on the CPU."""
     from cohort.cli.main import task_rows
-    from cohort.config import resolve_config
+    from cohort.options.command_line import resolve_config
     from cohort.tasks import get_task
 
     BenchTrainer = bench_trainer_class()

@@ -1,6 +1,6 @@
 """The values an option takes, where they are a fixed set: the one table of them.
 
-`GRPOConfig.validate` refuses a value outside it, `cohort train --help` shows it (`cohort.config.type_text`),
+`GRPOConfig.validate` refuses a value outside it, `cohort train --help` shows it (`cohort.options.command_line.type_text`),
 docs/generate_reference.py prints it in docs/reference.md, and the stages that take such a value from
 Python directly (the loss, the reward model's buffer, loss and scorer, the reward runner, the reporters)
 check it against the same entry. A value added here is accepted, shown and documented at once.

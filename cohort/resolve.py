@@ -26,7 +26,8 @@ import dataclasses
 import torch
 
 from .algorithm.determinism import cpu_thread_count
-from .config import GRPOConfig, show_value
+from .config import GRPOConfig
+from .options.command_line import show_value
 from .memory.precision import optimizer_state_dtype, resolve_dtype
 from .rollout import engine_samples
 from .rollout.partial import partial_rollout_settings
@@ -56,7 +57,7 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_s
 
 
 def resolved_sources(settled: GRPOConfig, resolved: GRPOConfig, sources: dict[str, str]) -> dict[str, str]:
-    """`sources` (where each value of `settled` came from: `cohort.config.resolve_config`) with each value that
+    """`sources` (where each value of `settled` came from: `cohort.options.command_line.resolve_config`) with each value that
     resolution settled marked `resolved from <what was asked>`."""
     out = dict(sources)
     for f in dataclasses.fields(resolved):

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from cohort.cli import main
-from cohort.config import GRPOConfig, parse_config
+from cohort.config import GRPOConfig
+from cohort.options.command_line import parse_config
 from cohort.errors import CohortError
 
 

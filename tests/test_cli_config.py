@@ -17,7 +17,8 @@ import yaml
 import cohort
 from cohort.algorithm.determinism import cpu_thread_count
 from cohort.cli import main
-from cohort.config import GRPOConfig, config_help, describe_config, parse_config, resolve_config
+from cohort.config import GRPOConfig
+from cohort.options.command_line import config_help, describe_config, parse_config, resolve_config
 from cohort.errors import CohortError
 from cohort.options.output_dir import COMMAND_LINE_OUTPUT_DIR
 from cohort.tasks import get_task

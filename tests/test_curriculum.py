@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort.config import parse_config
+from cohort.options.command_line import parse_config
 from cohort.algorithm.curriculum import Curriculum, parse_curriculum
 from cohort.errors import CohortError
 from cohort.tasks import get_task

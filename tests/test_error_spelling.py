@@ -11,7 +11,7 @@ import pytest
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.cli.main import main
-from cohort.config import resolve_config
+from cohort.options.command_line import resolve_config
 from cohort.errors import CohortError, command_line
 from cohort.options.output_dir import script_output_dir
 from cohort.options.spelling import python_spelling

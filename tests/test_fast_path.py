@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cohort import GRPOConfig
-from cohort.config import parse_config
+from cohort.options.command_line import parse_config
 from cohort.errors import CohortError, command_line
 from cohort.update.fast_path import MICRO_BATCH_FLOP, fast_path_line, fast_path_settings
 

@@ -17,7 +17,8 @@ import yaml
 from cohort.algorithm.trainer import GRPOTrainer
 from cohort.choices import AUTO_OPTIONS, CHOICES
 from cohort.cli import main
-from cohort.config import GRPOConfig, config_help, parse_config
+from cohort.config import GRPOConfig
+from cohort.options.command_line import config_help, parse_config
 from cohort.errors import CohortError
 from cohort.resolve import resolve_run_config
 

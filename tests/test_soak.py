@@ -54,7 +54,7 @@ def run_job(out: str) -> None:
     """The default job as `cohort train` runs it (cohort/cli/main.py), with a callback recording each step."""
     from cohort.algorithm.trainer import GRPOTrainer
     from cohort.cli.main import task_rows
-    from cohort.config import resolve_config
+    from cohort.options.command_line import resolve_config
     from cohort.tasks import get_task
 
     args, _ = resolve_config(["--output_dir", str(Path(out).parent / "run"), "--quiet"])

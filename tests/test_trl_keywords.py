@@ -109,7 +109,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_dir):
     prompt = [{"role": "user", "content": "2+2="}]
     assert prompt_text(tokenizer, prompt, template_kwargs={"enable_thinking": True}) == "2+2=<think>"
     assert prompt_text(tokenizer, prompt, template_kwargs={"enable_thinking": False}) == "2+2="
-    from cohort.config import parse_config
+    from cohort.options.command_line import parse_config
 
     parsed = parse_config(["--chat_template_kwargs", json.dumps({"enable_thinking": False})])
     assert parsed.chat_template_kwargs == {"enable_thinking": False}

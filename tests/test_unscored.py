@@ -15,7 +15,7 @@ import torch
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.algorithm.dynamic_sampling import select_groups
 from cohort.algorithm.advantages import group_advantages
-from cohort.config import parse_config
+from cohort.options.command_line import parse_config
 from cohort.errors import CohortError
 from cohort.rewards.runner import RewardOutput, RewardRunner, RewardWarning
 from cohort.rollout.batch import Batch

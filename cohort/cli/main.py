@@ -96,7 +96,7 @@ command options:
 
 
 def _train_help(argv: list[str]) -> int:
-    from ..config import config_help, resolve_config
+    from ..options.command_line import config_help, resolve_config
 
     argv = [arg for arg in argv if arg not in HELP_FLAGS]
     for name in ("nproc_per_node", "print_config", *NODE_OPTIONS):
@@ -107,7 +107,7 @@ def _train_help(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from ..config import resolve_config
+    from ..options.command_line import resolve_config
     from ..tasks import get_task
 
     argv, processes = _pop_option(argv, "nproc_per_node")
@@ -159,7 +159,7 @@ def _train(argv: list[str]) -> int:
 def print_resolved(trainer, settled, sources: dict[str, str]) -> int:
     """`--print_config`: the trainer's resolved config as YAML (rank 0), each value with its source (a value
     that resolution settled says so), then the trainer is let go untrained."""
-    from ..config import describe_config
+    from ..options.command_line import describe_config
     from ..resolve import resolved_sources
 
     if trainer.parallel.is_main:
