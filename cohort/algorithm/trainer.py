@@ -29,9 +29,9 @@ from ..errors import CohortError
 from ..eval.evaluate import evaluate
 from ..memory.checkpointed_layers import AutoCheckpointing
 from ..memory.manager import MemoryManager
-from ..memory.precision import make_optimizer, optimizer_line, resolve_dtype
-from ..models.lora import adapters_disabled, apply_lora, has_lora, lora_config_from_args, merge_into_base
-from ..models.policy import frozen_copy, load_policy, save_policy
+from ..memory.precision import make_optimizer, optimizer_line
+from ..models.lora import adapters_disabled, has_lora, merge_into_base
+from ..models.policy import frozen_copy, load_run_policy, save_policy
 from ..options.epochs import with_epoch_steps
 from ..resolve import resolve_run_config
 from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
@@ -98,12 +98,8 @@ class GRPOTrainer:
         # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
         self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
         self.device = self.parallel.device
-        self.model, self.tokenizer = load_policy(model, processing_class, device=self.device, log=log,
-                                                 dtype=resolve_dtype(args.dtype, self.device),
-                                                 trust_remote_code=args.trust_remote_code, impl=args.model_impl)
-        peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
-        if peft_config is not None:  # LoRA: adapters injected in place; π_ref = the base model (adapters off)
-            apply_lora(self.model, peft_config)
+        self.model, self.tokenizer, self.pad_id = load_run_policy(model, processing_class, args, self.device,
+                                                                  peft_config=peft_config, log=log)
         self.train_rows = self.training_rows(train_dataset, args)
         # TRL's num_train_epochs: the steps follow from the rows (resolved before the config is frozen).
         args = with_epoch_steps(args, len(self.train_rows), self.parallel.world_size)
@@ -112,9 +108,6 @@ class GRPOTrainer:
                                               world_size=self.parallel.world_size, tools=self.toolbox is not None)
         if self.parallel.link is not None:  # the rollout link's message window covers the resolved staleness
             self.parallel.link.cover_staleness(args.max_staleness)
-        if self.tokenizer.eos_token_id is None:
-            raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
         env_reward = environment_reward(self.toolbox.environment_factory) if self.toolbox is not None else None

@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 
 from ..errors import CohortError
+from ..memory.precision import resolve_dtype
 from . import tiny
 from .config import is_supported
 from .loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
                       missing_path_error, one_line)
-from .lora import has_lora, merged_state_dict, save_adapter
+from .lora import apply_lora, has_lora, lora_config_from_args, merged_state_dict, save_adapter
 from .modeling import CausalLM
 
 
@@ -35,6 +36,23 @@ def _hf_model_type(path: Path) -> str | None:
         except json.JSONDecodeError:
             raise CohortError(f"{config} is not valid JSON; the model folder is damaged") from None
     return None
+
+
+def load_run_policy(model, processing_class, args, device: torch.device, *, peft_config=None, log=print):
+    """A rank's policy for a run, the same on trainer and sampling ranks: (model, tokenizer, pad id), loaded as
+    `args` says (dtype, implementation, remote code), with LoRA adapters injected in place when asked (`peft_config`,
+    else the config's lora options). Padding uses EOS where the tokenizer has no pad token; a tokenizer without
+    EOS is refused, since completions could never end."""
+    model, tokenizer = load_policy(model, processing_class, device=device, log=log,
+                                   dtype=resolve_dtype(args.dtype, device), trust_remote_code=args.trust_remote_code,
+                                   impl=args.model_impl)
+    peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
+    if peft_config is not None:  # π_ref is then the base model (adapters off)
+        apply_lora(model, peft_config)
+    if tokenizer.eos_token_id is None:
+        raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return model, tokenizer, pad_id
 
 
 def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl: str = "auto", log=print,

@@ -18,9 +18,7 @@ from typing import Callable
 
 from ..algorithm.determinism import cpu_determinism, seed_everything
 from ..errors import CohortError
-from ..memory.precision import resolve_dtype
-from ..models.lora import apply_lora, lora_config_from_args
-from ..models.policy import load_policy
+from ..models.policy import load_run_policy
 from ..resolve import resolve_run_config
 from ..run.disaggregation import samples_here
 from ..run.distributed import Parallel
@@ -54,20 +52,14 @@ class SamplingRank:
         # The same process groups as the trainers make.
         self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
         device = self.parallel.device
-        self.model, self.tokenizer = load_policy(model, processing_class, device=device, log=log,
-                                                 dtype=resolve_dtype(args.dtype, device),
-                                                 trust_remote_code=args.trust_remote_code, impl=args.model_impl)
-        peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
-        if peft_config is not None:  # the trainers' parameters, adapters included, arrive in this copy
-            apply_lora(self.model, peft_config)
+        # The trainers' parameters, LoRA adapters included, arrive in this copy.
+        self.model, self.tokenizer, pad_id = load_run_policy(model, processing_class, args, device,
+                                                             peft_config=peft_config, log=log)
         # Settled as the trainers settle theirs (cohort/resolve.py), from the same model and tools, so both sides
         # agree on partial_rollouts and max_staleness without a message.
         self.args = args = resolve_run_config(args, model=self.model, device=device,
                                               world_size=self.parallel.world_size, tools=toolbox is not None)
         self.parallel.link.cover_staleness(args.max_staleness)
-        if self.tokenizer.eos_token_id is None:
-            raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.server = build_rollout_server(args, self.model, self.tokenizer, pad_id, toolbox, self.parallel.link,
                                            sampler_factory)
 
