@@ -141,7 +141,7 @@ def job_failure_line(folder: Path, rollout_gpus: int, world_size: int) -> str | 
         rank = killed[0][1]
         what = f"was killed by {failures[str(rank)]['signal']}"
         if failures[str(rank)]["signal"] == "SIGABRT":
-            what += " (NCCL's watchdog aborts a rank whose collective ran past --ddp_timeout)"
+            what += " (an abort: on GPUs, NCCL's watchdog aborts a rank whose collective ran past --ddp_timeout)"
     elif reports:
         rank = min(reports, key=lambda r: (LOST_COLLECTIVE in reports[r]["line"], reports[r]["time"]))
         what = reports[rank]["line"]
