@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import re
 import sys
 from pathlib import Path
@@ -118,38 +117,6 @@ METRICS: list[tuple[str, str, str]] = [
 ]
 
 
-def sections(cls) -> list[tuple[str, str, list[str]]]:
-    """(title, description, field names) for each block of the class body that a comment opens after a
-    blank line (or the class line); the title is the comment up to its first '. ', ': ' or '; '."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    out: list[tuple[str, str, list[str]]] = []
-    comment: list[str] = []
-    previous_blank = True
-    source = inspect.getsource(cls).splitlines()
-    body = source[next(i for i, line in enumerate(source) if line.lstrip().startswith("class ")) + 1:]
-    for line in body:
-        text = line.strip()
-        if text.startswith("@") or text.startswith("def "):
-            break
-        if text.startswith("#"):
-            if previous_blank or comment:
-                comment.append(text.lstrip("#").strip())
-            previous_blank = False
-            continue
-        if comment:
-            description = " ".join(comment)
-            title = re.split(r"(?<=[^\s(])[.:;](?:\s|$)", description, maxsplit=1)[0]
-            out.append((re.sub(r"\s*\([^)]*\)", "", title).strip(), description, []))
-            comment = []
-        match = re.match(r"(\w+)\s*:", text)
-        if match and match.group(1) in names:
-            if not out:
-                out.append(("Options", "", []))
-            out[-1][2].append(match.group(1))
-        previous_blank = not text
-    return out
-
-
 def default_text(f: dataclasses.Field) -> str:
     if "default_text" in f.metadata:  # a default that depends on where it is read, described
         return f"`{f.metadata['default_text']}`"
@@ -182,9 +149,10 @@ def render() -> str:
     sys.path.insert(0, str(ROOT))
     from cohort.choices import CHOICES
     from cohort.config import GRPOConfig
+    from cohort.options.command_line import option_sections
 
     fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-    groups = sections(GRPOConfig)
+    groups = option_sections(GRPOConfig)
     listed = [name for _, _, names in groups for name in names]
     missing = [name for name in fields if name not in listed]
     if missing or len(listed) != len(set(listed)) or set(listed) - set(fields):

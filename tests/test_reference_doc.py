@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from cohort.config import GRPOConfig
+from cohort.options.command_line import option_sections
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -48,7 +49,7 @@ def test_every_option_has_help_and_a_section():
     for f in dataclasses.fields(GRPOConfig):
         text = f.metadata.get("help", "")
         assert isinstance(text, str) and text.strip(), f"GRPOConfig.{f.name} has no help text"
-    listed = [name for _, _, names in generator().sections(GRPOConfig) for name in names]
+    listed = [name for _, _, names in option_sections(GRPOConfig) for name in names]
     assert sorted(listed) == sorted(FIELDS)
     reference = (DOCS / "reference.md").read_text(encoding="utf-8")
     assert all(f"| `{name}` |" in reference for name in FIELDS)

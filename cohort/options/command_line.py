@@ -241,17 +241,15 @@ def type_text(name: str) -> str:
     return text + ("|none" if optional and name not in ("task",) else "")
 
 
-def sections() -> list[tuple[str, list[str]]]:
-    """(title, field names) for each block of `GRPOConfig` that a comment opens after a blank line; the
-    title is the comment up to its first '.', ':' or ';' (docs/generate_reference.py groups the same way)."""
-    names = [f.name for f in dataclasses.fields(GRPOConfig)]
-    try:
-        source = inspect.getsource(GRPOConfig).splitlines()
-    except (OSError, TypeError):  # no source at hand: one group
-        return [("Options", names)]
-    out: list[tuple[str, list[str]]] = []
+def option_sections(cls) -> list[tuple[str, str, list[str]]]:
+    """(title, description, field names) for each block of the dataclass `cls` that a comment opens after a
+    blank line (or the class line); the title is the comment up to its first '. ', ': ' or '; '. `--help`
+    and docs/reference.md group the options this way. Raises OSError/TypeError when no source is at hand."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    out: list[tuple[str, str, list[str]]] = []
     comment: list[str] = []
     previous_blank = True
+    source = inspect.getsource(cls).splitlines()
     body = source[next(i for i, line in enumerate(source) if line.lstrip().startswith("class ")) + 1:]
     for line in body:
         text = line.strip()
@@ -263,17 +261,28 @@ def sections() -> list[tuple[str, list[str]]]:
             previous_blank = False
             continue
         if comment:
-            title = re.split(r"(?<=[^\s(])[.:;](?:\s|$)", " ".join(comment), maxsplit=1)[0]
-            out.append((re.sub(r"\s*\([^)]*\)", "", title).strip(), []))
+            description = " ".join(comment)
+            title = re.split(r"(?<=[^\s(])[.:;](?:\s|$)", description, maxsplit=1)[0]
+            out.append((re.sub(r"\s*\([^)]*\)", "", title).strip(), description, []))
             comment = []
         match = re.match(r"(\w+)\s*:", text)
         if match and match.group(1) in names:
             if not out:
-                out.append(("Options", []))
-            out[-1][1].append(match.group(1))
+                out.append(("Options", "", []))
+            out[-1][2].append(match.group(1))
         previous_blank = not text
-    listed = [name for _, group in out for name in group]
-    if sorted(listed) != sorted(names):
+    return out
+
+
+def sections() -> list[tuple[str, list[str]]]:
+    """(title, field names) of `GRPOConfig`'s blocks (`option_sections`); one group when its source is not at
+    hand or the blocks miss a field."""
+    names = [f.name for f in dataclasses.fields(GRPOConfig)]
+    try:
+        out = [(title, group) for title, _, group in option_sections(GRPOConfig)]
+    except (OSError, TypeError):
+        return [("Options", names)]
+    if sorted(name for _, group in out for name in group) != sorted(names):
         return [("Options", names)]
     return out
 
