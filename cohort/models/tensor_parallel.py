@@ -1,0 +1,241 @@
+"""One rank's shard of the decoder for tensor-parallel inference (Megatron-LM; Shoeybi et al. 2019).
+
+A model too large, or a decode step too slow, for one GPU is split over T ranks of a process group:
+every rank runs every layer on all tokens, but holds 1/T of each weight matrix and computes 1/T of
+each layer's work. The split follows Megatron-LM, which needs two all-reduces per decoder layer:
+
+- Attention is split by head. Rank r owns query heads [r·H/T, (r+1)·H/T) and KV heads
+  [r·H_kv/T, (r+1)·H_kv/T): the rows of q/k/v_proj (and of Qwen2's q/k/v biases) that produce them.
+  Grouped-query attention stays within a rank, since T divides H_kv and query head h reads KV head
+  h // (H / H_kv). Its KV cache holds only its own KV heads. Qwen3's q/k norms normalise each head
+  with one head_dim-sized weight shared by all heads: every rank keeps the whole weight.
+  o_proj is split by its input columns (row-parallel): each rank's product is a partial sum of the
+  output, summed by one all-reduce; a bias is added once, after it.
+- The SwiGLU MLP is split the same way: gate/up by output rows (column-parallel; the gate's
+  elementwise product needs no communication), down_proj by input columns, then one all-reduce.
+- The vocabulary is split into T contiguous slices, of ceil(V/T) rows each: the embedding looks up
+  the ids of its slice (zeros for the others) and an all-reduce sums the slices; the LM head returns
+  this rank's slice of the logits, `[..., ceil(V/T)]`, never the full `[..., V]` (a vocabulary-
+  parallel sampler reduces over ranks instead; `gather_logits` assembles the full logits, for tests).
+  A vocabulary T does not divide is padded to T·ceil(V/T): padded rows embed nothing real and their
+  logits are -inf, so a softmax or an argmax over the ranks never picks them. Tied embeddings stay
+  tied: the embedding and the head own the same slice.
+
+A shard is a `CausalLM` built from a config with H/T heads, H_kv/T KV heads, I/T MLP columns and
+ceil(V/T) tokens, whose o_proj, down_proj, embedding and head are replaced by the subclasses below:
+the decoder's code, its KV-cache path (prefill, then decode steps) and `KVCache.for_model` serve it
+unchanged. It is for inference: its parameters do not require gradients, and the all-reduces are
+not differentiable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from cohort.errors import CohortError
+from cohort.models.config import ModelConfig
+from cohort.models.modeling import CausalLM
+
+# Weights split by output rows (their biases too) and by input columns; the rest is replicated.
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+VOCABULARY_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+SIZE_OPTION = "--rollout_tensor_parallel_size"
+
+
+def check_tensor_parallel_size(config: ModelConfig, size: int, group_size: int | None = None) -> None:
+    """Refuse, as one CohortError line naming the numbers, a T that cannot split `config` over a group
+    of `group_size` ranks: T must divide the query heads, the KV heads and the MLP width, and the
+    group must have exactly T ranks. (The vocabulary is padded, so any T splits it.)"""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise CohortError(f"{SIZE_OPTION} {size!r} is not a positive whole number; choose 1 or more")
+    for count, what in ((config.num_attention_heads, "attention heads"), (config.num_key_value_heads, "KV heads"),
+                        (config.intermediate_size, "MLP columns (intermediate_size)")):
+        if count % size:
+            raise CohortError(f"{SIZE_OPTION} {size} does not divide the model's {count} {what}; "
+                              f"choose a {SIZE_OPTION} that divides {count}")
+    if group_size is None or size == 1:
+        return
+    if size > group_size:
+        raise CohortError(f"{SIZE_OPTION} {size} is more than the {group_size} rank(s) of its process group; "
+                          f"choose at most {group_size}, or start {size} processes (torchrun)")
+    if size < group_size:
+        raise CohortError(f"{SIZE_OPTION} {size} splits the model over {size} ranks, but its process group has "
+                          f"{group_size}; pass a group of {size} ranks (torch.distributed.new_subgroups)")
+
+
+def local_vocab_size(vocab_size: int, size: int) -> int:
+    """Rows of each rank's vocabulary slice: ceil(V / T) (the last slice padded)."""
+    return -(-vocab_size // size)
+
+
+def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The config of one rank's shard: H/T heads, H_kv/T KV heads, I/T MLP columns, ceil(V/T) tokens
+    (hidden size and head_dim unchanged, so attention scales and RoPE are those of the full model)."""
+    check_tensor_parallel_size(config, size)
+    return dataclasses.replace(
+        config, num_attention_heads=config.num_attention_heads // size,
+        num_key_value_heads=config.num_key_value_heads // size, intermediate_size=config.intermediate_size // size,
+        vocab_size=local_vocab_size(config.vocab_size, size), extra=dict(config.extra))
+
+
+def shard_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig, rank: int,
+                     size: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s slices of a full `CausalLM` state dict (same names, each tensor a copy, so the
+    full tensors can be freed). A tied checkpoint may lack lm_head.weight."""
+    check_tensor_parallel_size(config, size)
+    shard = {}
+    for name, tensor in state.items():
+        parts = name.split(".")
+        module = parts[-2] if len(parts) > 1 else ""
+        if name in VOCABULARY_PARALLEL:
+            rows = local_vocab_size(config.vocab_size, size)
+            padding = rows * size - tensor.shape[0]
+            if padding:
+                tensor = torch.cat([tensor, tensor.new_zeros(padding, *tensor.shape[1:])])
+            piece = tensor[rank * rows: (rank + 1) * rows]
+        elif module in COLUMN_PARALLEL:
+            piece = tensor.chunk(size, dim=0)[rank]
+        elif module in ROW_PARALLEL and name.endswith(".weight"):
+            piece = tensor.chunk(size, dim=1)[rank]
+        else:  # norms (Qwen3's per-head q/k norms too) and row-parallel biases: every rank keeps them whole
+            piece = tensor
+        shard[name] = piece.detach().clone(memory_format=torch.contiguous_format)
+    return shard
+
+
+def all_reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Sum `tensor` over `group` in place (nothing to do without one: a single-rank shard)."""
+    if group is not None:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x_r · W_r^T) + b: this rank's input columns of a linear layer, the ranks' partial
+    products summed by one all-reduce, the bias added once after it (not once per rank)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group):
+        super().__init__(in_features, out_features, bias=bias)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce_sum(F.linear(x, self.weight), self.group)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The rows of token ids [vocab_start, vocab_start + num_embeddings): ids of other slices embed
+    to zero here, and the all-reduce adds the one rank's row that owns each id."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, vocab_start: int, group):
+        super().__init__(num_embeddings, embedding_dim)
+        self.vocab_start = vocab_start
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce_sum(hidden.masked_fill(outside[..., None], 0.0), self.group)
+
+
+class VocabParallelHead(nn.Linear):
+    """This rank's slice of the logits; columns past the real vocabulary (the padding of the last
+    slices) are -inf, so they take no probability and are never sampled."""
+
+    def __init__(self, in_features: int, out_features: int, real_columns: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.real_columns = real_columns
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        if self.real_columns < self.out_features:
+            logits[..., self.real_columns:] = float("-inf")
+        return logits
+
+
+class TensorParallelCausalLM(CausalLM):
+    """Rank `rank` of a `size`-way tensor-parallel split of a model of `full_config` (see the module
+    docstring); its forward returns this rank's vocabulary slice of the logits. `config` is the
+    shard's (its head counts size KVCache.for_model per rank); `full_config` the whole model's."""
+
+    def __init__(self, full_config: ModelConfig, rank: int, size: int, group=None):
+        super().__init__(shard_config(full_config, size))
+        self.full_config = full_config
+        self.tensor_parallel_rank, self.tensor_parallel_size, self.group = rank, size, group
+        config = self.config
+        hidden, rows = config.hidden_size, config.vocab_size
+        self.vocab_start = rank * rows
+        self.vocab_stop = min(self.vocab_start + rows, full_config.vocab_size)  # the real ids end here
+        self.model.embed_tokens = VocabParallelEmbedding(rows, hidden, self.vocab_start, group)
+        self.lm_head = VocabParallelHead(hidden, rows, max(0, self.vocab_stop - self.vocab_start))
+        for layer in self.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            attention.o_proj = RowParallelLinear(attention.o_proj.in_features, hidden, config.o_bias, group)
+            mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features, hidden, config.mlp_bias, group)
+        self.tie_weights()
+
+    def save_pretrained(self, out_dir, state: dict | None = None):
+        raise CohortError("a tensor-parallel shard holds 1/T of the model and cannot be saved as one; "
+                          "save the full model it was split from")
+
+
+def process_group_rank_size(group) -> tuple[int, int]:
+    """(this process's rank in `group`, the group's size); (0, 1) when torch.distributed is not started."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def load_shard(config: ModelConfig, state: Mapping[str, torch.Tensor], group=None, size: int | None = None,
+               device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> TensorParallelCausalLM:
+    """This rank's shard of the model `config` with full weights `state`, split over `group` (default:
+    the whole world) into `size` ranks (default: the group's size), in eval mode, on `device` and in
+    `dtype` (default: those of `state`). Every rank of the group calls it; none communicates here."""
+    rank, group_size = process_group_rank_size(group)
+    size = group_size if size is None else size
+    check_tensor_parallel_size(config, size, group_size)
+    if size == 1:  # one rank holds everything: nothing to split, nothing to communicate
+        rank, group = 0, None
+    elif group is None:
+        group = dist.group.WORLD
+    first = next(iter(state.values()))
+    device, dtype = torch.device(device or first.device), dtype or first.dtype
+    pieces = shard_state_dict(state, config, rank, size)
+    if config.tie_word_embeddings:
+        pieces.pop("lm_head.weight", None)
+    with torch.device("meta"):  # no random init of weights about to be replaced
+        shard = TensorParallelCausalLM(config, rank, size, group)
+    missing, unexpected = shard.load_state_dict(pieces, strict=False, assign=True)
+    missing = sorted(set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    if missing or unexpected:
+        raise CohortError(f"the weights to split do not fit a {config.model_type} model of this config "
+                          f"(missing {missing[:3]}, unexpected {sorted(unexpected)[:3]}); pass the full model's state dict")
+    shard.tie_weights()  # assign=True gave the embedding a new tensor: the head must share it again
+    shard.requires_grad_(False)
+    return shard.to(device=device, dtype=dtype).eval()
+
+
+def shard_model(model: CausalLM, group=None, size: int | None = None) -> TensorParallelCausalLM:
+    """This rank's shard of `model` (a full `CausalLM`, left as it is), on its device and in its dtype."""
+    return load_shard(model.config, model.state_dict(), group, size, model.device, model.dtype)
+
+
+def gather_logits(local_logits: torch.Tensor, group=None, vocab_size: int | None = None) -> torch.Tensor:
+    """The full logits `[..., V]` from every rank's slice (an all-gather; padding cut at `vocab_size`).
+    For tests and checks only: the sampler works on the slices."""
+    _, size = process_group_rank_size(group)
+    pieces = [local_logits]
+    if size > 1:
+        pieces = [torch.empty_like(local_logits) for _ in range(size)]
+        dist.all_gather(pieces, local_logits.contiguous(), group=group)
+    full = torch.cat(pieces, dim=-1)
+    return full if vocab_size is None else full[..., :vocab_size]
