@@ -31,7 +31,6 @@ not differentiable.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
 import torch
