@@ -378,28 +378,31 @@ def kl_run(tiny_dir, tmp_path_factory):
     return tiny_run(tiny_dir, tmp_path_factory.mktemp("kl_run"))
 
 
+def on_cpu(run, tiny_dir, folder, **overrides):
+    """`run` where it ran on the CPU; with the GPU visible (COHORT_TEST_GPU=1), the same run made on the CPU."""
+    if run[0].device.type == "cpu":
+        return run
+    return tiny_run(tiny_dir, folder, device="cpu", **overrides)
+
+
 @pytest.fixture(scope="module")
 def kl_run_on_cpu(kl_run, tiny_dir, tmp_path_factory):
-    """kl_run where it ran on the CPU; with the GPU visible (COHORT_TEST_GPU=1), the same run on the CPU."""
-    if kl_run[0].device.type == "cpu":
-        return kl_run
-    return tiny_run(tiny_dir, tmp_path_factory.mktemp("kl_run_cpu"), device="cpu")
+    return on_cpu(kl_run, tiny_dir, tmp_path_factory.mktemp("kl_run_cpu"))
+
+
+# β = 0, μ = 2 with a tight clip range and a large step, so the second update clips.
+CLIP_RUN = dict(beta=0.0, num_iterations=2, epsilon=0.01, learning_rate=3e-2)
 
 
 @pytest.fixture(scope="module")
 def clip_run_on_cpu(clip_run, tiny_dir, tmp_path_factory):
-    """clip_run where it ran on the CPU; with the GPU visible (COHORT_TEST_GPU=1), the same run on the CPU."""
-    if clip_run[0].device.type == "cpu":
-        return clip_run
-    return tiny_run(tiny_dir, tmp_path_factory.mktemp("clip_run_cpu"), beta=0.0, num_iterations=2, epsilon=0.01,
-                    learning_rate=3e-2, device="cpu")
+    return on_cpu(clip_run, tiny_dir, tmp_path_factory.mktemp("clip_run_cpu"), **CLIP_RUN)
 
 
 @pytest.fixture(scope="module")
 def clip_run(tiny_dir, tmp_path_factory):
     """β = 0, μ = 2 with a tight clip range and a large step, so the second update clips."""
-    return tiny_run(tiny_dir, tmp_path_factory.mktemp("clip_run"), beta=0.0, num_iterations=2, epsilon=0.01,
-                    learning_rate=3e-2)
+    return tiny_run(tiny_dir, tmp_path_factory.mktemp("clip_run"), **CLIP_RUN)
 
 
 ISSUE_METRICS = ("reward", "reward_std", "rewards/first_is_digit/mean", "rewards/first_is_digit/std",

@@ -92,10 +92,7 @@ class HostOffload:
         if not self.enabled:
             yield
             return
-        self.prefetch()
-        if self.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready)
-            self.ready = None
+        self.restore()
         self.host_stale = self.host_stale or modified
         yield
         self.evict()
