@@ -42,11 +42,14 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most probable tokens whose probability mass reaches `top_p`.
 
     A token is kept when the mass of the tokens ranked strictly above it is below `top_p`, so the
-    most probable token is always kept. 1.0 = off.
+    most probable token is always kept; tokens of equal logit are ranked by index. 1.0 = off.
     """
     if top_p >= 1.0:
         return logits
-    sorted_logits, sorted_index = torch.sort(logits, dim=-1, descending=True)
+    # Stable: tokens of equal logit are ranked by index, so where the cut falls inside a run of
+    # equal logits (common with bf16 logits) the lowest indices are kept, on every device, and a
+    # vocabulary split over ranks can make the same cut (cohort/rollout/vocab_parallel.py).
+    sorted_logits, sorted_index = torch.sort(logits, dim=-1, descending=True, stable=True)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_above = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     remove_sorted = mass_above >= top_p
@@ -86,10 +89,12 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
-def gumbel_noise(seed: torch.Tensor, draw: torch.Tensor, rows: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, vocab] from a counter-based generator (Salmon et al. 2011,
-    "Parallel random numbers: as easy as 1, 2, 3"): the number for (seed, draw, row, token) is a
-    hash of those four integers, not the next output of a stateful generator.
+def gumbel_noise(seed: torch.Tensor, draw: torch.Tensor, rows: torch.Tensor, vocab: int,
+                 vocab_start: int = 0) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, vocab] for the tokens vocab_start .. vocab_start + vocab - 1, from a
+    counter-based generator (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"):
+    the number for (seed, draw, row, token) is a hash of those four integers, not the next output
+    of a stateful generator.
 
     The engine passes row = the *global* index of the sequence (its row in the whole batch, over
     all ranks) and draw = the index of the token being drawn within that sequence, so a
@@ -98,11 +103,14 @@ def gumbel_noise(seed: torch.Tensor, draw: torch.Tensor, rows: torch.Tensor, voc
     processes (cohort/run/distributed.py). No generator state is involved, so a captured CUDA graph
     can sample: `seed`, `draw` and `rows` are device tensors the graph reads. Under
     torch.compile it is one elementwise kernel.
+    The token's number is its index in the whole vocabulary, so a rank holding the slice that
+    starts at `vocab_start` draws the very numbers one process draws for those columns
+    (cohort/rollout/vocab_parallel.py).
     seed: integer scalar; draw: integer scalar or [B]; rows: integer [B].
     """
     seed, draw, rows = seed.to(torch.int32), draw.to(torch.int32), rows.to(torch.int32)
     row_key = hash32(seed ^ hash32(draw * _int32(0x9E3779B9) + rows))  # [B]
-    token = torch.arange(vocab, device=rows.device, dtype=torch.int32)
+    token = torch.arange(vocab_start, vocab_start + vocab, device=rows.device, dtype=torch.int32)
     bits = hash32(row_key[:, None] ^ hash32(token * _int32(0x85EBCA6B))[None, :])  # [B, vocab]
     # 23 bits: (n + 0.5) / 2^23 is exact in float32 and strictly inside (0, 1). With 24 bits the
     # largest n + 0.5 rounds up to 2^24, u = 1 and g = +inf: that token would win whatever its
