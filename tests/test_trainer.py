@@ -94,6 +94,7 @@ def test_learnable_reward_rises_to_one(tiny_dir, tmp_path):
     assert max(rewards) >= 0.95, rewards
 
 
+@pytest.mark.cpu("the saved model's logits compared to 1e-4 with the trained one: float32 CPU weights (a GPU run trains in bf16)")
 def test_checkpoint_is_a_transformers_folder(tiny_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
