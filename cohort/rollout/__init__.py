@@ -2,8 +2,9 @@
 
 `sampler.py` is the interface (`Sampler`, `SamplingParams`, `Rollout`) and the Hugging Face
 `generate` fallback; the rest of the folder is the fast engine for cohort's own models: KV cache
-slots (`scheduler.py`), per-sequence state (`sequence.py`), device-side sampling (`sampling.py`),
-CUDA-graph decode (`cuda_graphs.py`) and the overlapped host checks (`overlap.py`).
+slots (`scheduler.py`), per-sequence state (`sequence.py`), device-side sampling (`sampling.py`; over
+vocabulary slices on a tensor-parallel shard, `token_sampler.py`), CUDA-graph decode (`cuda_graphs.py`)
+and the overlapped host checks (`overlap.py`).
 
 `make_sampler(model, tokenizer)` makes a sampler for any model: our own `CausalLM` gets the
 `Engine`; any other model gets Hugging Face `generate` (`HFGenerateSampler`). `setup.py` builds a

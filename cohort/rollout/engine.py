@@ -11,7 +11,9 @@ CUDA graph (`cuda_graphs.py`) whose elementwise pieces are torch.compile'd fused
 (`cohort.kernels.decode_attention`) and whose sampling is one Triton pass over the logits
 (`cohort.kernels.sampling`), so it launches a few kernels per layer. The model's own weights are used
 in place: no copy, so the policy being trained samples its rollouts, as GRPO requires
-(DeepSeekMath 2024, Algorithm 1, step "sample G outputs").
+(DeepSeekMath 2024, Algorithm 1, step "sample G outputs"). On a tensor-parallel shard
+(cohort/models/tensor_parallel.py) every rank runs the engine on its slice of the vocabulary's logits, and
+the ranks sample over their slices without gathering them (`token_sampler.py`, `vocab_parallel.py`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import torch
 from cohort.rollout.cuda_graphs import DecodeGraphs
 from cohort.rollout.overlap import HostProgress, Retirement, Snapshot, to_device
 from cohort.rollout.prefill import prefill
-from cohort.rollout.sampling import sample_from_logits, sampling_key
+from cohort.rollout.sampling import sampling_key
 from cohort.rollout.scheduler import Scheduler, batch_buckets, round_up_to_bucket
 from cohort.rollout.sequence import Sequence, SlotState, assemble_rollout
+from cohort.rollout.token_sampler import graph_capturable, shared_seed, tensor_parallel_size, token_sampler
 from cohort.rollout.turns import TurnHandler, TurnKeeper
 from cohort.errors import CohortError
 from cohort.models.cache import KVCache
@@ -76,6 +79,7 @@ class Engine:
         if check_interval < 1:
             raise CohortError(f"check_interval={check_interval}: it must be at least 1")
         self.model = model
+        self.sample = token_sampler(model)  # a tensor-parallel shard's logits are its slice of the vocabulary
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -112,6 +116,11 @@ class Engine:
         """G = num_generations completions per prompt, rows group-contiguous (see `Sampler`). With
         `turns`, a sequence that ends a turn with budget left asks it what follows (turns.py): a tool's
         result is appended and the sequence rejoins the batch, while the others keep decoding."""
+        # On a shard every rank would run each tool call itself, and when an answer is taken up depends on
+        # timing, so the ranks could schedule apart and their collectives stop matching.
+        if turns is not None and tensor_parallel_size(self.model) > 1:
+            raise CohortError("multi-turn rollouts (turns=) do not run on a tensor-parallel shard: every rank would "
+                              "run the tools; use --rollout_tensor_parallel_size 1 for tool-using rollouts")
         self._validate(prompt_ids, num_generations, params)
         longest = max(len(p) for p in prompt_ids)
         max_len = self._sequence_capacity(longest, longest + params.max_new_tokens)
@@ -156,7 +165,7 @@ class Engine:
         with sampling_mode(self.model, fused=self.compile_kernels):
             self._prepare(rows, max_len, params)
             seed = params.seed if params.seed is not None else int(torch.randint(2**31, (1,)).item())
-            self.state.begin(seed, list(params.eos_token_ids or []))
+            self.state.begin(shared_seed(self.model, seed), list(params.eos_token_ids or []))
             scheduler = Scheduler(num_slots, [b for b in buckets if b <= rows] if buckets else None)
             scheduler.add(sequences)
             self._turns = None if turns is None else TurnKeeper(turns, lambda seq: scheduler.add([seq]))
@@ -336,8 +345,9 @@ class Engine:
         if self.bucketed:
             furthest = -(-furthest // KV_LENGTH_STEP) * KV_LENGTH_STEP
         cache_len = max(1, min(furthest, self.cache.max_len))
+        step = self.graphs if graph_capturable(self.model, sampling) else self._decode_step  # see token_sampler.py
         for _ in range(steps):
-            self.graphs(width, cache_len, sampling)
+            step(width, cache_len, sampling)
         self._progress.steps += steps
         self.stats["decode_steps"] += steps
         self.stats["decode_row_steps"] += steps * width
@@ -398,14 +408,14 @@ class Engine:
         logits = self.model(state.next_token[:width, None], state.position[:width, None],
                             kv_cache=self.cache, cache_len=cache_len)[:, 0]
         # The noise of token `generated[s]` of global sequence `sequence[s]`: independent of the slot.
-        tokens, logprobs = sample_from_logits(logits, *sampling, seed=state.seed, draw=state.generated[:width],
-                                              rows=state.sequence[:width])
+        tokens, logprobs = self.sample(logits, *sampling, seed=state.seed, draw=state.generated[:width],
+                                       rows=state.sequence[:width])
         state.advance(width, tokens, logprobs)
         return tokens, logprobs
 
     def _prefill(self, admitted: list[Sequence], params: SamplingParams) -> None:
         """The admitted sequences into their rows, each with its first token (prefill.py)."""
-        counts = prefill(self.model, self.cache, self.state, admitted, params, self.prefill_tokens)
+        counts = prefill(self.model, self.cache, self.state, admitted, params, self.prefill_tokens, self.sample)
         for seq in admitted:
             self._progress.known(seq, 1, self._progress.steps)
         for key, value in counts.items():

@@ -15,15 +15,17 @@ from cohort.kernels.elementwise import fused_kernels
 from cohort.models.cache import KVCache
 from cohort.rollout.overlap import to_device
 from cohort.rollout.sampler import SamplingParams
-from cohort.rollout.sampling import sample_from_logits, sampling_key
+from cohort.rollout.sampling import sampling_key
 from cohort.rollout.sequence import Sequence, SlotState
+from cohort.rollout.token_sampler import TokenSampler
 from cohort.update.packing import prompt_groups
 
 
 def prefill(model, cache: KVCache, state: SlotState, admitted: list[Sequence], params: SamplingParams,
-            prefill_tokens: int) -> dict[str, int]:
-    """Prefill the `admitted` sequences (each already holds its slot) and start them in `state`. Returns the
-    counts the engine reports: forwards, padded tokens, rows that copied a shared prompt."""
+            prefill_tokens: int, sample: TokenSampler) -> dict[str, int]:
+    """Prefill the `admitted` sequences (each already holds its slot) and start them in `state`, their first
+    tokens drawn by `sample` (the engine's `token_sampler(model)`). Returns the counts the engine reports:
+    forwards, padded tokens, rows that copied a shared prompt."""
     groups = [[admitted[i] for i in group]
               for group in prompt_groups([seq.prompt for seq in admitted], max_rows=len(admitted))]
     groups.sort(key=lambda group: len(group[0].prompt))  # similar lengths pad less
@@ -33,7 +35,7 @@ def prefill(model, cache: KVCache, state: SlotState, admitted: list[Sequence], p
         end = start + 1
         while end < len(groups) and (end + 1 - start) * len(groups[end][0].prompt) <= prefill_tokens:
             end += 1
-        tokens, shared = prefill_chunk(model, cache, state, groups[start:end], params)
+        tokens, shared = prefill_chunk(model, cache, state, groups[start:end], params, sample)
         counts["prefill_forwards"] += 1
         counts["prefill_tokens"] += tokens
         counts["prefill_shared_rows"] += shared
@@ -42,7 +44,7 @@ def prefill(model, cache: KVCache, state: SlotState, admitted: list[Sequence], p
 
 
 def prefill_chunk(model, cache: KVCache, state: SlotState, groups: list[list[Sequence]],
-                  params: SamplingParams) -> tuple[int, int]:
+                  params: SamplingParams, sample: TokenSampler) -> tuple[int, int]:
     """One forward over the first sequence of each group; (padded tokens, rows that copied a prompt)."""
     device = model.device
     firsts = [group[0] for group in groups]
@@ -68,14 +70,15 @@ def prefill_chunk(model, cache: KVCache, state: SlotState, groups: list[list[Seq
         cache.share_prefix(to_device(list(source), device), to_device(list(target), device), width,
                            to_device(list(length), device))
     last = to_device([n - 1 for n in lengths], device)
-    # Logits only at each prompt's last position: the full [B, T, V] tensor would be huge.
+    # Logits only at each prompt's last position: the full [B, T, V] tensor would be huge. (A shard's head
+    # gives its slice of the vocabulary, which `sample` expects.)
     logits = model.lm_head(hidden[torch.arange(len(firsts), device=device), last])
     logits = logits[to_device([i for i, group in enumerate(groups) for _ in group], device)]
     # Token 0 of each sequence, keyed by its global index (params.sequence_offset + its row):
     # sequences sharing a prompt share its logits, not their draws.
     sequences = to_device([seq.noise_key(params.sequence_offset) for seq in chunk], device)
-    tokens, logprobs = sample_from_logits(logits, *sampling_key(params), seed=state.seed,
-                                          draw=torch.zeros_like(sequences), rows=sequences)
+    tokens, logprobs = sample(logits, *sampling_key(params), seed=state.seed,
+                              draw=torch.zeros_like(sequences), rows=sequences)
     limits = to_device([seq.limit for seq in chunk], device)
     prompt_lengths = to_device([len(seq.prompt) for seq in chunk], device)
     state.start(slots, tokens, logprobs, prompt_lengths, limits, sequences)

@@ -105,6 +105,12 @@ def sample_vocab_parallel(
     return tokens, chosen.float() - logsumexp.float()
 
 
+def reads_host(temperature: float, top_k: int, top_p: float, min_p: float, vocab_size: int) -> bool:
+    """Whether `sample_vocab_parallel` with these settings reads a result on the host (top-p without
+    top-k: whether to gather longer lists again), so that a CUDA graph cannot capture it."""
+    return temperature > 0.0 and top_p < 1.0 and not 0 < top_k < vocab_size
+
+
 def draw_unfiltered(scaled, perturbed, vocab_start, group):
     """Greedy or plain temperature sampling: one gather of each rank's best (score, index, logit)
     and (max, sum of exp)."""
