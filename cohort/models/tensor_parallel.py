@@ -25,7 +25,8 @@ A shard is a `CausalLM` built from a config with H/T heads, H_kv/T KV heads, I/T
 ceil(V/T) tokens, whose o_proj, down_proj, embedding and head are replaced by the subclasses below:
 the decoder's code, its KV-cache path (prefill, then decode steps) and `KVCache.for_model` serve it
 unchanged. It is for inference: its parameters do not require gradients, and the all-reduces are
-not differentiable.
+not differentiable. After each update, cohort/models/resharding.py copies the trainer's new weights
+into the shard in place (`rank_slice` defines each rank's part of a weight, for both).
 """
 
 from __future__ import annotations
@@ -85,27 +86,53 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
         vocab_size=local_vocab_size(config.vocab_size, size), extra=dict(config.extra))
 
 
+def rank_slice(name: str, tensor: torch.Tensor, config: ModelConfig, rank: int, size: int) -> torch.Tensor:
+    """The part of the full model's tensor `name` that rank `rank` of a `size`-way split holds, as a view
+    of `tensor` (no copy). The one definition of the Megatron-LM split (Shoeybi et al. 2019) that
+    `shard_state_dict` and the in-place updates of cohort/models/resharding.py share:
+
+    - q/k/v, gate/up (weights and biases): output rows [r·n/T, (r+1)·n/T) (heads, MLP columns);
+    - o_proj, down_proj weights: those input columns (their biases are added once, whole);
+    - embedding and LM head: the real rows of vocabulary slice r, [r·ceil(V/T), (r+1)·ceil(V/T)) cut at V,
+      so the last slices may have fewer rows than the shard (which pads them), or none;
+    - everything else (norms, Qwen3's per-head q/k norms, row-parallel biases): the whole tensor.
+
+    A tensor that cannot be split so (rows that are not the vocabulary's, a dimension T does not divide)
+    is refused with one CohortError line naming it."""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) > 1 else ""
+    if name in VOCABULARY_PARALLEL:
+        if tensor.dim() != 2 or tensor.shape[0] != config.vocab_size:
+            raise CohortError(f"{name} has shape {tuple(tensor.shape)}, but the model has {config.vocab_size} "
+                              "vocabulary rows; pass the weights of the model the shard was built from")
+        rows = local_vocab_size(config.vocab_size, size)
+        start = min(rank * rows, config.vocab_size)
+        return tensor[start: min(start + rows, config.vocab_size)]
+    if module in COLUMN_PARALLEL:
+        dim = 0
+    elif module in ROW_PARALLEL and name.endswith(".weight"):
+        dim = 1
+    else:
+        return tensor
+    if tensor.dim() <= dim or tensor.shape[dim] % size:
+        raise CohortError(f"{name} has shape {tuple(tensor.shape)}, which {size} ranks cannot split along "
+                          f"dimension {dim}; pass the weights of the model the shard was built from")
+    width = tensor.shape[dim] // size
+    return tensor.narrow(dim, rank * width, width)
+
+
 def shard_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig, rank: int,
                      size: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s slices of a full `CausalLM` state dict (same names, each tensor a copy, so the
-    full tensors can be freed). A tied checkpoint may lack lm_head.weight."""
+    """Rank `rank`'s slices (`rank_slice`) of a full `CausalLM` state dict (same names, each tensor a
+    copy, so the full tensors can be freed; vocabulary slices padded with zero rows to ceil(V/T)). A tied
+    checkpoint may lack lm_head.weight."""
     check_tensor_parallel_size(config, size)
+    rows = local_vocab_size(config.vocab_size, size)
     shard = {}
     for name, tensor in state.items():
-        parts = name.split(".")
-        module = parts[-2] if len(parts) > 1 else ""
-        if name in VOCABULARY_PARALLEL:
-            rows = local_vocab_size(config.vocab_size, size)
-            padding = rows * size - tensor.shape[0]
-            if padding:
-                tensor = torch.cat([tensor, tensor.new_zeros(padding, *tensor.shape[1:])])
-            piece = tensor[rank * rows: (rank + 1) * rows]
-        elif module in COLUMN_PARALLEL:
-            piece = tensor.chunk(size, dim=0)[rank]
-        elif module in ROW_PARALLEL and name.endswith(".weight"):
-            piece = tensor.chunk(size, dim=1)[rank]
-        else:  # norms (Qwen3's per-head q/k norms too) and row-parallel biases: every rank keeps them whole
-            piece = tensor
+        piece = rank_slice(name, tensor, config, rank, size)
+        if name in VOCABULARY_PARALLEL and piece.shape[0] < rows:
+            piece = torch.cat([piece, piece.new_zeros(rows - piece.shape[0], *piece.shape[1:])])
         shard[name] = piece.detach().clone(memory_format=torch.contiguous_format)
     return shard
 
