@@ -31,6 +31,78 @@ def test_placement_splits_trainers_and_samplers():
             Placement(world, k)
 
 
+def test_tensor_parallel_sampling_groups_are_consecutive_ranks_led_by_their_first():
+    six = Placement(world_size=6, rollout_gpus=4, tensor_parallel_size=2)  # 2 trainers, 2 groups of 2
+    assert six.groups == 2 and six.group_ranks(0) == [2, 3] and six.group_ranks(1) == [4, 5]
+    assert [six.server_of(t) for t in range(2)] == [2, 4]  # the leaders
+    assert six.served_by(2) == six.served_by(3) == [0] and six.served_by(4) == six.served_by(5) == [1]
+    assert [six.leader_of(r) for r in range(2, 6)] == [2, 2, 4, 4]
+    five = Placement(world_size=5, rollout_gpus=2, tensor_parallel_size=2)  # 3 trainers, one group serves all
+    assert five.served_by(3) == five.served_by(4) == [0, 1, 2] and five.server_of(2) == 3
+    plain = Placement(world_size=4, rollout_gpus=2)
+    assert [plain.leader_of(r) for r in (2, 3)] == [2, 3] and plain.groups == 2
+    with pytest.raises(CohortError, match="rollout_tensor_parallel_size=2 with rollout_gpus=3: .* must divide"):
+        Placement(world_size=5, rollout_gpus=3, tensor_parallel_size=2)
+    with pytest.raises(CohortError, match="2 sampling group\\(s\\) for 1 trainer rank\\(s\\): a group would serve no"):
+        Placement(world_size=5, rollout_gpus=4, tensor_parallel_size=2)
+    with pytest.raises(CohortError, match="rollout_tensor_parallel_size=3 does not divide rollout_gpus=4"):
+        GRPOConfig(rollout_gpus=4, async_rollouts=True, rollout_tensor_parallel_size=3).validate()
+    with pytest.raises(CohortError, match="rollout_tensor_parallel_size=0: give the number"):
+        GRPOConfig(rollout_tensor_parallel_size=0).validate()
+
+
+def test_a_groups_leader_relays_each_request_so_its_ranks_make_the_same_calls_and_only_it_replies(monkeypatch):
+    """Trainers 0 and 1, one sampling group of ranks 2 (leader) and 3: rank 3 reads every request, a
+    resumed trainer's pool included, from rank 2, makes the same sample calls, and sends nothing back."""
+    import pickle
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    from cohort.rollout import remote
+    from cohort.rollout.remote import RESTORE, ROLLOUT, SAMPLE, STOP, RolloutServer
+
+    monkeypatch.setattr(remote, "batch_state", lambda batch: {"rows": batch.rows})  # no engine: rows stand for it
+
+    placement = Placement(world_size=4, rollout_gpus=2, tensor_parallel_size=2)
+    wire = {(a, b): queue.Queue() for a in range(4) for b in range(4)}
+    calls = {2: [], 3: []}
+
+    def server(rank):
+        def sample(rows, seed, sequence_offset):
+            calls[rank].append((tuple(r["prompt"] for r in rows), seed, sequence_offset))
+            return SimpleNamespace(rows=list(rows))
+
+        return RolloutServer(QueueLink(placement, rank, wire, None), None, sample, group_size=1)
+
+    servers = {rank: server(rank) for rank in (2, 3)}
+    assert servers[2].trainers == servers[3].trainers == [0, 1]
+    assert servers[2].followers == [3] and servers[3].followers == [] and servers[3].leader == 2
+    for server_ in servers.values():
+        server_.use_weights_of = lambda version: None  # no weights travel in this test
+        server_.engine_calls = lambda trainers, requests: [[t] for t in trainers]
+    wire[(0, 2)].put(pickle.dumps((RESTORE, remote.GroupPool().state_dict())))
+    for step, trainer in ((1, 0), (1, 1), (2, 0), (2, 1)):
+        rows = [{"prompt": f"p{step}{trainer}"}]
+        wire[(trainer, 2)].put(pickle.dumps((SAMPLE, step, 0, rows, 7, trainer)))
+    for trainer in (0, 1):
+        wire[(trainer, 2)].put(pickle.dumps((STOP,)))
+    threads = {rank: threading.Thread(target=lambda r=rank: calls.setdefault(f"served{r}", servers[r].serve()))
+               for rank in (2, 3)}
+    for thread in threads.values():
+        thread.start()
+    for thread in threads.values():
+        thread.join(timeout=30)
+    assert calls[2] == calls[3] == [(("p10",), 7, 0), (("p11",), 7, 1), (("p20",), 7, 0), (("p21",), 7, 1)]
+    assert calls["served2"] == calls["served3"] == 4
+    replies = {t: [] for t in (0, 1)}
+    for trainer in (0, 1):
+        while not wire[(2, trainer)].empty():
+            replies[trainer].append(pickle.loads(wire[(2, trainer)].get())[:2])
+        assert wire[(3, trainer)].empty()  # the follower sends nothing to the trainers
+    assert replies == {0: [(ROLLOUT, 1), (ROLLOUT, 2)], 1: [(ROLLOUT, 1), (ROLLOUT, 2)]}
+
+
 def test_settings_that_cannot_work_are_refused():
     with pytest.raises(CohortError, match="pass async_rollouts=True"):
         GRPOConfig(rollout_gpus=1).validate()
@@ -107,11 +179,17 @@ def assert_same_training(out: Path, reference: Path, steps: slice = slice(None))
     assert worst <= TOLERANCE, worst
 
 
+@pytest.fixture(scope="module")
+def reference(root, tiny_dir):
+    """One process with asynchronous rollouts: what every placement below must train."""
+    out = root / "one"
+    run(root, [sys.executable, "-m", "cohort", "train", *options(tiny_dir, out, 4)], timeout=600)
+    assert [r["async/staleness"] for r in step_records(out)] == [0.0, 1.0, 1.0]
+    return out
+
+
 @pytest.mark.slow
-def test_two_trainers_and_a_sampler_train_what_one_process_trains_and_resume(root, tiny_dir):
-    reference = root / "one"
-    run(root, [sys.executable, "-m", "cohort", "train", *options(tiny_dir, reference, 4)], timeout=600)
-    assert [r["async/staleness"] for r in step_records(reference)] == [0.0, 1.0, 1.0]
+def test_two_trainers_and_a_sampler_train_what_one_process_trains_and_resume(root, tiny_dir, reference):
 
     split = root / "split"
     output = run(root, three_ranks(*options(tiny_dir, split, 2, "--rollout_gpus", "1")), timeout=600)
@@ -127,6 +205,19 @@ def test_two_trainers_and_a_sampler_train_what_one_process_trains_and_resume(roo
                  timeout=600)
     assert "cohort: rank 2 sampled 0 rollouts" in output  # step 3's came back from the checkpoint
     assert_same_training(resumed, reference, slice(-1, None))
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_sampling_group_trains_what_one_process_trains(root, tiny_dir, reference):
+    """One trainer, and ranks 1 and 2 as one sampling group over a 2-way split of the model (4 heads, 2 KV
+    heads, the vocabulary): the engine's tokens are one process's, its log-probs within float32 rounding."""
+    out = root / "tensor_parallel"
+    output = run(root, three_ranks(*options(tiny_dir, out, 4, "--rollout_gpus", "2",
+                                             "--rollout_tensor_parallel_size", "2")), timeout=600)
+    assert "rollouts: sampled on 2 rank(s) in 1 tensor-parallel group(s) of 2, max_staleness 1" in output
+    assert "cohort: rank 1 sampled 3 rollouts for trainer rank(s) 0" in output
+    assert "cohort: rank 2 sampled 3 rollouts for trainer rank(s) 0" in output  # the same calls, not sent
+    assert_same_training(out, reference)
 
 
 class QueueLink:

@@ -66,7 +66,7 @@ class GRPOTrainer:
                  tools=None, environment_factory=None, sampler_factory=None):
         # The raw values checked before anything loads, on a copy: the caller's config is never changed.
         self.args = args = (args or GRPOConfig()).validate()
-        if samples_here(args.rollout_gpus):
+        if samples_here(args.rollout_gpus, args.rollout_tensor_parallel_size):
             raise CohortError(f"GRPOTrainer on a rank that only samples (rollout_gpus={args.rollout_gpus}: the last "
                               "ranks): run cohort.SamplingRank(model, args).serve() there instead "
                               "(cohort.is_sampling_rank(args) tells the ranks apart)")
@@ -96,7 +96,7 @@ class GRPOTrainer:
         seed_everything(args.seed)
         prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
         # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
-        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
+        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus, args.rollout_tensor_parallel_size)
         self.device = self.parallel.device
         self.model, self.tokenizer, self.pad_id = load_run_policy(model, processing_class, args, self.device,
                                                                   peft_config=peft_config, log=log)
@@ -165,8 +165,10 @@ class GRPOTrainer:
             self.log(fast_path_line(args))
             self.log(optimizer_line(self.optimizer))
         if args.rollout_gpus:
-            self.log(f"rollouts: sampled on {args.rollout_gpus} rank(s), max_staleness {args.max_staleness}"
-                     + (", partial rollouts" if args.partial_rollouts else ""))
+            size = args.rollout_tensor_parallel_size
+            self.log(f"rollouts: sampled on {args.rollout_gpus} rank(s)"
+                     + (f" in {args.rollout_gpus // size} tensor-parallel group(s) of {size}" if size > 1 else "")
+                     + f", max_staleness {args.max_staleness}" + (", partial rollouts" if args.partial_rollouts else ""))
 
     def training_rows(self, train_dataset, args) -> list[dict]:
         """The rows prompts are drawn from. Without a train_dataset, an environment that writes the prompt in

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from ..errors import CohortError
+from ..models.resharding import update_shard_
 from .async_rollouts import batch_from_state, batch_state, steps_to_start, weights_snapshot
 from .batch import Batch, select_groups, without_extra_padding
 from .partial import GroupPool, PartialRollouts
@@ -130,10 +131,18 @@ class RolloutServer:
     pools of groups in flight (cohort/rollout/partial.py)."""
 
     def __init__(self, link, policy: torch.nn.Module, sample: Callable[..., Batch], group_size: int = 1,
-                 merge_requests: bool = False, partial: PartialRollouts | None = None):
+                 merge_requests: bool = False, partial: PartialRollouts | None = None, shard_layout=None):
         self.link, self.policy, self.sample = link, policy, sample
+        self.shard_layout = shard_layout  # `policy` is a tensor-parallel shard: the whole model's tensors
         self.group_size, self.merge_requests, self.partial = group_size, merge_requests, partial
-        self.trainers = link.placement.served_by(link.rank)
+        placement = link.placement
+        self.trainers = placement.served_by(link.rank)
+        # A tensor-parallel group (Placement): the leader reads the trainers' messages and relays each to the
+        # other ranks, which read them from the leader; every rank then makes the same engine calls, and only
+        # the leader replies.
+        self.leader = placement.leader_of(link.rank)
+        group = placement.group_ranks((self.leader - placement.trainers) // placement.tensor_parallel_size)
+        self.followers = group[1:] if self.leader == link.rank else []
         self.pools = {t: GroupPool() for t in self.trainers}
         self.version: int | None = None
         self.served = 0
@@ -141,10 +150,21 @@ class RolloutServer:
     def next_request(self, trainer: int):
         """The next request of `trainer`, after putting back the pool a resumed trainer returns."""
         while True:
-            message = self.link.receive(trainer)
+            if self.leader == self.link.rank:
+                message = self.link.receive(trainer)
+                for follower in self.followers:
+                    self.link.send(message, follower)
+            else:
+                message = self.link.receive(self.leader)
             if message[0] != RESTORE:
                 return message
             self.pools[trainer] = GroupPool.from_state(message[1])
+
+    def reply(self, message, trainer: int) -> None:
+        """Send `message` to `trainer`: the leader of a group does; the other ranks sampled the same."""
+        if self.leader == self.link.rank:
+            self.link.send(message, trainer)
+        self.served += 1
 
     def serve(self) -> int:
         """Serve until every trainer has stopped; the number of rollouts sampled."""
@@ -161,8 +181,7 @@ class RolloutServer:
                 blocks = [requests[t][3] for t in trainers]
                 batch = self.sample([row for block in blocks for row in block], seed, sequence_offset)
                 for trainer, part in zip(trainers, split_by_blocks(batch, [len(block) for block in blocks])):
-                    self.link.send((ROLLOUT, step, batch_state(part)), trainer)  # the engine's rollouts are on the CPU
-                    self.served += 1
+                    self.reply((ROLLOUT, step, batch_state(part)), trainer)  # the engine's rollouts are on the CPU
         self.link.flush()
         return self.served
 
@@ -186,16 +205,17 @@ class RolloutServer:
         pools = [self.pools[t] for t in trainers]
         results = self.partial(pools, [requests[t][3] for t in trainers], step, version, seed)
         for trainer, pool, (batch, oldest, _) in zip(trainers, pools, results):
-            state = {**batch_state(batch), "version": oldest, "pool": pool.state_dict()}
-            self.link.send((ROLLOUT, step, state), trainer)
-            self.served += 1
+            self.reply((ROLLOUT, step, {**batch_state(batch), "version": oldest, "pool": pool.state_dict()}), trainer)
 
     @torch.no_grad()
     def use_weights_of(self, version: int) -> None:
         """The policy after `version` updates in this rank's copy: rank 0 broadcasts each version once, when the
         first request that needs it is served."""
         if version != self.version:
-            self.link.receive_weights(list(self.policy.state_dict().values()), version)
+            if self.shard_layout is None:
+                self.link.receive_weights(list(self.policy.state_dict().values()), version)
+            else:  # each whole tensor in turn, this rank's slice of it copied into the shard in place
+                update_shard_(self.policy, self.link.weights_one_by_one(self.shard_layout, self.policy.device, version))
             self.version = version
 
 

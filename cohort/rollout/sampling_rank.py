@@ -18,7 +18,10 @@ from typing import Callable
 
 from ..algorithm.determinism import cpu_determinism, seed_everything
 from ..errors import CohortError
+from ..models.lora import has_lora
+from ..models.modeling import CausalLM
 from ..models.policy import load_run_policy
+from ..models.tensor_parallel import shard_model
 from ..resolve import resolve_run_config
 from ..run.disaggregation import samples_here
 from ..run.distributed import Parallel
@@ -28,10 +31,33 @@ from .sampler import Sampler
 from .setup import build_rollout_server
 
 
+def split_for_sampling(model, group, args, tools: bool):
+    """(this rank's tensor-parallel shard of `model`, the whole model's tensors as (name, shape, dtype) in
+    state-dict order: the layout of rank 0's weight broadcast). Refused, in one line, where the split
+    cannot work: a model cohort does not implement itself (sampled through Hugging Face `generate`),
+    LoRA adapters (peft's wrappers are not split) and tool turns (every rank of a group would run the tool)."""
+    size = args.rollout_tensor_parallel_size
+    if not isinstance(model, CausalLM):
+        raise CohortError(f"rollout_tensor_parallel_size={size} needs a model cohort implements itself (Llama, "
+                          f"Mistral, Qwen2, Qwen3); {type(model).__name__} is sampled through Hugging Face generate: "
+                          "use --rollout_tensor_parallel_size 1")
+    if has_lora(model):
+        raise CohortError(f"rollout_tensor_parallel_size={size} with LoRA adapters is not supported (their layers "
+                          "are not split); use --rollout_tensor_parallel_size 1 (LoRA's memory need is the base "
+                          "model's, bf16) or train the full model")
+    if tools:
+        raise CohortError(f"rollout_tensor_parallel_size={size} with tools is not supported (every rank of a "
+                          "sampling group would run each tool call); use --rollout_tensor_parallel_size 1")
+    layout = [(name, tensor.shape, tensor.dtype) for name, tensor in model.state_dict().items()]
+    shard = shard_model(model, group)
+    model.to("meta")  # the whole copy's memory goes before the engine takes its KV cache
+    return shard, layout
+
+
 def is_sampling_rank(args) -> bool:
     """Whether this process (torchrun's RANK among WORLD_SIZE) is one of the last `args.rollout_gpus` ranks,
     which run a `SamplingRank` instead of a `GRPOTrainer`."""
-    return samples_here(args.rollout_gpus)
+    return samples_here(args.rollout_gpus, args.rollout_tensor_parallel_size)
 
 
 class SamplingRank:
@@ -50,7 +76,8 @@ class SamplingRank:
         toolbox = make_toolbox(tools, environment_factory, args, task)
         seed_everything(args.seed)
         # The same process groups as the trainers make.
-        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
+        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus,
+                                          args.rollout_tensor_parallel_size)
         device = self.parallel.device
         # The trainers' parameters, LoRA adapters included, arrive in this copy.
         self.model, self.tokenizer, pad_id = load_run_policy(model, processing_class, args, device,
@@ -60,8 +87,12 @@ class SamplingRank:
         self.args = args = resolve_run_config(args, model=self.model, device=device,
                                               world_size=self.parallel.world_size, tools=toolbox is not None)
         self.parallel.link.cover_staleness(args.max_staleness)
+        layout = None
+        if args.rollout_tensor_parallel_size > 1:  # this rank keeps its shard; the whole model goes
+            self.model, layout = split_for_sampling(self.model, self.parallel.link.tensor_parallel_group, args,
+                                                    toolbox is not None)
         self.server = build_rollout_server(args, self.model, self.tokenizer, pad_id, toolbox, self.parallel.link,
-                                           sampler_factory)
+                                           sampler_factory, shard_layout=layout)
 
     @property
     def sampler(self) -> Sampler:

@@ -69,13 +69,14 @@ def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None 
 
 
 def build_rollout_server(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None, link,
-                         sampler_factory: Callable[..., Sampler] | None = None) -> RolloutServer:
+                         sampler_factory: Callable[..., Sampler] | None = None, shard_layout=None) -> RolloutServer:
     """A sampling rank's `RolloutServer` for the trainers `link` connects it to; the arguments are
-    `build_rollouts`'s."""
+    `build_rollouts`'s. shard_layout: with a tensor-parallel shard as `model`, the whole model's tensors
+    (`split_for_sampling`), which rank 0's weight broadcast sends."""
     sampler = (sampler_factory or make_sampler)(model, tokenizer)
     group_sampler = GroupSampler(sampler, tokenizer, args, pad_id, toolbox)
     # One engine call per step for all the trainers served: our engine's noise is keyed by each
     # completion's index in the step's batch, so merged calls draw what separate ones would.
     return RolloutServer(link, model, group_sampler, group_size=args.num_generations,
                          merge_requests=isinstance(sampler, Engine) and toolbox is None,
-                         partial=partial_rollouts(args, sampler, group_sampler, pad_id))
+                         partial=partial_rollouts(args, sampler, group_sampler, pad_id), shard_layout=shard_layout)

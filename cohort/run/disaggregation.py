@@ -34,48 +34,83 @@ from .faults import wait_all, waiting_for, withheld_weights
 
 @dataclass(frozen=True)
 class Placement:
-    """Which ranks train and which sample, and who serves whom."""
+    """Which ranks train and which sample, and who serves whom.
+
+    With `tensor_parallel_size` T > 1 the K sampling ranks form K / T groups of T consecutive ranks, each
+    group one engine over a T-way shard of the model (cohort/models/tensor_parallel.py). The first rank of
+    a group, its leader, talks to the trainers: it reads their requests, relays each to the group's other
+    ranks (so every rank of the group runs the same engine call) and sends the rollouts back."""
 
     world_size: int
     rollout_gpus: int
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if not 0 < self.rollout_gpus < self.world_size:
             raise CohortError(f"rollout_gpus={self.rollout_gpus} with {self.world_size} ranks: at least one rank must "
                               f"train and one sample; give 1 to {self.world_size - 1}, or start more processes")
+        size = self.tensor_parallel_size
+        if size < 1 or self.rollout_gpus % size:
+            raise CohortError(f"rollout_tensor_parallel_size={size} with rollout_gpus={self.rollout_gpus}: the sampling "
+                              "ranks form groups of that many ranks, so it must divide rollout_gpus (e.g. "
+                              f"--rollout_gpus {max(size, 1) * max(1, self.rollout_gpus // max(size, 1))})")
+        if self.groups > self.trainers:
+            raise CohortError(f"rollout_gpus={self.rollout_gpus} in {self.groups} sampling group(s) for {self.trainers} "
+                              "trainer rank(s): a group would serve no trainer; use fewer sampling ranks or a larger "
+                              "--rollout_tensor_parallel_size")
 
     @property
     def trainers(self) -> int:
         return self.world_size - self.rollout_gpus
 
+    @property
+    def groups(self) -> int:
+        """How many sampling groups (engines) there are."""
+        return self.rollout_gpus // self.tensor_parallel_size
+
     def samples(self, rank: int) -> bool:
         return rank >= self.trainers
 
+    def group_ranks(self, group: int) -> list[int]:
+        """The ranks of sampling group `group`, its leader first."""
+        first = self.trainers + group * self.tensor_parallel_size
+        return list(range(first, first + self.tensor_parallel_size))
+
+    def leader_of(self, rank: int) -> int:
+        """The leader of sampling rank `rank`'s group (itself when it leads or T = 1)."""
+        return rank - (rank - self.trainers) % self.tensor_parallel_size
+
     def server_of(self, trainer: int) -> int:
-        """The sampling rank that serves trainer rank `trainer`: the trainers in K blocks of consecutive ranks
-        (sizes differing by one at most), so a sampling rank's trainers own consecutive completions of a step."""
-        return self.trainers + trainer * self.rollout_gpus // self.trainers
+        """The sampling rank (a group's leader) that serves trainer rank `trainer`: the trainers in one block of
+        consecutive ranks per group (sizes differing by one at most), so a group's trainers own consecutive
+        completions of a step."""
+        return self.group_ranks(trainer * self.groups // self.trainers)[0]
 
     def served_by(self, server: int) -> list[int]:
-        """The trainer ranks sampling rank `server` serves, in rank order."""
-        return [t for t in range(self.trainers) if self.server_of(t) == server]
+        """The trainer ranks the group of sampling rank `server` serves, in rank order."""
+        leader = self.leader_of(server)
+        return [t for t in range(self.trainers) if self.server_of(t) == leader]
 
 
-def samples_here(rollout_gpus: int) -> bool:
+def samples_here(rollout_gpus: int, tensor_parallel_size: int = 1) -> bool:
     """Whether this process, by torchrun's RANK and WORLD_SIZE, is one of the last `rollout_gpus` ranks, which
     only sample; False in a single process (where rollout_gpus > 0 fails later, with its own message)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if not rollout_gpus or world_size <= 1:
         return False
-    return Placement(world_size, rollout_gpus).samples(int(os.environ.get("RANK", "0")))
+    return Placement(world_size, rollout_gpus, tensor_parallel_size).samples(int(os.environ.get("RANK", "0")))
 
 
 class RolloutLink:
     """This rank's end of the traffic between trainers and samplers."""
 
     def __init__(self, placement: Placement, rank: int, trainer_group, weights_group, message_group,
-                 messages_in_flight: int = 3, timeout_s: float = 1800.0, poll_weights: bool = False):
+                 messages_in_flight: int = 3, timeout_s: float = 1800.0, poll_weights: bool = False,
+                 tensor_parallel_group=None):
         self.placement, self.rank = placement, rank
+        # A sampling rank's group of T ranks sharing one engine (None with T = 1 and on trainers): the shard's
+        # collectives (all-reduces in the layers, the vocabulary-parallel draw) run in it.
+        self.tensor_parallel_group = tensor_parallel_group
         # The weight broadcast's deadline; poll_weights: its works complete without wait() (NCCL), see `wait_all`.
         self.timeout_s, self.poll_weights = timeout_s, poll_weights
         self.trainer_group, self.weights_group, self.message_group = trainer_group, weights_group, message_group
@@ -100,8 +135,15 @@ class RolloutLink:
         weights_group = dist.new_group([0, *range(placement.trainers, placement.world_size)],
                                        timeout=timeout * 2 if poll else timeout)
         message_group = dist.new_group(list(range(placement.world_size)), backend="gloo", timeout=timeout)
+        tensor_parallel_group = None
+        if placement.tensor_parallel_size > 1:
+            for group in range(placement.groups):  # every rank makes every group, in the same order
+                made = dist.new_group(placement.group_ranks(group), timeout=timeout)
+                if rank in placement.group_ranks(group):
+                    tensor_parallel_group = made
         return cls(placement, rank, trainer_group, weights_group, message_group,
-                   messages_in_flight=max_staleness + 2, timeout_s=timeout.total_seconds(), poll_weights=poll)
+                   messages_in_flight=max_staleness + 2, timeout_s=timeout.total_seconds(), poll_weights=poll,
+                   tensor_parallel_group=tensor_parallel_group)
 
     def cover_staleness(self, max_staleness: int) -> None:
         """Size the message window for the run's resolved `max_staleness` (settled once the model is loaded,
@@ -161,6 +203,22 @@ class RolloutLink:
         works = [dist.broadcast(tensor, src=0, group=self.weights_group, async_op=True) for tensor in tensors]
         wait_all(works, f"the weight broadcast of policy version {version} from rank 0", self.timeout_s,
                  self.poll_weights)
+
+    def weights_one_by_one(self, layout: list[tuple[str, torch.Size, torch.dtype]], device, version: int | None = None):
+        """A sampler holding a tensor-parallel shard: rank 0's broadcast of the whole policy (`layout`: each
+        tensor's name, shape and dtype, in the order rank 0 sends them) as (name, tensor) pairs, one at a time
+        in a buffer of its shape that the next tensor of that shape overwrites: the consumer copies its slice
+        (`resharding.update_shard_`) before asking for the next. The rank holds one layer's worth of whole
+        tensors beyond its shard, never a copy of the model."""
+        import torch.distributed as dist
+
+        buffers: dict[tuple, torch.Tensor] = {}
+        for name, shape, dtype in layout:
+            buffer = buffers.setdefault((tuple(shape), dtype), torch.empty(shape, dtype=dtype, device=device))
+            work = dist.broadcast(buffer, src=0, group=self.weights_group, async_op=True)
+            wait_all([work], f"the weight broadcast of policy version {version} from rank 0 ({name})", self.timeout_s,
+                     self.poll_weights)
+            yield name, buffer
 
     def wait_weights(self) -> None:
         if self.weights_in_flight:
