@@ -184,5 +184,5 @@ def test_a_shard_picks_the_vocabulary_parallel_sampler():
 def test_multi_turn_on_a_shard_is_refused():
     shard = TensorParallelCausalLM(GQA, rank=0, size=2)
     with pytest.raises(CohortError, match=r"multi-turn .* tensor-parallel shard: every rank would run the tools; "
-                                          r"use --rollout_tensor_parallel_size 1 for tool-using rollouts$"):
+                                          r"use (--rollout_tensor_parallel_size 1|rollout_tensor_parallel_size=1) for tool-using rollouts$"):
         Engine(shard).generate(PROMPTS, 1, params(), turns=object())
