@@ -71,7 +71,7 @@ def test_a_groups_leader_relays_each_request_so_its_ranks_make_the_same_calls_an
     def server(rank):
         def sample(rows, seed, sequence_offset):
             calls[rank].append((tuple(r["prompt"] for r in rows), seed, sequence_offset))
-            return SimpleNamespace(rows=list(rows))
+            return SimpleNamespace(rows=list(rows), rollout_metrics=None)
 
         return RolloutServer(QueueLink(placement, rank, wire, None), None, sample, group_size=1)
 
@@ -79,7 +79,7 @@ def test_a_groups_leader_relays_each_request_so_its_ranks_make_the_same_calls_an
     assert servers[2].trainers == servers[3].trainers == [0, 1]
     assert servers[2].followers == [3] and servers[3].followers == [] and servers[3].leader == 2
     for server_ in servers.values():
-        server_.use_weights_of = lambda version: None  # no weights travel in this test
+        server_.use_weights_of = lambda version: 0.0  # no weights travel in this test
         server_.engine_calls = lambda trainers, requests: [[t] for t in trainers]
     wire[(0, 2)].put(pickle.dumps((RESTORE, remote.GroupPool().state_dict())))
     for step, trainer in ((1, 0), (1, 1), (2, 0), (2, 1)):
@@ -218,6 +218,9 @@ def test_a_tensor_parallel_sampling_group_trains_what_one_process_trains(root, t
     assert "cohort: rank 1 sampled 3 rollouts for trainer rank(s) 0" in output
     assert "cohort: rank 2 sampled 3 rollouts for trainer rank(s) 0" in output  # the same calls, not sent
     assert_same_training(out, reference)
+    # Version 0 arrives for step 1 and serves step 2 too (0.0: nothing to receive); version 1 arrives for step 3.
+    synced = [r["time/weight_sync"] for r in step_records(out)]
+    assert synced[0] > 0 and synced[1] == 0.0 and synced[2] > 0, synced
 
 
 class QueueLink:

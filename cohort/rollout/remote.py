@@ -15,6 +15,7 @@ update, so the broadcast runs while the next update changes the live weights.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -177,10 +178,11 @@ class RolloutServer:
                 continue
             for trainers in self.engine_calls(live, requests):
                 _, step, version, _, seed, sequence_offset = requests[trainers[0]]
-                self.use_weights_of(version)
+                synced = self.use_weights_of(version)
                 blocks = [requests[t][3] for t in trainers]
                 batch = self.sample([row for block in blocks for row in block], seed, sequence_offset)
                 for trainer, part in zip(trainers, split_by_blocks(batch, [len(block) for block in blocks])):
+                    part.rollout_metrics = {**(part.rollout_metrics or {}), "time/weight_sync": synced}
                     self.reply((ROLLOUT, step, batch_state(part)), trainer)  # the engine's rollouts are on the CPU
         self.link.flush()
         return self.served
@@ -201,22 +203,29 @@ class RolloutServer:
     def serve_partial(self, trainers: list[int], requests: dict) -> None:
         """One call over the pools of `trainers` (their requests are for the same step, version and seed)."""
         _, step, version, _, seed, _ = requests[trainers[0]]
-        self.use_weights_of(version)
+        synced = self.use_weights_of(version)
         pools = [self.pools[t] for t in trainers]
         results = self.partial(pools, [requests[t][3] for t in trainers], step, version, seed)
         for trainer, pool, (batch, oldest, _) in zip(trainers, pools, results):
+            batch.rollout_metrics = {**(batch.rollout_metrics or {}), "time/weight_sync": synced}
             self.reply((ROLLOUT, step, {**batch_state(batch), "version": oldest, "pool": pool.state_dict()}), trainer)
 
     @torch.no_grad()
-    def use_weights_of(self, version: int) -> None:
+    def use_weights_of(self, version: int) -> float:
         """The policy after `version` updates in this rank's copy: rank 0 broadcasts each version once, when the
-        first request that needs it is served."""
-        if version != self.version:
-            if self.shard_layout is None:
-                self.link.receive_weights(list(self.policy.state_dict().values()), version)
-            else:  # each whole tensor in turn, this rank's slice of it copied into the shard in place
-                update_shard_(self.policy, self.link.weights_one_by_one(self.shard_layout, self.policy.device, version))
-            self.version = version
+        first request that needs it is served. Returns the seconds it took (0.0 when the copy had it), which the
+        rollout carries to the step record as `time/weight_sync`."""
+        if version == self.version:
+            return 0.0
+        started = time.perf_counter()
+        if self.shard_layout is None:
+            self.link.receive_weights(list(self.policy.state_dict().values()), version)
+        else:  # each whole tensor in turn, this rank's slice of it copied into the shard in place
+            update_shard_(self.policy, self.link.weights_one_by_one(self.shard_layout, self.policy.device, version))
+        self.version = version
+        if self.policy is not None and self.policy.device.type == "cuda":
+            torch.cuda.synchronize(self.policy.device)  # the copies into the shard are part of the sync
+        return time.perf_counter() - started
 
 
 def split_by_blocks(batch: Batch, prompts: list[int]) -> list[Batch]:
