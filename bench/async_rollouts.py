@@ -5,7 +5,8 @@ Both modes run through `cohort.GRPOTrainer.train()` — the trainer's real loop 
 random-weight model (rebuilt from the same seed for each mode), the same prompts, the same sampling seeds and
 the same per-completion length draws. A callback stamps the end of every step.
 
-Workload (GPU defaults): a Qwen2.5-0.5B-shaped random model in bf16 (cohort's own `CausalLM`, the synthetic
+Workload (GPU defaults): a Qwen2.5-0.5B-shaped random model (`--model`: other Qwen2.5 sizes, and the
+Llama-3.1-8B and Qwen3-8B shapes of NeMo-RL's dense rows) in bf16 (cohort's own `CausalLM`, the synthetic
 word-level tokenizer of bench/grpo_step_worker.py), 32 prompts × G = 8 = 256 completions per step, 128-token
 random prompts, β = 0.04, μ = 1, lr 1e-6, loss_type dapo, reward = fraction of distinct words (as
 bench/grpo_step.py); gradient checkpointing on and at most 65,536 padded tokens per micro-batch (`--option`
@@ -34,6 +35,9 @@ cohort/ is edited.
 Measured per step (the record of the trainer's `StepReport`, plus the callback's clock and the engine's calls):
 - wall: seconds between the ends of consecutive steps (the steady-state period of the loop);
 - completion tokens per second over the whole step: tokens sampled for the step ÷ its wall time;
+- tokens per second per GPU by NeMo-RL's formula: every token of the step's sequences (prompts and
+  completions) ÷ (wall × processes), the figure trainers are compared by;
+- `time/weight_sync` with --rollout_gpus: the sampling rank's seconds receiving a new version's weights;
 - step_time (the trainer's own), `time/sampling` (sync: the sampling itself; async: only the wait for the
   producer's rollout), `time/update`, `time/logprobs` (π_ref's pass), `time/rewards`;
 - the producer's own sampling seconds (the engine call that made the step's rollout: in async mode it ran
@@ -111,13 +115,14 @@ SAMPLING_KEYS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_lo
                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
                  "sampling/importance_sampling_ratio/max")
 PHASES = ("time/sampling", "time/rewards", "time/logprobs", "time/update")
+WEIGHT_SYNC = "time/weight_sync"  # a sampling rank's seconds receiving a version's weights (--rollout_gpus)
 BETA, LEARNING_RATE, LOSS_TYPE = 0.04, 1e-6, "dapo"  # bench/grpo_step.py's (TRL's defaults)
 Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="0.5b", help="Qwen2.5 shape of the random model: 0.5b, 1.5b, 3b, 7b")
+    p.add_argument("--model", default="0.5b", help="shape of the random model: Qwen2.5 0.5b, 1.5b, 3b, 7b; llama3.1-8b, qwen3-8b")
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 32; 4 with --smoke)")
     p.add_argument("--num_generations", type=int, default=8, help="G: completions per prompt")
     p.add_argument("--prompt_len", type=int, default=128, help="tokens per (random) prompt")
@@ -567,18 +572,19 @@ def launch_mode(args, mode: str, argv: list[str]) -> dict:
 
 def run_worker(args) -> None:
     """One mode on this rank (under torchrun); rank 0 writes the result."""
-    from grpo_step_worker import QWEN, SMOKE
+    from grpo_step_worker import SHAPES, SMOKE
 
     if args.smoke:
         torch.set_num_threads(1)
-    shape = (SMOKE if args.smoke else QWEN)[args.model]
+    shape = (SMOKE if args.smoke else SHAPES)[args.model]
     result = run_mode(args, args.worker, shape, LengthDraws(args.median, args.sigma, args.seed))
     if result is not None:
         Path(args.result).write_text(json.dumps(result, default=str))
 
 
-def summarize(result: dict, warmup: int) -> dict:
-    """Means over the measured steps (after the warm-up)."""
+def summarize(result: dict, warmup: int, prompt_tokens_per_step: int = 0, gpus: int = 1) -> dict:
+    """Means over the measured steps (after the warm-up). `tok_per_s_per_gpu` is NeMo-RL's throughput
+    figure: every token of a step's sequences, prompts and completions, over step time × GPUs."""
     measured = [s for s in result["steps"] if s["step"] > warmup]
 
     def mean(key):
@@ -586,14 +592,16 @@ def summarize(result: dict, warmup: int) -> dict:
         return statistics.mean(values) if values else None
 
     tokens, wall = sum(s["tokens"] for s in measured), sum(s["wall"] for s in measured)
+    prompt_tokens = prompt_tokens_per_step * len(measured)
     summary = dict(mode=result["mode"], measured_steps=len(measured), tokens_per_step=mean("tokens"),
-                   tok_per_s=tokens / wall if wall else None, wall_s=mean("wall"), step_time_s=mean("step_time"),
+                   tok_per_s=tokens / wall if wall else None,
+                   tok_per_s_per_gpu=(tokens + prompt_tokens) / (wall * gpus) if wall else None, wall_s=mean("wall"), step_time_s=mean("step_time"),
                    engine_s=mean("engine_seconds"), longest=mean("longest"), decode_steps=mean("decode_steps"),
                    graph_captures=sum(s["graph_captures"] for s in measured),
                    peak_memory_gib=max((s.get("peak_memory_gib") or 0.0 for s in result["steps"]), default=None) or None,
                    staleness=mean("async/staleness"), clipped_ratio=mean("completions/clipped_ratio"),
                    eos_stops=sum(s["eos_stops"] for s in measured), cap_stops=sum(s["cap_stops"] for s in measured))
-    for key in PHASES + SAMPLING_KEYS:
+    for key in PHASES + SAMPLING_KEYS + (WEIGHT_SYNC,):
         summary[key] = mean(key)
     if result["mode"] == "async" and summary["engine_s"] is not None and summary["time/sampling"] is not None:
         summary["hidden_sampling_s"] = summary["engine_s"] - summary["time/sampling"]  # sampled while others ran
@@ -605,15 +613,18 @@ def fmt(value, spec: str = ".2f", none: str = "—") -> str:
 
 
 def markdown(summaries: list[dict], header: str) -> str:
-    columns = ("mode", "steps", "completion tok/s (whole step)", "step wall s", "trainer step_time s",
+    columns = ("mode", "steps", "completion tok/s (whole step)", "tok/s/GPU (NeMo-RL: prompt + completion)", "step wall s", "trainer step_time s",
                "sampling wait s", "engine sampling s (async: the producer's)", "update s", "π_ref log-probs s",
+               "weight sync s (sampling ranks)",
                "tokens / step", "longest", "staleness", "logp diff mean / max", "IS ratio min / mean / max", "peak GiB")
     lines = [header, "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for s in summaries:
         lines.append(
-            f"| {s['mode']} | {s['measured_steps']} | {fmt(s['tok_per_s'], ',.0f')} | {fmt(s['wall_s'])} "
+            f"| {s['mode']} | {s['measured_steps']} | {fmt(s['tok_per_s'], ',.0f')} "
+            f"| {fmt(s.get('tok_per_s_per_gpu'), ',.0f')} | {fmt(s['wall_s'])} "
             f"| {fmt(s['step_time_s'])} | {fmt(s['time/sampling'])} | {fmt(s['engine_s'])} | {fmt(s['time/update'])} "
-            f"| {fmt(s['time/logprobs'])} | {fmt(s['tokens_per_step'], ',.0f')} | {fmt(s['longest'], '.0f')} "
+            f"| {fmt(s['time/logprobs'])} | {fmt(s.get(WEIGHT_SYNC), '.3f')} | {fmt(s['tokens_per_step'], ',.0f')} "
+            f"| {fmt(s['longest'], '.0f')} "
             f"| {fmt(s['staleness'], '.0f')} | {fmt(s[SAMPLING_KEYS[0]], '.2e')} / {fmt(s[SAMPLING_KEYS[1]], '.2e')} "
             f"| {fmt(s[SAMPLING_KEYS[2]], '.3f')} / {fmt(s[SAMPLING_KEYS[3]], '.3f')} / {fmt(s[SAMPLING_KEYS[4]], '.3f')} "
             f"| {fmt(s['peak_memory_gib'], '.1f')} |")
@@ -755,14 +766,15 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
 
     if not args.curves_only:
-        from grpo_step_worker import QWEN, SMOKE
+        from grpo_step_worker import SHAPES, SMOKE
 
-        shape = (SMOKE if args.smoke else QWEN)[args.model]
+        shape = (SMOKE if args.smoke else SHAPES)[args.model]
         lengths = LengthDraws(args.median, args.sigma, args.seed)
         batch = args.prompts * args.num_generations
         distribution = lengths.describe(args.cap, batch)
         print(f"lengths: {json.dumps(distribution)}", flush=True)
-        report.update(model=f"qwen2.5-{args.model} shape (random)" if not args.smoke else "tiny qwen2 (random)",
+        name = f"qwen2.5-{args.model}" if args.model[0].isdigit() else args.model
+        report.update(model=f"{name} shape (random)" if not args.smoke else f"tiny {name} family (random)",
                       dtype="bfloat16" if args.device != "cpu" else "float32",
                       workload=dict(prompts=args.prompts, G=args.num_generations, completions=batch,
                                     prompt_len=args.prompt_len, steps=args.steps, warmup=args.warmup,
@@ -789,7 +801,8 @@ def main(argv=None) -> dict:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 continue
-            summary = summarize(results[mode], args.warmup)
+            summary = summarize(results[mode], args.warmup, args.prompts * args.num_generations * args.prompt_len,
+                                max(1, args.processes))
             results[mode]["summary"] = summary
             report["modes"][mode] = {k: v for k, v in results[mode].items()}
             print(f"== {mode}: done in {results[mode]['train_s']:.1f} s of training; "

@@ -102,9 +102,9 @@ class Bench:
         self.results["notes"].append(text)
 
     def spec(self, kind: str, label: str, shape_name: str, run: str, steps: int, **extra) -> dict:
-        from grpo_step_worker import QWEN, SMOKE  # the shapes live beside the code that builds them
+        from grpo_step_worker import SHAPES, SMOKE  # the shapes live beside the code that builds them
 
-        shape = (SMOKE if self.args.smoke else QWEN)[shape_name]
+        shape = (SMOKE if self.args.smoke else SHAPES)[shape_name]
         batch = dict(self.runs[run], steps=steps)
         batch["rows"] = batch["prompts"] * 8  # trl_baseline.py's dataset: 32 prompts × 8 steps' worth
         extra.setdefault("cohort_options", dict(self.args.cohort_options))

@@ -30,23 +30,32 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cohort from this checkout
 
-# Qwen2.5 shapes (their config.json), random weights. `SMOKE` replaces them with tiny ones for the CPU check.
-def _shape(hidden: int, inner: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool) -> dict:
-    return dict(hidden_size=hidden, intermediate_size=inner, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=kv_heads, vocab_size=vocab, tie_word_embeddings=tied)
+# Model shapes (their config.json), random weights: Qwen2.5 (by size), Llama-3.1-8B and Qwen3-8B (the dense
+# rows of NeMo-RL's performance summary). `SMOKE` replaces them with tiny ones of the same families for the CPU
+# check. Llama-3.1's rope scaling (llama3) is left out: it changes the positions' angles, not the step's cost.
+def _shape(hidden: int, inner: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool,
+           model_type: str = "qwen2", **extra) -> dict:
+    return dict(model_type=model_type, hidden_size=hidden, intermediate_size=inner, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab, tie_word_embeddings=tied,
+                **extra)
 
 
-QWEN = {
+SHAPES = {
     "0.5b": _shape(896, 4864, 24, 14, 2, 151936, True),
     "1.5b": _shape(1536, 8960, 28, 12, 2, 151936, True),
     "3b": _shape(2048, 11008, 36, 16, 2, 151936, True),
     "7b": _shape(3584, 18944, 28, 28, 4, 152064, False),
+    "llama3.1-8b": _shape(4096, 14336, 32, 32, 8, 128256, False, "llama", rope_theta=500000.0,
+                          max_position_embeddings=131072),
+    "qwen3-8b": _shape(4096, 12288, 36, 32, 8, 151936, False, "qwen3", head_dim=128, max_position_embeddings=40960),
 }
 SMOKE = {
     "0.5b": _shape(64, 128, 2, 4, 2, 1000, True),
     "1.5b": _shape(96, 192, 2, 4, 2, 1000, True),
     "3b": _shape(128, 256, 2, 4, 2, 1000, True),
     "7b": _shape(128, 256, 3, 4, 2, 1000, False),
+    "llama3.1-8b": _shape(64, 128, 2, 4, 2, 1000, False, "llama", rope_theta=500000.0),
+    "qwen3-8b": _shape(64, 128, 2, 4, 2, 1000, False, "qwen3", head_dim=16),
 }
 COMMON = dict(max_position_embeddings=32768, rope_theta=1e6)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -82,11 +91,17 @@ def make_reward(completion_len: int):
     return reward_distinct
 
 
-def hf_config(shape: dict):
-    from transformers import Qwen2Config
-
+def config_dict(shape: dict) -> dict:
+    """The shape as a config.json's fields (COMMON's defaults where the shape sets none)."""
     vocab = shape["vocab_size"]
-    return Qwen2Config(**shape, **COMMON, eos_token_id=vocab - 1, pad_token_id=vocab - 2)
+    return {**COMMON, **shape, "eos_token_id": vocab - 1, "pad_token_id": vocab - 2}
+
+
+def hf_config(shape: dict):
+    from transformers import AutoConfig
+
+    fields = config_dict(shape)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 # ---- measurement helpers -----------------------------------------------------------------------
@@ -139,10 +154,10 @@ def is_oom(error: BaseException) -> bool:
 # ---- kind: build -------------------------------------------------------------------------------
 
 def run_build(spec: dict, rec: Recorder) -> None:
-    """Random-init Qwen2ForCausalLM saved as bf16 safetensors + the tokenizer, as trl_baseline.py.
+    """A random-init transformers model of the shape's family saved as bf16 safetensors + the tokenizer, as trl_baseline.py.
     Initialised on the device in bf16 (trl_baseline.py: fp32 on the CPU, then cast): the same
     N(0, 0.02) weights in distribution, and seconds instead of minutes for the 1.5B shape."""
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     started = time.perf_counter()
     torch.manual_seed(0)
@@ -150,7 +165,7 @@ def run_build(spec: dict, rec: Recorder) -> None:
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(spec["device"]):
-            model = Qwen2ForCausalLM(hf_config(spec["shape"]))
+            model = AutoModelForCausalLM.from_config(hf_config(spec["shape"]))
     finally:
         torch.set_default_dtype(default)
     model = model.to(torch.bfloat16)
@@ -234,7 +249,7 @@ class DiagnosisSetup:
 
 def diagnosis_setup(model_name: str, smoke: bool) -> DiagnosisSetup:
     device = "cpu" if smoke else "cuda"
-    shape = (SMOKE if smoke else QWEN)[model_name]
+    shape = (SMOKE if smoke else SHAPES)[model_name]
     prompts, generations, completion_len, prompt_len = (4, 4, 16, 16) if smoke else (32, 8, 512, 128)
     return DiagnosisSetup(device, shape, prompts, generations, completion_len, prompt_len,
                           make_tokenizer(shape["vocab_size"]), build_module(shape, device))
@@ -245,9 +260,7 @@ def build_module(shape: dict, device: str):
     stored folders are; fp32 on CPU, cohort's CPU default): no 15 GB of safetensors for a 7B shape."""
     from cohort.models import CausalLM, ModelConfig
 
-    vocab = shape["vocab_size"]
-    config = ModelConfig.from_hf_dict({"model_type": "qwen2", **shape, **COMMON, "eos_token_id": vocab - 1,
-                                       "pad_token_id": vocab - 2})
+    config = ModelConfig.from_hf_dict(config_dict(shape))
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)

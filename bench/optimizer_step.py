@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.grpo_step_worker import QWEN  # noqa: E402
+from bench.grpo_step_worker import SHAPES  # noqa: E402
 from cohort.memory.precision import MasterWeightAdamW  # noqa: E402
 
 KWARGS = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999))
@@ -33,7 +33,7 @@ KWARGS = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999))
 def parameter_shapes(shape: dict) -> list[tuple[int, ...]]:
     """The trainable tensors of a Qwen2.5 model of this shape, projections fused as cohort's models hold them."""
     h, inner, heads, kv = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
-    head_dim = h // heads
+    head_dim = shape.get("head_dim", h // heads)
     layer = [(h,), ((heads + 2 * kv) * head_dim, h), ((heads + 2 * kv) * head_dim,), (h, heads * head_dim), (h,),
              (2 * inner, h), (h, inner)]
     shapes = [(shape["vocab_size"], h)] + layer * shape["num_hidden_layers"] + [(h,)]
@@ -111,7 +111,7 @@ def main() -> None:
           "| bf16 moments ms | ratio |" + (" compared ms | this / compared |" if other else ""))
     print("| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if other else ""))
     for name in args.models.split(","):
-        shapes = parameter_shapes(QWEN[name])
+        shapes = parameter_shapes(SHAPES[name])
         count = sum(torch.Size(s).numel() for s in shapes)
         baseline = measure_fused_fp32(shapes, args.steps)
         torch.cuda.empty_cache()  # each run's tensors are gone with its function

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shapes and inputs of the step bench
-from grpo_step_worker import QWEN, SMOKE, build_module, make_prompts, make_reward, make_tokenizer  # noqa: E402
+from grpo_step_worker import SHAPES, SMOKE, build_module, make_prompts, make_reward, make_tokenizer  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     warmup = min(args.warmup, max(1, (args.steps - 1) // 3))  # room for two windows after it
-    shape, run = (SMOKE if args.tiny else QWEN)["0.5b"], TINY_RUN if args.tiny else RUN
+    shape, run = (SMOKE if args.tiny else SHAPES)["0.5b"], TINY_RUN if args.tiny else RUN
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(device=args.device, device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
