@@ -286,12 +286,15 @@ def test_a_trainer_and_its_sampling_rank_exchange_requests_weights_and_rollouts(
         trainer.submit(step, 0, v0, [{"prompt": "a"}, {"prompt": "b"}], seed=10 + step, sequence_offset=4)
     batch, version = trainer.take(1)
     assert version == 0 and batch.rollout.completion_ids.tolist() == [[11] * 3] * 2
+    assert batch.rollout_metrics.pop("time/weight_sync") > 0  # version 0 arrived for this rollout
     assert batch.rollout.completion_ids.device.type == "cpu" and batch.rollout_metrics == {"offset": 4}
     assert trainer.steps_ahead(1) == [3]
     trainer.submit(3, 1, {"weight": torch.full((1, 2), 2.0)}, [{"prompt": "c"}], seed=13, sequence_offset=0)
     saved = trainer.state_dict()  # waits for steps 2 and 3, as a checkpoint does
     assert [item["step"] for item in saved["pending"]] == [2, 3]
-    assert trainer.take(2)[1] == 0 and trainer.take(3)[0].rollout.logprobs[0, 0].item() == 4.0
+    second = trainer.take(2)
+    assert second[1] == 0 and second[0].rollout_metrics["time/weight_sync"] == 0.0  # it had version 0 already
+    assert trainer.take(3)[0].rollout.logprobs[0, 0].item() == 4.0
     trainer.close()
     thread.join(timeout=30)
     assert served == [3] and seen == [(11, 1.0), (12, 1.0), (13, 4.0)]  # version 1's weights loaded for step 3

@@ -223,8 +223,9 @@ class RolloutServer:
         else:  # each whole tensor in turn, this rank's slice of it copied into the shard in place
             update_shard_(self.policy, self.link.weights_one_by_one(self.shard_layout, self.policy.device, version))
         self.version = version
-        if self.policy is not None and self.policy.device.type == "cuda":
-            torch.cuda.synchronize(self.policy.device)  # the copies into the shard are part of the sync
+        device = getattr(self.policy, "device", None)  # a user's plain nn.Module may have none
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)  # the copies into the weights are part of the sync
         return time.perf_counter() - started
 
 
