@@ -8,7 +8,7 @@ import sys
 import pytest
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # the whole default job (about 2 minutes on 2 cores): CI runs it with -m soak, after the suite
 def test_default_job_learns(tmp_path):
     env = dict(os.environ, COHORT_CACHE=str(tmp_path / "cache"))
     out = subprocess.run([sys.executable, "-m", "cohort", "train", "--output_dir", str(tmp_path / "run"), "--quiet"],
