@@ -22,6 +22,7 @@ from cohort.models.tensor_parallel import TensorParallelCausalLM, shard_model
 from cohort.rollout import Engine, SamplingParams
 from cohort.rollout.sampling import sample_from_logits
 from cohort.rollout.token_sampler import graph_capturable, token_sampler
+from test_tensor_parallel_model import saved_model
 
 TOLERANCE = 1e-5
 WORLD = 2
@@ -95,10 +96,8 @@ def run_rank(rank: int, folder: str, names: list[str], eos: list[int], stop: str
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD)
     try:
         for name in names:
-            saved = torch.load(os.path.join(folder, f"{name}.pt"), weights_only=False)
-            full = CausalLM(saved["config"]).eval()
-            full.load_state_dict(saved["state"])
-            torch.save(run_cases(shard_model(full), eos, stop), os.path.join(folder, f"{name}-rank{rank}.pt"))
+            torch.save(run_cases(shard_model(saved_model(folder, name)), eos, stop),
+                       os.path.join(folder, f"{name}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 

@@ -37,10 +37,10 @@ TOTAL_LENGTH = 12
 DECODE_KV_LENGTH = 16
 
 
-def random_model(config: ModelConfig) -> CausalLM:
+def random_model(config: ModelConfig, seed: int = 0) -> CausalLM:
     """A float32 model of `config`, every weight N(0, 0.05²) around its init (norm scales near 1, biases
     near 0 but not 0), so a bias or a norm added twice or not at all shows in the logits."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = CausalLM(config).eval()
     with torch.no_grad():
         for parameter in model.parameters():
@@ -87,18 +87,25 @@ def forward_checks(model: CausalLM, ids: torch.Tensor) -> dict:
     return out
 
 
+def saved_model(folder: str, name: str) -> CausalLM:
+    """The full model the parent saved as `name` (its config and weights) for the spawned ranks."""
+    saved = torch.load(os.path.join(folder, f"{name}.pt"), weights_only=False)
+    full = CausalLM(saved["config"]).eval()
+    full.load_state_dict(saved["state"])
+    return full
+
+
 def run_rank(rank: int, folder: str, names: list[str]) -> None:
     """One of the two ranks: shard each saved model, save its checks' results (and its refusal)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD)
     try:
         for name in names:
-            saved = torch.load(os.path.join(folder, f"{name}.pt"), weights_only=False)
-            full = CausalLM(saved["config"]).eval()
-            full.load_state_dict(saved["state"])
+            full = saved_model(folder, name)
             shard = shard_model(full)
-            result = forward_checks(shard, saved["ids"])
-            result["gathered"] = gather_logits(result["full"], vocab_size=saved["config"].vocab_size)
+            ids = torch.load(os.path.join(folder, f"{name}.pt"), weights_only=False)["ids"]
+            result = forward_checks(shard, ids)
+            result["gathered"] = gather_logits(result["full"], vocab_size=full.config.vocab_size)
             result["shard_heads"] = (shard.config.num_attention_heads, shard.config.num_key_value_heads)
             result["vocab_range"] = (shard.vocab_start, shard.vocab_stop)
             torch.save(result, os.path.join(folder, f"{name}-rank{rank}.pt"))

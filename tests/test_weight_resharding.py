@@ -24,6 +24,7 @@ from cohort.models import CausalLM, ModelConfig
 from cohort.models.resharding import full_parameters, plain_parameter_name, update_shard_
 from cohort.models.tensor_parallel import TensorParallelCausalLM, gather_logits, shard_model, shard_state_dict
 from cohort.run.distributed import Parallel
+from test_tensor_parallel_model import random_model
 
 TOLERANCE = 1e-5
 WORLD = 2
@@ -35,16 +36,6 @@ CONFIGS = {
     "qwen3": ModelConfig(model_type="qwen3", **{**SMALL, "head_dim": 32}),
 }
 UPDATES = [(name, fused) for name in CONFIGS for fused in (False, True)]
-
-
-def random_model(config: ModelConfig, seed: int = 0) -> CausalLM:
-    """A float32 model of `config`, every weight N(0, 0.05²) around its init (biases not 0, norms not 1)."""
-    torch.manual_seed(seed)
-    model = CausalLM(config).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn_like(parameter))
-    return model
 
 
 def token_ids(vocab_size: int) -> torch.Tensor:
