@@ -41,6 +41,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "max_tokens_per_micro_batch": ("N", "auto"),
     "torch_compile": ("auto", "true", "false"),
     "partial_rollouts": ("auto", "true", "false"),
+    "rollout_tensor_parallel_size": ("auto", "N"),
     "cpu_threads": ("auto", "N"),
 }
 

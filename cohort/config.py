@@ -115,11 +115,12 @@ class GRPOConfig:
     rollout_gpus: int = field(default=0, metadata={
         "help": "With async_rollouts under torchrun: the last K ranks only sample (the engine), the others train; "
                 "weights go to the samplers over NCCL after each update (cohort/run/disaggregation.py)."})
-    rollout_tensor_parallel_size: int = field(default=1, metadata={
+    rollout_tensor_parallel_size: int | str = field(default="auto", metadata={
         "help": "With rollout_gpus: the sampling ranks form groups of this many, each group one engine over a "
                 "tensor-parallel split of the model (attention heads, MLP columns and the vocabulary; "
                 "cohort/models/tensor_parallel.py), for a model whose weights and KV cache do not fit one GPU. "
-                "It must divide rollout_gpus."})
+                "It must divide rollout_gpus. auto: the smallest that fits the weights and a step's KV cache in "
+                "the sampling GPUs (1 where one holds them; cohort/memory/sampling_plan.py)."})
     max_staleness: int | None = field(default=None, metadata={
         "help": "With async_rollouts: how many policy updates behind the trained policy the samples are (the "
                 "rollout of step t is sampled from the weights after update t - 1 - max_staleness). None: 2 with "
@@ -444,10 +445,11 @@ class GRPOConfig:
         if self.rollout_gpus and not self.async_rollouts:
             bad(f"rollout_gpus={self.rollout_gpus} samples on other ranks, which is asynchronous by nature; pass "
                 "--async_rollouts true (and --max_staleness) with it")
-        if self.rollout_tensor_parallel_size < 1:
-            bad(f"rollout_tensor_parallel_size={self.rollout_tensor_parallel_size}: give the number of sampling ranks "
-                "that share one engine (1: each sampling rank holds the whole model)")
-        if self.rollout_tensor_parallel_size > 1 and self.rollout_gpus % self.rollout_tensor_parallel_size:
+        size = self.rollout_tensor_parallel_size
+        if isinstance(size, int) and size < 1:
+            bad(f"rollout_tensor_parallel_size={size}: give the number of sampling ranks that share one engine (1: "
+                "each sampling rank holds the whole model), or auto")
+        if isinstance(size, int) and size > 1 and self.rollout_gpus % size:
             bad(f"rollout_tensor_parallel_size={self.rollout_tensor_parallel_size} does not divide rollout_gpus="
                 f"{self.rollout_gpus}: the sampling ranks form groups of that many; give --rollout_gpus a multiple of it")
         if self.rollout_gpus and self.fsdp:

@@ -10,7 +10,8 @@ run's final configuration, in one place and in this order:
    `cohort.memory.precision.resolve_dtype`, so the loaded weights and the config agree);
 3. what the loaded model decides (after LoRA, which changes what trains): `model_impl`, the update's speed
    options (`cohort.update.fast_path`), `optimizer_state_dtype`, the sampler correction, `partial_rollouts`
-   and `max_staleness` (`cohort.rollout.partial`).
+   and `max_staleness` (`cohort.rollout.partial`), and how many sampling ranks share one engine
+   (`rollout_tensor_parallel_size`, `cohort.memory.sampling_plan`).
 
 The result is frozen: setting a field raises a one-line `CohortError`, so every stage built from it (the
 curriculum, the rollout link's message window, the samplers, the update, the memory manager, the reports)
@@ -29,7 +30,9 @@ from .algorithm.determinism import cpu_thread_count
 from .config import GRPOConfig
 from .options.command_line import show_value
 from .memory.precision import optimizer_state_dtype, resolve_dtype
-from .rollout import engine_samples
+from .memory.sampling_plan import sampling_tensor_parallel_size
+from .models.lora import has_lora
+from .rollout import base_model, engine_samples
 from .rollout.partial import partial_rollout_settings
 from .update.fast_path import fast_path_settings
 from .update.policy_update import sampler_correction_mode
@@ -53,6 +56,10 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_s
     if config.importance_sampling_correction is None:
         changes["importance_sampling_correction"] = sampler_correction_mode(config, model, device) is not None
     changes.update(partial_rollout_settings(config, engine=engine, tools=tools))
+    settled = dataclasses.replace(config, **changes)
+    changes["rollout_tensor_parallel_size"] = sampling_tensor_parallel_size(
+        settled, base_model(model).config if engine else None, device, getattr(torch, changes["dtype"]).itemsize,
+        splittable=not tools and not has_lora(model))
     return dataclasses.replace(config, **changes).freeze()
 
 

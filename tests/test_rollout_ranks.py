@@ -214,7 +214,8 @@ def test_a_tensor_parallel_sampling_group_trains_what_one_process_trains(root, t
     out = root / "tensor_parallel"
     output = run(root, three_ranks(*options(tiny_dir, out, 4, "--rollout_gpus", "2",
                                              "--rollout_tensor_parallel_size", "2")), timeout=600)
-    assert "rollouts: sampled on 2 rank(s) in 1 tensor-parallel group(s) of 2, max_staleness 1" in output
+    assert ("rollouts: sampled on 2 rank(s) in 1 tensor-parallel group(s) of 2 (rollout_tensor_parallel_size), "
+            "max_staleness 1") in output
     assert "cohort: rank 1 sampled 3 rollouts for trainer rank(s) 0" in output
     assert "cohort: rank 2 sampled 3 rollouts for trainer rank(s) 0" in output  # the same calls, not sent
     assert_same_training(out, reference)

@@ -66,7 +66,7 @@ class GRPOTrainer:
                  tools=None, environment_factory=None, sampler_factory=None):
         # The raw values checked before anything loads, on a copy: the caller's config is never changed.
         self.args = args = (args or GRPOConfig()).validate()
-        if samples_here(args.rollout_gpus, args.rollout_tensor_parallel_size):
+        if samples_here(args.rollout_gpus):
             raise CohortError(f"GRPOTrainer on a rank that only samples (rollout_gpus={args.rollout_gpus}: the last "
                               "ranks): run cohort.SamplingRank(model, args).serve() there instead "
                               "(cohort.is_sampling_rank(args) tells the ranks apart)")
@@ -96,18 +96,20 @@ class GRPOTrainer:
         seed_everything(args.seed)
         prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
         # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
-        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus, args.rollout_tensor_parallel_size)
+        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
         self.device = self.parallel.device
         self.model, self.tokenizer, self.pad_id = load_run_policy(model, processing_class, args, self.device,
                                                                   peft_config=peft_config, log=log)
         self.train_rows = self.training_rows(train_dataset, args)
         # TRL's num_train_epochs: the steps follow from the rows (resolved before the config is frozen).
         args = with_epoch_steps(args, len(self.train_rows), self.parallel.world_size)
+        asked_split = args.rollout_tensor_parallel_size  # the log says whether auto chose it
         # The run's configuration, settled once, frozen; every stage below is built from it (cohort/resolve.py).
         self.args = args = resolve_run_config(args, model=self.model, device=self.device,
                                               world_size=self.parallel.world_size, tools=self.toolbox is not None)
         if self.parallel.link is not None:  # the rollout link's message window covers the resolved staleness
             self.parallel.link.cover_staleness(args.max_staleness)
+            self.parallel.link.form_sampling_groups(args.rollout_tensor_parallel_size)
         # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
         self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
         env_reward = environment_reward(self.toolbox.environment_factory) if self.toolbox is not None else None
@@ -166,8 +168,11 @@ class GRPOTrainer:
             self.log(optimizer_line(self.optimizer))
         if args.rollout_gpus:
             size = args.rollout_tensor_parallel_size
+            why = ("auto: the smallest split whose weights and KV cache fit a GPU" if asked_split == "auto"
+                   else "rollout_tensor_parallel_size")
             self.log(f"rollouts: sampled on {args.rollout_gpus} rank(s)"
-                     + (f" in {args.rollout_gpus // size} tensor-parallel group(s) of {size}" if size > 1 else "")
+                     + (f" in {args.rollout_gpus // size} tensor-parallel group(s) of {size}" if size > 1 else
+                        ", each holding the whole model") + f" ({why})"
                      + f", max_staleness {args.max_staleness}" + (", partial rollouts" if args.partial_rollouts else ""))
 
     def training_rows(self, train_dataset, args) -> list[dict]:

@@ -57,7 +57,7 @@ def split_for_sampling(model, group, args, tools: bool):
 def is_sampling_rank(args) -> bool:
     """Whether this process (torchrun's RANK among WORLD_SIZE) is one of the last `args.rollout_gpus` ranks,
     which run a `SamplingRank` instead of a `GRPOTrainer`."""
-    return samples_here(args.rollout_gpus, args.rollout_tensor_parallel_size)
+    return samples_here(args.rollout_gpus)
 
 
 class SamplingRank:
@@ -76,8 +76,7 @@ class SamplingRank:
         toolbox = make_toolbox(tools, environment_factory, args, task)
         seed_everything(args.seed)
         # The same process groups as the trainers make.
-        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus,
-                                          args.rollout_tensor_parallel_size)
+        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
         device = self.parallel.device
         # The trainers' parameters, LoRA adapters included, arrive in this copy.
         self.model, self.tokenizer, pad_id = load_run_policy(model, processing_class, args, device,
@@ -87,6 +86,7 @@ class SamplingRank:
         self.args = args = resolve_run_config(args, model=self.model, device=device,
                                               world_size=self.parallel.world_size, tools=toolbox is not None)
         self.parallel.link.cover_staleness(args.max_staleness)
+        self.parallel.link.form_sampling_groups(args.rollout_tensor_parallel_size)
         layout = None
         if args.rollout_tensor_parallel_size > 1:  # this rank keeps its shard; the whole model goes
             self.model, layout = split_for_sampling(self.model, self.parallel.link.tensor_parallel_group, args,

@@ -54,7 +54,7 @@ class Placement:
             raise CohortError(f"rollout_tensor_parallel_size={size} with rollout_gpus={self.rollout_gpus}: the sampling "
                               "ranks form groups of that many ranks, so it must divide rollout_gpus (e.g. "
                               f"--rollout_gpus {max(size, 1) * max(1, self.rollout_gpus // max(size, 1))})")
-        if self.groups > self.trainers:
+        if size > 1 and self.groups > self.trainers:
             raise CohortError(f"rollout_gpus={self.rollout_gpus} in {self.groups} sampling group(s) for {self.trainers} "
                               "trainer rank(s): a group would serve no trainer; use fewer sampling ranks or a larger "
                               "--rollout_tensor_parallel_size")
@@ -92,25 +92,24 @@ class Placement:
         return [t for t in range(self.trainers) if self.server_of(t) == leader]
 
 
-def samples_here(rollout_gpus: int, tensor_parallel_size: int = 1) -> bool:
+def samples_here(rollout_gpus: int) -> bool:
     """Whether this process, by torchrun's RANK and WORLD_SIZE, is one of the last `rollout_gpus` ranks, which
     only sample; False in a single process (where rollout_gpus > 0 fails later, with its own message)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if not rollout_gpus or world_size <= 1:
         return False
-    return Placement(world_size, rollout_gpus, tensor_parallel_size).samples(int(os.environ.get("RANK", "0")))
+    return Placement(world_size, rollout_gpus).samples(int(os.environ.get("RANK", "0")))
 
 
 class RolloutLink:
     """This rank's end of the traffic between trainers and samplers."""
 
     def __init__(self, placement: Placement, rank: int, trainer_group, weights_group, message_group,
-                 messages_in_flight: int = 3, timeout_s: float = 1800.0, poll_weights: bool = False,
-                 tensor_parallel_group=None):
+                 messages_in_flight: int = 3, timeout_s: float = 1800.0, poll_weights: bool = False):
         self.placement, self.rank = placement, rank
         # A sampling rank's group of T ranks sharing one engine (None with T = 1 and on trainers): the shard's
         # collectives (all-reduces in the layers, the vocabulary-parallel draw) run in it.
-        self.tensor_parallel_group = tensor_parallel_group
+        self.tensor_parallel_group = None
         # The weight broadcast's deadline; poll_weights: its works complete without wait() (NCCL), see `wait_all`.
         self.timeout_s, self.poll_weights = timeout_s, poll_weights
         self.trainer_group, self.weights_group, self.message_group = trainer_group, weights_group, message_group
@@ -135,15 +134,24 @@ class RolloutLink:
         weights_group = dist.new_group([0, *range(placement.trainers, placement.world_size)],
                                        timeout=timeout * 2 if poll else timeout)
         message_group = dist.new_group(list(range(placement.world_size)), backend="gloo", timeout=timeout)
-        tensor_parallel_group = None
-        if placement.tensor_parallel_size > 1:
-            for group in range(placement.groups):  # every rank makes every group, in the same order
-                made = dist.new_group(placement.group_ranks(group), timeout=timeout)
-                if rank in placement.group_ranks(group):
-                    tensor_parallel_group = made
         return cls(placement, rank, trainer_group, weights_group, message_group,
-                   messages_in_flight=max_staleness + 2, timeout_s=timeout.total_seconds(), poll_weights=poll,
-                   tensor_parallel_group=tensor_parallel_group)
+                   messages_in_flight=max_staleness + 2, timeout_s=timeout.total_seconds(), poll_weights=poll)
+
+    def form_sampling_groups(self, tensor_parallel_size: int) -> None:
+        """Group the sampling ranks by the run's settled `rollout_tensor_parallel_size` (known once the model is
+        loaded: `cohort.resolve`), making each group's process group (a collective: every rank of the job calls
+        it, in the same order, before the first request)."""
+        placement = Placement(self.placement.world_size, self.placement.rollout_gpus, tensor_parallel_size)
+        self.placement = placement
+        if tensor_parallel_size == 1:
+            return
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        for group in range(placement.groups):  # every rank makes every group, in the same order
+            made = dist.new_group(placement.group_ranks(group), timeout=timeout)
+            if self.rank in placement.group_ranks(group):
+                self.tensor_parallel_group = made
 
     def cover_staleness(self, max_staleness: int) -> None:
         """Size the message window for the run's resolved `max_staleness` (settled once the model is loaded,

@@ -110,8 +110,7 @@ class Parallel:
 
     # ---- set-up --------------------------------------------------------------------------------
     @classmethod
-    def from_env(cls, device_spec: str, timeout_s: float, rollout_gpus: int = 0,
-                 rollout_tensor_parallel_size: int = 1) -> "Parallel":
+    def from_env(cls, device_spec: str, timeout_s: float, rollout_gpus: int = 0) -> "Parallel":
         """From torchrun's RANK / WORLD_SIZE / LOCAL_RANK: one process group (NCCL on CUDA, gloo on
         CPU) whose collectives give up after `timeout_s` seconds, so a rank that died or hangs stops
         the others with an error instead of a silent wait. Without torchrun: one process, no group.
@@ -121,8 +120,8 @@ class Parallel:
         (SLURM's srun, mpirun) works when it sets what torchrun sets: RANK, WORLD_SIZE, LOCAL_RANK,
         MASTER_ADDR and MASTER_PORT for env:// initialisation.
 
-        With `rollout_gpus` = K, the last K ranks sample for the others (cohort/run/disaggregation.py), in groups
-        of `rollout_tensor_parallel_size` ranks that share one engine:
+        With `rollout_gpus` = K, the last K ranks sample for the others (cohort/run/disaggregation.py; their
+        tensor-parallel groups are formed once the run's config is settled, `RolloutLink.form_sampling_groups`):
         this object then describes the training ranks' group, or for a sampling rank, that rank alone. The
         link's message window is sized once the run's `max_staleness` is resolved (`RolloutLink.cover_staleness`)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -156,7 +155,7 @@ class Parallel:
         if rollout_gpus:
             from .disaggregation import Placement, RolloutLink
 
-            placement = Placement(world_size, rollout_gpus, rollout_tensor_parallel_size)
+            placement = Placement(world_size, rollout_gpus)
             link = RolloutLink.create(placement, rank, datetime.timedelta(seconds=timeout_s))
             if placement.samples(rank):
                 return cls(rank, 1, local_rank, device, owns_group, link=link)

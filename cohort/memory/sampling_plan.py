@@ -1,0 +1,84 @@
+"""How many sampling ranks share one engine: `rollout_tensor_parallel_size=auto`.
+
+A sampling group of T ranks holds the model split T ways (cohort/models/tensor_parallel.py): each rank keeps
+1/T of the weights and 1/T of the KV cache (its share of the KV heads). `auto` takes the smallest T that
+divides the sampling ranks and the model's heads and MLP columns and whose per-rank share of the weights and
+of the KV cache of a step's batch fits `FILL` of the card: one GPU per engine wherever the model fits one,
+since every split adds two all-reduces per layer to each decode step. On the CPU, for a model cohort's engine
+does not sample, and with tools or LoRA (which a split refuses) it is 1.
+
+Every rank settles it from the same loaded model and config and from its own card, so the ranks agree without
+a message as long as the sampling GPUs are of one kind (the usual node).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from ..errors import CohortError
+from ..models.config import ModelConfig
+from ..models.tensor_parallel import check_tensor_parallel_size
+
+# The share of a card the weights and KV cache may take: the rest holds a decode step's activations and
+# logits, the CUDA graphs' pools and the allocator's slack.
+FILL = 0.85
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """The model's weights, counted from its config (projections, embeddings, norms; biases left out)."""
+    hidden, heads, kv_heads, head_dim = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                                         config.head_dim)
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o, k and v
+    mlp = 3 * hidden * config.intermediate_size
+    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
+    return config.num_hidden_layers * (attention + mlp + 2 * hidden) + embeddings + hidden
+
+
+def kv_cache_bytes(config: ModelConfig, rows: int, max_len: int, element_bytes: int) -> int:
+    """Keys and values of `rows` sequences of `max_len` tokens, every layer."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * rows * max_len * element_bytes
+
+
+def rank_bytes(config: ModelConfig, size: int, rows: int, max_len: int, element_bytes: int) -> int:
+    """What one rank of a group of `size` holds: its share of the weights and of the KV cache."""
+    whole = parameter_count(config) * element_bytes + kv_cache_bytes(config, rows, max_len, element_bytes)
+    return math.ceil(whole / size)
+
+
+def sampling_tensor_parallel_size(args, model_config: ModelConfig | None, device: torch.device,
+                                  element_bytes: int, splittable: bool = True) -> int:
+    """The `rollout_tensor_parallel_size` of the run `args` (`auto` settled here; an integer kept) for the
+    loaded model's `model_config` (None: not a model cohort's engine samples) on `device`. `splittable`: no
+    tools and no LoRA adapters. Refused, in one line, when no group of the sampling ranks holds the model."""
+    asked = args.rollout_tensor_parallel_size
+    if asked != "auto":
+        return asked
+    if (not args.rollout_gpus or device.type != "cuda" or model_config is None or not splittable):
+        return 1
+    trainers = int(os.environ.get("WORLD_SIZE", "1")) - args.rollout_gpus
+    # A group serves a block of trainers; partial rollouts keep a second batch of groups in flight.
+    in_flight = 1 if args.partial_rollouts is False else 2
+    max_len = args.max_prompt_length + args.max_completion_length
+    card = torch.cuda.get_device_properties(device).total_memory
+    needed = {}
+    for size in range(1, args.rollout_gpus + 1):
+        groups = args.rollout_gpus // size
+        if args.rollout_gpus % size or groups > max(trainers, 1):
+            continue
+        try:
+            check_tensor_parallel_size(model_config, size)
+        except CohortError:
+            continue  # a split the heads or MLP columns do not allow
+        rows = math.ceil(max(trainers, 1) / groups) * args.prompts_per_step * args.num_generations * in_flight
+        needed[size] = rank_bytes(model_config, size, rows, max_len, element_bytes)
+        if needed[size] <= FILL * card:
+            return size
+    largest = max(needed, default=1)
+    raise CohortError(
+        f"rollout_tensor_parallel_size=auto: the model's weights and the KV cache of a step's batch need "
+        f"{needed.get(largest, 0) / 2**30:.1f} GiB per rank even split over {largest} sampling rank(s), more than "
+        f"{FILL:.0%} of a {card / 2**30:.0f} GiB GPU; add sampling ranks (--rollout_gpus), or sample fewer or "
+        "shorter completions per step (--num_generations, --max_completion_length)")
