@@ -141,8 +141,8 @@ class RolloutServer:
         # A tensor-parallel group (Placement): the leader reads the trainers' messages and relays each to the
         # other ranks, which read them from the leader; every rank then makes the same engine calls, and only
         # the leader replies.
-        self.leader = placement.leader_of(link.rank)
-        group = placement.group_ranks((self.leader - placement.trainers) // placement.tensor_parallel_size)
+        group = placement.group_of(link.rank)
+        self.leader = group[0]
         self.followers = group[1:] if self.leader == link.rank else []
         self.pools = {t: GroupPool() for t in self.trainers}
         self.version: int | None = None

@@ -119,6 +119,15 @@ def gumbel_noise(seed: torch.Tensor, draw: torch.Tensor, rows: torch.Tensor, voc
     return -torch.log(-torch.log(uniform))
 
 
+def noise_keys(seed: torch.Tensor | None, draw: torch.Tensor | None, rows: torch.Tensor | None, batch: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (seed, draw, rows) keys of `gumbel_noise` with their defaults: seed 0, draw 0, rows 0..batch-1."""
+    seed = torch.zeros((), dtype=torch.int64, device=device) if seed is None else seed
+    draw = torch.zeros((), dtype=torch.int64, device=device) if draw is None else draw
+    rows = torch.arange(batch, device=device) if rows is None else rows
+    return seed, draw, rows
+
+
 def sample_from_logits(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -139,10 +148,7 @@ def sample_from_logits(
     [B] tensor, one token index per row). Filtered
     tokens have l_i = -inf and are never picked.
     """
-    device = logits.device
-    seed = torch.zeros((), dtype=torch.int64, device=device) if seed is None else seed
-    draw = torch.zeros((), dtype=torch.int64, device=device) if draw is None else draw
-    rows = torch.arange(logits.shape[0], device=device) if rows is None else rows
+    seed, draw, rows = noise_keys(seed, draw, rows, logits.shape[0], logits.device)
     # One compiled function when the engine turns fused kernels on (see cohort.kernels.elementwise): the
     # noise is recomputed inside the reduction that picks the token, never stored as a [B, V] tensor.
     if temperature <= 0.0:

@@ -54,7 +54,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from cohort.rollout.sampling import gumbel_noise, scale_by_temperature
+from cohort.rollout.sampling import gumbel_noise, noise_keys, scale_by_temperature
 
 NEG_INF = float("-inf")
 FIRST_TOP_P_CANDIDATES = 64  # values per rank and row in top-p's first gather (top-k off)
@@ -87,10 +87,7 @@ def sample_vocab_parallel(
     if width < 1 or vocab_start < 0 or vocab_start + width > vocab_size:
         raise ValueError(f"slice [{vocab_start}, {vocab_start + width}) is empty or outside "
                          f"a vocabulary of {vocab_size}")
-    device = local_logits.device
-    seed = torch.zeros((), dtype=torch.int64, device=device) if seed is None else seed
-    draw = torch.zeros((), dtype=torch.int64, device=device) if draw is None else draw
-    rows = torch.arange(batch, device=device) if rows is None else rows
+    seed, draw, rows = noise_keys(seed, draw, rows, batch, local_logits.device)
     logits = local_logits.float()
     if temperature <= 0.0:  # greedy; its log-prob at temperature 1, as sample_from_logits
         return draw_unfiltered(logits, logits, vocab_start, group)

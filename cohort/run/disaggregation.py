@@ -80,6 +80,10 @@ class Placement:
         """The leader of sampling rank `rank`'s group (itself when it leads or T = 1)."""
         return rank - (rank - self.trainers) % self.tensor_parallel_size
 
+    def group_of(self, rank: int) -> list[int]:
+        """The ranks of sampling rank `rank`'s group, its leader first."""
+        return self.group_ranks((rank - self.trainers) // self.tensor_parallel_size)
+
     def server_of(self, trainer: int) -> int:
         """The sampling rank (a group's leader) that serves trainer rank `trainer`: the trainers in one block of
         consecutive ranks per group (sizes differing by one at most), so a group's trainers own consecutive
@@ -222,7 +226,9 @@ class RolloutLink:
 
         buffers: dict[tuple, torch.Tensor] = {}
         for name, shape, dtype in layout:
-            buffer = buffers.setdefault((tuple(shape), dtype), torch.empty(shape, dtype=dtype, device=device))
+            buffer = buffers.get((tuple(shape), dtype))
+            if buffer is None:  # allocated once per shape (setdefault would allocate for every tensor)
+                buffer = buffers[(tuple(shape), dtype)] = torch.empty(shape, dtype=dtype, device=device)
             work = dist.broadcast(buffer, src=0, group=self.weights_group, async_op=True)
             wait_all([work], f"the weight broadcast of policy version {version} from rank 0 ({name})", self.timeout_s,
                      self.poll_weights)
