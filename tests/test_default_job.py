@@ -52,3 +52,20 @@ def test_default_job_learns_with_asynchronous_rollouts(tmp_path):
     assert steps and all(r["async/staleness"] == 1.0 for r in steps if r["step"] > 1)
     assert all("sampling/importance_sampling_ratio/mean" in r and "sampling/sampling_logp_difference/mean" in r
                for r in steps)
+
+
+def test_the_built_in_models_choose_the_cpu_and_others_keep_their_device(monkeypatch):
+    """`--device auto` with a GPU present: the built-in tiny models run on the CPU (their step is faster there,
+    docs/performance.md), a model of the user's stays `auto` (then CUDA), an explicit device is kept."""
+    import torch
+
+    from cohort.models.tiny import run_device
+    from cohort.run.distributed import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert run_device("auto", None) == "cpu"
+    assert run_device("auto", "cohort:tiny-tools") == "cpu"
+    assert run_device("auto", "Qwen/Qwen2.5-0.5B-Instruct") == "auto"
+    assert pick_device(run_device("auto", "Qwen/Qwen2.5-0.5B-Instruct")).type == "cuda"
+    assert run_device("cuda", None) == "cuda"
+    assert run_device("cpu", "some/folder") == "cpu"

@@ -32,6 +32,7 @@ from ..memory.manager import MemoryManager
 from ..memory.precision import make_optimizer, optimizer_line
 from ..models.lora import adapters_disabled, has_lora, merge_into_base
 from ..models.policy import frozen_copy, load_run_policy, save_policy
+from ..models.tiny import run_device
 from ..options.epochs import with_epoch_steps
 from ..resolve import resolve_run_config
 from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
@@ -96,8 +97,10 @@ class GRPOTrainer:
         seed_everything(args.seed)
         prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
         # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
-        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
+        self.parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, args.rollout_gpus)
         self.device = self.parallel.device
+        if args.device == "auto" and self.device.type == "cpu" and torch.cuda.is_available():
+            log("device: cpu, the built-in tiny model's step is faster there than on a GPU (--device cuda to use it)")
         self.model, self.tokenizer, self.pad_id = load_run_policy(model, processing_class, args, self.device,
                                                                   peft_config=peft_config, log=log)
         self.train_rows = self.training_rows(train_dataset, args)

@@ -184,6 +184,15 @@ def is_builtin_model(name) -> bool:
     return isinstance(name, str) and name in BUILTIN_MODELS
 
 
+def run_device(spec: str, model) -> str:
+    """The device option a run of `model` (None: the built-in default) uses: `auto` is the CPU for the built-in
+    tiny models, since a few-layer model's step is kernel-launch bound on a GPU (docs/performance.md: the
+    default job trains faster on four CPU cores than on an H200); any other model or spelling is kept."""
+    if spec == "auto" and (model is None or is_builtin_model(model)):
+        return "cpu"
+    return spec
+
+
 def builtin_model_dir(name: str, log=print) -> Path:
     """The folder of the built-in model `name` (a key of BUILTIN_MODELS), built on first use."""
     if name not in BUILTIN_MODELS:

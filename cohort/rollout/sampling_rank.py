@@ -22,6 +22,7 @@ from ..models.lora import has_lora
 from ..models.modeling import CausalLM
 from ..models.policy import load_run_policy
 from ..models.tensor_parallel import shard_model
+from ..models.tiny import run_device
 from ..resolve import resolve_run_config
 from ..run.disaggregation import samples_here
 from ..run.distributed import Parallel
@@ -76,7 +77,7 @@ class SamplingRank:
         toolbox = make_toolbox(tools, environment_factory, args, task)
         seed_everything(args.seed)
         # The same process groups as the trainers make.
-        self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
+        self.parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, args.rollout_gpus)
         device = self.parallel.device
         # The trainers' parameters, LoRA adapters included, arrive in this copy.
         self.model, self.tokenizer, pad_id = load_run_policy(model, processing_class, args, device,
