@@ -10,6 +10,9 @@ Three faults, each on `cohort train --nproc_per_node 2` with the built-in tiny m
 
 For each: an uninterrupted run of --steps steps (one per layout), the faulted run, then `--resume` to --steps
 steps; "resume equal" = every step's loss and the final weights within --tolerance of the uninterrupted run.
+On GPUs every run has `--full_determinism true` (the attention backward's atomics and cuBLAS's workspace
+would otherwise make two uninterrupted runs differ in the last bf16 bits), and a second uninterrupted run
+per layout (`run_to_run_difference`) shows that two runs from one seed are equal there.
 Prints a table (fault, seconds to end, the one line, resume equal) and writes JSON to --out.
 
     python bench/faults.py --out faults.json               # 2 GPUs, NCCL (~3 min)
@@ -37,7 +40,7 @@ def options(out: Path, device: str, steps: int, *extra: str) -> list[str]:
             "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "16",
             "--eval_limit", "0", "--learning_rate", "3e-4", "--seed", "3", "--logging_steps", "1", "--quiet",
             "--device", device, "--save_steps", "1", "--save_total_limit", "0", "--max_steps", str(steps),
-            "--output_dir", str(out), *extra]
+            "--output_dir", str(out), *(["--full_determinism", "true"] if device != "cpu" else []), *extra]
 
 
 def environment(**extra: str) -> dict:
@@ -112,6 +115,8 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=1e-5, help="largest loss / weight difference for equal")
     parser.add_argument("--limit", type=float, default=300,
                         help="seconds any one job may take (on a GPU, compilation takes about 20 s of each)")
+    parser.add_argument("--faults", default="trainer_killed,sampler_killed,weights_withheld",
+                        help="which faults to run, in order")
     parser.add_argument("--workdir", default=None, help="folder for the runs (default: a temporary one)")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -126,7 +131,9 @@ def main() -> int:
     rollout = ["--async_rollouts", "true", "--rollout_gpus", "1"]
     faults = [("trainer_killed", [], 1, None), ("sampler_killed", rollout, 1, None),
               ("weights_withheld", [*rollout, "--ddp_timeout", str(args.timeout)], None, "withhold_weights:2")]
+    faults = [fault for fault in faults if fault[0] in args.faults.split(",")]
     references: dict[str, Path] = {}
+    controls: dict[str, float] = {}
     results = []
     for name, extra, kill_rank, inject in faults:
         layout = "rollout" if extra else "ddp"
@@ -135,8 +142,13 @@ def main() -> int:
             with open(work / f"reference-{layout}.log", "w") as log:  # read it when a reference run fails
                 subprocess.run(options(references[layout], device, args.steps, *extra), env=environment(),
                                check=True, timeout=args.limit, stdout=log, stderr=subprocess.STDOUT)
+            if device != "cpu":  # the floor "equal" is judged against: a second run from the same seed
+                control = work / f"control-{layout}"
+                subprocess.run(options(control, device, args.steps, *extra), env=environment(), check=True,
+                               timeout=args.limit, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                controls[layout] = same_run(control, references[layout], args.tolerance)[1]
         out = work / name
-        row = {"fault": name}
+        row = {"fault": name, **({"run_to_run_difference": controls[layout]} if layout in controls else {})}
         try:
             seconds, lines, code = faulted_run(options(out, device, args.steps, *extra), out, kill_rank, inject,
                                                args.limit)

@@ -306,6 +306,10 @@ class GRPOConfig:
                 "one), so that another busy program slows training by about the core it takes, not many times "
                 "over; OMP_NUM_THREADS, when set, is the count instead. The same count gives the same numbers, "
                 "busy or not."})
+    full_determinism: bool = field(default=False, metadata={
+        "help": "Bit-for-bit repeatable runs on GPUs too (a resumed run then equals the uninterrupted one there): "
+                "PyTorch's deterministic algorithms and cuBLAS's fixed workspace, at some speed. CPU runs repeat "
+                "anyway."})
     fsdp: bool = field(default=False, metadata={
         "help": "Several processes: shard parameters, gradients and optimizer state with FSDP2 instead of DDP."})
     ddp_timeout: int = field(default=1800, metadata={

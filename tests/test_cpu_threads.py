@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from cohort.algorithm.determinism import cpu_determinism, cpu_thread_count
+from cohort.algorithm.determinism import run_determinism, cpu_thread_count
 from cohort.config import GRPOConfig
 from cohort.errors import CohortError
 
@@ -27,13 +27,30 @@ def test_auto_leaves_one_core_to_other_work(monkeypatch):
 def test_the_count_holds_inside_the_run_and_is_restored():
     before = torch.get_num_threads()
     wanted = 1 if before != 1 else 2
-    with cpu_determinism(torch.device("cpu"), wanted):
+    with run_determinism(torch.device("cpu"), wanted):
         assert torch.get_num_threads() == wanted
     assert torch.get_num_threads() == before
-    with cpu_determinism(torch.device("meta"), wanted):  # not a CPU run: left alone
+    with run_determinism(torch.device("meta"), wanted):  # not a CPU run: left alone
         assert torch.get_num_threads() == before
 
 
 def test_a_count_below_one_is_refused():
     with pytest.raises(CohortError, match=r"cpu_threads=0 must be at least 1"):
         GRPOConfig(cpu_threads=0).validate()
+
+
+def test_full_determinism_turns_the_ordered_kernels_on_for_a_gpu_run_and_restores_them(monkeypatch):
+    """`full_determinism`: a GPU run (here the meta device stands for it) gets PyTorch's deterministic algorithms
+    and cuDNN's, and cuBLAS a fixed workspace; the CPU's thread count is not touched; all restored after."""
+    from cohort.algorithm.determinism import prepare_full_determinism
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    prepare_full_determinism()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, torch.get_num_threads())
+    with run_determinism(torch.device("meta"), threads=before[2] + 1, full=True):
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark
+        assert torch.get_num_threads() == before[2]
+    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+            torch.get_num_threads()) == before

@@ -16,7 +16,8 @@ drift apart by a few float32 units from that step on (1e-9..1e-7 in the weights 
 here than the contended atomics: these sums are small). On the CPU the flag picks the serial version of
 such accumulating scatters and nothing else the training step calls; `warn_only` keeps a run going
 (with a warning) should some op lack a deterministic version, and uninitialised memory is left as it
-is (no NaN fill). GPU runs are left alone: there the flag would swap many kernels for slower ones.
+is (no NaN fill). GPU runs are left alone unless `full_determinism` asks (TRL's option): there the flag swaps
+many kernels for slower ones.
 
 Threads (`cpu_threads`): PyTorch's intra-op threads (OpenMP) wait for each other at the end of every
 parallel region, spinning first. When another busy process shares a core with one of them, every region
@@ -55,19 +56,30 @@ def cpu_thread_count(setting: int | str = "auto") -> int:
     return max(1, cores - 1)
 
 
+def prepare_full_determinism() -> None:
+    """Before a run's first CUDA work with `full_determinism`: cuBLAS picks its reduction order by the
+    workspace it has, so it needs a fixed one (read when its handle is made, hence before any matrix product)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
 @contextlib.contextmanager
-def cpu_determinism(device: torch.device, threads: int | None = None) -> Iterator[None]:
-    """Inside the block, with `device` the CPU: PyTorch's deterministic algorithms on (warn-only, no
-    fill of uninitialised memory) and `threads` intra-op threads (None: as they are). The process's
-    previous settings are restored on exit."""
-    if device.type != "cpu":
+def run_determinism(device: torch.device, threads: int | None = None, full: bool = False) -> Iterator[None]:
+    """Inside the block, on the CPU (and with `full` on any device): PyTorch's deterministic algorithms on
+    (warn-only, no fill of uninitialised memory); on the CPU `threads` intra-op threads (None: as they are).
+    On a GPU, `full` also swaps the accumulating kernels (scatters, the attention backward's atomics) for
+    ordered ones, at some speed, so that a run repeats, and a resumed run continues, bit for bit. The
+    process's previous settings are restored on exit."""
+    if device.type != "cpu" and not full:
         yield
         return
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.utils.deterministic.fill_uninitialized_memory, torch.get_num_threads())
+              torch.utils.deterministic.fill_uninitialized_memory, torch.get_num_threads(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
-    if threads is not None:
+    if full:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    if threads is not None and device.type == "cpu":
         torch.set_num_threads(threads)
     try:
         yield
@@ -75,3 +87,4 @@ def cpu_determinism(device: torch.device, threads: int | None = None) -> Iterato
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.utils.deterministic.fill_uninitialized_memory = before[2]
         torch.set_num_threads(before[3])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[4], before[5]

@@ -54,7 +54,7 @@ from ..update.logprobs import supports_hidden
 from ..update.policy_update import PolicyUpdate, sampler_correction_mode
 from ..update.schedule import lr_scheduler
 from .curriculum import Curriculum
-from .determinism import cpu_determinism, seed_everything
+from .determinism import prepare_full_determinism, run_determinism, seed_everything
 from .dynamic_sampling import fill_informative
 from .loss_spec import LossSpec
 from .advantages import group_advantages, overlong_penalty
@@ -95,6 +95,8 @@ class GRPOTrainer:
         """The stages of the run, each given what it needs."""
         self.task = task
         seed_everything(args.seed)
+        if args.full_determinism:
+            prepare_full_determinism()  # before the first CUDA work
         prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
         # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
         self.parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, args.rollout_gpus)
@@ -195,7 +197,7 @@ class GRPOTrainer:
         of per-step records is returned."""
         args = self.args
         self.started = time.perf_counter()
-        with self.lifecycle() as run, cpu_determinism(self.device, self.args.cpu_threads):  # the same sums, busy or not
+        with self.lifecycle() as run, run_determinism(self.device, self.args.cpu_threads, self.args.full_determinism):  # the same sums, busy or not
             try:
                 self.resume(run)  # --resume: continue from the newest complete checkpoint, exactly
                 self.callback_handler.event("on_train_begin")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from ..algorithm.determinism import cpu_determinism, seed_everything
+from ..algorithm.determinism import prepare_full_determinism, run_determinism, seed_everything
 from ..errors import CohortError
 from ..models.lora import has_lora
 from ..models.modeling import CausalLM
@@ -76,6 +76,8 @@ class SamplingRank:
                               "GRPOTrainer on the ranks where cohort.is_sampling_rank(args) is False")
         toolbox = make_toolbox(tools, environment_factory, args, task)
         seed_everything(args.seed)
+        if args.full_determinism:
+            prepare_full_determinism()  # before the first CUDA work
         # The same process groups as the trainers make.
         self.parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, args.rollout_gpus)
         device = self.parallel.device
@@ -106,7 +108,7 @@ class SamplingRank:
         stop = StopRequest()
         stop.install()
         try:
-            with cpu_determinism(self.parallel.device, self.args.cpu_threads):
+            with run_determinism(self.parallel.device, self.args.cpu_threads, self.args.full_determinism):
                 served = self.server.serve()
         finally:
             stop.uninstall()
