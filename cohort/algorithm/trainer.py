@@ -27,6 +27,7 @@ import torch
 from ..config import GRPOConfig
 from ..errors import CohortError
 from ..eval.evaluate import evaluate
+from ..memory.capacity import check_capacity
 from ..memory.checkpointed_layers import AutoCheckpointing
 from ..memory.manager import MemoryManager
 from ..memory.precision import make_optimizer, optimizer_line
@@ -98,6 +99,7 @@ class GRPOTrainer:
         # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
         self.parallel = Parallel.from_env(args.device, args.ddp_timeout, args.rollout_gpus)
         self.device = self.parallel.device
+        check_capacity(model, args, self.device, self.parallel.world_size)  # refused before loading: what would fit
         self.model, self.tokenizer, self.pad_id = load_run_policy(model, processing_class, args, self.device,
                                                                   peft_config=peft_config, log=log)
         self.train_rows = self.training_rows(train_dataset, args)
