@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cohort from this checkout
 
-# Model shapes (their config.json), random weights: Qwen2.5 (by size), Llama-3.1-8B and Qwen3-8B (the dense
-# rows of NeMo-RL's performance summary). `SMOKE` replaces them with tiny ones of the same families for the CPU
+# Model shapes (their config.json), random weights: Qwen2.5 (by size; 14B and 32B for the capacity rows of
+# bench/scale.py), Llama-3.1-8B and Qwen3-8B (the dense rows of NeMo-RL's performance summary). `SMOKE` replaces them with tiny ones of the same families for the CPU
 # check. Llama-3.1's rope scaling (llama3) is left out: it changes the positions' angles, not the step's cost.
 def _shape(hidden: int, inner: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool,
            model_type: str = "qwen2", **extra) -> dict:
@@ -48,6 +48,8 @@ SHAPES = {
     "llama3.1-8b": _shape(4096, 14336, 32, 32, 8, 128256, False, "llama", rope_theta=500000.0,
                           max_position_embeddings=131072),
     "qwen3-8b": _shape(4096, 12288, 36, 32, 8, 151936, False, "qwen3", head_dim=128, max_position_embeddings=40960),
+    "qwen2.5-14b": _shape(5120, 13824, 48, 40, 8, 152064, False),
+    "qwen2.5-32b": _shape(5120, 27648, 64, 40, 8, 152064, False),
 }
 SMOKE = {
     "0.5b": _shape(64, 128, 2, 4, 2, 1000, True),
@@ -56,6 +58,8 @@ SMOKE = {
     "7b": _shape(128, 256, 3, 4, 2, 1000, False),
     "llama3.1-8b": _shape(64, 128, 2, 4, 2, 1000, False, "llama", rope_theta=500000.0),
     "qwen3-8b": _shape(64, 128, 2, 4, 2, 1000, False, "qwen3", head_dim=16),
+    "qwen2.5-14b": _shape(80, 160, 3, 4, 2, 1000, False),
+    "qwen2.5-32b": _shape(80, 320, 4, 4, 2, 1000, False),
 }
 COMMON = dict(max_position_embeddings=32768, rope_theta=1e6)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -27,6 +27,7 @@ import torch
 from ..config import GRPOConfig
 from ..errors import CohortError
 from ..eval.evaluate import evaluate
+from ..memory.capacity import check_capacity
 from ..memory.checkpointed_layers import AutoCheckpointing
 from ..memory.manager import MemoryManager
 from ..memory.precision import make_optimizer, optimizer_line
@@ -103,6 +104,7 @@ class GRPOTrainer:
         self.device = self.parallel.device
         if args.device == "auto" and self.device.type == "cpu" and torch.cuda.is_available():
             log("device: cpu, the built-in tiny model's step is faster there than on a GPU (--device cuda to use it)")
+        check_capacity(model, args, self.device, self.parallel.world_size)  # refused before loading: what would fit
         self.model, self.tokenizer, self.pad_id = load_run_policy(model, processing_class, args, self.device,
                                                                   peft_config=peft_config, log=log)
         self.train_rows = self.training_rows(train_dataset, args)

@@ -1,0 +1,376 @@
+"""8B-class GRPO on one node: tokens per second per GPU by NeMo-RL's formula, synchronous and asynchronous, against
+TRL 1.16 in the same call on the same GPUs; and `--plan`, the memory plan's capacity rows (nothing measured).
+
+    python bench/scale.py --plan                       # CPU: what fits 8B on 2×80 GB, 14B on 2×H200, 32B on 4×H200
+    python bench/scale.py --gpus 2                     # GPUs: llama3.1-8b and qwen3-8b, cohort sync + async, TRL
+    python bench/scale.py --gpus 2 --models llama3.1-8b --frameworks cohort   # one shape, cohort only
+    python bench/scale.py --smoke                      # CPU: tiny shapes, 2 gloo processes, checks the plumbing
+
+`--plan` prints, for each capacity row of the issue (4,096-token completions), the plan of cohort/memory/
+training_plan.py for a ladder of configurations, each adding one change to the one before: cohort's defaults;
+the engine as a tensor-parallel shard over the training ranks (the colocated placement); one completion a
+micro-batch; the KV cache freed for the update; then changes to the code that the plan prices (a reduce-scatter
+every micro-batch instead of FSDP2's unsharded fp32 accumulation, a fused AdamW without the foreach temporary,
+the engine's weights released in the update, bf16 moments on the shard, widening to fp32 after sharding). A row
+fits where its busiest phase leaves `HEADROOM_GIB` of the card (the CUDA context, NCCL, the allocator).
+
+`--gpus N` measures, for each shape (random weights, the synthetic tokenizer of bench/grpo_step_worker.py):
+- cohort, synchronous (`--sync_options`, default FSDP2 over the N GPUs) and asynchronous (`--async_options`,
+  default `--rollout_gpus N/2`: half the GPUs sample, half train), each mode one `torchrun` job of
+  bench/async_rollouts.py's machinery (its `DrawnLengthEngine`: completion lengths drawn lognormal, median
+  `--median`, 99th percentile at the cap, capped at 4,096; the engine decodes exactly the drawn tokens);
+- TRL 1.16's GRPOTrainer under `accelerate launch` on the same N GPUs with FSDP2 (transformers' `fsdp` and
+  `fsdp_config`), its own `generate`, the same prompts, G, β, learning rate and reward; `--trl_steps` steps.
+
+Per row: tokens/s/GPU = (prompt + completion tokens of a step) ÷ (step wall time × N), NeMo-RL's formula; the
+busiest GPU's peak memory; `time/weight_sync` (sampling ranks receiving the weights; under FSDP2 the gather into
+the engine's copy, `time/gather`) as a share of the step; cohort ÷ TRL.
+
+The batch, against NeMo-RL's Llama-3.1-8B row (16 H100s; its GRPO recipe as we read it: 64 prompts × 32
+generations = 2,048 sequences a step, 128 a GPU, at most 4,096 tokens a sequence). Kept: G = 32, the 4,096-token
+completion cap, the formula. Different: `--prompts_per_gpu` (default 2: 64 sequences a GPU, half NeMo-RL's, so
+that the full-parameter state of an 8B model on 2 GPUs leaves room for the KV cache); 256-token random prompts
+(the cap is on completions, so a sequence may reach 4,352 tokens); lengths drawn, not the model's own (a random
+model never ends); random weights. TRL's completions always reach the cap (a random model never samples EOS,
+and TRL's generate cannot stop at a drawn length), and its static batch pays the longest completion anyway, so
+its figure is the most a long-tailed batch could give it.
+
+Writes scale.json (and prints a markdown table) to --out (default $OUT, else runs/scale_bench). `--smoke` runs
+the same code on the CPU with the tiny SMOKE twins, 2 processes over gloo, a few steps, and skips TRL where it
+is not installed ("TRL not installed").
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+HEADROOM_GIB = 2.0
+CAPACITY_ROWS = (  # shape, GPUs, card, card GiB (the issue's capacities)
+    ("llama3.1-8b", 2, "80 GB (H100)", 79.6),
+    ("qwen2.5-14b", 2, "H200", 140.4),
+    ("qwen2.5-32b", 4, "H200", 140.4),
+)
+NEMO_RL = {"llama3.1-8b": dict(sync=1562, async_=2161)}  # tokens/s/GPU, on-policy and one-step off-policy
+
+
+def ladder():
+    """(label, changes to the step, changes to the placement), each on top of the ones before."""
+    return [
+        ("cohort's defaults (engine a whole copy; 16 completions a micro-batch)", {}, {}),
+        ("+ the engine a tensor-parallel shard over the GPUs (colocated)", {}, {"sampling_split": "ranks"}),
+        ("+ one completion a micro-batch (--per_device_train_batch_size 1)", {"micro_rows": 1}, {}),
+        ("+ KV cache freed for the update (--free_sampling_memory true)", {"free_sampling_memory": True}, {}),
+        ("+ code: a reduce-scatter every micro-batch (no unsharded fp32 accumulation)", {},
+         {"sync_every_micro_batch": True}),
+        ("+ code: fused AdamW on the shard (no foreach temporary)", {}, {"optimizer_temporary": False}),
+        ("+ code: the engine's weights released during the update", {}, {"engine_in_update": False}),
+        ("+ code: bf16 moments on the shard", {}, {"shard_moment_bytes": 4}),
+        ("+ code: shard before widening to fp32 (set-up)", {}, {"widen_after_sharding": True}),
+    ]
+
+
+def plan_rows(prompt_len: int = 256, completion_len: int = 4096, prompts_per_gpu: int = 2, group: int = 32) -> list:
+    from grpo_step_worker import SHAPES, config_dict
+
+    from cohort.memory.training_plan import GIB, Placement, StepShape, training_memory_plan
+    from cohort.models import ModelConfig
+
+    rows = []
+    for shape, gpus, card, card_gib in CAPACITY_ROWS:
+        config = ModelConfig.from_hf_dict(config_dict(SHAPES[shape]))
+        step = StepShape(rows=prompts_per_gpu * group, group=group, prompt_len=prompt_len,
+                         completion_len=completion_len, micro_rows=16)
+        placement = Placement(ranks=gpus, fsdp=True)
+        entry = dict(shape=shape, gpus=gpus, card=card, card_gib=card_gib, completions_per_gpu=step.rows,
+                     prompt_len=prompt_len, completion_len=completion_len, ladder=[], fits_from=None)
+        for label, step_changes, placement_changes in ladder():
+            step = replace(step, **step_changes)
+            placement = replace(placement, **{k: gpus if v == "ranks" else v for k, v in placement_changes.items()})
+            plan = training_memory_plan(config, step, placement)
+            fits = plan.peak / GIB <= card_gib - HEADROOM_GIB
+            entry["ladder"].append(dict(configuration=label, fits=fits, peak_gib=round(plan.peak / GIB, 1),
+                                        busiest=plan.describe(terms=5), plan=plan.as_dict()))
+            if fits and entry["fits_from"] is None:
+                entry["fits_from"] = label
+        rows.append(entry)
+    return rows
+
+
+def plan_table(rows: list) -> str:
+    lines = []
+    for row in rows:
+        lines += [f"\n{row['shape']} on {row['gpus']}× {row['card']} ({row['card_gib']} GiB), "
+                  f"{row['completions_per_gpu']} completions a GPU of {row['prompt_len']} + {row['completion_len']} "
+                  f"tokens: fits from \"{row['fits_from'] or 'none of these'}\"", "",
+                  "| configuration | peak GiB a GPU | fits | busiest phase (largest terms, GiB) |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {r['configuration']} | {r['peak_gib']} | {'yes' if r['fits'] else 'no'} | {r['busiest']} |"
+                  for r in row["ladder"]]
+    return "\n".join(lines)
+
+
+# ---- cohort: bench/async_rollouts.py's machinery, one torchrun job a mode ----------------------------
+
+def cohort_modes(args, shape: str, out: Path) -> dict:
+    import async_rollouts
+
+    argv = ["--model", shape, "--processes", str(args.gpus), "--cap", str(args.cap), "--median", str(args.median),
+            "--num_generations", str(args.num_generations), "--prompt_len", str(args.prompt_len),
+            "--prompts", str(args.prompts_per_gpu * args.gpus), "--steps", str(args.steps), "--warmup",
+            str(args.warmup), "--per_device", str(args.per_device), "--out", str(out)]
+    if args.smoke:
+        argv = ["--smoke", "--model", shape, "--processes", str(args.gpus), "--out", str(out), "--prompts",
+                str(args.prompts_per_gpu * args.gpus)]
+    results = {}
+    for mode, options in (("sync", args.sync_options), ("async", args.async_options)):
+        extra = ["--modes", mode]
+        for option in options:
+            key, _, value = option.partition("=")
+            if key == "rollout_gpus":
+                extra += ["--rollout_gpus", value]
+            else:
+                extra += ["--option", option]
+        started = time.perf_counter()
+        try:
+            report = async_rollouts.main(argv + extra)
+        except Exception as error:  # noqa: BLE001 - the other mode and TRL still run; the row says why
+            if args.smoke:
+                raise
+            results[mode] = dict(error=f"{type(error).__name__}: {error}"[:400])
+            continue
+        run = report["modes"].get(mode)
+        if run is None:
+            results[mode] = dict(error=report.get("errors", {}).get(mode, "no result"))
+            continue
+        summary = run["summary"]
+        measured = [s for s in run["steps"] if s["step"] > (1 if args.smoke else args.warmup)]
+        sync_s = [s.get("time/weight_sync", s.get("time/gather")) for s in measured]
+        sync_s = [v for v in sync_s if v is not None]
+        weight_sync = sum(sync_s) / len(sync_s) if sync_s else None
+        results[mode] = dict(tok_per_s_per_gpu=summary.get("tok_per_s_per_gpu"), wall_s=summary.get("wall_s"),
+                             peak_gib=summary.get("peak_memory_gib"), weight_sync_s=weight_sync,
+                             weight_sync_share=weight_sync / summary["wall_s"] if weight_sync and summary.get("wall_s")
+                             else None, tokens_per_step=summary.get("tokens_per_step"),
+                             options=options, seconds=round(time.perf_counter() - started, 1))
+    return results
+
+
+# ---- TRL: GRPOTrainer under accelerate launch, FSDP2 ------------------------------------------------
+
+def trl_available() -> bool:
+    return importlib.util.find_spec("trl") is not None
+
+
+def trl_run(args, shape: str, out: Path) -> dict:
+    if not trl_available():
+        return dict(skipped="TRL not installed")
+    spec = out / f"trl-{shape}.json"
+    result = out / f"trl-{shape}-result.json"
+    spec.write_text(json.dumps(dict(shape=shape, smoke=args.smoke, gpus=args.gpus, steps=args.trl_steps,
+                                    prompts=args.prompts_per_gpu * args.gpus, generations=args.num_generations,
+                                    prompt_len=args.prompt_len, completion_len=args.cap, result=str(result))))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.gpus),
+               "--num_machines", "1", "--mixed_precision", "no" if args.smoke else "bf16",
+               *(["--cpu"] if args.smoke else []), str(Path(__file__).resolve()), "--trl_worker", str(spec)]
+    done = subprocess.run(command, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=args.trl_timeout_s)
+    if not result.is_file():
+        return dict(error=f"TRL exited {done.returncode} without a result")
+    return json.loads(result.read_text())
+
+
+def trl_worker(spec_path: str) -> None:
+    """One rank of TRL's run; rank 0 writes the result (per-step wall times, tokens/s/GPU, the busiest GPU's peak)."""
+    import torch
+    import torch.distributed as dist
+    from datasets import Dataset
+    from grpo_step_worker import BETA, LEARNING_RATE, SHAPES, SMOKE, make_prompts, make_reward, make_tokenizer
+    from grpo_step_worker import run_build
+    from transformers import TrainerCallback
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    shape = (SMOKE if spec["smoke"] else SHAPES)[spec["shape"]]
+    cuda = not spec["smoke"]
+    rank = int(os.environ.get("RANK", "0"))
+    folder = Path(spec_path).with_suffix("") / "model"
+    if rank == 0 and not (folder / "config.json").is_file():
+        run_build(dict(shape=shape, folder=str(folder), device="cuda" if cuda else "cpu"),
+                  type("Silent", (), {"save": lambda self, **kw: None})())
+    marker = folder / "config.json"
+    while not marker.is_file():  # the other ranks wait for rank 0's folder
+        time.sleep(1)
+    time.sleep(2)
+    walls, lengths = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            walls.append(time.perf_counter() - self.started)
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    per_gpu = spec["prompts"] * spec["generations"] // spec["gpus"]
+    layer = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer"}
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-scale-"), per_device_train_batch_size=per_gpu,
+        gradient_accumulation_steps=1, num_generations=spec["generations"],
+        max_completion_length=spec["completion_len"], beta=BETA, learning_rate=LEARNING_RATE, bf16=cuda,
+        logging_steps=1, max_steps=spec["steps"], report_to=[], save_strategy="no", gradient_checkpointing=True,
+        temperature=1.0, top_k=0, top_p=1.0, disable_tqdm=True, use_cpu=not cuda,
+        fsdp="full_shard auto_wrap",
+        fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
+                     "transformer_layer_cls_to_wrap": [layer[shape["model_type"]]]})
+    rows = make_prompts(shape["vocab_size"], spec["prompts"] * (spec["steps"] + 1), spec["prompt_len"])
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=[make_reward(spec["completion_len"])], args=config,
+                          train_dataset=Dataset.from_list(rows), processing_class=make_tokenizer(shape["vocab_size"]),
+                          callbacks=[Clock()])
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    peaks = [None] * dist.get_world_size() if dist.is_initialized() else [peak]
+    if dist.is_initialized():
+        dist.all_gather_object(peaks, peak)
+    if rank != 0:
+        return
+    measured = walls[1:] or walls
+    wall = sum(measured) / len(measured)
+    mean_length = sum(lengths[1:] or lengths) / max(1, len(lengths[1:] or lengths))
+    tokens = spec["prompts"] * spec["generations"] * (spec["prompt_len"] + mean_length)
+    Path(spec["result"]).write_text(json.dumps(dict(
+        trl=trl.__version__, step_walls=[round(w, 2) for w in walls], wall_s=wall, mean_completion_length=mean_length,
+        tok_per_s_per_gpu=tokens / (wall * spec["gpus"]), peak_gib=max(p for p in peaks if p is not None)
+        if cuda else None)))
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", action="store_true", help="print the capacity rows of the memory plan and exit")
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--models", default="llama3.1-8b,qwen3-8b")
+    p.add_argument("--frameworks", default="cohort,trl")
+    p.add_argument("--prompts_per_gpu", type=int, default=2)
+    p.add_argument("--num_generations", type=int, default=32)
+    p.add_argument("--prompt_len", type=int, default=256)
+    p.add_argument("--cap", type=int, default=4096)
+    p.add_argument("--median", type=float, default=1024)
+    p.add_argument("--per_device", type=int, default=1, help="cohort's per_device_train_batch_size")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--trl_steps", type=int, default=2)
+    p.add_argument("--trl_timeout_s", type=float, default=560)
+    p.add_argument("--sync_options", default="fsdp=true,free_sampling_memory=true",
+                   help="GRPOConfig fields of the synchronous mode, comma-separated KEY=VALUE")
+    p.add_argument("--async_options", default=None,
+                   help="of the asynchronous mode (rollout_gpus=K is the launcher's); default rollout_gpus=N/2")
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--trl_worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.gpus, args.prompts_per_gpu, args.trl_steps = 2, 2, 2
+        args.num_generations, args.prompt_len, args.cap, args.steps, args.warmup = 4, 16, 48, 3, 1
+        args.models = "llama3.1-8b"
+    args.sync_options = [o for o in args.sync_options.split(",") if o]
+    async_default = f"rollout_gpus={max(1, args.gpus // 2)},async_rollouts=true"
+    args.async_options = [o for o in (args.async_options or async_default).split(",") if o]
+    if not any(o.startswith("async_rollouts=") for o in args.async_options):
+        args.async_options.append("async_rollouts=true")
+    args.models = [m for m in args.models.split(",") if m]
+    args.frameworks = [f for f in args.frameworks.split(",") if f]
+    return args
+
+
+def markdown(rows: list, gpus: int) -> str:
+    lines = [f"| shape | run | tok/s/GPU (NeMo-RL's formula) | step wall s | peak GiB (busiest GPU) | weight sync "
+             f"share | ÷ TRL |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
+    for row in rows:
+        trl = row.get("trl", {})
+        for name in ("sync", "async", "trl"):
+            r = trl if name == "trl" else row.get("cohort", {}).get(name, {})
+            if "error" in r or "skipped" in r:
+                lines.append(f"| {row['shape']} | {name} | {r.get('error') or r.get('skipped')} | | | | |")
+                continue
+            ratio = (r["tok_per_s_per_gpu"] / trl["tok_per_s_per_gpu"]
+                     if name != "trl" and r.get("tok_per_s_per_gpu") and trl.get("tok_per_s_per_gpu") else None)
+            lines.append(f"| {row['shape']} | {name} on {gpus} GPUs | {fmt(r.get('tok_per_s_per_gpu'), ',.0f')} "
+                         f"| {fmt(r.get('wall_s'), '.1f')} | {fmt(r.get('peak_gib'), '.1f')} "
+                         f"| {fmt(r.get('weight_sync_share'), '.1%')} | {fmt(ratio, '.2f')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out or os.environ.get("OUT") or (tempfile.mkdtemp(prefix="scale-") if args.smoke
+                                                      else HERE.parent / "runs" / "scale_bench"))
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    command = "python " + " ".join([sys.argv[0]] + sys.argv[1:]) if argv is None else f"main({argv!r})"
+    report: dict = dict(bench="scale", date=stamp, command=command)
+    if args.plan:
+        rows = plan_rows(args.prompt_len, args.cap, args.prompts_per_gpu, args.num_generations)
+        report.update(kind="plan", headroom_gib=HEADROOM_GIB, rows=rows)
+        print(plan_table(rows))
+        (out / "scale_plan.json").write_text(json.dumps(report, indent=1) + "\n")
+        return report
+    import torch
+
+    report.update(card=torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu",
+                  gpus=args.gpus, workload=dict(prompts_per_gpu=args.prompts_per_gpu, G=args.num_generations,
+                                                prompt_len=args.prompt_len, cap=args.cap, median=args.median,
+                                                steps=args.steps, warmup=args.warmup),
+                  nemo_rl=NEMO_RL, rows=[])
+    for shape in args.models:
+        row = dict(shape=shape)
+        if "cohort" in args.frameworks:
+            row["cohort"] = cohort_modes(args, shape, out / f"cohort-{shape}")
+        if "trl" in args.frameworks:
+            try:
+                row["trl"] = trl_run(args, shape, out)
+            except subprocess.TimeoutExpired:
+                row["trl"] = dict(error=f"TRL ran past --trl_timeout_s {args.trl_timeout_s:g}")
+        report["rows"].append(row)
+        (out / "scale.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    table = markdown(report["rows"], args.gpus)
+    report["table"] = table
+    print("\n" + table + "\n", flush=True)
+    (out / "scale.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    if args.smoke:
+        for row in report["rows"]:
+            for mode in ("sync", "async"):
+                assert row["cohort"][mode].get("tok_per_s_per_gpu"), (mode, row["cohort"][mode])
+        print("smoke: OK — cohort sync and async ran on 2 gloo processes; TRL: "
+              f"{report['rows'][0].get('trl', {}).get('skipped', 'ran')}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    parsed = parse_args()
+    if parsed.trl_worker:
+        trl_worker(parsed.trl_worker)
+    else:
+        main()

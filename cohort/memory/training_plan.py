@@ -1,0 +1,300 @@
+"""What one GPU holds at the peak of each phase of a GRPO step, from the model's config alone (no weights).
+
+`training_memory_plan` counts, in bytes, the tensors cohort's own code keeps on a training rank. Every term
+comes from a place in the code; the figure and its source:
+
+Resident through the step (`resident`):
+- full parameters, one GPU or DDP: the bf16 weights (2 bytes a parameter; `--dtype`), the fp32 master's low
+  half (2: `precision.MasterWeightAdamW`, `bf16.split_master`) and AdamW's two moments (4 in bf16, the GPU
+  default, or 8: `optimizer_state_dtype`). The engine samples from the same weights.
+- FSDP2 over N ranks (`run/distributed.py` `_fully_shard`): the engine's copy of the weights in bf16 (a whole
+  copy, or 1/T of it where the engine is a T-way tensor-parallel shard), the fp32 master shard (4/N) and torch
+  AdamW's fp32 moments on it (8/N: `optimizer_state_dtype` is float32 for an fp32 sharded copy).
+- LoRA (`models/lora.py`): the frozen bf16 base, and the adapters trained in fp32 (weights, moments: 12 bytes
+  an adapter parameter).
+- π_ref (β > 0, without LoRA): a bf16 copy (`models/policy.frozen_copy`); on one GPU it waits on the host
+  outside the log-prob pass (`offload.HostOffload`), under FSDP it stays.
+- asynchronous rollouts in one process: the producer's copy of the policy (`rollout/setup.py`).
+- the engine's KV cache (`rollout/engine.py`): min(256, the rows of one engine call) slots of prompt +
+  completion tokens rounded up to 128, K and V of every layer, split by KV head over a tensor-parallel group;
+  kept between rollouts unless `free_sampling_memory`.
+
+The backward (`backward`) adds the gradients and the largest micro-batch's activations, the optimizer step
+(`optimizer step`) the gradients and the step's scratch:
+- gradients: 2 bytes a parameter on one GPU, lent the idle KV cache where it holds them (`lending.py`), plus
+  DDP's buckets (a second copy) on several ranks. FSDP2: the fp32 gradient shard (4/N); but while micro-batches
+  accumulate without a reduce-scatter (`Parallel.no_sync`), FSDP2 keeps every parameter's unsharded gradient,
+  upcast to the fp32 reduce dtype (`FSDPParam.to_accumulated_grad_if_needed`): 4 bytes a parameter, unsharded;
+- FSDP2's gathered parameters: the root's embeddings, head and norm in bf16 for the whole forward and
+  backward, two decoder layers at a time (the one computing, the one prefetched), and one layer's gradient in
+  bf16 and in fp32 for its reduce-scatter; its optimizer step is torch's foreach AdamW, whose √v̂ + ε is one
+  temporary the size of the shard;
+- tokens: a micro-batch is `per_device_train_batch_size` rows and at most `max_tokens_per_micro_batch`
+  tokens (`auto`: `fast_path.micro_batch_tokens`), but never less than one unit, a prompt with the group's
+  completions when prompts are shared (`update/packing.py`: a unit longer than the cap is a micro-batch alone);
+- per token, a checkpointed layer keeps its input (hidden × 2 bytes); the layer being recomputed keeps what
+  its backward reads, estimated as 2 × (4 hidden + 2 q + 2 kv + 3 intermediate) bytes (the norms' inputs and
+  outputs, q/k/v, the attention output, the MLP's gate, up and product: 73 KB a token at the Qwen2.5-1.5B
+  shape, where `checkpointed_layers.ActivationProbe` measured 75 KB), counted twice for the gradients in
+  flight; without checkpointing every layer keeps it. `gradient_checkpointing_layers=auto` keeps more layers
+  where the budget allows: the plan is the least the step needs;
+- the fused head (`update/fused_head.py`): the head's gradient (vocabulary × hidden, bf16) and ∂loss/∂hidden
+  made in the forward and held to the backward, one chunk of logits (`logprobs.CHUNK_BYTES` in fp32, and the
+  bf16 logits it came from).
+
+The log-prob pass (`logprobs`) holds π_ref's weights (when β > 0) and one layer's activations of a no-grad
+micro-batch twice the update's (`manager.NO_GRAD_FACTOR`). FSDP2's set-up (`setup`) holds, besides the loaded
+bf16 model, the fp32 copy `_fully_shard` makes before sharding it.
+
+Checked against measurements: FSDP2 over 4 H200s at the Qwen2.5-7B shape (docs/performance.md, 16 prompts × 4
+of 128 tokens, 2 micro-batches) peaked at 69.4 GiB, the plan says 70.6 (the unsharded fp32 gradients are 28.4
+of it); one H200 at that shape with fp32 moments peaked at 104.4 GiB, the plan says 103.3 (with bf16 moments,
+73.8). `Placement`'s levers price the changes that would lower the sharded figures.
+
+Left out (each well under a GiB at these sizes, or outside what a model's config says): the CUDA context and
+NCCL's buffers, CUDA graph pools, the allocator's fragmentation, the decode step's logits. The refusal
+(`capacity.py`) therefore compares the plan with the whole free memory, not a share of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..models.config import ModelConfig
+from ..update.fast_path import MICRO_BATCH_FLOP
+from ..update.logprobs import CHUNK_BYTES
+from .precision import GRADIENT_CHUNK_BYTES
+from .sampling_plan import kv_cache_bytes, parameter_count
+
+GIB = 2**30
+ENGINE_SLOTS = 256  # the engine's default max_batch_size: sequences decoded at once (rollout/engine.py)
+KV_LENGTH_STEP = 128  # the engine rounds a call's KV length up to this (rollout/engine.py)
+NO_GRAD_FACTOR = 2  # no-grad log-prob micro-batches are this many times the update's (manager.py)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a training rank's step is made of, and how the run keeps its memory: the options of a
+    `GRPOConfig` the plan reads, with `auto` settled as on a GPU with cohort's own models."""
+
+    rows: int  # completions a rank samples and trains on per step
+    group: int  # G
+    prompt_len: int
+    completion_len: int
+    micro_rows: int
+    micro_tokens: int | str = "auto"  # 0: rows only
+    checkpointing: bool = True
+    share_prompts: bool = True
+    element_bytes: int = 2  # bf16 weights; 4 with --dtype float32
+    moment_bytes: int = 4  # AdamW's two moments on one GPU: bf16 (8 for fp32)
+    lora_rank: int = 0  # 0: full parameters
+    reference: bool = False  # β > 0 and no LoRA: a π_ref copy
+    offload_reference: bool = True
+    async_copy: bool = False  # asynchronous rollouts in this process: the producer's copy of the policy
+    lend_kv_cache: bool = True
+    free_sampling_memory: bool = False
+    engine_slots: int = ENGINE_SLOTS
+
+    @classmethod
+    def from_config(cls, args) -> "StepShape":
+        """The step of the run `args` (a validated `GRPOConfig`) on a GPU."""
+        fp32 = args.dtype == "float32"
+        return cls(rows=args.per_device_train_batch_size * args.gradient_accumulation_steps, group=args.num_generations,
+                   prompt_len=args.max_prompt_length, completion_len=args.max_completion_length,
+                   micro_rows=args.per_device_train_batch_size, micro_tokens=args.max_tokens_per_micro_batch,
+                   checkpointing=args.gradient_checkpointing is not False, share_prompts=args.share_prompt_prefix,
+                   element_bytes=4 if fp32 else 2,
+                   moment_bytes=8 if fp32 or args.optimizer_state_dtype == "float32" else 4,
+                   lora_rank=args.lora_r if args.use_peft else 0, reference=args.beta > 0 and not args.use_peft,
+                   offload_reference=args.offload_ref_model,
+                   async_copy=args.async_rollouts and not args.rollout_gpus, lend_kv_cache=args.lend_kv_cache,
+                   free_sampling_memory=args.free_sampling_memory)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the step runs: `ranks` training ranks (FSDP2 over them with `fsdp`, else each holds the whole
+    model: one GPU or DDP); the engine's weights split `sampling_split` ways (a tensor-parallel shard per
+    rank); `samples`: this rank runs the engine (not a trainer whose rollouts come from sampling ranks)."""
+
+    ranks: int = 1
+    fsdp: bool = False
+    sampling_split: int = 1
+    samples: bool = True
+    # How the FSDP2 state is kept. The defaults are what the code does today; the others are what a change would
+    # give (bench/scale.py --plan shows which change lets a model fit).
+    optimizer_temporary: bool = True  # torch's foreach AdamW makes one temporary the size of the shard
+    shard_moment_bytes: int = 8  # fp32 moments on the fp32 shard
+    engine_in_update: bool = True  # the engine's weights stay on the GPU through the update
+    widen_after_sharding: bool = False  # `_fully_shard` widens a whole copy to fp32, then shards it
+    sync_every_micro_batch: bool = False  # `Parallel.no_sync` skips the reduce-scatter of all but the last
+
+    @property
+    def sharded(self) -> bool:
+        return self.fsdp and self.ranks > 1
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per GPU: `phases[phase][term]`. A phase's total is what is allocated at its peak."""
+
+    parameters: int
+    placement: Placement
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def total(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def peak(self) -> int:
+        return self.total(self.peak_phase)
+
+    def describe(self, phase: str | None = None, terms: int = 4) -> str:
+        """`update 97.3 GiB: moments 29.9, weights 15.0, ...`: a phase's total and its largest terms."""
+        phase = phase or self.peak_phase
+        largest = sorted(self.phases[phase].items(), key=lambda item: -item[1])[:terms]
+        return (f"{phase} {self.total(phase) / GIB:.1f} GiB: "
+                + ", ".join(f"{name} {size / GIB:.1f}" for name, size in largest if size))
+
+    def as_dict(self) -> dict:
+        return dict(parameters=self.parameters, placement=vars(self.placement), peak_phase=self.peak_phase,
+                    peak_gib=round(self.peak / GIB, 2),
+                    phases={phase: {"total_gib": round(self.total(phase) / GIB, 2),
+                                    **{name: round(size / GIB, 3) for name, size in terms.items()}}
+                            for phase, terms in self.phases.items()})
+
+
+def layer_parameter_count(config: ModelConfig) -> int:
+    """One decoder layer's weights (as `parameter_count` counts them)."""
+    hidden, heads, kv_heads, head_dim = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                                         config.head_dim)
+    return hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * config.intermediate_size + 2 * hidden
+
+
+def lora_parameter_count(config: ModelConfig, rank: int) -> int:
+    """Adapters of rank `rank` on every attention and MLP projection (`--lora_target_modules`' default): r ×
+    (inputs + outputs) for q, k, v, o, gate, up and down of every layer."""
+    hidden, inner = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    per_layer = (hidden + q) * 2 + (hidden + kv) * 2 + (hidden + inner) * 3
+    return config.num_hidden_layers * rank * per_layer
+
+
+def activation_bytes_per_token(config: ModelConfig, element_bytes: int) -> int:
+    """What a decoder layer that keeps its activations holds for its backward, per token (see the docstring)."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return element_bytes * (4 * config.hidden_size + 2 * q + 2 * kv + 3 * config.intermediate_size)
+
+
+def micro_batch_tokens(config: ModelConfig, step: StepShape) -> int:
+    """Tokens of the largest training micro-batch the step can make (see the docstring)."""
+    rows = min(step.micro_rows, step.rows)
+    shared = step.share_prompts and step.group > 1
+    unit = step.prompt_len + (min(step.group, rows) if shared else 1) * step.completion_len
+    prompts = math.ceil(rows / min(step.group, rows)) if shared else rows
+    whole = prompts * step.prompt_len + rows * step.completion_len
+    cap = step.micro_tokens
+    if cap == "auto":
+        cap = max(1024, int(MICRO_BATCH_FLOP / (6 * parameter_count(config))) // 256 * 256)
+    return max(unit, min(whole, cap)) if cap else whole
+
+
+def several_micro_batches(config: ModelConfig, step: StepShape) -> bool:
+    """Whether the step's update takes more than one micro-batch (gradients accumulate between them)."""
+    shared = step.share_prompts and step.group > 1
+    whole = (math.ceil(step.rows / step.group) if shared else step.rows) * step.prompt_len + step.rows * step.completion_len
+    return step.rows > step.micro_rows or micro_batch_tokens(config, step) < whole
+
+
+def engine_kv_bytes(config: ModelConfig, step: StepShape, split: int) -> int:
+    """One rank's share of the engine's KV cache: a group of `split` ranks samples its ranks' rows in one call."""
+    rows = min(step.engine_slots, step.rows * split)
+    length = -(-(step.prompt_len + step.completion_len) // KV_LENGTH_STEP) * KV_LENGTH_STEP
+    return math.ceil(kv_cache_bytes(config, rows, length, step.element_bytes) / split)
+
+
+def training_memory_plan(config: ModelConfig, step: StepShape, placement: Placement = Placement()) -> MemoryPlan:
+    """The bytes a training rank holds in each phase of a GRPO step (see the module's docstring)."""
+    params, w = parameter_count(config), step.element_bytes
+    hidden, vocab = config.hidden_size, config.vocab_size
+    n = placement.ranks if placement.sharded else 1
+    lora = lora_parameter_count(config, step.lora_rank) if step.lora_rank else 0
+    trained = lora or params
+    resident: dict[str, int] = {}
+    gradients: dict[str, int] = {}
+    optimizer: dict[str, int] = {}
+    if placement.sharded:
+        resident["engine weights"] = math.ceil(params * w / placement.sampling_split)
+        resident["fp32 master shard"] = math.ceil(params * 4 / n)  # a frozen LoRA base is sharded in fp32 too
+        resident["moments"] = math.ceil(trained * placement.shard_moment_bytes / n)
+        gradients["gradients"] = math.ceil(trained * 4 / n)
+        if placement.optimizer_temporary:  # torch's foreach AdamW: √v / bias correction + ε, every shard at once
+            optimizer["optimizer temporary"] = math.ceil(trained * 4 / n)
+    else:
+        resident["weights"] = params * w
+        if lora:
+            resident["adapters"] = lora * 4
+            resident["moments"] = lora * 8
+            gradients["gradients"] = lora * 4
+        else:
+            resident["master low halves"] = params * 2 if w == 2 else 0
+            resident["moments"] = params * step.moment_bytes
+            gradients["gradients"] = params * w
+            if placement.ranks > 1:
+                gradients["DDP buckets"] = params * w
+            if w == 2 and step.moment_bytes == 8:  # the chunked torch step: fp32 gradients, masters, moments
+                optimizer["optimizer chunk"] = 4 * GRADIENT_CHUNK_BYTES
+    copy = params * w
+    if step.reference and (placement.sharded or not step.offload_reference):
+        resident["π_ref"] = copy
+    if step.async_copy:
+        resident["sampler copy"] = copy
+    kv = engine_kv_bytes(config, step, placement.sampling_split) if placement.samples else 0
+    resident["KV cache"] = kv
+    after_sampling = dict(resident)
+    if step.free_sampling_memory:
+        after_sampling["KV cache"] = 0  # released after sampling (and then lends nothing)
+    if placement.sharded and not placement.engine_in_update:
+        after_sampling["engine weights"] = 0
+    elif step.lend_kv_cache and placement.ranks == 1 and not placement.fsdp and not lora:
+        gradients["gradients"] -= min(gradients["gradients"], kv)  # the gradients borrow the idle cache
+
+    tokens = micro_batch_tokens(config, step)
+    per_token = activation_bytes_per_token(config, w)
+    layers = config.num_hidden_layers
+    backward = {**after_sampling, **gradients}
+    if step.checkpointing:
+        backward["activations"] = tokens * (layers * hidden * w + 2 * per_token)
+    else:
+        backward["activations"] = tokens * layers * per_token
+    completion_tokens = tokens - step.prompt_len  # the head runs on completion tokens only
+    backward["LM head chunk"] = int(CHUNK_BYTES * 1.5) + completion_tokens * hidden * w * 2
+    backward["LM head gradient"] = vocab * hidden * w if not lora else 0
+    if placement.sharded and several_micro_batches(config, step) and not placement.sync_every_micro_batch:
+        # Without a reduce-scatter, FSDP2 accumulates each parameter's unsharded gradient, upcast to the fp32
+        # reduce dtype (`FSDPParam.to_accumulated_grad_if_needed`), until the last micro-batch: all of them.
+        backward["gradients"] = trained * 4
+    if placement.sharded:
+        backward["gathered root"] = (vocab * hidden * (1 if config.tie_word_embeddings else 2) + hidden) * 2
+        layer = layer_parameter_count(config)
+        backward["gathered layers"] = 2 * layer * 2 + layer * (2 + 4)
+
+    plan = MemoryPlan(params, placement)
+    plan.phases["sampling"] = resident
+    logprobs = dict(after_sampling)
+    if step.reference:
+        logprobs["π_ref"] = copy
+    logprobs["activations"] = NO_GRAD_FACTOR * tokens * (hidden * w * 2 + per_token)
+    logprobs["LM head chunk"] = int(CHUNK_BYTES * 1.5)
+    plan.phases["logprobs"] = logprobs
+    plan.phases["backward"] = backward
+    plan.phases["optimizer step"] = {**after_sampling, **gradients, **optimizer}
+    if placement.sharded:
+        widened = math.ceil(params * 4 / n) if placement.widen_after_sharding else params * 4
+        plan.phases["setup"] = {"loaded model": copy, "fp32 copy to shard": widened}
+    return plan

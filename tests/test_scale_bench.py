@@ -1,0 +1,49 @@
+"""bench/scale.py: `--plan` prints the capacity rows the memory plan computes, and `--smoke` runs cohort's
+synchronous (FSDP2) and asynchronous (a sampling rank) modes on 2 gloo processes and writes the JSON the GPU
+run writes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "scale.py"
+
+
+def run(tmp_path, *flags):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(SCRIPT), *flags, "--out", str(tmp_path)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_plan_rows_are_the_plans(tmp_path):
+    from cohort.memory.training_plan import GIB
+
+    out = run(tmp_path, "--plan")
+    report = json.loads((tmp_path / "scale_plan.json").read_text())
+    assert [(r["shape"], r["gpus"]) for r in report["rows"]] == [("llama3.1-8b", 2), ("qwen2.5-14b", 2),
+                                                                 ("qwen2.5-32b", 4)]
+    for row in report["rows"]:
+        peaks = [step["peak_gib"] for step in row["ladder"]]
+        assert peaks == sorted(peaks, reverse=True)  # every rung of the ladder takes memory away
+        for step in row["ladder"]:
+            assert step["fits"] == (step["peak_gib"] <= row["card_gib"] - report["headroom_gib"])
+            phases = step["plan"]["phases"]
+            assert abs(max(p["total_gib"] for p in phases.values()) - step["peak_gib"]) < 0.06
+            assert step["plan"]["peak_gib"] * GIB > 0
+        assert f"{row['shape']} on {row['gpus']}×" in out
+
+
+def test_the_smoke_run_measures_both_modes(tmp_path):
+    out = run(tmp_path, "--smoke")
+    report = json.loads((tmp_path / "scale.json").read_text())
+    row = report["rows"][0]
+    for mode in ("sync", "async"):
+        assert row["cohort"][mode]["tok_per_s_per_gpu"] > 0 and row["cohort"][mode]["peak_gib"] is not None
+    assert row["cohort"]["async"]["weight_sync_s"] > 0  # the sampling rank received the weights each step
+    assert "trl" in row and ("skipped" in row["trl"] or "tok_per_s_per_gpu" in row["trl"])
+    assert "smoke: OK" in out

@@ -1,0 +1,229 @@
+"""The training memory plan (cohort/memory/training_plan.py) against the tensors cohort really makes, and the
+refusal before loading (cohort/memory/capacity.py) on a GPU whose capacity the test sets."""
+
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cohort import GRPOConfig
+from cohort.errors import CohortError
+from cohort.memory import capacity
+from cohort.memory.capacity import check_capacity, config_before_loading, run_placement
+from cohort.memory.precision import make_optimizer
+from cohort.memory.training_plan import (GIB, Placement, StepShape, engine_kv_bytes, lora_parameter_count,
+                                         micro_batch_tokens, training_memory_plan)
+from cohort.models import CausalLM, ModelConfig
+from cohort.rollout.engine import Engine
+from cohort.rollout.sampler import SamplingParams
+from cohort.update.packing import plan_rollout
+
+TINY = ModelConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+# Llama-3.1-8B's shape (config.json): 8.03 billion weights.
+LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_one_gpu_terms_are_the_optimizers_state():
+    """bf16 weights: the optimizer's low halves and bf16 moments are the plan's terms, byte for byte."""
+    torch.manual_seed(0)
+    model = CausalLM(TINY).to(torch.bfloat16)
+    optimizer = make_optimizer(model, GRPOConfig(dtype="bfloat16").validate())
+    moments = [t for state in optimizer.state.values() for name, t in state.items() if name.startswith("exp_avg")]
+    step = StepShape(rows=8, group=4, prompt_len=8, completion_len=8, micro_rows=4, lend_kv_cache=False)
+    plan = training_memory_plan(TINY, step)
+    sampling = plan.phases["sampling"]
+    assert sampling["weights"] == tensor_bytes(model.parameters())
+    assert sampling["master low halves"] == tensor_bytes(optimizer.lows)
+    assert sampling["moments"] == tensor_bytes(moments)
+    # the update's gradients are the weights' size, and only there
+    assert plan.phases["optimizer step"]["gradients"] == tensor_bytes(model.parameters())
+    assert "gradients" not in sampling
+
+
+def test_sharded_terms_are_an_fp32_adamw_split_over_the_ranks():
+    """FSDP2 trains an fp32 copy with torch's AdamW: its weights and moments, over N ranks, are the plan's."""
+    model = CausalLM(TINY)  # fp32, as `_fully_shard` widens it
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    moments = tensor_bytes(t for state in optimizer.state.values() for name, t in state.items()
+                           if name.startswith("exp_avg"))
+    step = StepShape(rows=8, group=4, prompt_len=8, completion_len=8, micro_rows=4)
+    for ranks in (2, 4):
+        terms = training_memory_plan(TINY, step, Placement(ranks=ranks, fsdp=True, sampling_split=ranks)).phases
+        assert terms["sampling"]["fp32 master shard"] == -(-tensor_bytes(model.parameters()) // ranks)
+        assert terms["sampling"]["moments"] == -(-moments // ranks)
+        assert terms["sampling"]["engine weights"] == -(-tensor_bytes(model.parameters()) // 2 // ranks)  # bf16
+        assert terms["optimizer step"]["gradients"] == terms["sampling"]["fp32 master shard"]
+
+
+def test_lora_adapters_are_peft_s():
+    from cohort.models.lora import apply_lora, lora_config_from_args
+
+    model = CausalLM(TINY)
+    apply_lora(model, lora_config_from_args(GRPOConfig(use_peft=True, lora_r=4).validate()))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_parameter_count(TINY, 4) == trained
+
+
+def test_the_kv_cache_is_the_engines():
+    """The engine's cache after a call of 6 sequences with 5-token prompts and 20 new tokens (a 128-token row)."""
+    torch.manual_seed(0)
+    model = CausalLM(TINY).eval()
+    engine = Engine(model, use_cuda_graph=False, compile_kernels=False)
+    engine.generate([[1, 2, 3, 4, 5]] * 3, 2, SamplingParams(max_new_tokens=20, pad_token_id=0, seed=0))
+    cache = tensor_bytes(engine.cache.k_layers + engine.cache.v_layers)
+    step = StepShape(rows=6, group=2, prompt_len=5, completion_len=20, micro_rows=6, element_bytes=4)
+    assert engine_kv_bytes(TINY, step, 1) == cache
+    assert engine_kv_bytes(TINY, step, 2) == cache  # a group of 2 samples 12 rows, half the heads each
+
+
+@pytest.mark.parametrize("micro_rows, cap", [(8, 0), (8, 100), (2, 0), (3, 40), (16, 1000)])
+def test_the_largest_micro_batch_is_the_packers(micro_rows, cap):
+    """Every completion at full length: the packer's largest micro-batch (padded tokens, prompts shared)."""
+    group, prompt_len, completion_len, prompts = 4, 6, 10, 4
+    prompt_ids = [[p] * prompt_len for p in range(prompts) for _ in range(group)]
+    mask = torch.ones(len(prompt_ids), completion_len)
+    plans = plan_rollout(prompt_ids, mask, micro_rows, cap, share_prompts=True)
+
+    def padded(rows):  # units (prompt groups) × the longest unit, as the packer budgets them
+        units = {}
+        for row in rows:
+            units.setdefault(tuple(prompt_ids[row]), []).append(row)
+        return len(units) * max(prompt_len + len(r) * completion_len for r in units.values())
+
+    step = StepShape(rows=len(prompt_ids), group=group, prompt_len=prompt_len, completion_len=completion_len,
+                     micro_rows=micro_rows, micro_tokens=cap)
+    assert micro_batch_tokens(TINY, step) == max(padded(rows) for rows in plans)
+
+
+def test_the_plan_follows_the_options():
+    step = StepShape.from_config(GRPOConfig(max_completion_length=4096, per_device_train_batch_size=4,
+                                            gradient_accumulation_steps=8, beta=0.04).validate())
+    assert (step.rows, step.micro_rows, step.reference, step.moment_bytes) == (32, 4, True, 4)
+    config = ModelConfig(**LLAMA_8B)
+    one = training_memory_plan(config, step)
+    assert "π_ref" not in one.phases["sampling"] and one.phases["logprobs"]["π_ref"] == 2 * one.parameters  # offloaded
+    assert training_memory_plan(config, StepShape.from_config(GRPOConfig(
+        offload_ref_model=False, beta=0.04).validate())).phases["sampling"]["π_ref"] == 2 * one.parameters
+    freed = training_memory_plan(config, StepShape(**{**vars(step), "free_sampling_memory": True}))
+    assert freed.phases["backward"]["KV cache"] == 0 < freed.phases["sampling"]["KV cache"]
+    lent = one.phases["backward"]["gradients"]
+    assert lent == max(0, 2 * one.parameters - one.phases["sampling"]["KV cache"])  # borrowed from the idle cache
+
+
+# ---- the refusal ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A GPU with `gpu.gib` GiB free as far as the capacity check can tell."""
+    state = SimpleNamespace(gib=80.0)
+    monkeypatch.setattr(capacity.torch.cuda, "mem_get_info", lambda device: (int(state.gib * GIB), 0))
+    monkeypatch.setattr(capacity.torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(capacity.torch.cuda, "memory_allocated", lambda device: 0)
+    return state
+
+
+@pytest.fixture
+def llama_8b_folder(tmp_path):
+    """A model folder with only its config.json: loading it would fail, so a refusal proves nothing loaded."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    return tmp_path
+
+
+CUDA = torch.device("cuda", 0)
+
+
+def test_a_run_that_cannot_fit_is_refused_with_what_would(gpu, llama_8b_folder):
+    args = GRPOConfig(model=str(llama_8b_folder), max_completion_length=4096, per_device_train_batch_size=8,
+                      gradient_accumulation_steps=8).validate()
+    with pytest.raises(CohortError) as refused:
+        check_capacity(str(llama_8b_folder), args, CUDA)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert re.search(r"full-parameter GRPO of this 8\.0B-parameter llama model on one GPU needs about \d+\.\d GiB "
+                     r"a GPU \(backward .*\), more than the 80\.0 GiB free on cuda:0", line), line
+    assert re.search(r"fsdp[= ](true|True) under --nproc_per_node \d+", line)
+    assert re.search(r"use_peft[= ](true|True)", line)
+    assert re.search(r"a smaller step \((--)?per_device_train_batch_size[= ]1", line)
+    # each suggestion fits where the run did not
+    gpus = int(re.search(r"(\d+) GPUs with FSDP2", line).group(1))
+    step = StepShape.from_config(args)
+    assert training_memory_plan(ModelConfig(**LLAMA_8B), step, run_placement(
+        GRPOConfig(fsdp=True).validate(), gpus)).peak <= 80 * GIB
+    assert training_memory_plan(ModelConfig(**LLAMA_8B), step, run_placement(
+        GRPOConfig(fsdp=True).validate(), gpus - 1)).peak > 80 * GIB
+
+
+def test_a_run_that_fits_is_not_refused(gpu, llama_8b_folder):
+    args = GRPOConfig(max_completion_length=512, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      use_peft=True).validate()
+    plan = check_capacity(str(llama_8b_folder), args, CUDA)
+    assert plan is not None and plan.peak < 80 * GIB
+    gpu.gib = 1.0  # the same run on a 1 GiB card
+    with pytest.raises(CohortError, match="LoRA GRPO"):
+        check_capacity(str(llama_8b_folder), args, CUDA)
+
+
+def test_nothing_is_planned_off_cuda_or_without_a_config(gpu, llama_8b_folder, tmp_path):
+    gpu.gib = 0.001
+    big = GRPOConfig(max_completion_length=4096).validate()
+    assert check_capacity(str(llama_8b_folder), big, torch.device("cpu")) is None
+    assert check_capacity(None, big, CUDA) is None  # the built-in model
+    assert check_capacity(CausalLM(TINY), big, CUDA) is None  # a model object is already loaded
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**LLAMA_8B, "model_type": "gpt2"}))
+    assert config_before_loading(tmp_path / "other") is None  # transformers' model: not this plan's
+
+
+def test_cohort_train_stops_before_loading(gpu, llama_8b_folder, tmp_path, monkeypatch):
+    """Through the trainer: the refusal comes before the loader is called; a fitting run reaches the loader."""
+    from cohort import GRPOTrainer
+    from cohort.algorithm import trainer as trainer_module
+    from cohort.run.distributed import Parallel
+
+    monkeypatch.setattr(trainer_module.Parallel, "from_env", classmethod(lambda cls, *a, **k: Parallel(device=CUDA)))
+    loads = []
+
+    def loader(*args, **kwargs):
+        loads.append(args[0])
+        raise RuntimeError("loading")
+
+    monkeypatch.setattr(trainer_module, "load_run_policy", loader)
+    rows = [{"prompt": "1+1="}] * 8
+    big = GRPOConfig(output_dir=str(tmp_path / "run"), max_completion_length=4096, per_device_train_batch_size=8,
+                     gradient_accumulation_steps=8)
+    with pytest.raises(CohortError, match=r"needs about .* GiB a GPU"):
+        GRPOTrainer(str(llama_8b_folder), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                    train_dataset=rows, args=big)
+    assert loads == []
+    small = GRPOConfig(output_dir=str(tmp_path / "run2"), max_completion_length=256, per_device_train_batch_size=2,
+                       gradient_accumulation_steps=1, num_generations=2, use_peft=True)
+    with pytest.raises(RuntimeError, match="loading"):
+        GRPOTrainer(str(llama_8b_folder), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                    train_dataset=rows, args=small)
+    assert loads == [str(llama_8b_folder)]
+
+
+def test_the_plan_meets_the_measured_fsdp2_peak():
+    """docs/performance.md: FSDP2 over 4 H200s, Qwen2.5-7B shape, 16 prompts × 4 of 128 tokens (64-token prompts,
+    8-row micro-batches, β = 0, DDP's default whole engine copy): the busiest GPU peaked at 69.4 GiB."""
+    qwen_7b = ModelConfig(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                          num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128)
+    args = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
+                      max_prompt_length=64, max_completion_length=128, fsdp=True).validate()
+    plan = training_memory_plan(qwen_7b, StepShape.from_config(args), Placement(ranks=4, fsdp=True))
+    assert plan.peak_phase == "backward" and abs(plan.peak / GIB - 69.4) < 0.05 * 69.4
+    synced = training_memory_plan(qwen_7b, StepShape.from_config(args),
+                                  Placement(ranks=4, fsdp=True, sync_every_micro_batch=True))
+    unsharded, shard = 4 * plan.parameters, -(-4 * plan.parameters // 4)  # fp32 gradients, whole and a rank's
+    assert plan.total("backward") - synced.total("backward") == unsharded - shard
