@@ -51,7 +51,7 @@ class RunParts:
     """The objects of a run that a checkpoint saves, and restores in place."""
 
     args: Any  # GRPOConfig
-    model: Any  # the policy π_θ (the full copy under FSDP)
+    model: Any  # the policy π_θ (the full copy under FSDP; the FSDP2 module itself when colocated)
     tokenizer: Any
     train_model: Any  # what the update calls: the model, or its DDP / FSDP wrapper
     optimizer: Any

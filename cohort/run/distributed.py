@@ -18,7 +18,10 @@ trains on them, and gradients are averaged over ranks by PyTorch's own engines:
   For sampling, each rank keeps a plain full copy of the model (in the loaded dtype) that the
   engine reads; its weights are gathered (`DTensor.full_tensor`) once per step, after the
   update. Gathering once per step is one all-gather of the weights; sampling sharded would
-  all-gather every layer at every decode step (hundreds per step), so we gather.
+  all-gather every layer at every decode step (hundreds per step), so we gather. With
+  `rollout_tensor_parallel_size` T > 1 (the colocated placement, cohort/run/colocation.py) the plain
+  copy is replaced by this rank's T-way tensor-parallel shard, refreshed one gathered parameter at a
+  time, and consecutive groups of T ranks sample together.
 
 Every rank computes the same data order and sampling seed; rank r takes the r-th contiguous
 block of the step's prompts (`shard_bounds`) and keys its sampling noise by the global index of
