@@ -119,8 +119,10 @@ class GRPOConfig:
         "help": "With rollout_gpus: the sampling ranks form groups of this many, each group one engine over a "
                 "tensor-parallel split of the model (attention heads, MLP columns and the vocabulary; "
                 "cohort/models/tensor_parallel.py), for a model whose weights and KV cache do not fit one GPU. "
-                "It must divide rollout_gpus. auto: the smallest that fits the weights and a step's KV cache in "
-                "the sampling GPUs (1 where one holds them; cohort/memory/sampling_plan.py)."})
+                "It must divide rollout_gpus. With fsdp and no rollout_gpus (colocated): consecutive training "
+                "ranks sample in groups of this many, each keeping only its shard; it must divide the number of "
+                "ranks. auto: the smallest that fits the weights and a step's KV cache in the sampling GPUs (1 "
+                "where one holds them; cohort/memory/sampling_plan.py)."})
     max_staleness: int | None = field(default=None, metadata={
         "help": "With async_rollouts: how many policy updates behind the trained policy the samples are (the "
                 "rollout of step t is sampled from the weights after update t - 1 - max_staleness). None: 2 with "
@@ -456,6 +458,15 @@ class GRPOConfig:
         if isinstance(size, int) and size > 1 and self.rollout_gpus % size:
             bad(f"rollout_tensor_parallel_size={self.rollout_tensor_parallel_size} does not divide rollout_gpus="
                 f"{self.rollout_gpus}: the sampling ranks form groups of that many; give --rollout_gpus a multiple of it")
+        if isinstance(size, int) and size > 1 and not self.rollout_gpus:  # the colocated placement
+            if not self.fsdp:
+                bad(f"rollout_tensor_parallel_size={size} without rollout_gpus samples on the training ranks in "
+                    "groups, each rank keeping its shard of the model, which needs --fsdp (the update's weights "
+                    "sharded too); pass --fsdp, or --rollout_gpus K to sample on ranks of their own")
+            if self.async_rollouts:
+                bad(f"async_rollouts with rollout_tensor_parallel_size={size} on the training ranks is not supported "
+                    "(the ranks that train also sample, in turn); pass --rollout_gpus K to sample asynchronously "
+                    "on ranks of their own, or leave --async_rollouts off")
         if self.rollout_gpus and self.fsdp:
             bad(f"rollout_gpus={self.rollout_gpus} with fsdp is not supported (the samplers need whole weights from "
                 "one rank); train the trainer ranks with DDP (leave out --fsdp)")

@@ -11,7 +11,8 @@ run's final configuration, in one place and in this order:
 3. what the loaded model decides (after LoRA, which changes what trains): `model_impl`, the update's speed
    options (`cohort.update.fast_path`), `optimizer_state_dtype`, the sampler correction, `partial_rollouts`
    and `max_staleness` (`cohort.rollout.partial`), and how many sampling ranks share one engine
-   (`rollout_tensor_parallel_size`, `cohort.memory.sampling_plan`).
+   (`rollout_tensor_parallel_size`, `cohort.memory.sampling_plan`; with `--fsdp` and no sampling ranks, the
+   training ranks' own groups, refused here where the model cannot be split).
 
 The result is frozen: setting a field raises a one-line `CohortError`, so every stage built from it (the
 curriculum, the rollout link's message window, the samplers, the update, the memory manager, the reports)
@@ -32,6 +33,7 @@ from .options.command_line import show_value
 from .memory.precision import optimizer_state_dtype, resolve_dtype
 from .memory.sampling_plan import sampling_tensor_parallel_size
 from .models.lora import has_lora
+from .models.tensor_parallel import check_splittable, check_tensor_parallel_size
 from .rollout import base_model, engine_samples
 from .rollout.partial import partial_rollout_settings
 from .update.fast_path import fast_path_settings
@@ -59,7 +61,11 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_s
     settled = dataclasses.replace(config, **changes)
     changes["rollout_tensor_parallel_size"] = sampling_tensor_parallel_size(
         settled, base_model(model).config if engine else None, device, getattr(torch, changes["dtype"]).itemsize,
-        splittable=not tools and not has_lora(model))
+        splittable=not tools and not has_lora(model), world_size=world_size)
+    size = changes["rollout_tensor_parallel_size"]
+    if size > 1 and config.fsdp and not config.rollout_gpus:  # colocated: refused before anything is sharded
+        check_splittable(model, size, tools)
+        check_tensor_parallel_size(model.config, size)  # the heads, KV heads and MLP columns split T ways
     return dataclasses.replace(config, **changes).freeze()
 
 

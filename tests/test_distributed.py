@@ -6,6 +6,7 @@ model (random init) with a dense deterministic reward, so every step moves the w
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -261,6 +262,30 @@ def test_fsdp2_on_two_ranks_equals_one_process(setup, tiny_dir, one_process):
     assert "fsdp_optimizer" in optimizer  # the full optimizer state, gathered from both shards
     moments = [v["exp_avg"] for v in optimizer["fsdp_optimizer"]["state"].values()]
     assert moments and all(not hasattr(m, "device_mesh") for m in moments)  # plain tensors, not shards
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_sampling_as_one_tensor_parallel_group_equal_one_process_and_resume(setup, tiny_dir, one_process):
+    """`--fsdp --rollout_tensor_parallel_size 2` on 2 ranks (the colocated placement): each rank keeps half of
+    the model for the engine, refreshed from the FSDP2 weights after each update, and both sample their prompts
+    in one call; π_ref is an FSDP2-sharded copy (β > 0), π_old runs through the FSDP2 policy (μ = 2). Losses and
+    weights are one process's (and so `--fsdp` with T = 1's, test above), through a checkpoint and --resume."""
+    out = setup / "colocated"
+    options = ("--fsdp", "--rollout_tensor_parallel_size", "2", "--save_steps", "1")
+    output = run(setup, [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2",
+                         *train_options(tiny_dir, out, 2, "--max_steps", "2", *options)])
+    assert ("rollouts: sampled on the 2 training ranks in 1 tensor-parallel group(s) of 2, each rank keeping its "
+            "shard (rollout_tensor_parallel_size; colocated with FSDP2") in output
+    assert "eval (step 2): accuracy=" in output and "on 5 problems" in output  # the group's rows counted once
+    assert_same_training(out, one_process, weights_of=one_process / "checkpoint-2")
+    for name in ("model.safetensors", "reference.safetensors"):  # gathered from the FSDP2 shards on rank 0
+        saved, expected = load_file(out / "checkpoint-1" / name), load_file(one_process / "checkpoint-1" / name)
+        assert saved.keys() == expected.keys()
+        assert max((saved[k] - expected[k]).abs().max().item() for k in saved) <= TOLERANCE
+    shutil.rmtree(out / "checkpoint-2")  # resume from the first checkpoint: two steps after it
+    output = run(setup, torchrun(*train_options(tiny_dir, out, 2, "--max_steps", "3", "--resume", *options)))
+    assert "resumed from" in output and "checkpoint-1 at step 1" in output and output.count("Step 3/3") == 1
+    assert_same_training(out, one_process)
 
 
 @pytest.mark.slow

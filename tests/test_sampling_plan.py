@@ -86,3 +86,25 @@ def test_the_cpu_run_settles_auto_to_one():
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     resolved = resolve_run_config(GRPOConfig(), model=CausalLM(config), device=torch.device("cpu"))
     assert GRPOConfig().rollout_tensor_parallel_size == "auto" and resolved.rollout_tensor_parallel_size == 1
+
+
+def test_auto_on_fsdp_ranks_that_sample_themselves_counts_their_training_shard(card):
+    """The colocated placement (--fsdp, no sampling ranks): T divides the 2 training ranks; a group samples its T
+    ranks' 64 completions each, beside each rank's shard of the fp32 weights and AdamW moments (12 bytes a weight
+    over 2 ranks: 44.9 GiB at 8B)."""
+    cuda = torch.device("cuda", 0)
+    args = run_args(rollout_gpus=0, async_rollouts=False, fsdp=True)
+    training = parameter_count(LLAMA_8B) * 12 / 2 / GIB
+    per_rank = {t: sampling_plan.rank_bytes(LLAMA_8B, t, 64 * t, 4608, 2) / GIB + training for t in (1, 2)}
+    assert [round(per_rank[t], 1) for t in (1, 2)] == [95.8, 88.4]
+    card.gib = 141  # 119.85 GiB usable: each rank samples its own completions on a whole copy
+    assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=2) == 1
+    card.gib = 110  # 93.5 GiB usable: the two ranks sample as one group
+    assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=2) == 2
+    card.gib = 80
+    with pytest.raises(CohortError, match=r"need 88.4 GiB per rank even split over 2 training rank\(s\), more than "
+                                          r"85% of a 80 GiB GPU; add GPUs \(--nproc_per_node\)"):
+        sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=2)
+    assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=1) == 1  # one process: nothing to split
+    assert sampling_tensor_parallel_size(run_args(rollout_gpus=0, async_rollouts=False), LLAMA_8B, cuda, 2,
+                                         world_size=2) == 1  # DDP: every rank holds the whole model anyway

@@ -43,6 +43,7 @@ from ..rollout.setup import build_rollouts
 from ..run.callbacks import CallbackHandler
 from ..run.checkpoint import RunParts, RunState, save_checkpoint
 from ..run.checkpoint_load import checkpoint_step, load_checkpoint
+from ..run.colocation import colocate, colocated, gathered_state, holds_shards
 from ..run.disaggregation import samples_here
 from ..run.distributed import Parallel, check_parallel_options
 from ..run.lifecycle import RunLifecycle, prepare_output_dir
@@ -143,12 +144,20 @@ class GRPOTrainer:
         self.scheduler = lr_scheduler(self.optimizer, args)
         # β = 0 needs no reference at all: skip the copy and its forward passes.
         self.uses_reference = args.beta > 0
-        self.ref_model = frozen_copy(self.model) if self.uses_reference and not has_lora(self.model) else None
+        sampling_model = self.model
+        if colocated(args):  # FSDP2 ranks sampling in tensor-parallel groups: no rank keeps a whole copy
+            sampling_model, self.ref_model = colocate(self.parallel, self.model, args.rollout_tensor_parallel_size,
+                                                      args.ddp_timeout, self.uses_reference)
+            self.model = self.train_model  # π_θ is the FSDP2 module itself (π_old's pass, saving, callbacks)
+        else:
+            self.ref_model = frozen_copy(self.model) if self.uses_reference and not has_lora(self.model) else None
         # The G completions of a prompt share its forward in the log-prob passes and the update: our
         # models only (they take attention rows), and only where a prompt has several completions.
         self.share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(self.model))
-        rollouts = build_rollouts(args, self.model, self.tokenizer, self.pad_id, self.toolbox, link=self.parallel.link,
-                                  rank=self.parallel.rank, sampler_factory=self.sampler_factory)
+        group = self.parallel.sampling_group
+        rollouts = build_rollouts(args, sampling_model, self.tokenizer, self.pad_id, self.toolbox,
+                                  link=self.parallel.link, rank=self.parallel.rank, sampler_factory=self.sampler_factory,
+                                  sampling_group=None if group is None else group.process_group)
         self.sampler, self.group_sampler = rollouts.sampler, rollouts.group_sampler
         self.async_rollouts, self.sequence_offset = rollouts.async_rollouts, rollouts.sequence_offset
         self.memory = MemoryManager(args, auto_checkpointing=auto_checkpointing, ref_model=self.ref_model,
@@ -173,10 +182,18 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             self.log(fast_path_line(args))
             self.log(optimizer_line(self.optimizer))
-        if args.rollout_gpus:
-            size = args.rollout_tensor_parallel_size
-            why = ("auto: the smallest split whose weights and KV cache fit a GPU" if asked_split == "auto"
-                   else "rollout_tensor_parallel_size")
+        size = args.rollout_tensor_parallel_size
+        why = ("auto: the smallest split whose weights and KV cache fit a GPU" if asked_split == "auto"
+               else "rollout_tensor_parallel_size")
+        if group is not None:
+            self.log(f"rollouts: sampled on the {self.parallel.world_size} training ranks in {group.count} "
+                     f"tensor-parallel group(s) of {size}, each rank keeping its shard ({why}; colocated with FSDP2: "
+                     "the shards are refreshed from the trained weights after each update)")
+        elif args.fsdp and asked_split == "auto" and self.parallel.world_size > 1 and self.device.type == "cuda":
+            self.log(f"rollouts: each of the {self.parallel.world_size} FSDP2 ranks samples on a whole copy of the "
+                     "model (auto: one GPU holds its weights and its share of a step's KV cache beside its training "
+                     "shard; --rollout_tensor_parallel_size T samples in groups of T, each rank keeping 1/T)")
+        elif args.rollout_gpus:
             self.log(f"rollouts: sampled on {args.rollout_gpus} rank(s)"
                      + (f" in {args.rollout_gpus // size} tensor-parallel group(s) of {size}" if size > 1 else
                         ", each holding the whole model") + f" ({why})"
@@ -372,7 +389,7 @@ class GRPOTrainer:
     def end_step(self, run: RunLifecycle, batch: Batch, losses: list[dict]) -> None:
         """After the algorithm's lines: the sampling copy (FSDP), the record, evaluation, the checkpoint."""
         if self.parallel.fsdp:
-            with self.report.phase("gather"):  # FSDP2: the updated shards into the full copy the engine samples
+            with self.report.phase("gather"):  # FSDP2: the updated shards into the copy (or TP shard) the engine samples
                 self.parallel.refresh_sampling_model()
         self.sample_ahead()  # asynchronous rollouts: a later step's sampling starts from the updated weights
         self.log_step(batch, losses, time.perf_counter() - self.step_started)
@@ -490,11 +507,11 @@ class GRPOTrainer:
         and passed to the callbacks' `on_evaluate`); empty without eval_dataset or a task verifier."""
         if not self.eval_rows or self.task is None:
             return {}
-        with self.report.phase("eval"):  # each rank evaluates its block of the rows; the counts are summed
-            result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.shard(self.eval_rows),
+        with self.report.phase("eval"):  # each rank (or sampling group) evaluates its block; the counts are summed
+            result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.evaluation_rows(self.eval_rows),
                               self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length,
                               toolbox=self.toolbox)
-            result = result.summed(self.parallel.all_reduce_sums)
+            result = result.summed(self.parallel.evaluation_sums)
         metrics = result.metrics()
         self.report.metrics.log(self.step, metrics)
         self.state.log_history.append({**metrics, "step": self.step})
@@ -541,8 +558,11 @@ class GRPOTrainer:
     def save_model(self, output_dir: str | None = None) -> Path:
         """The policy as a Hugging Face folder, written by rank 0 (the others wait for it)."""
         out = Path(output_dir or self.args.output_dir)
+        state = None
+        if holds_shards(self.model):  # no whole copy on any rank: gathered (a collective), in the run's dtype
+            state = gathered_state(self.model, getattr(torch, self.args.dtype))
         if self.parallel.is_main:
-            save_policy(self.model, self.tokenizer, out)
+            save_policy(self.model, self.tokenizer, out, state=state)
         self.parallel.barrier()
         return out
 

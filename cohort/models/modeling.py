@@ -477,7 +477,9 @@ def save_pretrained(model: CausalLM, out_dir, state: dict | None = None) -> Path
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = model.config.to_hf_dict()
-    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    # the dtype of the tensors written (an FSDP2 model's fp32 masters are saved in the dtype it samples in)
+    dtype = next(iter(state.values())).dtype if state else model.dtype
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     # copy=True: parameters may be slices of one fused buffer (fusion.py), which safetensors refuses
     state = state if state is not None else model.state_dict()

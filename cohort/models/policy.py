@@ -106,17 +106,19 @@ def _load_hf(spec: str, dtype, device, trust_remote_code: bool = False):
     return model.to(device)
 
 
-def save_policy(model, tokenizer, out_dir: Path) -> Path:
+def save_policy(model, tokenizer, out_dir: Path, state: dict | None = None) -> Path:
     """An ordinary Hugging Face folder (config.json, model.safetensors, tokenizer files); with
-    LoRA the adapters merged into the weights, plus the adapters alone in peft's format."""
+    LoRA the adapters merged into the weights, plus the adapters alone in peft's format. `state`: the
+    whole tensors to write instead of the model's own (an FSDP2-sharded model's, gathered)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = merged_state_dict(model) if has_lora(model) else None
+    lora = has_lora(model)
+    state = merged_state_dict(model) if lora else state
     if isinstance(model, CausalLM):
         model.save_pretrained(out_dir, state=state)
     else:
         model.save_pretrained(out_dir, safe_serialization=True, **({"state_dict": state} if state else {}))
-    if state is not None:
+    if lora:
         save_adapter(model, out_dir, base_model=getattr(model, "name_or_path", None))
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

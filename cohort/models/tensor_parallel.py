@@ -41,6 +41,7 @@ from torch import nn
 
 from cohort.errors import CohortError
 from cohort.models.config import ModelConfig
+from cohort.models.lora import has_lora
 from cohort.models.modeling import CausalLM
 
 # Weights split by output rows (their biases too) and by input columns; the rest is replicated.
@@ -69,6 +70,23 @@ def check_tensor_parallel_size(config: ModelConfig, size: int, group_size: int |
     if size < group_size:
         raise CohortError(f"{SIZE_OPTION} {size} splits the model over {size} ranks, but its process group has "
                           f"{group_size}; pass a group of {size} ranks (torch.distributed.new_subgroups)")
+
+
+def check_splittable(model, size: int, tools: bool) -> None:
+    """Refuse, in one line, a split of `model` into `size` ranks for sampling that cannot work: a model cohort
+    does not implement itself (sampled through Hugging Face `generate`), LoRA adapters (peft's wrappers are not
+    split) and tool turns (every rank of a group would run each tool call)."""
+    if not isinstance(model, CausalLM):
+        raise CohortError(f"rollout_tensor_parallel_size={size} needs a model cohort implements itself (Llama, "
+                          f"Mistral, Qwen2, Qwen3); {type(model).__name__} is sampled through Hugging Face generate: "
+                          "use --rollout_tensor_parallel_size 1")
+    if has_lora(model):
+        raise CohortError(f"rollout_tensor_parallel_size={size} with LoRA adapters is not supported (their layers "
+                          "are not split); use --rollout_tensor_parallel_size 1 (LoRA's memory need is the base "
+                          "model's, bf16) or train the full model")
+    if tools:
+        raise CohortError(f"rollout_tensor_parallel_size={size} with tools is not supported (every rank of a "
+                          "sampling group would run each tool call); use --rollout_tensor_parallel_size 1")
 
 
 def local_vocab_size(vocab_size: int, size: int) -> int:

@@ -18,10 +18,8 @@ from typing import Callable
 
 from ..algorithm.determinism import prepare_full_determinism, run_determinism, seed_everything
 from ..errors import CohortError
-from ..models.lora import has_lora
-from ..models.modeling import CausalLM
 from ..models.policy import load_run_policy
-from ..models.tensor_parallel import shard_model
+from ..models.tensor_parallel import check_splittable, shard_model
 from ..models.tiny import run_device
 from ..resolve import resolve_run_config
 from ..run.disaggregation import samples_here
@@ -35,20 +33,8 @@ from .setup import build_rollout_server
 def split_for_sampling(model, group, args, tools: bool):
     """(this rank's tensor-parallel shard of `model`, the whole model's tensors as (name, shape, dtype) in
     state-dict order: the layout of rank 0's weight broadcast). Refused, in one line, where the split
-    cannot work: a model cohort does not implement itself (sampled through Hugging Face `generate`),
-    LoRA adapters (peft's wrappers are not split) and tool turns (every rank of a group would run the tool)."""
-    size = args.rollout_tensor_parallel_size
-    if not isinstance(model, CausalLM):
-        raise CohortError(f"rollout_tensor_parallel_size={size} needs a model cohort implements itself (Llama, "
-                          f"Mistral, Qwen2, Qwen3); {type(model).__name__} is sampled through Hugging Face generate: "
-                          "use --rollout_tensor_parallel_size 1")
-    if has_lora(model):
-        raise CohortError(f"rollout_tensor_parallel_size={size} with LoRA adapters is not supported (their layers "
-                          "are not split); use --rollout_tensor_parallel_size 1 (LoRA's memory need is the base "
-                          "model's, bf16) or train the full model")
-    if tools:
-        raise CohortError(f"rollout_tensor_parallel_size={size} with tools is not supported (every rank of a "
-                          "sampling group would run each tool call); use --rollout_tensor_parallel_size 1")
+    cannot work (`check_splittable`: a model sampled through Hugging Face `generate`, LoRA, tools)."""
+    check_splittable(model, args.rollout_tensor_parallel_size, tools)
     layout = [(name, tensor.shape, tensor.dtype) for name, tensor in model.state_dict().items()]
     shard = shard_model(model, group)
     model.to("meta")  # the whole copy's memory goes before the engine takes its KV cache

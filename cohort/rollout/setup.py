@@ -19,6 +19,7 @@ from ..models.policy import frozen_copy
 from ..tools.toolbox import Toolbox
 from . import make_sampler
 from .async_rollouts import AsyncRollouts
+from .colocated import ColocatedSampler
 from .engine import Engine
 from .group_sampler import GroupSampler
 from .partial import partial_rollouts
@@ -43,15 +44,19 @@ class Rollouts:
 
 
 def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None = None, *, link=None, rank: int = 0,
-                   sampler_factory: Callable[..., Sampler] | None = None) -> Rollouts:
+                   sampler_factory: Callable[..., Sampler] | None = None, sampling_group=None) -> Rollouts:
     """The rollout side of trainer rank `rank` of the run `args` describes.
 
-    model: the policy the sampler reads (under FSDP, the full copy); pad_id: the padding token id; toolbox: the
-    tools a completion may call. link: the job's `RolloutLink` with --rollout_gpus, else None.
+    model: the policy the sampler reads (under FSDP, the full copy, or this rank's tensor-parallel shard); pad_id:
+    the padding token id; toolbox: the tools a completion may call. link: the job's `RolloutLink` with
+    --rollout_gpus, else None. sampling_group: the process group of the training ranks that sample together over
+    their shards (the colocated placement), else None.
     sampler_factory(model, tokenizer): makes each sampler (default `make_sampler`; a benchmark passes its own
     engine). `args` is the run's resolved config: `partial_rollouts` and `max_staleness` are settled there."""
     sampler_factory = sampler_factory or make_sampler
     sampler = sampler_factory(model, tokenizer)
+    if sampling_group is not None:  # the group's requests become engine calls every rank of it makes
+        sampler = ColocatedSampler(sampler, sampling_group)
     group_sampler = GroupSampler(sampler, tokenizer, args, pad_id, toolbox)
     ahead = None
     if args.async_rollouts:

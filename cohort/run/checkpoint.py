@@ -32,6 +32,7 @@ import torch
 from ..errors import CohortError
 from ..telemetry.metrics import COMPLETIONS_FILE, METRICS_FILE
 from ..models.policy import save_policy
+from .colocation import gathered_state, holds_shards
 
 PREFIX = "checkpoint-"
 MARKER = "complete.json"
@@ -50,7 +51,7 @@ class RunParts:
     """The objects of a run that a checkpoint saves, and restores in place."""
 
     args: Any  # GRPOConfig
-    model: Any  # the policy π_θ (the full copy under FSDP)
+    model: Any  # the policy π_θ (the full copy under FSDP; the FSDP2 module itself when colocated)
     tokenizer: Any
     train_model: Any  # what the update calls: the model, or its DDP / FSDP wrapper
     optimizer: Any
@@ -87,7 +88,9 @@ def save_checkpoint(parts: RunParts, state: RunState) -> Path:
     final = out / f"{PREFIX}{step}"
     parallel = parts.parallel
     shared = {"optimizer": parallel.optimizer_state(parts.train_model, parts.optimizer) if parallel.fsdp else None,
-              "rank_random": parallel.gather_objects(random_state()) if parallel.world_size > 1 else None}
+              "rank_random": parallel.gather_objects(random_state()) if parallel.world_size > 1 else None,
+              # an FSDP2-sharded π_ref (the colocated placement): gathered whole on rank 0
+              "reference": gathered_state(parts.ref_model) if sharded(parts.ref_model) else None}
     failure = None
     if parallel.is_main:
         try:
@@ -130,8 +133,14 @@ def _write_contents(parts: RunParts, run: RunState, folder: Path, shared: dict |
 
     from ..models.lora import base_state_dict, has_lora
 
-    save_policy(parts.model, parts.tokenizer, folder)
-    if parts.ref_model is not None:
+    policy = None
+    if sharded(parts.model):  # no whole copy to save: the gathered fp32 weights, in the run's dtype
+        policy = {name: tensor.to(getattr(torch, parts.args.dtype))
+                  for name, tensor in shared["optimizer"]["fsdp_weights"].items()}
+    save_policy(parts.model, parts.tokenizer, folder, state=policy)
+    if shared and shared.get("reference") is not None:
+        save_file(_untied(shared["reference"]), str(folder / REFERENCE_FILE))
+    elif parts.ref_model is not None:
         with parts.reference_pass():
             state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in parts.ref_model.state_dict().items()}
         save_file(_untied(state), str(folder / REFERENCE_FILE))
@@ -170,6 +179,11 @@ def _write_contents(parts: RunParts, run: RunState, folder: Path, shared: dict |
         "config": parts.args.to_dict(),
     }
     (folder / TRAINER_STATE).write_text(json.dumps(state, default=_plain) + "\n")
+
+
+def sharded(module) -> bool:
+    """Whether `module` is an FSDP2-sharded model (the policy and π_ref of the colocated placement)."""
+    return module is not None and holds_shards(module)
 
 
 def _save_optimizer(parts: RunParts, path: Path, gathered: dict | None = None) -> None:

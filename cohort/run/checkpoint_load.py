@@ -16,7 +16,8 @@ import torch
 
 from ..errors import CohortError
 from .checkpoint import (EXTRA_FILE, OPTIMIZER_FILE, REFERENCE_FILE, REWARD_DIR, TRAINER_STATE, RunParts, RunState,
-                         python_state, restore_random, truncate_logs)
+                         python_state, restore_random, sharded, truncate_logs)
+from .colocation import load_gathered_state
 
 
 def checkpoint_step(folder: Path) -> int:
@@ -40,20 +41,24 @@ def load_checkpoint(parts: RunParts, folder: Path, log=print) -> RunState:
         if (folder / REFERENCE_FILE).is_file():
             load_base_state_dict(parts.model, read_safetensors([folder / REFERENCE_FILE]))
         load_adapter_state_dict(parts.model, read_safetensors([folder / ADAPTER_WEIGHTS]), folder)
-    else:
-        _load_weights(parts.model, read_safetensors(safetensors_files(folder)), folder)  # sharded or not
-    if parts.ref_model is not None:
-        with parts.reference_pass(modified=True):
-            if (folder / REFERENCE_FILE).is_file():
-                _load_weights(parts.ref_model, read_safetensors([folder / REFERENCE_FILE]), folder)
-            else:  # the checkpoint was written with β = 0: start a fresh outer iteration from the policy
-                parts.ref_model.load_state_dict(parts.model.state_dict())
+    elif not sharded(parts.model):  # an FSDP2-sharded policy takes its fp32 weights with the optimizer's below
+        _load_weights(parts.model, read_safetensors(safetensors_files(folder)), folder)  # sharded files or not
     saved = _torch_load(folder / OPTIMIZER_FILE)
     if parallel.fsdp:  # the full state and fp32 weights into this rank's shards
         parallel.load_optimizer_state(parts.train_model, parts.optimizer, saved["optimizer"])
     else:
         parts.optimizer.load_state_dict(saved["optimizer"])
     parts.scheduler.load_state_dict(saved["scheduler"])
+    if parts.ref_model is not None:
+        with parts.reference_pass(modified=True):
+            if (folder / REFERENCE_FILE).is_file():
+                reference = read_safetensors([folder / REFERENCE_FILE])
+                if sharded(parts.ref_model):  # every rank keeps its shard of the whole tensors
+                    load_gathered_state(parts.ref_model, reference)
+                else:
+                    _load_weights(parts.ref_model, reference, folder)
+            else:  # the checkpoint was written with β = 0: start a fresh outer iteration from the policy
+                parts.ref_model.load_state_dict(parts.model.state_dict())
     if (folder / EXTRA_FILE).is_file() and parts.load_extra_state is not None:
         parts.load_extra_state(_torch_load(folder / EXTRA_FILE))
     for index, func in enumerate(parts.reward_funcs):

@@ -18,7 +18,10 @@ trains on them, and gradients are averaged over ranks by PyTorch's own engines:
   For sampling, each rank keeps a plain full copy of the model (in the loaded dtype) that the
   engine reads; its weights are gathered (`DTensor.full_tensor`) once per step, after the
   update. Gathering once per step is one all-gather of the weights; sampling sharded would
-  all-gather every layer at every decode step (hundreds per step), so we gather.
+  all-gather every layer at every decode step (hundreds per step), so we gather. With
+  `rollout_tensor_parallel_size` T > 1 (the colocated placement, cohort/run/colocation.py) the plain
+  copy is replaced by this rank's T-way tensor-parallel shard, refreshed one gathered parameter at a
+  time, and consecutive groups of T ranks sample together.
 
 Every rank computes the same data order and sampling seed; rank r takes the r-th contiguous
 block of the step's prompts (`shard_bounds`) and keys its sampling noise by the global index of
@@ -39,6 +42,8 @@ import torch
 from torch import nn
 
 from ..errors import CohortError
+from ..models.resharding import full_parameters, update_shard_
+from ..models.tensor_parallel import TensorParallelCausalLM, shard_model
 
 
 def shard_bounds(count: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -106,7 +111,9 @@ class Parallel:
         # of the step runs in this group (None: all ranks). `link` connects trainers and samplers.
         self.group, self.link = group, link
         self.fsdp = False
-        self._sampling_pair: tuple[nn.Module, nn.Module] | None = None  # FSDP2: (plain copy, sharded module)
+        self._sampling_pair: tuple[nn.Module, nn.Module] | None = None  # FSDP2: (plain copy or TP shard, sharded)
+        # FSDP2 ranks that sample in tensor-parallel groups (cohort/run/colocation.py): this rank's group.
+        self.sampling_group = None
 
     # ---- set-up --------------------------------------------------------------------------------
     @classmethod
@@ -186,18 +193,27 @@ class Parallel:
                                        process_group=self.group, **buffers)
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:
+        self._broadcast_from_main(model)
+        sharded = self.sharded_copy(model, master_weights=self.device.type == "cuda")
+        self.fsdp = True
+        self._sampling_pair = (model, sharded)
+        return sharded
+
+    def sharded_copy(self, model: nn.Module, master_weights: bool = False) -> nn.Module:
+        """A copy of `model` sharded by FSDP2 over the training ranks, one decoder layer per unit.
+        `master_weights` (the trained copy on a GPU): fp32 shards, bf16 gathers and compute, fp32 gradient
+        reduction; otherwise the shards keep `model`'s dtype (π_ref's frozen copy)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self._broadcast_from_main(model)
         # The mesh names the run's device and group: fully_shard's default mesh is CUDA whenever the
         # machine has a GPU (a --device cpu run then shards onto it) and spans every rank (sampling
         # ranks too).
         mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
         sharded = copy.deepcopy(model)
         policy = MixedPrecisionPolicy()
-        if self.device.type == "cuda":  # fp32 masters sharded; bf16 gathers and compute, fp32 reduction
+        if master_weights:
             sharded.float()
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         layers = decoder_layers(sharded)
@@ -207,9 +223,16 @@ class Parallel:
         for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(sharded, mesh=mesh, mp_policy=policy)
-        self.fsdp = True
-        self._sampling_pair = (model, sharded)
         return sharded
+
+    def sample_from_shard(self, model: nn.Module, group) -> nn.Module:
+        """FSDP2 with tensor-parallel sampling on the training ranks (cohort/run/colocation.py): this rank's
+        shard of `model` over its sampling `group` becomes what the engine samples and `refresh_sampling_model`
+        updates, and the whole plain copy's memory goes (`model` is left on the meta device). Returns the shard."""
+        shard = shard_model(model, group)
+        model.to("meta")
+        self._sampling_pair = (shard, self._sampling_pair[1])
+        return shard
 
     @torch.no_grad()
     def _broadcast_from_main(self, model: nn.Module) -> None:
@@ -225,11 +248,15 @@ class Parallel:
     @torch.no_grad()
     def refresh_sampling_model(self) -> None:
         """FSDP2: copy the sharded weights, gathered, into the plain copy (in place, so the engine's
-        captured graphs stay valid), cast to its dtype before the gather to halve the traffic.
-        Every rank must call it at the same point. A no-op without FSDP2."""
+        captured graphs stay valid), cast to its dtype before the gather to halve the traffic; into a
+        tensor-parallel shard (`sample_from_shard`), one gathered parameter at a time, each rank copying its
+        slice (cohort/models/resharding.py). Every rank must call it at the same point. A no-op without FSDP2."""
         if self._sampling_pair is None:
             return
         plain, sharded = self._sampling_pair
+        if isinstance(plain, TensorParallelCausalLM):
+            update_shard_(plain, full_parameters(sharded, dtype=plain.dtype))
+            return
         targets = dict(plain.named_parameters())
         for name, param in sharded.named_parameters():
             target = targets[name]
@@ -326,6 +353,18 @@ class Parallel:
         """This rank's contiguous block of `items` (see `shard_bounds`)."""
         start, stop = shard_bounds(len(items), self.rank, self.world_size)
         return items[start:stop]
+
+    def evaluation_rows(self, rows: list) -> list:
+        """The held-out rows this rank evaluates: its block, or in a tensor-parallel sampling group its group's
+        block, the same on each of the group's ranks (their engine calls are one call)."""
+        group = self.sampling_group
+        return self.shard(rows) if group is None else group.block(rows)
+
+    def evaluation_sums(self, values: Sequence[float]) -> list[float]:
+        """Sums over ranks of what each evaluated (`evaluation_rows`): a sampling group's counts once, its leader's."""
+        group = self.sampling_group
+        counted = values if group is None or group.leader == self.rank else [0.0] * len(values)
+        return self.all_reduce_sums(counted)
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -184,6 +184,13 @@ def lm_head_logprobs(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature
     return _ChunkedLMHead.apply(hidden, weight, tokens, float(temperature), int(chunk), bool(with_entropy))
 
 
+def is_fully_sharded(model) -> bool:
+    """Whether `model` is sharded by FSDP2 (`fully_shard`): its forward all-gathers each layer's weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def supports_hidden(model) -> bool:
     """Our CausalLM can return its final hidden states instead of logits."""
     from ..models import CausalLM
@@ -248,7 +255,8 @@ def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor,
     model's device and copied to the CPU once, at the end (one host sync per pass)."""
     device = next(model.parameters()).device
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
-    with torch.inference_mode():
+    # FSDP2 gathers into buffers it reuses in training: made under inference mode they could not be written again.
+    with torch.no_grad() if is_fully_sharded(model) else torch.inference_mode():
         for rows in plan_rollout(prompt_ids, completion_mask, max_rows, max_tokens, share_prompts):
             micro = pack(prompt_ids, completion_ids, completion_mask, rows, pad_id, share_prompts).to(device)
             logp = micro_batch_logprobs(model, micro, temperature=temperature).logp
