@@ -154,3 +154,19 @@ def check_model(model) -> None:
         raise CohortError(f"numerics=exact needs a power-of-two head_dim of at least 16, the model has "
                           f"{model.config.head_dim}: use rollout_numerics=fast")
 
+
+
+def use_exact_numerics(model, device: torch.device) -> None:
+    """Switch a run's policy to exact numerics, or refuse in one line where they cannot run."""
+    import os
+
+    from cohort.kernels.elementwise import triton_available
+
+    if not hasattr(model, "set_numerics"):
+        raise CohortError(f"rollout_numerics=exact needs cohort's own models, and {type(model).__name__} is "
+                          "transformers'; use --rollout_numerics fast")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not triton_available() or (device.type != "cuda" and not interpreted):
+        raise CohortError(f"rollout_numerics=exact runs Triton kernels on a GPU with triton installed, not on {device}; "
+                          "use --rollout_numerics fast (TRITON_INTERPRET=1 runs them on the CPU, slowly, for tests)")
+    model.set_numerics("exact")
