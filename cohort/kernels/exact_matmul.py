@@ -51,7 +51,7 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_xk, 
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < M
     col_ok = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)  # (tl.zeros: a jit helper the interpreter may not call)
     if PIPELINED:  # range() lets the compiler prefetch the next K block
         for start in range(0, K, BLOCK_K):
             ks = start + offs_k
