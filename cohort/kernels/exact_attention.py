@@ -41,13 +41,13 @@ LOG2_E = 1.4426950408889634
 
 
 @_jit
-def _attend_block(q, k_ptrs, v_ptrs, start, limit, lowest, hi, m_i, l_i, acc, stride_kn, stride_vn, scale_log2,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDEN: tl.constexpr):
+def _attend_block(q, k_ptrs, v_ptrs, dims_ok, start, limit, lowest, hi, m_i, l_i, acc, stride_kn, stride_vn,
+                  scale_log2, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDEN: tl.constexpr):
     """Keys [start, start + BLOCK_N) folded into each query's online softmax (m_i, l_i, acc)."""
     keys = start + tl.arange(0, BLOCK_N)
     loaded = keys < hi
-    k = tl.load(k_ptrs + keys[:, None] * stride_kn, mask=loaded[:, None], other=0.0)
-    v = tl.load(v_ptrs + keys[:, None] * stride_vn, mask=loaded[:, None], other=0.0)
+    k = tl.load(k_ptrs + keys[:, None] * stride_kn, mask=loaded[:, None] & dims_ok, other=0.0)
+    v = tl.load(v_ptrs + keys[:, None] * stride_vn, mask=loaded[:, None] & dims_ok, other=0.0)
     if WIDEN:  # the interpreter's tl.dot cannot multiply bf16: widen (exact) before it
         scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale_log2
     else:
@@ -74,15 +74,16 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, out_ptr,
                       stride_vn, stride_lb, stride_lt, stride_ob, stride_oh, stride_ot,
                       num_queries, num_keys, window, scale_log2,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr, WIDEN: tl.constexpr, PIPELINED: tl.constexpr):
+                      BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDEN: tl.constexpr, PIPELINED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)  # a head dim that is not a power of two: zeros in the padded lanes add nothing
+    dims_ok = offs_d[None, :] < HEAD_DIM
     real = offs_m < num_queries
     limit = tl.load(limit_ptr + row * stride_lb + offs_m * stride_lt, mask=real, other=-1).to(tl.int32)
     q = tl.load(q_ptr + row * stride_qb + head * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=real[:, None], other=0.0)
+                mask=real[:, None] & dims_ok, other=0.0)
     kv_head = head // GROUP
     k_ptrs = k_ptr + row * stride_kb + kv_head * stride_kh + offs_d[None, :]
     v_ptrs = v_ptr + row * stride_vb + kv_head * stride_vh + offs_d[None, :]
@@ -94,20 +95,20 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, out_ptr,
         start = (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     if PIPELINED:
         for block in range(start, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_block(q, k_ptrs, v_ptrs, block, limit, lowest, hi, m_i, l_i, acc, stride_kn,
-                                          stride_vn, scale_log2, BLOCK_N, HEAD_DIM, HAS_WINDOW, WIDEN)
+            m_i, l_i, acc = _attend_block(q, k_ptrs, v_ptrs, dims_ok, block, limit, lowest, hi, m_i, l_i, acc,
+                                          stride_kn, stride_vn, scale_log2, BLOCK_N, HAS_WINDOW, WIDEN)
     else:  # the interpreter cannot run range() with a bound read from memory
         block = start
         while block < hi:
-            m_i, l_i, acc = _attend_block(q, k_ptrs, v_ptrs, block, limit, lowest, hi, m_i, l_i, acc, stride_kn,
-                                          stride_vn, scale_log2, BLOCK_N, HEAD_DIM, HAS_WINDOW, WIDEN)
+            m_i, l_i, acc = _attend_block(q, k_ptrs, v_ptrs, dims_ok, block, limit, lowest, hi, m_i, l_i, acc,
+                                          stride_kn, stride_vn, scale_log2, BLOCK_N, HAS_WINDOW, WIDEN)
             block += BLOCK_N
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=real[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=real[:, None] & dims_ok)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: torch.Tensor,
@@ -119,8 +120,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits:
         raise RuntimeError("the exact attention kernel needs triton")
     batch, heads, length, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
-    if dim & (dim - 1) or dim < 16:
-        raise ValueError(f"exact attention supports power-of-two head dims >= 16, got {dim}")
     if heads % kv_heads or v.shape != k.shape or k.shape[0] != batch or limits.shape != (batch, length):
         raise ValueError(f"exact attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"limits {tuple(limits.shape)} do not fit together")
@@ -134,7 +133,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits:
         q, k, v, limits, out, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), limits.stride(0), limits.stride(1), out.stride(0), out.stride(1),
         out.stride(2), length, keys, 0 if window is None else window, scale * LOG2_E,
-        GROUP=heads // kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=dim, HAS_WINDOW=window is not None,
+        GROUP=heads // kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=dim,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), HAS_WINDOW=window is not None,
         WIDEN=not q.is_cuda, PIPELINED=q.is_cuda, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 

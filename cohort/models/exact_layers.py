@@ -150,9 +150,6 @@ def check_model(model) -> None:
         if name.endswith(("_proj", "lm_head")) and type(module) is not nn.Linear:
             raise CohortError(f"numerics=exact covers plain linear layers only; {name} is a "
                               f"{type(module).__name__} (LoRA or a tensor-parallel shard): use rollout_numerics=fast")
-    if model.config.head_dim & (model.config.head_dim - 1) or model.config.head_dim < 16:
-        raise CohortError(f"numerics=exact needs a power-of-two head_dim of at least 16, the model has "
-                          f"{model.config.head_dim}: use rollout_numerics=fast")
 
 
 
