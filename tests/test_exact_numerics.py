@@ -168,3 +168,25 @@ def test_exact_numerics_refuse_what_they_do_not_cover(monkeypatch):
     monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "0")
     with pytest.raises(CohortError, match=r"not on cpu; use (--)?rollout_numerics[= ]'?fast"):
         use_exact_numerics(build("llama"), torch.device("cpu"))
+
+
+def test_a_training_step_under_exact_numerics_reports_no_gap(tmp_path):
+    """The run's option reaches the policy, π_ref's copy and the engine; the step record says the gap is 0."""
+    from cohort import GRPOTrainer
+    from cohort.models.tiny import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=1, num_generations=2, per_device_train_batch_size=4,
+                      gradient_accumulation_steps=1, max_completion_length=8, dtype="bfloat16", device="cpu",
+                      rollout_numerics="exact", importance_sampling_correction=True, beta=0.04, quiet=True,
+                      gradient_checkpointing=True, save_steps=0)
+    rows = [{"prompt": f"{a}+{b}="} for a in range(1, 5) for b in range(1, 3)]
+    trainer = GRPOTrainer(str(tmp_path / "tiny"), lambda completions, **_: [float(len(c) % 3) for c in completions],
+                          rows, args=args, log=lambda *_: None)
+    assert (trainer.model.numerics, trainer.ref_model.numerics, trainer.args.torch_compile) == ("exact", "exact", False)
+    trainer.evaluate_held_out = lambda: None
+    record = trainer.train()[0]
+    assert record["sampling/sampling_logp_difference/max"] == 0.0
+    assert record["sampling/importance_sampling_ratio/min"] == record["sampling/importance_sampling_ratio/max"] == 1.0
