@@ -182,7 +182,8 @@ class Bench:
             entry["cohort"] = self.worker(self.spec("cohort", f"cohort-{name}", name, "compare", self.args.cohort_steps,
                                                     folder=str(folder), source="folder"))
             self.save()
-            for index, variant in enumerate(self.args.cohort_variants if name == self.args.models[0] else []):
+            every_model = self.args.variants_on_every_model or name == self.args.models[0]
+            for index, variant in enumerate(self.args.cohort_variants if every_model else []):
                 options = {**self.args.cohort_options, **variant}
                 vlabel = f"cohort-{name}-v{index + 1}"
                 result = self.worker(self.spec("cohort", vlabel, name, "compare", self.args.cohort_steps,
@@ -192,7 +193,10 @@ class Bench:
                 steady = result.get("steady") or {}
                 print(f"{vlabel} {options}: {fmt(result.get('steady_seconds'), '.2f')} s/step, peak "
                       f"{fmt(result.get('peak_gib'), '.1f')} GiB, mfu {fmt(steady.get('mfu'), '.3f')}, "
-                      f"update {fmt(steady.get('time/update'), '.2f')} s", flush=True)
+                      f"update {fmt(steady.get('time/update'), '.2f')} s, sampling "
+                      f"{fmt(steady.get('tokens_per_second/sampling'), '.0f')} tok/s, max |Δ log p| per step "
+                      f"{result.get('sampling_logp_difference_max')} (default run: "
+                      f"{(entry.get('cohort') or {}).get('sampling_logp_difference_max')})", flush=True)
                 self.save()
             if not trl_available:
                 entry["trl"] = dict(status="skipped", reason="trl or datasets not importable")
@@ -273,6 +277,9 @@ def parse_args(argv=None):
     parser.add_argument("--cohort-variants", default="",
                         help="';'-separated option sets, each one more cohort run on the first model, e.g. "
                              "'gradient_checkpointing=false,max_tokens_per_micro_batch=4096;torch_compile=false'")
+    parser.add_argument("--variants-on-every-model", action="store_true",
+                        help="run the --cohort-variants on every model of --models, not only the first "
+                             "(e.g. rollout_numerics=exact beside the default at 0.5B and 1.5B)")
     parser.add_argument("--prompt-len", type=int, default=0,
                         help="prompt tokens of the comparison (default the issue's 128), e.g. 256 for GSM8K-like proportions")
     parser.add_argument("--completion-len", type=int, default=0,

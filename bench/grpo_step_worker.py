@@ -428,6 +428,8 @@ def cohort_summary(history: list[dict]) -> dict:
     return dict(step_seconds=[round(r.get("step_time", float("nan")), 3) for r in history],
                 steady_seconds=steady([r.get("step_time") for r in history]),
                 steady={k: steady([r.get(k) for r in history]) for k in keys},
+                # the sampler/trainer gap of every step (0 throughout under rollout_numerics=exact)
+                sampling_logp_difference_max=[r.get("sampling/sampling_logp_difference/max") for r in history],
                 micro_batch={k: v for k, v in (history[-1] if history else {}).items() if "micro" in k or "oom" in k})
 
 

@@ -13,7 +13,7 @@ This script measures the gap on a real model:
   temperature 1, sampled by the engine; then `rollout_logprobs` over the same tokens.
 
 For each comparison "a vs b" it reports, over the completion tokens, Δ = log p_a − log p_b: |Δ| mean,
-p50, p99 and max, and the sequence-level ratio exp(Σ_t Δ) min / mean / max:
+p50, p99 and max, the share of tokens with Δ ≠ 0, and the sequence-level ratio exp(Σ_t Δ) min / mean / max:
 
 | comparison | what it isolates |
 | --- | --- |
@@ -25,6 +25,8 @@ p50, p99 and max, and the sequence-level ratio exp(Σ_t Δ) min / mean / max:
 | head_fp32 vs head_bf16 | on the same bf16 final hidden states: the LM head in float32 vs in bf16 |
 | head_bf16 vs trainer_fp32 | bf16 body + bf16 head (a plain padded forward) |
 | head_fp32 vs trainer_fp32 | bf16 body + float32 head: what the body alone contributes |
+| exact_trainer_bf16 vs exact_sampler_bf16 | with `--numerics fast,exact`: the same mismatch under rollout_numerics=exact (0 by construction) |
+| exact_trainer_bf16_padded vs exact_sampler_bf16 | ... the trainer in its other layout (a padded row per completion, smaller micro-batches) |
 
 (the bf16 rows score the bf16 rollout's tokens, the fp32 row the fp32 rollout's). It also reports the
 weights TRL's `vllm_importance_sampling_mode="token_truncate"` would give (w = min(exp(log π_train −
@@ -35,7 +37,10 @@ and prints a markdown table.
     python bench/sampler_mismatch.py --smoke      # CPU, seconds: a tiny random model, made-up prompts (CI)
     python bench/sampler_mismatch.py --model FILE.gguf|DIR --data test.jsonl     # on a GPU
 
-Options: --questions (32), --generations (8), --max_new_tokens (256), --temperature (1), --seed,
+    python bench/sampler_mismatch.py --numerics fast,exact ...   # rollout_numerics=exact beside the default
+
+Options: --numerics (fast; fast,exact adds the exact rows), --questions (32), --generations (8),
+--max_new_tokens (256), --temperature (1), --seed,
 --max_rows (rows per trainer forward), --device (auto: cuda when there is one). Without --model it
 looks for the GGUF in .models/smollm2-135m-instruct/ (get.sh's default folder) and
 ~/.cache/cohort/smollm2-135m-instruct/ (where the tests keep it); without --data it reads
@@ -61,10 +66,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+if "--smoke" in sys.argv and "exact" in " ".join(sys.argv):  # the exact kernels on the CPU: Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cohort.models.exact_layers import use_exact_numerics  # noqa: E402
 from cohort.models.policy import load_policy  # noqa: E402
 from cohort.rollout import make_sampler  # noqa: E402
 from cohort.rollout.sampler import SamplingParams  # noqa: E402
@@ -88,7 +97,7 @@ def token_stats(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict:
     sums = delta.sum(dim=1)[keep.any(dim=1)]
     ratios = sums.exp()
     return {"tokens": int(keep.sum()), "sequences": int(sums.numel()),
-            "abs_mean": flat.mean().item(), "abs_p50": flat.quantile(0.5).item(),
+            "fraction_nonzero": (flat > 0).double().mean().item(), "abs_mean": flat.mean().item(), "abs_p50": flat.quantile(0.5).item(),
             "abs_p99": flat.quantile(0.99).item(), "abs_max": flat.max().item(),
             "signed_mean": delta[keep].mean().item(),
             "seq_ratio_min": ratios.min().item(), "seq_ratio_mean": ratios.mean().item(),
@@ -196,10 +205,11 @@ def markdown(results: dict) -> str:
     lines = [f"Sampler vs trainer log-probs: {c['model_name']}, {c['device_name']}, {c['questions']} prompts × "
              f"{c['generations']} completions ≤ {c['max_new_tokens']} tokens at T={c['temperature']:g}; "
              "Δ = log p(first) − log p(second) per completion token", "",
-             "| comparison | tokens | mean abs Δ | p50 | p99 | max | exp(ΣΔ) min | mean | max |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| comparison | tokens | Δ ≠ 0 | mean abs Δ | p50 | p99 | max | exp(ΣΔ) min | mean | max |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in results["comparisons"].items():
-        lines.append(f"| {name.replace('_vs_', ' vs ')} | {s['tokens']} | {s['abs_mean']:.2e} | {s['abs_p50']:.2e} | "
+        lines.append(f"| {name.replace('_vs_', ' vs ')} | {s['tokens']} | {100 * s['fraction_nonzero']:.2f}% | "
+                     f"{s['abs_mean']:.2e} | {s['abs_p50']:.2e} | "
                      f"{s['abs_p99']:.2e} | {s['abs_max']:.2e} | {s['seq_ratio_min']:.4f} | "
                      f"{s['seq_ratio_mean']:.4f} | {s['seq_ratio_max']:.4f} |")
     lines += ["", "TRL token_truncate importance weights, "
@@ -225,6 +235,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max_rows", type=int, default=64, help="rows per trainer forward")
     parser.add_argument("--device", default="auto", help="auto (cuda when there is one), cuda or cpu")
     parser.add_argument("--smoke", action="store_true", help="a tiny random model on the CPU in seconds (CI)")
+    parser.add_argument("--numerics", default="fast", choices=("fast", "fast,exact"),
+                        help="fast,exact: also sample and score under rollout_numerics=exact (its rows: exact_*)")
     args = parser.parse_args(argv)
     smoke_defaults, full_defaults = dict(questions=4, generations=4, max_new_tokens=24), \
         dict(questions=32, generations=8, max_new_tokens=256)
@@ -282,6 +294,12 @@ def measure(args, spec: str) -> dict:
         "head_bf16_vs_trainer_fp32": token_stats(head_bf16, trainer_fp32_on_bf16, mask),
         "head_fp32_vs_trainer_fp32": token_stats(head_fp32, trainer_fp32_on_bf16, mask),
     }
+    importance = {"bf16": token_truncate_weights(bf16["trainer"], bf16["sampler"], mask),
+                  "fp32": token_truncate_weights(fp32["trainer"], fp32["sampler"], fp32["mask"])}
+    exact_config = {}
+    if "exact" in args.numerics.split(","):
+        del model32
+        exact_config = measure_exact(args, spec, tokenizer, prompts, comparisons, importance)
     lengths = mask.sum(dim=1).float()
     results = {
         "config": {
@@ -302,15 +320,31 @@ def measure(args, spec: str) -> dict:
             "finished_by_eos_bf16": sum(r == "stop" for r in bf16["rollout"].finish_reasons),
             "sample_seconds_bf16": round(bf16["sample_seconds"], 3),
             "sample_seconds_fp32": round(fp32["sample_seconds"], 3),
+            **exact_config,
             "seconds": round(time.perf_counter() - started, 2),
         },
         "comparisons": comparisons,
-        "importance_sampling": {
-            "bf16": token_truncate_weights(bf16["trainer"], bf16["sampler"], mask),
-            "fp32": token_truncate_weights(fp32["trainer"], fp32["sampler"], fp32["mask"]),
-        },
+        "importance_sampling": importance,
     }
     return results
+
+
+def measure_exact(args, spec: str, tokenizer, prompts, comparisons: dict, importance: dict) -> dict:
+    """The bf16 model under rollout_numerics=exact: its own rollout, scored by the trainer in the default
+    layout (each prompt once) and in the other (a padded row per completion, a quarter of the rows per
+    forward); adds the exact_* rows to `comparisons` and `importance`, returns its config fields."""
+    model, _ = load_policy(spec, tokenizer, device=args.device, dtype="bfloat16", log=lambda *_: None)
+    model.eval()
+    use_exact_numerics(model, torch.device(args.device))
+    run = sample_and_score(model, tokenizer, prompts, args)
+    tokens, mask = run["rollout"].completion_ids.cpu(), run["mask"]
+    padded = rollout_logprobs(model, run["rows"], tokens, mask, pad_id=run["pad"], max_rows=max(1, args.max_rows // 4),
+                              temperature=args.temperature, share_prompts=False)
+    comparisons["exact_trainer_bf16_vs_exact_sampler_bf16"] = token_stats(run["trainer"], run["sampler"], mask)
+    comparisons["exact_trainer_bf16_padded_vs_exact_sampler_bf16"] = token_stats(padded, run["sampler"], mask)
+    importance["bf16_exact"] = token_truncate_weights(run["trainer"], run["sampler"], mask)
+    return {"numerics": args.numerics, "completion_tokens_bf16_exact": int(mask.sum()),
+            "sample_seconds_bf16_exact": round(run["sample_seconds"], 3)}
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "partial_rollouts": ("auto", "true", "false"),
     "rollout_tensor_parallel_size": ("auto", "N"),
     "cpu_threads": ("auto", "N"),
+    "rollout_numerics": ("fast", "exact"),
 }
 
 # Options whose default, auto, is settled once the device and the model are known (cohort/resolve.py).

@@ -22,6 +22,10 @@ from .options.spelling import learn_options
 from .options.trl_names import translate
 from .options.types import fits, type_problem
 
+# rollout_numerics' default: "fast" until the exact path's speed is measured on a GPU (docs/performance.md);
+# this one line is what changes when it becomes the default.
+DEFAULT_ROLLOUT_NUMERICS = "fast"
+
 
 @dataclass
 class GRPOConfig:
@@ -178,6 +182,13 @@ class GRPOConfig:
         "help": "TRL's name for importance_sampling_clip_max."})
     vllm_importance_sampling_cap: float | None = field(default=None, metadata={
         "help": "TRL's older name for importance_sampling_clip_max."})
+
+    rollout_numerics: str = field(default=DEFAULT_ROLLOUT_NUMERICS, metadata={
+        "help": "fast: the engine and the trainer each run their fastest kernels, and their bf16 log-probs differ "
+                "slightly (the correction above weighs it). exact: both compute every token with the same "
+                "batch-invariant kernels (matmul, RMSNorm, attention, LM-head log-softmax; no torch.compile), so the "
+                "sampler's log-prob equals the trainer's log π_old bit for bit (our models on a GPU, one engine per "
+                "GPU, no LoRA; docs/concepts.md)."})
 
     # Learned reward model r_φ: a reward_funcs entry that is a model folder or object, trained online on
     # rule-labelled samples with replay (Algorithm 1, last line). See cohort/rewards/model.py.
@@ -480,6 +491,13 @@ class GRPOConfig:
         if self.delta is not None and self.delta <= 1:
             bad(f"delta={self.delta} caps the importance ratio below 1, where every on-policy token sits; choose a "
                 "value above 1 + epsilon_high, e.g. 4")
+        if self.rollout_numerics == "exact" and self.use_peft:
+            bad("rollout_numerics=exact does not cover LoRA adapters yet; use --rollout_numerics fast with use_peft")
+        if self.rollout_numerics == "exact" and isinstance(size, int) and size > 1:
+            bad(f"rollout_numerics=exact covers one engine per GPU, not rollout_tensor_parallel_size={size}; "
+                "give --rollout_tensor_parallel_size 1 or --rollout_numerics fast")
+        if self.rollout_numerics == "exact" and self.model_impl == "hf":
+            bad("rollout_numerics=exact needs cohort's own models; leave out --model_impl hf or use --rollout_numerics fast")
         if self.use_peft and self.lora_r < 1:
             bad(f"lora_r={self.lora_r}: the LoRA rank must be at least 1")
         if isinstance(self.max_tokens_per_micro_batch, int) and self.max_tokens_per_micro_batch < 0:

@@ -15,7 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "sampler_mismatch.py"
-STATS = {"tokens", "sequences", "abs_mean", "abs_p50", "abs_p99", "abs_max", "signed_mean", "seq_ratio_min",
+STATS = {"tokens", "sequences", "fraction_nonzero", "abs_mean", "abs_p50", "abs_p99", "abs_max", "signed_mean", "seq_ratio_min",
          "seq_ratio_mean", "seq_ratio_max", "seq_log_ratio_abs_max"}
 COMPARISONS = {"trainer_bf16_vs_sampler_bf16", "trainer_fp32_vs_sampler_fp32", "trainer_bf16_vs_trainer_fp32",
                "sampler_bf16_vs_trainer_fp32", "trainer_bf16_padded_vs_trainer_bf16", "head_fp32_vs_head_bf16",
@@ -59,7 +59,7 @@ def test_smoke_writes_every_field(smoke):
         weights = results["importance_sampling"][precision]
         assert weights["mode"] == "token_truncate" and weights["clip_max"] == 3.0
         assert 0 <= weights["fraction_clipped"] <= 1 and 0 < weights["weight_min"] <= weights["weight_mean"] <= 3
-    for header in ("| comparison | tokens | mean abs Δ | p50 | p99 | max |", "| trainer_fp32 vs sampler_fp32 |",
+    for header in ("| comparison | tokens | Δ ≠ 0 | mean abs Δ | p50 | p99 | max |", "| trainer_fp32 vs sampler_fp32 |",
                    "token_truncate", "| bf16 |"):
         assert header in printed
 
@@ -87,6 +87,7 @@ def test_token_stats_by_hand():
     stats = bench.token_stats(a, b, mask)
     deltas = [-0.1, 0.0, 0.3, 0.0, -0.25]
     assert stats["tokens"] == 5 and stats["sequences"] == 2
+    assert stats["fraction_nonzero"] == pytest.approx(3 / 5)
     assert stats["abs_mean"] == pytest.approx(sum(map(abs, deltas)) / 5, abs=1e-7)
     assert stats["abs_p50"] == pytest.approx(0.1, abs=1e-7)
     assert stats["abs_max"] == pytest.approx(0.3, abs=1e-7)

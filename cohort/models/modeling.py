@@ -20,7 +20,6 @@ add + RMSNorm, norm + rotary + cache write, the attention mask built once per st
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -35,9 +34,10 @@ from cohort.models.cache import KVCache
 from cohort.kernels.decode_attention import SUPPORTED_HEAD_DIMS as DECODE_KERNEL_HEAD_DIMS
 from cohort.kernels.decode_attention import decode_attention
 from cohort.models.fusion import fused_weight
-from cohort.models import shared_prefix
+from cohort.models import exact_layers, shared_prefix
 from cohort.kernels.training_compile import run_layer
 from cohort.models.config import ModelConfig
+from cohort.models.rotary import RotaryEmbedding
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -54,85 +54,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.numerics = "fast"  # "exact": batch-invariant (exact_layers.py); set by CausalLM.set_numerics
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.numerics == "exact":
+            return exact_layers.rms_norm(self, x)
         return kernels.rms_norm(x, self.weight, self.eps)
-
-
-def rope_inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2] float32, attention_factor) for the config's RoPE variant, by the
-    formulas of transformers' modeling_rope_utils: linear = position interpolation (Chen et al.
-    2023); llama3 = Llama 3.1's wavelength-banded scaling; yarn = YaRN (Peng et al. 2023).
-    "dynamic" NTK only changes frequencies beyond max_position_embeddings; within it, it is the
-    default, which is what we compute (longer contexts are not supported for it)."""
-    dim = config.head_dim
-    base = config.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    params = config.rope_scaling or {}
-    rope_type = config.rope_type
-    if rope_type == "linear":
-        return inv_freq / params["factor"], 1.0
-    if rope_type == "llama3":
-        factor, old_len = params["factor"], params["original_max_position_embeddings"]
-        low, high = params["low_freq_factor"], params["high_freq_factor"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-        return torch.where(is_medium, smoothed, scaled), 1.0
-    if rope_type == "yarn":
-        return _yarn_inverse_frequencies(config, inv_freq)
-    return inv_freq, 1.0
-
-
-def _yarn_inverse_frequencies(config: ModelConfig, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
-    params, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
-    old_len = params["original_max_position_embeddings"]
-    factor = params.get("factor") or config.max_position_embeddings / old_len
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        if params.get("mscale") and params.get("mscale_all_dim"):
-            attention_factor = mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
-        else:
-            attention_factor = mscale(factor)
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(params.get("beta_fast") or 32), correction_dim(params.get("beta_slow") or 1)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    extrapolation_weight = 1 - ramp
-    inv_freq = (inv_freq / factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
-    return inv_freq, float(attention_factor)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for given positions; inv_freq stays float32 whatever dtype the model is cast to."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self._inv_freq_fp32, self.attention_factor = rope_inverse_frequencies(config)
-        self.register_buffer("inv_freq", self._inv_freq_fp32.clone(), persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        self.inv_freq = self._inv_freq_fp32.to(self.inv_freq.device)  # undo any dtype cast
-        return self
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, head_dim/2]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(dtype)
 
 
 class Attention(nn.Module):
@@ -151,6 +78,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.fused_qkv = None  # (weight, bias) view of q/k/v as one matrix, see fusion.py
         self.sliding_window = config.layer_sliding_window(layer_index)
+        self.numerics = "fast"
 
     def fuse(self) -> None:
         self.fused_qkv = fused_weight([self.q_proj, self.k_proj, self.v_proj])
@@ -164,6 +92,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, kv_cache=None, cache_rows=None, position_ids=None,
                 write_mask=None, cache_len=None, decode_kernel=False):
+        if self.numerics == "exact":
+            return exact_layers.attention_forward(self, x, cos, sin, mask, kv_cache, cache_rows, position_ids,
+                                                  write_mask, cache_len)
         batch, length, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
@@ -240,11 +171,14 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[config.hidden_act]
         self.is_silu = config.hidden_act == "silu"
         self.fused_gate_up = None  # (weight, bias) view of gate/up as one matrix, see fusion.py
+        self.numerics = "fast"
 
     def fuse(self) -> None:
         self.fused_gate_up = fused_weight([self.gate_proj, self.up_proj])
 
     def forward(self, x):
+        if self.numerics == "exact":
+            return exact_layers.mlp_forward(self, x)
         fused = self.fused_gate_up
         if fused is not None and not torch.is_grad_enabled() and fused[0].data_ptr() == self.gate_proj.weight.data_ptr():
             gate, up = F.linear(x, *fused).chunk(2, dim=-1)
@@ -321,8 +255,20 @@ class CausalLM(nn.Module):
         self.checkpointed_layers: int | None = None  # recompute the first N layers only (None: all)
         self.training_layer_call = None  # a CompiledLayerCall after compile_for_training()
         self.activation_probe = None  # measures the first kept layer (gradient_checkpointing_layers=auto)
+        self.numerics = "fast"
         self.apply(self._init_weights)
         self.tie_weights()
+
+    def set_numerics(self, numerics: str) -> None:
+        """"fast" (the default: each path its fastest kernels) or "exact": the engine's and the trainer's
+        forwards compute every token with the same operations, so their log-probs are equal bit for bit
+        (exact_layers.py). Set on the model and each of its layers; copies (π_ref) inherit it."""
+        exact_layers.check_numerics(numerics)
+        if numerics == "exact":
+            exact_layers.check_model(self)
+        for module in self.modules():
+            if hasattr(module, "numerics"):
+                module.numerics = numerics
 
     @staticmethod
     def _init_weights(module: nn.Module, std: float = 0.02) -> None:
@@ -407,38 +353,42 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(position_ids, hidden.dtype)
         windows = {self._config.layer_sliding_window(i) for i in range(self._config.num_hidden_layers)}
-        cache_args = {}
-        if attention_rows is not None:
-            if kv_cache is not None or attention_mask is not None or batch != 1 or attention_slots is None:
-                raise CohortError("attention_rows (shared-prompt packing) need one flat row of tokens, "
-                                  "attention_slots, and no kv_cache or attention_mask")
-            rows_length = attention_rows.shape[1]
-            masks = {w: shared_prefix.PackedRows(attention_rows, attention_slots,
-                                                 _padding_causal_mask(rows_length, None, w, input_ids.device))
-                     for w in windows}
-        elif kv_cache is None:
-            masks = {w: _padding_causal_mask(length, attention_mask, w, input_ids.device) for w in windows}
-        else:
+        cache_args, decode_kernel = {}, False
+        exact = self.numerics == "exact"
+        if attention_rows is not None and (kv_cache is not None or attention_mask is not None or batch != 1
+                                           or attention_slots is None):
+            raise CohortError("attention_rows (shared-prompt packing) need one flat row of tokens, "
+                              "attention_slots, and no kv_cache or attention_mask")
+        if kv_cache is not None:
             if cache_rows is None and batch > kv_cache.num_rows:
                 raise CohortError(f"batch of {batch} rows does not fit a KVCache of {kv_cache.num_rows} rows: "
                                   "pass cache_rows or allocate more rows")
             cache_len = kv_cache.max_len if cache_len is None else cache_len
             # A decode step (one token per row, default cache rows) on the sampling path attends
             # through the Triton kernel, which masks by position itself: no mask to build.
-            decode_kernel = (length == 1 and cache_rows is None and attention_mask is None
+            decode_kernel = (length == 1 and cache_rows is None and attention_mask is None and not exact
                              and self._config.head_dim in DECODE_KERNEL_HEAD_DIMS and kernels.triton_kernel_on(hidden))
-            if decode_kernel:
-                masks = dict.fromkeys(windows)
-            elif kernels.fused_path():  # the additive form SDPA would rebuild in every layer, built once
-                masks = {w: kernels.cache_attention_bias(position_ids, cache_len, w, hidden.dtype) for w in windows}
-            else:
-                masks = {w: _cache_mask(position_ids, cache_len, w) for w in windows}
             cache_args = dict(kv_cache=kv_cache, cache_rows=cache_rows, position_ids=position_ids,
                               write_mask=attention_mask, cache_len=cache_len, decode_kernel=decode_kernel)
-        if kernels.fused_path():
+        if exact:  # no mask: each layer's exact attention gets the keys each query sees (exact_layers.py)
+            masks = exact_layers.masks(input_ids, position_ids, attention_mask, kv_cache, attention_rows,
+                                       attention_slots, windows)
+        elif attention_rows is not None:
+            masks = {w: shared_prefix.PackedRows(attention_rows, attention_slots,
+                                                 _padding_causal_mask(attention_rows.shape[1], None, w, input_ids.device))
+                     for w in windows}
+        elif kv_cache is None:
+            masks = {w: _padding_causal_mask(length, attention_mask, w, input_ids.device) for w in windows}
+        elif decode_kernel:
+            masks = dict.fromkeys(windows)
+        elif kernels.fused_path():  # the additive form SDPA would rebuild in every layer, built once
+            masks = {w: kernels.cache_attention_bias(position_ids, cache_len, w, hidden.dtype) for w in windows}
+        else:
+            masks = {w: _cache_mask(position_ids, cache_len, w) for w in windows}
+        if kernels.fused_path() and not exact:
             hidden = self._fused_layers(hidden, cos, sin, masks, cache_args)
         else:
-            compiled = self.training_layer_call if kv_cache is None else None
+            compiled = self.training_layer_call if kv_cache is None and not exact else None
             recomputed = 0  # layers [0, recomputed) are checkpointed
             if self.gradient_checkpointing and self.training and kv_cache is None:
                 recomputed = len(self.model.layers) if self.checkpointed_layers is None else self.checkpointed_layers
@@ -455,7 +405,7 @@ class CausalLM(nn.Module):
                 else:
                     hidden = layer(hidden, cos, sin, mask, **cache_args)
             hidden = self.model.norm(hidden)
-        return hidden if return_hidden else self.lm_head(hidden)
+        return hidden if return_hidden else exact_layers.head_logits(self, hidden)
 
     def _fused_layers(self, hidden, cos, sin, masks, cache_args) -> torch.Tensor:
         """The decoder layers and final norm on the sampling path: the residual add ending each

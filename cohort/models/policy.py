@@ -22,6 +22,7 @@ from ..errors import CohortError
 from ..memory.precision import resolve_dtype
 from . import tiny
 from .config import is_supported
+from .exact_layers import use_exact_numerics
 from .loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
                       missing_path_error, one_line)
 from .lora import apply_lora, has_lora, lora_config_from_args, merged_state_dict, save_adapter
@@ -49,6 +50,8 @@ def load_run_policy(model, processing_class, args, device: torch.device, *, peft
     peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
     if peft_config is not None:  # π_ref is then the base model (adapters off)
         apply_lora(model, peft_config)
+    if args.rollout_numerics == "exact":
+        use_exact_numerics(model, device)
     if tokenizer.eos_token_id is None:
         raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -13,6 +13,7 @@ import torch
 
 from cohort.kernels.elementwise import fused_kernels
 from cohort.models.cache import KVCache
+from cohort.models.exact_layers import head_logits
 from cohort.rollout.overlap import to_device
 from cohort.rollout.sampler import SamplingParams
 from cohort.rollout.sampling import sampling_key
@@ -72,7 +73,7 @@ def prefill_chunk(model, cache: KVCache, state: SlotState, groups: list[list[Seq
     last = to_device([n - 1 for n in lengths], device)
     # Logits only at each prompt's last position: the full [B, T, V] tensor would be huge. (A shard's head
     # gives its slice of the vocabulary, which `sample` expects.)
-    logits = model.lm_head(hidden[torch.arange(len(firsts), device=device), last])
+    logits = head_logits(model, hidden[torch.arange(len(firsts), device=device), last])
     logits = logits[to_device([i for i, group in enumerate(groups) for _ in group], device)]
     # Token 0 of each sequence, keyed by its global index (params.sequence_offset + its row):
     # sequences sharing a prompt share its logits, not their draws.

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from cohort.kernels import logprobs as head_kernels
 from cohort.kernels.sampling import gumbel_sample
 from cohort.kernels.elementwise import fused, triton_kernel_on
 
@@ -156,6 +157,17 @@ def sample_from_logits(
     if top_k <= 0 and top_p >= 1.0 and min_p <= 0.0 and triton_kernel_on(logits):
         return gumbel_sample(logits, temperature, seed, draw, rows)  # one pass, hand-written (cohort/kernels/sampling.py)
     return fused("sample_gumbel", _sample_gumbel)(logits, temperature, top_k, top_p, min_p, seed, draw, rows)
+
+
+def sample_with_head_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                              min_p: float = 0.0, seed: torch.Tensor | None = None, draw: torch.Tensor | None = None,
+                              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_from_logits`'s tokens, each with the log-prob the trainer's LM head computes from the same
+    logits (`kernels/logprobs.py`, at 1 / temperature, 1 when greedy): the engine's sampler under exact
+    numerics, where the two must be the same bits (cohort/models/exact_layers.py)."""
+    tokens, _ = sample_from_logits(logits, temperature, top_k, top_p, min_p, seed=seed, draw=draw, rows=rows)
+    inv_temperature = 1.0 / temperature if temperature > 0.0 else 1.0
+    return tokens, head_kernels.chunk_logprob_stats(logits, tokens, inv_temperature)[0]
 
 
 def _sample_gumbel(logits, temperature: float, top_k: int, top_p: float, min_p: float, seed, draw, rows):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from cohort.errors import CohortError
 from cohort.models.tensor_parallel import SIZE_OPTION, TensorParallelCausalLM
-from cohort.rollout.sampling import sample_from_logits
+from cohort.rollout.sampling import sample_from_logits, sample_with_head_logprobs
 from cohort.rollout.vocab_parallel import reads_host, sample_vocab_parallel
 
 TokenSampler = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # sample_from_logits's signature
@@ -38,7 +38,8 @@ def token_sampler(model) -> TokenSampler:
     between, so the single-GPU path is unchanged); for a shard of T > 1 ranks, the vocabulary-parallel
     sampler over its slice, with the same arguments."""
     if tensor_parallel_size(model) == 1:
-        return sample_from_logits
+        # exact numerics: the recorded log-prob is the trainer's, computed by its own kernel
+        return sample_with_head_logprobs if getattr(model, "numerics", "fast") == "exact" else sample_from_logits
     vocab_size, rows, size = model.full_config.vocab_size, model.config.vocab_size, model.tensor_parallel_size
     if (size - 1) * rows >= vocab_size:  # the same test on every rank: all of them refuse together
         raise CohortError(f"a vocabulary of {vocab_size} tokens split into slices of {rows} leaves the last of "

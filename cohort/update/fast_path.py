@@ -47,7 +47,9 @@ def fast_path_settings(args, model, device: torch.device, *, compiles: bool | No
         compiles = triton_available()
     changes = {}
     if args.torch_compile == "auto":  # FSDP2 hooks the layers the compiled function would call: left out there
-        changes["torch_compile"] = bool(gpu and ours and compiles and not args.fsdp)
+        # exact numerics: compiling would fuse the layer's rounding points away on the trainer's side only
+        exact = getattr(args, "rollout_numerics", "fast") == "exact"
+        changes["torch_compile"] = bool(gpu and ours and compiles and not args.fsdp and not exact)
     if args.gradient_checkpointing == "auto":
         # A layer count or budget given with auto asks for checkpointing, on any device.
         changes["gradient_checkpointing"] = gpu or args.gradient_checkpointing_layers is not None

@@ -27,8 +27,8 @@ from torch import Tensor
 
 from ..algorithm.loss_spec import BatchShare, LossSpec
 from ..algorithm.objectives import DEFAULT_SPEC, PolicyLossOutput, policy_loss
-from .logprobs import (accumulate_chunk_grads, chunk_rows_for, chunk_stats_function, completion_hidden,
-                       micro_batch_logprobs, scatter_to_rows, supports_hidden)
+from .logprobs import (accumulate_chunk_grads, chunk_rows_for, completion_hidden, head_functions,
+                       micro_batch_logprobs, model_numerics, scatter_to_rows, supports_hidden)
 from .packing import MicroBatch
 
 # ℓ(log π, entropy, token rows, token cols) for the tokens of one chunk, in the micro-batch's [b, T] layout
@@ -41,18 +41,18 @@ class _HeadWithTokenLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, weights: Tensor, token_loss: Callable,
-                temperature: float, chunk: int):
+                temperature: float, chunk: int, numerics: str):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        stats = chunk_stats_function(hidden)
+        logits_of, stats = head_functions(numerics, hidden)
         inv_temperature = 1.0 / temperature
         for start in range(0, n, chunk):
             part = slice(start, start + chunk)
-            logits = hidden[part] @ weight.T
+            logits = logits_of(hidden[part], weight)
             chunk_logp, chunk_entropy, lse = stats(logits, tokens[part], inv_temperature)
             logp[part], entropy[part] = chunk_logp, chunk_entropy
             with torch.enable_grad():
@@ -79,16 +79,17 @@ class _HeadWithTokenLoss(torch.autograd.Function):
             grad_hidden.mul_(scale.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight.mul_(scale.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def head_with_token_loss(hidden: Tensor, weight: Tensor, tokens: Tensor, weights: Tensor,
                          token_loss: Callable[[Tensor, Tensor, slice], Tensor], temperature: float = 1.0,
-                         chunk_rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                         chunk_rows: int | None = None, numerics: str = "fast") -> tuple[Tensor, Tensor, Tensor]:
     """(loss, log π [N], entropy [N]) with loss = Σ_t weights_t · token_loss(log π, H, chunk)_t over the
     head's softmax(hidden W^T / temperature); log π and H carry no gradient, the loss does."""
     chunk = chunk_rows or chunk_rows_for(weight.shape[0])
-    return _HeadWithTokenLoss.apply(hidden, weight, tokens, weights, token_loss, float(temperature), int(chunk))
+    return _HeadWithTokenLoss.apply(hidden, weight, tokens, weights, token_loss, float(temperature), int(chunk),
+                                    numerics)
 
 
 class FusedHead:
@@ -107,7 +108,8 @@ class FusedHead:
 
         hidden, weight, tokens = completion_hidden(self.model, micro)
         loss, token_logp, token_entropy = head_with_token_loss(hidden, weight, tokens, weights[rows, cols], chunk_loss,
-                                                               self.temperature, self.chunk_rows)
+                                                               self.temperature, self.chunk_rows,
+                                                               model_numerics(self.model))
         return loss, scatter_to_rows(token_logp, micro), scatter_to_rows(token_entropy, micro)
 
 

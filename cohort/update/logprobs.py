@@ -122,6 +122,27 @@ def chunk_stats_function(tensor: Tensor):
     return _maybe_compiled("forward", _chunk_forward, tensor)
 
 
+def chunk_logits_plain(hidden: Tensor, weight: Tensor) -> Tensor:
+    return hidden @ weight.T
+
+
+def head_functions(numerics: str, hidden: Tensor):
+    """(logits of a chunk of hidden rows, its (log π, entropy, logsumexp)). Under exact numerics: the
+    batch-invariant matmul and the one-pass Triton statistics, which the engine's sampler also runs on
+    its logits (`rollout.sampling.sample_with_head_logprobs`), so the two log-probs are the same bits;
+    else a plain GEMM and `chunk_stats_function`."""
+    if numerics == "exact":
+        from ..kernels import exact_matmul, logprobs as stats_kernels
+
+        return exact_matmul.matmul, stats_kernels.chunk_logprob_stats
+    return chunk_logits_plain, chunk_stats_function(hidden)
+
+
+def model_numerics(model) -> str:
+    """"fast" or "exact": how `model` (or the module a DDP/FSDP wrapper holds) computes (models/exact_layers.py)."""
+    return getattr(getattr(model, "module", model), "numerics", "fast")
+
+
 class _ChunkedLMHead(torch.autograd.Function):
     """(log π(token), entropy) per row of `hidden` [N, H] under the head `weight` [V, H].
 
@@ -130,14 +151,15 @@ class _ChunkedLMHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, chunk: int,
-                with_entropy: bool):
+                with_entropy: bool, numerics: str):
         ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) gets None, not zeros
         logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
-        stats = chunk_stats_function(hidden)
+        logits_of, stats = head_functions(numerics, hidden)
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
-            logp[part], entropy[part], lse[part] = stats(hidden[part] @ weight.T, tokens[part], 1.0 / temperature)
+            logp[part], entropy[part], lse[part] = stats(logits_of(hidden[part], weight), tokens[part],
+                                                         1.0 / temperature)
         if not with_entropy:
             entropy.zero_()
         ctx.save_for_backward(hidden, weight, tokens, entropy, lse)
@@ -155,7 +177,7 @@ class _ChunkedLMHead(torch.autograd.Function):
             accumulate_chunk_grads(hidden[part] @ weight.T, hidden, weight, tokens[part], lse[part], entropy[part],
                                    grad_logp[part], None if grad_entropy is None else grad_entropy[part],
                                    1.0 / ctx.temperature, part, grad_hidden, grad_weight)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def accumulate_chunk_grads(logits: Tensor, hidden: Tensor, weight: Tensor, tokens: Tensor, lse: Tensor,
@@ -177,11 +199,12 @@ def accumulate_chunk_grads(logits: Tensor, hidden: Tensor, weight: Tensor, token
 
 
 def lm_head_logprobs(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float = 1.0,
-                     chunk_rows: int | None = None, with_entropy: bool = True) -> tuple[Tensor, Tensor]:
+                     chunk_rows: int | None = None, with_entropy: bool = True,
+                     numerics: str = "fast") -> tuple[Tensor, Tensor]:
     """Chunked (log π(token), entropy), each [N] float32, for hidden states [N, H] and tokens [N]
-    (the entropy is zeros unless `with_entropy`)."""
+    (the entropy is zeros unless `with_entropy`; `numerics` as in `head_functions`)."""
     chunk = chunk_rows or chunk_rows_for(weight.shape[0])
-    return _ChunkedLMHead.apply(hidden, weight, tokens, float(temperature), int(chunk), bool(with_entropy))
+    return _ChunkedLMHead.apply(hidden, weight, tokens, float(temperature), int(chunk), bool(with_entropy), numerics)
 
 
 def is_fully_sharded(model) -> bool:
@@ -232,7 +255,8 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
     there); the LM head weight is read from the wrapped module."""
     if supports_hidden(model):
         hidden, weight, tokens = completion_hidden(model, micro)
-        token_logp, token_entropy = lm_head_logprobs(hidden, weight, tokens, temperature, chunk_rows, with_entropy)
+        token_logp, token_entropy = lm_head_logprobs(hidden, weight, tokens, temperature, chunk_rows, with_entropy,
+                                                     model_numerics(model))
     else:
         if micro.attention_rows is not None:
             raise ValueError("a shared-prompt micro-batch needs our CausalLM (attention rows); pack it one row per completion")
