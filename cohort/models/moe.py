@@ -36,16 +36,23 @@ _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_p
 
 @dataclass
 class Routing:
-    """What one forward's MoE layers read and report. `replay` [B, T, moe layers, k]: the expert ids to
-    route each token by (None: the router's own top-k). Filled by the forward: `free_differs` [B, T]
-    (with replay: whether the router's own top-k differs from the replayed ids in any layer),
-    `router_probs` (per MoE layer, [B·T, E] softmax) and `expert_ids` ([B·T, k]) when `keep_router` is set."""
+    """What one forward's MoE layers read and report. `recorded` [B, T, MoE layers, k]: the expert ids the
+    sampler chose for each input token; with `replay` the layers route by them, else by the router's own
+    top-k. Filled by the forward: `free_differs` [B, T] (given `recorded`: whether the router's own top-k
+    differs from the recorded ids in any layer), and, when `keep_router` is set, per MoE layer the router's
+    softmax `router_probs` [B·T, E] and the ids routed by `expert_ids` [B·T, k]."""
 
-    replay: torch.Tensor | None = None
+    recorded: torch.Tensor | None = None
+    replay: bool = True
     keep_router: bool = False
     free_differs: torch.Tensor | None = None
     router_probs: list[torch.Tensor] = field(default_factory=list)
     expert_ids: list[torch.Tensor] = field(default_factory=list)
+
+    def to(self, device) -> "Routing":
+        """A fresh record (nothing reported yet) with `recorded` on `device`."""
+        recorded = None if self.recorded is None else self.recorded.to(device, non_blocking=True)
+        return Routing(recorded, self.replay, self.keep_router)
 
 
 class Experts(nn.Module):
@@ -73,6 +80,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts.active_share = self.top_k / config.num_experts  # of the tokens, each expert weight sees
 
     def forward(self, x: torch.Tensor, routing: Routing | None = None, kv_cache=None, cache_rows=None,
                 position_ids=None, write_mask=None, **_unused) -> torch.Tensor:
@@ -80,14 +88,13 @@ class SparseMoeBlock(nn.Module):
         flat = x.reshape(-1, hidden)
         probs = torch.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
         free_weights, free_ids = torch.topk(probs, self.top_k, dim=-1)
-        replay = None if routing is None or routing.replay is None else routing.replay[..., self.moe_index, :]
-        if replay is None:
-            ids, weights = free_ids, free_weights
-        else:
-            ids = replay.reshape(-1, self.top_k).long()
-            weights = probs.gather(1, ids)
-            differs = (free_ids.sort(-1).values != ids.sort(-1).values).any(-1).reshape(batch, length)
+        ids, weights = free_ids, free_weights
+        if routing is not None and routing.recorded is not None:
+            recorded = routing.recorded[..., self.moe_index, :].reshape(-1, self.top_k).long()
+            differs = (free_ids.sort(-1).values != recorded.sort(-1).values).any(-1).reshape(batch, length)
             routing.free_differs = differs if routing.free_differs is None else routing.free_differs | differs
+            if routing.replay:  # the sampler's experts, weighted by this router's probabilities (its gradient)
+                ids, weights = recorded, probs.gather(1, recorded)
         if routing is not None and routing.keep_router:
             routing.router_probs.append(probs)
             routing.expert_ids.append(ids)
@@ -131,6 +138,17 @@ def expert_load_max_over_mean(routes: torch.Tensor, mask: torch.Tensor, num_expe
     counts = torch.zeros(layers, num_experts).scatter_add_(
         1, chosen.permute(1, 0, 2).reshape(layers, -1), torch.ones(layers, chosen.shape[0] * chosen.shape[2]))
     return float((counts.max(1).values / counts.mean(1)).mean())
+
+
+def stack_routes(routes: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Per-row routes [S_i, layers, k] right-padded with zeros into [B, max S_i, layers, k]; None unless
+    every row has them."""
+    if not routes or any(r is None for r in routes):
+        return None
+    out = routes[0].new_zeros((len(routes), max(1, max(r.shape[0] for r in routes)), *routes[0].shape[1:]))
+    for row, r in enumerate(routes):
+        out[row, : r.shape[0]] = r
+    return out
 
 
 def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
