@@ -111,3 +111,74 @@ def test_cached_prefill_and_decode_match_full_forward_and_record_routes(checkpoi
     for moe_layer, ids_of_layer in enumerate(record.expert_ids):
         recorded = cache.routes[:, :10, moe_layer].long().reshape(-1, 2)
         assert torch.equal(recorded.sort(-1).values, ids_of_layer.sort(-1).values)
+
+
+def _our_moe(**config):
+    from cohort.models import CausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    return CausalLM(ModelConfig(**{**dict(model_type="qwen3_moe", vocab_size=40, hidden_size=16, intermediate_size=24,
+                                          num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                                          head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                          mlp_only_layers=[2]), **config}))
+
+
+def test_config_counts_and_flops_of_a_moe():
+    from cohort.memory.sampling_plan import parameter_count
+    from cohort.telemetry.metrics import update_flops
+
+    model = _our_moe()
+    qk_norms = sum(p.numel() for name, p in model.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight")))
+    assert parameter_count(model.config) == sum(p.numel() for p in model.parameters()) - qk_norms  # it leaves those out
+    experts = sum(p.numel() for layer in model.model.layers[:2] for p in layer.mlp.experts.parameters())
+    head, embed = model.lm_head.weight.numel(), model.model.embed_tokens.weight.numel()
+    others = sum(p.numel() for p in model.parameters()) - experts - head - embed
+    # every weight 6 FLOPs per token; an expert's only on its k/E share of the tokens; the head on completions
+    assert update_flops(model, 3, 5) == pytest.approx(6 * 8 * (others + experts * 2 / 4) + 6 * 5 * head)
+
+
+def test_load_balancing_loss_matches_switch_formula():
+    from cohort.models.moe import load_balancing_loss
+
+    probs = torch.softmax(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), -1)
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0], [1, 2], [0, 3]])
+    share = [sum(int(e == i) for row in ids.tolist() for i in row) / 12 for e in range(4)]
+    expected = 4 * sum(share[e] * float(probs[:, e].mean()) for e in range(4))
+    assert float(load_balancing_loss(probs, ids, 4)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_moe_refusals_name_the_option():
+    from cohort import GRPOConfig
+    from cohort.models.tensor_parallel import check_tensor_parallel_size
+    from cohort.rollout.partial import partial_rollout_settings
+
+    with pytest.raises(CohortError, match=r"rollout_tensor_parallel_size[= ]2.*mixture-of-experts"):
+        check_tensor_parallel_size(_our_moe().config, 2)
+    with pytest.raises(CohortError, match=r"router_aux_loss_coef[= ]-1"):
+        GRPOConfig(router_aux_loss_coef=-1).validate()
+    args = GRPOConfig(partial_rollouts=True, max_staleness=2)
+    with pytest.raises(CohortError, match="routing_replay"):
+        partial_rollout_settings(args, engine=True, tools=False, routing_replay=True)
+    assert partial_rollout_settings(GRPOConfig(rollout_gpus=1), engine=True, tools=False,
+                                    routing_replay=True)["partial_rollouts"] is False
+
+
+def test_cohort_train_runs_a_transformers_saved_moe_folder(tmp_path):
+    """`cohort train --model <a Qwen3-MoE folder transformers wrote>` on the CPU: our model, the engine's
+    routes replayed, the routing metrics logged, the final policy a folder transformers loads."""
+    from cohort.cli import main
+    from cohort.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**{**TINY_MOE, "vocab_size": len(tokenizer)}, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id, norm_topk_prob=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(tmp_path / "model"), "--max_steps", "2", "--output_dir", str(out),
+                 "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "6",
+                 "--eval_limit", "4", "--device", "cpu", "--quiet", "true"]) == 0
+    last = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r][-1]
+    assert last["routing/replay_mismatch"] >= 0 and last["routing/expert_load_max_over_mean"] >= 1
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen3_moe"

@@ -132,7 +132,7 @@ def _run(folder, out, reward=_digit_share, **overrides):
     task = ArithmeticTask()
     args = GRPOConfig(**{**dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=6,
                                 max_steps=4, save_steps=2, learning_rate=3e-3, num_iterations=2, beta=0.05,
-                                output_dir=str(out), quiet=True, seed=0, device="cpu", eval_strategy="no"),
+                                output_dir=str(out), quiet=True, seed=0, device="cpu", eval_limit=4),
                          **overrides})
     trainer = GRPOTrainer(folder, reward, task.load("train", size=32, seed=0), args=args, task=task)
     trainer.train()
