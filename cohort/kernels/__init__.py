@@ -14,4 +14,6 @@ caller's own code) that runs on the CPU and without triton, and that the tests h
 - `elementwise.py`: the decoder's elementwise pieces (RMSNorm, rotary, SwiGLU, residual add) as
   torch.compile'd fused functions for the decode step, and the switches that turn kernels on.
 - `training_compile.py`: torch.compile of one decoder layer for the training forward and backward.
+- `grouped_mm.py`: a mixture of experts' grouped GEMMs (torch's native grouped mm with a grouped backward,
+  a padded batched product where it does not serve), tested against a loop over experts.
 """
