@@ -59,7 +59,7 @@ SMOKE_RUNS = {
     "lora": dict(prompts=2, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=2),
     "probe": dict(prompts=2, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=2),
 }
-SHAPE_NAMES = ("0.5b", "1.5b", "3b", "7b")
+SHAPE_NAMES = ("0.5b", "1.5b", "3b", "7b", "qwen3-moe-1b-7b", "qwen3-30b-a3b-half")
 TRL_MODULES = ("trl", "datasets", "dill", "multiprocess", "accelerate", "pandas", "pyarrow", "xxhash", "psutil",
                "jinja2", "yaml")  # TRL 1.16 and datasets 5.2 Requires-Dist, as import names
 MIN_START_SECONDS = 20  # a part that cannot get this long is skipped, not started
@@ -262,7 +262,8 @@ def _options(text: str) -> dict:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=None,
-                        help="comma list of 0.5b, 1.5b (default both; --smoke: 0.5b; none: only the extras)")
+                        help="comma list of 0.5b, 1.5b, qwen3-moe-1b-7b, qwen3-30b-a3b-half (default 0.5b,1.5b; "
+                             "--smoke: 0.5b; none: only the extras)")
     parser.add_argument("--trl-steps", default="3,2",
                         help="TRL steps, one number or one per --models entry in order (0 = skip TRL); default 3 for 0.5B, 2 for 1.5B "
                              "(its first step is warm-up: 2 steps give one steady-state step) to fit the 9-minute call")

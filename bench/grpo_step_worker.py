@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cohort from this checkout
 
 # Model shapes (their config.json), random weights: Qwen2.5 (by size; 14B and 32B for the capacity rows of
-# bench/scale.py), Llama-3.1-8B and Qwen3-8B (the dense rows of NeMo-RL's performance summary). `SMOKE` replaces them with tiny ones of the same families for the CPU
+# bench/scale.py), Llama-3.1-8B and Qwen3-8B (the dense rows of NeMo-RL's performance summary), two Qwen3-MoE
+# shapes. `SMOKE` replaces them with tiny ones of the same families for the CPU
 # check. Llama-3.1's rope scaling (llama3) is left out: it changes the positions' angles, not the step's cost.
 def _shape(hidden: int, inner: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool,
            model_type: str = "qwen2", **extra) -> dict:
@@ -50,6 +51,13 @@ SHAPES = {
     "qwen3-8b": _shape(4096, 12288, 36, 32, 8, 151936, False, "qwen3", head_dim=128, max_position_embeddings=40960),
     "qwen2.5-14b": _shape(5120, 13824, 48, 40, 8, 152064, False),
     "qwen2.5-32b": _shape(5120, 27648, 64, 40, 8, 152064, False),
+    # Mixtures of experts (Qwen3-MoE): one of OLMoE-1B-7B's size (16 layers, 64 experts, top 8), and
+    # Qwen3-30B-A3B with half its 48 layers (the full shape needs 4 cards for full-parameter training).
+    "qwen3-moe-1b-7b": _shape(2048, 6144, 16, 16, 4, 151936, False, "qwen3_moe", head_dim=128, num_experts=64,
+                              num_experts_per_tok=8, moe_intermediate_size=1024, norm_topk_prob=True),
+    "qwen3-30b-a3b-half": _shape(2048, 6144, 24, 32, 4, 151936, False, "qwen3_moe", head_dim=128, num_experts=128,
+                                 num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                                 max_position_embeddings=40960),
 }
 SMOKE = {
     "0.5b": _shape(64, 128, 2, 4, 2, 1000, True),
@@ -60,6 +68,10 @@ SMOKE = {
     "qwen3-8b": _shape(64, 128, 2, 4, 2, 1000, False, "qwen3", head_dim=16),
     "qwen2.5-14b": _shape(80, 160, 3, 4, 2, 1000, False),
     "qwen2.5-32b": _shape(80, 320, 4, 4, 2, 1000, False),
+    "qwen3-moe-1b-7b": _shape(64, 128, 2, 4, 2, 1000, False, "qwen3_moe", head_dim=16, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen3-30b-a3b-half": _shape(64, 128, 2, 4, 2, 1000, False, "qwen3_moe", head_dim=16, num_experts=16,
+                                 num_experts_per_tok=4, moe_intermediate_size=16, norm_topk_prob=True),
 }
 COMMON = dict(max_position_embeddings=32768, rope_theta=1e6)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -422,9 +434,10 @@ def describe_optimizer(trainer, rec: Recorder) -> None:
 
 
 def cohort_summary(history: list[dict]) -> dict:
-    """Per-step wall times, steady-state means of the phase times / rates / MFU, and the last
+    """Per-step wall times, steady-state means of the phase times / rates / MFU (and a MoE's routing/*), and the last
     step's micro-batching (count, OOM retries) from the trainer's own records."""
-    keys = sorted({k for r in history for k in r if k.startswith(("time/", "tokens_per_second/")) or k == "mfu"})
+    keys = sorted({k for r in history for k in r
+                   if k.startswith(("time/", "tokens_per_second/", "routing/")) or k == "mfu"})
     return dict(step_seconds=[round(r.get("step_time", float("nan")), 3) for r in history],
                 steady_seconds=steady([r.get("step_time") for r in history]),
                 steady={k: steady([r.get(k) for r in history]) for k in keys},

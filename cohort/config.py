@@ -296,6 +296,14 @@ class GRPOConfig:
     share_prompt_prefix: bool = field(default=True, metadata={
         "help": "Our models: compute each prompt once per group in the log-prob passes and the update."})
 
+    # Mixture-of-experts models (Qwen3-MoE, cohort/models/moe.py); ignored for dense models.
+    routing_replay: bool = field(default=True, metadata={
+        "help": "The trainer's forwards (π_old, π_θ, π_ref) route each token by the experts the sampler chose "
+                "for it, the router still trained through the gate values."})
+    router_aux_loss_coef: float = field(default=0.0, metadata={
+        "help": "Weight of the Switch Transformer load-balancing loss added to the policy loss; 0 leaves it out, "
+                "as RL frameworks do."})
+
     # LoRA through peft, with TRL's ModelConfig names; π_ref is then the same model with the adapters off.
     use_peft: bool = field(default=False, metadata={
         "help": "Train LoRA adapters (peft) instead of every weight."})
@@ -435,6 +443,8 @@ class GRPOConfig:
 
         if self.num_generations < 2:
             bad(f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt to form a group")
+        if not self.router_aux_loss_coef >= 0:
+            bad(f"router_aux_loss_coef={self.router_aux_loss_coef}: give a weight of 0 (off) or more")
         if self.generation_batch_size % self.num_generations:
             bad(
                 f"per_device_train_batch_size × gradient_accumulation_steps = {self.generation_batch_size} completions "

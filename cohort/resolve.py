@@ -57,7 +57,8 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_s
     changes["optimizer_state_dtype"] = optimizer_state_dtype(config, model, sharded_in_fp32=sharded_in_fp32)
     if config.importance_sampling_correction is None:
         changes["importance_sampling_correction"] = sampler_correction_mode(config, model, device) is not None
-    changes.update(partial_rollout_settings(config, engine=engine, tools=tools))
+    replay = config.routing_replay and engine and bool(getattr(base_model(model).config, "num_experts", 0))
+    changes.update(partial_rollout_settings(config, engine=engine, tools=tools, routing_replay=replay))
     settled = dataclasses.replace(config, **changes)
     changes["rollout_tensor_parallel_size"] = sampling_tensor_parallel_size(
         settled, base_model(model).config if engine else None, device, getattr(torch, changes["dtype"]).itemsize,

@@ -51,6 +51,14 @@ METRICS: list[tuple[str, str, str]] = [
     ("learning_rate", "every step", "the scheduler's learning rate"),
     ("num_iterations", "every step", "μ, the policy updates made on this rollout"),
     ("micro_batches", "every step", "micro-batches in the update's optimizer step"),
+    ("routing/replay_mismatch", "a mixture-of-experts model the engine samples", "share of the positions that "
+     "predict completion tokens whose router, left free, picks other top-k experts than the sampler did in at "
+     "least one MoE layer (the update's forwards; with routing_replay they route by the sampler's experts anyway)"),
+    ("routing/expert_load_max_over_mean", "a mixture-of-experts model the engine samples", "token copies routed "
+     "to the busiest expert over the mean per expert, averaged over MoE layers, for the step's sampled tokens "
+     "(1 is balanced)"),
+    ("routing/aux_loss", "router_aux_loss_coef > 0", "the Switch load-balancing loss of the update, averaged over "
+     "MoE layers, before its weight"),
     ("skipped_steps", "every step", "updates skipped so far for a non-finite loss, gradient norm, log-prob or "
                                     "importance ratio (docs/reliability.md)"),
     ("nonfinite_logprobs", "every step", "loss tokens of this update (all ranks) whose log π_θ, log π_old, log "

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..models.moe import stack_routes
 from ..rollout.batch import select_groups
 from ..rollout.sampler import Rollout
 
@@ -66,7 +67,9 @@ def concat_batches(batches: list, pad_id: int):
         per_function=torch.cat([b.per_function for b in batches]) if batches[0].per_function is not None else None,
         rollout=Rollout(torch.cat([pad(r.completion_ids, pad_id) for r in rollouts]),
                         torch.cat([pad(r.completion_mask, 0) for r in rollouts]), logprobs,
-                        [f for r in rollouts for f in r.finish_reasons], tool_mask),
+                        [f for r in rollouts for f in r.finish_reasons], tool_mask,
+                        stack_routes([row for r in rollouts for row in (
+                            r.routed_experts if r.routed_experts is not None else [None])])),
         reward_metrics=metrics,
         environments=None if batches[0].environments is None else [e for b in batches for e in b.environments],
     )

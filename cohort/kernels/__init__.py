@@ -17,4 +17,6 @@ caller's own code) that runs on the CPU and without triton, and that the tests h
 - `exact_matmul.py`, `exact_rms_norm.py`, `exact_attention.py`: the batch-invariant matrix product,
   RMSNorm and causal attention (decode and full forward alike) of `rollout_numerics="exact"`
   (cohort/models/exact_layers.py), whose sampler and trainer log-probs are equal bit for bit.
+- `grouped_mm.py`: a mixture of experts' grouped GEMMs (torch's native grouped mm with a grouped backward,
+  a padded batched product where it does not serve), tested against a loop over experts.
 """

@@ -26,10 +26,10 @@ from cohort.models.shared_prefix import is_packed
 _CONTROL_FLOW = tuple(c for c in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if c)
 
 
-def run_layer(layer, hidden, cos, sin, mask):
+def run_layer(layer, hidden, cos, sin, mask, **layer_args):
     """A decoder layer's full-sequence forward as a function of the layer (what is compiled, and what
-    activation checkpointing recomputes)."""
-    return layer(hidden, cos, sin, mask)
+    activation checkpointing recomputes); `layer_args`: a mixture-of-experts layer's routing."""
+    return layer(hidden, cos, sin, mask, **layer_args)
 
 
 class CompiledLayerCall:

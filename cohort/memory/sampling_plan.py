@@ -34,9 +34,11 @@ def parameter_count(config: ModelConfig) -> int:
     hidden, heads, kv_heads, head_dim = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                                          config.head_dim)
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o, k and v
-    mlp = 3 * hidden * config.intermediate_size
+    dense = 3 * hidden * config.intermediate_size
+    sparse = config.num_experts * (3 * hidden * config.moe_intermediate_size + hidden)  # experts and router
+    mlps = sum(sparse if config.is_sparse_layer(i) else dense for i in range(config.num_hidden_layers))
     embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    return config.num_hidden_layers * (attention + mlp + 2 * hidden) + embeddings + hidden
+    return config.num_hidden_layers * (attention + 2 * hidden) + mlps + embeddings + hidden
 
 
 def kv_cache_bytes(config: ModelConfig, rows: int, max_len: int, element_bytes: int) -> int:

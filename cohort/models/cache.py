@@ -4,6 +4,10 @@ A key and a value tensor per layer, `[rows, kv_heads, max_len, head_dim]`, alloc
 a decode step writes in place and has static shapes (a CUDA graph can capture it). A *row* is one
 sequence slot; the sampler decides which sequence lives in which row (`cache_rows` in
 `CausalLM.forward`) and at which positions its tokens go (`position_ids`).
+
+A mixture-of-experts model's cache may also keep each position's chosen experts (`routes`), written
+and moved with the keys, so the sampler can hand the trainer the routing it sampled with
+(routing replay, `cohort/models/moe.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ class KVCache:
     """Keys and values of every layer, `k`/`v` shaped `[layers, rows, kv_heads, max_len, head_dim]`."""
 
     def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 route_shape: tuple[int, int] | None = None):
         # One allocation per layer rather than one 5-D tensor: a layer's cache is then a base
         # tensor, not a view, so torch.compile can write it in place (an in-place write into a
         # view of a graph input is functionalised into a copy of the whole base).
@@ -28,6 +33,9 @@ class KVCache:
         self.own_row_ids = torch.arange(num_rows, dtype=torch.int32, device=device)
         self.prefix_rows = self.own_row_ids.clone()
         self.prefix_lens = torch.zeros(num_rows, dtype=torch.int32, device=device)
+        # route_shape (MoE layers, k): the expert ids of each row's token at each position, int16
+        self.routes = None if route_shape is None else torch.zeros(
+            (num_rows, max_len, *route_shape), dtype=torch.int16, device=device)
 
     @property
     def k(self) -> torch.Tensor:
@@ -39,11 +47,15 @@ class KVCache:
         return torch.stack(self.v_layers)
 
     @classmethod
-    def for_model(cls, model, num_rows: int, max_len: int, dtype: torch.dtype | None = None) -> "KVCache":
-        """A cache shaped for `model` (a `CausalLM`), on its device and in its dtype unless given."""
+    def for_model(cls, model, num_rows: int, max_len: int, dtype: torch.dtype | None = None,
+                  record_routes: bool = True) -> "KVCache":
+        """A cache shaped for `model` (a `CausalLM`), on its device and in its dtype unless given; for a
+        mixture-of-experts model it records the routes too unless `record_routes` is False."""
         config = model.config
+        sparse = len(config.sparse_layers) if getattr(config, "num_experts", 0) else 0
+        route_shape = (sparse, config.num_experts_per_tok) if sparse and record_routes else None
         return cls(config.num_hidden_layers, num_rows, config.num_key_value_heads, max_len, config.head_dim,
-                   dtype=dtype or model.dtype, device=model.device)
+                   dtype=dtype or model.dtype, device=model.device, route_shape=route_shape)
 
     @property
     def num_layers(self) -> int:
@@ -74,6 +86,8 @@ class KVCache:
         for keys, values in zip(self.k_layers, self.v_layers):
             keys[target] = keys[source]
             values[target] = values[source]
+        if self.routes is not None:
+            self.routes[target] = self.routes[source]
         self.prefix_rows.copy_(self.own_row_ids)
         self.prefix_lens.zero_()
 
@@ -93,6 +107,8 @@ class KVCache:
         for keys, values in zip(self.k_layers, self.v_layers):
             keys[target, :, :copy_length] = keys[source, :, :copy_length]
             values[target, :, :copy_length] = values[source, :, :copy_length]
+        if self.routes is not None:
+            self.routes[target, :copy_length] = self.routes[source, :copy_length]
         self.prefix_rows[target] = source.to(self.prefix_rows.dtype)
         self.prefix_lens[target] = prefix_lens.to(self.prefix_lens.dtype)
 
@@ -115,6 +131,18 @@ class KVCache:
         # advanced indices on dims 0 and 2 put the broadcast [B, T] dims first: value is [B, T, H, D]
         layer_k[rows, :, position_ids] = new_k.to(layer_k.dtype)
         layer_v[rows, :, position_ids] = new_v.to(layer_v.dtype)
+
+    def write_routes(self, moe_layer: int, cache_rows: torch.Tensor | None, position_ids: torch.Tensor,
+                     expert_ids: torch.Tensor, write_mask: torch.Tensor | None = None) -> None:
+        """Store the expert ids [B, T, k] of MoE layer `moe_layer` where `write` stores keys (same rows,
+        positions and mask; in place, no host sync)."""
+        if cache_rows is None:
+            cache_rows = torch.arange(expert_ids.shape[0], device=position_ids.device)
+        rows = cache_rows[:, None].expand_as(position_ids)
+        new = expert_ids.to(self.routes.dtype)
+        if write_mask is not None:
+            new = torch.where(write_mask.bool()[:, :, None], new, self.routes[rows, position_ids, moe_layer])
+        self.routes[rows, position_ids, moe_layer] = new
 
     def keys_values(self, layer: int, cache_rows: torch.Tensor | None, batch: int,
                     cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:

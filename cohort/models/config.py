@@ -1,8 +1,8 @@
 """`ModelConfig`: the decoder hyper-parameters, named as in Hugging Face `config.json`.
 
-One dataclass covers the four supported families; what differs between them is derived here
-(q/k/v bias, per-head q/k norm, which layers use a sliding window) so `modeling.py` needs no
-`model_type` branches. Both `config.json` RoPE layouts are read: transformers 4.x
+One dataclass covers the supported families; what differs between them is derived here
+(q/k/v bias, per-head q/k norm, which layers use a sliding window, which layers are mixtures of
+experts) so `modeling.py` needs no `model_type` branches. Both `config.json` RoPE layouts are read: transformers 4.x
 (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`).
 """
 
@@ -14,13 +14,17 @@ from typing import Any
 
 from cohort.errors import CohortError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+# Mixture-of-experts settings of other families that Qwen3-MoE's block does not have: refused by name.
+UNSUPPORTED_MOE_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+                        "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Keys we derive ourselves on output; everything else unknown is kept in `extra` for the round trip.
 _DERIVED_KEYS = {"rope_parameters", "rope_scaling", "rope_theta", "architectures", "torch_dtype", "dtype"}
@@ -57,6 +61,13 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     torch_dtype: str | None = None
+    # mixture of experts (Qwen3-MoE); num_experts = 0: every layer is a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     # ---- what differs between families ------------------------------------------------------
@@ -72,7 +83,17 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Qwen3 RMS-normalises each head of q and k before RoPE (Qwen3 technical report, 2025)."""
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    def is_sparse_layer(self, layer_index: int) -> bool:
+        """Whether a layer's MLP is a mixture of experts, by transformers' Qwen3-MoE rule."""
+        return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
+                and (layer_index + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        """The indices of the mixture-of-experts layers, in order."""
+        return [i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i)]
 
     @property
     def rope_type(self) -> str:
@@ -104,6 +125,7 @@ class ModelConfig:
         rope_theta, rope_scaling = _read_rope(hf)
         sliding_window, layer_types = _read_sliding_window(hf, model_type)
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        moe = _read_moe(hf) if model_type == "qwen3_moe" else {}
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -127,18 +149,22 @@ class ModelConfig:
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
-            extra={k: v for k, v in hf.items() if k not in known and k not in _DERIVED_KEYS},
+            **moe,
+            extra={k: v for k, v in hf.items() if k not in known and k not in _DERIVED_KEYS | {"num_local_experts"}},
         )
 
     def to_hf_dict(self) -> dict:
         """A config.json dict that transformers 4.x (rope_theta/rope_scaling) and 5.x (rope_parameters) load."""
         out = dict(self.extra)
+        moe_fields = {f.name for f in dataclasses.fields(self)} & set(_MOE_DEFAULTS)
         for f in dataclasses.fields(self):
+            if f.name in moe_fields and self.num_experts == 0:
+                continue
             if f.name not in ("extra", "rope_scaling", "rope_theta", "layer_types"):
                 out[f.name] = getattr(self, f.name)
         if self.layer_types is not None:
             out["layer_types"] = list(self.layer_types)
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
             out["use_sliding_window"] = self.sliding_window is not None
         out["architectures"] = [ARCHITECTURES[self.model_type]]
         out["rope_theta"] = self.rope_theta
@@ -169,11 +195,33 @@ def _read_rope(hf: dict) -> tuple[float, dict | None]:
     return rope_theta, {"rope_type": rope_type, **params}
 
 
+_MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def _read_moe(hf: dict) -> dict:
+    """Qwen3-MoE's expert settings (transformers' defaults where absent); a setting of another MoE
+    family (shared experts, grouped routing, ...) is refused by name."""
+    unsupported = [key for key in UNSUPPORTED_MOE_KEYS if hf.get(key)]
+    if unsupported:
+        raise CohortError(f"config.json sets {', '.join(unsupported)}, which cohort's Qwen3-MoE does not implement; "
+                          "use a model without them or --model_impl transformers")
+    moe = {key: hf.get(key, default) for key, default in _MOE_DEFAULTS.items()}
+    moe["num_experts"] = hf.get("num_experts") or hf.get("num_local_experts") or _MOE_DEFAULTS["num_experts"]
+    moe["mlp_only_layers"] = list(moe["mlp_only_layers"] or [])
+    if moe["num_experts_per_tok"] > moe["num_experts"]:
+        raise CohortError(f"config.json has num_experts_per_tok={moe['num_experts_per_tok']} > num_experts="
+                          f"{moe['num_experts']}; fix config.json")
+    return moe
+
+
 def _read_sliding_window(hf: dict, model_type: str) -> tuple[int | None, list[str] | None]:
     """Sliding window width and per-layer attention kinds, by each family's rules in transformers."""
     window = hf.get("sliding_window")
     if model_type == "llama" or window is None:
         return None, None
+    if model_type == "qwen3_moe":  # transformers gives every layer the window when it is on
+        return (int(window), None) if hf.get("use_sliding_window", False) else (None, None)
     if model_type in ("qwen2", "qwen3"):
         if not hf.get("use_sliding_window", False):
             return None, None

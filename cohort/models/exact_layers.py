@@ -162,6 +162,9 @@ def use_exact_numerics(model, device: torch.device) -> None:
     if not hasattr(model, "set_numerics"):
         raise CohortError(f"rollout_numerics=exact needs cohort's own models, and {type(model).__name__} is "
                           "transformers'; use --rollout_numerics fast")
+    if getattr(getattr(model, "config", None), "num_experts", 0):
+        raise CohortError("rollout_numerics=exact does not cover mixture-of-experts layers yet; use --rollout_numerics "
+                          "fast (routing_replay keeps the trainer on the sampler's experts)")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if not triton_available() or (device.type != "cuda" and not interpreted):
         raise CohortError(f"rollout_numerics=exact runs Triton kernels on a GPU with triton installed, not on {device}; "

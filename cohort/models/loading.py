@@ -22,6 +22,7 @@ from safetensors import safe_open
 from cohort.errors import CohortError
 from cohort.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, is_supported
 from cohort.models.modeling import CausalLM
+from cohort.models.moe import fuse_expert_weights
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -259,7 +260,7 @@ def read_safetensors(files: list[Path], device="cpu") -> dict[str, torch.Tensor]
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device,
                 source: str) -> CausalLM:
     """A `CausalLM` holding `state` (HF names), checked for missing / unexpected / misshapen tensors."""
-    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    state = fuse_expert_weights({k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")})
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # transformers also uses the embedding then
     with torch.device("meta"):

@@ -1,9 +1,10 @@
-"""Our decoder: Llama, Mistral, Qwen2 and Qwen3 in one small module.
+"""Our decoder: Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE in one small module.
 
 All four are the Llama block (Touvron et al. 2023): pre-RMSNorm (Zhang & Sennrich 2019), rotary
 position embeddings (Su et al. 2021, "RoFormer"), grouped-query attention (Ainslie et al. 2023)
 and a SwiGLU MLP (Shazeer 2020). The family differences are config flags (see `config.py`): Qwen2
 has q/k/v biases, Qwen3 RMS-normalises each q/k head, Mistral/Qwen2 may use a sliding window.
+Qwen3-MoE is Qwen3 whose MLPs are (in the layers its config names) mixtures of experts (`moe.py`).
 
 Parameter names equal transformers' (`model.layers.0.self_attn.q_proj.weight`, ...) so a state
 dict moves between the two unchanged. Attention goes through `F.scaled_dot_product_attention`.
@@ -34,6 +35,7 @@ from cohort.models.cache import KVCache
 from cohort.kernels.decode_attention import SUPPORTED_HEAD_DIMS as DECODE_KERNEL_HEAD_DIMS
 from cohort.kernels.decode_attention import decode_attention
 from cohort.models.fusion import fused_weight
+from cohort.models.moe import Routing, SparseMoeBlock, split_expert_weights
 from cohort.models import exact_layers, shared_prefix
 from cohort.kernels.training_compile import run_layer
 from cohort.models.config import ModelConfig
@@ -193,22 +195,29 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.self_attn = Attention(config, layer_index)
-        self.mlp = MLP(config)
+        self.sparse = config.is_sparse_layer(layer_index)
+        self.mlp = SparseMoeBlock(config, config.sparse_layers.index(layer_index)) if self.sparse else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, **cache_args):
+    def forward(self, x, cos, sin, mask, routing: Routing | None = None, **cache_args):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, **cache_args)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.feed_forward(self.post_attention_layernorm(x), routing, cache_args)
 
-    def forward_fused(self, residual, normed, cos, sin, mask, next_norm: RMSNorm, **cache_args):
+    def feed_forward(self, x, routing: Routing | None, cache_args: dict):
+        """The MLP; a mixture of experts also reads the routing and records its routes in the cache."""
+        return self.mlp(x, routing, **cache_args) if self.sparse else self.mlp(x)
+
+    def forward_fused(self, residual, normed, cos, sin, mask, next_norm: RMSNorm, routing: Routing | None = None,
+                      **cache_args):
         """`forward` regrouped for the sampling path: takes the residual stream and its input norm
         already applied, returns (residual, next_norm(residual)), each residual add computed with
         the norm after it (kernels.add_rms_norm), the last one with the next layer's input norm."""
         residual, normed = kernels.add_rms_norm(residual, self.self_attn(normed, cos, sin, mask, **cache_args),
                                                 self.post_attention_layernorm.weight,
                                                 self.post_attention_layernorm.eps)
-        return kernels.add_rms_norm(residual, self.mlp(normed), next_norm.weight, next_norm.eps)
+        return kernels.add_rms_norm(residual, self.feed_forward(normed, routing, cache_args), next_norm.weight,
+                                    next_norm.eps)
 
 
 class DecoderModel(nn.Module):
@@ -303,7 +312,7 @@ class CausalLM(nn.Module):
             # LoRA (peft) wraps projections in its own layers: a fused matrix would skip the adapters
             if all(type(m) is nn.Linear for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)):
                 layer.self_attn.fuse()
-            if all(type(m) is nn.Linear for m in (layer.mlp.gate_proj, layer.mlp.up_proj)):
+            if not layer.sparse and all(type(m) is nn.Linear for m in (layer.mlp.gate_proj, layer.mlp.up_proj)):
                 layer.mlp.fuse()
 
     def gradient_checkpointing_enable(self, checkpointed_layers: int | None = None, activation_probe=None,
@@ -332,7 +341,7 @@ class CausalLM(nn.Module):
                 attention_mask: torch.Tensor | None = None, *, kv_cache: KVCache | None = None,
                 cache_rows: torch.Tensor | None = None, return_hidden: bool = False,
                 cache_len: int | None = None, attention_rows: torch.Tensor | None = None,
-                attention_slots: torch.Tensor | None = None) -> torch.Tensor:
+                attention_slots: torch.Tensor | None = None, routing: Routing | None = None) -> torch.Tensor:
         """Logits [B, T, V], or final normed hidden states [B, T, H] with `return_hidden`.
 
         Without `kv_cache`: causal attention by token index, `attention_mask` [B, T] (1 = real,
@@ -346,6 +355,8 @@ class CausalLM(nn.Module):
         of N tokens): attention runs over the rows of flat token indices `attention_rows`, each
         token's output read back from slot `attention_slots` of them (shared_prefix.py, the
         shared-prompt layout of cohort/update/packing.py); `position_ids` then give each token's position.
+        `routing` (mixture-of-experts models): expert ids to replay, [*input_ids.shape, MoE layers, k],
+        and what the MoE layers report (`moe.Routing`).
         """
         batch, length = input_ids.shape
         if position_ids is None:
@@ -385,10 +396,15 @@ class CausalLM(nn.Module):
             masks = {w: kernels.cache_attention_bias(position_ids, cache_len, w, hidden.dtype) for w in windows}
         else:
             masks = {w: _cache_mask(position_ids, cache_len, w) for w in windows}
+        if self._config.num_experts:
+            cache_args["routing"] = routing
         if kernels.fused_path() and not exact:
             hidden = self._fused_layers(hidden, cos, sin, masks, cache_args)
         else:
-            compiled = self.training_layer_call if kv_cache is None and not exact else None
+            # MoE layers run eagerly: their routing is an argument the compiled call does not take
+            compiled = (self.training_layer_call if kv_cache is None and not exact and not self._config.num_experts
+                        else None)
+            layer_args = {"routing": routing} if self._config.num_experts and kv_cache is None else {}
             recomputed = 0  # layers [0, recomputed) are checkpointed
             if self.gradient_checkpointing and self.training and kv_cache is None:
                 recomputed = len(self.model.layers) if self.checkpointed_layers is None else self.checkpointed_layers
@@ -396,10 +412,12 @@ class CausalLM(nn.Module):
             for i, layer in enumerate(self.model.layers):
                 mask = masks[self._config.layer_sliding_window(i)]
                 if i < recomputed:
-                    hidden = checkpoint(compiled or run_layer, layer, hidden, cos, sin, mask, use_reentrant=False)
+                    hidden = checkpoint(compiled or run_layer, layer, hidden, cos, sin, mask, use_reentrant=False,
+                                        **layer_args)
                 elif probe is not None and i == recomputed:  # the first kept layer: what it keeps, measured
                     run = compiled or run_layer
-                    hidden = probe.around(lambda: run(layer, hidden, cos, sin, mask), hidden.shape[0] * hidden.shape[1])
+                    hidden = probe.around(lambda: run(layer, hidden, cos, sin, mask, **layer_args),
+                                          hidden.shape[0] * hidden.shape[1])
                 elif compiled is not None:
                     hidden = compiled(layer, hidden, cos, sin, mask)
                 else:
@@ -436,5 +454,6 @@ def save_pretrained(model: CausalLM, out_dir, state: dict | None = None) -> Path
     state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    state = split_expert_weights(state)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -57,6 +57,9 @@ def check_tensor_parallel_size(config: ModelConfig, size: int, group_size: int |
     group must have exactly T ranks. (The vocabulary is padded, so any T splits it.)"""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise CohortError(f"{SIZE_OPTION} {size!r} is not a positive whole number; choose 1 or more")
+    if size > 1 and config.num_experts:
+        raise CohortError(f"{SIZE_OPTION} {size}: the tensor-parallel split of a mixture-of-experts model "
+                          f"({config.model_type}) is not implemented; use {SIZE_OPTION} 1")
     for count, what in ((config.num_attention_heads, "attention heads"), (config.num_key_value_heads, "KV heads"),
                         (config.intermediate_size, "MLP columns (intermediate_size)")):
         if count % size:

@@ -40,13 +40,13 @@ def batch_state(batch: Batch) -> dict:
     return {"rows": batch.rows, "prompt_ids": batch.prompt_ids, "completions": batch.completions,
             "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
             "logprobs": rollout.logprobs, "finish_reasons": rollout.finish_reasons, "tool_mask": rollout.tool_mask,
-            "rollout_metrics": batch.rollout_metrics}
+            "routed_experts": rollout.routed_experts, "rollout_metrics": batch.rollout_metrics}
 
 
 def batch_from_state(item: dict) -> Batch:
     """Inverse of `batch_state` (the rollout's tensors stay on the CPU, where the engine makes them)."""
     rollout = Rollout(item["completion_ids"], item["completion_mask"], item["logprobs"], item["finish_reasons"],
-                      item["tool_mask"])
+                      item["tool_mask"], item.get("routed_experts"))
     return Batch(rows=item["rows"], prompt_ids=item["prompt_ids"], rollout=rollout, completions=item["completions"],
                  rollout_metrics=item["rollout_metrics"])
 

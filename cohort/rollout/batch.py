@@ -63,7 +63,7 @@ def select_groups(batch, groups: list[int], group_size: int):
         batch, rows=pick(batch.rows), prompt_ids=pick(batch.prompt_ids), completions=pick(batch.completions),
         rewards=pick(batch.rewards), per_function=pick(batch.per_function), advantages=pick(batch.advantages),
         rollout=Rollout(pick(rollout.completion_ids), pick(rollout.completion_mask), pick(rollout.logprobs),
-                        pick(rollout.finish_reasons), pick(rollout.tool_mask)),
+                        pick(rollout.finish_reasons), pick(rollout.tool_mask), pick(rollout.routed_experts)),
         environments=pick(batch.environments),
     )
 
@@ -81,4 +81,4 @@ def without_extra_padding(batch: Batch) -> Batch:
 
     return dataclasses.replace(batch, rollout=Rollout(cut(rollout.completion_ids), cut(rollout.completion_mask),
                                                       cut(rollout.logprobs), rollout.finish_reasons,
-                                                      cut(rollout.tool_mask)))
+                                                      cut(rollout.tool_mask), rollout.routed_experts))

@@ -392,7 +392,7 @@ class Engine:
         slots = to_device([seq.slot for seq in sequences], self.device)
         columns = max(self._progress.upper(seq) for seq in sequences)
         self._retired.append(Retirement.enqueue(self.state, slots, sequences, cuts or [None] * len(sequences), columns,
-                                                paused=paused))
+                                                paused=paused, routes=self.cache.routes))
         self.state.clear(slots)  # after the copies in stream order: a freed row is rewritten only once read
         for seq in sequences:
             scheduler.retire(seq)

@@ -117,13 +117,18 @@ class Retirement:
     counts: torch.Tensor  # [rows] long
     ready: torch.cuda.Event | None
     paused: bool = False  # rows stopped before they finished (`Engine.generate_until`)
+    routes: torch.Tensor | None = None  # [rows, positions, MoE layers, k] int16: a MoE model's experts per token
 
     @classmethod
     def enqueue(cls, state: SlotState, slots: torch.Tensor, sequences: list[Sequence], cuts: list[int | None],
-                columns: int, paused: bool = False) -> Retirement:
-        """Copy the first `columns` tokens and log-probs of rows `slots`, and their counts."""
+                columns: int, paused: bool = False, routes: torch.Tensor | None = None) -> Retirement:
+        """Copy the first `columns` tokens and log-probs of rows `slots`, and their counts; with `routes`
+        (the KV cache's), the experts chosen at every position of their prompts and those columns."""
+        if routes is not None:
+            positions = min(max(len(seq.prompt) for seq in sequences) + columns, routes.shape[1])
+            routes = to_host(routes[slots, :positions])
         return cls(sequences, cuts, to_host(state.tokens[slots, :columns]), to_host(state.logprobs[slots, :columns]),
-                   to_host(state.generated[slots]), record_event(slots.device), paused)
+                   to_host(state.generated[slots]), record_event(slots.device), paused, routes)
 
     def landed(self) -> bool:
         """Whether the copies are done (never waits)."""
@@ -141,6 +146,8 @@ class Retirement:
             kept = count if cut is None else cut  # a cut row's later columns were decoded in vain
             seq.tokens = self.tokens[row, :kept].clone()
             seq.logprobs = self.logprobs[row, :kept].clone()
+            if self.routes is not None:
+                seq.routes = self.routes[row, : len(seq.prompt) + kept].clone()
             stopped = cut is not None or (kept > 0 and int(seq.tokens[-1]) in eos)
             if self.paused and not stopped and kept < seq.limit:
                 seq.finish_reason = None  # paused before it finished: it goes on in a later call

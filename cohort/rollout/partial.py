@@ -187,12 +187,13 @@ class PartialRollouts:
             group.calls += 1
 
 
-def partial_rollout_settings(args, *, engine: bool, tools: bool) -> dict:
+def partial_rollout_settings(args, *, engine: bool, tools: bool, routing_replay: bool = False) -> dict:
     """`partial_rollouts` and `max_staleness` as the run uses them: `auto` and an unset `max_staleness` settled,
     the same on every rank (each holds the same model and tools). Partial rollouts, measured 1.8× the
     synchronous loop against 1.47× without on 4 GPUs (docs/performance.md), are on wherever they can run;
     asked for where they cannot, they are refused here, on every rank alike. `engine`: the policy samples with
-    cohort's engine, which can pause a call; `tools`: completions may call tools."""
+    cohort's engine, which can pause a call; `tools`: completions may call tools; `routing_replay`: a
+    mixture-of-experts policy is trained on its sampler's routes."""
     if not engine:
         cannot = ("partial_rollouts needs cohort's engine, which can pause a call; this model samples with Hugging "
                   "Face generate: load a Llama, Mistral, Qwen2 or Qwen3 model with model_impl='cohort', or leave "
@@ -200,6 +201,9 @@ def partial_rollout_settings(args, *, engine: bool, tools: bool) -> dict:
     elif tools:
         cannot = ("partial_rollouts with tools is not supported (a paused turn's tool call would have to wait "
                   "across calls); leave one of them out")
+    elif routing_replay:
+        cannot = ("partial_rollouts with routing_replay is not supported (a carried group's expert routes are not "
+                  "kept across calls); pass --routing_replay false or leave partial_rollouts off")
     else:
         cannot = None
     partial = args.partial_rollouts

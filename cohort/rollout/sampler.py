@@ -44,6 +44,9 @@ class Rollout:
     # Multi-turn rollouts (cohort/rollout/turns.py): [B, T] long, 1 on tokens the model sampled, 0 on
     # tokens appended between its turns (tool results); None when nothing was appended.
     tool_mask: torch.Tensor | None = None
+    # A mixture-of-experts model's expert ids per row and position of [prompt | completion], as the
+    # sampler routed them: [B, S, MoE layers, k] int16 (zeros past a row's end), or None (routing replay).
+    routed_experts: torch.Tensor | None = None
 
     @property
     def loss_mask(self) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cohort.errors import CohortError
+from cohort.models.moe import stack_routes
 from cohort.rollout.sampler import Rollout
 from cohort.rollout.turns import TURN_NOISE_STRIDE
 
@@ -28,6 +29,7 @@ class Sequence:
     stop_checked_upto: int = 0  # generated tokens already scanned for stop strings
     tokens: torch.Tensor | None = None  # final generated tokens (CPU long), set when finished
     logprobs: torch.Tensor | None = None  # their sampling log-probs (CPU float32)
+    routes: torch.Tensor | None = None  # a MoE model's experts per position of [prompt | tokens], int16
     sampled: torch.Tensor | None = None  # multi-turn: 1 where the model sampled the token, 0 where appended
     finish_reason: str | None = None
     # Multi-turn (see turns.py): the completion before the current turn (earlier turns and appended,
@@ -167,4 +169,5 @@ def assemble_rollout(sequences: list[Sequence], pad_token_id: int, multi_turn: b
         if tool_mask is not None:
             tool_mask[row, :count] = seq.sampled if seq.sampled is not None else 1
     return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs,
-                   finish_reasons=[seq.finish_reason for seq in sequences], tool_mask=tool_mask)
+                   finish_reasons=[seq.finish_reason for seq in sequences], tool_mask=tool_mask,
+                   routed_experts=stack_routes([seq.routes for seq in sequences]))

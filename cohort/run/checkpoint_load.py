@@ -97,6 +97,9 @@ def _check_same_model(model, saved_shapes: dict, folder: Path) -> None:
 
 
 def _load_weights(model, state: dict, folder: Path) -> None:
+    from ..models.moe import fuse_expert_weights
+
+    state = fuse_expert_weights(state)  # a MoE model's folder holds a matrix per expert; the model stacks them
     missing, unexpected = model.load_state_dict(state, strict=False)
     # A tied lm_head is stored once (as the embedding it shares storage with); loading that fills it.
     current = model.state_dict()

@@ -234,6 +234,8 @@ def update_flops(model, prompt_tokens: int, completion_tokens: int,
     - the input embedding is a lookup, no FLOPs (a tied one is counted once, as the head);
     - every other weight sees all `prompt_tokens + completion_tokens` the layers compute;
     - a frozen weight (LoRA's base model) takes no weight gradient: 4 FLOPs per token, not 6;
+    - a mixture of experts' expert weights see only their routed share of the tokens, k / E
+      (`active_share`; the router sees them all);
     - attention's score and value products, as PaLM's MFU counts them (Chowdhery et al. 2022,
       appendix B), but only the causal half that is computed: 2 products × 2 FLOPs × heads ×
       head dim per (query, key) pair forward, twice that backward, over `attention_pairs[window]`
@@ -254,8 +256,9 @@ def update_flops(model, prompt_tokens: int, completion_tokens: int,
         getattr(getattr(inner, "model", None), "embed_tokens", None)
     embed_weight = getattr(embed, "weight", None)
     tokens = prompt_tokens + completion_tokens
+    shares = {id(p): m.active_share for m in inner.modules() if hasattr(m, "active_share") for p in m.parameters()}
     for param in model.parameters():  # a shared (tied) tensor is yielded once
-        per_token = 6 if param.requires_grad else 4
+        per_token = (6 if param.requires_grad else 4) * shares.get(id(param), 1.0)
         if param is head_weight:
             flops += per_token * param.numel() * completion_tokens
         elif param is not embed_weight:

@@ -224,10 +224,11 @@ def supports_hidden(model) -> bool:
 def forward_hidden(model, micro: MicroBatch) -> Tensor:
     """Final normed hidden states [r, L, H] of `micro`'s forward rows: our CausalLM in either layout, or
     any model whose forward takes `return_hidden` in the one-row-per-completion layout."""
+    routing = {} if micro.routing is None else {"routing": micro.routing}  # a MoE model's replay (models/moe.py)
     if micro.attention_rows is None:
-        return model(micro.input_ids, return_hidden=True)
+        return model(micro.input_ids, return_hidden=True, **routing)
     return model(micro.input_ids, position_ids=micro.position_ids, attention_rows=micro.attention_rows,
-                 attention_slots=micro.attention_slots, return_hidden=True)
+                 attention_slots=micro.attention_slots, return_hidden=True, **routing)
 
 
 def completion_hidden(model, micro: MicroBatch) -> tuple[Tensor, Tensor, Tensor]:
@@ -273,16 +274,18 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
 
 def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, *,
                      pad_id: int, max_rows: int, max_tokens: int = 0, temperature: float = 1.0,
-                     share_prompts: bool = False) -> Tensor:
+                     share_prompts: bool = False, routes: Tensor | None = None, replay: bool = True) -> Tensor:
     """[B, T] float32 log-probs of a whole rollout's completions, no gradient (log π_old, log π_ref):
     length-bucketed micro-batches under inference mode, scattered back to rollout order on the
-    model's device and copied to the CPU once, at the end (one host sync per pass)."""
+    model's device and copied to the CPU once, at the end (one host sync per pass). `routes`: a
+    mixture-of-experts rollout's recorded experts, routed by with `replay` (packing.pack)."""
     device = next(model.parameters()).device
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
     # FSDP2 gathers into buffers it reuses in training: made under inference mode they could not be written again.
     with torch.no_grad() if is_fully_sharded(model) else torch.inference_mode():
         for rows in plan_rollout(prompt_ids, completion_mask, max_rows, max_tokens, share_prompts):
-            micro = pack(prompt_ids, completion_ids, completion_mask, rows, pad_id, share_prompts).to(device)
+            micro = pack(prompt_ids, completion_ids, completion_mask, rows, pad_id, share_prompts,
+                         routes=routes, replay=replay).to(device)
             logp = micro_batch_logprobs(model, micro, temperature=temperature).logp
             full[micro.row_index, : logp.shape[1]] = logp
     return full.cpu()

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..models.moe import Routing
+
 
 @dataclass
 class MicroBatch:
@@ -47,6 +49,9 @@ class MicroBatch:
     position_ids: Tensor | None = None  # [1, N] long: each token's position (else 0..L-1)
     attention_rows: Tensor | None = None  # [b, L] long: flat indices of each completion's [prompt | completion]
     attention_slots: Tensor | None = None  # [N] long: the slot of attention_rows.view(-1) each token reads
+    # a mixture-of-experts rollout's recorded experts, laid out as input_ids ([r, L, MoE layers, k] in
+    # `routing.recorded`), and what the forward reports about its routing
+    routing: Routing | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +65,7 @@ class MicroBatch:
         return MicroBatch(self.rows, *(None if t is None else to_device(t, device) for t in (
             self.input_ids, self.completion_ids, self.completion_mask, self.row_index, self.token_rows,
             self.token_cols, self.source_rows, self.source_cols, self.position_ids, self.attention_rows,
-            self.attention_slots)))
+            self.attention_slots)), None if self.routing is None else self.routing.to(device))
 
 
 def to_device(tensor: Tensor, device: torch.device) -> Tensor:
@@ -238,7 +243,29 @@ def pack_shared_prompts(prompt_ids: list[list[int]], completion_ids: Tensor, com
 
 
 def pack(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, rows: list[int],
-         pad_id: int, share_prompts: bool = False) -> MicroBatch:
-    """`pack_shared_prompts` or `pack_micro_batch`."""
+         pad_id: int, share_prompts: bool = False, routes: Tensor | None = None, replay: bool = True,
+         keep_router: bool = False) -> MicroBatch:
+    """`pack_shared_prompts` or `pack_micro_batch`; with `routes` (`Rollout.routed_experts`, [B, S, layers, k]
+    by row and position) the micro-batch's `routing` holds them in the same layout as its input_ids, to
+    route by (`replay`) or compare with."""
     packer = pack_shared_prompts if share_prompts else pack_micro_batch
-    return packer(prompt_ids, completion_ids, completion_mask, rows, pad_id)
+    micro = packer(prompt_ids, completion_ids, completion_mask, rows, pad_id)
+    if routes is not None or keep_router:
+        micro.routing = Routing(None if routes is None else routes_like_inputs(micro, routes), replay, keep_router)
+    return micro
+
+
+def routes_like_inputs(micro: MicroBatch, routes: Tensor) -> Tensor:
+    """The recorded experts of each of `micro`'s input tokens, [r, L, layers, k]: by (row, column) in the
+    one-row-per-completion layout (column = position), by (row, position) of each flat token's slot in
+    the shared layout (slot = position + completion index × row width)."""
+    rows = micro.row_index
+    if micro.attention_rows is None:
+        length = micro.input_ids.shape[1]
+        if routes.shape[1] < length:
+            routes = torch.nn.functional.pad(routes, (0, 0, 0, 0, 0, length - routes.shape[1]))
+        return routes[rows, :length]
+    width = micro.attention_rows.shape[1]
+    slots = micro.attention_slots
+    positions = (slots % width).clamp(max=routes.shape[1] - 1)
+    return routes[rows[slots // width], positions][None]

@@ -28,6 +28,7 @@ from ..rollout.batch import Batch
 from .fused_head import micro_batch_policy_loss
 from .logprobs import rollout_logprobs
 from .packing import MicroBatch, pack, plan_rollout, to_device
+from .routing import expert_load, num_experts, replay_mismatch, router_aux_loss
 
 
 @dataclass
@@ -48,6 +49,7 @@ class PolicyUpdate:
         self.memory, self.parallel, self.device, self.pad_id = memory, parallel, device, pad_id
         self.share_prompts, self.log = share_prompts, log
         self.counters = UpdateCounters()
+        self.num_experts = num_experts(train_model)  # 0: a dense model, no routing to replay or report
 
     def __call__(self, batch: Batch, step: int) -> dict:
         """One optimizer step over `batch` (μ of these per rollout); returns the update's statistics."""
@@ -97,11 +99,18 @@ class PolicyUpdate:
                     sampling_logp=None if sampling_all is None else sampling_all[index, :width],
                     temperature=args.temperature or 1.0, fused=args.fused_head_loss,
                 )  # None for π_old: at μ = 1 it is π_θ itself
-                out.loss.backward()  # normalised for the whole step already (objectives.aggregate_loss)
+                stats, objective = dict(out.stats), out.loss
+                if micro.routing is not None:
+                    if (mismatch := replay_mismatch(micro)) is not None:
+                        stats["routing/replay_mismatch"] = mismatch
+                    if args.router_aux_loss_coef:  # this micro-batch's share of the step's mean, DDP's average undone
+                        aux = router_aux_loss(micro, self.num_experts)
+                        stats["routing/aux_loss"] = aux.detach()
+                        objective = objective + args.router_aux_loss_coef * aux * len(rows) / total_rows * world
+                objective.backward()  # normalised for the whole step already (objectives.aggregate_loss)
             # Averaged over ranks (the step report's mean), these sums are the step's loss.
             loss, nonfinite = loss + out.loss.detach(), nonfinite + out.nonfinite
             share = len(rows) / local_rows
-            stats = dict(out.stats)
             stats["entropy"] = (out.entropy * mask).sum() / mask.sum().clamp(min=1)
             for k, v in stats.items():  # the step's mean over micro-batches; extremes for /max and /min
                 if k in sums and k.endswith(("/max", "/min")):
@@ -126,6 +135,10 @@ class PolicyUpdate:
         # would otherwise sit through the next rollout and log-prob pass.
         self.optimizer.zero_grad(set_to_none=True)
         record["micro_batches"] = len(plans)
+        if self.num_experts:
+            load = expert_load(batch.rollout, [len(p) for p in batch.prompt_ids], self.num_experts)
+            if load is not None:
+                record["routing/expert_load_max_over_mean"] = load
         return record
 
     def is_finite(self, record: dict, step: int) -> bool:
@@ -170,7 +183,15 @@ class PolicyUpdate:
         """Rows `rows` packed for one forward (each prompt once, or one padded row per completion), on the
         training device."""
         return pack(batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask, rows, self.pad_id,
-                    self.share_prompts).to(self.device)
+                    self.share_prompts, **self.routing_options(batch, train=True)).to(self.device)
+
+    def routing_options(self, batch: Batch, train: bool) -> dict:
+        """`pack`'s routing options for a mixture-of-experts model: the sampler's routes (to replay, or only to
+        measure the mismatch with), and the router's outputs for the load-balancing loss in the update."""
+        if not self.num_experts:
+            return {}
+        options = {"routes": batch.rollout.routed_experts, "replay": self.args.routing_replay}
+        return {**options, "keep_router": self.args.router_aux_loss_coef > 0} if train else options
 
     def logprobs(self, model, batch: Batch) -> torch.Tensor:
         """[B, T] log-probs of the rollout under `model`, in inference mode (log π_old, log π_ref), with
@@ -181,7 +202,7 @@ class PolicyUpdate:
             return rollout_logprobs(model, batch.prompt_ids, batch.rollout.completion_ids,
                                     batch.rollout.completion_mask, pad_id=self.pad_id, max_rows=rows,
                                     max_tokens=tokens, temperature=self.args.temperature or 1.0,
-                                    share_prompts=self.share_prompts)
+                                    share_prompts=self.share_prompts, **self.routing_options(batch, train=False))
         return self.memory.run(attempt)
 
 

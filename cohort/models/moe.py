@@ -1,0 +1,198 @@
+"""The sparse mixture-of-experts block of Qwen3-MoE, its routing record, and its checkpoint names.
+
+A token's router logits over E experts go through a softmax; the top k experts process it and their
+outputs are summed weighted by their probabilities (renormalised over the k when `norm_topk_prob`),
+as in the sparsely-gated MoE layer (Shazeer et al. 2017) and Switch/GShard-style top-k routing. The
+experts run as grouped GEMMs (`cohort/kernels/grouped_mm.py`): the token copies sorted by expert, one
+grouped product for gate/up and one for down, whatever the routing; nothing here syncs with the host,
+so a decode step stays CUDA-graph capturable.
+
+Routing replay ("R3", as in verl, slime and Megatron-LM): the engine records each token's top-k
+expert ids per MoE layer in the KV cache (`KVCache.routes`, by row and position); the trainer's
+forwards then route by those ids (`Routing.replay`) while the gate values still come from the
+router's softmax, so the router keeps its gradient. Without it, the trainer's own top-k may pick
+other experts than the sampler did wherever two router logits nearly tie, and π_θ stops being the
+policy that sampled.
+
+Parameters (`mlp.gate.weight` [E, H], `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+[E, H, I]) are named as transformers 5 holds them; checkpoints store one matrix per expert
+(`mlp.experts.{e}.gate_proj.weight`, ...), which `fuse_expert_weights` / `split_expert_weights` convert.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cohort.kernels.grouped_mm import grouped_linear
+
+ROUTE_DTYPE = torch.int16  # expert ids as recorded; 32767 experts is more than any model has
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass
+class Routing:
+    """What one forward's MoE layers read and report. `recorded` [B, T, MoE layers, k]: the expert ids the
+    sampler chose for each input token; with `replay` the layers route by them, else by the router's own
+    top-k. Filled by the forward: `free_differs` [B, T] (given `recorded`: whether the router's own top-k
+    differs from the recorded ids in any layer), and, when `keep_router` is set, per MoE layer the router's
+    softmax `router_probs` [B·T, E] and the ids routed by `expert_ids` [B·T, k]."""
+
+    recorded: torch.Tensor | None = None
+    replay: bool = True
+    keep_router: bool = False
+    free_differs: torch.Tensor | None = None
+    router_probs: list[torch.Tensor] = field(default_factory=list)
+    expert_ids: list[torch.Tensor] = field(default_factory=list)
+
+    def to(self, device) -> "Routing":
+        """A fresh record (nothing reported yet) with `recorded` on `device`."""
+        recorded = None if self.recorded is None else self.recorded.to(device, non_blocking=True)
+        return Routing(recorded, self.replay, self.keep_router)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked matrices: gate and up side by side [E, 2I, H], down [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, inner: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x [n, H] sorted by expert, `offsets` [E] their cumulative ends -> [n, H]."""
+        gate, up = grouped_linear(x, self.gate_up_proj, offsets).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.down_proj, offsets)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router → softmax → top-k → (renormalise) → grouped-GEMM experts → weighted sum (Qwen3-MoE)."""
+
+    def __init__(self, config, moe_index: int):
+        super().__init__()
+        self.moe_index = moe_index  # this block's place among the MoE layers (the routes' layer axis)
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts.active_share = self.top_k / config.num_experts  # of the tokens, each expert weight sees
+
+    def forward(self, x: torch.Tensor, routing: Routing | None = None, kv_cache=None, cache_rows=None,
+                position_ids=None, write_mask=None, **_unused) -> torch.Tensor:
+        batch, length, hidden = x.shape
+        flat = x.reshape(-1, hidden)
+        probs = torch.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        free_weights, free_ids = torch.topk(probs, self.top_k, dim=-1)
+        ids, weights = free_ids, free_weights
+        if routing is not None and routing.recorded is not None:
+            recorded = routing.recorded[..., self.moe_index, :].reshape(-1, self.top_k).long()
+            differs = (free_ids.sort(-1).values != recorded.sort(-1).values).any(-1).reshape(batch, length)
+            routing.free_differs = differs if routing.free_differs is None else routing.free_differs | differs
+            if routing.replay:  # the sampler's experts, weighted by this router's probabilities (its gradient)
+                ids, weights = recorded, probs.gather(1, recorded)
+        if routing is not None and routing.keep_router:
+            routing.router_probs.append(probs)
+            routing.expert_ids.append(ids)
+        if kv_cache is not None and kv_cache.routes is not None:
+            kv_cache.write_routes(self.moe_index, cache_rows, position_ids, ids.reshape(batch, length, -1), write_mask)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = self.expert_outputs(flat, ids, weights.to(x.dtype))
+        return out.reshape(batch, length, hidden)
+
+    def expert_outputs(self, flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_j weights[t, j] · expert_{ids[t, j]}(flat[t]) for each token t: its k copies sorted by expert
+        (stable, so equal experts keep token order), the experts' grouped products, the copies put back
+        in (token, j) order and summed over j (a fixed order: no atomics)."""
+        num_experts = self.gate.out_features
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        # cumulative ends of each expert's copies, found on the device (no bincount: it syncs for its size)
+        offsets = torch.searchsorted(flat_ids[order], torch.arange(num_experts, device=ids.device, dtype=flat_ids.dtype),
+                                     right=True).to(torch.int32)
+        outputs = self.experts(flat[order // self.top_k], offsets)
+        unsorted = torch.empty_like(outputs).index_copy_(0, order, outputs)
+        return (unsorted.reshape(-1, self.top_k, flat.shape[-1]) * weights[..., None]).sum(1)
+
+
+def load_balancing_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4): E · Σ_e f_e · P_e, f_e the share of
+    the token copies sent to expert e (no gradient) and P_e its mean router probability."""
+    share = torch.zeros(num_experts, device=probs.device).index_add_(
+        0, ids.reshape(-1), torch.ones(ids.numel(), device=probs.device)) / max(ids.numel(), 1)
+    return num_experts * (share * probs.float().mean(0)).sum()
+
+
+def expert_load_max_over_mean(routes: torch.Tensor, mask: torch.Tensor, num_experts: int) -> float:
+    """Routed token copies of the busiest expert over the mean per expert, averaged over MoE layers, for
+    `routes` [B, T, layers, k] restricted to `mask` [B, T] (1 = counted). 1.0 is perfectly balanced."""
+    chosen = routes[mask.bool()].long()  # [n, layers, k]
+    if chosen.numel() == 0:
+        return 0.0
+    layers = chosen.shape[1]
+    counts = torch.zeros(layers, num_experts).scatter_add_(
+        1, chosen.permute(1, 0, 2).reshape(layers, -1), torch.ones(layers, chosen.shape[0] * chosen.shape[2]))
+    return float((counts.max(1).values / counts.mean(1)).mean())
+
+
+def stack_routes(routes: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Per-row routes [S_i, layers, k] right-padded with zeros into [B, max S_i, layers, k]; None unless
+    every row has them."""
+    if not routes or any(r is None for r in routes):
+        return None
+    out = routes[0].new_zeros((len(routes), max(1, max(r.shape[0] for r in routes)), *routes[0].shape[1:]))
+    for row, r in enumerate(routes):
+        out[row, : r.shape[0]] = r
+    return out
+
+
+def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names → ours: per-expert `experts.{e}.gate_proj/up_proj/down_proj.weight` stacked into
+    `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]. Already-stacked names pass as
+    they are; an expert missing from the sequence 0..E-1 leaves its block unconverted (the loader's
+    missing/unexpected check then names it)."""
+    per_block: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for name, tensor in state.items():
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+        per_block.setdefault(prefix, {}).setdefault(kind, {})[expert] = tensor
+    for prefix, kinds in per_block.items():
+        counts = {kind: len(experts) for kind, experts in kinds.items()}
+        complete = (set(kinds) == {"gate_proj", "up_proj", "down_proj"} and len(set(counts.values())) == 1
+                    and all(set(experts) == set(range(len(experts))) for experts in kinds.values()))
+        if not complete:
+            out.update({f"{prefix}.{e}.{kind}.weight": t for kind, experts in kinds.items() for e, t in experts.items()})
+            continue
+        experts = range(counts["down_proj"])
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]) for e in experts])
+        out[f"{prefix}.down_proj"] = torch.stack([kinds["down_proj"][e] for e in experts])
+    return out
+
+
+def split_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Ours → checkpoint names (what transformers writes and hub checkpoints hold): one matrix per expert."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate[e]
+                out[f"{prefix}.{e}.up_proj.weight"] = up[e]
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+        else:
+            out[name] = tensor
+    return out

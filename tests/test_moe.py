@@ -1,0 +1,184 @@
+"""cohort's Qwen3-MoE against transformers' on tiny random configs; loading, saving, refusals, the cache."""
+
+import json
+
+import pytest
+import torch
+from reference_models import save_perturbed_references
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from cohort.errors import CohortError
+from cohort.models import KVCache, from_pretrained
+from cohort.models.moe import Routing, fuse_expert_weights, split_expert_weights
+
+torch.set_num_threads(1)
+TINY_MOE = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=96, max_position_embeddings=128,
+                num_experts=6, num_experts_per_tok=2)
+FAMILIES = {
+    "qwen3_moe_norm_topk": lambda: Qwen3MoeConfig(**TINY_MOE, norm_topk_prob=True),
+    "qwen3_moe_dense_layer_tied": lambda: Qwen3MoeConfig(**TINY_MOE, mlp_only_layers=[1], tie_word_embeddings=True),
+    "qwen3_moe_sparse_step_2_top3": lambda: Qwen3MoeConfig(**{**TINY_MOE, "num_experts_per_tok": 3},
+                                                           decoder_sparse_step=2, norm_topk_prob=True),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return save_perturbed_references(FAMILIES, tmp_path_factory)
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, TINY_MOE["vocab_size"], (2, 10), generator=generator)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(checkpoints, family):
+    reference, folder = checkpoints[family]
+    ours = from_pretrained(folder)
+    ids, mask, positions = _batch()
+    with torch.no_grad():
+        assert (ours(ids) - reference(ids).logits).abs().max() <= 1e-5
+        expected = reference(ids, attention_mask=mask, position_ids=positions).logits
+        assert (ours(ids, positions, mask) - expected)[mask.bool()].abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_folder_loads_in_transformers_with_per_expert_names(checkpoints, family, tmp_path):
+    reference, folder = checkpoints[family]
+    ours = from_pretrained(folder)
+    ours.save_pretrained(tmp_path)
+    index = json.loads((tmp_path / "config.json").read_text())
+    assert index["architectures"] == ["Qwen3MoeForCausalLM"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids, _, _ = _batch()
+    with torch.no_grad():
+        assert (reloaded(ids).logits - reference(ids).logits).abs().max() <= 1e-6
+
+
+def test_stacked_expert_names_load_too(checkpoints, tmp_path):
+    """A checkpoint holding transformers 5's in-memory layout (`experts.gate_up_proj`) loads as one with a
+    matrix per expert does."""
+    reference, folder = checkpoints["qwen3_moe_norm_topk"]
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    state = {k: v.contiguous() for k, v in from_pretrained(folder).state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    ids, _, _ = _batch()
+    with torch.no_grad():
+        assert (from_pretrained(tmp_path)(ids) - reference(ids).logits).abs().max() <= 1e-5
+
+
+def test_expert_names_round_trip():
+    state = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(3, 8, 4),
+             "model.layers.0.mlp.experts.down_proj": torch.randn(3, 4, 4), "lm_head.weight": torch.randn(2, 4)}
+    split = split_expert_weights(state)
+    assert "model.layers.0.mlp.experts.2.up_proj.weight" in split and len(split) == 10
+    assert torch.equal(split["model.layers.0.mlp.experts.1.gate_proj.weight"], state[
+        "model.layers.0.mlp.experts.gate_up_proj"][1, :4])
+    fused = fuse_expert_weights(split)
+    assert fused.keys() == state.keys() and all(torch.equal(fused[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("key,value", [("shared_expert_intermediate_size", 64), ("n_group", 2)])
+def test_other_families_moe_settings_are_refused_by_name(checkpoints, tmp_path, key, value):
+    _, folder = checkpoints["qwen3_moe_norm_topk"]
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with pytest.raises(CohortError, match=key):
+        from_pretrained(tmp_path)
+
+
+def test_cached_prefill_and_decode_match_full_forward_and_record_routes(checkpoints):
+    ours = from_pretrained(checkpoints["qwen3_moe_dense_layer_tied"][1])
+    ids, _, _ = _batch()
+    cache = KVCache.for_model(ours, num_rows=2, max_len=16)
+    assert cache.routes.shape == (2, 16, 2, 2)  # layer 1 is dense: two MoE layers, top-2
+    with torch.no_grad():
+        full = ours(ids)
+        prefill = ours(ids[:, :6], kv_cache=cache)
+        steps = [ours(ids[:, t: t + 1], torch.full((2, 1), t), kv_cache=cache) for t in range(6, 10)]
+    assert (torch.cat([prefill, *steps], 1) - full).abs().max() <= 1e-5
+    record = Routing(keep_router=True)
+    with torch.no_grad():
+        ours(ids, routing=record)
+    for moe_layer, ids_of_layer in enumerate(record.expert_ids):
+        recorded = cache.routes[:, :10, moe_layer].long().reshape(-1, 2)
+        assert torch.equal(recorded.sort(-1).values, ids_of_layer.sort(-1).values)
+
+
+def _our_moe(**config):
+    from cohort.models import CausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    return CausalLM(ModelConfig(**{**dict(model_type="qwen3_moe", vocab_size=40, hidden_size=16, intermediate_size=24,
+                                          num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                                          head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                          mlp_only_layers=[2]), **config}))
+
+
+def test_config_counts_and_flops_of_a_moe():
+    from cohort.memory.sampling_plan import parameter_count
+    from cohort.telemetry.metrics import update_flops
+
+    model = _our_moe()
+    qk_norms = sum(p.numel() for name, p in model.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight")))
+    assert parameter_count(model.config) == sum(p.numel() for p in model.parameters()) - qk_norms  # it leaves those out
+    experts = sum(p.numel() for layer in model.model.layers[:2] for p in layer.mlp.experts.parameters())
+    head, embed = model.lm_head.weight.numel(), model.model.embed_tokens.weight.numel()
+    others = sum(p.numel() for p in model.parameters()) - experts - head - embed
+    # every weight 6 FLOPs per token; an expert's only on its k/E share of the tokens; the head on completions
+    assert update_flops(model, 3, 5) == pytest.approx(6 * 8 * (others + experts * 2 / 4) + 6 * 5 * head)
+
+
+def test_load_balancing_loss_matches_switch_formula():
+    from cohort.models.moe import load_balancing_loss
+
+    probs = torch.softmax(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), -1)
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0], [1, 2], [0, 3]])
+    share = [sum(int(e == i) for row in ids.tolist() for i in row) / 12 for e in range(4)]
+    expected = 4 * sum(share[e] * float(probs[:, e].mean()) for e in range(4))
+    assert float(load_balancing_loss(probs, ids, 4)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_moe_refusals_name_the_option():
+    from cohort import GRPOConfig
+    from cohort.models.tensor_parallel import check_tensor_parallel_size
+    from cohort.rollout.partial import partial_rollout_settings
+
+    with pytest.raises(CohortError, match=r"rollout_tensor_parallel_size[= ]2.*mixture-of-experts"):
+        check_tensor_parallel_size(_our_moe().config, 2)
+    with pytest.raises(CohortError, match=r"router_aux_loss_coef[= ]-1"):
+        GRPOConfig(router_aux_loss_coef=-1).validate()
+    args = GRPOConfig(partial_rollouts=True, max_staleness=2)
+    with pytest.raises(CohortError, match="routing_replay"):
+        partial_rollout_settings(args, engine=True, tools=False, routing_replay=True)
+    assert partial_rollout_settings(GRPOConfig(rollout_gpus=1), engine=True, tools=False,
+                                    routing_replay=True)["partial_rollouts"] is False
+
+
+def test_cohort_train_runs_a_transformers_saved_moe_folder(tmp_path):
+    """`cohort train --model <a Qwen3-MoE folder transformers wrote>` on the CPU: our model, the engine's
+    routes replayed, the routing metrics logged, the final policy a folder transformers loads."""
+    from cohort.cli import main
+    from cohort.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**{**TINY_MOE, "vocab_size": len(tokenizer)}, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id, norm_topk_prob=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(tmp_path / "model"), "--max_steps", "2", "--output_dir", str(out),
+                 "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "6",
+                 "--eval_limit", "4", "--device", "cpu", "--quiet", "true"]) == 0
+    last = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r][-1]
+    assert last["routing/replay_mismatch"] >= 0 and last["routing/expert_load_max_over_mean"] >= 1
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen3_moe"

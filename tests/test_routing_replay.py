@@ -1,0 +1,161 @@
+"""Routing replay: the trainer's forwards route by the experts the engine chose, so its log-probs equal the
+engine's even where its own router would choose otherwise; the choices flow through packing, micro-batches,
+shared prompts, the update and a checkpoint's resume."""
+
+import json
+
+import pytest
+import torch
+
+from cohort import GRPOConfig, GRPOTrainer
+from cohort.errors import CohortError
+from cohort.models import CausalLM, ModelConfig
+from cohort.models.tiny import build_tokenizer
+from cohort.rollout.engine import Engine
+from cohort.rollout.sampler import SamplingParams
+from cohort.tasks.arithmetic import ArithmeticTask
+from cohort.update.logprobs import forward_hidden, micro_batch_logprobs, rollout_logprobs
+from cohort.update.packing import pack
+from cohort.update.routing import replay_mismatch
+
+torch.set_num_threads(1)
+
+
+def near_tie_moe(vocab_size: int = 64, seed: int = 0, **config) -> CausalLM:
+    """A random Qwen3-MoE whose experts come in pairs with router rows 1e-7 apart: a token's top-3 then
+    takes one expert of some pair, decided by the last bits of the router logits, which differ between the
+    engine's cached forwards and the trainer's full one. The pair's experts differ, so a flip shows."""
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig(**{**dict(
+        model_type="qwen3_moe", vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=16, norm_topk_prob=True), **config})).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            router = layer.mlp.gate.weight
+            router.normal_()
+            router[1::2] = router[0::2] + 1e-7 * torch.randn_like(router[0::2])
+            layer.mlp.experts.gate_up_proj.normal_(std=0.5)
+            layer.mlp.experts.down_proj.normal_(std=0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def sampled():
+    model = near_tie_moe()
+    prompts = [[int(t) for t in torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (5, 9, 3, 7)]
+    rollout = Engine(model, max_batch_size=8, check_interval=4).generate(
+        prompts, 2, SamplingParams(max_new_tokens=12, seed=1, pad_token_id=0))
+    return model, [p for p in prompts for _ in range(2)], rollout
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_replayed_logprobs_equal_the_engines_where_free_routing_differs(sampled, share_prompts):
+    model, prompts, rollout = sampled
+    assert rollout.routed_experts.dtype == torch.int16 and rollout.routed_experts.shape[2:] == (2, 3)
+    mask = rollout.completion_mask.bool()
+    errors, mismatches = {}, {}
+    for replay in (True, False):
+        logp = rollout_logprobs(model, prompts, rollout.completion_ids, rollout.completion_mask, pad_id=0, max_rows=3,
+                                share_prompts=share_prompts, routes=rollout.routed_experts, replay=replay)
+        errors[replay] = (logp - rollout.logprobs)[mask].abs().max()
+        micro = pack(prompts, rollout.completion_ids, rollout.completion_mask, list(range(8)), 0, share_prompts,
+                     routes=rollout.routed_experts, replay=replay)
+        with torch.no_grad():
+            forward_hidden(model, micro)
+        mismatches[replay] = float(replay_mismatch(micro))
+    assert errors[True] <= 1e-5
+    assert mismatches[True] > 0.1  # the trainer's own top-k differs from the engine's for many tokens ...
+    assert errors[False] > 1e-3  # ... and routing freely, its log-probs are not the sampler's
+
+
+def test_mismatch_counts_the_positions_whose_free_top_k_differs(sampled):
+    """An independent count: the trainer's free top-k per MoE layer (from its routers' outputs) against the
+    recorded ids, at each completion token's predicting position."""
+    model, prompts, rollout = sampled
+    micro = pack(prompts, rollout.completion_ids, rollout.completion_mask, list(range(8)), 0, False,
+                 routes=rollout.routed_experts, replay=False, keep_router=True)
+    with torch.no_grad():
+        forward_hidden(model, micro)
+    recorded = micro.routing.recorded
+    differs = torch.zeros(recorded.shape[:2], dtype=torch.bool)
+    for layer, ids in enumerate(micro.routing.expert_ids):  # free routing: the ids routed by are the router's
+        free = ids.reshape(*recorded.shape[:2], -1).sort(-1).values
+        differs |= (free != recorded[:, :, layer].long().sort(-1).values).any(-1)
+    expected = differs[micro.source_rows, micro.source_cols].float().mean()
+    assert float(replay_mismatch(micro)) == pytest.approx(float(expected))
+
+
+def test_replay_keeps_the_routers_gradient(sampled):
+    model, prompts, rollout = sampled
+    micro = pack(prompts, rollout.completion_ids, rollout.completion_mask, [0, 3, 5], 0, True,
+                 routes=rollout.routed_experts)
+    model.zero_grad()
+    out = micro_batch_logprobs(model, micro)
+    out.logp.sum().backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    expected = rollout.logprobs[[0, 3, 5]][:, : out.logp.shape[1]] * micro.completion_mask
+    assert (out.logp.detach() - expected).abs().max() <= 1e-5
+
+
+def _moe_folder(path):
+    tokenizer = build_tokenizer()
+    model = near_tie_moe(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _digit_share(prompts, completions, **_):
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+class Crash(Exception):
+    pass
+
+
+def _crashing_in_step(step: int):
+    calls = []
+
+    def reward(prompts, completions, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            raise Crash
+        return _digit_share(prompts, completions)
+    reward.__name__ = _digit_share.__name__  # the same metric names as the run it is compared with
+    return reward
+
+
+def _run(folder, out, reward=_digit_share, **overrides):
+    task = ArithmeticTask()
+    args = GRPOConfig(**{**dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=6,
+                                max_steps=4, save_steps=2, learning_rate=3e-3, num_iterations=2, beta=0.05,
+                                output_dir=str(out), quiet=True, seed=0, device="cpu", eval_limit=4),
+                         **overrides})
+    trainer = GRPOTrainer(folder, reward, task.load("train", size=32, seed=0), args=args, task=task)
+    trainer.train()
+    return trainer
+
+
+def _records(path):
+    wall = ("time", "step_time")
+    return [{k: v for k, v in json.loads(line).items() if k not in wall and not k.startswith(
+        ("time/", "tokens_per_second", "peak_memory"))} for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("async_rollouts", [False, True])
+def test_replay_survives_checkpoint_and_resume_exactly(tmp_path, async_rollouts):
+    """A run that crashes in step 3 and resumes from checkpoint-2 (holding, with asynchronous rollouts, the
+    rollout sampled ahead and its routes) ends as the run that never stopped."""
+    folder = _moe_folder(tmp_path / "model")
+    straight = _run(folder, tmp_path / "straight", async_rollouts=async_rollouts)
+    with pytest.raises(CohortError, match="Crash"):
+        _run(folder, tmp_path / "resumed", reward=_crashing_in_step(3), async_rollouts=async_rollouts)
+    resumed = _run(folder, tmp_path / "resumed", resume=True, async_rollouts=async_rollouts)
+    records = _records(tmp_path / "straight/metrics.jsonl")
+    assert any(r.get("routing/replay_mismatch", 0) > 0 for r in records)  # replay did change the routing
+    assert _records(tmp_path / "resumed/metrics.jsonl") == records
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
