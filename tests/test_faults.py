@@ -70,6 +70,29 @@ def test_a_wait_that_never_completes_ends_at_its_deadline_naming_what(monkeypatc
     assert time.monotonic() - started < 2
 
 
+def test_a_teardown_that_never_completes_is_left_after_its_bound(monkeypatch, capsys):
+    """The end of a run: a process group whose teardown waits forever (NCCL waiting on a gone peer) does not
+    hold the finished job; `Parallel.close` returns after DESTROY_TIMEOUT_S with one line naming the rank."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from cohort.run import distributed
+
+    forever = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: forever.wait())
+    monkeypatch.setattr(distributed, "DESTROY_TIMEOUT_S", 0.2)
+    parallel = object.__new__(distributed.Parallel)
+    parallel.owns_group, parallel.device, parallel.rank = True, torch.device("cpu"), 1
+    started = time.monotonic()
+    parallel.close()
+    forever.set()
+    assert time.monotonic() - started < 5 and not parallel.owns_group
+    assert "cohort: rank 1: the process group's teardown did not finish within 0.2 s" in capsys.readouterr().err
+
+
 def test_the_injected_fault_withholds_weights_from_its_version_on(monkeypatch):
     assert not withheld_weights(5)
     monkeypatch.setenv(INJECT_ENV, "withhold_weights:2")

@@ -125,7 +125,8 @@ def test_one_table_drives_validation_help_and_the_reference(monkeypatch):
 
 
 def test_every_table_entry_refuses_what_it_does_not_list():
-    needs = {"partial_rollouts": dict(async_rollouts=True, rollout_gpus=1)}  # what `true` needs beside it
+    needs = {"partial_rollouts": dict(async_rollouts=True, rollout_gpus=1),  # what `true` needs beside it
+             "rollout_tensor_parallel_size": dict(fsdp=True)}  # a split without sampling ranks: the colocated one
     for name, values in CHOICES.items():
         for value in values:  # each listed spelling (a pattern by an instance of it) is accepted
             given = {"N": 3, "cuda:N": "cuda:1", "true": True, "false": False}.get(value, value)

@@ -532,6 +532,8 @@ class GRPOTrainer:
         self.save_model(out)
         if self.async_rollouts is not None:
             self.async_rollouts.close()  # with --rollout_gpus: the sampling ranks stop
+        if self.parallel.world_size > 1 and hasattr(self.sampler, "release"):
+            self.sampler.release()  # CUDA graphs that captured a group's collectives go before the group
         self.parallel.close()  # the last collective was save_model's barrier
         self.memory.end_of_run()  # π_ref back from the host: the caller may read trainer.ref_model
         self.callback_handler.event("on_train_end")

@@ -36,6 +36,8 @@ import copy
 import datetime
 import math
 import os
+import sys
+import threading
 from typing import Iterator, Sequence
 
 import torch
@@ -44,6 +46,9 @@ from torch import nn
 from ..errors import CohortError
 from ..models.resharding import full_parameters, update_shard_
 from ..models.tensor_parallel import TensorParallelCausalLM, shard_model
+
+# Seconds `Parallel.close` waits for the process group's teardown.
+DESTROY_TIMEOUT_S = 30
 
 
 def shard_bounds(count: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -378,7 +383,16 @@ class Parallel:
             import torch.distributed as dist
 
             if dist.is_initialized():
-                dist.destroy_process_group()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                # NCCL's teardown can wait on a peer forever (a communicator a CUDA graph still references, a
+                # rank already gone): the run's results are written by now, so a bounded wait, then move on.
+                done = threading.Thread(target=dist.destroy_process_group, daemon=True)
+                done.start()
+                done.join(DESTROY_TIMEOUT_S)
+                if done.is_alive():
+                    print(f"cohort: rank {self.rank}: the process group's teardown did not finish within "
+                          f"{DESTROY_TIMEOUT_S} s; leaving it (the run's outputs are complete)", file=sys.stderr, flush=True)
             self.owns_group = False
 
 
