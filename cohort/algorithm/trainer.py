@@ -39,7 +39,7 @@ from ..resolve import resolve_run_config
 from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
 from ..rewards.runner import RewardRunner
 from ..rollout.batch import Batch
-from ..rollout.setup import build_rollouts
+from ..rollout.setup import build_rollouts, placement_line
 from ..run.callbacks import CallbackHandler
 from ..run.checkpoint import RunParts, RunState, save_checkpoint
 from ..run.checkpoint_load import checkpoint_step, load_checkpoint
@@ -182,22 +182,9 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             self.log(fast_path_line(args))
             self.log(optimizer_line(self.optimizer))
-        size = args.rollout_tensor_parallel_size
-        why = ("auto: the smallest split whose weights and KV cache fit a GPU" if asked_split == "auto"
-               else "rollout_tensor_parallel_size")
-        if group is not None:
-            self.log(f"rollouts: sampled on the {self.parallel.world_size} training ranks in {group.count} "
-                     f"tensor-parallel group(s) of {size}, each rank keeping its shard ({why}; colocated with FSDP2: "
-                     "the shards are refreshed from the trained weights after each update)")
-        elif args.fsdp and asked_split == "auto" and self.parallel.world_size > 1 and self.device.type == "cuda":
-            self.log(f"rollouts: each of the {self.parallel.world_size} FSDP2 ranks samples on a whole copy of the "
-                     "model (auto: one GPU holds its weights and its share of a step's KV cache beside its training "
-                     "shard; --rollout_tensor_parallel_size T samples in groups of T, each rank keeping 1/T)")
-        elif args.rollout_gpus:
-            self.log(f"rollouts: sampled on {args.rollout_gpus} rank(s)"
-                     + (f" in {args.rollout_gpus // size} tensor-parallel group(s) of {size}" if size > 1 else
-                        ", each holding the whole model") + f" ({why})"
-                     + f", max_staleness {args.max_staleness}" + (", partial rollouts" if args.partial_rollouts else ""))
+        line = placement_line(args, asked_split, self.parallel.world_size, group, self.device)
+        if line:
+            self.log(line)
 
     def training_rows(self, train_dataset, args) -> list[dict]:
         """The rows prompts are drawn from. Without a train_dataset, an environment that writes the prompt in
@@ -216,7 +203,7 @@ class GRPOTrainer:
         of per-step records is returned."""
         args = self.args
         self.started = time.perf_counter()
-        with self.lifecycle() as run, run_determinism(self.device, self.args.cpu_threads, self.args.full_determinism):  # the same sums, busy or not
+        with self.lifecycle() as run, run_determinism(self.device, args.cpu_threads, args.full_determinism):  # same sums, busy or not
             try:
                 self.resume(run)  # --resume: continue from the newest complete checkpoint, exactly
                 self.callback_handler.event("on_train_begin")

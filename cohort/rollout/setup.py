@@ -85,3 +85,26 @@ def build_rollout_server(args, model, tokenizer, pad_id: int, toolbox: Toolbox |
     return RolloutServer(link, model, group_sampler, group_size=args.num_generations,
                          merge_requests=isinstance(sampler, Engine) and toolbox is None,
                          partial=partial_rollouts(args, sampler, group_sampler, pad_id), shard_layout=shard_layout)
+
+
+def placement_line(args, asked_split, world_size: int, group, device) -> str | None:
+    """The step log's line on where rollouts are sampled and why (None where every rank samples on its own whole
+    copy, the plain case). `asked_split`: rollout_tensor_parallel_size as the user gave it (`auto` or a number);
+    `group`: this rank's colocated sampling group, if any."""
+    size = args.rollout_tensor_parallel_size
+    why = ("auto: the smallest split whose weights and KV cache fit a GPU" if asked_split == "auto"
+           else "rollout_tensor_parallel_size")
+    if group is not None:
+        return (f"rollouts: sampled on the {world_size} training ranks in {group.count} tensor-parallel group(s) of "
+                f"{size}, each rank keeping its shard ({why}; colocated with FSDP2: the shards are refreshed from the "
+                "trained weights after each update)")
+    if args.fsdp and asked_split == "auto" and world_size > 1 and device.type == "cuda":
+        return (f"rollouts: each of the {world_size} FSDP2 ranks samples on a whole copy of the model (auto: one GPU "
+                "holds its weights and its share of a step's KV cache beside its training shard; "
+                "--rollout_tensor_parallel_size T samples in groups of T, each rank keeping 1/T)")
+    if args.rollout_gpus:
+        return (f"rollouts: sampled on {args.rollout_gpus} rank(s)"
+                + (f" in {args.rollout_gpus // size} tensor-parallel group(s) of {size}" if size > 1 else
+                   ", each holding the whole model") + f" ({why})"
+                + f", max_staleness {args.max_staleness}" + (", partial rollouts" if args.partial_rollouts else ""))
+    return None
