@@ -104,6 +104,31 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose parameters are on the meta device (shapes, dtypes and `requires_grad`
+    only; tied parameters stay tied); buffers and other attributes are copied as they are."""
+    memo = {id(param): nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            for param in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+@torch.no_grad()
+def fill_shards(sharded: nn.Module, model: nn.Module, device: torch.device, rank: int, ranks: int) -> None:
+    """Allocate `sharded`'s parameters (FSDP2 shards on the meta device, from `meta_copy(model)`) on `device`
+    and fill each with this rank's slice of `model`'s parameter of the same name, cast to the shard's dtype one
+    slice at a time. FSDP2 shards dim 0 as `torch.chunk` cuts it over the `ranks` ranks (a rank past the last
+    chunk holds an empty shard). The buffers keep their values."""
+    buffers = {name: buffer.detach().clone() for name, buffer in sharded.named_buffers()}
+    sharded.to_empty(device=device)
+    for name, buffer in sharded.named_buffers():
+        buffer.copy_(buffers[name])
+    sources = dict(model.named_parameters())
+    for name, param in sharded.named_parameters():
+        local = param.to_local()
+        if local.numel():
+            local.copy_(torch.chunk(sources[name].detach(), ranks, dim=0)[rank])
+
+
 class Parallel:
     """This process's place among the ranks, and the collectives of a data-parallel GRPO step."""
 
@@ -207,7 +232,11 @@ class Parallel:
     def sharded_copy(self, model: nn.Module, master_weights: bool = False) -> nn.Module:
         """A copy of `model` sharded by FSDP2 over the training ranks, one decoder layer per unit.
         `master_weights` (the trained copy on a GPU): fp32 shards, bf16 gathers and compute, fp32 gradient
-        reduction; otherwise the shards keep `model`'s dtype (π_ref's frozen copy)."""
+        reduction; otherwise the shards keep `model`'s dtype (π_ref's frozen copy).
+
+        The copy is built on the meta device and sharded there; each rank then allocates its shards alone and
+        fills them from `model`'s slices, widening only those slices. Besides `model`, no rank ever holds more
+        than its shards: a whole fp32 copy of a 32B model would be 128 GB on one GPU at set-up."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -216,10 +245,10 @@ class Parallel:
         # machine has a GPU (a --device cpu run then shards onto it) and spans every rank (sampling
         # ranks too).
         mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
-        sharded = copy.deepcopy(model)
+        sharded = meta_copy(model)
         policy = MixedPrecisionPolicy()
         if master_weights:
-            sharded.float()
+            sharded.float()  # meta parameters: no memory; the buffers (rotary tables) as the widened copy had them
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         layers = decoder_layers(sharded)
         if not layers:
@@ -228,6 +257,7 @@ class Parallel:
         for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(sharded, mesh=mesh, mp_policy=policy)
+        fill_shards(sharded, model, self.device, mesh.get_local_rank(), mesh.size())
         return sharded
 
     def sample_from_shard(self, model: nn.Module, group) -> nn.Module:
@@ -298,18 +328,34 @@ class Parallel:
     # ---- the step's collectives ----------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module, last: bool) -> Iterator[None]:
-        """Around one micro-batch's forward and backward: gradients are reduced over ranks only when
-        `last` (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`); accumulation in between."""
-        if self.world_size == 1:
-            yield
-        elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2
-            module.set_requires_gradient_sync(last)
+        """Around one micro-batch's forward and backward. DDP: gradients are all-reduced only when `last`
+        (its `no_sync` in between). FSDP2: reduce-scattered after every micro-batch, into the fp32 gradient
+        shard they accumulate in.
+
+        FSDP2 could skip the reduce-scatter too (`set_requires_gradient_sync(False)`), but then it keeps every
+        parameter's unsharded gradient, upcast to fp32, until the last micro-batch: 4 bytes a parameter on
+        every rank (30 GiB at 8B), against 4/N sharded. The traffic it saves is small against the micro-batch
+        it rides on: each micro-batch already all-gathers every weight twice (forward and backward, 2 bytes
+        each in bf16), so the fp32 reduce-scatter adds 4 bytes a parameter to the 4 already moved, overlapped
+        with the backward's compute, and a micro-batch is at least ~1e14 FLOPs (`fast_path.MICRO_BATCH_FLOP`):
+        at 8B over 2 H200s, ~16 GB a rank sends in ~0.05 s against ~0.2 s of compute. So always."""
+        if self.world_size == 1 or hasattr(module, "set_requires_gradient_sync"):  # one process, FSDP2
             yield
         elif last or not hasattr(module, "no_sync"):
             yield
         else:
             with module.no_sync():
                 yield
+
+    def max_over_ranks(self, value: int) -> int:
+        """The largest `value` of any rank (one collective)."""
+        if self.world_size == 1:
+            return int(value)
+        import torch.distributed as dist
+
+        tensor = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return int(tensor.item())
 
     def all_reduce_sums(self, values: Sequence[float]) -> list[float]:
         """Element-wise sums over ranks (float64, one collective)."""
