@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .packing import MicroBatch, pack, plan_rollout
+from .packing import MicroBatch, filler_micro_batches, pack, plan_rollout
 
 CHUNK_BYTES = 512 * 2**20  # float32 logits per LM-head chunk: 512 MiB (≈880 rows at a 152k vocabulary)
 
@@ -274,18 +274,23 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
 
 def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, *,
                      pad_id: int, max_rows: int, max_tokens: int = 0, temperature: float = 1.0,
-                     share_prompts: bool = False, routes: Tensor | None = None, replay: bool = True) -> Tensor:
+                     share_prompts: bool = False, routes: Tensor | None = None, replay: bool = True,
+                     forwards: int = 0) -> Tensor:
     """[B, T] float32 log-probs of a whole rollout's completions, no gradient (log π_old, log π_ref):
     length-bucketed micro-batches under inference mode, scattered back to rollout order on the
     model's device and copied to the CPU once, at the end (one host sync per pass). `routes`: a
-    mixture-of-experts rollout's recorded experts, routed by with `replay` (packing.pack)."""
+    mixture-of-experts rollout's recorded experts, routed by with `replay` (packing.pack). `forwards`: run
+    at least that many forwards, the extra ones discarded (`packing.filler_micro_batches`), as many as the
+    other FSDP2 ranks run."""
     device = next(model.parameters()).device
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
+    plans = plan_rollout(prompt_ids, completion_mask, max_rows, max_tokens, share_prompts)
     # FSDP2 gathers into buffers it reuses in training: made under inference mode they could not be written again.
     with torch.no_grad() if is_fully_sharded(model) else torch.inference_mode():
-        for rows in plan_rollout(prompt_ids, completion_mask, max_rows, max_tokens, share_prompts):
+        for i, rows in enumerate(plans + filler_micro_batches(plans, forwards)):
             micro = pack(prompt_ids, completion_ids, completion_mask, rows, pad_id, share_prompts,
                          routes=routes, replay=replay).to(device)
             logp = micro_batch_logprobs(model, micro, temperature=temperature).logp
-            full[micro.row_index, : logp.shape[1]] = logp
+            if i < len(plans):
+                full[micro.row_index, : logp.shape[1]] = logp
     return full.cpu()

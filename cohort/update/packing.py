@@ -109,6 +109,19 @@ def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0,
     return plans
 
 
+def filler_micro_batches(plans: list[list[int]], count: int) -> list[list[int]]:
+    """`count - len(plans)` micro-batches of one row each, the last row of `plans`' last (shortest) micro-batch:
+    forwards that a rank runs only to run as many as the other ranks (FSDP2 all-gathers in every forward, so
+    ranks that ran different numbers would wait for each other forever). Their results count for nothing.
+
+    >>> filler_micro_batches([[3, 1], [0, 2]], 4)
+    [[2], [2]]
+    """
+    if count <= len(plans) or not plans:
+        return []
+    return [[plans[-1][-1]] for _ in range(count - len(plans))]
+
+
 def prompt_groups(prompt_ids: list[list[int]], max_rows: int) -> list[list[int]]:
     """The rollout's rows grouped by identical prompt (first-seen order, rows in order), each group
     cut into runs of at most `max_rows` completions."""

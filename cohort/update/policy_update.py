@@ -26,8 +26,8 @@ from ..memory.manager import MemoryManager
 from ..memory.precision import clip_grad_norm
 from ..rollout.batch import Batch
 from .fused_head import micro_batch_policy_loss
-from .logprobs import rollout_logprobs
-from .packing import MicroBatch, pack, plan_rollout, to_device
+from .logprobs import is_fully_sharded, rollout_logprobs
+from .packing import MicroBatch, filler_micro_batches, pack, plan_rollout, to_device
 from .routing import expert_load, num_experts, replay_mismatch, router_aux_loss
 
 
@@ -76,6 +76,7 @@ class PolicyUpdate:
         total_rows, total_tokens = self.parallel.all_reduce_sums([local_rows, float(mask_all.sum())])
         world = self.parallel.world_size
         plans = self.plan(batch)
+        runs = plans + filler_micro_batches(plans, self.agreed_forwards(self.train_model, len(plans)))
         # The step's per-row tensors go to the device once; each micro-batch gathers its rows there.
         # Nothing in the loop waits for the GPU: statistics stay tensors until the loop has ended.
         sampling = batch.rollout.logprobs  # the sampler's own log-probs (None from HF generate)
@@ -84,10 +85,11 @@ class PolicyUpdate:
             for t in (batch.old_logp, batch.ref_logp, batch.advantages, keep_rows, sampling, batch.rollout.tool_mask))
         sums: dict[str, torch.Tensor] = {}
         loss = nonfinite = torch.zeros((), device=self.device)
-        for i, rows in enumerate(plans):
+        for i, rows in enumerate(runs):
+            filler = i >= len(plans)  # a forward and backward only as many as the other ranks run: weight 0
             micro = self.pack(batch, rows)
             index = micro.row_index
-            with self.parallel.no_sync(self.train_model, last=i == len(plans) - 1):  # DDP reduces after the last backward
+            with self.parallel.no_sync(self.train_model, last=i == len(runs) - 1):  # DDP reduces after the last backward
                 width = micro.completion_ids.shape[1]
                 advantages = advantages_all[index] if advantages_all.dim() == 1 else advantages_all[index, :width]
                 mask = micro.completion_mask if tool_all is None else micro.completion_mask * tool_all[index, :width]
@@ -107,7 +109,10 @@ class PolicyUpdate:
                         aux = router_aux_loss(micro, self.num_experts)
                         stats["routing/aux_loss"] = aux.detach()
                         objective = objective + args.router_aux_loss_coef * aux * len(rows) / total_rows * world
-                objective.backward()  # normalised for the whole step already (objectives.aggregate_loss)
+                # normalised for the whole step already (objectives.aggregate_loss); a filler adds exact zeros
+                (objective * 0.0 if filler else objective).backward()
+            if filler:
+                continue
             # Averaged over ranks (the step report's mean), these sums are the step's loss.
             loss, nonfinite = loss + out.loss.detach(), nonfinite + out.nonfinite
             share = len(rows) / local_rows
@@ -179,6 +184,12 @@ class PolicyUpdate:
         return plan_rollout(batch.prompt_ids, batch.rollout.completion_mask, self.memory.micro_rows,
                             self.memory.micro_tokens, self.share_prompts)
 
+    def agreed_forwards(self, model, count: int) -> int:
+        """How many micro-batches this rank runs through `model` when it planned `count`: under FSDP2 the most
+        any rank planned (each forward all-gathers the weights with the other ranks; a rank that planned fewer
+        runs fillers). DDP communicates only in the last backward, once on every rank: its own count."""
+        return self.parallel.max_over_ranks(count) if is_fully_sharded(model) else count
+
     def pack(self, batch: Batch, rows: list[int]) -> MicroBatch:
         """Rows `rows` packed for one forward (each prompt once, or one padded row per completion), on the
         training device."""
@@ -199,10 +210,13 @@ class PolicyUpdate:
         def attempt() -> torch.Tensor:
             model.eval()
             rows, tokens = self.memory.no_grad_sizes()
+            mask = batch.rollout.completion_mask
+            planned = len(plan_rollout(batch.prompt_ids, mask, rows, tokens, self.share_prompts))
             return rollout_logprobs(model, batch.prompt_ids, batch.rollout.completion_ids,
                                     batch.rollout.completion_mask, pad_id=self.pad_id, max_rows=rows,
                                     max_tokens=tokens, temperature=self.args.temperature or 1.0,
-                                    share_prompts=self.share_prompts, **self.routing_options(batch, train=False))
+                                    share_prompts=self.share_prompts, forwards=self.agreed_forwards(model, planned),
+                                    **self.routing_options(batch, train=False))
         return self.memory.run(attempt)
 
 
