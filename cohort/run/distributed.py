@@ -32,7 +32,6 @@ process would. Single process: every method is a no-op and `wrap` returns the mo
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime
 import math
 import os
@@ -46,6 +45,7 @@ from torch import nn
 from ..errors import CohortError
 from ..models.resharding import full_parameters, update_shard_
 from ..models.tensor_parallel import TensorParallelCausalLM, shard_model
+from .sharding import fully_sharded_copy
 
 # Seconds `Parallel.close` waits for the process group's teardown.
 DESTROY_TIMEOUT_S = 30
@@ -96,37 +96,6 @@ def average_records(records: Sequence[dict], maximum: tuple[str, ...] = ()) -> d
         else:
             out[key] = math.fsum(values) / len(values)
     return out
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks FSDP2 shards one by one: our `DecoderLayer`s, Hugging Face's
-    `*DecoderLayer` / `*Block` modules."""
-    return [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of `model` whose parameters are on the meta device (shapes, dtypes and `requires_grad`
-    only; tied parameters stay tied); buffers and other attributes are copied as they are."""
-    memo = {id(param): nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-            for param in model.parameters()}
-    return copy.deepcopy(model, memo)
-
-
-@torch.no_grad()
-def fill_shards(sharded: nn.Module, model: nn.Module, device: torch.device, rank: int, ranks: int) -> None:
-    """Allocate `sharded`'s parameters (FSDP2 shards on the meta device, from `meta_copy(model)`) on `device`
-    and fill each with this rank's slice of `model`'s parameter of the same name, cast to the shard's dtype one
-    slice at a time. FSDP2 shards dim 0 as `torch.chunk` cuts it over the `ranks` ranks (a rank past the last
-    chunk holds an empty shard). The buffers keep their values."""
-    buffers = {name: buffer.detach().clone() for name, buffer in sharded.named_buffers()}
-    sharded.to_empty(device=device)
-    for name, buffer in sharded.named_buffers():
-        buffer.copy_(buffers[name])
-    sources = dict(model.named_parameters())
-    for name, param in sharded.named_parameters():
-        local = param.to_local()
-        if local.numel():
-            local.copy_(torch.chunk(sources[name].detach(), ranks, dim=0)[rank])
 
 
 class Parallel:
@@ -230,35 +199,18 @@ class Parallel:
         return sharded
 
     def sharded_copy(self, model: nn.Module, master_weights: bool = False) -> nn.Module:
-        """A copy of `model` sharded by FSDP2 over the training ranks, one decoder layer per unit.
-        `master_weights` (the trained copy on a GPU): fp32 shards, bf16 gathers and compute, fp32 gradient
-        reduction; otherwise the shards keep `model`'s dtype (π_ref's frozen copy).
-
-        The copy is built on the meta device and sharded there; each rank then allocates its shards alone and
-        fills them from `model`'s slices, widening only those slices. Besides `model`, no rank ever holds more
-        than its shards: a whole fp32 copy of a 32B model would be 128 GB on one GPU at set-up."""
+        """A copy of `model` sharded by FSDP2 over the training ranks, one decoder layer per unit, built shard
+        first (`sharding.fully_sharded_copy`). `master_weights` (the trained copy on a GPU): fp32 shards, bf16
+        gathers and compute, fp32 gradient reduction; otherwise the shards keep `model`'s dtype (π_ref's frozen
+        copy)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # The mesh names the run's device and group: fully_shard's default mesh is CUDA whenever the
         # machine has a GPU (a --device cpu run then shards onto it) and spans every rank (sampling
         # ranks too).
         mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
-        sharded = meta_copy(model)
-        policy = MixedPrecisionPolicy()
-        if master_weights:
-            sharded.float()  # meta parameters: no memory; the buffers (rotary tables) as the widened copy had them
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        layers = decoder_layers(sharded)
-        if not layers:
-            raise CohortError(f"--fsdp found no decoder layers in {type(model).__name__} to shard; use DDP "
-                              "(leave out --fsdp) for this model")
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(sharded, mesh=mesh, mp_policy=policy)
-        fill_shards(sharded, model, self.device, mesh.get_local_rank(), mesh.size())
-        return sharded
+        return fully_sharded_copy(model, mesh, self.device, master_weights)
 
     def sample_from_shard(self, model: nn.Module, group) -> nn.Module:
         """FSDP2 with tensor-parallel sampling on the training ranks (cohort/run/colocation.py): this rank's
