@@ -9,10 +9,10 @@ TRL 1.16 in the same call on the same GPUs; and `--plan`, the memory plan's capa
 `--plan` prints, for each capacity row of the issue (4,096-token completions), the plan of cohort/memory/
 training_plan.py for a ladder of configurations, each adding one change to the one before: cohort's defaults;
 the engine as a tensor-parallel shard over the training ranks (the colocated placement); one completion a
-micro-batch; the KV cache freed for the update; then changes to the code that the plan prices (a reduce-scatter
-every micro-batch instead of FSDP2's unsharded fp32 accumulation, a fused AdamW without the foreach temporary,
-the engine's weights released in the update, bf16 moments on the shard, widening to fp32 after sharding). A row
-fits where its busiest phase leaves `HEADROOM_GIB` of the card (the CUDA context, NCCL, the allocator).
+micro-batch; the KV cache freed for the update; then changes to the code that the plan prices (the engine's
+weights released in the update, bf16 moments on the shard). The defaults already reduce-scatter FSDP2's gradients
+every micro-batch, step a fused AdamW on the shard and widen to fp32 after sharding. A row fits where its busiest
+phase leaves `HEADROOM_GIB` of the card (the CUDA context, NCCL, the allocator).
 
 `--gpus N` measures, for each shape (random weights, the synthetic tokenizer of bench/grpo_step_worker.py):
 - cohort, synchronous (`--sync_options`, default FSDP2 over the N GPUs) and asynchronous (`--async_options`,
@@ -74,12 +74,8 @@ def ladder():
         ("+ the engine a tensor-parallel shard over the GPUs (colocated)", {}, {"sampling_split": "ranks"}),
         ("+ one completion a micro-batch (--per_device_train_batch_size 1)", {"micro_rows": 1}, {}),
         ("+ KV cache freed for the update (--free_sampling_memory true)", {"free_sampling_memory": True}, {}),
-        ("+ code: a reduce-scatter every micro-batch (no unsharded fp32 accumulation)", {},
-         {"sync_every_micro_batch": True}),
-        ("+ code: fused AdamW on the shard (no foreach temporary)", {}, {"optimizer_temporary": False}),
         ("+ code: the engine's weights released during the update", {}, {"engine_in_update": False}),
         ("+ code: bf16 moments on the shard", {}, {"shard_moment_bytes": 4}),
-        ("+ code: shard before widening to fp32 (set-up)", {}, {"widen_after_sharding": True}),
     ]
 
 

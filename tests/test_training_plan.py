@@ -3,6 +3,7 @@ refusal before loading (cohort/memory/capacity.py) on a GPU whose capacity the t
 
 import json
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -64,6 +65,8 @@ def test_sharded_terms_are_an_fp32_adamw_split_over_the_ranks():
         assert terms["sampling"]["moments"] == -(-moments // ranks)
         assert terms["sampling"]["engine weights"] == -(-tensor_bytes(model.parameters()) // 2 // ranks)  # bf16
         assert terms["optimizer step"]["gradients"] == terms["sampling"]["fp32 master shard"]
+        assert terms["setup"]["fp32 shards"] == terms["sampling"]["fp32 master shard"]  # no whole fp32 copy
+        assert "optimizer temporary" not in terms["optimizer step"]  # torch's fused AdamW on a GPU
 
 
 def test_lora_adapters_are_peft_s():
@@ -216,14 +219,16 @@ def test_cohort_train_stops_before_loading(gpu, llama_8b_folder, tmp_path, monke
 
 def test_the_plan_meets_the_measured_fsdp2_peak():
     """docs/performance.md: FSDP2 over 4 H200s, Qwen2.5-7B shape, 16 prompts × 4 of 128 tokens (64-token prompts,
-    8-row micro-batches, β = 0, DDP's default whole engine copy): the busiest GPU peaked at 69.4 GiB."""
+    8-row micro-batches, β = 0, DDP's default whole engine copy): the busiest GPU peaked at 69.4 GiB, measured
+    while FSDP2 accumulated unsharded fp32 gradients between micro-batches and stepped torch's foreach AdamW."""
     qwen_7b = ModelConfig(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                           num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128)
     args = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
                       max_prompt_length=64, max_completion_length=128, fsdp=True).validate()
-    plan = training_memory_plan(qwen_7b, StepShape.from_config(args), Placement(ranks=4, fsdp=True))
+    measured = Placement(ranks=4, fsdp=True, sync_every_micro_batch=False, optimizer_temporary=True,
+                         widen_after_sharding=False)
+    plan = training_memory_plan(qwen_7b, StepShape.from_config(args), measured)
     assert plan.peak_phase == "backward" and abs(plan.peak / GIB - 69.4) < 0.05 * 69.4
-    synced = training_memory_plan(qwen_7b, StepShape.from_config(args),
-                                  Placement(ranks=4, fsdp=True, sync_every_micro_batch=True))
+    synced = training_memory_plan(qwen_7b, StepShape.from_config(args), replace(measured, sync_every_micro_batch=True))
     unsharded, shard = 4 * plan.parameters, -(-4 * plan.parameters // 4)  # fp32 gradients, whole and a rank's
     assert plan.total("backward") - synced.total("backward") == unsharded - shard

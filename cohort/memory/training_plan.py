@@ -22,13 +22,15 @@ Resident through the step (`resident`):
 The backward (`backward`) adds the gradients and the largest micro-batch's activations, the optimizer step
 (`optimizer step`) the gradients and the step's scratch:
 - gradients: 2 bytes a parameter on one GPU, lent the idle KV cache where it holds them (`lending.py`), plus
-  DDP's buckets (a second copy) on several ranks. FSDP2: the fp32 gradient shard (4/N); but while micro-batches
-  accumulate without a reduce-scatter (`Parallel.no_sync`), FSDP2 keeps every parameter's unsharded gradient,
-  upcast to the fp32 reduce dtype (`FSDPParam.to_accumulated_grad_if_needed`): 4 bytes a parameter, unsharded;
+  DDP's buckets (a second copy) on several ranks. FSDP2: the fp32 gradient shard (4/N), reduce-scattered after
+  every micro-batch (`Parallel.no_sync`); were the reduce-scatter skipped until the last micro-batch, FSDP2
+  would keep every parameter's unsharded gradient, upcast to the fp32 reduce dtype
+  (`FSDPParam.to_accumulated_grad_if_needed`): 4 bytes a parameter, unsharded (`sync_every_micro_batch=False`);
 - FSDP2's gathered parameters: the root's embeddings, head and norm in bf16 for the whole forward and
   backward, two decoder layers at a time (the one computing, the one prefetched), and one layer's gradient in
-  bf16 and in fp32 for its reduce-scatter; its optimizer step is torch's foreach AdamW, whose √v̂ + ε is one
-  temporary the size of the shard;
+  bf16 and in fp32 for its reduce-scatter; its optimizer step on a GPU is torch's fused AdamW
+  (`precision.make_optimizer`), which makes no temporary (torch's foreach step would make one the size of the
+  shard, √v̂ + ε: `optimizer_temporary`);
 - tokens: a micro-batch is `per_device_train_batch_size` rows and at most `max_tokens_per_micro_batch`
   tokens (`auto`: `fast_path.micro_batch_tokens`), but never less than one unit, a prompt with the group's
   completions when prompts are shared (`update/packing.py`: a unit longer than the cap is a micro-batch alone);
@@ -44,12 +46,16 @@ The backward (`backward`) adds the gradients and the largest micro-batch's activ
 
 The log-prob pass (`logprobs`) holds π_ref's weights (when β > 0) and one layer's activations of a no-grad
 micro-batch twice the update's (`manager.NO_GRAD_FACTOR`). FSDP2's set-up (`setup`) holds, besides the loaded
-bf16 model, the fp32 copy `_fully_shard` makes before sharding it.
+bf16 model, the fp32 shards `Parallel.sharded_copy` allocates and fills slice by slice (it shards a copy on the
+meta device first; a whole fp32 copy widened before sharding, `widen_after_sharding=False`, would be 4 bytes a
+parameter on every rank).
 
 Checked against measurements: FSDP2 over 4 H200s at the Qwen2.5-7B shape (docs/performance.md, 16 prompts × 4
-of 128 tokens, 2 micro-batches) peaked at 69.4 GiB, the plan says 70.6 (the unsharded fp32 gradients are 28.4
-of it); one H200 at that shape with fp32 moments peaked at 104.4 GiB, the plan says 103.3 (with bf16 moments,
-73.8). `Placement`'s levers price the changes that would lower the sharded figures.
+of 128 tokens, 2 micro-batches, measured while FSDP2 still accumulated unsharded gradients: the `Placement`
+with `sync_every_micro_batch=False`) peaked at 69.4 GiB, the plan says 70.6 (the unsharded fp32 gradients are
+28.4 of it); one H200 at that shape with fp32 moments peaked at 104.4 GiB, the plan says 103.3 (with bf16
+moments, 73.8). `Placement`'s defaults are what the code does; its other settings price changes (or the code
+as it was).
 
 Left out (each well under a GiB at these sizes, or outside what a model's config says): the CUDA context and
 NCCL's buffers, CUDA graph pools, the allocator's fragmentation, the decode step's logits. The refusal
@@ -122,13 +128,13 @@ class Placement:
     fsdp: bool = False
     sampling_split: int = 1
     samples: bool = True
-    # How the FSDP2 state is kept. The defaults are what the code does today; the others are what a change would
-    # give (bench/scale.py --plan shows which change lets a model fit).
-    optimizer_temporary: bool = True  # torch's foreach AdamW makes one temporary the size of the shard
+    # How the FSDP2 state is kept. The defaults are what the code does; the others are what a change would give,
+    # or what the code did before (bench/scale.py --plan shows which change lets a model fit).
+    optimizer_temporary: bool = False  # torch's fused AdamW on the shard; True: the foreach step's temporary
     shard_moment_bytes: int = 8  # fp32 moments on the fp32 shard
     engine_in_update: bool = True  # the engine's weights stay on the GPU through the update
-    widen_after_sharding: bool = False  # `_fully_shard` widens a whole copy to fp32, then shards it
-    sync_every_micro_batch: bool = False  # `Parallel.no_sync` skips the reduce-scatter of all but the last
+    widen_after_sharding: bool = True  # shards allocated and filled slice by slice; False: a whole fp32 copy first
+    sync_every_micro_batch: bool = True  # a reduce-scatter every micro-batch; False: unsharded fp32 accumulation
 
     @property
     def sharded(self) -> bool:
@@ -296,5 +302,6 @@ def training_memory_plan(config: ModelConfig, step: StepShape, placement: Placem
     plan.phases["optimizer step"] = {**after_sampling, **gradients, **optimizer}
     if placement.sharded:
         widened = math.ceil(params * 4 / n) if placement.widen_after_sharding else params * 4
-        plan.phases["setup"] = {"loaded model": copy, "fp32 copy to shard": widened}
+        plan.phases["setup"] = {"loaded model": copy, "fp32 shards" if placement.widen_after_sharding
+                                else "fp32 copy to shard": widened}
     return plan
