@@ -125,8 +125,9 @@ class GRPOConfig:
                 "cohort/models/tensor_parallel.py), for a model whose weights and KV cache do not fit one GPU. "
                 "It must divide rollout_gpus. With fsdp and no rollout_gpus (colocated): consecutive training "
                 "ranks sample in groups of this many, each keeping only its shard; it must divide the number of "
-                "ranks. auto: the smallest that fits the weights and a step's KV cache in the sampling GPUs (1 "
-                "where one holds them; cohort/memory/sampling_plan.py)."})
+                "ranks. auto: the smallest whose ranks keep, beside their share of the weights, the KV cache of a "
+                "useful batch (64 sequences decoded at once, or a call's sequences where fewer; 1 where one GPU "
+                "holds them; cohort/memory/sampling_plan.py)."})
     max_concurrent_sequences: int | str = field(default="auto", metadata={
         "help": "Most sequences one engine decodes at once (its KV-cache slots); the others of a sampling call wait "
                 "for a slot (continuous batching), with the same tokens. auto: as many as fit the memory the "
