@@ -1,5 +1,6 @@
-"""rollout_tensor_parallel_size=auto (cohort/memory/sampling_plan.py): the smallest sampling group whose share
-of the weights and of a step's KV cache fits the card."""
+"""rollout_tensor_parallel_size=auto and max_concurrent_sequences=auto (cohort/memory/sampling_plan.py,
+cohort/memory/training_slots.py): the smallest sampling group whose ranks keep a useful batch's KV cache beside
+their share of the weights, and the widest CUDA-graph width of slots that fits, counted here by hand."""
 
 import sys
 from pathlib import Path
