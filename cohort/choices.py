@@ -42,6 +42,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "torch_compile": ("auto", "true", "false"),
     "partial_rollouts": ("auto", "true", "false"),
     "rollout_tensor_parallel_size": ("auto", "N"),
+    "max_concurrent_sequences": ("auto", "N"),
     "cpu_threads": ("auto", "N"),
     "rollout_numerics": ("fast", "exact"),
 }

@@ -125,8 +125,14 @@ class GRPOConfig:
                 "cohort/models/tensor_parallel.py), for a model whose weights and KV cache do not fit one GPU. "
                 "It must divide rollout_gpus. With fsdp and no rollout_gpus (colocated): consecutive training "
                 "ranks sample in groups of this many, each keeping only its shard; it must divide the number of "
-                "ranks. auto: the smallest that fits the weights and a step's KV cache in the sampling GPUs (1 "
-                "where one holds them; cohort/memory/sampling_plan.py)."})
+                "ranks. auto: the smallest whose ranks keep, beside their share of the weights, the KV cache of a "
+                "useful batch (64 sequences decoded at once, or a call's sequences where fewer; 1 where one GPU "
+                "holds them; cohort/memory/sampling_plan.py)."})
+    max_concurrent_sequences: int | str = field(default="auto", metadata={
+        "help": "Most sequences one engine decodes at once (its KV-cache slots); the others of a sampling call wait "
+                "for a slot (continuous batching), with the same tokens. auto: as many as fit the memory the "
+                "weights (and, on a rank that also trains, the step's training state) leave, at most 256, "
+                "rounded down to a CUDA-graph width (cohort/memory/sampling_plan.py)."})
     max_staleness: int | None = field(default=None, metadata={
         "help": "With async_rollouts: how many policy updates behind the trained policy the samples are (the "
                 "rollout of step t is sampled from the weights after update t - 1 - max_staleness). None: 2 with "
@@ -488,6 +494,10 @@ class GRPOConfig:
                 bad(f"async_rollouts with rollout_tensor_parallel_size={size} on the training ranks is not supported "
                     "(the ranks that train also sample, in turn); pass --rollout_gpus K to sample asynchronously "
                     "on ranks of their own, or leave --async_rollouts off")
+        slots = self.max_concurrent_sequences
+        if isinstance(slots, int) and slots < 1:
+            bad(f"max_concurrent_sequences={slots}: give the most sequences an engine decodes at once (1 or more), "
+                "or auto")
         if self.rollout_gpus and self.fsdp:
             bad(f"rollout_gpus={self.rollout_gpus} with fsdp is not supported (the samplers need whole weights from "
                 "one rank); train the trainer ranks with DDP (leave out --fsdp)")

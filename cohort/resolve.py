@@ -12,7 +12,9 @@ run's final configuration, in one place and in this order:
    options (`cohort.update.fast_path`), `optimizer_state_dtype`, the sampler correction, `partial_rollouts`
    and `max_staleness` (`cohort.rollout.partial`), and how many sampling ranks share one engine
    (`rollout_tensor_parallel_size`, `cohort.memory.sampling_plan`; with `--fsdp` and no sampling ranks, the
-   training ranks' own groups, refused here where the model cannot be split).
+   training ranks' own groups, refused here where the model cannot be split), and how many sequences this
+   rank's engine decodes at once (`max_concurrent_sequences`: what the weights leave, on a sampling rank or in
+   a group; beside the training state on a rank that samples on its whole copy, `cohort.memory.training_slots`).
 
 The result is frozen: setting a field raises a one-line `CohortError`, so every stage built from it (the
 curriculum, the rollout link's message window, the samplers, the update, the memory manager, the reports)
@@ -31,7 +33,8 @@ from .algorithm.determinism import cpu_thread_count
 from .config import GRPOConfig
 from .options.command_line import show_value
 from .memory.precision import optimizer_state_dtype, resolve_dtype
-from .memory.sampling_plan import sampling_tensor_parallel_size
+from .memory.sampling_plan import sampling_plan
+from .memory.training_slots import training_rank_slots
 from .models.lora import has_lora
 from .models.tensor_parallel import check_splittable, check_tensor_parallel_size
 from .rollout import base_model, engine_samples
@@ -41,10 +44,10 @@ from .update.policy_update import sampler_correction_mode
 
 
 def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_size: int = 1,
-                       tools: bool = False, compiles: bool | None = None) -> GRPOConfig:
+                       tools: bool = False, compiles: bool | None = None, sampling_rank: bool = False) -> GRPOConfig:
     """The frozen configuration of a run of `args` on `device` with the loaded `model` (`world_size` training
     ranks; `tools`: completions may call tools; `compiles`: triton can compile here, default whether it is
-    installed). `args` itself is left as it is."""
+    installed; `sampling_rank`: this rank only samples, `--rollout_gpus`). `args` itself is left as it is."""
     config = args.validate()
     changes: dict = {"device": str(device), "dtype": resolve_dtype(config.dtype, device)}
     if device.type == "cpu":
@@ -60,9 +63,12 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_s
     replay = config.routing_replay and engine and bool(getattr(base_model(model).config, "num_experts", 0))
     changes.update(partial_rollout_settings(config, engine=engine, tools=tools, routing_replay=replay))
     settled = dataclasses.replace(config, **changes)
-    changes["rollout_tensor_parallel_size"] = sampling_tensor_parallel_size(
-        settled, base_model(model).config if engine else None, device, getattr(torch, changes["dtype"]).itemsize,
-        splittable=not tools and not has_lora(model), world_size=world_size)
+    model_config = base_model(model).config if engine else None
+    plan = sampling_plan(settled, model_config, device, getattr(torch, changes["dtype"]).itemsize,
+                         splittable=not tools and not has_lora(model), world_size=world_size, sampling_rank=sampling_rank)
+    changes["rollout_tensor_parallel_size"] = plan.size
+    changes["max_concurrent_sequences"] = (plan.slots if plan.slots is not None else
+                                           training_rank_slots(settled, model_config, device, world_size))
     size = changes["rollout_tensor_parallel_size"]
     if size > 1 and config.fsdp and not config.rollout_gpus:  # colocated: refused before anything is sharded
         check_splittable(model, size, tools)

@@ -1,6 +1,9 @@
-"""rollout_tensor_parallel_size=auto (cohort/memory/sampling_plan.py): the smallest sampling group whose share
-of the weights and of a step's KV cache fits the card."""
+"""rollout_tensor_parallel_size=auto and max_concurrent_sequences=auto (cohort/memory/sampling_plan.py,
+cohort/memory/training_slots.py): the smallest sampling group whose ranks keep a useful batch's KV cache beside
+their share of the weights, and the widest CUDA-graph width of slots that fits, counted here by hand."""
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -8,8 +11,9 @@ import torch
 
 from cohort import GRPOConfig
 from cohort.errors import CohortError
-from cohort.memory import sampling_plan
-from cohort.memory.sampling_plan import kv_cache_bytes, parameter_count, sampling_tensor_parallel_size
+from cohort.memory import sampling_plan as plans
+from cohort.memory.sampling_plan import (SamplingPlan, engine_call_rows, kv_cache_bytes, parameter_count, sampling_plan,
+                                         sampling_tensor_parallel_size)
 from cohort.models import CausalLM, ModelConfig
 
 GIB = 2**30
@@ -42,41 +46,123 @@ def run_args(**options):
 @pytest.fixture
 def card(monkeypatch):
     """A GPU of `card.gib` GiB as far as the plan can tell, and 8 ranks of which the last 4 sample."""
-    state = SimpleNamespace(gib=80)
-    monkeypatch.setattr(sampling_plan.torch.cuda, "get_device_properties",
+    state = SimpleNamespace(gib=80, monkeypatch=monkeypatch)
+    monkeypatch.setattr(plans.torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=state.gib * GIB))
     monkeypatch.setenv("WORLD_SIZE", "8")
     return state
 
 
-def test_auto_takes_the_smallest_group_that_fits(card):
+# The engine's decode widths (cohort/rollout/scheduler.py batch_buckets(256)), written out.
+WIDTHS = [1, 2, 4, 8, 16, 32, 48, 80, 128, 192, 256]
+
+
+def widest(free_gib: float, slot_gib: float) -> int:
+    """The widest decode width whose KV cache fits `free_gib`, counted here by hand."""
+    return max([w for w in WIDTHS if w * slot_gib <= free_gib], default=0)
+
+
+def test_auto_takes_the_smallest_group_that_keeps_a_useful_batch(card):
     cuda = torch.device("cuda", 0)
     args = run_args()
     assert args.prompts_per_step == 8
-    # 4 trainers of 8 prompts × 8 completions of up to 4,608 tokens. T ranks a group: 4 / T groups, each
-    # serving T trainers' 64 completions: 51.0 GiB a rank alone (15 GiB of weights), 43.5 in pairs, 39.7 in fours.
-    per_rank = {t: sampling_plan.rank_bytes(LLAMA_8B, t, 64 * t, 4608, 2) / GIB for t in (1, 2, 4)}
-    assert [round(per_rank[t], 1) for t in (1, 2, 4)] == [51.0, 43.5, 39.7]
-    assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2) == 1  # 51.0 ≤ 85% of 80
-    card.gib = 55  # 46.75 GiB usable
-    assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2) == 2
-    card.gib = 40  # 34 GiB usable: not even 4 ranks a group
-    with pytest.raises(CohortError, match=r"auto: the model's weights and the KV cache of a step's batch need "
-                                          r"39.7 GiB per rank even split over 4 sampling rank\(s\), more than 85% "
-                                          r"of a 40 GiB GPU; add sampling ranks"):
-        sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2)
+    # 4 trainers of 8 prompts × 8 completions of up to 4,608 tokens: T ranks a group serve T trainers' 64
+    # completions a call. A slot's KV cache is 4,608 × 128 KiB = 0.5625 GiB, 1/T of it a rank; the weights 14.96
+    # GiB, 1/T a rank. T is the smallest whose ranks keep at least min(64 · T, 64) = 64 slots.
+    weights = parameter_count(LLAMA_8B) * 2 / GIB
+    assert abs(weights - 14.96) < 0.01
+
+    def expected(gib):
+        for t in (1, 2, 4):
+            slots = widest(0.85 * gib - weights / t, 0.5625 / t)
+            if slots >= 64:
+                return t, slots
+
+    assert expected(80) == (1, 80)  # 53.0 GiB left: 94 slots, 80 at a CUDA-graph width
+    assert expected(55) == (2, 128)  # alone 31.8 GiB left: 48 slots, too few; in pairs 128
+    assert expected(40) == (2, 80)  # refused before (the whole batch's KV cache); 80 slots in pairs now
+    for gib in (80, 55, 40):
+        card.gib = gib
+        plan = sampling_plan(args, LLAMA_8B, cuda, 2, sampling_rank=True)
+        assert (plan.size, plan.slots) == expected(gib)
+        assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2) == plan.size  # the trainers form the same groups
+        assert sampling_plan(args, LLAMA_8B, cuda, 2).slots is None  # a trainer's own engine: its training plan's
+    card.gib = 16  # 13.6 GiB usable: 4 ranks a group keep 9.86 GiB, 70 slots of 0.14 GiB: 48 at a graph width
+    assert widest(0.85 * 16 - weights / 4, 0.5625 / 4) == 48
+    with pytest.raises(CohortError, match=r"rollout_tensor_parallel_size=auto: the model's weights \(3.7 GiB a rank "
+                                          r"split over 4 sampling rank\(s\)\) leave room for 48 sequence\(s\) of 4608 "
+                                          r"tokens in 85% of a 16 GiB GPU, not the KV cache of the 64 sequences a "
+                                          r"useful decode batch needs; add sampling ranks \((--)?rollout_gpus\), shorter "
+                                          r"completions \((--)?max_completion_length\), or (--)?max_concurrent_sequences"
+                                          r"[= ]48 to sample that few at once"):
+        sampling_plan(args, LLAMA_8B, cuda, 2, sampling_rank=True)
+    # Asked for 48 at once, the same card samples with 4 ranks a group
+    assert sampling_plan(run_args(max_concurrent_sequences=48), LLAMA_8B, cuda, 2, sampling_rank=True) == \
+        SamplingPlan(4, 48)
+
+
+def test_slots_asked_for_are_kept_and_the_split_is_the_smallest_that_holds_them(card):
+    cuda = torch.device("cuda", 0)
+    card.gib = 80  # alone: 53.0 GiB left, 94 slots of 0.5625 GiB; in pairs 60.5 GiB, 215 slots of 0.28 GiB
+    assert sampling_plan(run_args(max_concurrent_sequences=90), LLAMA_8B, cuda, 2, sampling_rank=True) == \
+        SamplingPlan(1, 90)
+    assert sampling_plan(run_args(max_concurrent_sequences=100), LLAMA_8B, cuda, 2, sampling_rank=True) == \
+        SamplingPlan(2, 100)
+    with pytest.raises(CohortError, match=r"max_concurrent_sequences[= ]2000"):
+        sampling_plan(run_args(max_concurrent_sequences=2000), LLAMA_8B, cuda, 2, sampling_rank=True)
+    # A split asked for keeps what fits, whatever it is: 4 ranks of an 8 GiB card keep 21 slots, 16 at a width
+    card.gib = 8
+    assert widest(0.85 * 8 - parameter_count(LLAMA_8B) * 2 / GIB / 4, 0.5625 / 4) == 16
+    assert sampling_plan(run_args(rollout_tensor_parallel_size=4), LLAMA_8B, cuda, 2, sampling_rank=True) == \
+        SamplingPlan(4, 16)
+
+
+def test_the_8b_bench_run_on_one_sampling_gpu_samples_with_fewer_slots_instead_of_being_refused(card):
+    """bench/async_rollouts.py --model llama3.1-8b --processes 2 --rollout_gpus 1 --prompts 16 --median 1024
+    --cap 4096 on an H200: one trainer, one sampling rank; 16 prompts × 8 completions of up to 128 + 4,096 tokens,
+    two batches in flight with partial rollouts: 256 rows a call, whose KV cache (132 GiB) and the weights need
+    147 GiB. The engine needs only its slots' KV cache."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from grpo_step_worker import SHAPES, config_dict
+
+    config = ModelConfig.from_hf_dict(config_dict(SHAPES["llama3.1-8b"]))
+    card.gib = 140
+    card.monkeypatch.setenv("WORLD_SIZE", "2")
+    args = GRPOConfig(per_device_train_batch_size=32, gradient_accumulation_steps=4, num_generations=8,
+                      max_prompt_length=128, max_completion_length=4096, async_rollouts=True, rollout_gpus=1,
+                      partial_rollouts=True).validate()
+    assert engine_call_rows(args, 1, sampling_rank=True) == 256
+    weights = parameter_count(config) * 2
+    slot = 32 * 8 * 128 * 2 * 2 * 4224  # layers × KV heads × head_dim × (K, V) × bf16 × 4,224 tokens (33 × 128)
+    assert slot == 528 * 2**20
+    assert (weights + 256 * slot) / GIB > 0.85 * 140  # the whole call's cache: refused before
+    plan = sampling_plan(args, config, torch.device("cuda", 0), 2, sampling_rank=True)
+    assert plan.size == 1 and plan.slots == widest((0.85 * 140 * GIB - weights) / GIB, slot / GIB) == 192
+    assert weights + plan.slots * slot <= 0.85 * 140 * GIB
+    card.gib = 40  # 34 GiB usable: 15 GiB of weights leave room for 36 slots, fewer than a useful 64: refused
+    with pytest.raises(CohortError, match=r"leave room for 32 sequence\(s\) of 4224 tokens in 85% of a 40 GiB GPU, "
+                                          r"not the KV cache of the 64 sequences a useful decode batch needs; add "
+                                          r"sampling ranks \((--)?rollout_gpus\)"):
+        sampling_plan(args, config, torch.device("cuda", 0), 2, sampling_rank=True)
+    card.gib = 16  # the weights alone need more than 85% of it
+    with pytest.raises(CohortError, match=r"leave no room for one sequence of 4224 tokens in 85% of a 16 GiB GPU"):
+        sampling_plan(args, config, torch.device("cuda", 0), 2, sampling_rank=True)
 
 
 def test_auto_is_one_where_a_split_cannot_apply(card):
-    card.gib = 8  # far too small: only the cases below keep it from a refusal
+    card.gib = 8  # far too small for a whole copy: only the cases below keep it from a refusal
     args = run_args()
     assert sampling_tensor_parallel_size(args, LLAMA_8B, torch.device("cpu"), 4) == 1
+    assert sampling_plan(args, LLAMA_8B, torch.device("cpu"), 4) == SamplingPlan(1, 256)  # the engine's most
     assert sampling_tensor_parallel_size(args, None, torch.device("cuda", 0), 2) == 1  # Hugging Face generate
-    assert sampling_tensor_parallel_size(args, LLAMA_8B, torch.device("cuda", 0), 2, splittable=False) == 1
     assert sampling_tensor_parallel_size(run_args(rollout_gpus=0, async_rollouts=False), LLAMA_8B,
                                          torch.device("cuda", 0), 2) == 1
     assert sampling_tensor_parallel_size(run_args(rollout_tensor_parallel_size=4), LLAMA_8B,
                                          torch.device("cuda", 0), 2) == 4  # asked for: kept
+    # Tools or LoRA: one rank an engine, so the card must hold a whole copy, and it does not
+    with pytest.raises(CohortError, match=r"leave no room for one sequence of 4608 tokens in 85% of a 8 GiB GPU, not "
+                                          r"the KV cache of one sequence"):
+        sampling_tensor_parallel_size(args, LLAMA_8B, torch.device("cuda", 0), 2, splittable=False)
 
 
 def test_the_cpu_run_settles_auto_to_one():
@@ -91,20 +177,56 @@ def test_the_cpu_run_settles_auto_to_one():
 def test_auto_on_fsdp_ranks_that_sample_themselves_counts_their_training_shard(card):
     """The colocated placement (--fsdp, no sampling ranks): T divides the 2 training ranks; a group samples its T
     ranks' 64 completions each, beside each rank's shard of the fp32 weights and AdamW moments (12 bytes a weight
-    over 2 ranks: 44.9 GiB at 8B)."""
+    over 2 ranks: 44.9 GiB at 8B), with at least 64 slots."""
     cuda = torch.device("cuda", 0)
     args = run_args(rollout_gpus=0, async_rollouts=False, fsdp=True)
-    training = parameter_count(LLAMA_8B) * 12 / 2 / GIB
-    per_rank = {t: sampling_plan.rank_bytes(LLAMA_8B, t, 64 * t, 4608, 2) / GIB + training for t in (1, 2)}
-    assert [round(per_rank[t], 1) for t in (1, 2)] == [95.8, 88.4]
-    card.gib = 141  # 119.85 GiB usable: each rank samples its own completions on a whole copy
-    assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=2) == 1
-    card.gib = 110  # 93.5 GiB usable: the two ranks sample as one group
-    assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=2) == 2
+    weights, training = parameter_count(LLAMA_8B) * 2 / GIB, parameter_count(LLAMA_8B) * 12 / 2 / GIB
+    assert round(training, 1) == 44.9
+    slots = {(gib, t): widest(0.85 * gib - weights / t - training, 0.5625 / t) for gib in (141, 110, 80) for t in (1, 2)}
+    assert slots == {(141, 1): 80, (141, 2): 192, (110, 1): 48, (110, 2): 128, (80, 1): 8, (80, 2): 48}
+    card.gib = 141  # each rank samples its own completions on a whole copy, 80 at once
+    assert sampling_plan(args, LLAMA_8B, cuda, 2, world_size=2) == SamplingPlan(1, 80)
+    card.gib = 110  # alone, 48 slots; the two ranks sample as one group with 128
+    assert sampling_plan(args, LLAMA_8B, cuda, 2, world_size=2) == SamplingPlan(2, 128)
     card.gib = 80
-    with pytest.raises(CohortError, match=r"need 88.4 GiB per rank even split over 2 training rank\(s\), more than "
-                                          r"85% of a 80 GiB GPU; add GPUs \(--nproc_per_node\)"):
+    with pytest.raises(CohortError, match=r"weights \(7.5 GiB a rank split over 2 training rank\(s\)\) and the "
+                                          r"training state leave room for 48 sequence\(s\) of 4608 tokens in 85% of a "
+                                          r"80 GiB GPU, not the KV cache of the 64 sequences a useful decode batch "
+                                          r"needs; add GPUs \(--nproc_per_node\)"):
         sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=2)
     assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=1) == 1  # one process: nothing to split
     assert sampling_tensor_parallel_size(run_args(rollout_gpus=0, async_rollouts=False), LLAMA_8B, cuda, 2,
                                          world_size=2) == 1  # DDP: every rank holds the whole model anyway
+
+
+def test_a_rank_that_trains_keeps_the_slots_its_step_leaves_room_for(card):
+    """One GPU trains and samples: the engine's cache is a term of the rank's training plan, so the slots are the
+    widest width whose plan peaks within 85% of the card (the next width's would not)."""
+    from dataclasses import replace
+
+    from cohort.memory.training_plan import Placement, StepShape, training_memory_plan
+    from cohort.memory.training_slots import training_rank_slots
+
+    cuda = torch.device("cuda", 0)
+    args = GRPOConfig(per_device_train_batch_size=16, gradient_accumulation_steps=32, num_generations=8,
+                      max_prompt_length=512, max_completion_length=4096).validate()  # 512 completions a step
+    card.gib = 141
+    slots = training_rank_slots(args, LLAMA_8B, cuda)
+    step = StepShape.from_config(args)
+    peak = {w: training_memory_plan(LLAMA_8B, replace(step, engine_slots=w), Placement()).peak for w in WIDTHS}
+    assert peak[slots] <= 0.85 * 141 * GIB < peak[WIDTHS[WIDTHS.index(slots) + 1]]
+    # While sampling the rank holds 8 bytes a weight (bf16 weights, the masters' low halves, bf16 moments) and the
+    # slots' caches, 0.5625 GiB each: within the budget too.
+    sampling = parameter_count(LLAMA_8B) * 8 / GIB + slots * 0.5625
+    assert sampling <= 0.85 * 141 and slots == 48
+    # A model whose step is small keeps the engine's most, as before
+    small = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    assert training_rank_slots(args, small, cuda) == 256
+    # A step that needs more than 85% of the card without any cache still samples, with the slots that do not
+    # raise its peak: the update borrows the idle cache for its gradients (15 GiB), so a cache that size is free.
+    card.gib = 60
+    without = training_memory_plan(LLAMA_8B, replace(step, engine_slots=0), Placement()).peak
+    assert without > 0.85 * 60 * GIB
+    lent = training_rank_slots(args, LLAMA_8B, cuda)
+    assert lent == max(w for w in WIDTHS if peak[w] <= without) and lent * 0.5625 <= 15

@@ -28,7 +28,7 @@ from cohort.rollout.cuda_graphs import DecodeGraphs
 from cohort.rollout.overlap import HostProgress, Retirement, Snapshot, to_device
 from cohort.rollout.prefill import prefill
 from cohort.rollout.sampling import sampling_key
-from cohort.rollout.scheduler import Scheduler, batch_buckets, round_up_to_bucket
+from cohort.rollout.scheduler import ENGINE_SLOTS, Scheduler, batch_buckets, round_up_to_bucket
 from cohort.rollout.sequence import Sequence, SlotState, assemble_rollout
 from cohort.rollout.token_sampler import graph_capturable, shared_seed, tensor_parallel_size, token_sampler
 from cohort.rollout.turns import TurnHandler, TurnKeeper
@@ -71,7 +71,7 @@ class Engine:
         printed and the plain ops are used.
     """
 
-    def __init__(self, model, tokenizer=None, max_batch_size: int = 256, max_seq_len: int | None = None,
+    def __init__(self, model, tokenizer=None, max_batch_size: int = ENGINE_SLOTS, max_seq_len: int | None = None,
                  use_cuda_graph: bool | None = None, check_interval: int = 16, prefill_tokens: int = 16384,
                  verify_graphs: bool = False, compile_kernels: bool | None = None, overlap_checks: bool = True):
         if max_batch_size < 1:

@@ -27,7 +27,7 @@ from ..run.distributed import Parallel
 from ..run.lifecycle import StopRequest
 from ..tools.toolbox import make_toolbox
 from .sampler import Sampler
-from .setup import build_rollout_server
+from .setup import build_rollout_server, slots_line
 
 
 def split_for_sampling(model, group, args, tools: bool):
@@ -72,8 +72,11 @@ class SamplingRank:
                                                              peft_config=peft_config, log=log)
         # Settled as the trainers settle theirs (cohort/resolve.py), from the same model and tools, so both sides
         # agree on partial_rollouts and max_staleness without a message.
-        self.args = args = resolve_run_config(args, model=self.model, device=device,
-                                              world_size=self.parallel.world_size, tools=toolbox is not None)
+        self.args = args = resolve_run_config(args, model=self.model, device=device, world_size=self.parallel.world_size,
+                                              tools=toolbox is not None, sampling_rank=True)
+        line = slots_line(args, sampling_rank=True)  # this rank sizes its own engine: it says so itself
+        if line:
+            log(f"rank {self.parallel.rank}: {line}")
         self.parallel.link.cover_staleness(args.max_staleness)
         self.parallel.link.form_sampling_groups(args.rollout_tensor_parallel_size)
         layout = None

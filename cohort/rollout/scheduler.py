@@ -14,6 +14,10 @@ from collections import deque
 
 from cohort.rollout.sequence import Sequence
 
+# The most sequences an engine decodes at once unless told otherwise (`Engine(max_batch_size=)`); the run's
+# `max_concurrent_sequences=auto` never goes above it, so where memory allows, a run samples as it always has.
+ENGINE_SLOTS = 256
+
 
 def batch_buckets(max_batch_size: int) -> list[int]:
     """Decode widths a CUDA graph is kept for: 1, 2, 4, 8, 16, then steps of about 1.5x, then max.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import CohortError
+from ..memory.sampling_plan import FILL, engine_call_rows, slot_length
 from ..models.policy import frozen_copy
 from ..tools.toolbox import Toolbox
 from . import make_sampler
@@ -24,6 +25,7 @@ from .engine import Engine
 from .group_sampler import GroupSampler
 from .partial import partial_rollouts
 from .remote import RemoteRollouts, RolloutServer
+from .scheduler import ENGINE_SLOTS
 from .sampler import Sampler
 
 
@@ -53,7 +55,7 @@ def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None 
     their shards (the colocated placement), else None.
     sampler_factory(model, tokenizer): makes each sampler (default `make_sampler`; a benchmark passes its own
     engine). `args` is the run's resolved config: `partial_rollouts` and `max_staleness` are settled there."""
-    sampler_factory = sampler_factory or make_sampler
+    sampler_factory = capped(sampler_factory or make_sampler, args.max_concurrent_sequences)
     sampler = sampler_factory(model, tokenizer)
     if sampling_group is not None:  # the group's requests become engine calls every rank of it makes
         sampler = ColocatedSampler(sampler, sampling_group)
@@ -78,7 +80,7 @@ def build_rollout_server(args, model, tokenizer, pad_id: int, toolbox: Toolbox |
     """A sampling rank's `RolloutServer` for the trainers `link` connects it to; the arguments are
     `build_rollouts`'s. shard_layout: with a tensor-parallel shard as `model`, the whole model's tensors
     (`split_for_sampling`), which rank 0's weight broadcast sends."""
-    sampler = (sampler_factory or make_sampler)(model, tokenizer)
+    sampler = capped(sampler_factory or make_sampler, args.max_concurrent_sequences)(model, tokenizer)
     group_sampler = GroupSampler(sampler, tokenizer, args, pad_id, toolbox)
     # One engine call per step for all the trainers served: our engine's noise is keyed by each
     # completion's index in the step's batch, so merged calls draw what separate ones would.
@@ -87,12 +89,48 @@ def build_rollout_server(args, model, tokenizer, pad_id: int, toolbox: Toolbox |
                          partial=partial_rollouts(args, sampler, group_sampler, pad_id), shard_layout=shard_layout)
 
 
-def placement_line(args, asked_split, world_size: int, group, device) -> str | None:
-    """The step log's line on where rollouts are sampled and why (None where every rank samples on its own whole
-    copy, the plain case). `asked_split`: rollout_tensor_parallel_size as the user gave it (`auto` or a number);
-    `group`: this rank's colocated sampling group, if any."""
+def capped(sampler_factory: Callable[..., Sampler], slots: int) -> Callable[..., Sampler]:
+    """`sampler_factory` whose engines decode at most `slots` sequences at once (the run's resolved
+    `max_concurrent_sequences`); an engine made with fewer keeps its own, and other samplers are left as made."""
+    def make(model, tokenizer):
+        sampler = sampler_factory(model, tokenizer)
+        if isinstance(sampler, Engine):
+            sampler.max_batch_size = min(sampler.max_batch_size, slots)
+        return sampler
+    return make
+
+
+def slots_line(args, sampling_rank: bool = False) -> str | None:
+    """The step log's line on the engine's slots where a GPU's call has more sequences than slots (None where
+    every sequence of a call decodes at once, the plain case). `args`: the resolved config; `sampling_rank`: the
+    line of a rank that only samples (`--rollout_gpus`), which sizes its own engine."""
+    if not args.device.startswith("cuda") or (args.rollout_gpus and not sampling_rank):
+        return None  # the CPU's engine keeps its default; the sampling ranks' engines each say their own
     size = args.rollout_tensor_parallel_size
-    why = ("auto: the smallest split whose weights and KV cache fit a GPU" if asked_split == "auto"
+    colocated = args.fsdp and not args.rollout_gpus and size > 1
+    rows = engine_call_rows(args, size if sampling_rank or colocated else 1, sampling_rank)
+    slots = args.max_concurrent_sequences
+    if slots >= rows:
+        return None
+    beside = "" if sampling_rank else " and the training state"
+    return (f"rollouts: the engine decodes at most {slots} of a call's {rows} sequences at once, the others wait for "
+            f"a slot (max_concurrent_sequences; auto: as many KV caches of {slot_length(args)} tokens as fit beside "
+            f"the weights{beside} in {FILL:.0%} of the GPU, at most {ENGINE_SLOTS}, at a CUDA-graph width)")
+
+
+def placement_line(args, asked_split, world_size: int, group, device) -> str | None:
+    """The step log's lines on where rollouts are sampled and why, and on the engine's slots where a call has more
+    sequences than that (`slots_line`); None where every rank samples a call at once on its own whole copy, the
+    plain case. `asked_split`: rollout_tensor_parallel_size as the user gave it (`auto` or a number); `group`:
+    this rank's colocated sampling group, if any."""
+    lines = [line for line in (where_line(args, asked_split, world_size, group, device), slots_line(args)) if line]
+    return "\n".join(lines) or None
+
+
+def where_line(args, asked_split, world_size: int, group, device) -> str | None:
+    """`placement_line`'s line on where rollouts are sampled (None: each rank on its own whole copy)."""
+    size = args.rollout_tensor_parallel_size
+    why = ("auto: the smallest split that keeps the KV cache of a useful batch beside its weights" if asked_split == "auto"
            else "rollout_tensor_parallel_size")
     if group is not None:
         return (f"rollouts: sampled on the {world_size} training ranks in {group.count} tensor-parallel group(s) of "
@@ -100,7 +138,7 @@ def placement_line(args, asked_split, world_size: int, group, device) -> str | N
                 "trained weights after each update)")
     if args.fsdp and asked_split == "auto" and world_size > 1 and device.type == "cuda":
         return (f"rollouts: each of the {world_size} FSDP2 ranks samples on a whole copy of the model (auto: one GPU "
-                "holds its weights and its share of a step's KV cache beside its training shard; "
+                "holds its weights and the KV cache of a useful batch beside its training shard; "
                 "--rollout_tensor_parallel_size T samples in groups of T, each rank keeping 1/T)")
     if args.rollout_gpus:
         return (f"rollouts: sampled on {args.rollout_gpus} rank(s)"
