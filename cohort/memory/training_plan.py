@@ -68,13 +68,13 @@ import math
 from dataclasses import dataclass, field
 
 from ..models.config import ModelConfig
+from ..rollout.scheduler import ENGINE_SLOTS
 from ..update.fast_path import MICRO_BATCH_FLOP
 from ..update.logprobs import CHUNK_BYTES
 from .precision import GRADIENT_CHUNK_BYTES
 from .sampling_plan import kv_cache_bytes, parameter_count
 
 GIB = 2**30
-ENGINE_SLOTS = 256  # the engine's default max_batch_size: sequences decoded at once (rollout/engine.py)
 KV_LENGTH_STEP = 128  # the engine rounds a call's KV length up to this (rollout/engine.py)
 NO_GRAD_FACTOR = 2  # no-grad log-prob micro-batches are this many times the update's (manager.py)
 
@@ -115,7 +115,8 @@ class StepShape:
                    lora_rank=args.lora_r if args.use_peft else 0, reference=args.beta > 0 and not args.use_peft,
                    offload_reference=args.offload_ref_model,
                    async_copy=args.async_rollouts and not args.rollout_gpus, lend_kv_cache=args.lend_kv_cache,
-                   free_sampling_memory=args.free_sampling_memory)
+                   free_sampling_memory=args.free_sampling_memory,
+                   engine_slots=slots if isinstance(slots := args.max_concurrent_sequences, int) else ENGINE_SLOTS)
 
 
 @dataclass(frozen=True)
