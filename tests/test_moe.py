@@ -182,3 +182,36 @@ def test_cohort_train_runs_a_transformers_saved_moe_folder(tmp_path):
     last = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r][-1]
     assert last["routing/replay_mismatch"] >= 0 and last["routing/expert_load_max_over_mean"] >= 1
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen3_moe"
+
+
+@pytest.mark.slow
+def test_compiled_training_layers_equal_eager_with_replay_in_one_graph_for_all_moe_layers():
+    """torch.compile of the training layer (float32 on the CPU) runs the MoE layers too: the same logits, router
+    reports and gradients as eager with routes replayed, and one graph serves both MoE layers (one the dense)."""
+    from torch._dynamo.utils import counters
+
+    model = _our_moe(num_hidden_layers=3, mlp_only_layers=[1]).train()
+    ids = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+    recorded = torch.randint(0, 4, (2, 9, 2, 2), generator=torch.Generator().manual_seed(2), dtype=torch.int16)
+
+    def step():
+        record = Routing(recorded, replay=True, keep_router=True)
+        logits = model(ids, routing=record)
+        (logits.square().mean() + sum(p.sum() for p in record.router_probs)).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad()
+        return logits.detach(), record, grads
+
+    eager = step()
+    torch._dynamo.reset()
+    counters.clear()
+    model.compile_for_training()
+    compiled = step()
+    assert not model.training_layer_call.failed and counters["stats"]["unique_graphs"] == 2
+    assert (compiled[0] - eager[0]).abs().max() <= 1e-5
+    assert torch.equal(compiled[1].free_differs, eager[1].free_differs) and compiled[1].free_differs.any()
+    assert len(compiled[1].expert_ids) == 2 and all(
+        torch.equal(a, b) for a, b in zip(compiled[1].expert_ids, eager[1].expert_ids))
+    for name, grad in eager[2].items():
+        assert (compiled[2][name] - grad).abs().max() <= 1e-5 * max(1.0, grad.abs().max()), name
+    assert eager[2]["model.layers.0.mlp.experts.down_proj"].abs().max() > 0
