@@ -215,3 +215,24 @@ def test_compiled_training_layers_equal_eager_with_replay_in_one_graph_for_all_m
     for name, grad in eager[2].items():
         assert (compiled[2][name] - grad).abs().max() <= 1e-5 * max(1.0, grad.abs().max()), name
     assert eager[2]["model.layers.0.mlp.experts.down_proj"].abs().max() > 0
+
+
+def test_qwen3_30b_a3b_counts_its_experts():
+    """The plans count every expert: Qwen3-30B-A3B's config gives the 30.5B weights transformers builds (less the
+    q/k norms, which the count leaves out), and the layer FSDP2 gathers is a whole MoE layer."""
+    from cohort.memory.sampling_plan import parameter_count
+    from cohort.memory.training_plan import layer_parameter_count
+    from cohort.models import ModelConfig
+
+    fields = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                  num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                  moe_intermediate_size=768, tie_word_embeddings=False)
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**fields))
+    norms = sum(p.numel() for name, p in theirs.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight")))
+    config = ModelConfig(model_type="qwen3_moe", **fields)
+    assert parameter_count(config) == sum(p.numel() for p in theirs.parameters()) - norms
+    assert 30.4e9 < parameter_count(config) < 30.6e9
+    layer = theirs.model.layers[0]
+    assert layer_parameter_count(config) == sum(p.numel() for name, p in layer.named_parameters()
+                                                if not name.endswith(("q_norm.weight", "k_norm.weight")))
