@@ -22,7 +22,8 @@ phase leaves `HEADROOM_GIB` of the card (the CUDA context, NCCL, the allocator).
   bench/async_rollouts.py's machinery (its `DrawnLengthEngine`: completion lengths drawn lognormal, median
   `--median`, 99th percentile at the cap, capped at 4,096; the engine decodes exactly the drawn tokens);
 - TRL 1.16's GRPOTrainer under `accelerate launch` on the same N GPUs with FSDP2 (transformers' `fsdp` and
-  `fsdp_config`), its own `generate`, the same prompts, G, β, learning rate and reward; `--trl_steps` steps.
+  `fsdp_config`), its own `generate`, the same prompts, G, β, learning rate and reward; `--trl_steps` steps
+  (bench/scale_trl.py).
 
 Per row: tokens/s/GPU = (prompt + completion tokens of a step) ÷ (step wall time × N), NeMo-RL's formula; the
 busiest GPU's peak memory; `time/weight_sync` (sampling ranks receiving the weights; under FSDP2 the gather into
@@ -55,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import subprocess
@@ -223,102 +223,6 @@ def mean_of(steps: list[dict], *keys: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-# ---- TRL: GRPOTrainer under accelerate launch, FSDP2 ------------------------------------------------
-
-def trl_available() -> bool:
-    return importlib.util.find_spec("trl") is not None
-
-
-def trl_run(args, shape: str, out: Path) -> dict:
-    if not trl_available():
-        return dict(skipped="TRL not installed")
-    spec = out / f"trl-{shape}.json"
-    result = out / f"trl-{shape}-result.json"
-    spec.write_text(json.dumps(dict(shape=shape, smoke=args.smoke, gpus=args.gpus, steps=args.trl_steps,
-                                    prompts=args.prompts_per_gpu * args.gpus, generations=args.num_generations,
-                                    prompt_len=args.prompt_len, completion_len=args.cap, result=str(result))))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.gpus),
-               "--num_machines", "1", "--mixed_precision", "no" if args.smoke else "bf16",
-               *(["--cpu"] if args.smoke else []), str(Path(__file__).resolve()), "--trl_worker", str(spec)]
-    done = subprocess.run(command, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=args.trl_timeout_s)
-    if not result.is_file():
-        return dict(error=f"TRL exited {done.returncode} without a result")
-    return json.loads(result.read_text())
-
-
-def trl_worker(spec_path: str) -> None:
-    """One rank of TRL's run; rank 0 writes the result (per-step wall times, tokens/s/GPU, the busiest GPU's peak)."""
-    import torch
-    import torch.distributed as dist
-    from datasets import Dataset
-    from grpo_step_worker import BETA, LEARNING_RATE, SHAPES, SMOKE, make_prompts, make_reward, make_tokenizer
-    from grpo_step_worker import run_build
-    from transformers import TrainerCallback
-    import trl
-    from trl import GRPOConfig, GRPOTrainer
-
-    spec = json.loads(Path(spec_path).read_text())
-    shape = (SMOKE if spec["smoke"] else SHAPES)[spec["shape"]]
-    cuda = not spec["smoke"]
-    rank = int(os.environ.get("RANK", "0"))
-    folder = Path(spec_path).with_suffix("") / "model"
-    if rank == 0 and not (folder / "config.json").is_file():
-        run_build(dict(shape=shape, folder=str(folder), device="cuda" if cuda else "cpu"),
-                  type("Silent", (), {"save": lambda self, **kw: None})())
-    marker = folder / "config.json"
-    while not marker.is_file():  # the other ranks wait for rank 0's folder
-        time.sleep(1)
-    time.sleep(2)
-    walls, lengths = [], []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            if cuda:
-                torch.cuda.synchronize()
-            self.started = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            if cuda:
-                torch.cuda.synchronize()
-            walls.append(time.perf_counter() - self.started)
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                lengths.append(logs["completions/mean_length"])
-
-    per_gpu = spec["prompts"] * spec["generations"] // spec["gpus"]
-    layer = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
-             "qwen3_moe": "Qwen3MoeDecoderLayer"}
-    config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-scale-"), per_device_train_batch_size=per_gpu,
-        gradient_accumulation_steps=1, num_generations=spec["generations"],
-        max_completion_length=spec["completion_len"], beta=BETA, learning_rate=LEARNING_RATE, bf16=cuda,
-        logging_steps=1, max_steps=spec["steps"], report_to=[], save_strategy="no", gradient_checkpointing=True,
-        temperature=1.0, top_k=0, top_p=1.0, disable_tqdm=True, use_cpu=not cuda,
-        fsdp="full_shard auto_wrap",
-        fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
-                     "transformer_layer_cls_to_wrap": [layer[shape["model_type"]]]})
-    rows = make_prompts(shape["vocab_size"], spec["prompts"] * (spec["steps"] + 1), spec["prompt_len"])
-    trainer = GRPOTrainer(model=str(folder), reward_funcs=[make_reward(spec["completion_len"])], args=config,
-                          train_dataset=Dataset.from_list(rows), processing_class=make_tokenizer(shape["vocab_size"]),
-                          callbacks=[Clock()])
-    trainer.train()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    peaks = [None] * dist.get_world_size() if dist.is_initialized() else [peak]
-    if dist.is_initialized():
-        dist.all_gather_object(peaks, peak)
-    if rank != 0:
-        return
-    measured = walls[1:] or walls
-    wall = sum(measured) / len(measured)
-    mean_length = sum(lengths[1:] or lengths) / max(1, len(lengths[1:] or lengths))
-    tokens = spec["prompts"] * spec["generations"] * (spec["prompt_len"] + mean_length)
-    Path(spec["result"]).write_text(json.dumps(dict(
-        trl=trl.__version__, step_walls=[round(w, 2) for w in walls], wall_s=wall, mean_completion_length=mean_length,
-        tok_per_s_per_gpu=tokens / (wall * spec["gpus"]), peak_gib=max(p for p in peaks if p is not None)
-        if cuda else None)))
-
-
 # ---- main ----------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -346,7 +250,6 @@ def parse_args(argv=None):
                    help="mixture-of-experts shapes: each mode with routing replay, without, or both")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--trl_worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
         args.gpus, args.prompts_per_gpu, args.trl_steps = 2, 2, 2
@@ -359,8 +262,8 @@ def parse_args(argv=None):
 
 
 def markdown(rows: list, gpus: int) -> str:
-    lines = [f"| shape | run | tok/s/GPU (NeMo-RL's formula) | full-shape equivalent (× work share) | step wall s "
-             f"| peak GiB (busiest GPU) | weight sync share | replay mismatch | ÷ TRL |",
+    lines = ["| shape | run | tok/s/GPU (NeMo-RL's formula) | full-shape equivalent (× work share) | step wall s "
+             "| peak GiB (busiest GPU) | weight sync share | replay mismatch | ÷ TRL |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     for row in rows:
@@ -404,6 +307,8 @@ def main(argv=None) -> dict:
         if "cohort" in args.frameworks:
             row["cohort"] = cohort_modes(args, shape, out / f"cohort-{shape}")
         if "trl" in args.frameworks:
+            from scale_trl import trl_run
+
             try:
                 row["trl"] = trl_run(args, shape, out)
             except subprocess.TimeoutExpired:
@@ -426,8 +331,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    parsed = parse_args()
-    if parsed.trl_worker:
-        trl_worker(parsed.trl_worker)
-    else:
-        main()
+    main()
