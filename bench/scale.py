@@ -1,9 +1,11 @@
 """8B-class GRPO on one node: tokens per second per GPU by NeMo-RL's formula, synchronous and asynchronous, against
-TRL 1.16 in the same call on the same GPUs; and `--plan`, the memory plan's capacity rows (nothing measured).
+TRL 1.16 in the same call on the same GPUs; Qwen3-30B-A3B at half depth with and without routing replay; and
+`--plan`, the memory plan's capacity rows (nothing measured).
 
     python bench/scale.py --plan                       # CPU: what fits 8B on 2×80 GB, 14B on 2×H200, 32B on 4×H200
     python bench/scale.py --gpus 2                     # GPUs: llama3.1-8b and qwen3-8b, cohort sync + async, TRL
     python bench/scale.py --gpus 2 --models llama3.1-8b --frameworks cohort   # one shape, cohort only
+    python bench/scale.py --gpus 2 --models qwen3-30b-a3b-half --frameworks cohort   # MoE: replay on and off
     python bench/scale.py --smoke                      # CPU: tiny shapes, 2 gloo processes, checks the plumbing
 
 `--plan` prints, for each capacity row of the issue (4,096-token completions), the plan of cohort/memory/
@@ -20,11 +22,21 @@ phase leaves `HEADROOM_GIB` of the card (the CUDA context, NCCL, the allocator).
   bench/async_rollouts.py's machinery (its `DrawnLengthEngine`: completion lengths drawn lognormal, median
   `--median`, 99th percentile at the cap, capped at 4,096; the engine decodes exactly the drawn tokens);
 - TRL 1.16's GRPOTrainer under `accelerate launch` on the same N GPUs with FSDP2 (transformers' `fsdp` and
-  `fsdp_config`), its own `generate`, the same prompts, G, β, learning rate and reward; `--trl_steps` steps.
+  `fsdp_config`), its own `generate`, the same prompts, G, β, learning rate and reward; `--trl_steps` steps
+  (bench/scale_trl.py).
 
 Per row: tokens/s/GPU = (prompt + completion tokens of a step) ÷ (step wall time × N), NeMo-RL's formula; the
 busiest GPU's peak memory; `time/weight_sync` (sampling ranks receiving the weights; under FSDP2 the gather into
 the engine's copy, `time/gather`) as a share of the step; cohort ÷ TRL.
+
+A mixture of experts (`qwen3-30b-a3b-half`: Qwen3-30B-A3B with 24 of its 48 layers) runs each mode with routing
+replay and without (`--routing_replay both|true|false`, the GRPOConfig field), partial rollouts off (they do not
+keep a carried group's routes), and its asynchronous mode colocated under FSDP2 (`async_rollouts=true,fsdp=true`:
+with N/2 sampling ranks one trainer GPU would hold the whole ~15B model's full-parameter state). Its rows add
+`routing/replay_mismatch` (the share of tokens whose free top-k in the trainer differs from the sampler's in some
+layer) and the full-shape equivalent: the measured figure × 0.5, since the half-depth shape does about half the
+work a token, against NeMo-RL's full-shape 1,102 (synchronous) and 1,414 (asynchronous) tokens/s/GPU. In `--plan`
+its ladder leaves out the tensor-parallel engine (cohort samples a mixture of experts whole).
 
 The batch, against NeMo-RL's Llama-3.1-8B row (16 H100s; its GRPO recipe as we read it: 64 prompts × 32
 generations = 2,048 sequences a step, 128 a GPU, at most 4,096 tokens a sequence). Kept: G = 32, the 4,096-token
@@ -36,15 +48,14 @@ and TRL's generate cannot stop at a drawn length), and its static batch pays the
 its figure is the most a long-tailed batch could give it.
 
 Writes scale.json (and prints a markdown table) to --out (default $OUT, else runs/scale_bench). `--smoke` runs
-the same code on the CPU with the tiny SMOKE twins, 2 processes over gloo, a few steps, and skips TRL where it
-is not installed ("TRL not installed").
+the same code on the CPU with the tiny SMOKE twins, 2 processes over gloo, a few steps (the tiny MoE: sync with
+replay, async without), and skips TRL where it is not installed ("TRL not installed").
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import subprocess
@@ -63,15 +74,23 @@ CAPACITY_ROWS = (  # shape, GPUs, card, card GiB (the issue's capacities)
     ("llama3.1-8b", 2, "80 GB (H100)", 79.6),
     ("qwen2.5-14b", 2, "H200", 140.4),
     ("qwen2.5-32b", 4, "H200", 140.4),
+    ("qwen3-30b-a3b-half", 2, "H200", 140.4),
 )
-NEMO_RL = {"llama3.1-8b": dict(sync=1562, async_=2161)}  # tokens/s/GPU, on-policy and one-step off-policy
+# tokens/s/GPU, on-policy and one-step off-policy. Qwen3-30B-A3B's figures are the full shape's (32 H100s); the
+# half-depth shape does about half the work per token, so its measured figure times `work_share` compares with them.
+NEMO_RL = {"llama3.1-8b": dict(sync=1562, async_=2161),
+           "qwen3-30b-a3b-half": dict(sync=1102, async_=1414, work_share=0.5)}
+REPLAY_MISMATCH = "routing/replay_mismatch"
 
 
-def ladder():
-    """(label, changes to the step, changes to the placement), each on top of the ones before."""
+def ladder(moe: bool = False):
+    """(label, changes to the step, changes to the placement), each on top of the ones before. A mixture of
+    experts skips the tensor-parallel engine (cohort samples one whole: its experts are not split)."""
+    tensor_parallel = [] if moe else [
+        ("+ the engine a tensor-parallel shard over the GPUs (colocated)", {}, {"sampling_split": "ranks"})]
     return [
         ("cohort's defaults (engine a whole copy; 16 completions a micro-batch)", {}, {}),
-        ("+ the engine a tensor-parallel shard over the GPUs (colocated)", {}, {"sampling_split": "ranks"}),
+        *tensor_parallel,
         ("+ one completion a micro-batch (--per_device_train_batch_size 1)", {"micro_rows": 1}, {}),
         ("+ KV cache freed for the update (--free_sampling_memory true)", {"free_sampling_memory": True}, {}),
         ("+ code: the engine's weights released during the update", {}, {"engine_in_update": False}),
@@ -93,7 +112,7 @@ def plan_rows(prompt_len: int = 256, completion_len: int = 4096, prompts_per_gpu
         placement = Placement(ranks=gpus, fsdp=True)
         entry = dict(shape=shape, gpus=gpus, card=card, card_gib=card_gib, completions_per_gpu=step.rows,
                      prompt_len=prompt_len, completion_len=completion_len, ladder=[], fits_from=None)
-        for label, step_changes, placement_changes in ladder():
+        for label, step_changes, placement_changes in ladder(moe=bool(config.num_experts)):
             step = replace(step, **step_changes)
             placement = replace(placement, **{k: gpus if v == "ranks" else v for k, v in placement_changes.items()})
             plan = training_memory_plan(config, step, placement)
@@ -121,6 +140,33 @@ def plan_table(rows: list) -> str:
 
 # ---- cohort: bench/async_rollouts.py's machinery, one torchrun job a mode ----------------------------
 
+def is_moe(shape: str) -> bool:
+    from grpo_step_worker import SHAPES
+
+    return bool(SHAPES[shape].get("num_experts"))
+
+
+def cohort_runs(args, shape: str) -> list[tuple[str, str, list[str]]]:
+    """(label, mode, GRPOConfig options) of each cohort run of `shape`. The asynchronous default samples on N/2
+    ranks of their own; a mixture of experts' samples colocated under FSDP2 instead (one trainer GPU cannot hold
+    a 15B model's full-parameter state, and sampling ranks need a trainer's whole weights), and runs each mode
+    with and/or without routing replay (`--routing_replay`)."""
+    moe = is_moe(shape)
+    default = "async_rollouts=true,fsdp=true" if moe else f"rollout_gpus={max(1, args.gpus // 2)},async_rollouts=true"
+    async_options = [o for o in (args.async_options or default).split(",") if o]
+    if not any(o.startswith("async_rollouts=") for o in async_options):
+        async_options.append("async_rollouts=true")
+    runs = [("sync", "sync", args.sync_options), ("async", "async", async_options)]
+    if not moe:
+        return runs
+    replays = {"both": (True, False), "true": (True,), "false": (False,)}[args.routing_replay]
+    runs = [(label if replay else f"{label}, no replay", mode, [*options, f"routing_replay={str(replay).lower()}"])
+            for replay in replays for label, mode, options in runs]
+    if args.smoke and args.routing_replay == "both":  # each code path once: sync with replay, async without
+        runs = [runs[0], runs[3]]
+    return runs
+
+
 def cohort_modes(args, shape: str, out: Path) -> dict:
     import async_rollouts
 
@@ -131,8 +177,10 @@ def cohort_modes(args, shape: str, out: Path) -> dict:
     if args.smoke:
         argv = ["--smoke", "--model", shape, "--processes", str(args.gpus), "--out", str(out), "--prompts",
                 str(args.prompts_per_gpu * args.gpus)]
+    if is_moe(shape):  # partial rollouts do not keep a carried group's routes: the same schedule with replay or not
+        argv += ["--partial_rollouts", "false"]
     results = {}
-    for mode, options in (("sync", args.sync_options), ("async", args.async_options)):
+    for label, mode, options in cohort_runs(args, shape):
         extra = ["--modes", mode]
         for option in options:
             key, _, value = option.partition("=")
@@ -143,121 +191,36 @@ def cohort_modes(args, shape: str, out: Path) -> dict:
         started = time.perf_counter()
         try:
             report = async_rollouts.main(argv + extra)
-        except Exception as error:  # noqa: BLE001 - the other mode and TRL still run; the row says why
+        except Exception as error:  # noqa: BLE001 - the other runs and TRL still run; the row says why
             if args.smoke:
                 raise
-            results[mode] = dict(error=f"{type(error).__name__}: {error}"[:400])
+            results[label] = dict(error=f"{type(error).__name__}: {error}"[:400])
             continue
         run = report["modes"].get(mode)
         if run is None:
-            results[mode] = dict(error=report.get("errors", {}).get(mode, "no result"))
+            results[label] = dict(error=report.get("errors", {}).get(mode, "no result"))
             continue
         summary = run["summary"]
         measured = [s for s in run["steps"] if s["step"] > (1 if args.smoke else args.warmup)]
-        sync_s = [s.get("time/weight_sync", s.get("time/gather")) for s in measured]
-        sync_s = [v for v in sync_s if v is not None]
-        weight_sync = sum(sync_s) / len(sync_s) if sync_s else None
-        results[mode] = dict(tok_per_s_per_gpu=summary.get("tok_per_s_per_gpu"), wall_s=summary.get("wall_s"),
-                             peak_gib=summary.get("peak_memory_gib"), weight_sync_s=weight_sync,
-                             weight_sync_share=weight_sync / summary["wall_s"] if weight_sync and summary.get("wall_s")
-                             else None, tokens_per_step=summary.get("tokens_per_step"),
-                             options=options, seconds=round(time.perf_counter() - started, 1))
+        weight_sync = mean_of(measured, "time/weight_sync", "time/gather")
+        tok_per_gpu = summary.get("tok_per_s_per_gpu")
+        work_share = NEMO_RL.get(shape, {}).get("work_share")
+        results[label] = dict(tok_per_s_per_gpu=tok_per_gpu, wall_s=summary.get("wall_s"),
+                              full_shape_tok_per_s_per_gpu=tok_per_gpu * work_share if tok_per_gpu and work_share
+                              else None, peak_gib=summary.get("peak_memory_gib"), weight_sync_s=weight_sync,
+                              weight_sync_share=weight_sync / summary["wall_s"] if weight_sync and summary.get("wall_s")
+                              else None, tokens_per_step=summary.get("tokens_per_step"),
+                              replay_mismatch=mean_of(measured, REPLAY_MISMATCH),
+                              expert_load_max_over_mean=mean_of(measured, "routing/expert_load_max_over_mean"),
+                              options=options, seconds=round(time.perf_counter() - started, 1))
     return results
 
 
-# ---- TRL: GRPOTrainer under accelerate launch, FSDP2 ------------------------------------------------
-
-def trl_available() -> bool:
-    return importlib.util.find_spec("trl") is not None
-
-
-def trl_run(args, shape: str, out: Path) -> dict:
-    if not trl_available():
-        return dict(skipped="TRL not installed")
-    spec = out / f"trl-{shape}.json"
-    result = out / f"trl-{shape}-result.json"
-    spec.write_text(json.dumps(dict(shape=shape, smoke=args.smoke, gpus=args.gpus, steps=args.trl_steps,
-                                    prompts=args.prompts_per_gpu * args.gpus, generations=args.num_generations,
-                                    prompt_len=args.prompt_len, completion_len=args.cap, result=str(result))))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.gpus),
-               "--num_machines", "1", "--mixed_precision", "no" if args.smoke else "bf16",
-               *(["--cpu"] if args.smoke else []), str(Path(__file__).resolve()), "--trl_worker", str(spec)]
-    done = subprocess.run(command, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=args.trl_timeout_s)
-    if not result.is_file():
-        return dict(error=f"TRL exited {done.returncode} without a result")
-    return json.loads(result.read_text())
-
-
-def trl_worker(spec_path: str) -> None:
-    """One rank of TRL's run; rank 0 writes the result (per-step wall times, tokens/s/GPU, the busiest GPU's peak)."""
-    import torch
-    import torch.distributed as dist
-    from datasets import Dataset
-    from grpo_step_worker import BETA, LEARNING_RATE, SHAPES, SMOKE, make_prompts, make_reward, make_tokenizer
-    from grpo_step_worker import run_build
-    from transformers import TrainerCallback
-    import trl
-    from trl import GRPOConfig, GRPOTrainer
-
-    spec = json.loads(Path(spec_path).read_text())
-    shape = (SMOKE if spec["smoke"] else SHAPES)[spec["shape"]]
-    cuda = not spec["smoke"]
-    rank = int(os.environ.get("RANK", "0"))
-    folder = Path(spec_path).with_suffix("") / "model"
-    if rank == 0 and not (folder / "config.json").is_file():
-        run_build(dict(shape=shape, folder=str(folder), device="cuda" if cuda else "cpu"),
-                  type("Silent", (), {"save": lambda self, **kw: None})())
-    marker = folder / "config.json"
-    while not marker.is_file():  # the other ranks wait for rank 0's folder
-        time.sleep(1)
-    time.sleep(2)
-    walls, lengths = [], []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            if cuda:
-                torch.cuda.synchronize()
-            self.started = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            if cuda:
-                torch.cuda.synchronize()
-            walls.append(time.perf_counter() - self.started)
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                lengths.append(logs["completions/mean_length"])
-
-    per_gpu = spec["prompts"] * spec["generations"] // spec["gpus"]
-    layer = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer"}
-    config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-scale-"), per_device_train_batch_size=per_gpu,
-        gradient_accumulation_steps=1, num_generations=spec["generations"],
-        max_completion_length=spec["completion_len"], beta=BETA, learning_rate=LEARNING_RATE, bf16=cuda,
-        logging_steps=1, max_steps=spec["steps"], report_to=[], save_strategy="no", gradient_checkpointing=True,
-        temperature=1.0, top_k=0, top_p=1.0, disable_tqdm=True, use_cpu=not cuda,
-        fsdp="full_shard auto_wrap",
-        fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
-                     "transformer_layer_cls_to_wrap": [layer[shape["model_type"]]]})
-    rows = make_prompts(shape["vocab_size"], spec["prompts"] * (spec["steps"] + 1), spec["prompt_len"])
-    trainer = GRPOTrainer(model=str(folder), reward_funcs=[make_reward(spec["completion_len"])], args=config,
-                          train_dataset=Dataset.from_list(rows), processing_class=make_tokenizer(shape["vocab_size"]),
-                          callbacks=[Clock()])
-    trainer.train()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    peaks = [None] * dist.get_world_size() if dist.is_initialized() else [peak]
-    if dist.is_initialized():
-        dist.all_gather_object(peaks, peak)
-    if rank != 0:
-        return
-    measured = walls[1:] or walls
-    wall = sum(measured) / len(measured)
-    mean_length = sum(lengths[1:] or lengths) / max(1, len(lengths[1:] or lengths))
-    tokens = spec["prompts"] * spec["generations"] * (spec["prompt_len"] + mean_length)
-    Path(spec["result"]).write_text(json.dumps(dict(
-        trl=trl.__version__, step_walls=[round(w, 2) for w in walls], wall_s=wall, mean_completion_length=mean_length,
-        tok_per_s_per_gpu=tokens / (wall * spec["gpus"]), peak_gib=max(p for p in peaks if p is not None)
-        if cuda else None)))
+def mean_of(steps: list[dict], *keys: str) -> float | None:
+    """The mean over `steps` of the first of `keys` each step has; None where none has any."""
+    values = [next((s[k] for k in keys if s.get(k) is not None), None) for s in steps]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -281,41 +244,40 @@ def parse_args(argv=None):
     p.add_argument("--sync_options", default="fsdp=true,free_sampling_memory=true",
                    help="GRPOConfig fields of the synchronous mode, comma-separated KEY=VALUE")
     p.add_argument("--async_options", default=None,
-                   help="of the asynchronous mode (rollout_gpus=K is the launcher's); default rollout_gpus=N/2")
+                   help="of the asynchronous mode (rollout_gpus=K is the launcher's); default rollout_gpus=N/2, "
+                        "for a mixture of experts fsdp=true (colocated)")
+    p.add_argument("--routing_replay", default="both", choices=["both", "true", "false"],
+                   help="mixture-of-experts shapes: each mode with routing replay, without, or both")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--trl_worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
         args.gpus, args.prompts_per_gpu, args.trl_steps = 2, 2, 2
         args.num_generations, args.prompt_len, args.cap, args.steps, args.warmup = 4, 16, 48, 3, 1
-        args.models = "llama3.1-8b"
+        args.models = "llama3.1-8b,qwen3-30b-a3b-half"
     args.sync_options = [o for o in args.sync_options.split(",") if o]
-    async_default = f"rollout_gpus={max(1, args.gpus // 2)},async_rollouts=true"
-    args.async_options = [o for o in (args.async_options or async_default).split(",") if o]
-    if not any(o.startswith("async_rollouts=") for o in args.async_options):
-        args.async_options.append("async_rollouts=true")
     args.models = [m for m in args.models.split(",") if m]
     args.frameworks = [f for f in args.frameworks.split(",") if f]
     return args
 
 
 def markdown(rows: list, gpus: int) -> str:
-    lines = [f"| shape | run | tok/s/GPU (NeMo-RL's formula) | step wall s | peak GiB (busiest GPU) | weight sync "
-             f"share | ÷ TRL |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| shape | run | tok/s/GPU (NeMo-RL's formula) | full-shape equivalent (× work share) | step wall s "
+             "| peak GiB (busiest GPU) | weight sync share | replay mismatch | ÷ TRL |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     for row in rows:
         trl = row.get("trl", {})
-        for name in ("sync", "async", "trl"):
-            r = trl if name == "trl" else row.get("cohort", {}).get(name, {})
+        for name, r in [*row.get("cohort", {}).items(), *([("trl", trl)] if "trl" in row else [])]:
             if "error" in r or "skipped" in r:
-                lines.append(f"| {row['shape']} | {name} | {r.get('error') or r.get('skipped')} | | | | |")
+                lines.append(f"| {row['shape']} | {name} | {r.get('error') or r.get('skipped')} | | | | | | |")
                 continue
             ratio = (r["tok_per_s_per_gpu"] / trl["tok_per_s_per_gpu"]
                      if name != "trl" and r.get("tok_per_s_per_gpu") and trl.get("tok_per_s_per_gpu") else None)
             lines.append(f"| {row['shape']} | {name} on {gpus} GPUs | {fmt(r.get('tok_per_s_per_gpu'), ',.0f')} "
-                         f"| {fmt(r.get('wall_s'), '.1f')} | {fmt(r.get('peak_gib'), '.1f')} "
-                         f"| {fmt(r.get('weight_sync_share'), '.1%')} | {fmt(ratio, '.2f')} |")
+                         f"| {fmt(r.get('full_shape_tok_per_s_per_gpu'), ',.0f')} | {fmt(r.get('wall_s'), '.1f')} "
+                         f"| {fmt(r.get('peak_gib'), '.1f')} | {fmt(r.get('weight_sync_share'), '.1%')} "
+                         f"| {fmt(r.get('replay_mismatch'), '.1%')} | {fmt(ratio, '.2f')} |")
     return "\n".join(lines)
 
 
@@ -345,6 +307,8 @@ def main(argv=None) -> dict:
         if "cohort" in args.frameworks:
             row["cohort"] = cohort_modes(args, shape, out / f"cohort-{shape}")
         if "trl" in args.frameworks:
+            from scale_trl import trl_run
+
             try:
                 row["trl"] = trl_run(args, shape, out)
             except subprocess.TimeoutExpired:
@@ -357,16 +321,14 @@ def main(argv=None) -> dict:
     (out / "scale.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     if args.smoke:
         for row in report["rows"]:
-            for mode in ("sync", "async"):
-                assert row["cohort"][mode].get("tok_per_s_per_gpu"), (mode, row["cohort"][mode])
-        print("smoke: OK — cohort sync and async ran on 2 gloo processes; TRL: "
+            for label, run in row["cohort"].items():
+                assert run.get("tok_per_s_per_gpu"), (row["shape"], label, run)
+                assert (run.get("replay_mismatch") is not None) == is_moe(row["shape"]), (row["shape"], label, run)
+        print("smoke: OK — cohort sync and async ran on 2 gloo processes, the mixture of experts with and without "
+              "routing replay; TRL: "
               f"{report['rows'][0].get('trl', {}).get('skipped', 'ran')}", flush=True)
     return report
 
 
 if __name__ == "__main__":
-    parsed = parse_args()
-    if parsed.trl_worker:
-        trl_worker(parsed.trl_worker)
-    else:
-        main()
+    main()

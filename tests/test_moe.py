@@ -182,3 +182,57 @@ def test_cohort_train_runs_a_transformers_saved_moe_folder(tmp_path):
     last = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r][-1]
     assert last["routing/replay_mismatch"] >= 0 and last["routing/expert_load_max_over_mean"] >= 1
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen3_moe"
+
+
+@pytest.mark.slow
+def test_compiled_training_layers_equal_eager_with_replay_in_one_graph_for_all_moe_layers():
+    """torch.compile of the training layer (float32 on the CPU) runs the MoE layers too: the same logits, router
+    reports and gradients as eager with routes replayed, and one graph serves both MoE layers (one the dense)."""
+    from torch._dynamo.utils import counters
+
+    model = _our_moe(num_hidden_layers=3, mlp_only_layers=[1]).train()
+    ids = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+    recorded = torch.randint(0, 4, (2, 9, 2, 2), generator=torch.Generator().manual_seed(2), dtype=torch.int16)
+
+    def step():
+        record = Routing(recorded, replay=True, keep_router=True)
+        logits = model(ids, routing=record)
+        (logits.square().mean() + sum(p.sum() for p in record.router_probs)).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad()
+        return logits.detach(), record, grads
+
+    eager = step()
+    torch._dynamo.reset()
+    counters.clear()
+    model.compile_for_training()
+    compiled = step()
+    assert not model.training_layer_call.failed and counters["stats"]["unique_graphs"] == 2
+    assert (compiled[0] - eager[0]).abs().max() <= 1e-5
+    assert torch.equal(compiled[1].free_differs, eager[1].free_differs) and compiled[1].free_differs.any()
+    assert len(compiled[1].expert_ids) == 2 and all(
+        torch.equal(a, b) for a, b in zip(compiled[1].expert_ids, eager[1].expert_ids))
+    for name, grad in eager[2].items():
+        assert (compiled[2][name] - grad).abs().max() <= 1e-5 * max(1.0, grad.abs().max()), name
+    assert eager[2]["model.layers.0.mlp.experts.down_proj"].abs().max() > 0
+
+
+def test_qwen3_30b_a3b_counts_its_experts():
+    """The plans count every expert: Qwen3-30B-A3B's config gives the 30.5B weights transformers builds (less the
+    q/k norms, which the count leaves out), and the layer FSDP2 gathers is a whole MoE layer."""
+    from cohort.memory.sampling_plan import parameter_count
+    from cohort.memory.training_plan import layer_parameter_count
+    from cohort.models import ModelConfig
+
+    fields = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                  num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                  moe_intermediate_size=768, tie_word_embeddings=False)
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**fields))
+    norms = sum(p.numel() for name, p in theirs.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight")))
+    config = ModelConfig(model_type="qwen3_moe", **fields)
+    assert parameter_count(config) == sum(p.numel() for p in theirs.parameters()) - norms
+    assert 30.4e9 < parameter_count(config) < 30.6e9
+    layer = theirs.model.layers[0]
+    assert layer_parameter_count(config) == sum(p.numel() for name, p in layer.named_parameters()
+                                                if not name.endswith(("q_norm.weight", "k_norm.weight")))

@@ -1,6 +1,6 @@
 """bench/scale.py: `--plan` prints the capacity rows the memory plan computes, and `--smoke` runs cohort's
-synchronous (FSDP2) and asynchronous (a sampling rank) modes on 2 gloo processes and writes the JSON the GPU
-run writes."""
+synchronous (FSDP2) and asynchronous (a sampling rank) modes on 2 gloo processes, and a tiny Qwen3-MoE with and
+without routing replay, and writes the JSON the GPU run writes."""
 
 import json
 import os
@@ -26,7 +26,7 @@ def test_the_plan_rows_are_the_plans(tmp_path):
     out = run(tmp_path, "--plan")
     report = json.loads((tmp_path / "scale_plan.json").read_text())
     assert [(r["shape"], r["gpus"]) for r in report["rows"]] == [("llama3.1-8b", 2), ("qwen2.5-14b", 2),
-                                                                 ("qwen2.5-32b", 4)]
+                                                                 ("qwen2.5-32b", 4), ("qwen3-30b-a3b-half", 2)]
     for row in report["rows"]:
         peaks = [step["peak_gib"] for step in row["ladder"]]
         assert peaks == sorted(peaks, reverse=True)  # every rung of the ladder takes memory away
@@ -36,14 +36,26 @@ def test_the_plan_rows_are_the_plans(tmp_path):
             assert abs(max(p["total_gib"] for p in phases.values()) - step["peak_gib"]) < 0.06
             assert step["plan"]["peak_gib"] * GIB > 0
         assert f"{row['shape']} on {row['gpus']}×" in out
+    moe = report["rows"][-1]  # its engine is never a tensor-parallel shard (cohort refuses to split experts)
+    assert not any("tensor-parallel" in step["configuration"] for step in moe["ladder"])
+    assert len(moe["ladder"]) == len(report["rows"][0]["ladder"]) - 1
 
 
 def test_the_smoke_run_measures_both_modes(tmp_path):
     out = run(tmp_path, "--smoke")
     report = json.loads((tmp_path / "scale.json").read_text())
-    row = report["rows"][0]
+    row, moe = report["rows"]
     for mode in ("sync", "async"):
         assert row["cohort"][mode]["tok_per_s_per_gpu"] > 0 and row["cohort"][mode]["peak_gib"] is not None
+        assert row["cohort"][mode]["replay_mismatch"] is None  # a dense model has no routes
     assert row["cohort"]["async"]["weight_sync_s"] > 0  # the sampling rank received the weights each step
     assert "trl" in row and ("skipped" in row["trl"] or "tok_per_s_per_gpu" in row["trl"])
+    # the tiny mixture of experts: sync with routing replay, async (colocated, FSDP2) without
+    assert moe["shape"] == "qwen3-30b-a3b-half" and list(moe["cohort"]) == ["sync", "async, no replay"]
+    assert "routing_replay=true" in moe["cohort"]["sync"]["options"]
+    assert {"fsdp=true", "routing_replay=false"} <= set(moe["cohort"]["async, no replay"]["options"])
+    for measured in moe["cohort"].values():
+        assert measured["tok_per_s_per_gpu"] > 0 and 0 <= measured["replay_mismatch"] <= 1
+        assert measured["full_shape_tok_per_s_per_gpu"] == measured["tok_per_s_per_gpu"] * 0.5
+        assert measured["expert_load_max_over_mean"] >= 1
     assert "smoke: OK" in out

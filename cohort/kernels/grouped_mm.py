@@ -9,9 +9,10 @@ such block-sparse / grouped products instead of a loop over experts).
 
 Two implementations, chosen per call:
 - torch's native grouped GEMM (`F.grouped_mm`, `torch._grouped_mm` before torch 2.13): CUTLASS on
-  CUDA for bfloat16 (sm90+), a reference kernel on the CPU. Its own backward is not used: a custom
-  autograd function computes dX = grouped(dY, W) and dW_e = dY_eᵀ X_e (the 2-D × 2-D grouped form),
-  each one grouped product again.
+  CUDA for bfloat16 (sm90+), a reference kernel on the CPU. Its own backward is not used: the
+  product is a custom op (torch.library) whose backward computes dX = grouped(dY, W) and
+  dW_e = dY_eᵀ X_e (the 2-D × 2-D grouped form), each one grouped product again. As custom ops
+  with their shapes declared, torch.compile calls them inside a compiled layer in any dtype.
 - a padded batched product where the native one does not serve (float32 on CUDA, strides it refuses):
   rows scattered into [E, capacity, K], one `bmm`, gathered back. The capacity is the busiest
   expert's row count (one host sync), or all rows while a CUDA graph is being captured.
@@ -39,24 +40,53 @@ def native_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return weight.shape[-1] % aligned == 0 and weight.shape[-2] % aligned == 0
 
 
-def _native_product(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+# The native product as custom ops: torch.compile sees them as opaque calls with the shapes below, because the
+# meta function torch registers for the grouped mm accepts bfloat16 alone and so cannot trace a float32 layer.
+@torch.library.custom_op("cohort::grouped_linear", mutates_args=())
+def native_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`grouped_linear` by torch's grouped GEMM, with the grouped backward below."""
     return _native(x, weight.transpose(-2, -1), offs=offsets)
 
 
-class _GroupedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, offsets):
-        ctx.save_for_backward(x, weight, offsets)
-        return _native_product(x, weight, offsets)
+@native_grouped_linear.register_fake
+def _(x, weight, offsets):
+    return x.new_empty(x.shape[0], weight.shape[1])
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight, offsets = ctx.saved_tensors
-        grad_out = grad_out.contiguous()  # a broadcast (stride-0) gradient is not a valid grouped operand
-        grad_x = _native(grad_out, weight, offs=offsets) if ctx.needs_input_grad[0] else None
-        # dW_e = dY_eᵀ X_e for each expert's rows: the 2-D × 2-D grouped product gives [E, N, K]
-        grad_w = _native(grad_out.t(), x, offs=offsets) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+
+@torch.library.custom_op("cohort::grouped_linear_input_grad", mutates_args=())
+def _input_grad(grad_out: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _native(grad_out, weight, offs=offsets)
+
+
+@_input_grad.register_fake
+def _(grad_out, weight, offsets):
+    return grad_out.new_empty(grad_out.shape[0], weight.shape[2])
+
+
+@torch.library.custom_op("cohort::grouped_linear_weight_grad", mutates_args=())
+def _weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    # dW_e = dY_eᵀ X_e for each expert's rows: the 2-D × 2-D grouped product gives [E, N, K]
+    return _native(grad_out.t(), x, offs=offsets)
+
+
+@_weight_grad.register_fake
+def _(grad_out, x, offsets):
+    return grad_out.new_empty(offsets.shape[0], grad_out.shape[1], x.shape[1])
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad_out):
+    x, weight, offsets = ctx.saved_tensors
+    grad_out = grad_out.contiguous()  # a broadcast (stride-0) gradient is not a valid grouped operand
+    grad_x = _input_grad(grad_out, weight, offsets) if ctx.needs_input_grad[0] else None
+    grad_w = _weight_grad(grad_out, x, offsets) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+native_grouped_linear.register_autograd(_backward, setup_context=_save_inputs)
 
 
 def padded_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -78,5 +108,5 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     """[n, N]: each row of `x` [n, K] times its expert's `weight` [E, N, K] transposed, rows grouped
     by expert with cumulative ends `offsets` [E] (int32)."""
     if native_serves(x, weight):
-        return _GroupedLinear.apply(x, weight, offsets)
+        return native_grouped_linear(x, weight, offsets)
     return padded_grouped_linear(x, weight, offsets)

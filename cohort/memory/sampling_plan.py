@@ -55,16 +55,22 @@ class SamplingPlan:
     slots: int | None
 
 
-def parameter_count(config: ModelConfig) -> int:
-    """The model's weights, counted from its config (projections, embeddings, norms; biases left out)."""
+def layer_parameter_counts(config: ModelConfig) -> list[int]:
+    """Each decoder layer's weights: attention, norms and its MLP, a mixture of experts' being every expert
+    (3 matrices each) and the router."""
     hidden, heads, kv_heads, head_dim = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                                          config.head_dim)
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o, k and v
     dense = 3 * hidden * config.intermediate_size
     sparse = config.num_experts * (3 * hidden * config.moe_intermediate_size + hidden)  # experts and router
-    mlps = sum(sparse if config.is_sparse_layer(i) else dense for i in range(config.num_hidden_layers))
-    embeddings = config.vocab_size * hidden * (1 if config.tie_word_embeddings else 2)
-    return config.num_hidden_layers * (attention + 2 * hidden) + mlps + embeddings + hidden
+    return [attention + 2 * hidden + (sparse if config.is_sparse_layer(i) else dense)
+            for i in range(config.num_hidden_layers)]
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """The model's weights, counted from its config (projections, embeddings, norms; biases left out)."""
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    return sum(layer_parameter_counts(config)) + embeddings + config.hidden_size
 
 
 def kv_cache_bytes(config: ModelConfig, rows: int, max_len: int, element_bytes: int) -> int:

@@ -72,7 +72,7 @@ from ..rollout.scheduler import ENGINE_SLOTS
 from ..update.fast_path import MICRO_BATCH_FLOP
 from ..update.logprobs import CHUNK_BYTES
 from .precision import GRADIENT_CHUNK_BYTES
-from .sampling_plan import kv_cache_bytes, parameter_count
+from .sampling_plan import kv_cache_bytes, layer_parameter_counts, parameter_count
 
 GIB = 2**30
 KV_LENGTH_STEP = 128  # the engine rounds a call's KV length up to this (rollout/engine.py)
@@ -177,10 +177,9 @@ class MemoryPlan:
 
 
 def layer_parameter_count(config: ModelConfig) -> int:
-    """One decoder layer's weights (as `parameter_count` counts them)."""
-    hidden, heads, kv_heads, head_dim = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                                         config.head_dim)
-    return hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * config.intermediate_size + 2 * hidden
+    """The largest decoder layer's weights (FSDP2 gathers one layer at a time; a mixture of experts' layer
+    holds all its experts)."""
+    return max(layer_parameter_counts(config))
 
 
 def lora_parameter_count(config: ModelConfig, rank: int) -> int:

@@ -35,7 +35,7 @@ from cohort.models.cache import KVCache
 from cohort.kernels.decode_attention import SUPPORTED_HEAD_DIMS as DECODE_KERNEL_HEAD_DIMS
 from cohort.kernels.decode_attention import decode_attention
 from cohort.models.fusion import fused_weight
-from cohort.models.moe import Routing, SparseMoeBlock, split_expert_weights
+from cohort.models.moe import LayerRouting, Routing, SparseMoeBlock, split_expert_weights
 from cohort.models import exact_layers, shared_prefix
 from cohort.kernels.training_compile import run_layer
 from cohort.models.config import ModelConfig
@@ -200,15 +200,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, routing: Routing | None = None, **cache_args):
+    def forward(self, x, cos, sin, mask, routing: LayerRouting | None = None, **cache_args):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, **cache_args)
         return x + self.feed_forward(self.post_attention_layernorm(x), routing, cache_args)
 
-    def feed_forward(self, x, routing: Routing | None, cache_args: dict):
+    def feed_forward(self, x, routing: LayerRouting | None, cache_args: dict):
         """The MLP; a mixture of experts also reads the routing and records its routes in the cache."""
         return self.mlp(x, routing, **cache_args) if self.sparse else self.mlp(x)
 
-    def forward_fused(self, residual, normed, cos, sin, mask, next_norm: RMSNorm, routing: Routing | None = None,
+    def forward_fused(self, residual, normed, cos, sin, mask, next_norm: RMSNorm, routing: LayerRouting | None = None,
                       **cache_args):
         """`forward` regrouped for the sampling path: takes the residual stream and its input norm
         already applied, returns (residual, next_norm(residual)), each residual add computed with
@@ -396,21 +396,19 @@ class CausalLM(nn.Module):
             masks = {w: kernels.cache_attention_bias(position_ids, cache_len, w, hidden.dtype) for w in windows}
         else:
             masks = {w: _cache_mask(position_ids, cache_len, w) for w in windows}
-        if self._config.num_experts:
-            cache_args["routing"] = routing
         if kernels.fused_path() and not exact:
-            hidden = self._fused_layers(hidden, cos, sin, masks, cache_args)
+            hidden = self._fused_layers(hidden, cos, sin, masks, cache_args, routing)
         else:
-            # MoE layers run eagerly: their routing is an argument the compiled call does not take
-            compiled = (self.training_layer_call if kv_cache is None and not exact and not self._config.num_experts
-                        else None)
-            layer_args = {"routing": routing} if self._config.num_experts and kv_cache is None else {}
+            # MoE layers too: each gets its own slice of the routing (LayerRouting), so one graph serves them all
+            compiled = self.training_layer_call if kv_cache is None and not exact else None
             recomputed = 0  # layers [0, recomputed) are checkpointed
             if self.gradient_checkpointing and self.training and kv_cache is None:
                 recomputed = len(self.model.layers) if self.checkpointed_layers is None else self.checkpointed_layers
             probe = self.activation_probe if self.training and torch.is_grad_enabled() else None
             for i, layer in enumerate(self.model.layers):
                 mask = masks[self._config.layer_sliding_window(i)]
+                layer_routing = _layer_routing(layer, routing)
+                layer_args = {} if layer_routing is None else {"routing": layer_routing}
                 if i < recomputed:
                     hidden = checkpoint(compiled or run_layer, layer, hidden, cos, sin, mask, use_reentrant=False,
                                         **layer_args)
@@ -419,13 +417,15 @@ class CausalLM(nn.Module):
                     hidden = probe.around(lambda: run(layer, hidden, cos, sin, mask, **layer_args),
                                           hidden.shape[0] * hidden.shape[1])
                 elif compiled is not None:
-                    hidden = compiled(layer, hidden, cos, sin, mask)
+                    hidden = compiled(layer, hidden, cos, sin, mask, **layer_args)
                 else:
-                    hidden = layer(hidden, cos, sin, mask, **cache_args)
+                    hidden = layer(hidden, cos, sin, mask, **layer_args, **cache_args)
+                if layer_routing is not None:
+                    routing.add(layer_routing)
             hidden = self.model.norm(hidden)
         return hidden if return_hidden else exact_layers.head_logits(self, hidden)
 
-    def _fused_layers(self, hidden, cos, sin, masks, cache_args) -> torch.Tensor:
+    def _fused_layers(self, hidden, cos, sin, masks, cache_args, routing: Routing | None) -> torch.Tensor:
         """The decoder layers and final norm on the sampling path: the residual add ending each
         layer is fused with the next layer's input norm, the last one with the final norm
         (DecoderLayer.forward_fused). Returns the final normed hidden states."""
@@ -434,8 +434,16 @@ class CausalLM(nn.Module):
         normed = layers[0].input_layernorm(hidden)
         for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
             mask = masks[self._config.layer_sliding_window(i)]
-            hidden, normed = layer.forward_fused(hidden, normed, cos, sin, mask, next_norm, **cache_args)
+            layer_routing = _layer_routing(layer, routing)
+            hidden, normed = layer.forward_fused(hidden, normed, cos, sin, mask, next_norm, layer_routing, **cache_args)
+            if layer_routing is not None:
+                routing.add(layer_routing)
         return normed
+
+
+def _layer_routing(layer: DecoderLayer, routing: Routing | None) -> LayerRouting | None:
+    """`routing`'s part for `layer`: None for a dense layer or without routing."""
+    return routing.for_layer(layer.mlp.moe_index) if routing is not None and layer.sparse else None
 
 
 def save_pretrained(model: CausalLM, out_dir, state: dict | None = None) -> Path:

@@ -54,6 +54,35 @@ class Routing:
         recorded = None if self.recorded is None else self.recorded.to(device, non_blocking=True)
         return Routing(recorded, self.replay, self.keep_router)
 
+    def for_layer(self, moe_index: int) -> "LayerRouting":
+        """What the MoE layer `moe_index` reads: its slice of `recorded`, and a fresh place for its report."""
+        recorded = None if self.recorded is None else self.recorded[..., moe_index, :]
+        return LayerRouting(recorded, self.replay, self.keep_router)
+
+    def add(self, layer: "LayerRouting") -> None:
+        """Take in what one MoE layer reported (`for_layer`'s record after the layer ran), in layer order."""
+        if layer.free_differs is not None:
+            self.free_differs = layer.free_differs if self.free_differs is None else self.free_differs | layer.free_differs
+        if layer.router_probs is not None:
+            self.router_probs.append(layer.router_probs)
+            self.expert_ids.append(layer.expert_ids)
+
+
+@dataclass
+class LayerRouting:
+    """One MoE layer's part of a `Routing`: its `recorded` ids [B, T, k] and what it reports (`free_differs`
+    [B, T]; with `keep_router`, `router_probs` [B·T, E] and the `expert_ids` [B·T, k] routed by). The layer
+    sets the reports as attributes of a record made fresh for each call, so the same compiled graph serves
+    every MoE layer (no layer index or list length to guard on) and a checkpointed layer's recomputation
+    writes the same values again."""
+
+    recorded: torch.Tensor | None = None
+    replay: bool = True
+    keep_router: bool = False
+    free_differs: torch.Tensor | None = None
+    router_probs: torch.Tensor | None = None
+    expert_ids: torch.Tensor | None = None
+
 
 class Experts(nn.Module):
     """E SwiGLU experts as stacked matrices: gate and up side by side [E, 2I, H], down [E, H, I]."""
@@ -82,7 +111,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.experts.active_share = self.top_k / config.num_experts  # of the tokens, each expert weight sees
 
-    def forward(self, x: torch.Tensor, routing: Routing | None = None, kv_cache=None, cache_rows=None,
+    def forward(self, x: torch.Tensor, routing: LayerRouting | None = None, kv_cache=None, cache_rows=None,
                 position_ids=None, write_mask=None, **_unused) -> torch.Tensor:
         batch, length, hidden = x.shape
         flat = x.reshape(-1, hidden)
@@ -90,14 +119,12 @@ class SparseMoeBlock(nn.Module):
         free_weights, free_ids = torch.topk(probs, self.top_k, dim=-1)
         ids, weights = free_ids, free_weights
         if routing is not None and routing.recorded is not None:
-            recorded = routing.recorded[..., self.moe_index, :].reshape(-1, self.top_k).long()
-            differs = (free_ids.sort(-1).values != recorded.sort(-1).values).any(-1).reshape(batch, length)
-            routing.free_differs = differs if routing.free_differs is None else routing.free_differs | differs
+            recorded = routing.recorded.reshape(-1, self.top_k).long()
+            routing.free_differs = (free_ids.sort(-1).values != recorded.sort(-1).values).any(-1).reshape(batch, length)
             if routing.replay:  # the sampler's experts, weighted by this router's probabilities (its gradient)
                 ids, weights = recorded, probs.gather(1, recorded)
         if routing is not None and routing.keep_router:
-            routing.router_probs.append(probs)
-            routing.expert_ids.append(ids)
+            routing.router_probs, routing.expert_ids = probs, ids
         if kv_cache is not None and kv_cache.routes is not None:
             kv_cache.write_routes(self.moe_index, cache_rows, position_ids, ids.reshape(batch, length, -1), write_mask)
         if self.norm_topk_prob:

@@ -19,8 +19,15 @@ from ..errors import CohortError
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 shards one by one: our `DecoderLayer`s, Hugging Face's
-    `*DecoderLayer` / `*Block` modules."""
-    return [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
+    `*DecoderLayer` / `*Block` modules, outermost only: a mixture of experts' `SparseMoeBlock` inside a
+    layer is part of its layer's unit (FSDP2 cannot shard a parameter its layer's unit already sharded)."""
+    layers, prefixes = [], []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith(("DecoderLayer", "Block")) and not any(
+                name.startswith(prefix) for prefix in prefixes):
+            layers.append(module)
+            prefixes.append(f"{name}.")
+    return layers
 
 
 def fully_sharded_copy(model: nn.Module, mesh, device: torch.device, master_weights: bool) -> nn.Module:

@@ -1,0 +1,118 @@
+"""TRL 1.16's side of bench/scale.py: its GRPOTrainer under `accelerate launch` on the same GPUs with FSDP2
+(transformers' `fsdp` and `fsdp_config`), its own `generate`, the same prompts, G, β, learning rate and reward.
+`trl_run` launches it; each rank runs this file with the run's spec, and rank 0 writes the result."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+
+# ---- TRL: GRPOTrainer under accelerate launch, FSDP2 ------------------------------------------------
+
+def trl_available() -> bool:
+    return importlib.util.find_spec("trl") is not None
+
+
+def trl_run(args, shape: str, out: Path) -> dict:
+    if not trl_available():
+        return dict(skipped="TRL not installed")
+    spec = out / f"trl-{shape}.json"
+    result = out / f"trl-{shape}-result.json"
+    spec.write_text(json.dumps(dict(shape=shape, smoke=args.smoke, gpus=args.gpus, steps=args.trl_steps,
+                                    prompts=args.prompts_per_gpu * args.gpus, generations=args.num_generations,
+                                    prompt_len=args.prompt_len, completion_len=args.cap, result=str(result))))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.gpus),
+               "--num_machines", "1", "--mixed_precision", "no" if args.smoke else "bf16",
+               *(["--cpu"] if args.smoke else []), str(Path(__file__).resolve()), str(spec)]
+    done = subprocess.run(command, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=args.trl_timeout_s)
+    if not result.is_file():
+        return dict(error=f"TRL exited {done.returncode} without a result")
+    return json.loads(result.read_text())
+
+
+def trl_worker(spec_path: str) -> None:
+    """One rank of TRL's run; rank 0 writes the result (per-step wall times, tokens/s/GPU, the busiest GPU's peak)."""
+    import torch
+    import torch.distributed as dist
+    from datasets import Dataset
+    from grpo_step_worker import BETA, LEARNING_RATE, SHAPES, SMOKE, make_prompts, make_reward, make_tokenizer
+    from grpo_step_worker import run_build
+    from transformers import TrainerCallback
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    shape = (SMOKE if spec["smoke"] else SHAPES)[spec["shape"]]
+    cuda = not spec["smoke"]
+    rank = int(os.environ.get("RANK", "0"))
+    folder = Path(spec_path).with_suffix("") / "model"
+    if rank == 0 and not (folder / "config.json").is_file():
+        run_build(dict(shape=shape, folder=str(folder), device="cuda" if cuda else "cpu"),
+                  type("Silent", (), {"save": lambda self, **kw: None})())
+    marker = folder / "config.json"
+    while not marker.is_file():  # the other ranks wait for rank 0's folder
+        time.sleep(1)
+    time.sleep(2)
+    walls, lengths = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            walls.append(time.perf_counter() - self.started)
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    per_gpu = spec["prompts"] * spec["generations"] // spec["gpus"]
+    layer = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
+             "qwen3_moe": "Qwen3MoeDecoderLayer"}
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-scale-"), per_device_train_batch_size=per_gpu,
+        gradient_accumulation_steps=1, num_generations=spec["generations"],
+        max_completion_length=spec["completion_len"], beta=BETA, learning_rate=LEARNING_RATE, bf16=cuda,
+        logging_steps=1, max_steps=spec["steps"], report_to=[], save_strategy="no", gradient_checkpointing=True,
+        temperature=1.0, top_k=0, top_p=1.0, disable_tqdm=True, use_cpu=not cuda,
+        fsdp="full_shard auto_wrap",
+        fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
+                     "transformer_layer_cls_to_wrap": [layer[shape["model_type"]]]})
+    rows = make_prompts(shape["vocab_size"], spec["prompts"] * (spec["steps"] + 1), spec["prompt_len"])
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=[make_reward(spec["completion_len"])], args=config,
+                          train_dataset=Dataset.from_list(rows), processing_class=make_tokenizer(shape["vocab_size"]),
+                          callbacks=[Clock()])
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    peaks = [None] * dist.get_world_size() if dist.is_initialized() else [peak]
+    if dist.is_initialized():
+        dist.all_gather_object(peaks, peak)
+    if rank != 0:
+        return
+    measured = walls[1:] or walls
+    wall = sum(measured) / len(measured)
+    mean_length = sum(lengths[1:] or lengths) / max(1, len(lengths[1:] or lengths))
+    tokens = spec["prompts"] * spec["generations"] * (spec["prompt_len"] + mean_length)
+    Path(spec["result"]).write_text(json.dumps(dict(
+        trl=trl.__version__, step_walls=[round(w, 2) for w in walls], wall_s=wall, mean_completion_length=mean_length,
+        tok_per_s_per_gpu=tokens / (wall * spec["gpus"]), peak_gib=max(p for p in peaks if p is not None)
+        if cuda else None)))
+
+
+if __name__ == "__main__":
+    trl_worker(sys.argv[1])
