@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "scale.py"
 
@@ -41,6 +43,7 @@ def test_the_plan_rows_are_the_plans(tmp_path):
     assert len(moe["ladder"]) == len(report["rows"][0]["ladder"]) - 1
 
 
+@pytest.mark.soak  # about a minute of torchrun launches (dense and MoE, both modes): CI runs it with -m soak
 def test_the_smoke_run_measures_both_modes(tmp_path):
     out = run(tmp_path, "--smoke")
     report = json.loads((tmp_path / "scale.json").read_text())
