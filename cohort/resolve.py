@@ -56,8 +56,7 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_s
     if config.model_impl == "auto":
         changes["model_impl"] = "cohort" if engine else "hf"
     changes.update(fast_path_settings(config, model, device, compiles=compiles))
-    sharded_in_fp32 = config.fsdp and world_size > 1 and device.type == "cuda"
-    changes["optimizer_state_dtype"] = optimizer_state_dtype(config, model, sharded_in_fp32=sharded_in_fp32)
+    changes["optimizer_state_dtype"] = optimizer_state_dtype(config, model)
     if config.importance_sampling_correction is None:
         changes["importance_sampling_correction"] = sampler_correction_mode(config, model, device) is not None
     replay = config.routing_replay and engine and bool(getattr(base_model(model).config, "num_experts", 0))

@@ -3,7 +3,10 @@
 - `split_master` / `join_master`: an fp32 master stored exactly as its bf16 rounding and the 16 low
   bits that rounding drops (2 bytes a parameter beside the bf16 weight instead of a 4-byte copy);
 - `round_stochastic`: fp32 to bf16, rounded up or down at random so that the result is right on
-  average (AdamW's moments in bf16, cohort/memory/precision.py).
+  average (AdamW's moments in bf16, cohort/memory/precision.py);
+- `element_noise` / `round_with_noise`: the same rounding with noise that is a hash of (key, element
+  index), the GPU kernel's, so that a slice of a tensor (an FSDP2 shard, cohort/memory/sharded_adamw.py)
+  draws exactly the noise its elements draw in the whole tensor.
 
 The GPU's one-pass AdamW step (cohort/kernels/adamw.py) does the same in registers.
 """
@@ -70,3 +73,46 @@ def round_stochastic(values: torch.Tensor, out: torch.Tensor, generator: torch.G
     bits.add_(drawn).add_(TIE)  # int32 arithmetic: the top half moves up by one unit with probability f
     flat.masked_fill_(is_nan, float("nan"))
     out.view(-1).view(torch.int16).copy_(bits.view(torch.int16).view(-1, 2)[:, HIGH])
+
+
+def noise_key(seed: int, index: int, step: int) -> int:
+    """The stochastic rounding's key for tensor `index` of an optimizer at its step count `step`, from the run's
+    seed: it depends on nothing else, so reruns, resumed runs and every rank draw the same noise."""
+    return (seed * 0x9E3779B1 + index * 0x85EBCA77 + step * 0xC2B2AE3D) & 0x7FFFFFFF
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def _times_mod_2_32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """x · constant mod 2^32 for int64 `x` in [0, 2^32), in two halves so no product leaves int64's range."""
+    low = x * (constant & 0xFFFF)
+    high = (x * (constant >> 16)) & 0xFFFF  # only its low 16 bits survive the shift by 16 below 2^32
+    return (low + (high << 16)) & MASK32
+
+
+@torch.no_grad()
+def element_noise(key: int, start: int, count: int, device: torch.device) -> torch.Tensor:
+    """32 random bits (int64 in [0, 2^32)) for elements `start` … `start + count − 1` of a tensor: Wellons'
+    lowbias32 mixer over (key, element index), as cohort/kernels/adamw.py computes it in uint32 registers."""
+    x = torch.arange(start, start + count, dtype=torch.int64, device=device) & MASK32
+    x = _times_mod_2_32(x, 0x9E3779B9) ^ (key & MASK32)
+    x ^= x >> 16
+    x = _times_mod_2_32(x, 0x7FEB352D)
+    x ^= x >> 15
+    x = _times_mod_2_32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@torch.no_grad()
+def round_with_noise(values: torch.Tensor, out: torch.Tensor, noise: torch.Tensor) -> None:
+    """Write fp32 `values` into bf16 `out` (same number of elements), rounded stochastically as
+    `round_stochastic` rounds: the 16-bit `noise` (int64 in [0, 2^16), one per element) is added to each fp32
+    bit pattern and the low half dropped. `values` is overwritten. A NaN stays NaN."""
+    flat = values.view(-1)
+    is_nan = flat != flat
+    bits = flat.view(torch.int32)
+    bits.add_(noise.to(torch.int32))  # a pattern near int32's top wraps, as the kernel's does: only NaN/inf patterns
+    high = bits.view(torch.int16).view(-1, 2)[:, HIGH]
+    high.masked_fill_(is_nan, 0x7FC0)  # bf16's quiet NaN
+    out.view(-1).view(torch.int16).copy_(high)

@@ -42,7 +42,8 @@ import torch
 
 from ..errors import CohortError
 from ..kernels.adamw import adamw_bf16_step, fused_adamw_available
-from .bf16 import join_master, round_stochastic, split_master
+from .bf16 import join_master, noise_key, round_stochastic, split_master
+from .sharded_adamw import ShardedAdamW
 
 # fp32 gradient bytes alive at once in the optimizer step; a larger tensor is a chunk of its own.
 GRADIENT_CHUNK_BYTES = 1 << 30
@@ -219,7 +220,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def noise_seed(self, i: int) -> int:
         """The stochastic rounding's key for parameter `i` at its current step, from the run's seed (both
         the kernel and the chunked torch step draw from it)."""
-        return (self.seed * 0x9E3779B1 + i * 0x85EBCA77 + self.steps[i] * 0xC2B2AE3D) & 0x7FFFFFFF
+        return noise_key(self.seed, i, self.steps[i])
 
     def shrink_chunks(self, failed_bytes: int) -> None:
         """Chunks of at most half the fp32 bytes of the one that could not get its memory."""
@@ -362,6 +363,9 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, model: torch.nn.Module, max
 
 def optimizer_line(optimizer: torch.optim.Optimizer) -> str:
     """One log line: how the optimizer keeps and steps its state."""
+    if isinstance(optimizer, ShardedAdamW):
+        moments = "bf16 moments (stochastic rounding)" if optimizer.state_dtype == torch.bfloat16 else "fp32 moments"
+        return f"optimizer: AdamW over the fp32 shards (the masters), {moments}, chunked torch step"
     if not isinstance(optimizer, MasterWeightAdamW):
         return "optimizer: AdamW over the weights in their own dtype"
     moments = "bf16 moments (stochastic rounding)" if optimizer.state_dtype == torch.bfloat16 else "fp32 moments"
@@ -369,30 +373,35 @@ def optimizer_line(optimizer: torch.optim.Optimizer) -> str:
     return f"optimizer: AdamW, fp32 masters, {moments}, {step}"
 
 
-def optimizer_state_dtype(args, model: torch.nn.Module, *, sharded_in_fp32: bool = False) -> str:
+def optimizer_state_dtype(args, model: torch.nn.Module) -> str:
     """`optimizer_state_dtype` as `make_optimizer` uses it for `model`: auto is bfloat16 where the trainable
-    weights are low precision (fp32 masters; bf16 moments rounded stochastically), else float32.
-    `sharded_in_fp32`: FSDP on a GPU trains an fp32 copy of the weights, whose moments are fp32."""
+    weights are low precision (fp32 masters, one GPU or FSDP2's fp32 shards; bf16 moments rounded
+    stochastically), else float32."""
     if args.optimizer_state_dtype != "auto":
         return args.optimizer_state_dtype
     low = any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters() if p.requires_grad)
-    return "bfloat16" if low and not sharded_in_fp32 else "float32"
+    return "bfloat16" if low else "float32"
 
 
 def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters: masters in fp32 when the weights are low precision."""
+    """AdamW over the trainable parameters: masters in fp32 when the weights are low precision; under FSDP2
+    the fp32 shards are the masters, and their moments follow `optimizer_state_dtype` (settled by the run's
+    config from the loaded model, bf16 on a GPU)."""
     params = [p for p in model.parameters() if p.requires_grad]
     kwargs = dict(lr=args.learning_rate, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2))
+    sharded = bool(params) and all(hasattr(p, "device_mesh") for p in params)
+    if sharded and args.optimizer_state_dtype == "bfloat16" and params[0].dtype == torch.float32:
+        return ShardedAdamW(params, state_dtype=torch.bfloat16, seed=args.seed, **kwargs)
     if any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
         state_dtype = torch.bfloat16 if args.optimizer_state_dtype in ("auto", "bfloat16") else torch.float32
         return MasterWeightAdamW(params, state_dtype=state_dtype, seed=args.seed, **kwargs)
     if args.optimizer_state_dtype == "bfloat16":
         raise CohortError("optimizer_state_dtype=bfloat16 needs low-precision weights with fp32 masters (dtype "
-                          "bfloat16, the default on a GPU); with float32 weights pass optimizer_state_dtype=auto")
-    if params and params[0].is_cuda and all(hasattr(p, "device_mesh") for p in params):
-        # FSDP2's fp32 shards (DTensors) on a GPU: torch's default foreach step makes temporaries the size of
-        # the shards (√v̂ + ε, 4 bytes a parameter / N); the fused kernel steps in registers, and DTensor
-        # dispatches it shard by shard (torch registers `_fused_adamw_` among DTensor's pointwise ops).
-        # Elsewhere (CPU, gloo) the default foreach step, which the equality tests compare.
+                          "bfloat16, the default on a GPU) or --fsdp; with float32 weights on one process pass "
+                          "optimizer_state_dtype=auto")
+    if sharded and params[0].is_cuda:
+        # FSDP2's fp32 shards with fp32 moments on a GPU: the fused kernel steps in registers where torch's default
+        # foreach step makes temporaries the size of the shards (√v̂ + ε, 4 bytes a parameter / N); DTensor
+        # dispatches it shard by shard. Elsewhere (CPU, gloo) the default foreach step, which the tests compare.
         kwargs["fused"] = True
     return torch.optim.AdamW(params, **kwargs)
