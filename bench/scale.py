@@ -11,9 +11,9 @@ TRL 1.16 in the same call on the same GPUs; Qwen3-30B-A3B at half depth with and
 `--plan` prints, for each capacity row of the issue (4,096-token completions), the plan of cohort/memory/
 training_plan.py for a ladder of configurations, each adding one change to the one before: cohort's defaults;
 the engine as a tensor-parallel shard over the training ranks (the colocated placement); one completion a
-micro-batch; the KV cache freed for the update; then changes to the code that the plan prices (the engine's
-weights released in the update, bf16 moments on the shard). The defaults already reduce-scatter FSDP2's gradients
-every micro-batch, step a fused AdamW on the shard and widen to fp32 after sharding. A row fits where its busiest
+micro-batch; the KV cache freed for the update; then a change to the code that the plan prices (the engine's
+weights released in the update). The defaults already reduce-scatter FSDP2's gradients every micro-batch, keep
+AdamW's moments in bf16 on the shard (`optimizer_state_dtype` auto on a GPU) and widen to fp32 after sharding. A row fits where its busiest
 phase leaves `HEADROOM_GIB` of the card (the CUDA context, NCCL, the allocator).
 
 `--gpus N` measures, for each shape (random weights, the synthetic tokenizer of bench/grpo_step_worker.py):
@@ -94,7 +94,6 @@ def ladder(moe: bool = False):
         ("+ one completion a micro-batch (--per_device_train_batch_size 1)", {"micro_rows": 1}, {}),
         ("+ KV cache freed for the update (--free_sampling_memory true)", {"free_sampling_memory": True}, {}),
         ("+ code: the engine's weights released during the update", {}, {"engine_in_update": False}),
-        ("+ code: bf16 moments on the shard", {}, {"shard_moment_bytes": 4}),
     ]
 
 

@@ -224,7 +224,8 @@ def test_the_plan_meets_the_measured_fsdp2_peak():
     qwen_7b = ModelConfig(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                           num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128)
     args = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
-                      max_prompt_length=64, max_completion_length=128, fsdp=True).validate()
+                      max_prompt_length=64, max_completion_length=128, fsdp=True,
+                      optimizer_state_dtype="float32").validate()  # the moments were fp32 on the shard then
     measured = Placement(ranks=4, fsdp=True, sync_every_micro_batch=False, optimizer_temporary=True,
                          widen_after_sharding=False)
     plan = training_memory_plan(qwen_7b, StepShape.from_config(args), measured)

@@ -8,8 +8,8 @@ Resident through the step (`resident`):
   half (2: `precision.MasterWeightAdamW`, `bf16.split_master`) and AdamW's two moments (4 in bf16, the GPU
   default, or 8: `optimizer_state_dtype`). The engine samples from the same weights.
 - FSDP2 over N ranks (`run/distributed.py` `_fully_shard`): the engine's copy of the weights in bf16 (a whole
-  copy, or 1/T of it where the engine is a T-way tensor-parallel shard), the fp32 master shard (4/N) and torch
-  AdamW's fp32 moments on it (8/N: `optimizer_state_dtype` is float32 for an fp32 sharded copy).
+  copy, or 1/T of it where the engine is a T-way tensor-parallel shard), the fp32 master shard (4/N) and AdamW's
+  moments on it, as on one GPU (4/N in bf16, the GPU default: `sharded_adamw.ShardedAdamW`; 8/N in fp32).
 - LoRA (`models/lora.py`): the frozen bf16 base, and the adapters trained in fp32 (weights, moments: 12 bytes
   an adapter parameter).
 - π_ref (β > 0, without LoRA): a bf16 copy (`models/policy.frozen_copy`); on one GPU it waits on the host
@@ -28,9 +28,10 @@ The backward (`backward`) adds the gradients and the largest micro-batch's activ
   (`FSDPParam.to_accumulated_grad_if_needed`): 4 bytes a parameter, unsharded (`sync_every_micro_batch=False`);
 - FSDP2's gathered parameters: the root's embeddings, head and norm in bf16 for the whole forward and
   backward, two decoder layers at a time (the one computing, the one prefetched), and one layer's gradient in
-  bf16 and in fp32 for its reduce-scatter; its optimizer step on a GPU is torch's fused AdamW
-  (`precision.make_optimizer`), which makes no temporary (torch's foreach step would make one the size of the
-  shard, √v̂ + ε: `optimizer_temporary`);
+  bf16 and in fp32 for its reduce-scatter; its optimizer step with bf16 moments widens one slice of a tensor
+  at a time (`sharded_adamw.CHUNK_ELEMENTS`, `SCRATCH_BYTES_PER_ELEMENT`), with fp32 moments it is torch's
+  fused AdamW (`precision.make_optimizer`), which makes no temporary (torch's foreach step would make one the
+  size of the shard, √v̂ + ε: `optimizer_temporary`);
 - tokens: a micro-batch is `per_device_train_batch_size` rows and at most `max_tokens_per_micro_batch`
   tokens (`auto`: `fast_path.micro_batch_tokens`), but never less than one unit, a prompt with the group's
   completions when prompts are shared (`update/packing.py`: a unit longer than the cap is a micro-batch alone);
@@ -51,8 +52,8 @@ meta device first; a whole fp32 copy widened before sharding, `widen_after_shard
 parameter on every rank).
 
 Checked against measurements: FSDP2 over 4 H200s at the Qwen2.5-7B shape (docs/performance.md, 16 prompts × 4
-of 128 tokens, 2 micro-batches, measured while FSDP2 still accumulated unsharded gradients: the `Placement`
-with `sync_every_micro_batch=False`) peaked at 69.4 GiB, the plan says 70.6 (the unsharded fp32 gradients are
+of 128 tokens, 2 micro-batches, measured while FSDP2 still accumulated unsharded gradients and kept fp32
+moments: the `Placement` with `sync_every_micro_batch=False`, `optimizer_state_dtype=float32`) peaked at 69.4 GiB, the plan says 70.6 (the unsharded fp32 gradients are
 28.4 of it); one H200 at that shape with fp32 moments peaked at 104.4 GiB, the plan says 103.3 (with bf16
 moments, 73.8). `Placement`'s defaults are what the code does; its other settings price changes (or the code
 as it was).
@@ -73,6 +74,7 @@ from ..update.fast_path import MICRO_BATCH_FLOP
 from ..update.logprobs import CHUNK_BYTES
 from .precision import GRADIENT_CHUNK_BYTES
 from .sampling_plan import kv_cache_bytes, layer_parameter_counts, parameter_count
+from .sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT
 
 GIB = 2**30
 KV_LENGTH_STEP = 128  # the engine rounds a call's KV length up to this (rollout/engine.py)
@@ -93,7 +95,7 @@ class StepShape:
     checkpointing: bool = True
     share_prompts: bool = True
     element_bytes: int = 2  # bf16 weights; 4 with --dtype float32
-    moment_bytes: int = 4  # AdamW's two moments on one GPU: bf16 (8 for fp32)
+    moment_bytes: int = 4  # AdamW's two moments, one GPU or FSDP2's shard: bf16 (8 for fp32)
     lora_rank: int = 0  # 0: full parameters
     reference: bool = False  # β > 0 and no LoRA: a π_ref copy
     offload_reference: bool = True
@@ -131,8 +133,8 @@ class Placement:
     samples: bool = True
     # How the FSDP2 state is kept. The defaults are what the code does; the others are what a change would give,
     # or what the code did before (bench/scale.py --plan shows which change lets a model fit).
-    optimizer_temporary: bool = False  # torch's fused AdamW on the shard; True: the foreach step's temporary
-    shard_moment_bytes: int = 8  # fp32 moments on the fp32 shard
+    # fp32 moments on the shard: torch's fused AdamW steps them; True: the foreach step and its temporary
+    optimizer_temporary: bool = False
     engine_in_update: bool = True  # the engine's weights stay on the GPU through the update
     widen_after_sharding: bool = True  # shards allocated and filled slice by slice; False: a whole fp32 copy first
     sync_every_micro_batch: bool = True  # a reduce-scatter every micro-batch; False: unsharded fp32 accumulation
@@ -237,9 +239,11 @@ def training_memory_plan(config: ModelConfig, step: StepShape, placement: Placem
     if placement.sharded:
         resident["engine weights"] = math.ceil(params * w / placement.sampling_split)
         resident["fp32 master shard"] = math.ceil(params * 4 / n)  # a frozen LoRA base is sharded in fp32 too
-        resident["moments"] = math.ceil(trained * placement.shard_moment_bytes / n)
+        resident["moments"] = math.ceil(trained * step.moment_bytes / n)
         gradients["gradients"] = math.ceil(trained * 4 / n)
-        if placement.optimizer_temporary:  # torch's foreach AdamW: √v / bias correction + ε, every shard at once
+        if step.moment_bytes == 4:  # bf16 moments: one slice of a tensor widened at a time
+            optimizer["optimizer chunk"] = CHUNK_ELEMENTS * SCRATCH_BYTES_PER_ELEMENT
+        elif placement.optimizer_temporary:  # torch's foreach AdamW: √v / bias correction + ε, every shard at once
             optimizer["optimizer temporary"] = math.ceil(trained * 4 / n)
     else:
         resident["weights"] = params * w
