@@ -177,9 +177,9 @@ def test_the_cpu_run_settles_auto_to_one():
 def test_auto_on_fsdp_ranks_that_sample_themselves_counts_their_training_shard(card):
     """The colocated placement (--fsdp, no sampling ranks): T divides the 2 training ranks; a group samples its T
     ranks' 64 completions each, beside each rank's shard of the fp32 weights and AdamW moments (12 bytes a weight
-    over 2 ranks: 44.9 GiB at 8B), with at least 64 slots."""
+    with fp32 moments over 2 ranks: 44.9 GiB at 8B; 8 with bf16 ones), with at least 64 slots."""
     cuda = torch.device("cuda", 0)
-    args = run_args(rollout_gpus=0, async_rollouts=False, fsdp=True)
+    args = run_args(rollout_gpus=0, async_rollouts=False, fsdp=True, optimizer_state_dtype="float32")
     weights, training = parameter_count(LLAMA_8B) * 2 / GIB, parameter_count(LLAMA_8B) * 12 / 2 / GIB
     assert round(training, 1) == 44.9
     slots = {(gib, t): widest(0.85 * gib - weights / t - training, 0.5625 / t) for gib in (141, 110, 80) for t in (1, 2)}
@@ -194,6 +194,9 @@ def test_auto_on_fsdp_ranks_that_sample_themselves_counts_their_training_shard(c
                                           r"80 GiB GPU, not the KV cache of the 64 sequences a useful decode batch "
                                           r"needs; add GPUs \(--nproc_per_node\)"):
         sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=2)
+    bf16 = run_args(rollout_gpus=0, async_rollouts=False, fsdp=True)  # auto: bf16 moments, 29.9 GiB a rank
+    assert sampling_plan(bf16, LLAMA_8B, cuda, 2, world_size=2) == SamplingPlan(
+        2, widest(0.85 * 80 - weights / 2 - parameter_count(LLAMA_8B) * 8 / 2 / GIB, 0.5625 / 2))
     assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=1) == 1  # one process: nothing to split
     assert sampling_tensor_parallel_size(run_args(rollout_gpus=0, async_rollouts=False), LLAMA_8B, cuda, 2,
                                          world_size=2) == 1  # DDP: every rank holds the whole model anyway

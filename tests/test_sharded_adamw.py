@@ -4,6 +4,7 @@ their shards equal one process over the whole model, through a gathered checkpoi
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +214,47 @@ def test_two_gloo_ranks_equal_one_process_and_resume_exactly(tmp_path):
             for j, name in enumerate(("exp_avg", "exp_avg_sq")):
                 assert moments[i][j].dtype == torch.bfloat16
                 assert torch.equal(moments[i][j].view(torch.int16), optimizer.state[param][name].view(torch.int16))
+
+
+@pytest.mark.slow
+def test_fsdp_training_with_bf16_moments_resumes_exactly(tmp_path, tiny_dir):
+    """`cohort train --fsdp --optimizer_state_dtype bfloat16` on 2 gloo ranks: the checkpoint holds the gathered
+    bf16 moments of whole parameters, and a run resumed from step 1 ends with the weights of the run that did not
+    stop."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "rewardmod.py").write_text(REWARD_MODULE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CI="1")
+
+    def train(out: Path, *extra: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2", "--fsdp", "true",
+                               "--optimizer_state_dtype", "bfloat16", "--model", tiny_dir, "--task", "arithmetic",
+                               "--reward_funcs", "rewardmod:digit_share", "--num_generations", "4",
+                               "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+                               "--max_completion_length", "8", "--max_prompt_length", "64", "--eval_limit", "0",
+                               "--learning_rate", "3e-3", "--seed", "3", "--logging_steps", "1", "--device", "cpu",
+                               "--save_steps", "1", "--output_dir", str(out), *extra],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-4000:]
+        return done.stdout
+
+    out = tmp_path / "run"
+    train(out, "--max_steps", "2")
+    saved = torch.load(out / "checkpoint-1" / "optimizer.pt", weights_only=True)["optimizer"]["fsdp_optimizer"]
+    weights = load_file(out / "checkpoint-1" / "model.safetensors")
+    for name, state in saved["state"].items():
+        assert state["exp_avg"].dtype == torch.bfloat16 and tuple(state["exp_avg"].shape) == tuple(weights[name].shape)
+    straight = load_file(out / "model.safetensors")
+    shutil.rmtree(out / "checkpoint-2")
+    output = train(out, "--max_steps", "2", "--resume")
+    assert "resumed from" in output
+    resumed = load_file(out / "model.safetensors")
+    assert max((resumed[k] - straight[k]).abs().max().item() for k in straight) <= 1e-6
+    assert max((straight[k] - weights[k]).abs().max().item() for k in straight) > 1e-4  # step 2 moved the weights
+
+
+REWARD_MODULE = '''
+def digit_share(prompts, completions, completion_ids=None, **_):
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) + 0.01 * len(c) for c in completions]
+'''

@@ -14,6 +14,7 @@ from cohort.errors import CohortError
 from cohort.memory import capacity
 from cohort.memory.capacity import check_capacity, config_before_loading, run_placement
 from cohort.memory.precision import make_optimizer
+from cohort.memory.sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT, ShardedAdamW
 from cohort.memory.training_plan import (GIB, Placement, StepShape, engine_kv_bytes, lora_parameter_count,
                                          micro_batch_tokens, training_memory_plan)
 from cohort.models import CausalLM, ModelConfig
@@ -49,16 +50,20 @@ def test_one_gpu_terms_are_the_optimizers_state():
     assert "gradients" not in sampling
 
 
-def test_sharded_terms_are_an_fp32_adamw_split_over_the_ranks():
-    """FSDP2 trains an fp32 copy with torch's AdamW: its weights and moments, over N ranks, are the plan's."""
+@pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
+def test_sharded_terms_are_the_shard_optimizer_s_split_over_the_ranks(moment_dtype):
+    """FSDP2 trains an fp32 copy: its weights and the moments of the optimizer `make_optimizer` builds over it (torch's
+    AdamW with fp32 moments, `ShardedAdamW` with bf16 ones), over N ranks, are the plan's."""
     model = CausalLM(TINY)  # fp32, as `_fully_shard` widens it
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = (torch.optim.AdamW(model.parameters()) if moment_dtype == "float32"
+                 else ShardedAdamW(model.parameters(), state_dtype=torch.bfloat16))
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     optimizer.step()
     moments = tensor_bytes(t for state in optimizer.state.values() for name, t in state.items()
                            if name.startswith("exp_avg"))
-    step = StepShape(rows=8, group=4, prompt_len=8, completion_len=8, micro_rows=4)
+    step = StepShape(rows=8, group=4, prompt_len=8, completion_len=8, micro_rows=4,
+                     moment_bytes=8 if moment_dtype == "float32" else 4)
     for ranks in (2, 4):
         terms = training_memory_plan(TINY, step, Placement(ranks=ranks, fsdp=True, sampling_split=ranks)).phases
         assert terms["sampling"]["fp32 master shard"] == -(-tensor_bytes(model.parameters()) // ranks)
@@ -66,7 +71,9 @@ def test_sharded_terms_are_an_fp32_adamw_split_over_the_ranks():
         assert terms["sampling"]["engine weights"] == -(-tensor_bytes(model.parameters()) // 2 // ranks)  # bf16
         assert terms["optimizer step"]["gradients"] == terms["sampling"]["fp32 master shard"]
         assert terms["setup"]["fp32 shards"] == terms["sampling"]["fp32 master shard"]  # no whole fp32 copy
-        assert "optimizer temporary" not in terms["optimizer step"]  # torch's fused AdamW on a GPU
+        assert "optimizer temporary" not in terms["optimizer step"]  # torch's fused AdamW, or slices of a tensor
+        chunk = terms["optimizer step"].get("optimizer chunk", 0)
+        assert chunk == (CHUNK_ELEMENTS * SCRATCH_BYTES_PER_ELEMENT if moment_dtype == "bfloat16" else 0)
 
 
 def test_lora_adapters_are_peft_s():

@@ -363,12 +363,11 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, model: torch.nn.Module, max
 
 def optimizer_line(optimizer: torch.optim.Optimizer) -> str:
     """One log line: how the optimizer keeps and steps its state."""
-    if isinstance(optimizer, ShardedAdamW):
-        moments = "bf16 moments (stochastic rounding)" if optimizer.state_dtype == torch.bfloat16 else "fp32 moments"
-        return f"optimizer: AdamW over the fp32 shards (the masters), {moments}, chunked torch step"
-    if not isinstance(optimizer, MasterWeightAdamW):
+    if not isinstance(optimizer, (MasterWeightAdamW, ShardedAdamW)):
         return "optimizer: AdamW over the weights in their own dtype"
     moments = "bf16 moments (stochastic rounding)" if optimizer.state_dtype == torch.bfloat16 else "fp32 moments"
+    if isinstance(optimizer, ShardedAdamW):
+        return f"optimizer: AdamW over the fp32 shards (the masters), {moments}, chunked torch step"
     step = "one kernel a parameter" if optimizer.fused_kernel else "chunked torch step"
     return f"optimizer: AdamW, fp32 masters, {moments}, {step}"
 
@@ -400,8 +399,6 @@ def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
                           "bfloat16, the default on a GPU) or --fsdp; with float32 weights on one process pass "
                           "optimizer_state_dtype=auto")
     if sharded and params[0].is_cuda:
-        # FSDP2's fp32 shards with fp32 moments on a GPU: the fused kernel steps in registers where torch's default
-        # foreach step makes temporaries the size of the shards (√v̂ + ε, 4 bytes a parameter / N); DTensor
-        # dispatches it shard by shard. Elsewhere (CPU, gloo) the default foreach step, which the tests compare.
+        # fp32 moments on FSDP2's shards: fused, in registers (foreach makes a √v̂ + ε temporary the size of the shard)
         kwargs["fused"] = True
     return torch.optim.AdamW(params, **kwargs)

@@ -138,8 +138,9 @@ def sampling_plan(args, model_config: ModelConfig | None, device: torch.device, 
         sizes = [size for size in range(1, world_size + 1) if not world_size % size]
         where, fix = "training rank(s)", "add GPUs (--nproc_per_node)"
         # What a rank keeps of the training state between updates: its FSDP2 shard of the fp32 weights and of
-        # AdamW's two fp32 moments, 12 bytes a weight over the ranks.
-        resident = math.ceil(parameter_count(model_config) * 12 / world_size)
+        # AdamW's two moments (bf16 by default, fp32 with optimizer_state_dtype=float32), over the ranks.
+        per_weight = 4 + (8 if args.optimizer_state_dtype == "float32" else 4)
+        resident = math.ceil(parameter_count(model_config) * per_weight / world_size)
     else:  # a rank that trains and samples on its whole copy: its slots follow from its training plan
         return SamplingPlan(1 if asked == "auto" else asked, None if slots == "auto" else slots)
     if asked != "auto":
