@@ -44,9 +44,11 @@ def test_a_slice_rounds_as_its_elements_do_in_the_whole_tensor_and_to_a_neighbou
     values = torch.randn(1000) * torch.exp(torch.randn(1000) * 3)
     values[17] = float("nan")
     whole = torch.empty(1000, dtype=torch.bfloat16)
-    round_with_noise(values.clone(), whole, element_noise(9, 0, 1000, values.device) & 0xFFFF)
+    round_with_noise(values.clone(), whole, (element_noise(9, 0, 1000, values.device) & 0xFFFF).int(),
+                     torch.empty(1000, dtype=torch.bool))
     part = torch.empty(300, dtype=torch.bfloat16)
-    round_with_noise(values[400:700].clone(), part, element_noise(9, 400, 300, values.device) & 0xFFFF)
+    round_with_noise(values[400:700].clone(), part, (element_noise(9, 400, 300, values.device) & 0xFFFF).int(),
+                     torch.empty(300, dtype=torch.bool))
     assert torch.equal(part.view(torch.int16), whole[400:700].view(torch.int16))
     assert torch.isnan(whole[17])
     finite = ~torch.isnan(values)
@@ -101,6 +103,24 @@ def test_bf16_moments_stay_within_a_bf16_unit_of_fp32_ones_and_any_chunking_step
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), chunked.parameters()))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_steps_as_the_cpu_does():
+    """The same slices on a GPU: the same noise (an integer hash), the same fp32 operations up to the GPU's
+    contractions, so weights within 1e-6 and moments within a bf16 unit after 3 steps."""
+    cpu, gpu = _model(), _model().cuda()
+    on_cpu, on_gpu = ShardedAdamW(cpu.parameters(), seed=5, **HYPER), ShardedAdamW(gpu.parameters(), seed=5, **HYPER)
+    for step in range(3):
+        for p, q, grad in zip(cpu.parameters(), gpu.parameters(), _grads(cpu, step)):
+            p.grad, q.grad = grad, grad.cuda()
+        on_cpu.step()
+        on_gpu.step()
+    for p, q in zip(cpu.parameters(), gpu.parameters()):
+        assert (p - q.cpu()).abs().max().item() <= 1e-6
+        for name in ("exp_avg", "exp_avg_sq"):
+            a, b = on_cpu.state[p][name].float(), on_gpu.state[q][name].cpu().float()
+            assert bool(((a - b).abs() <= a.abs() * 2**-7 + 1e-30).all())
+
+
 def test_a_resumed_optimizer_continues_bit_for_bit():
     straight, resumed = _model(), _model()
     optimizer = ShardedAdamW(straight.parameters(), seed=7, **HYPER)
@@ -114,6 +134,26 @@ def test_a_resumed_optimizer_continues_bit_for_bit():
     _run(optimizer, straight, range(2, 4))
     _run(again, resumed, range(2, 4))
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
+
+
+def test_out_of_memory_before_any_change_propagates_and_after_one_stops_the_run(monkeypatch):
+    model = _model()
+    optimizer = ShardedAdamW(model.parameters(), **HYPER)
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+
+    def noise(*args):
+        calls.append(args)
+        if len(calls) in (1, 3):
+            raise torch.OutOfMemoryError("no memory")
+        return element_noise(*args)
+
+    monkeypatch.setattr(sharded_adamw, "element_noise", noise)
+    with pytest.raises(torch.OutOfMemoryError):  # the first slice: nothing changed, the update may be retried
+        _run(optimizer, model, range(1))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and optimizer.steps == [0] * 5
+    with pytest.raises(CohortError, match="part-way through the optimizer step"):  # the first tensor had stepped
+        _run(optimizer, model, range(1))
 
 
 def test_refusals_and_the_log_line():

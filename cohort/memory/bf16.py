@@ -105,14 +105,15 @@ def element_noise(key: int, start: int, count: int, device: torch.device) -> tor
 
 
 @torch.no_grad()
-def round_with_noise(values: torch.Tensor, out: torch.Tensor, noise: torch.Tensor) -> None:
+def round_with_noise(values: torch.Tensor, out: torch.Tensor, noise: torch.Tensor, nan: torch.Tensor) -> None:
     """Write fp32 `values` into bf16 `out` (same number of elements), rounded stochastically as
-    `round_stochastic` rounds: the 16-bit `noise` (int64 in [0, 2^16), one per element) is added to each fp32
-    bit pattern and the low half dropped. `values` is overwritten. A NaN stays NaN."""
+    `round_stochastic` rounds: the 16-bit `noise` (int32 in [0, 2^16), one per element) is added to each fp32
+    bit pattern and the low half dropped. `values` is overwritten; `nan` (bool, as many elements) is scratch,
+    so rounding allocates nothing. A NaN stays NaN."""
     flat = values.view(-1)
-    is_nan = flat != flat
+    is_nan = torch.ne(flat, flat, out=nan.view(-1))
     bits = flat.view(torch.int32)
-    bits.add_(noise.to(torch.int32))  # a pattern near int32's top wraps, as the kernel's does: only NaN/inf patterns
+    bits.add_(noise.view(-1))  # a pattern near int32's top wraps, as the kernel's does: only NaN/inf patterns
     high = bits.view(torch.int16).view(-1, 2)[:, HIGH]
     high.masked_fill_(is_nan, 0x7FC0)  # bf16's quiet NaN
     out.view(-1).view(torch.int16).copy_(high)

@@ -31,8 +31,9 @@ from ..errors import CohortError
 from .bf16 import element_noise, noise_key, round_with_noise
 
 CHUNK_ELEMENTS = 1 << 22  # elements stepped at once
-# fp32 moments, √v and its quotient, the noise's int64 words and their temporaries, per element of a slice
-SCRATCH_BYTES_PER_ELEMENT = 48
+# per element of a slice at its busiest: the fp32 moments and denominator (12 bytes) while the noise's hash runs
+# on int64 words (at most 5 alive: 40)
+SCRATCH_BYTES_PER_ELEMENT = 52
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -97,6 +98,10 @@ class ShardedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW step of every parameter with a gradient, slice by slice. Each slice makes all it needs before
+        it changes anything, so running out of memory in the first slice leaves everything as it was (the error
+        propagates and the update may be retried); after that a retry would step some elements twice, and the
+        run stops with a `CohortError` instead."""
         loss = None
         if closure is not None:
             with torch.enable_grad():  # as torch's optimizers call it
@@ -104,29 +109,33 @@ class ShardedAdamW(torch.optim.AdamW):
         self._allocate_state()  # moments dropped since (LoRA's π_ref reset) start over at zero
         group = self.param_groups[0]
         lr, (beta1, beta2), eps, decay = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+        changed = False
         for i, param in enumerate(self.params):
             if param.grad is None:
                 continue
-            state = self.state[param]
-            self.steps[i] += 1
-            state["step"] += 1
-            count = self.steps[i]
-            step_size = lr / (1 - beta1 ** count)
-            bias_correction2_sqrt = math.sqrt(1 - beta2 ** count)
-            key = noise_key(group["noise_seed"], i, count)
+            count = self.steps[i] + 1
+            hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, decay=decay, step_size=lr / (1 - beta1 ** count),
+                         bias_correction2_sqrt=math.sqrt(1 - beta2 ** count),
+                         key=noise_key(group["noise_seed"], i, count))
             weights, grads = local(param), local(param.grad)
-            if weights.numel() == 0:
-                continue  # an empty shard: its step count still moves with the other ranks'
-            if not weights.is_contiguous():
+            if weights.numel() and not weights.is_contiguous():
                 raise CohortError(f"parameter {i}'s local shard is not contiguous; pass --optimizer_state_dtype float32")
             flat, grads = weights.view(-1), grads.reshape(-1)
-            moments = [local(state[name]).view(-1) for name in MOMENTS]
-            for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+            moments = [local(self.state[param][name]).view(-1) for name in MOMENTS]
+            for start in range(0, flat.numel(), CHUNK_ELEMENTS):  # an empty shard: none, its count still moves
                 piece = slice(start, start + CHUNK_ELEMENTS)
-                self._step_slice(flat[piece], grads[piece], moments[0][piece], moments[1][piece],
-                                 lr=lr, beta1=beta1, beta2=beta2, eps=eps, decay=decay, step_size=step_size,
-                                 bias_correction2_sqrt=bias_correction2_sqrt, key=key,
-                                 start=self.offsets[i] + start)
+                try:
+                    self._step_slice(flat[piece], grads[piece], moments[0][piece], moments[1][piece],
+                                     start=self.offsets[i] + start, **hyper)
+                except torch.OutOfMemoryError:
+                    if not changed:
+                        raise
+                    raise CohortError("out of GPU memory part-way through the optimizer step: retrying would "
+                                      "update some weights twice, so the run stops here; resume from the newest "
+                                      "checkpoint (--resume) with more free GPU memory") from None
+                changed = True
+            self.steps[i] = count
+            self.state[param]["step"] += 1
         return loss
 
     def _step_slice(self, weights, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, decay, step_size,
@@ -136,16 +145,21 @@ class ShardedAdamW(torch.optim.AdamW):
         m = exp_avg.float() if narrow else exp_avg
         v = exp_avg_sq.float() if narrow else exp_avg_sq
         grad = grad.float()
+        denominator = torch.empty_like(v)
+        if narrow:  # the kernel's split of one hash: its low half rounds m, its high half v
+            noise = element_noise(key, start, m.numel(), m.device)
+            m_noise, v_noise = (noise & 0xFFFF).to(torch.int32), (noise >> 16).to(torch.int32)
+            del noise
+            nan = torch.empty(m.numel(), dtype=torch.bool, device=m.device)
+        # Everything is made: from here on nothing allocates.
         weights.mul_(1 - lr * decay)
         m.lerp_(grad, 1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denominator = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        torch.sqrt(v, out=denominator).div_(bias_correction2_sqrt).add_(eps)
         weights.addcdiv_(m, denominator, value=-step_size)
         if narrow:
-            del denominator
-            noise = element_noise(key, start, m.numel(), m.device)
-            round_with_noise(m, exp_avg, noise & 0xFFFF)  # the kernel's split of one hash: low half for m,
-            round_with_noise(v, exp_avg_sq, noise >> 16)  # high half for v
+            round_with_noise(m, exp_avg, m_noise, nan)
+            round_with_noise(v, exp_avg_sq, v_noise, nan)
 
     def load_state_dict(self, state_dict) -> None:
         """torch would cast the moments to the parameters' dtype (fp32); they are kept in `state_dtype`."""
