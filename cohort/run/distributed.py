@@ -251,7 +251,8 @@ class Parallel:
 
     def optimizer_state(self, train_model: nn.Module, optimizer) -> dict:
         """What a checkpoint stores for the optimizer: its state_dict, or under FSDP2 the full
-        (unsharded) one plus the fp32 weights, gathered on rank 0 (a collective: every rank calls it)."""
+        (unsharded) one plus the fp32 weights, gathered on rank 0 (a collective: every rank calls it). The moments
+        are gathered in their own dtype (bf16 ones, `ShardedAdamW`'s DTensors, stay bf16) and scattered back on load."""
         if not self.fsdp:
             return optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
