@@ -12,7 +12,7 @@ from cohort.errors import CohortError
 from cohort.models import CausalLM, ModelConfig
 from cohort.models.lora import apply_lora, lora_config_from_args
 from cohort.resolve import resolve_run_config
-from cohort.rollout.colocated import blocks_of_one_batch, rollout_rows
+from cohort.rollout.colocated import blocks_of_one_batch
 from cohort.rollout.sampler import SamplingParams
 from cohort.run.colocation import SamplingGroup, sampling_groups
 
@@ -59,12 +59,12 @@ def test_a_ranks_block_of_one_engine_call_is_what_its_own_call_samples():
     params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=11, eos_token_ids=[2], pad_token_id=0)
     merged = engine.generate(theirs + mine, 3, params)
     alone = engine.generate(mine, 3, SamplingParams(**{**params.__dict__, "sequence_offset": 6}))
-    part = rollout_rows(merged, 6, 12)
+    part = merged.rows(6, 12)
     assert torch.equal(part.completion_ids, alone.completion_ids)
     assert torch.equal(part.completion_mask, alone.completion_mask)
     assert torch.allclose(part.logprobs, alone.logprobs, atol=1e-5)
     assert part.finish_reasons == alone.finish_reasons
-    assert not torch.equal(rollout_rows(merged, 0, 6).completion_ids[:, :2], part.completion_ids[:, :2])
+    assert not torch.equal(merged.rows(0, 6).completion_ids[:, :2], part.completion_ids[:, :2])
 
 
 def test_settings_the_colocated_placement_cannot_run_are_refused_in_one_line(monkeypatch):

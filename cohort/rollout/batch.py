@@ -71,14 +71,5 @@ def select_groups(batch, groups: list[int], group_size: int):
 def without_extra_padding(batch: Batch) -> Batch:
     """The batch with its completion tensors cut to its longest completion (a part of a larger rollout
     is then what sampling it alone gives)."""
-    rollout = batch.rollout
-    width = max(1, int(rollout.completion_mask.sum(dim=1).max()))
-    if width >= rollout.completion_ids.shape[1]:
-        return batch
-
-    def cut(x):
-        return None if x is None else x[:, :width]
-
-    return dataclasses.replace(batch, rollout=Rollout(cut(rollout.completion_ids), cut(rollout.completion_mask),
-                                                      cut(rollout.logprobs), rollout.finish_reasons,
-                                                      cut(rollout.tool_mask), rollout.routed_experts))
+    rollout = batch.rollout.trimmed()
+    return batch if rollout is batch.rollout else dataclasses.replace(batch, rollout=rollout)

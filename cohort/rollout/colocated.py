@@ -47,7 +47,7 @@ class ColocatedSampler:
             merged = self.sampler.generate([p for prompts, _, _ in requests for p in prompts], num_generations,
                                            requests[0][2])
             start = sum(len(prompts) for prompts, _, _ in requests[:self.rank]) * num_generations
-            return rollout_rows(merged, start, start + len(prompt_ids) * num_generations)
+            return merged.rows(start, start + len(prompt_ids) * num_generations)
         mine = None
         for rank, (prompts, generations, settings) in enumerate(requests):
             rollout = self.sampler.generate(prompts, generations, settings)
@@ -82,17 +82,3 @@ def blocks_of_one_batch(requests: list[tuple[list, int, SamplingParams]]) -> boo
         expected += len(prompts) * generations
     return True
 
-
-def rollout_rows(rollout: Rollout, start: int, stop: int) -> Rollout:
-    """Rows [start, stop) of `rollout`, cut to their longest completion: what sampling those rows alone gives."""
-    def rows(tensor):
-        return None if tensor is None else tensor[start:stop]
-
-    mask = rows(rollout.completion_mask)
-    width = max(1, int(mask.sum(dim=1).max())) if mask.shape[0] else 1
-
-    def cut(tensor):
-        return None if tensor is None else tensor[:, :width]
-
-    return Rollout(cut(rows(rollout.completion_ids)), cut(mask), cut(rows(rollout.logprobs)),
-                   rollout.finish_reasons[start:stop], cut(rows(rollout.tool_mask)))

@@ -54,6 +54,29 @@ class Rollout:
         `completion_mask * tool_mask`)."""
         return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
+    def rows(self, start: int, stop: int) -> "Rollout":
+        """Rows [start, stop), every per-row field, cut to their longest completion (`trimmed`)."""
+        def part(x):
+            return None if x is None else x[start:stop]
+
+        return replace(self, completion_ids=part(self.completion_ids), completion_mask=part(self.completion_mask),
+                       logprobs=part(self.logprobs), finish_reasons=self.finish_reasons[start:stop],
+                       tool_mask=part(self.tool_mask), routed_experts=part(self.routed_experts)).trimmed()
+
+    def trimmed(self) -> "Rollout":
+        """The completion tensors cut to the longest completion: a part of a larger rollout is then what sampling it
+        alone gives (`routed_experts`, by position of prompt and completion, is kept as it is)."""
+        mask = self.completion_mask
+        width = max(1, int(mask.sum(dim=1).max())) if mask.shape[0] else 1
+        if width >= self.completion_ids.shape[1]:
+            return self
+
+        def cut(x):
+            return None if x is None else x[:, :width]
+
+        return replace(self, completion_ids=cut(self.completion_ids), completion_mask=cut(mask),
+                       logprobs=cut(self.logprobs), tool_mask=cut(self.tool_mask))
+
 
 class Sampler(Protocol):
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
