@@ -66,13 +66,8 @@ def round_stochastic(values: torch.Tensor, out: torch.Tensor, generator: torch.G
     draws depend on `generator` and the element count only, so any chunking draws the same noise.
     A NaN stays NaN (its pattern plus noise could wrap to a number)."""
     n = values.numel()
-    flat = values.view(-1)
-    is_nan = torch.ne(flat, flat, out=nan[:n])  # NaN alone differs from itself
-    bits = flat.view(torch.int32)
-    drawn = torch.randint(-TIE, TIE, (n,), generator=generator, dtype=torch.int16, device=flat.device, out=noise[:n])
-    bits.add_(drawn).add_(TIE)  # int32 arithmetic: the top half moves up by one unit with probability f
-    flat.masked_fill_(is_nan, float("nan"))
-    out.view(-1).view(torch.int16).copy_(bits.view(torch.int16).view(-1, 2)[:, HIGH])
+    drawn = torch.randint(-TIE, TIE, (n,), generator=generator, dtype=torch.int16, device=values.device, out=noise[:n])
+    round_with_noise(values, out, drawn, nan[:n], offset=TIE)  # drawn + TIE: uniform in [0, 2^16)
 
 
 def noise_key(seed: int, index: int, step: int) -> int:
@@ -105,15 +100,18 @@ def element_noise(key: int, start: int, count: int, device: torch.device) -> tor
 
 
 @torch.no_grad()
-def round_with_noise(values: torch.Tensor, out: torch.Tensor, noise: torch.Tensor, nan: torch.Tensor) -> None:
-    """Write fp32 `values` into bf16 `out` (same number of elements), rounded stochastically as
-    `round_stochastic` rounds: the 16-bit `noise` (int32 in [0, 2^16), one per element) is added to each fp32
+def round_with_noise(values: torch.Tensor, out: torch.Tensor, noise: torch.Tensor, nan: torch.Tensor,
+                     offset: int = 0) -> None:
+    """Write fp32 `values` into bf16 `out` (same number of elements), rounded stochastically: `noise` + `offset`
+    (one per element, in [0, 2^16); `round_stochastic` draws it, `element_noise` hashes it) is added to each fp32
     bit pattern and the low half dropped. `values` is overwritten; `nan` (bool, as many elements) is scratch,
-    so rounding allocates nothing. A NaN stays NaN."""
+    so rounding allocates nothing. A NaN stays NaN (its pattern plus noise could wrap to a number)."""
     flat = values.view(-1)
-    is_nan = torch.ne(flat, flat, out=nan.view(-1))
+    is_nan = torch.ne(flat, flat, out=nan.view(-1))  # NaN alone differs from itself
     bits = flat.view(torch.int32)
     bits.add_(noise.view(-1))  # a pattern near int32's top wraps, as the kernel's does: only NaN/inf patterns
+    if offset:
+        bits.add_(offset)
     high = bits.view(torch.int16).view(-1, 2)[:, HIGH]
     high.masked_fill_(is_nan, 0x7FC0)  # bf16's quiet NaN
     out.view(-1).view(torch.int16).copy_(high)
