@@ -117,6 +117,7 @@ def run_rank(rank: int, folder: str, tiny_dir: str) -> None:
         results["logprobs"] = trainer.policy_update.logprobs(trainer.train_model, batch)  # FSDP2 forwards
         results["update"] = captured_gradients(trainer, batch, lambda grad: grad.full_tensor())
         torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while the other still uses it (std::terminate in its threads)
     finally:
         dist.destroy_process_group()
 

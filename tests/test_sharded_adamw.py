@@ -226,6 +226,7 @@ run(resumed, again, range(2, 4))
 after = gathered(resumed, again)
 if rank == 0:
     torch.save({"straight": straight, "resumed": after}, out + "/result.pt")
+dist.barrier()  # no rank tears gloo down while the other still uses it (std::terminate in its threads)
 dist.destroy_process_group()
 '''
 

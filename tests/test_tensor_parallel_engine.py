@@ -98,6 +98,7 @@ def run_rank(rank: int, folder: str, names: list[str], eos: list[int], stop: str
         for name in names:
             torch.save(run_cases(shard_model(saved_model(folder, name)), eos, stop),
                        os.path.join(folder, f"{name}-rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while the other still uses it (std::terminate in its threads)
     finally:
         dist.destroy_process_group()
 
