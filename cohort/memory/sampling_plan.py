@@ -84,9 +84,14 @@ def rank_bytes(config: ModelConfig, size: int, rows: int, max_len: int, element_
     return math.ceil(whole / size)
 
 
+def kv_length(prompt_len: int, completion_len: int) -> int:
+    """The KV length of an engine's slot for prompts and completions of these lengths, rounded up as the engine does."""
+    return -(-(prompt_len + completion_len) // KV_LENGTH_STEP) * KV_LENGTH_STEP
+
+
 def slot_length(args) -> int:
     """The KV length of an engine's slot in the run `args`: prompt and completion, rounded up as the engine does."""
-    return -(-(args.max_prompt_length + args.max_completion_length) // KV_LENGTH_STEP) * KV_LENGTH_STEP
+    return kv_length(args.max_prompt_length, args.max_completion_length)
 
 
 def slot_bytes(config: ModelConfig, size: int, length: int, element_bytes: int) -> int:

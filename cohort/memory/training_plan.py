@@ -73,11 +73,10 @@ from ..rollout.scheduler import ENGINE_SLOTS
 from ..update.fast_path import MICRO_BATCH_FLOP
 from ..update.logprobs import CHUNK_BYTES
 from .precision import GRADIENT_CHUNK_BYTES
-from .sampling_plan import kv_cache_bytes, layer_parameter_counts, parameter_count
+from .sampling_plan import kv_cache_bytes, kv_length, layer_parameter_counts, parameter_count
 from .sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT
 
 GIB = 2**30
-KV_LENGTH_STEP = 128  # the engine rounds a call's KV length up to this (rollout/engine.py)
 NO_GRAD_FACTOR = 2  # no-grad log-prob micro-batches are this many times the update's (manager.py)
 
 
@@ -222,7 +221,7 @@ def several_micro_batches(config: ModelConfig, step: StepShape) -> bool:
 def engine_kv_bytes(config: ModelConfig, step: StepShape, split: int) -> int:
     """One rank's share of the engine's KV cache: a group of `split` ranks samples its ranks' rows in one call."""
     rows = min(step.engine_slots, step.rows * split)
-    length = -(-(step.prompt_len + step.completion_len) // KV_LENGTH_STEP) * KV_LENGTH_STEP
+    length = kv_length(step.prompt_len, step.completion_len)
     return math.ceil(kv_cache_bytes(config, rows, length, step.element_bytes) / split)
 
 
