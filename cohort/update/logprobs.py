@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -275,18 +276,19 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
 def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, *,
                      pad_id: int, max_rows: int, max_tokens: int = 0, temperature: float = 1.0,
                      share_prompts: bool = False, routes: Tensor | None = None, replay: bool = True,
-                     forwards: int = 0) -> Tensor:
+                     agree: Callable[[int], int] | None = None) -> Tensor:
     """[B, T] float32 log-probs of a whole rollout's completions, no gradient (log π_old, log π_ref):
     length-bucketed micro-batches under inference mode, scattered back to rollout order on the
     model's device and copied to the CPU once, at the end (one host sync per pass). `routes`: a
-    mixture-of-experts rollout's recorded experts, routed by with `replay` (packing.pack). `forwards`: run
-    at least that many forwards, the extra ones discarded (`packing.filler_micro_batches`), as many as the
-    other FSDP2 ranks run."""
+    mixture-of-experts rollout's recorded experts, routed by with `replay` (packing.pack). `agree`: given the
+    number of micro-batches this rank planned, how many forwards to run (as many as the other FSDP2 ranks run;
+    the extra ones discarded, `packing.filler_micro_batches`)."""
     device = next(model.parameters()).device
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
     plans = plan_rollout(prompt_ids, completion_mask, max_rows, max_tokens, share_prompts)
     # FSDP2 gathers into buffers it reuses in training: made under inference mode they could not be written again.
     with torch.no_grad() if is_fully_sharded(model) else torch.inference_mode():
+        forwards = agree(len(plans)) if agree is not None else len(plans)
         for i, rows in enumerate(plans + filler_micro_batches(plans, forwards)):
             micro = pack(prompt_ids, completion_ids, completion_mask, rows, pad_id, share_prompts,
                          routes=routes, replay=replay).to(device)

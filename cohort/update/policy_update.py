@@ -210,12 +210,11 @@ class PolicyUpdate:
         def attempt() -> torch.Tensor:
             model.eval()
             rows, tokens = self.memory.no_grad_sizes()
-            mask = batch.rollout.completion_mask
-            planned = len(plan_rollout(batch.prompt_ids, mask, rows, tokens, self.share_prompts))
             return rollout_logprobs(model, batch.prompt_ids, batch.rollout.completion_ids,
                                     batch.rollout.completion_mask, pad_id=self.pad_id, max_rows=rows,
                                     max_tokens=tokens, temperature=self.args.temperature or 1.0,
-                                    share_prompts=self.share_prompts, forwards=self.agreed_forwards(model, planned),
+                                    share_prompts=self.share_prompts,
+                                    agree=lambda planned: self.agreed_forwards(model, planned),
                                     **self.routing_options(batch, train=False))
         return self.memory.run(attempt)
 
