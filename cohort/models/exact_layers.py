@@ -26,12 +26,13 @@ from typing import NamedTuple
 
 import torch
 
+from cohort.choices import CHOICES
 from cohort.errors import CohortError
 from cohort.kernels import exact_attention, exact_matmul, exact_rms_norm
 from cohort.kernels.elementwise import rotate_plain, swiglu_gate_plain
 from cohort.models import shared_prefix
 
-NUMERICS = ("fast", "exact")
+NUMERICS = CHOICES["rollout_numerics"]  # the one table of allowed values
 
 
 class ExactMask(NamedTuple):
