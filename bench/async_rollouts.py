@@ -477,6 +477,8 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
         sampling_engine = None
     else:
         sampling_engine = trainer.sampler
+    if sampling_engine is not None and not isinstance(sampling_engine, DrawnLengthEngine):
+        sampling_engine = sampling_engine.sampler  # the colocated placement: a tensor-parallel group's wrapper
     assert sampling_engine is None or isinstance(sampling_engine, DrawnLengthEngine), type(sampling_engine)
     setup = time.perf_counter() - started
     graphs, capture_s = 0, 0.0

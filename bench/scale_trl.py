@@ -17,6 +17,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+TRL_MICRO_BATCH = 4
+
 
 # ---- TRL: GRPOTrainer under accelerate launch, FSDP2 ------------------------------------------------
 
@@ -35,10 +37,33 @@ def trl_run(args, shape: str, out: Path) -> dict:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.gpus),
                "--num_machines", "1", "--mixed_precision", "no" if args.smoke else "bf16",
                *(["--cpu"] if args.smoke else []), str(Path(__file__).resolve()), str(spec)]
-    done = subprocess.run(command, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=args.trl_timeout_s)
+    try:
+        done = subprocess.run(command, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=args.trl_timeout_s)
+    except subprocess.TimeoutExpired:
+        return timed_out(args, result.with_suffix(".progress.json"))
     if not result.is_file():
         return dict(error=f"TRL exited {done.returncode} without a result")
     return json.loads(result.read_text())
+
+
+def timed_out(args, progress: Path) -> dict:
+    """TRL ran past --trl_timeout_s: the steps it finished, or, where it finished none, a bound: the step it was in
+    had already taken `seconds`, so TRL's tokens/s/GPU is at most a full-length batch's tokens over that time
+    (a random model never samples EOS, so its completions reach the cap)."""
+    state = json.loads(progress.read_text()) if progress.is_file() else {}
+    walls = state.get("step_walls") or []
+    tokens = args.prompts_per_gpu * args.gpus * args.num_generations * (args.prompt_len + args.cap)
+    if walls:
+        wall = sum(walls[1:] or walls) / len(walls[1:] or walls)
+        return dict(step_walls=walls, wall_s=wall, tok_per_s_per_gpu=tokens / (wall * args.gpus),
+                    note=f"ran past --trl_timeout_s {args.trl_timeout_s:g} after {len(walls)} steps; tokens at the cap")
+    began = state.get("step_began")
+    if began is None:
+        return dict(error=f"TRL ran past --trl_timeout_s {args.trl_timeout_s:g} before its first step began")
+    seconds = time.time() - began
+    return dict(bound=True, wall_s=seconds, tok_per_s_per_gpu=tokens / (seconds * args.gpus),
+                note=f"its first step had not ended after {seconds:.0f} s (--trl_timeout_s {args.trl_timeout_s:g}): "
+                     "tok/s/GPU is at most this")
 
 
 def trl_worker(spec_path: str) -> None:
@@ -57,36 +82,46 @@ def trl_worker(spec_path: str) -> None:
     cuda = not spec["smoke"]
     rank = int(os.environ.get("RANK", "0"))
     folder = Path(spec_path).with_suffix("") / "model"
-    if rank == 0 and not (folder / "config.json").is_file():
+    marker = folder / "built"  # after the weights: config.json is written before them
+    if rank == 0 and not marker.is_file():
         run_build(dict(shape=shape, folder=str(folder), device="cuda" if cuda else "cpu"),
                   type("Silent", (), {"save": lambda self, **kw: None})())
-    marker = folder / "config.json"
+        marker.touch()
     while not marker.is_file():  # the other ranks wait for rank 0's folder
         time.sleep(1)
-    time.sleep(2)
     walls, lengths = [], []
+    progress = Path(spec["result"]).with_suffix(".progress.json")
+
+    def record(**state):  # rank 0's steps so far: what trl_run reads if the run outlasts its timeout
+        if rank == 0:
+            progress.write_text(json.dumps(dict(step_walls=[round(w, 2) for w in walls], **state)))
 
     class Clock(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
             if cuda:
                 torch.cuda.synchronize()
             self.started = time.perf_counter()
+            record(step_began=time.time())
 
         def on_step_end(self, a, state, control, **kw):
             if cuda:
                 torch.cuda.synchronize()
             walls.append(time.perf_counter() - self.started)
+            record()
 
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "completions/mean_length" in logs:
                 lengths.append(logs["completions/mean_length"])
 
     per_gpu = spec["prompts"] * spec["generations"] // spec["gpus"]
+    # TRL generates a whole optimizer step's completions at once (steps_per_generation = the accumulation) and
+    # trains them TRL_MICRO_BATCH at a time: 64 rows of 4K tokens in one forward would hold 130 GB of logits.
+    micro = min(per_gpu, TRL_MICRO_BATCH)
     layer = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
              "qwen3_moe": "Qwen3MoeDecoderLayer"}
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-scale-"), per_device_train_batch_size=per_gpu,
-        gradient_accumulation_steps=1, num_generations=spec["generations"],
+        output_dir=tempfile.mkdtemp(prefix="trl-scale-"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_gpu // micro, num_generations=spec["generations"],
         max_completion_length=spec["completion_len"], beta=BETA, learning_rate=LEARNING_RATE, bf16=cuda,
         logging_steps=1, max_steps=spec["steps"], report_to=[], save_strategy="no", gradient_checkpointing=True,
         temperature=1.0, top_k=0, top_p=1.0, disable_tqdm=True, use_cpu=not cuda,

@@ -289,7 +289,8 @@ class GRPOConfig:
                 "needs triton on a GPU). auto: on with our models on a GPU where triton is installed, else off."})
     free_sampling_memory: bool = field(default=False, metadata={
         "help": "On a GPU, free the engine's KV cache and CUDA graphs after each rollout: less memory in the "
-                "update, a recapture each step."})
+                "update, a recapture each step. Under FSDP2 (synchronous) the engine's weights too, until the "
+                "refresh after the update rewrites them."})
     lend_kv_cache: bool = field(default=True, metadata={
         "help": "One process: the update's gradients live in the engine's KV cache, idle between rollouts."})
     gc_freeze: bool = field(default=True, metadata={

@@ -253,9 +253,11 @@ def test_two_ranks_via_the_launcher_equal_one_process_and_resume(setup, tiny_dir
 @pytest.mark.slow
 def test_fsdp2_on_two_ranks_equals_one_process(setup, tiny_dir, one_process):
     """`torchrun -m cohort train --fsdp` (FSDP2 fully_shard over gloo; fp32 on the CPU): the sharded
-    update and the full copy the engine samples from give one process's run."""
+    update and the full copy the engine samples from give one process's run. With `--free_sampling_memory`
+    the copy's memory is freed from each rollout to its refresh (π_old's pass, μ = 2, goes through FSDP2)."""
     out = setup / "fsdp"
-    output = run(setup, torchrun(*train_options(tiny_dir, out, 2, "--max_steps", "2", "--fsdp", "--save_steps", "1")))
+    output = run(setup, torchrun(*train_options(tiny_dir, out, 2, "--max_steps", "2", "--fsdp", "--save_steps", "1",
+                                                 "--free_sampling_memory", "true")))
     assert output.count("Step 2/2") == 1
     assert_same_training(out, one_process, weights_of=one_process / "checkpoint-2")
     optimizer = torch.load(out / "checkpoint-2" / "optimizer.pt", weights_only=True)["optimizer"]

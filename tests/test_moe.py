@@ -236,3 +236,28 @@ def test_qwen3_30b_a3b_counts_its_experts():
     layer = theirs.model.layers[0]
     assert layer_parameter_count(config) == sum(p.numel() for name, p in layer.named_parameters()
                                                 if not name.endswith(("q_norm.weight", "k_norm.weight")))
+
+
+def test_routing_reports_reach_the_caller_through_fsdp2_mixed_precision(tmp_path):
+    """FSDP2 with a mixed-precision policy (the GPU's) rebuilds dataclass inputs to cast their tensors: the
+    layers' reports (the replay mismatch, the router's outputs) must still land in the caller's `Routing`."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _our_moe()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        policy = MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=True)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(0))
+        recorded = torch.zeros(2, 7, 2, 2, dtype=torch.int16)
+        recorded[..., 1] = 1  # experts 0 and 1 everywhere: the free router picks others somewhere
+        record = Routing(recorded, replay=True, keep_router=True)
+        model(ids, routing=record)
+    finally:
+        dist.destroy_process_group()
+    assert record.free_differs is not None and record.free_differs.shape == (2, 7) and record.free_differs.any()
+    assert len(record.router_probs) == len(record.expert_ids) == 2  # the two MoE layers (layer 2 is dense)
+    assert torch.equal(record.expert_ids[0].sort(-1).values, recorded[:, :, 0].reshape(-1, 2).long())  # replayed

@@ -31,6 +31,7 @@ from ..memory.capacity import check_capacity
 from ..memory.checkpointed_layers import AutoCheckpointing
 from ..memory.manager import MemoryManager
 from ..memory.precision import make_optimizer, optimizer_line
+from ..memory.training_plan import engine_released_in_update
 from ..models.lora import adapters_disabled, has_lora, merge_into_base
 from ..models.policy import frozen_copy, load_run_policy, save_policy
 from ..models.tiny import run_device
@@ -151,6 +152,8 @@ class GRPOTrainer:
             self.model = self.train_model  # π_θ is the FSDP2 module itself (π_old's pass, saving, callbacks)
         else:
             self.ref_model = frozen_copy(self.model) if self.uses_reference and not has_lora(self.model) else None
+            if self.parallel.fsdp and engine_released_in_update(args):  # the plain copy is empty between a
+                self.model = self.train_model  # rollout and its refresh: π_old's pass goes through FSDP2
         # The G completions of a prompt share its forward in the log-prob passes and the update: our
         # models only (they take attention rows), and only where a prompt has several completions.
         self.share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(self.model))
@@ -162,7 +165,8 @@ class GRPOTrainer:
         self.async_rollouts, self.sequence_offset = rollouts.async_rollouts, rollouts.sequence_offset
         self.memory = MemoryManager(args, auto_checkpointing=auto_checkpointing, ref_model=self.ref_model,
                                     sampler=self.sampler, device=self.device, world_size=self.parallel.world_size,
-                                    share_prompts=self.share_prompts, log=self.log_line)
+                                    share_prompts=self.share_prompts, log=self.log_line,
+                                    release_weights=self.parallel.release_sampling_weights)
         self.prompts = PromptStream(self.train_rows, args.prompts_per_step * self.parallel.world_size, args.seed)
         # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
         self.sampler_correction = sampler_correction_mode(args, self.model, self.device)

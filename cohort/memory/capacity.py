@@ -23,7 +23,7 @@ import torch
 from ..errors import CohortError
 from ..models.config import ModelConfig, is_supported
 from ..models.loading import hub_offline, is_hub_id
-from .training_plan import GIB, MemoryPlan, Placement, StepShape, training_memory_plan
+from .training_plan import GIB, MemoryPlan, Placement, StepShape, engine_released_in_update, training_memory_plan
 
 MOST_GPUS = 64  # the largest FSDP2 group the refusal suggests
 
@@ -91,7 +91,8 @@ def run_placement(args, training_ranks: int) -> Placement:
     if fsdp and not args.rollout_gpus:
         asked = args.rollout_tensor_parallel_size
         split = training_ranks if asked == "auto" else asked
-    return Placement(ranks=training_ranks, fsdp=fsdp, sampling_split=split, samples=not args.rollout_gpus)
+    return Placement(ranks=training_ranks, fsdp=fsdp, sampling_split=split, samples=not args.rollout_gpus,
+                     engine_in_update=not (fsdp and engine_released_in_update(args)))
 
 
 def fitting_alternatives(config: ModelConfig, step: StepShape, placement: Placement, free: int) -> list[str]:

@@ -30,6 +30,7 @@ from .checkpointed_layers import AutoCheckpointing
 from .gc_pauses import freeze_long_lived_objects, thaw_frozen_objects
 from .lending import idle_buffers, lend_gradients
 from .offload import HostOffload
+from .training_plan import engine_released_in_update
 
 NO_GRAD_FACTOR = 2  # no-grad log-prob passes (π_old, π_ref) use micro-batches this many times larger
 T = TypeVar("T")
@@ -37,7 +38,8 @@ T = TypeVar("T")
 
 class MemoryManager:
     def __init__(self, args, *, auto_checkpointing: AutoCheckpointing | None, ref_model, sampler,
-                 device: torch.device, world_size: int, share_prompts: bool, log: Callable[[str], None] = print):
+                 device: torch.device, world_size: int, share_prompts: bool, log: Callable[[str], None] = print,
+                 release_weights: Callable[[], None] | None = None):
         self.args, self.device, self.log = args, device, log
         self.sampler, self.world_size, self.share_prompts = sampler, world_size, share_prompts
         self.micro_rows, self.micro_tokens = args.per_device_train_batch_size, args.max_tokens_per_micro_batch
@@ -49,6 +51,10 @@ class MemoryManager:
         self.ref_offload = HostOffload(ref_model, enabled=args.offload_ref_model and cuda and not args.fsdp)
         self.lend_kv_cache = args.lend_kv_cache and world_size == 1 and not args.fsdp
         self.release_sampler = args.free_sampling_memory and cuda and hasattr(sampler, "release")
+        # FSDP2: the engine's weights too, until the refresh after the update rewrites them; on a GPU only with
+        # the graphs (they read the weights by address and are recaptured from the new ones).
+        self.release_weights = (release_weights if engine_released_in_update(args) and world_size > 1
+                                and (self.release_sampler or not cuda) else None)
         self.oom_retries = 0
         self.lent_bytes = 0
 
@@ -61,6 +67,8 @@ class MemoryManager:
         """KV cache and decode graphs out of the update's memory (recaptured next step), when asked."""
         if self.release_sampler:
             self.sampler.release()
+        if self.release_weights is not None:
+            self.release_weights()
 
     def reference_pass(self, modified: bool = False):
         """π_ref's weights on the device inside the block (`modified`: the block writes them)."""

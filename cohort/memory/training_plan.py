@@ -120,6 +120,13 @@ class StepShape:
                    engine_slots=slots if isinstance(slots := args.max_concurrent_sequences, int) else ENGINE_SLOTS)
 
 
+def engine_released_in_update(args) -> bool:
+    """Whether the run `args` frees the engine's weights between a rollout and the weight refresh that rewrites
+    them (`Parallel.release_sampling_weights`): under FSDP2 with `free_sampling_memory`, synchronous (an
+    asynchronous engine samples during the update)."""
+    return bool(args.fsdp and args.free_sampling_memory and not args.async_rollouts)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where the step runs: `ranks` training ranks (FSDP2 over them with `fsdp`, else each holds the whole

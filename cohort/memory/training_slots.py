@@ -17,14 +17,16 @@ import torch
 from ..models.config import ModelConfig
 from ..rollout.scheduler import ENGINE_SLOTS, batch_buckets
 from .sampling_plan import FILL
-from .training_plan import Placement, StepShape, training_memory_plan
+from .training_plan import Placement, StepShape, engine_released_in_update, training_memory_plan
 
 
 def training_rank_slots(args, model_config: ModelConfig, device: torch.device, world_size: int = 1) -> int:
     """The slots of the engine of a training rank of the run `args` (validated, `optimizer_state_dtype` settled)
     over `world_size` training ranks, for the loaded model's `model_config`, on CUDA `device`."""
     step = StepShape.from_config(args)
-    placement = Placement(ranks=world_size, fsdp=bool(args.fsdp) and world_size > 1, samples=True)
+    fsdp = bool(args.fsdp) and world_size > 1
+    placement = Placement(ranks=world_size, fsdp=fsdp, samples=True,
+                          engine_in_update=not (fsdp and engine_released_in_update(args)))
 
     def peak(slots: int) -> int:
         return training_memory_plan(model_config, replace(step, engine_slots=slots), placement).peak

@@ -22,7 +22,6 @@ Parameters (`mlp.gate.weight` [E, H], `mlp.experts.gate_up_proj` [E, 2I, H], `ml
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,20 +33,21 @@ ROUTE_DTYPE = torch.int16  # expert ids as recorded; 32767 experts is more than 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-@dataclass
 class Routing:
     """What one forward's MoE layers read and report. `recorded` [B, T, MoE layers, k]: the expert ids the
     sampler chose for each input token; with `replay` the layers route by them, else by the router's own
     top-k. Filled by the forward: `free_differs` [B, T] (given `recorded`: whether the router's own top-k
     differs from the recorded ids in any layer), and, when `keep_router` is set, per MoE layer the router's
-    softmax `router_probs` [B·T, E] and the ids routed by `expert_ids` [B·T, k]."""
+    softmax `router_probs` [B·T, E] and the ids routed by `expert_ids` [B·T, k].
 
-    recorded: torch.Tensor | None = None
-    replay: bool = True
-    keep_router: bool = False
-    free_differs: torch.Tensor | None = None
-    router_probs: list[torch.Tensor] = field(default_factory=list)
-    expert_ids: list[torch.Tensor] = field(default_factory=list)
+    A plain class, not a dataclass: FSDP2's mixed precision rebuilds a dataclass passed to a forward (to cast
+    its tensors), and the layers would then write their reports into the copy."""
+
+    def __init__(self, recorded: torch.Tensor | None = None, replay: bool = True, keep_router: bool = False):
+        self.recorded, self.replay, self.keep_router = recorded, replay, keep_router
+        self.free_differs: torch.Tensor | None = None
+        self.router_probs: list[torch.Tensor] = []
+        self.expert_ids: list[torch.Tensor] = []
 
     def to(self, device) -> "Routing":
         """A fresh record (nothing reported yet) with `recorded` on `device`."""
@@ -68,20 +68,18 @@ class Routing:
             self.expert_ids.append(layer.expert_ids)
 
 
-@dataclass
 class LayerRouting:
     """One MoE layer's part of a `Routing`: its `recorded` ids [B, T, k] and what it reports (`free_differs`
     [B, T]; with `keep_router`, `router_probs` [B·T, E] and the `expert_ids` [B·T, k] routed by). The layer
     sets the reports as attributes of a record made fresh for each call, so the same compiled graph serves
     every MoE layer (no layer index or list length to guard on) and a checkpointed layer's recomputation
-    writes the same values again."""
+    writes the same values again. A plain class for the reason `Routing` is one."""
 
-    recorded: torch.Tensor | None = None
-    replay: bool = True
-    keep_router: bool = False
-    free_differs: torch.Tensor | None = None
-    router_probs: torch.Tensor | None = None
-    expert_ids: torch.Tensor | None = None
+    def __init__(self, recorded: torch.Tensor | None = None, replay: bool = True, keep_router: bool = False):
+        self.recorded, self.replay, self.keep_router = recorded, replay, keep_router
+        self.free_differs: torch.Tensor | None = None
+        self.router_probs: torch.Tensor | None = None
+        self.expert_ids: torch.Tensor | None = None
 
 
 class Experts(nn.Module):

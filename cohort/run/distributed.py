@@ -111,6 +111,7 @@ class Parallel:
         self.group, self.link = group, link
         self.fsdp = False
         self._sampling_pair: tuple[nn.Module, nn.Module] | None = None  # FSDP2: (plain copy or TP shard, sharded)
+        self._released_weights: list[tuple[nn.Parameter, torch.Size]] = []  # release_sampling_weights
         # FSDP2 ranks that sample in tensor-parallel groups (cohort/run/colocation.py): this rank's group.
         self.sampling_group = None
 
@@ -241,6 +242,9 @@ class Parallel:
         if self._sampling_pair is None:
             return
         plain, sharded = self._sampling_pair
+        for param, shape in self._released_weights:  # the same parameters, their memory back (new addresses)
+            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+        self._released_weights = []
         if isinstance(plain, TensorParallelCausalLM):
             update_shard_(plain, full_parameters(sharded, dtype=plain.dtype))
             return
@@ -248,6 +252,17 @@ class Parallel:
         for name, param in sharded.named_parameters():
             target = targets[name]
             target.copy_(param.detach().to(target.dtype).full_tensor())
+
+    def release_sampling_weights(self) -> None:
+        """FSDP2, after a rollout: the memory of the engine's weights (the plain copy or the tensor-parallel shard)
+        goes to the log-prob passes and the update; `refresh_sampling_model` allocates it again before it copies
+        the updated weights in, so nothing reads them in between. The engine's graphs, which read the weights
+        by address, must have been released with them (`MemoryManager.after_sampling`)."""
+        if self._sampling_pair is None or self._released_weights:
+            return
+        for param in self._sampling_pair[0].parameters():
+            self._released_weights.append((param, param.shape))
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def optimizer_state(self, train_model: nn.Module, optimizer) -> dict:
         """What a checkpoint stores for the optimizer: its state_dict, or under FSDP2 the full

@@ -1,0 +1,65 @@
+"""rollout_numerics="exact" on a GPU (COHORT_TEST_GPU=1): the compiled Triton kernels, CUDA-graph decode and
+the trainer's forward, bf16, bit for bit. On the CPU, tests/test_exact_numerics.py runs the same kernels in
+Triton's interpreter; this file covers what only a GPU has (graph buckets, the real tile schedule)."""
+
+import pytest
+import torch
+import transformers
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a GPU: run with COHORT_TEST_GPU=1 on a machine with one", allow_module_level=True)
+pytest.importorskip("triton", reason="exact numerics run Triton kernels")
+
+from cohort.kernels.exact_matmul import matmul  # noqa: E402
+from cohort.kernels.exact_rms_norm import rms_norm  # noqa: E402
+from cohort.models import CausalLM, ModelConfig  # noqa: E402
+from cohort.rollout import Engine  # noqa: E402
+from cohort.rollout.sampler import SamplingParams  # noqa: E402
+from cohort.update.logprobs import rollout_logprobs  # noqa: E402
+
+CUDA = torch.device("cuda")
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+
+
+def random_model(family: str) -> CausalLM:
+    config = (transformers.Qwen3Config(**SHAPE, head_dim=64) if family == "qwen3" else
+              transformers.LlamaConfig(**SHAPE))
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig.from_hf_dict(config.to_dict()))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    model = model.to(CUDA, torch.bfloat16)
+    model.set_numerics("exact")
+    return model
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_gpu_matmul_and_norm_rows_do_not_depend_on_the_batch(rows):
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(512, 896, generator=generator, device=CUDA).bfloat16()
+    weight = torch.randn(1152, 896, generator=generator, device=CUDA).bfloat16()
+    norm_weight = torch.randn(896, generator=generator, device=CUDA).bfloat16()
+    assert torch.equal(matmul(x[:rows], weight, None), matmul(x, weight, None)[:rows])
+    assert torch.equal(rms_norm(x[:rows], norm_weight, 1e-6), rms_norm(x, norm_weight, 1e-6)[:rows])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_engine_logprobs_equal_the_trainers_bitwise(family):
+    """48 sequences through 16 slots (continuous batching, several graph buckets), shared prompts; the trainer
+    scores them in three layouts."""
+    model = random_model(family)
+    prompts = [[1 + (7 * i + j) % 500 for j in range(5 + 3 * i)] for i in range(12)]
+    generations = 4
+    engine = Engine(model, max_batch_size=16)
+    params = SamplingParams(max_new_tokens=48, temperature=0.9, seed=3, pad_token_id=0, eos_token_ids=[5])
+    rollout = engine.generate(prompts, generations, params)
+    mask = rollout.completion_mask.bool()
+    assert mask.sum() > 1000
+    rows = [p for p in prompts for _ in range(generations)]
+    for share_prompts, max_rows in ((True, 48), (False, 7), (True, 5)):
+        old_logp = rollout_logprobs(model, rows, rollout.completion_ids, rollout.completion_mask, pad_id=0,
+                                    max_rows=max_rows, temperature=0.9, share_prompts=share_prompts)
+        difference = (old_logp[mask] - rollout.logprobs.float()[mask]).abs().max().item()
+        assert difference == 0.0, (family, share_prompts, max_rows, difference)
