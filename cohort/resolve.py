@@ -66,8 +66,15 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_s
     plan = sampling_plan(settled, model_config, device, getattr(torch, changes["dtype"]).itemsize,
                          splittable=not tools and not has_lora(model), world_size=world_size, sampling_rank=sampling_rank)
     changes["rollout_tensor_parallel_size"] = plan.size
-    changes["max_concurrent_sequences"] = (plan.slots if plan.slots is not None else
-                                           training_rank_slots(settled, model_config, device, world_size))
+    slots = plan.slots
+    colocated_ranks = config.fsdp and not config.rollout_gpus and world_size > 1
+    if slots is None or (colocated_ranks and config.max_concurrent_sequences == "auto" and device.type == "cuda"
+                         and model_config is not None):
+        # a rank that also trains: its engine's cache is one more term of its training plan (the KV cache stays
+        # through the update unless freed, and an asynchronous engine samples during it)
+        training = training_rank_slots(settled, model_config, device, world_size, sampling_split=plan.size)
+        slots = training if slots is None else min(slots, training)
+    changes["max_concurrent_sequences"] = slots
     size = changes["rollout_tensor_parallel_size"]
     if size > 1 and config.fsdp and not config.rollout_gpus:  # colocated: refused before anything is sharded
         check_splittable(model, size, tools)

@@ -233,3 +233,27 @@ def test_a_rank_that_trains_keeps_the_slots_its_step_leaves_room_for(card):
     assert without > 0.85 * 60 * GIB
     lent = training_rank_slots(args, LLAMA_8B, cuda)
     assert lent == max(w for w in WIDTHS if peak[w] <= without) and lent * 0.5625 <= 15
+
+
+def test_colocated_ranks_keep_the_slots_their_update_leaves_room_for(card):
+    """FSDP2 ranks that sample on their own copies, asynchronously (the engine decodes while the update runs): the
+    slots that the weights and the resident shards alone leave would overrun the card once the update's
+    activations, gradients, π_ref and the producer's copy are there (on two H200s at 8B this ran out of memory);
+    the training plan's slots do not. In a tensor-parallel group π_ref is sharded like the policy."""
+    from dataclasses import replace
+
+    from cohort.memory.training_plan import Placement, StepShape, training_memory_plan
+    from cohort.memory.training_slots import training_rank_slots
+
+    cuda = torch.device("cuda", 0)
+    card.gib = 140
+    args = run_args(rollout_gpus=0, fsdp=True, per_device_train_batch_size=8, gradient_accumulation_steps=8,
+                    num_generations=32, max_prompt_length=256, max_completion_length=4096, beta=0.04)
+    weights_only = sampling_plan(args, LLAMA_8B, cuda, 2, world_size=2).slots
+    training = training_rank_slots(args, LLAMA_8B, cuda, world_size=2)
+    step, placement = StepShape.from_config(args), Placement(ranks=2, fsdp=True)
+    peak = lambda slots: training_memory_plan(LLAMA_8B, replace(step, engine_slots=slots), placement).peak  # noqa: E731
+    assert peak(weights_only) > 0.85 * 140 * GIB >= peak(training) and training < weights_only
+    grouped = training_memory_plan(LLAMA_8B, step, Placement(ranks=2, fsdp=True, sampling_split=2))
+    assert grouped.phases["sampling"]["π_ref"] == parameter_count(LLAMA_8B) * 2 / 2
+    assert training_memory_plan(LLAMA_8B, step, placement).phases["sampling"]["π_ref"] == parameter_count(LLAMA_8B) * 2

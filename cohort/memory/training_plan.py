@@ -266,8 +266,10 @@ def training_memory_plan(config: ModelConfig, step: StepShape, placement: Placem
             if w == 2 and step.moment_bytes == 8:  # the chunked torch step: fp32 gradients, masters, moments
                 optimizer["optimizer chunk"] = 4 * GRADIENT_CHUNK_BYTES
     copy = params * w
+    # The colocated placement shards π_ref like the policy (run/colocation.py); otherwise each rank holds it whole.
+    reference = math.ceil(copy / placement.ranks) if placement.sharded and placement.sampling_split > 1 else copy
     if step.reference and (placement.sharded or not step.offload_reference):
-        resident["π_ref"] = copy
+        resident["π_ref"] = reference
     if step.async_copy:
         resident["sampler copy"] = copy
     kv = engine_kv_bytes(config, step, placement.sampling_split) if placement.samples else 0
@@ -304,7 +306,7 @@ def training_memory_plan(config: ModelConfig, step: StepShape, placement: Placem
     plan.phases["sampling"] = resident
     logprobs = dict(after_sampling)
     if step.reference:
-        logprobs["π_ref"] = copy
+        logprobs["π_ref"] = reference
     logprobs["activations"] = NO_GRAD_FACTOR * tokens * (hidden * w * 2 + per_token)
     logprobs["LM head chunk"] = int(CHUNK_BYTES * 1.5)
     plan.phases["logprobs"] = logprobs

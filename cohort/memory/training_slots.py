@@ -20,12 +20,14 @@ from .sampling_plan import FILL
 from .training_plan import Placement, StepShape, engine_released_in_update, training_memory_plan
 
 
-def training_rank_slots(args, model_config: ModelConfig, device: torch.device, world_size: int = 1) -> int:
+def training_rank_slots(args, model_config: ModelConfig, device: torch.device, world_size: int = 1,
+                        sampling_split: int = 1) -> int:
     """The slots of the engine of a training rank of the run `args` (validated, `optimizer_state_dtype` settled)
-    over `world_size` training ranks, for the loaded model's `model_config`, on CUDA `device`."""
+    over `world_size` training ranks, for the loaded model's `model_config`, on CUDA `device`; `sampling_split`:
+    the ranks of its tensor-parallel sampling group (the colocated placement)."""
     step = StepShape.from_config(args)
     fsdp = bool(args.fsdp) and world_size > 1
-    placement = Placement(ranks=world_size, fsdp=fsdp, samples=True,
+    placement = Placement(ranks=world_size, fsdp=fsdp, samples=True, sampling_split=sampling_split,
                           engine_in_update=not (fsdp and engine_released_in_update(args)))
 
     def peak(slots: int) -> int:
