@@ -123,8 +123,8 @@ class StepShape:
 def engine_released_in_update(args) -> bool:
     """Whether the run `args` frees the engine's weights between a rollout and the weight refresh that rewrites
     them (`Parallel.release_sampling_weights`): under FSDP2 with `free_sampling_memory`, synchronous (an
-    asynchronous engine samples during the update)."""
-    return bool(args.fsdp and args.free_sampling_memory and not args.async_rollouts)
+    asynchronous engine samples during the update), without LoRA (π_ref is that copy with its adapters off)."""
+    return bool(args.fsdp and args.free_sampling_memory and not args.async_rollouts and not args.use_peft)
 
 
 @dataclass(frozen=True)
