@@ -12,7 +12,8 @@ TRL 1.16 in the same call on the same GPUs; Qwen3-30B-A3B at half depth with and
 training_plan.py for a ladder of configurations, each adding one change to the one before: cohort's defaults;
 the engine as a tensor-parallel shard over the training ranks (the colocated placement); one completion a
 micro-batch; the KV cache and the engine's weights freed for the update (`--free_sampling_memory`, which
-under FSDP2 releases the engine's weights from each rollout to the refresh that rewrites them). The defaults already reduce-scatter FSDP2's gradients every micro-batch, keep
+under FSDP2 releases the engine's weights from each rollout to the refresh that rewrites them); then at most 32
+sequences decoded at once (what `max_concurrent_sequences=auto` does by itself where the cache would not fit). The defaults already reduce-scatter FSDP2's gradients every micro-batch, keep
 AdamW's moments in bf16 on the shard (`optimizer_state_dtype` auto on a GPU) and widen to fp32 after sharding. A row fits where its busiest
 phase leaves `HEADROOM_GIB` of the card (the CUDA context, NCCL, the allocator).
 
@@ -94,11 +95,12 @@ def ladder(moe: bool = False):
         ("+ one completion a micro-batch (--per_device_train_batch_size 1)", {"micro_rows": 1}, {}),
         ("+ KV cache and the engine's weights freed for the update (--free_sampling_memory true)",
          {"free_sampling_memory": True}, {"engine_in_update": False}),
+        ("+ at most 32 sequences decoded at once (--max_concurrent_sequences 32)", {"engine_slots": 32}, {}),
     ]
 
 
 def plan_rows(prompt_len: int = 256, completion_len: int = 4096, prompts_per_gpu: int = 2, group: int = 32) -> list:
-    from grpo_step_worker import SHAPES, config_dict
+    from grpo_step_worker import BETA, SHAPES, config_dict
 
     from cohort.memory.training_plan import GIB, Placement, StepShape, training_memory_plan
     from cohort.models import ModelConfig
@@ -107,7 +109,7 @@ def plan_rows(prompt_len: int = 256, completion_len: int = 4096, prompts_per_gpu
     for shape, gpus, card, card_gib in CAPACITY_ROWS:
         config = ModelConfig.from_hf_dict(config_dict(SHAPES[shape]))
         step = StepShape(rows=prompts_per_gpu * group, group=group, prompt_len=prompt_len,
-                         completion_len=completion_len, micro_rows=16)
+                         completion_len=completion_len, micro_rows=16, reference=BETA > 0)  # π_ref, as the runs
         placement = Placement(ranks=gpus, fsdp=True)
         entry = dict(shape=shape, gpus=gpus, card=card, card_gib=card_gib, completions_per_gpu=step.rows,
                      prompt_len=prompt_len, completion_len=completion_len, ladder=[], fits_from=None)
