@@ -19,7 +19,9 @@ phase leaves `HEADROOM_GIB` of the card (the CUDA context, NCCL, the allocator).
 
 `--gpus N` measures, for each shape (random weights, the synthetic tokenizer of bench/grpo_step_worker.py):
 - cohort, synchronous (`--sync_options`, default FSDP2 over the N GPUs) and asynchronous (`--async_options`,
-  default `--rollout_gpus N/2`: half the GPUs sample, half train), each mode one `torchrun` job of
+  default on 2 GPUs colocated under FSDP2, each GPU's engine sampling ahead while it trains; from 4 GPUs
+  `--rollout_gpus N/2`, half the GPUs sample and half train: on 2 H200s one trainer GPU updating all of an 8B
+  step took over 100 s a step, 2026-11-28), each mode one `torchrun` job of
   bench/async_rollouts.py's machinery (its `DrawnLengthEngine`: completion lengths drawn lognormal, median
   `--median`, 99th percentile at the cap, capped at 4,096; the engine decodes exactly the drawn tokens);
 - TRL 1.16's GRPOTrainer under `accelerate launch` on the same N GPUs with FSDP2 (transformers' `fsdp` and
@@ -148,12 +150,13 @@ def is_moe(shape: str) -> bool:
 
 
 def cohort_runs(args, shape: str) -> list[tuple[str, str, list[str]]]:
-    """(label, mode, GRPOConfig options) of each cohort run of `shape`. The asynchronous default samples on N/2
-    ranks of their own; a mixture of experts' samples colocated under FSDP2 instead (one trainer GPU cannot hold
-    a 15B model's full-parameter state, and sampling ranks need a trainer's whole weights), and runs each mode
-    with and/or without routing replay (`--routing_replay`)."""
+    """(label, mode, GRPOConfig options) of each cohort run of `shape`. The asynchronous default samples colocated
+    under FSDP2 on 2 GPUs, and on N/2 ranks of their own from 4; a mixture of experts' always colocated (one
+    trainer GPU cannot hold a 15B model's full-parameter state, and sampling ranks need a trainer's whole
+    weights), and runs each mode with and/or without routing replay (`--routing_replay`)."""
     moe = is_moe(shape)
-    default = "async_rollouts=true,fsdp=true" if moe else f"rollout_gpus={max(1, args.gpus // 2)},async_rollouts=true"
+    colocated = moe or args.gpus <= 2
+    default = "async_rollouts=true,fsdp=true" if colocated else f"rollout_gpus={args.gpus // 2},async_rollouts=true"
     async_options = [o for o in (args.async_options or default).split(",") if o]
     if not any(o.startswith("async_rollouts=") for o in async_options):
         async_options.append("async_rollouts=true")
@@ -249,8 +252,8 @@ def parse_args(argv=None):
     p.add_argument("--sync_options", default="fsdp=true,free_sampling_memory=true",
                    help="GRPOConfig fields of the synchronous mode, comma-separated KEY=VALUE")
     p.add_argument("--async_options", default=None,
-                   help="of the asynchronous mode (rollout_gpus=K is the launcher's); default rollout_gpus=N/2, "
-                        "for a mixture of experts fsdp=true (colocated)")
+                   help="of the asynchronous mode (rollout_gpus=K is the launcher's); default fsdp=true (colocated) "
+                        "on 2 GPUs and for a mixture of experts, else rollout_gpus=N/2")
     p.add_argument("--routing_replay", default="both", choices=["both", "true", "false"],
                    help="mixture-of-experts shapes: each mode with routing replay, without, or both")
     p.add_argument("--out", default=None)
