@@ -167,11 +167,27 @@ def test_a_run_that_cannot_fit_is_refused_with_what_would(gpu, llama_8b_folder):
     assert re.search(r"a smaller step \((--)?per_device_train_batch_size[= ]1", line)
     # each suggestion fits where the run did not
     gpus = int(re.search(r"(\d+) GPUs with FSDP2", line).group(1))
-    step = StepShape.from_config(args)
+    # max_concurrent_sequences=auto: the engine's slots are sized after loading, to what the step leaves (one at least)
+    step = replace(StepShape.from_config(args), engine_slots=1)
     assert training_memory_plan(ModelConfig(**LLAMA_8B), step, run_placement(
         GRPOConfig(fsdp=True).validate(), gpus)).peak <= 80 * GIB
     assert training_memory_plan(ModelConfig(**LLAMA_8B), step, run_placement(
         GRPOConfig(fsdp=True).validate(), gpus - 1)).peak > 80 * GIB
+
+
+def test_a_run_whose_engine_can_decode_fewer_sequences_at_once_is_not_refused(gpu, llama_8b_folder):
+    """The plan with all of a step's completions decoded at once exceeds the card, one slot's does not: `auto`
+    slots will shrink to fit, so the run goes on; an explicit slot count is held to."""
+    options = dict(max_completion_length=4096, per_device_train_batch_size=1, gradient_accumulation_steps=64,
+                   use_peft=True)
+    args = GRPOConfig(**options).validate()
+    step = StepShape.from_config(args)
+    config = ModelConfig(**LLAMA_8B)
+    whole, one = (training_memory_plan(config, replace(step, engine_slots=n)).peak for n in (64, 1))
+    gpu.gib = (whole + one) / 2 / GIB
+    assert check_capacity(str(llama_8b_folder), args, CUDA).peak == one
+    with pytest.raises(CohortError, match="LoRA GRPO"):
+        check_capacity(str(llama_8b_folder), GRPOConfig(**options, max_concurrent_sequences=64).validate(), CUDA)
 
 
 def test_a_run_that_fits_is_not_refused(gpu, llama_8b_folder):

@@ -157,6 +157,8 @@ def check_capacity(model, args, device: torch.device, training_ranks: int = 1) -
     if config is None:
         return None
     step = StepShape.from_config(args)
+    if args.max_concurrent_sequences == "auto":  # sized after loading to what the step leaves: one slot will do
+        step = replace(step, engine_slots=1)
     placement = run_placement(args, training_ranks)
     plan = training_memory_plan(config, step, placement)
     free, _total = torch.cuda.mem_get_info(device)
