@@ -303,7 +303,7 @@ class GRPOConfig:
     share_prompt_prefix: bool = field(default=True, metadata={
         "help": "Our models: compute each prompt once per group in the log-prob passes and the update."})
 
-    # Mixture-of-experts models (Qwen3-MoE, cohort/models/moe.py); ignored for dense models.
+    # Mixture-of-experts models (Qwen3-MoE and Mixtral, cohort/models/moe.py); ignored for dense models.
     routing_replay: bool = field(default=True, metadata={
         "help": "The trainer's forwards (π_old, π_θ, π_ref) route each token by the experts the sampler chose "
                 "for it, the router still trained through the gate values."})

@@ -1,4 +1,4 @@
-"""Our own decoder implementations (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE) and their loading / saving.
+"""Our own decoder implementations (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) and their loading / saving.
 
 `modeling.py` is the model (and writes its Hugging Face folder), `loading.py` reads model files
 (folder, hub id, GGUF via `gguf.py`) into it; `policy.py` turns whatever the user named into a

@@ -2,8 +2,9 @@
 
 One dataclass covers the supported families; what differs between them is derived here
 (q/k/v bias, per-head q/k norm, which layers use a sliding window, which layers are mixtures of
-experts) so `modeling.py` needs no `model_type` branches. Both `config.json` RoPE layouts are read: transformers 4.x
-(`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`).
+experts) so `modeling.py` needs no `model_type` branches. Mixtral is read as a Mistral whose every MLP is a
+mixture of experts of `intermediate_size` with renormalised top-k weights, the block Qwen3-MoE has. Both
+`config.json` RoPE layouts are read: transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`).
 """
 
 from __future__ import annotations
@@ -14,18 +15,22 @@ from typing import Any
 
 from cohort.errors import CohortError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
-# Mixture-of-experts settings of other families that Qwen3-MoE's block does not have: refused by name.
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+# Mixture-of-experts settings of other families that the Qwen3-MoE / Mixtral block does not have: refused by name.
 UNSUPPORTED_MOE_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
                         "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# transformers' RoPE base where config.json gives none (its configs' `default_theta`; 10000 for the others)
+DEFAULT_ROPE_THETA = {"mixtral": 1e6}
 # Keys we derive ourselves on output; everything else unknown is kept in `extra` for the round trip.
 _DERIVED_KEYS = {"rope_parameters", "rope_scaling", "rope_theta", "architectures", "torch_dtype", "dtype"}
 
@@ -61,7 +66,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     torch_dtype: str | None = None
-    # mixture of experts (Qwen3-MoE); num_experts = 0: every layer is a dense MLP
+    # mixture of experts (Qwen3-MoE, Mixtral); num_experts = 0: every layer is a dense MLP
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -122,10 +127,10 @@ class ModelConfig:
         if missing:
             raise CohortError(f"model config.json lacks {', '.join(missing)}; it is not a complete {model_type} config")
         heads = hf["num_attention_heads"]
-        rope_theta, rope_scaling = _read_rope(hf)
+        rope_theta, rope_scaling = _read_rope(hf, DEFAULT_ROPE_THETA.get(model_type, 10000.0))
         sliding_window, layer_types = _read_sliding_window(hf, model_type)
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        moe = _read_moe(hf) if model_type == "qwen3_moe" else {}
+        moe = _read_moe(hf, model_type) if model_type in MOE_MODEL_TYPES else {}
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -158,7 +163,7 @@ class ModelConfig:
         out = dict(self.extra)
         moe_fields = {f.name for f in dataclasses.fields(self)} & set(_MOE_DEFAULTS)
         for f in dataclasses.fields(self):
-            if f.name in moe_fields and self.num_experts == 0:
+            if f.name in moe_fields and (self.num_experts == 0 or self.model_type == "mixtral"):
                 continue
             if f.name not in ("extra", "rope_scaling", "rope_theta", "layer_types"):
                 out[f.name] = getattr(self, f.name)
@@ -166,6 +171,8 @@ class ModelConfig:
             out["layer_types"] = list(self.layer_types)
         if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
             out["use_sliding_window"] = self.sliding_window is not None
+        if self.model_type == "mixtral":  # its own names; its expert size and renormalisation are implied
+            out.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
         out["architectures"] = [ARCHITECTURES[self.model_type]]
         out["rope_theta"] = self.rope_theta
         out["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
@@ -176,10 +183,10 @@ class ModelConfig:
         return out
 
 
-def _read_rope(hf: dict) -> tuple[float, dict | None]:
+def _read_rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from either config.json RoPE layout."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope_theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
+    rope_theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or default_theta)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -199,16 +206,26 @@ _MOE_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_si
                      decoder_sparse_step=1, mlp_only_layers=[])
 
 
-def _read_moe(hf: dict) -> dict:
-    """Qwen3-MoE's expert settings (transformers' defaults where absent); a setting of another MoE
-    family (shared experts, grouped routing, ...) is refused by name."""
+def _read_moe(hf: dict, model_type: str) -> dict:
+    """The expert settings of Qwen3-MoE or Mixtral (transformers' defaults where absent); a setting of
+    another MoE family (shared experts, grouped routing, ...) or one the block lacks is refused by name."""
+    family = "Mixtral" if model_type == "mixtral" else "Qwen3-MoE"
     unsupported = [key for key in UNSUPPORTED_MOE_KEYS if hf.get(key)]
+    # Mixtral's router jitter multiplies the router's input by noise while training; cohort's router has none
+    unsupported += [f"router_jitter_noise={hf['router_jitter_noise']}"] if hf.get("router_jitter_noise") else []
+    if hf.get("hidden_act", "silu") != "silu":  # the experts' grouped products are SwiGLU
+        unsupported.append(f"hidden_act={hf['hidden_act']}")
     if unsupported:
-        raise CohortError(f"config.json sets {', '.join(unsupported)}, which cohort's Qwen3-MoE does not implement; "
-                          "use a model without them or --model_impl transformers")
-    moe = {key: hf.get(key, default) for key, default in _MOE_DEFAULTS.items()}
-    moe["num_experts"] = hf.get("num_experts") or hf.get("num_local_experts") or _MOE_DEFAULTS["num_experts"]
-    moe["mlp_only_layers"] = list(moe["mlp_only_layers"] or [])
+        raise CohortError(f"config.json sets {', '.join(unsupported)}, which cohort's {family} does not implement; "
+                          "use a model without them or --model_impl hf")
+    if model_type == "mixtral":  # every layer sparse, experts as wide as the dense MLP would be, top-k renormalised
+        moe = dict(num_experts=hf.get("num_local_experts") or hf.get("num_experts") or 8,
+                   num_experts_per_tok=hf.get("num_experts_per_tok", 2), moe_intermediate_size=hf["intermediate_size"],
+                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    else:
+        moe = {key: hf.get(key, default) for key, default in _MOE_DEFAULTS.items()}
+        moe["num_experts"] = hf.get("num_experts") or hf.get("num_local_experts") or _MOE_DEFAULTS["num_experts"]
+        moe["mlp_only_layers"] = list(moe["mlp_only_layers"] or [])
     if moe["num_experts_per_tok"] > moe["num_experts"]:
         raise CohortError(f"config.json has num_experts_per_tok={moe['num_experts_per_tok']} > num_experts="
                           f"{moe['num_experts']}; fix config.json")

@@ -1,10 +1,11 @@
-"""Our decoder: Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE in one small module.
+"""Our decoder: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral in one small module.
 
 All four are the Llama block (Touvron et al. 2023): pre-RMSNorm (Zhang & Sennrich 2019), rotary
 position embeddings (Su et al. 2021, "RoFormer"), grouped-query attention (Ainslie et al. 2023)
 and a SwiGLU MLP (Shazeer 2020). The family differences are config flags (see `config.py`): Qwen2
 has q/k/v biases, Qwen3 RMS-normalises each q/k head, Mistral/Qwen2 may use a sliding window.
-Qwen3-MoE is Qwen3 whose MLPs are (in the layers its config names) mixtures of experts (`moe.py`).
+Qwen3-MoE is Qwen3 whose MLPs are (in the layers its config names) mixtures of experts (`moe.py`);
+Mixtral is Mistral whose every MLP is one.
 
 Parameter names equal transformers' (`model.layers.0.self_attn.q_proj.weight`, ...) so a state
 dict moves between the two unchanged. Attention goes through `F.scaled_dot_product_attention`.
@@ -462,6 +463,6 @@ def save_pretrained(model: CausalLM, out_dir, state: dict | None = None) -> Path
     state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    state = split_expert_weights(state)
+    state = split_expert_weights(state, model.config.model_type) if model.config.num_experts else state
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

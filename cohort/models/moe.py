@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts block of Qwen3-MoE, its routing record, and its checkpoint names.
+"""The sparse mixture-of-experts block of Qwen3-MoE and Mixtral, its routing record, and its checkpoint names.
 
 A token's router logits over E experts go through a softmax; the top k experts process it and their
 outputs are summed weighted by their probabilities (renormalised over the k when `norm_topk_prob`),
@@ -15,8 +15,10 @@ other experts than the sampler did wherever two router logits nearly tie, and π
 policy that sampled.
 
 Parameters (`mlp.gate.weight` [E, H], `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
-[E, H, I]) are named as transformers 5 holds them; checkpoints store one matrix per expert
-(`mlp.experts.{e}.gate_proj.weight`, ...), which `fuse_expert_weights` / `split_expert_weights` convert.
+[E, H, I]) are named as transformers 5 holds them for both families; checkpoints store one matrix per expert,
+Qwen3-MoE's as `mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, Mixtral's as
+`block_sparse_moe.experts.{e}.w1/w3/w2.weight` (gate, up, down) beside `block_sparse_moe.gate.weight`;
+`fuse_expert_weights` reads either by name, `split_expert_weights` writes the family's own.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from torch import nn
 from cohort.kernels.grouped_mm import grouped_linear
 
 ROUTE_DTYPE = torch.int16  # expert ids as recorded; 32767 experts is more than any model has
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(.*)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_MIXTRAL_ROUTER = re.compile(r"^(.*)\.block_sparse_moe\.gate\.weight$")
+# A checkpoint's names for one MoE block, per family: (block, gate, up, down); `mlp` is the block in memory.
+CHECKPOINT_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                           "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+_PROJECTION = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's names -> Qwen3-MoE's
 
 
 class Routing:
@@ -99,7 +107,7 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router → softmax → top-k → (renormalise) → grouped-GEMM experts → weighted sum (Qwen3-MoE)."""
+    """Router → softmax → top-k → (renormalise) → grouped-GEMM experts → weighted sum (Qwen3-MoE, Mixtral)."""
 
     def __init__(self, config, moe_index: int):
         super().__init__()
@@ -177,25 +185,32 @@ def stack_routes(routes: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint names → ours: per-expert `experts.{e}.gate_proj/up_proj/down_proj.weight` stacked into
-    `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]. Already-stacked names pass as
-    they are; an expert missing from the sequence 0..E-1 leaves its block unconverted (the loader's
+    """Checkpoint names → ours: per-expert `experts.{e}.gate_proj/up_proj/down_proj.weight` (Mixtral's
+    `block_sparse_moe.experts.{e}.w1/w3/w2.weight`) stacked into `mlp.experts.gate_up_proj` [E, 2I, H] and
+    `mlp.experts.down_proj` [E, H, I], Mixtral's router renamed to `mlp.gate.weight`. Already-stacked names
+    pass as they are; an expert missing from the sequence 0..E-1 leaves its block unconverted (the loader's
     missing/unexpected check then names it)."""
     per_block: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    original: dict[tuple[str, str, int], str] = {}  # (block, kind, expert) -> the checkpoint's name
     out = {}
     for name, tensor in state.items():
-        match = _PER_EXPERT.match(name)
+        match, router = _PER_EXPERT.match(name), _MIXTRAL_ROUTER.match(name)
+        if router is not None:
+            out[f"{router.group(1)}.mlp.gate.weight"] = tensor
+            continue
         if match is None:
             out[name] = tensor
             continue
-        prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+        prefix, expert = f"{match.group(1)}.mlp.experts", int(match.group(3))
+        kind = _PROJECTION.get(match.group(4), match.group(4))
         per_block.setdefault(prefix, {}).setdefault(kind, {})[expert] = tensor
+        original[prefix, kind, expert] = name
     for prefix, kinds in per_block.items():
         counts = {kind: len(experts) for kind, experts in kinds.items()}
         complete = (set(kinds) == {"gate_proj", "up_proj", "down_proj"} and len(set(counts.values())) == 1
                     and all(set(experts) == set(range(len(experts))) for experts in kinds.values()))
         if not complete:
-            out.update({f"{prefix}.{e}.{kind}.weight": t for kind, experts in kinds.items() for e, t in experts.items()})
+            out.update({original[prefix, kind, e]: t for kind, experts in kinds.items() for e, t in experts.items()})
             continue
         experts = range(counts["down_proj"])
         out[f"{prefix}.gate_up_proj"] = torch.stack(
@@ -204,20 +219,23 @@ def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def split_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Ours → checkpoint names (what transformers writes and hub checkpoints hold): one matrix per expert."""
+def split_expert_weights(state: dict[str, torch.Tensor], model_type: str = "qwen3_moe") -> dict[str, torch.Tensor]:
+    """Ours → the checkpoint names of `model_type`'s family (what transformers writes and hub checkpoints
+    hold): one matrix per expert, under `CHECKPOINT_EXPERT_NAMES[model_type]`."""
+    block, gate_name, up_name, down_name = CHECKPOINT_EXPERT_NAMES[model_type]
     out = {}
     for name, tensor in state.items():
+        layer = name.rsplit(".mlp.", 1)[0]
         if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = name.removesuffix(".gate_up_proj")
             gate, up = tensor.chunk(2, dim=1)
             for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate[e]
-                out[f"{prefix}.{e}.up_proj.weight"] = up[e]
+                out[f"{layer}.{block}.experts.{e}.{gate_name}.weight"] = gate[e]
+                out[f"{layer}.{block}.experts.{e}.{up_name}.weight"] = up[e]
         elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name.removesuffix(".down_proj")
             for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+                out[f"{layer}.{block}.experts.{e}.{down_name}.weight"] = tensor[e]
+        elif name.endswith(".mlp.gate.weight") and block != "mlp":
+            out[f"{layer}.{block}.gate.weight"] = tensor
         else:
             out[name] = tensor
     return out
