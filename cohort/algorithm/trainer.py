@@ -9,10 +9,10 @@
         μ times: update π_θ on the clipped surrogate − β·KL          (cohort/update/, objectives.policy_loss)
         update r_φ by continuous training with replay                (learned reward models only)
 
-The trainer builds the stages and calls them; each stage takes its inputs and returns its result:
-`PromptStream` (the data order), `GroupSampler` (the rollout), `RewardRunner` (the rewards),
-`PolicyUpdate` (the update), `MemoryManager` (everything memory), `StepReport` (metrics and
-display) and `RunLifecycle` (resume, signals, checkpoints).
+The trainer keeps the stages that cohort/run/assembly.py builds, and calls them; each stage takes its
+inputs and returns its result: `PromptStream` (the data order), `GroupSampler` (the rollout),
+`RewardRunner` (the rewards), `PolicyUpdate` (the update), `MemoryManager` (everything memory),
+`StepReport` (metrics and display) and `RunLifecycle` (resume, signals, checkpoints).
 """
 
 from __future__ import annotations
