@@ -214,17 +214,17 @@ def test_nothing_is_planned_off_cuda_or_without_a_config(gpu, llama_8b_folder, t
 def test_cohort_train_stops_before_loading(gpu, llama_8b_folder, tmp_path, monkeypatch):
     """Through the trainer: the refusal comes before the loader is called; a fitting run reaches the loader."""
     from cohort import GRPOTrainer
-    from cohort.algorithm import trainer as trainer_module
+    from cohort.run import assembly
     from cohort.run.distributed import Parallel
 
-    monkeypatch.setattr(trainer_module.Parallel, "from_env", classmethod(lambda cls, *a, **k: Parallel(device=CUDA)))
+    monkeypatch.setattr(Parallel, "from_env", classmethod(lambda cls, *a, **k: Parallel(device=CUDA)))
     loads = []
 
     def loader(*args, **kwargs):
         loads.append(args[0])
         raise RuntimeError("loading")
 
-    monkeypatch.setattr(trainer_module, "load_run_policy", loader)
+    monkeypatch.setattr(assembly, "load_run_policy", loader)
     rows = [{"prompt": "1+1="}] * 8
     big = GRPOConfig(output_dir=str(tmp_path / "run"), max_completion_length=4096, per_device_train_batch_size=8,
                      gradient_accumulation_steps=8)

@@ -9,15 +9,14 @@
         μ times: update π_θ on the clipped surrogate − β·KL          (cohort/update/, objectives.policy_loss)
         update r_φ by continuous training with replay                (learned reward models only)
 
-The trainer builds the stages and calls them; each stage takes its inputs and returns its result:
-`PromptStream` (the data order), `GroupSampler` (the rollout), `RewardRunner` (the rewards),
-`PolicyUpdate` (the update), `MemoryManager` (everything memory), `StepReport` (metrics and
-display) and `RunLifecycle` (resume, signals, checkpoints).
+The trainer keeps the stages that cohort/run/assembly.py builds, and calls them; each stage takes its
+inputs and returns its result: `PromptStream` (the data order), `GroupSampler` (the rollout),
+`RewardRunner` (the rewards), `PolicyUpdate` (the update), `MemoryManager` (everything memory),
+`StepReport` (metrics and display) and `RunLifecycle` (resume, signals, checkpoints).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -27,41 +26,20 @@ import torch
 from ..config import GRPOConfig
 from ..errors import CohortError
 from ..eval.evaluate import evaluate
-from ..memory.capacity import check_capacity
-from ..memory.checkpointed_layers import AutoCheckpointing
-from ..memory.manager import MemoryManager
-from ..memory.precision import make_optimizer, optimizer_line
-from ..memory.training_plan import engine_released_in_update
 from ..models.lora import adapters_disabled, has_lora, merge_into_base
-from ..models.policy import frozen_copy, load_run_policy, save_policy
-from ..models.tiny import run_device
-from ..options.epochs import with_epoch_steps
-from ..resolve import resolve_run_config
-from ..rewards.model import resolve_reward_funcs, warm_up_reward_models
-from ..rewards.runner import RewardRunner
+from ..rewards.model import warm_up_reward_models
 from ..rollout.batch import Batch
-from ..rollout.setup import build_rollouts, placement_line
+from ..run.assembly import assemble_run
 from ..run.callbacks import CallbackHandler
 from ..run.checkpoint import RunParts, RunState, save_checkpoint
-from ..run.checkpoint_load import checkpoint_step, load_checkpoint
-from ..run.colocation import colocate, colocated, gathered_state, holds_shards
 from ..run.disaggregation import samples_here
-from ..run.distributed import Parallel, check_parallel_options
-from ..run.lifecycle import RunLifecycle, prepare_output_dir
-from ..tasks.data import dataset_rows
-from ..telemetry.step_report import StepContext, open_step_report, success_rate
-from ..tools.environments import environment_reward
+from ..run.ending import release_run, save_policy_folder, write_summary
+from ..run.lifecycle import RunLifecycle
+from ..telemetry.step_report import StepContext, success_rate
 from ..tools.toolbox import make_toolbox
-from ..update.fast_path import fast_path_line
-from ..update.logprobs import supports_hidden
-from ..update.policy_update import PolicyUpdate, sampler_correction_mode
-from ..update.schedule import lr_scheduler
-from .curriculum import Curriculum
-from .determinism import prepare_full_determinism, run_determinism, seed_everything
+from .determinism import run_determinism
 from .dynamic_sampling import fill_informative
-from .loss_spec import LossSpec
 from .advantages import group_advantages, overlong_penalty
-from .prompts import PromptStream
 
 
 class GRPOTrainer:
@@ -95,111 +73,25 @@ class GRPOTrainer:
 
     def build(self, model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
               peft_config) -> None:
-        """The stages of the run, each given what it needs."""
+        """The stages of the run, each given what it needs (cohort/run/assembly.py), kept here."""
         self.task = task
-        seed_everything(args.seed)
-        if args.full_determinism:
-            prepare_full_determinism()  # before the first CUDA work
-        prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
-        # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
-        self.parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, args.rollout_gpus)
-        self.device = self.parallel.device
-        if args.device == "auto" and self.device.type == "cpu" and torch.cuda.is_available():
-            log("device: cpu, the built-in tiny model's step is faster there than on a GPU (--device cuda to use it)")
-        check_capacity(model, args, self.device, self.parallel.world_size)  # refused before loading: what would fit
-        self.model, self.tokenizer, self.pad_id = load_run_policy(model, processing_class, args, self.device,
-                                                                  peft_config=peft_config, log=log)
-        self.train_rows = self.training_rows(train_dataset, args)
-        # TRL's num_train_epochs: the steps follow from the rows (resolved before the config is frozen).
-        args = with_epoch_steps(args, len(self.train_rows), self.parallel.world_size)
-        asked_split = args.rollout_tensor_parallel_size  # the log says whether auto chose it
-        # The run's configuration, settled once, frozen; every stage below is built from it (cohort/resolve.py).
-        self.args = args = resolve_run_config(args, model=self.model, device=self.device,
-                                              world_size=self.parallel.world_size, tools=self.toolbox is not None)
-        if self.parallel.link is not None:  # the rollout link's message window covers the resolved staleness
-            self.parallel.link.cover_staleness(args.max_staleness)
-            self.parallel.link.form_sampling_groups(args.rollout_tensor_parallel_size)
-        # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
-        self.curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
-        env_reward = environment_reward(self.toolbox.environment_factory) if self.toolbox is not None else None
-        if env_reward is not None and reward_funcs is None and not args.reward_funcs and task is None:
-            funcs, weights = [], None  # TRL: an environment's get_reward() may be the whole reward
-        else:
-            funcs, weights = resolve_reward_funcs(reward_funcs, args, task, self.tokenizer, self.device)
-        if env_reward is not None:  # the environment's get_reward(): one more reward, weight 1 (TRL)
-            funcs, weights = funcs + [env_reward], None if weights is None else list(weights) + [1.0]
-        self.rewards = RewardRunner(funcs, weights, timeout_s=args.reward_timeout, errors=args.reward_errors)
-        self.eval_rows = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-        provided = {"environments"} if self.toolbox is not None and self.toolbox.environment_factory else set()
-        self.rewards.check_columns(set(self.train_rows[0]) | provided)
-        check_parallel_options(args, self.parallel)
-        if args.torch_compile and hasattr(self.model, "compile_for_training"):
-            self.model.compile_for_training()  # fused elementwise work, fewer saved activations
-        # Checkpointed layers are set before wrapping: FSDP's sharded copy must recompute them too.
-        auto_checkpointing = AutoCheckpointing.setup(self.model, args, self.device) if args.gradient_checkpointing else None
-        # What the training forward calls: the model itself, DDP around it on several ranks, or with
-        # --fsdp a sharded copy (self.model then stays the full copy the engine samples and saves).
-        self.train_model = self.parallel.wrap(self.model, fsdp=args.fsdp)
-        # bf16 weights on a GPU: the optimizer keeps fp32 masters and moments (cohort/memory/precision.py).
-        self.optimizer = make_optimizer(self.train_model, args)
-        self.scheduler = lr_scheduler(self.optimizer, args)
-        # β = 0 needs no reference at all: skip the copy and its forward passes.
-        self.uses_reference = args.beta > 0
-        sampling_model = self.model
-        if colocated(args):  # FSDP2 ranks sampling in tensor-parallel groups: no rank keeps a whole copy
-            sampling_model, self.ref_model = colocate(self.parallel, self.model, args.rollout_tensor_parallel_size,
-                                                      args.ddp_timeout, self.uses_reference)
-            self.model = self.train_model  # π_θ is the FSDP2 module itself (π_old's pass, saving, callbacks)
-        else:
-            self.ref_model = frozen_copy(self.model) if self.uses_reference and not has_lora(self.model) else None
-            if self.parallel.fsdp and engine_released_in_update(args):  # the plain copy is empty between a
-                self.model = self.train_model  # rollout and its refresh: π_old's pass goes through FSDP2
-        # The G completions of a prompt share its forward in the log-prob passes and the update: our
-        # models only (they take attention rows), and only where a prompt has several completions.
-        self.share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(self.model))
-        group = self.parallel.sampling_group
-        rollouts = build_rollouts(args, sampling_model, self.tokenizer, self.pad_id, self.toolbox,
-                                  link=self.parallel.link, rank=self.parallel.rank, sampler_factory=self.sampler_factory,
-                                  sampling_group=None if group is None else group.process_group)
-        self.sampler, self.group_sampler = rollouts.sampler, rollouts.group_sampler
-        self.async_rollouts, self.sequence_offset = rollouts.async_rollouts, rollouts.sequence_offset
-        self.memory = MemoryManager(args, auto_checkpointing=auto_checkpointing, ref_model=self.ref_model,
-                                    sampler=self.sampler, device=self.device, world_size=self.parallel.world_size,
-                                    share_prompts=self.share_prompts, log=self.log_line,
-                                    release_weights=self.parallel.release_sampling_weights)
-        self.prompts = PromptStream(self.train_rows, args.prompts_per_step * self.parallel.world_size, args.seed)
-        # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
-        self.sampler_correction = sampler_correction_mode(args, self.model, self.device)
-        self.loss_spec = LossSpec.from_config(args, self.sampler_correction)  # the loss's settings, in one value
-        self.policy_update = PolicyUpdate(args, train_model=self.train_model, optimizer=self.optimizer,
-                                          scheduler=self.scheduler, memory=self.memory, parallel=self.parallel,
-                                          device=self.device, pad_id=self.pad_id, share_prompts=self.share_prompts,
-                                          loss=self.loss_spec, log=self.log_line)
+        parts = assemble_run(model, args, reward_funcs=reward_funcs, train_dataset=train_dataset,
+                             eval_dataset=eval_dataset, processing_class=processing_class, task=task,
+                             toolbox=self.toolbox, peft_config=peft_config, sampler_factory=self.sampler_factory,
+                             log=log, stage_log=self.log_line)
+        self.args, self.parallel, self.device = parts.args, parts.parallel, parts.device
+        self.model, self.tokenizer, self.pad_id = parts.model, parts.tokenizer, parts.pad_id
+        self.train_rows, self.eval_rows, self.prompts = parts.train_rows, parts.eval_rows, parts.prompts
+        self.curriculum, self.rewards = parts.curriculum, parts.rewards
+        self.train_model, self.optimizer, self.scheduler = parts.train_model, parts.optimizer, parts.scheduler
+        self.uses_reference, self.ref_model, self.loss_spec = parts.uses_reference, parts.ref_model, parts.loss_spec
+        self.share_prompts, self.sampler_correction = parts.share_prompts, parts.sampler_correction
+        self.sampler, self.group_sampler = parts.rollouts.sampler, parts.rollouts.group_sampler
+        self.async_rollouts, self.sequence_offset = parts.rollouts.async_rollouts, parts.rollouts.sequence_offset
+        self.memory, self.policy_update = parts.memory, parts.policy_update
+        self.report, self.log = parts.report, parts.report.log
         self.accuracy_before = self.accuracy_after = None
         self.seconds_before = 0.0  # training time of the attempts a resumed run continues
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        if self.parallel.is_main and self.toolbox is not None:  # rank 0 alone logs, prints and saves
-            for warning in self.toolbox.save(args.output_dir):  # `cohort chat` on the model offers the same tools
-                log(warning)
-        self.report = open_step_report(args, model=self.model, device=self.device, parallel=self.parallel, log=log)
-        self.log = self.report.log
-        if self.device.type == "cuda":
-            self.log(fast_path_line(args))
-            self.log(optimizer_line(self.optimizer))
-        line = placement_line(args, asked_split, self.parallel.world_size, group, self.device)
-        if line:
-            self.log(line)
-
-    def training_rows(self, train_dataset, args) -> list[dict]:
-        """The rows prompts are drawn from. Without a train_dataset, an environment that writes the prompt in
-        its reset() (TRL) is driven by one step's worth of empty user turns that reset() fills in."""
-        if train_dataset is None and self.toolbox is not None and self.toolbox.environment_factory is not None:
-            if args.num_train_epochs is not None:
-                raise CohortError(f"num_train_epochs={args.num_train_epochs} counts passes over a train_dataset, and "
-                                  "there is none (the environment writes the prompts); set max_steps instead")
-            return [{"prompt": [{"role": "user", "content": ""}]}
-                    for _ in range(args.prompts_per_step * self.parallel.world_size)]
-        return dataset_rows(train_dataset, "train_dataset")
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def train(self) -> list[dict]:
@@ -423,21 +315,14 @@ class GRPOTrainer:
     def resume(self, run: RunLifecycle | None = None) -> None:
         """Load the checkpoint --resume / resume_from_checkpoint names into this trainer (`train()`
         does; call it yourself to inspect a checkpoint's state without training)."""
-        run = run or self.lifecycle()
-        folder = run.checkpoint_to_resume()
-        if folder is not None:
-            step = checkpoint_step(folder)
-            if step > 0:
-                self.enter_curriculum_stage(step)  # the checkpoint's stage: its rows and rewards, before their state
-            state = load_checkpoint(self.run_parts(), folder, self.log)
-            self.step, self.report.history, self.accuracy_before = state.step, state.history, state.accuracy_before
+        state = (run or self.lifecycle()).resume(self.run_parts, self.enter_curriculum_stage)
+        if state is not None:  # the objects are restored in place; the plain values are the trainer's
+            self.step, self.accuracy_before, self.seconds_before = state.step, state.accuracy_before, state.seconds
+            self.report.history, self.state.log_history = state.history, [dict(r) for r in state.history]
             self.prompts.load_state_dict(state.prompts)
-            self.policy_update.counters.skipped_steps = state.skipped_steps
-            self.policy_update.counters.nonfinite_in_a_row = state.nonfinite_in_a_row
-            self.seconds_before = state.seconds
-            self.state.log_history = [dict(r) for r in state.history]
+            counters = self.policy_update.counters
+            counters.skipped_steps, counters.nonfinite_in_a_row = state.skipped_steps, state.nonfinite_in_a_row
             self.state.global_step = self.step
-            run.resumed(folder, self.step)
         self.first_step = self.step + 1
 
     def save_checkpoint(self) -> Path:
@@ -516,25 +401,17 @@ class GRPOTrainer:
 
     def finish(self) -> None:
         """The last iteration's summary, the final held-out accuracy, the policy as a Hugging Face
-        folder, summary.json (its seconds summed over the attempts of a resumed run)."""
+        folder, summary.json (its seconds summed over the attempts of a resumed run): cohort/run/ending.py."""
         self.report.log_iteration_summary(self.step, final=True)
         self.accuracy_after = self.evaluate_held_out()
-        out = Path(self.args.output_dir)
-        self.save_model(out)
-        if self.async_rollouts is not None:
-            self.async_rollouts.close()  # with --rollout_gpus: the sampling ranks stop
-        if self.parallel.world_size > 1 and hasattr(self.sampler, "release"):
-            self.sampler.release()  # CUDA graphs that captured a group's collectives go before the group
-        self.parallel.close()  # the last collective was save_model's barrier
-        self.memory.end_of_run()  # π_ref back from the host: the caller may read trainer.ref_model
+        out = self.save_model(self.args.output_dir)
+        release_run(self.async_rollouts, self.sampler, self.parallel, self.memory)
         self.callback_handler.event("on_train_end")
         if not self.parallel.is_main:  # rank 0 alone writes the summary and prints
             self.report.progress.close()
             return
-        summary = {"accuracy_before": self.accuracy_before, "accuracy_after": self.accuracy_after,
-                   "seconds": round(self.training_seconds(), 2), "steps": self.step,
-                   "final_reward": self.history[-1]["reward"] if self.history else None}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(out, accuracy_before=self.accuracy_before, accuracy_after=self.accuracy_after,
+                      seconds=self.training_seconds(), steps=self.step, history=self.history)
         self.close_logs()
         if self.accuracy_before is not None:
             self.log(f"held-out accuracy: {100 * self.accuracy_before:.1f}% -> {100 * self.accuracy_after:.1f}% "
@@ -551,13 +428,7 @@ class GRPOTrainer:
     def save_model(self, output_dir: str | None = None) -> Path:
         """The policy as a Hugging Face folder, written by rank 0 (the others wait for it)."""
         out = Path(output_dir or self.args.output_dir)
-        state = None
-        if holds_shards(self.model):  # no whole copy on any rank: gathered (a collective), in the run's dtype
-            state = gathered_state(self.model, getattr(torch, self.args.dtype))
-        if self.parallel.is_main:
-            save_policy(self.model, self.tokenizer, out, state=state)
-        self.parallel.barrier()
-        return out
+        return save_policy_folder(self.model, self.tokenizer, out, self.parallel, self.args.dtype)
 
     @property
     def history(self) -> list[dict]:

@@ -21,7 +21,9 @@ from typing import Callable
 
 from ..errors import CohortError, in_front_end_words
 from ..telemetry.metrics import COMPLETIONS_FILE, METRICS_FILE
-from .checkpoint import check_checkpoint, list_checkpoints, newest_complete, remove_leftovers, step_of, truncate_logs
+from .checkpoint import (RunParts, RunState, check_checkpoint, list_checkpoints, newest_complete, remove_leftovers,
+                         step_of, truncate_logs)
+from .checkpoint_load import checkpoint_step, load_checkpoint
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -108,6 +110,20 @@ class RunLifecycle:
             if parallel.is_main:
                 truncate_logs(out, {METRICS_FILE: 0, COMPLETIONS_FILE: 0}, self.log)  # lines of no checkpoint
         return folder
+
+    def resume(self, run_parts: Callable[[], RunParts], enter_stage: Callable[[int], None]) -> RunState | None:
+        """Load `checkpoint_to_resume()` into the objects `run_parts()` gives, in place, and return the run's plain
+        values; None to start from step 0. A checkpoint past step 0 first enters its curriculum stage
+        (`enter_stage(step)`), so that the stage's rows and rewards are the ones whose state it restores."""
+        folder = self.checkpoint_to_resume()
+        if folder is None:
+            return None
+        step = checkpoint_step(folder)
+        if step > 0:
+            enter_stage(step)
+        state = load_checkpoint(run_parts(), folder, self.log)
+        self.resumed(folder, state.step)
+        return state
 
     def resumed(self, folder: Path, step: int) -> None:
         self.saved_step = step

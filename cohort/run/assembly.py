@@ -1,0 +1,196 @@
+"""A run's assembly: the stages of Algorithm 1 and the objects around them, built once from the
+trainer's arguments and returned together as a `RunAssembly`, which `GRPOTrainer` keeps.
+
+The order is the point of this module. The output folder is checked and the ranks joined before
+anything heavy; a run that cannot fit is refused before its weights load; the configuration is
+resolved (and frozen) once the model and the rows exist, and every stage after that is built from the
+resolved one; checkpointed layers are set before the model is wrapped, since FSDP2's sharded copy must
+recompute them too; the step report, which owns the display, comes last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..algorithm.curriculum import Curriculum
+from ..algorithm.determinism import prepare_full_determinism, seed_everything
+from ..algorithm.loss_spec import LossSpec
+from ..algorithm.prompts import PromptStream
+from ..config import GRPOConfig
+from ..errors import CohortError
+from ..memory.capacity import check_capacity
+from ..memory.checkpointed_layers import AutoCheckpointing
+from ..memory.manager import MemoryManager
+from ..memory.precision import make_optimizer, optimizer_line
+from ..memory.training_plan import engine_released_in_update
+from ..models.lora import has_lora
+from ..models.policy import frozen_copy, load_run_policy
+from ..models.tiny import run_device
+from ..options.epochs import with_epoch_steps
+from ..resolve import resolve_run_config
+from ..rewards.model import resolve_reward_funcs
+from ..rewards.runner import RewardRunner
+from ..rollout.setup import Rollouts, build_rollouts, placement_line
+from ..tasks.data import dataset_rows
+from ..telemetry.step_report import StepReport, open_step_report
+from ..tools.environments import environment_reward
+from ..tools.toolbox import Toolbox
+from ..update.fast_path import fast_path_line
+from ..update.logprobs import supports_hidden
+from ..update.policy_update import PolicyUpdate, sampler_correction_mode
+from ..update.schedule import lr_scheduler
+from .colocation import colocate, colocated
+from .distributed import Parallel, check_parallel_options
+from .lifecycle import prepare_output_dir
+
+
+@dataclass
+class RunAssembly:
+    """The parts of a run, as `assemble_run` built them.
+
+    args: the run's resolved, frozen configuration. model: π_θ as the engine samples and the run saves it:
+    the loaded policy, or the FSDP2 module itself where no rank keeps a whole copy (colocated sampling) or
+    the whole copy is empty between a rollout and its refresh. train_model: what the training forward
+    calls (the model, DDP around it, or FSDP2's sharded copy). ref_model: π_ref's frozen copy, None when
+    β = 0 or with LoRA (π_ref is the policy with its adapters off). share_prompts: the G completions of a
+    prompt share its forward. sampler_correction: the correction in force for a sampler that is not the
+    policy being trained, None when off."""
+
+    args: GRPOConfig
+    parallel: Parallel
+    device: torch.device
+    model: nn.Module
+    tokenizer: Any
+    pad_id: int
+    train_rows: list[dict]
+    eval_rows: list[dict] | None
+    curriculum: Curriculum | None
+    rewards: RewardRunner
+    train_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    uses_reference: bool
+    ref_model: nn.Module | None
+    share_prompts: bool
+    rollouts: Rollouts
+    memory: MemoryManager
+    prompts: PromptStream
+    sampler_correction: str | None
+    loss_spec: LossSpec
+    policy_update: PolicyUpdate
+    report: StepReport
+
+
+def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_dataset, processing_class, task,
+                 toolbox: Toolbox | None, peft_config, sampler_factory, log: Callable[[str], None],
+                 stage_log: Callable[[str], None]) -> RunAssembly:
+    """The run `args` (validated, not yet resolved) describes, from `GRPOTrainer`'s arguments (TRL's names).
+
+    log: where lines go until the display exists (the returned report's `log` after). stage_log: what the
+    memory manager and the policy update log through for the whole run; the trainer passes its own, which
+    reaches the display once the trainer has it."""
+    seed_everything(args.seed)
+    if args.full_determinism:
+        prepare_full_determinism()  # before the first CUDA work
+    prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
+    # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
+    parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, args.rollout_gpus)
+    device = parallel.device
+    if args.device == "auto" and device.type == "cpu" and torch.cuda.is_available():
+        log("device: cpu, the built-in tiny model's step is faster there than on a GPU (--device cuda to use it)")
+    check_capacity(model, args, device, parallel.world_size)  # refused before loading: what would fit
+    model, tokenizer, pad_id = load_run_policy(model, processing_class, args, device, peft_config=peft_config, log=log)
+    train_rows = training_rows(train_dataset, args, toolbox, parallel.world_size)
+    # TRL's num_train_epochs: the steps follow from the rows (resolved before the config is frozen).
+    args = with_epoch_steps(args, len(train_rows), parallel.world_size)
+    asked_split = args.rollout_tensor_parallel_size  # the log says whether auto chose it
+    # The run's configuration, settled once, frozen; every stage below is built from it (cohort/resolve.py).
+    args = resolve_run_config(args, model=model, device=device, world_size=parallel.world_size,
+                              tools=toolbox is not None)
+    if parallel.link is not None:  # the rollout link's message window covers the resolved staleness
+        parallel.link.cover_staleness(args.max_staleness)
+        parallel.link.form_sampling_groups(args.rollout_tensor_parallel_size)
+    # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
+    curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
+    env_reward = environment_reward(toolbox.environment_factory) if toolbox is not None else None
+    if env_reward is not None and reward_funcs is None and not args.reward_funcs and task is None:
+        funcs, weights = [], None  # TRL: an environment's get_reward() may be the whole reward
+    else:
+        funcs, weights = resolve_reward_funcs(reward_funcs, args, task, tokenizer, device)
+    if env_reward is not None:  # the environment's get_reward(): one more reward, weight 1 (TRL)
+        funcs, weights = funcs + [env_reward], None if weights is None else list(weights) + [1.0]
+    rewards = RewardRunner(funcs, weights, timeout_s=args.reward_timeout, errors=args.reward_errors)
+    eval_rows = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+    provided = {"environments"} if toolbox is not None and toolbox.environment_factory else set()
+    rewards.check_columns(set(train_rows[0]) | provided)
+    check_parallel_options(args, parallel)
+    if args.torch_compile and hasattr(model, "compile_for_training"):
+        model.compile_for_training()  # fused elementwise work, fewer saved activations
+    # Checkpointed layers are set before wrapping: FSDP's sharded copy must recompute them too.
+    auto_checkpointing = AutoCheckpointing.setup(model, args, device) if args.gradient_checkpointing else None
+    # What the training forward calls: the model itself, DDP around it on several ranks, or with
+    # --fsdp a sharded copy (`model` then stays the full copy the engine samples and saves).
+    train_model = parallel.wrap(model, fsdp=args.fsdp)
+    # bf16 weights on a GPU: the optimizer keeps fp32 masters and moments (cohort/memory/precision.py).
+    optimizer = make_optimizer(train_model, args)
+    scheduler = lr_scheduler(optimizer, args)
+    # β = 0 needs no reference at all: skip the copy and its forward passes.
+    uses_reference = args.beta > 0
+    sampling_model = model
+    if colocated(args):  # FSDP2 ranks sampling in tensor-parallel groups: no rank keeps a whole copy
+        sampling_model, ref_model = colocate(parallel, model, args.rollout_tensor_parallel_size, args.ddp_timeout,
+                                             uses_reference)
+        model = train_model  # π_θ is the FSDP2 module itself (π_old's pass, saving, callbacks)
+    else:
+        ref_model = frozen_copy(model) if uses_reference and not has_lora(model) else None
+        if parallel.fsdp and engine_released_in_update(args):  # the plain copy is empty between a
+            model = train_model  # rollout and its refresh: π_old's pass goes through FSDP2
+    # The G completions of a prompt share its forward in the log-prob passes and the update: our
+    # models only (they take attention rows), and only where a prompt has several completions.
+    share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(model))
+    group = parallel.sampling_group
+    rollouts = build_rollouts(args, sampling_model, tokenizer, pad_id, toolbox, link=parallel.link, rank=parallel.rank,
+                              sampler_factory=sampler_factory,
+                              sampling_group=None if group is None else group.process_group)
+    memory = MemoryManager(args, auto_checkpointing=auto_checkpointing, ref_model=ref_model, sampler=rollouts.sampler,
+                           device=device, world_size=parallel.world_size, share_prompts=share_prompts, log=stage_log,
+                           release_weights=parallel.release_sampling_weights)
+    prompts = PromptStream(train_rows, args.prompts_per_step * parallel.world_size, args.seed)
+    # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
+    sampler_correction = sampler_correction_mode(args, model, device)
+    loss_spec = LossSpec.from_config(args, sampler_correction)  # the loss's settings, in one value
+    policy_update = PolicyUpdate(args, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
+                                 memory=memory, parallel=parallel, device=device, pad_id=pad_id,
+                                 share_prompts=share_prompts, loss=loss_spec, log=stage_log)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    if parallel.is_main and toolbox is not None:  # rank 0 alone logs, prints and saves
+        for warning in toolbox.save(args.output_dir):  # `cohort chat` on the model offers the same tools
+            log(warning)
+    # The display's first lines, worked out before the report opens its files: a failure here leaves none open.
+    lines = [fast_path_line(args), optimizer_line(optimizer)] if device.type == "cuda" else []
+    lines.append(placement_line(args, asked_split, parallel.world_size, group, device))
+    report = open_step_report(args, model=model, device=device, parallel=parallel, log=log)
+    for line in filter(None, lines):
+        report.log(line)
+    return RunAssembly(args=args, parallel=parallel, device=device, model=model, tokenizer=tokenizer, pad_id=pad_id,
+                       train_rows=train_rows, eval_rows=eval_rows, curriculum=curriculum, rewards=rewards,
+                       train_model=train_model, optimizer=optimizer, scheduler=scheduler,
+                       uses_reference=uses_reference, ref_model=ref_model, share_prompts=share_prompts,
+                       rollouts=rollouts, memory=memory, prompts=prompts, sampler_correction=sampler_correction,
+                       loss_spec=loss_spec, policy_update=policy_update, report=report)
+
+
+def training_rows(train_dataset, args: GRPOConfig, toolbox: Toolbox | None, world_size: int) -> list[dict]:
+    """The rows prompts are drawn from. Without a train_dataset, an environment that writes the prompt in
+    its reset() (TRL) is driven by one step's worth of empty user turns that reset() fills in."""
+    if train_dataset is None and toolbox is not None and toolbox.environment_factory is not None:
+        if args.num_train_epochs is not None:
+            raise CohortError(f"num_train_epochs={args.num_train_epochs} counts passes over a train_dataset, and "
+                              "there is none (the environment writes the prompts); set max_steps instead")
+        return [{"prompt": [{"role": "user", "content": ""}]} for _ in range(args.prompts_per_step * world_size)]
+    return dataset_rows(train_dataset, "train_dataset")

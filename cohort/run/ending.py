@@ -1,0 +1,54 @@
+"""The end of a run: what it leaves behind and what it lets go of.
+
+The policy is written as a Hugging Face folder by rank 0 (gathered first, a collective, where no rank
+holds a whole copy); the parts that hold threads, process groups, CUDA graphs and host copies are
+released in the one order that keeps each collective's partners alive; rank 0 writes summary.json,
+which `cohort report` reads beside metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..models.policy import save_policy
+from .colocation import gathered_state, holds_shards
+from .distributed import Parallel
+
+SUMMARY_FILE = "summary.json"
+
+
+def save_policy_folder(model, tokenizer, out: Path, parallel: Parallel, dtype: str) -> Path:
+    """`model` and `tokenizer` as a Hugging Face folder in `out`, written by rank 0 while the other ranks wait
+    for it; a model sharded over the ranks is gathered in `dtype` (the run's) first, on every rank."""
+    state = None
+    if holds_shards(model):  # no whole copy on any rank: gathered (a collective), in the run's dtype
+        state = gathered_state(model, getattr(torch, dtype))
+    if parallel.is_main:
+        save_policy(model, tokenizer, out, state=state)
+    parallel.barrier()
+    return out
+
+
+def release_run(async_rollouts, sampler, parallel: Parallel, memory) -> None:
+    """After the last collective of a run that trained to its end: the rollouts sampled ahead stop (with
+    --rollout_gpus, so do the sampling ranks), then the engine's CUDA graphs, then the process group; π_ref
+    comes back from the host last, for the callbacks' `on_train_end` and the caller."""
+    if async_rollouts is not None:
+        async_rollouts.close()  # with --rollout_gpus: the sampling ranks stop
+    if parallel.world_size > 1 and hasattr(sampler, "release"):
+        sampler.release()  # CUDA graphs that captured a group's collectives go before the group
+    parallel.close()  # the last collective was the saved model's barrier
+    memory.end_of_run()  # π_ref back from the host: the caller may read trainer.ref_model
+
+
+def write_summary(out: Path, *, accuracy_before: float | None, accuracy_after: float | None, seconds: float,
+                  steps: int, history: list[dict]) -> dict:
+    """summary.json in `out`: the held-out accuracy before and after, the seconds spent training (over every
+    attempt of a resumed run), the steps and the last step's reward; the summary is returned."""
+    summary = {"accuracy_before": accuracy_before, "accuracy_after": accuracy_after, "seconds": round(seconds, 2),
+               "steps": steps, "final_reward": history[-1]["reward"] if history else None}
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
