@@ -6,7 +6,7 @@ import pytest
 import torch
 from reference_models import save_perturbed_references
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from cohort.errors import CohortError
 from cohort.models import KVCache, from_pretrained
@@ -163,17 +163,28 @@ def test_moe_refusals_name_the_option():
                                     routing_replay=True)["partial_rollouts"] is False
 
 
-def test_cohort_train_runs_a_transformers_saved_moe_folder(tmp_path):
-    """`cohort train --model <a Qwen3-MoE folder transformers wrote>` on the CPU: our model, the engine's
-    routes replayed, the routing metrics logged, the final policy a folder transformers loads."""
+# Each family's folder as transformers writes it, for the model's own tokenizer (its vocabulary, pad and EOS).
+SAVED_FAMILIES = {
+    "qwen3_moe": lambda vocab, special: Qwen3MoeConfig(**{**TINY_MOE, "vocab_size": vocab}, **special,
+                                                       norm_topk_prob=True),
+    "mixtral": lambda vocab, special: MixtralConfig(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab, max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2, **special,
+        bos_token_id=None),
+}
+
+
+@pytest.mark.parametrize("family", SAVED_FAMILIES)
+def test_cohort_train_runs_a_transformers_saved_moe_folder(tmp_path, family):
+    """`cohort train --model <a folder transformers wrote>` on the CPU: our model, the engine's routes
+    replayed, the routing metrics logged, the final policy a folder transformers loads as the same family."""
     from cohort.cli import main
     from cohort.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(**{**TINY_MOE, "vocab_size": len(tokenizer)}, pad_token_id=tokenizer.pad_token_id,
-                            eos_token_id=tokenizer.eos_token_id, norm_topk_prob=True)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    special = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    AutoModelForCausalLM.from_config(SAVED_FAMILIES[family](len(tokenizer), special)).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     out = tmp_path / "run"
     assert main(["train", "--model", str(tmp_path / "model"), "--max_steps", "2", "--output_dir", str(out),
@@ -181,7 +192,7 @@ def test_cohort_train_runs_a_transformers_saved_moe_folder(tmp_path):
                  "--eval_limit", "4", "--device", "cpu", "--quiet", "true"]) == 0
     last = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r][-1]
     assert last["routing/replay_mismatch"] >= 0 and last["routing/expert_load_max_over_mean"] >= 1
-    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "qwen3_moe"
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == family
 
 
 @pytest.mark.slow
