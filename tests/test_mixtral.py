@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from reference_models import save_perturbed_references
+from reference_models import assert_logits_match, padded_batch, save_perturbed_references
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, MixtralConfig
 
@@ -30,24 +30,12 @@ def checkpoints(tmp_path_factory):
     return save_perturbed_references(FAMILIES, tmp_path_factory)
 
 
-def _batch():
-    """Two rows of 10 tokens (longer than the sliding window), the first left-padded by 3."""
-    ids = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones(2, 10, dtype=torch.long)
-    mask[0, :3] = 0
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(checkpoints, family):
     reference, folder = checkpoints[family]
     ours = from_pretrained(folder)
     assert ours.config.sparse_layers == [0, 1] and ours.config.moe_intermediate_size == TINY["intermediate_size"]
-    ids, mask, positions = _batch()
-    with torch.no_grad():
-        assert (ours(ids) - reference(ids).logits).abs().max() <= 1e-5
-        expected = reference(ids, attention_mask=mask, position_ids=positions).logits
-        assert (ours(ids, positions, mask) - expected)[mask.bool()].abs().max() <= 1e-5
+    assert_logits_match(ours, reference, TINY["vocab_size"])
 
 
 def test_the_window_matters(checkpoints):
@@ -57,7 +45,7 @@ def test_the_window_matters(checkpoints):
     windowed = from_pretrained(folder)
     full = from_pretrained(folder)
     full.config.sliding_window = None
-    ids, _, _ = _batch()
+    ids, _, _ = padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         assert (windowed(ids) - full(ids))[:, 4:].abs().max() > 1e-3
 
@@ -73,7 +61,7 @@ def test_saved_folder_has_mixtrals_names_and_loads_in_transformers(checkpoints, 
         assert "model.layers.1.block_sparse_moe.experts.0.w3.weight" in saved.keys()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(reloaded).__name__ == "MixtralForCausalLM"
-    ids, _, _ = _batch()
+    ids, _, _ = padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         assert (reloaded(ids).logits - reference(ids).logits).abs().max() <= 1e-6
 
@@ -111,7 +99,7 @@ def test_rope_base_defaults_to_mixtrals(checkpoints, tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ours = from_pretrained(tmp_path)
     assert ours.config.rope_theta == 1e6
-    ids, _, _ = _batch()
+    ids, _, _ = padded_batch(TINY["vocab_size"])
     with torch.no_grad():
         assert (ours(ids) - reference(ids).logits).abs().max() <= 1e-5
 
@@ -131,7 +119,7 @@ def test_what_cohorts_mixtral_lacks_is_refused_by_name(checkpoints, tmp_path, ke
 def test_cached_prefill_and_decode_match_full_forward_and_record_routes(checkpoints, family):
     ours = from_pretrained(checkpoints[family][1])
     top_k = ours.config.num_experts_per_tok
-    ids, _, _ = _batch()
+    ids, _, _ = padded_batch(TINY["vocab_size"])
     cache = KVCache.for_model(ours, num_rows=2, max_len=16)
     assert cache.routes.shape == (2, 16, 2, top_k)  # every layer a mixture of experts
     with torch.no_grad():

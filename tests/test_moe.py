@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from reference_models import save_perturbed_references
+from reference_models import assert_logits_match, padded_batch, save_perturbed_references
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
@@ -29,23 +29,11 @@ def checkpoints(tmp_path_factory):
     return save_perturbed_references(FAMILIES, tmp_path_factory)
 
 
-def _batch():
-    generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, TINY_MOE["vocab_size"], (2, 10), generator=generator)
-    mask = torch.ones(2, 10, dtype=torch.long)
-    mask[0, :3] = 0
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(checkpoints, family):
     reference, folder = checkpoints[family]
     ours = from_pretrained(folder)
-    ids, mask, positions = _batch()
-    with torch.no_grad():
-        assert (ours(ids) - reference(ids).logits).abs().max() <= 1e-5
-        expected = reference(ids, attention_mask=mask, position_ids=positions).logits
-        assert (ours(ids, positions, mask) - expected)[mask.bool()].abs().max() <= 1e-5
+    assert_logits_match(ours, reference, TINY_MOE["vocab_size"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -56,7 +44,7 @@ def test_saved_folder_loads_in_transformers_with_per_expert_names(checkpoints, f
     index = json.loads((tmp_path / "config.json").read_text())
     assert index["architectures"] == ["Qwen3MoeForCausalLM"]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    ids, _, _ = _batch()
+    ids, _, _ = padded_batch(TINY_MOE["vocab_size"])
     with torch.no_grad():
         assert (reloaded(ids).logits - reference(ids).logits).abs().max() <= 1e-6
 
@@ -69,7 +57,7 @@ def test_stacked_expert_names_load_too(checkpoints, tmp_path):
     state = {k: v.contiguous() for k, v in from_pretrained(folder).state_dict().items()}
     assert any(k.endswith("experts.gate_up_proj") for k in state)
     save_file(state, str(tmp_path / "model.safetensors"))
-    ids, _, _ = _batch()
+    ids, _, _ = padded_batch(TINY_MOE["vocab_size"])
     with torch.no_grad():
         assert (from_pretrained(tmp_path)(ids) - reference(ids).logits).abs().max() <= 1e-5
 
@@ -97,7 +85,7 @@ def test_other_families_moe_settings_are_refused_by_name(checkpoints, tmp_path, 
 
 def test_cached_prefill_and_decode_match_full_forward_and_record_routes(checkpoints):
     ours = from_pretrained(checkpoints["qwen3_moe_dense_layer_tied"][1])
-    ids, _, _ = _batch()
+    ids, _, _ = padded_batch(TINY_MOE["vocab_size"])
     cache = KVCache.for_model(ours, num_rows=2, max_len=16)
     assert cache.routes.shape == (2, 16, 2, 2)  # layer 1 is dense: two MoE layers, top-2
     with torch.no_grad():
