@@ -284,12 +284,12 @@ def markdown(rows: list, gpus: int) -> str:
             ratio = (r["tok_per_s_per_gpu"] / trl["tok_per_s_per_gpu"]
                      if name != "trl" and r.get("tok_per_s_per_gpu") and trl.get("tok_per_s_per_gpu") else None)
             # TRL's step outlasting its timeout bounds its rate from above, so cohort's ratio from below
-            bound = "≤ " if name == "trl" and r.get("bound") else "≥ " if ratio and trl.get("bound") else ""
-            lines.append(f"| {row['shape']} | {name} on {gpus} GPUs | {'≤ ' if bound == '≤ ' else ''}"
-                         f"{fmt(r.get('tok_per_s_per_gpu'), ',.0f')} "
+            at_most = "≤ " if name == "trl" and r.get("bound") else ""
+            at_least = "≥ " if ratio and trl.get("bound") else ""
+            lines.append(f"| {row['shape']} | {name} on {gpus} GPUs | {at_most}{fmt(r.get('tok_per_s_per_gpu'), ',.0f')} "
                          f"| {fmt(r.get('full_shape_tok_per_s_per_gpu'), ',.0f')} | {fmt(r.get('wall_s'), '.1f')} "
                          f"| {fmt(r.get('peak_gib'), '.1f')} | {fmt(r.get('weight_sync_share'), '.1%')} "
-                         f"| {fmt(r.get('replay_mismatch'), '.1%')} | {'≥ ' if bound == '≥ ' else ''}{fmt(ratio, '.2f')} |")
+                         f"| {fmt(r.get('replay_mismatch'), '.1%')} | {at_least}{fmt(ratio, '.2f')} |")
     return "\n".join(lines)
 
 
@@ -336,7 +336,7 @@ def main(argv=None) -> dict:
             for label, run in row["cohort"].items():
                 assert run.get("tok_per_s_per_gpu"), (row["shape"], label, run)
                 assert (run.get("replay_mismatch") is not None) == is_moe(row["shape"]), (row["shape"], label, run)
-        print("smoke: OK — cohort sync and async ran on 2 gloo processes, the mixture of experts with and without "
+        print(f"smoke: OK — cohort {' and '.join(args.modes)} ran on 2 gloo processes, the mixture of experts with and without "
               "routing replay; TRL: "
               f"{report['rows'][0].get('trl', {}).get('skipped', 'ran')}", flush=True)
     return report

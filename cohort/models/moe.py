@@ -38,7 +38,8 @@ _MIXTRAL_ROUTER = re.compile(r"^(.*)\.block_sparse_moe\.gate\.weight$")
 # A checkpoint's names for one MoE block, per family: (block, gate, up, down); `mlp` is the block in memory.
 CHECKPOINT_EXPERT_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
                            "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
-_PROJECTION = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's names -> Qwen3-MoE's
+# Mixtral's projection names -> ours (Qwen3-MoE's), from the table above
+_PROJECTION = dict(zip(CHECKPOINT_EXPERT_NAMES["mixtral"][1:], CHECKPOINT_EXPERT_NAMES["qwen3_moe"][1:]))
 
 
 class Routing:
