@@ -91,13 +91,19 @@ def variable_batch(vocab: int, seed: int = 0, rows: int = 9):
     prompt_ids = [torch.randint(1, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
                   for _ in range(rows)]
     lengths = [int(n) for n in torch.randint(1, 9, (rows,), generator=g)]
+    return (prompt_ids, *random_completions(lengths, vocab, g))
+
+
+def random_completions(lengths: list[int], vocab: int, generator: torch.Generator):
+    """(completion ids [rows, T], mask [rows, T]): row i holds `lengths[i]` random tokens in [1, vocab), right-padded
+    with 0 to the longest."""
     width = max(lengths)
-    completion = torch.zeros(rows, width, dtype=torch.long)
-    mask = torch.zeros(rows, width, dtype=torch.long)
+    completion = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
     for i, n in enumerate(lengths):
-        completion[i, :n] = torch.randint(1, vocab, (n,), generator=g)
+        completion[i, :n] = torch.randint(1, vocab, (n,), generator=generator)
         mask[i, :n] = 1
-    return prompt_ids, completion, mask
+    return completion, mask
 
 
 def update_trainer(tiny_dir, tmp_path, **overrides) -> GRPOTrainer:

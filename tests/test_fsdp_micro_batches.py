@@ -20,7 +20,7 @@ from cohort.algorithm.trainer import Batch
 from cohort.models import ModelConfig
 from cohort.rollout.sampler import Rollout
 from cohort.run.distributed import Parallel
-from helpers import update_trainer
+from helpers import random_completions, update_trainer
 from test_tensor_parallel_model import random_model
 
 TOLERANCE = 1e-5
@@ -41,16 +41,11 @@ def whole_batch(vocab: int) -> Batch:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, vocab, (PROMPT,), generator=g).tolist() for _ in range(ROWS // GROUP)]
     prompt_ids = [prompts[row // GROUP] for row in range(ROWS)]
-    width = max(LENGTHS)
-    completion = torch.zeros(ROWS, width, dtype=torch.long)
-    mask = torch.zeros(ROWS, width, dtype=torch.long)
-    for i, n in enumerate(LENGTHS):
-        completion[i, :n] = torch.randint(1, vocab, (n,), generator=g)
-        mask[i, :n] = 1
+    completion, mask = random_completions(LENGTHS, vocab, g)
     rollout = Rollout(completion_ids=completion, completion_mask=mask, logprobs=None, finish_reasons=["stop"] * ROWS)
     batch = Batch(rows=[{"prompt": "x"}] * ROWS, prompt_ids=prompt_ids, rollout=rollout, completions=[""] * ROWS)
     batch.advantages = torch.randn(ROWS, generator=g)
-    batch.ref_logp = -torch.rand(ROWS, width, generator=g) * mask  # unlike the policy's: the KL term has a gradient
+    batch.ref_logp = -torch.rand(mask.shape, generator=g) * mask  # unlike the policy's: the KL term has a gradient
     return batch
 
 
