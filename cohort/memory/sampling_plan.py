@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -99,10 +100,15 @@ def slot_bytes(config: ModelConfig, size: int, length: int, element_bytes: int) 
     return math.ceil(kv_cache_bytes(config, 1, length, element_bytes) / size)
 
 
+def widest_width(fits: Callable[[int], bool]) -> int:
+    """The widest CUDA-graph width (a width of `batch_buckets(ENGINE_SLOTS)`, so an engine capped there keeps the
+    same graphs) for which `fits(width)`; 0 if none."""
+    return max((width for width in batch_buckets(ENGINE_SLOTS) if fits(width)), default=0)
+
+
 def slots_within(free_bytes: float, per_slot: int) -> int:
-    """The most slots whose KV cache fits `free_bytes`: the widest CUDA-graph width (a width of
-    `batch_buckets(ENGINE_SLOTS)`, so an engine capped there keeps the same graphs) that fits; 0 if none."""
-    return max((width for width in batch_buckets(ENGINE_SLOTS) if width * per_slot <= free_bytes), default=0)
+    """The most slots whose KV cache fits `free_bytes` (`widest_width`); 0 if none."""
+    return widest_width(lambda width: width * per_slot <= free_bytes)
 
 
 def engine_call_rows(args, size: int, sampling_rank: bool) -> int:

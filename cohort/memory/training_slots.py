@@ -15,9 +15,9 @@ from dataclasses import replace
 import torch
 
 from ..models.config import ModelConfig
-from ..rollout.scheduler import ENGINE_SLOTS, batch_buckets
-from .sampling_plan import FILL
-from .training_plan import Placement, StepShape, engine_released_in_update, training_memory_plan
+from .capacity import run_placement
+from .sampling_plan import FILL, widest_width
+from .training_plan import StepShape, training_memory_plan
 
 
 def training_rank_slots(args, model_config: ModelConfig, device: torch.device, world_size: int = 1,
@@ -26,12 +26,10 @@ def training_rank_slots(args, model_config: ModelConfig, device: torch.device, w
     over `world_size` training ranks, for the loaded model's `model_config`, on CUDA `device`; `sampling_split`:
     the ranks of its tensor-parallel sampling group (the colocated placement)."""
     step = StepShape.from_config(args)
-    fsdp = bool(args.fsdp) and world_size > 1
-    placement = Placement(ranks=world_size, fsdp=fsdp, samples=True, sampling_split=sampling_split,
-                          engine_in_update=not (fsdp and engine_released_in_update(args)))
+    placement = replace(run_placement(args, world_size), samples=True, sampling_split=sampling_split)
 
     def peak(slots: int) -> int:
         return training_memory_plan(model_config, replace(step, engine_slots=slots), placement).peak
 
     budget = max(FILL * torch.cuda.get_device_properties(device).total_memory, peak(0))
-    return max((width for width in batch_buckets(ENGINE_SLOTS) if peak(width) <= budget), default=1)
+    return widest_width(lambda width: peak(width) <= budget) or 1
