@@ -46,6 +46,12 @@ def trl_run(args, shape: str, out: Path) -> dict:
     return json.loads(result.read_text())
 
 
+def steady_mean(values: list[float]) -> float:
+    """The mean of `values` after the first (TRL's first step warms up), or of the one there is; 0 if none."""
+    kept = values[1:] or values
+    return sum(kept) / max(1, len(kept))
+
+
 def timed_out(args, progress: Path) -> dict:
     """TRL ran past --trl_timeout_s: the steps it finished, or, where it finished none, a bound: the step it was in
     had already taken `seconds`, so TRL's tokens/s/GPU is at most a full-length batch's tokens over that time
@@ -54,7 +60,7 @@ def timed_out(args, progress: Path) -> dict:
     walls = state.get("step_walls") or []
     tokens = args.prompts_per_gpu * args.gpus * args.num_generations * (args.prompt_len + args.cap)
     if walls:
-        wall = sum(walls[1:] or walls) / len(walls[1:] or walls)
+        wall = steady_mean(walls)
         return dict(step_walls=walls, wall_s=wall, tok_per_s_per_gpu=tokens / (wall * args.gpus),
                     note=f"ran past --trl_timeout_s {args.trl_timeout_s:g} after {len(walls)} steps; tokens at the cap")
     began = state.get("step_began")
@@ -139,9 +145,7 @@ def trl_worker(spec_path: str) -> None:
         dist.all_gather_object(peaks, peak)
     if rank != 0:
         return
-    measured = walls[1:] or walls
-    wall = sum(measured) / len(measured)
-    mean_length = sum(lengths[1:] or lengths) / max(1, len(lengths[1:] or lengths))
+    wall, mean_length = steady_mean(walls), steady_mean(lengths)
     tokens = spec["prompts"] * spec["generations"] * (spec["prompt_len"] + mean_length)
     Path(spec["result"]).write_text(json.dumps(dict(
         trl=trl.__version__, step_walls=[round(w, 2) for w in walls], wall_s=wall, mean_completion_length=mean_length,
