@@ -147,7 +147,7 @@ def test_the_command_keeps_its_own_default(monkeypatch, tmp_path):
 
 
 def test_a_stopped_run_says_how_to_continue_it_in_the_front_ends_words(tmp_path):
-    stop = TrainingInterrupted(signal.SIGTERM, tmp_path / "checkpoint-3")
+    stop = TrainingInterrupted(signal.SIGTERM, tmp_path / "checkpoint-3", 3)
     assert str(stop).endswith(f"after step 3; checkpoint saved in {tmp_path / 'checkpoint-3'} — continue the run "
                               "with resume=True")
     with command_line():

@@ -22,7 +22,7 @@ from typing import Callable
 from ..errors import CohortError, in_front_end_words
 from ..telemetry.metrics import COMPLETIONS_FILE, METRICS_FILE
 from .checkpoint import (RunParts, RunState, check_checkpoint, list_checkpoints, newest_complete, remove_leftovers,
-                         step_of, truncate_logs)
+                         truncate_logs)
 from .checkpoint_load import checkpoint_step, load_checkpoint
 
 
@@ -30,10 +30,10 @@ class TrainingInterrupted(KeyboardInterrupt):
     """SIGINT / SIGTERM arrived; a checkpoint was saved. The CLI exits with 128 + the signal number. A
     KeyboardInterrupt, so code that lets Ctrl-C through lets this through too."""
 
-    def __init__(self, signum: int, checkpoint: Path):
+    def __init__(self, signum: int, checkpoint: Path, step: int):
         self.signum, self.checkpoint = signum, checkpoint
         self.exit_code = 128 + signum
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step_of(checkpoint)}; checkpoint "
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint "
                          f"saved in {checkpoint} — continue the run with --resume")
 
     def __str__(self) -> str:  # a script continues with resume=True
@@ -146,7 +146,7 @@ class RunLifecycle:
                               "lower --max_grad_norm, or check the reward functions for inf/NaN")
         if stop.signum is not None:
             self.close_logs()
-            raise TrainingInterrupted(stop.signum, folder)
+            raise TrainingInterrupted(stop.signum, folder, step)
 
     def save_once(self, step: int) -> Path:
         """checkpoint-<step>, unless this very step was saved already (a signal arrived on a save step)."""
