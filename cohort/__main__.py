@@ -1,5 +1,3 @@
-import sys
+from .cli.main import exit_process, main
 
-from .cli.main import main
-
-sys.exit(main())
+exit_process(main())

@@ -93,6 +93,19 @@ def test_a_teardown_that_never_completes_is_left_after_its_bound(monkeypatch, ca
     assert "cohort: rank 1: the process group's teardown did not finish within 0.2 s" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("world_size, teardown", [("2", False), ("1", True)])
+def test_a_rank_of_a_job_ends_without_the_interpreters_teardown(world_size, teardown):
+    """`python -m cohort` ends a torchrun rank (WORLD_SIZE > 1) by os._exit once its streams are flushed, so no
+    gloo worker thread can be caught in the interpreter's finalization; a lone process exits normally."""
+    script = ("import atexit, sys; atexit.register(lambda: print('teardown'));"
+              "from cohort.cli.main import exit_process; print('written', end=''); print('told', end='', file=sys.stderr);"
+              "exit_process(3)")
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, WORLD_SIZE=world_size),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3 and done.stderr.endswith("told")
+    assert done.stdout == ("written" + ("teardown\n" if teardown else ""))
+
+
 def test_the_injected_fault_withholds_weights_from_its_version_on(monkeypatch):
     assert not withheld_weights(5)
     monkeypatch.setenv(INJECT_ENV, "withhold_weights:2")

@@ -5,8 +5,10 @@ Bad input is a `CohortError`: printed as one line, exit code 2, no traceback (un
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from typing import NoReturn
 
 from ..errors import CohortError, command_line
 
@@ -63,6 +65,23 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every trainer rank stops alike: rank 0 says so
             print(f"cohort: {stop}" if str(stop) else "cohort: interrupted", file=sys.stderr)
         return getattr(stop, "exit_code", 130)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with `code`. A rank of a job of several processes (torchrun's WORLD_SIZE > 1) ends
+    without the interpreter's teardown (`os._exit`, after flushing its streams): a gloo process group's worker
+    thread may still be releasing its last collective's tensors while the interpreter finalizes, and a thread
+    that needs the GIL then is stopped inside a C++ destructor, which aborts the process ("terminate called
+    without an active exception") after the run finished. By now the run's files are written and closed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 TRAIN_USAGE = """usage: cohort train [--config FILE.yaml] [--task NAME] [--option value ...]
