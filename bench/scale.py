@@ -38,8 +38,8 @@ keep a carried group's routes), and its asynchronous mode colocated under FSDP2 
 with N/2 sampling ranks one trainer GPU would hold the whole ~15B model's full-parameter state). Its rows add
 `routing/replay_mismatch` (the share of tokens whose free top-k in the trainer differs from the sampler's in some
 layer) and the full-shape equivalent: the measured figure × 0.5, since the half-depth shape does about half the
-work a token, against NeMo-RL's full-shape 1,102 (synchronous) and 1,414 (asynchronous) tokens/s/GPU. In `--plan`
-its ladder leaves out the tensor-parallel engine (cohort samples a mixture of experts whole).
+work a token, against NeMo-RL's full-shape 1,102 (synchronous) and 1,414 (asynchronous) tokens/s/GPU. Its
+tensor-parallel engine splits every expert by its columns (`--sync_options ...,rollout_tensor_parallel_size=2`).
 
 The batch, against NeMo-RL's Llama-3.1-8B row (16 H100s; its GRPO recipe as we read it: 64 prompts × 32
 generations = 2,048 sequences a step, 128 a GPU, at most 4,096 tokens a sequence). Kept: G = 32, the 4,096-token
@@ -86,14 +86,11 @@ NEMO_RL = {"llama3.1-8b": dict(sync=1562, async_=2161),
 REPLAY_MISMATCH = "routing/replay_mismatch"
 
 
-def ladder(moe: bool = False):
-    """(label, changes to the step, changes to the placement), each on top of the ones before. A mixture of
-    experts skips the tensor-parallel engine (cohort samples one whole: its experts are not split)."""
-    tensor_parallel = [] if moe else [
-        ("+ the engine a tensor-parallel shard over the GPUs (colocated)", {}, {"sampling_split": "ranks"})]
+def ladder():
+    """(label, changes to the step, changes to the placement), each on top of the ones before."""
     return [
         ("cohort's defaults (engine a whole copy; 16 completions a micro-batch)", {}, {}),
-        *tensor_parallel,
+        ("+ the engine a tensor-parallel shard over the GPUs (colocated)", {}, {"sampling_split": "ranks"}),
         ("+ one completion a micro-batch (--per_device_train_batch_size 1)", {"micro_rows": 1}, {}),
         ("+ KV cache and the engine's weights freed for the update (--free_sampling_memory true)",
          {"free_sampling_memory": True}, {"engine_in_update": False}),
@@ -115,7 +112,7 @@ def plan_rows(prompt_len: int = 256, completion_len: int = 4096, prompts_per_gpu
         placement = Placement(ranks=gpus, fsdp=True)
         entry = dict(shape=shape, gpus=gpus, card=card, card_gib=card_gib, completions_per_gpu=step.rows,
                      prompt_len=prompt_len, completion_len=completion_len, ladder=[], fits_from=None)
-        for label, step_changes, placement_changes in ladder(moe=bool(config.num_experts)):
+        for label, step_changes, placement_changes in ladder():
             step = replace(step, **step_changes)
             placement = replace(placement, **{k: gpus if v == "ranks" else v for k, v in placement_changes.items()})
             plan = training_memory_plan(config, step, placement)

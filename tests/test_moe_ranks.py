@@ -1,5 +1,5 @@
-"""Qwen3-MoE across processes (gloo on the CPU, float32): DDP, FSDP2 and a sampling rank train exactly what one
-process trains, with routing replay on (the default), and FSDP2 resumes exactly; the pieces they rely on
+"""Qwen3-MoE across processes (gloo on the CPU, float32): DDP, FSDP2, FSDP2 ranks sampling as one tensor-parallel
+group and a sampling rank train exactly what one process trains, with routing replay on (the default), and FSDP2 resumes exactly; the pieces they rely on
 (FSDP2's units, the weight stream into a sampling copy) checked in process first."""
 
 import shutil
@@ -119,9 +119,14 @@ def one_process(root: Path, moe_dir: str, name: str, *extra: str) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def reference(root, moe_dir) -> Path:
+    """One process, synchronous: what every placement below must train."""
+    return one_process(root, moe_dir, "one")
+
+
 @pytest.mark.slow
-def test_ddp_and_fsdp2_ranks_train_what_one_process_trains_and_fsdp2_resumes(root, moe_dir):
-    reference = one_process(root, moe_dir, "one")
+def test_ddp_and_fsdp2_ranks_train_what_one_process_trains_and_fsdp2_resumes(root, moe_dir, reference):
 
     ddp = root / "ddp"
     output = run(root, launcher(2, *options(moe_dir, ddp, 2)))
@@ -136,6 +141,17 @@ def test_ddp_and_fsdp2_ranks_train_what_one_process_trains_and_fsdp2_resumes(roo
     output = run(root, launcher(2, *options(moe_dir, fsdp, 2, "--fsdp", "true", "--resume", "true")))
     assert "checkpoint-1 at step 1" in output and output.count("Step 3/3") == 1
     assert_same_training(fsdp, reference)
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_sampling_as_one_tensor_parallel_group_train_what_one_process_trains(root, moe_dir, reference):
+    """`--fsdp true --rollout_tensor_parallel_size 2`: both ranks sample as one group, each holding half of every
+    expert's columns; they route alike, record the routes the trainer replays, and train what one process does."""
+    grouped = root / "tensor_parallel"
+    output = run(root, launcher(2, *options(moe_dir, grouped, 2, "--fsdp", "true",
+                                            "--rollout_tensor_parallel_size", "2")))
+    assert "1 tensor-parallel group(s) of 2" in output
+    assert_same_training(grouped, reference)
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Tensor-parallel shards of the decoder (cohort/models/tensor_parallel.py): 2 ranks with gloo on the CPU,
 in float32, give the logits of the unsharded model, for a full forward and for a prefill followed by
 decode steps through the KV cache (the calls the engine makes), on the built-in tiny model (tied
-embeddings, a vocabulary of 83 that 2 does not divide) and random Llama, Qwen2 and Qwen3 models.
+embeddings, a vocabulary of 83 that 2 does not divide) and random Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral
+models.
 
 The two ranks are started once for the module (torch.multiprocessing spawn, a FileStore): each runs
 every model's checks and saves what its shard returned; the tests compare those slices with the
@@ -31,6 +32,11 @@ RANDOM_CONFIGS = {
     "qwen2_tied": ModelConfig(model_type="qwen2", tie_word_embeddings=True, **SMALL),
     "qwen3": ModelConfig(model_type="qwen3", **{**SMALL, "head_dim": 32}),
     "mistral_sliding": ModelConfig(model_type="mistral", sliding_window=3, **SMALL),
+    # mixtures of experts: each expert split by its columns, the router whole; layer 1 of the Qwen3-MoE is dense
+    "qwen3_moe_dense_layer": ModelConfig(model_type="qwen3_moe", num_experts=6, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], **SMALL),
+    "mixtral": ModelConfig(model_type="mixtral", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                           norm_topk_prob=True, **SMALL),
 }
 PROMPT_LENGTHS = [7, 4]  # row 1 right-padded in the prefill, as the engine pads
 TOTAL_LENGTH = 12
@@ -209,6 +215,19 @@ def test_slices_follow_heads_columns_and_rows():
     assert shard_config(config, 2).num_key_value_heads == 1
 
 
+def test_each_expert_is_split_by_its_columns_and_the_router_kept_whole():
+    config = RANDOM_CONFIGS["qwen3_moe_dense_layer"]
+    state = random_model(config).state_dict()
+    pieces = shard_state_dict(state, config, rank=1, size=2)
+    gate_up, down = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"
+    full = state[gate_up]  # [6, 64, 64]: gate rows 0..31, up rows 32..63
+    assert torch.equal(pieces[gate_up], torch.cat([full[:, 16:32], full[:, 48:64]], dim=1))
+    assert torch.equal(pieces[down], state[down][:, :, 16:32])
+    assert torch.equal(pieces["model.layers.0.mlp.gate.weight"], state["model.layers.0.mlp.gate.weight"])
+    assert pieces["model.layers.1.mlp.down_proj.weight"].shape == (64, 48)  # the dense layer: the MLP's split
+    assert shard_config(config, 2).moe_intermediate_size == 16
+
+
 def test_refusals_name_the_numbers(cases):
     config = ModelConfig(model_type="llama", **{**SMALL, "num_attention_heads": 6, "num_key_value_heads": 2,
                                                  "intermediate_size": 90})
@@ -219,6 +238,9 @@ def test_refusals_name_the_numbers(cases):
         check_tensor_parallel_size(config, 3)
     with pytest.raises(CohortError, match=r"[= ]4 does not divide the model's 90 MLP columns \(intermediate_size\)"):
         check_tensor_parallel_size(dataclasses.replace(config, num_attention_heads=8, num_key_value_heads=4), 4)
+    moe = RANDOM_CONFIGS["qwen3_moe_dense_layer"]
+    with pytest.raises(CohortError, match=r"[= ]4 does not divide the model's 6 expert columns \(moe_intermediate_size\)"):
+        check_tensor_parallel_size(dataclasses.replace(moe, num_key_value_heads=4, moe_intermediate_size=6), 4)
     with pytest.raises(CohortError, match=r"0 is not a positive whole number"):
         check_tensor_parallel_size(config, 0)
     llama = RANDOM_CONFIGS["llama"]

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from cohort.errors import CohortError
-from cohort.models.tensor_parallel import VOCABULARY_PARALLEL, rank_slice
+from cohort.models.tensor_parallel import EXPERTS_GATE_UP, VOCABULARY_PARALLEL, rank_slice
 
 # Module names that wrappers insert in parameter names: torch.compile, activation checkpointing, FSDP1.
 # FSDP2 (fully_shard) keeps the plain names; DDP puts "module." in front.
@@ -85,6 +85,8 @@ def update_shard_(shard: nn.Module, items: Iterable[tuple[str, torch.Tensor]], s
         piece = rank_slice(name, full, config, rank, size)
         # a vocabulary slice's real rows: the last slices may be shorter than the shard's padded rows
         destination = target[:piece.shape[0]] if name in VOCABULARY_PARALLEL else target
+        if name.endswith(EXPERTS_GATE_UP) and destination.dim() == 3 and piece.dim() == 4:
+            destination = destination.unflatten(1, (2, -1))  # the shard's [E, 2I/T, H] as its gate and up halves
         if piece.shape != destination.shape:
             raise CohortError(f"the weight {name} has shape {tuple(full.shape)}, whose rank-{rank} slice "
                               f"{tuple(piece.shape)} does not fit the shard's {tuple(destination.shape)}; pass "

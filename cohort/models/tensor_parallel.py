@@ -13,6 +13,12 @@ each layer's work. The split follows Megatron-LM, which needs two all-reduces pe
   output, summed by one all-reduce; a bias is added once, after it.
 - The SwiGLU MLP is split the same way: gate/up by output rows (column-parallel; the gate's
   elementwise product needs no communication), down_proj by input columns, then one all-reduce.
+- A mixture of experts (Qwen3-MoE, Mixtral) splits every expert the way the MLP is split: each rank holds
+  the columns [r·I/T, (r+1)·I/T) of every expert's gate and up projections (two row ranges of the stacked
+  `gate_up_proj` [E, 2I, H], gate rows then up rows) and those input columns of its `down_proj` [E, H, I];
+  the router is replicated. Every rank routes the same all-reduced hidden state with the same router, so
+  all pick the same experts (and record the same routes), run their slice of each chosen expert, and one
+  all-reduce after the weighted sum adds the slices. A decode step then reads 1/T of every expert it touches.
 - The vocabulary is split into T contiguous slices, of ceil(V/T) rows each: the embedding looks up
   the ids of its slice (zeros for the others) and an all-reduce sums the slices; the LM head returns
   this rank's slice of the logits, `[..., ceil(V/T)]`, never the full `[..., V]` (a vocabulary-
@@ -22,7 +28,8 @@ each layer's work. The split follows Megatron-LM, which needs two all-reduces pe
   tied: the embedding and the head own the same slice.
 
 A shard is a `CausalLM` built from a config with H/T heads, H_kv/T KV heads, I/T MLP columns and
-ceil(V/T) tokens, whose o_proj, down_proj, embedding and head are replaced by the subclasses below:
+ceil(V/T) tokens (and I_experts/T expert columns), whose o_proj, down_proj, MoE blocks, embedding and head
+are replaced by the subclasses below:
 the decoder's code, its KV-cache path (prefill, then decode steps) and `KVCache.for_model` serve it
 unchanged. It is for inference: its parameters do not require gradients, and the all-reduces are
 not differentiable. After each update, cohort/models/resharding.py copies the trainer's new weights
@@ -43,10 +50,13 @@ from cohort.errors import CohortError
 from cohort.models.config import ModelConfig
 from cohort.models.lora import has_lora
 from cohort.models.modeling import CausalLM
+from cohort.models.moe import SparseMoeBlock
 
 # Weights split by output rows (their biases too) and by input columns; the rest is replicated.
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
+# A mixture of experts' stacked matrices: gate/up [E, 2I, H] split by its two row ranges, down [E, H, I] by columns.
+EXPERTS_GATE_UP, EXPERTS_DOWN = "experts.gate_up_proj", "experts.down_proj"
 VOCABULARY_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 SIZE_OPTION = "--rollout_tensor_parallel_size"
 
@@ -57,11 +67,12 @@ def check_tensor_parallel_size(config: ModelConfig, size: int, group_size: int |
     group must have exactly T ranks. (The vocabulary is padded, so any T splits it.)"""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise CohortError(f"{SIZE_OPTION} {size!r} is not a positive whole number; choose 1 or more")
-    if size > 1 and config.num_experts:
-        raise CohortError(f"{SIZE_OPTION} {size}: the tensor-parallel split of a mixture-of-experts model "
-                          f"({config.model_type}) is not implemented; use {SIZE_OPTION} 1")
-    for count, what in ((config.num_attention_heads, "attention heads"), (config.num_key_value_heads, "KV heads"),
-                        (config.intermediate_size, "MLP columns (intermediate_size)")):
+    widths = [(config.num_attention_heads, "attention heads"), (config.num_key_value_heads, "KV heads")]
+    if len(config.sparse_layers) < config.num_hidden_layers:  # some layer has a dense MLP
+        widths.append((config.intermediate_size, "MLP columns (intermediate_size)"))
+    if config.num_experts:
+        widths.append((config.moe_intermediate_size, "expert columns (moe_intermediate_size)"))
+    for count, what in widths:
         if count % size:
             raise CohortError(f"{SIZE_OPTION} {size} does not divide the model's {count} {what}; "
                               f"choose a {SIZE_OPTION} that divides {count}")
@@ -81,8 +92,8 @@ def check_splittable(model, size: int, tools: bool) -> None:
     split) and tool turns (every rank of a group would run each tool call)."""
     if not isinstance(model, CausalLM):
         raise CohortError(f"rollout_tensor_parallel_size={size} needs a model cohort implements itself (Llama, "
-                          f"Mistral, Qwen2, Qwen3); {type(model).__name__} is sampled through Hugging Face generate: "
-                          "use --rollout_tensor_parallel_size 1")
+                          f"Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral); {type(model).__name__} is sampled through "
+                          "Hugging Face generate: use --rollout_tensor_parallel_size 1")
     if has_lora(model):
         raise CohortError(f"rollout_tensor_parallel_size={size} with LoRA adapters is not supported (their layers "
                           "are not split); use --rollout_tensor_parallel_size 1 (LoRA's memory need is the base "
@@ -98,13 +109,14 @@ def local_vocab_size(vocab_size: int, size: int) -> int:
 
 
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:
-    """The config of one rank's shard: H/T heads, H_kv/T KV heads, I/T MLP columns, ceil(V/T) tokens
+    """The config of one rank's shard: H/T heads, H_kv/T KV heads, I/T MLP and expert columns, ceil(V/T) tokens
     (hidden size and head_dim unchanged, so attention scales and RoPE are those of the full model)."""
     check_tensor_parallel_size(config, size)
     return dataclasses.replace(
         config, num_attention_heads=config.num_attention_heads // size,
         num_key_value_heads=config.num_key_value_heads // size, intermediate_size=config.intermediate_size // size,
-        vocab_size=local_vocab_size(config.vocab_size, size), extra=dict(config.extra))
+        moe_intermediate_size=config.moe_intermediate_size // size, vocab_size=local_vocab_size(config.vocab_size, size),
+        extra=dict(config.extra))
 
 
 def rank_slice(name: str, tensor: torch.Tensor, config: ModelConfig, rank: int, size: int) -> torch.Tensor:
@@ -114,6 +126,9 @@ def rank_slice(name: str, tensor: torch.Tensor, config: ModelConfig, rank: int, 
 
     - q/k/v, gate/up (weights and biases): output rows [r·n/T, (r+1)·n/T) (heads, MLP columns);
     - o_proj, down_proj weights: those input columns (their biases are added once, whole);
+    - a mixture of experts' `experts.gate_up_proj` [E, 2I, H]: the gate rows [r·I/T, (r+1)·I/T) and the same
+      rows of the up half, as a view [E, 2, I/T, H] (the shard holds it flattened, [E, 2I/T, H]);
+      `experts.down_proj` [E, H, I]: those input columns; the router whole;
     - embedding and LM head: the real rows of vocabulary slice r, [r·ceil(V/T), (r+1)·ceil(V/T)) cut at V,
       so the last slices may have fewer rows than the shard (which pads them), or none;
     - everything else (norms, Qwen3's per-head q/k norms, row-parallel biases): the whole tensor.
@@ -122,6 +137,12 @@ def rank_slice(name: str, tensor: torch.Tensor, config: ModelConfig, rank: int, 
     is refused with one CohortError line naming it."""
     parts = name.split(".")
     module = parts[-2] if len(parts) > 1 else ""
+    if name.endswith(EXPERTS_GATE_UP):  # [E, 2I, H] -> [E, 2, I/T, H]: rank r's gate rows and its up rows
+        if tensor.dim() != 3 or tensor.shape[1] % (2 * size):
+            raise CohortError(f"{name} has shape {tuple(tensor.shape)}, whose gate and up halves {size} ranks cannot "
+                              "split; pass the weights of the model the shard was built from")
+        width = tensor.shape[1] // (2 * size)
+        return tensor.unflatten(1, (2, tensor.shape[1] // 2)).narrow(2, rank * width, width)
     if name in VOCABULARY_PARALLEL:
         if tensor.dim() != 2 or tensor.shape[0] != config.vocab_size:
             raise CohortError(f"{name} has shape {tuple(tensor.shape)}, but the model has {config.vocab_size} "
@@ -129,7 +150,9 @@ def rank_slice(name: str, tensor: torch.Tensor, config: ModelConfig, rank: int, 
         rows = local_vocab_size(config.vocab_size, size)
         start = min(rank * rows, config.vocab_size)
         return tensor[start: min(start + rows, config.vocab_size)]
-    if module in COLUMN_PARALLEL:
+    if name.endswith(EXPERTS_DOWN):  # [E, H, I]: each expert's input columns
+        dim = 2
+    elif module in COLUMN_PARALLEL:
         dim = 0
     elif module in ROW_PARALLEL and name.endswith(".weight"):
         dim = 1
@@ -155,6 +178,8 @@ def shard_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig, ran
         if name in VOCABULARY_PARALLEL and piece.shape[0] < rows:
             piece = torch.cat([piece, piece.new_zeros(rows - piece.shape[0], *piece.shape[1:])])
         shard[name] = piece.detach().clone(memory_format=torch.contiguous_format)
+        if name.endswith(EXPERTS_GATE_UP):  # [E, 2, I/T, H] -> [E, 2I/T, H]: gate rows, then up rows
+            shard[name] = shard[name].flatten(1, 2)
     return shard
 
 
@@ -176,6 +201,19 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = all_reduce_sum(F.linear(x, self.weight), self.group)
         return out if self.bias is None else out + self.bias
+
+
+class RowParallelSparseMoeBlock(SparseMoeBlock):
+    """A mixture of experts whose experts hold this rank's columns: every rank routes alike (the same router on
+    the same hidden state), each sums its experts' partial outputs with the routing weights, and one
+    all-reduce adds the ranks' sums (the weighted sum is linear in each expert's down_proj output)."""
+
+    def __init__(self, config, moe_index: int, group):
+        super().__init__(config, moe_index)
+        self.group = group
+
+    def expert_outputs(self, flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(super().expert_outputs(flat, ids, weights), self.group)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -227,7 +265,10 @@ class TensorParallelCausalLM(CausalLM):
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             attention.o_proj = RowParallelLinear(attention.o_proj.in_features, hidden, config.o_bias, group)
-            mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features, hidden, config.mlp_bias, group)
+            if layer.sparse:
+                layer.mlp = RowParallelSparseMoeBlock(config, mlp.moe_index, group)
+            else:
+                mlp.down_proj = RowParallelLinear(mlp.down_proj.in_features, hidden, config.mlp_bias, group)
         self.tie_weights()
 
     def save_pretrained(self, out_dir, state: dict | None = None):
