@@ -52,12 +52,15 @@ SHAPES = {
     "qwen2.5-14b": _shape(5120, 13824, 48, 40, 8, 152064, False),
     "qwen2.5-32b": _shape(5120, 27648, 64, 40, 8, 152064, False),
     # Mixtures of experts (Qwen3-MoE): one of OLMoE-1B-7B's size (16 layers, 64 experts, top 8), and
-    # Qwen3-30B-A3B with half its 48 layers (the full shape needs 4 cards for full-parameter training).
+    # Qwen3-30B-A3B with half its 48 layers for 2 cards, and whole (full-parameter training needs 4 cards).
     "qwen3-moe-1b-7b": _shape(2048, 6144, 16, 16, 4, 151936, False, "qwen3_moe", head_dim=128, num_experts=64,
                               num_experts_per_tok=8, moe_intermediate_size=1024, norm_topk_prob=True),
     "qwen3-30b-a3b-half": _shape(2048, 6144, 24, 32, 4, 151936, False, "qwen3_moe", head_dim=128, num_experts=128,
                                  num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                                  max_position_embeddings=40960),
+    "qwen3-30b-a3b": _shape(2048, 6144, 48, 32, 4, 151936, False, "qwen3_moe", head_dim=128, num_experts=128,
+                            num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                            max_position_embeddings=40960),
 }
 SMOKE = {
     "0.5b": _shape(64, 128, 2, 4, 2, 1000, True),
@@ -72,6 +75,8 @@ SMOKE = {
                               num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "qwen3-30b-a3b-half": _shape(64, 128, 2, 4, 2, 1000, False, "qwen3_moe", head_dim=16, num_experts=16,
                                  num_experts_per_tok=4, moe_intermediate_size=16, norm_topk_prob=True),
+    "qwen3-30b-a3b": _shape(64, 128, 4, 4, 2, 1000, False, "qwen3_moe", head_dim=16, num_experts=16,
+                            num_experts_per_tok=4, moe_intermediate_size=16, norm_topk_prob=True),
 }
 COMMON = dict(max_position_embeddings=32768, rope_theta=1e6)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,11 +1,12 @@
 """8B-class GRPO on one node: tokens per second per GPU by NeMo-RL's formula, synchronous and asynchronous, against
-TRL 1.16 in the same call on the same GPUs; Qwen3-30B-A3B at half depth with and without routing replay; and
-`--plan`, the memory plan's capacity rows (nothing measured).
+TRL 1.16 in the same call on the same GPUs; Qwen3-30B-A3B (at half depth on 2 GPUs, whole on 4) with and without
+routing replay; and `--plan`, the memory plan's capacity rows (nothing measured).
 
-    python bench/scale.py --plan                       # CPU: what fits 8B on 2×80 GB, 14B on 2×H200, 32B on 4×H200
+    python bench/scale.py --plan                       # CPU: what fits 8B on 2×80 GB, 14B on 2×H200, 32B and 30B-A3B on 4×H200
     python bench/scale.py --gpus 2                     # GPUs: llama3.1-8b and qwen3-8b, cohort sync + async, TRL
     python bench/scale.py --gpus 2 --models llama3.1-8b --frameworks cohort   # one shape, cohort only
     python bench/scale.py --gpus 2 --models qwen3-30b-a3b-half --frameworks cohort   # MoE: replay on and off
+    python bench/scale.py --gpus 4 --models qwen3-30b-a3b --frameworks cohort --sync_options fsdp=true,free_sampling_memory=true,rollout_tensor_parallel_size=4
     python bench/scale.py --smoke                      # CPU: tiny shapes, 2 gloo processes, checks the plumbing
 
 `--plan` prints, for each capacity row of the issue (4,096-token completions), the plan of cohort/memory/
@@ -78,11 +79,13 @@ CAPACITY_ROWS = (  # shape, GPUs, card, card GiB (the issue's capacities)
     ("qwen2.5-14b", 2, "H200", 140.4),
     ("qwen2.5-32b", 4, "H200", 140.4),
     ("qwen3-30b-a3b-half", 2, "H200", 140.4),
+    ("qwen3-30b-a3b", 4, "H200", 140.4),
 )
 # tokens/s/GPU, on-policy and one-step off-policy. Qwen3-30B-A3B's figures are the full shape's (32 H100s); the
 # half-depth shape does about half the work per token, so its measured figure times `work_share` compares with them.
 NEMO_RL = {"llama3.1-8b": dict(sync=1562, async_=2161),
-           "qwen3-30b-a3b-half": dict(sync=1102, async_=1414, work_share=0.5)}
+           "qwen3-30b-a3b-half": dict(sync=1102, async_=1414, work_share=0.5),
+           "qwen3-30b-a3b": dict(sync=1102, async_=1414)}
 REPLAY_MISMATCH = "routing/replay_mismatch"
 
 

@@ -28,7 +28,8 @@ def test_the_plan_rows_are_the_plans(tmp_path):
     out = run(tmp_path, "--plan")
     report = json.loads((tmp_path / "scale_plan.json").read_text())
     assert [(r["shape"], r["gpus"]) for r in report["rows"]] == [("llama3.1-8b", 2), ("qwen2.5-14b", 2),
-                                                                 ("qwen2.5-32b", 4), ("qwen3-30b-a3b-half", 2)]
+                                                                 ("qwen2.5-32b", 4), ("qwen3-30b-a3b-half", 2),
+                                                                 ("qwen3-30b-a3b", 4)]
     for row in report["rows"]:
         peaks = [step["peak_gib"] for step in row["ladder"]]
         assert peaks == sorted(peaks, reverse=True)  # every rung of the ladder takes memory away
@@ -38,9 +39,14 @@ def test_the_plan_rows_are_the_plans(tmp_path):
             assert abs(max(p["total_gib"] for p in phases.values()) - step["peak_gib"]) < 0.06
             assert step["plan"]["peak_gib"] * GIB > 0
         assert f"{row['shape']} on {row['gpus']}×" in out
-    moe = report["rows"][-1]  # its engine is never a tensor-parallel shard (cohort refuses to split experts)
-    assert not any("tensor-parallel" in step["configuration"] for step in moe["ladder"])
-    assert len(moe["ladder"]) == len(report["rows"][0]["ladder"]) - 1
+    # the whole Qwen3-30B-A3B on 4 H200s: its engine's whole copy cannot stay beside the update; split 4 ways (each
+    # expert by its columns), it fits once the engine's weights and cache are freed for the update
+    moe = {step["configuration"].split(" (")[0]: step for step in report["rows"][-1]["ladder"]}
+    assert not moe["cohort's defaults"]["fits"]
+    shard = moe["+ the engine a tensor-parallel shard over the GPUs"]["plan"]["phases"]
+    whole = moe["cohort's defaults"]["plan"]["phases"]
+    assert shard["sampling"]["engine weights"] * 4 == pytest.approx(whole["sampling"]["engine weights"], rel=0.01)
+    assert moe["+ KV cache and the engine's weights freed for the update"]["fits"]
 
 
 @pytest.mark.soak  # about a minute of torchrun launches (dense and MoE, both modes): CI runs it with -m soak
