@@ -491,10 +491,10 @@ class GRPOConfig:
                 bad(f"rollout_tensor_parallel_size={size} without rollout_gpus samples on the training ranks in "
                     "groups, each rank keeping its shard of the model, which needs --fsdp (the update's weights "
                     "sharded too); pass --fsdp, or --rollout_gpus K to sample on ranks of their own")
-            if self.async_rollouts:
-                bad(f"async_rollouts with rollout_tensor_parallel_size={size} on the training ranks is not supported "
-                    "(the ranks that train also sample, in turn); pass --rollout_gpus K to sample asynchronously "
-                    "on ranks of their own, or leave --async_rollouts off")
+            if self.async_rollouts and self.max_staleness != 1:
+                bad(f"async_rollouts with rollout_tensor_parallel_size={size} on the training ranks samples on the "
+                    "shard the trainer refreshes after each update, 1 update behind; pass --max_staleness 1, or "
+                    "--rollout_gpus K to sample further ahead on ranks of their own")
         slots = self.max_concurrent_sequences
         if isinstance(slots, int) and slots < 1:
             bad(f"max_concurrent_sequences={slots}: give the most sequences an engine decodes at once (1 or more), "

@@ -71,8 +71,9 @@ def test_settings_the_colocated_placement_cannot_run_are_refused_in_one_line(mon
     with pytest.raises(CohortError, match=r"rollout_tensor_parallel_size=2 without rollout_gpus .* needs (--fsdp|fsdp=True)"):
         GRPOConfig(rollout_tensor_parallel_size=2).validate()
     with pytest.raises(CohortError, match=r"async_rollouts with rollout_tensor_parallel_size=2 on the training "
-                                          r"ranks is not supported .* pass (--rollout_gpus K|rollout_gpus=K)"):
-        colocated_args(async_rollouts=True).validate()
+                                          r"ranks .* 1 update behind; pass (--max_staleness 1|max_staleness=1)"):
+        colocated_args(async_rollouts=True, max_staleness=2).validate()
+    colocated_args(async_rollouts=True, max_staleness=1).validate()
     monkeypatch.setenv("WORLD_SIZE", "2")
 
     def resolve(model, args=None, world_size=2, tools=False):

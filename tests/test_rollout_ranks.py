@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from cohort.config import GRPOConfig
 from cohort.errors import CohortError
 from cohort.run.disaggregation import Placement, RolloutLink
-from test_distributed import REWARD_MODULE, environment, run, step_records, train_options
+from test_distributed import REWARD_MODULE, environment, run, step_records, torchrun, train_options
 
 TOLERANCE = 1e-5
 
@@ -222,6 +222,23 @@ def test_a_tensor_parallel_sampling_group_trains_what_one_process_trains(root, t
     # Version 0 arrives for step 1 and serves step 2 too (0.0: nothing to receive); version 1 arrives for step 3.
     synced = [r["time/weight_sync"] for r in step_records(out)]
     assert synced[0] > 0 and synced[1] == 0.0 and synced[2] > 0, synced
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", [("--fsdp", "true"), ("--fsdp", "true", "--rollout_tensor_parallel_size", "2")],
+                         ids=["whole_copies", "tensor_parallel_group"])
+def test_fsdp2_ranks_sample_ahead_on_their_engines_own_copy_and_resume(root, tiny_dir, reference, placement):
+    """Two FSDP2 ranks with asynchronous rollouts and no sampling ranks: each rank's engine (a whole copy, or its
+    shard of a tensor-parallel group of 2) samples the next step's rollout during the update, on the copy the
+    trainer refreshes in place once it is done; one process's run, and a resumed one, come out."""
+    out = root / f"in_place_{len(placement)}"
+    run(root, torchrun(*options(tiny_dir, out, 2, *placement)), timeout=600)
+    assert_same_training(out, reference)
+    resumed = root / f"in_place_resumed_{len(placement)}"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    run(root, torchrun(*options(tiny_dir, resumed, 2, *placement, "--resume", "true")), timeout=600)
+    assert_same_training(resumed, reference, slice(-1, None))
 
 
 class QueueLink:

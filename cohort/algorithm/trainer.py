@@ -170,6 +170,13 @@ class GRPOTrainer:
         batch.rollout_metrics = {**(batch.rollout_metrics or {}), "async/staleness": float(step - 1 - version)}
         return batch
 
+    def wait_for_engine(self) -> None:
+        """Asynchronous rollouts sampled on the engine's own copy (FSDP2, cohort/rollout/async_rollouts.py): the
+        trainer's own use of that engine, or a rewrite of its weights, waits for the rollout it is sampling."""
+        if self.async_rollouts is not None:
+            with self.report.phase("sampling"):
+                self.async_rollouts.wait_idle()
+
     def sample_ahead(self) -> None:
         """Asynchronous rollouts: start sampling, from the weights as they are now, the rollouts of the
         steps that must use them (the first L + 1 at the start, then one per update)."""
@@ -189,6 +196,7 @@ class GRPOTrainer:
             return self.rollout(rows)
 
     def rollout(self, rows: list[dict]) -> Batch:
+        self.wait_for_engine()
         self.memory.before_sampling()  # π_ref's weights head back to the GPU while the engine samples
         batch = self.group_sampler(rows, seed=self.prompts.next_seed(), sequence_offset=self.sequence_offset)
         self.memory.after_sampling()
@@ -272,6 +280,7 @@ class GRPOTrainer:
     def end_step(self, run: RunLifecycle, batch: Batch, losses: list[dict]) -> None:
         """After the algorithm's lines: the sampling copy (FSDP), the record, evaluation, the checkpoint."""
         if self.parallel.fsdp:
+            self.wait_for_engine()  # the copy the refresh rewrites may be sampling the next step's rollout
             with self.report.phase("gather"):  # FSDP2: the updated shards into the copy (or TP shard) the engine samples
                 self.parallel.refresh_sampling_model()
         self.sample_ahead()  # asynchronous rollouts: a later step's sampling starts from the updated weights
@@ -383,6 +392,7 @@ class GRPOTrainer:
         and passed to the callbacks' `on_evaluate`); empty without eval_dataset or a task verifier."""
         if not self.eval_rows or self.task is None:
             return {}
+        self.wait_for_engine()
         with self.report.phase("eval"):  # each rank (or sampling group) evaluates its block; the counts are summed
             result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.evaluation_rows(self.eval_rows),
                               self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length,

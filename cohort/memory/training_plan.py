@@ -115,9 +115,19 @@ class StepShape:
                    moment_bytes=8 if fp32 or args.optimizer_state_dtype == "float32" else 4,
                    lora_rank=args.lora_r if args.use_peft else 0, reference=args.beta > 0 and not args.use_peft,
                    offload_reference=args.offload_ref_model,
-                   async_copy=args.async_rollouts and not args.rollout_gpus, lend_kv_cache=args.lend_kv_cache,
+                   async_copy=producer_copy(args), lend_kv_cache=args.lend_kv_cache,
                    free_sampling_memory=args.free_sampling_memory,
                    engine_slots=slots if isinstance(slots := args.max_concurrent_sequences, int) else ENGINE_SLOTS)
+
+
+def producer_copy(args) -> bool:
+    """Whether asynchronous rollouts keep a second copy of the policy for their producer thread: in one process
+    or under DDP, yes; under FSDP2 they sample on the engine's own copy, one update behind (a tensor-parallel
+    shard always; a whole copy with max_staleness 1), cohort/rollout/async_rollouts.py."""
+    if not args.async_rollouts or args.rollout_gpus:
+        return False
+    split = args.rollout_tensor_parallel_size
+    return not (args.fsdp and (args.max_staleness == 1 or (isinstance(split, int) and split > 1)))
 
 
 def engine_released_in_update(args) -> bool:

@@ -15,6 +15,13 @@ its samples were (`async/staleness`).
 
 Each submitted rollout carries its own snapshot of the weights it must be sampled from (L + 1 snapshots
 at most), loaded into the sampler's copy by the producer just before it samples.
+
+Under FSDP2 the engine samples from a copy of its own anyway (the whole model, or the rank's tensor-parallel
+shard), which the trainer rewrites in place after each update (`Parallel.refresh_sampling_model`). With L = 1
+the producer samples on that copy itself, with no snapshot and no second copy: after update t the trainer
+waits for the rollout the producer is sampling (`wait_idle`: step t + 1's, from the weights after update
+t − 1, which the next step takes anyway), refreshes the copy to the weights after update t, and submits step
+t + 2's. The schedule, and so the run, is the one above; the memory is one copy of the weights, not L + 2.
 """
 
 from __future__ import annotations
@@ -62,35 +69,56 @@ def steps_to_start(step: int, max_staleness: int, anything_pending: bool) -> lis
 class AsyncRollouts:
     """Rollouts sampled ahead on a producer thread, on a copy of the policy.
 
-    sampler_policy: the policy's copy the producer samples with (its weights are replaced per rollout).
-    sample: `(rows, seed, sequence_offset) -> Batch` over that copy (a GroupSampler on its own engine).
+    sampler_policy: the policy's copy the producer samples with (its weights are replaced per rollout), or None:
+    the producer samples on the engine's own copy, which the trainer refreshes in place between rollouts
+    (FSDP2; `wait_idle` before each refresh; L = 1).
+    sample: `(rows, seed, sequence_offset) -> Batch` over that copy (a GroupSampler on its engine).
     max_staleness: L, how many updates behind the policy the samples are.
     """
 
-    def __init__(self, sampler_policy: torch.nn.Module, sample, max_staleness: int):
+    def __init__(self, sampler_policy: torch.nn.Module | None, sample, max_staleness: int):
         if max_staleness < 1:
             raise CohortError(f"max_staleness={max_staleness}: asynchronous rollouts need at least 1 (0 is the "
                               "synchronous loop: leave --async_rollouts off)")
+        if sampler_policy is None and max_staleness != 1:
+            raise CohortError(f"max_staleness={max_staleness} with FSDP2's asynchronous rollouts: the engine samples "
+                              "on the one copy the trainer refreshes after each update, so it is 1 update behind; "
+                              "pass --max_staleness 1, or --rollout_gpus K to sample on ranks of their own")
         self.policy, self.sample, self.max_staleness = sampler_policy, sample, max_staleness
         self.producer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cohort-rollouts")
         self.pending: dict[int, tuple[Future, int]] = {}  # step -> (its batch, the policy version it samples)
 
-    def snapshot(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The weights the rollouts submitted now must be sampled from."""
-        return weights_snapshot(model)
+    @property
+    def in_place(self) -> bool:
+        """Whether the producer samples on the engine's own copy, which the trainer refreshes in place."""
+        return self.policy is None
 
-    def submit(self, step: int, version: int, weights: dict[str, torch.Tensor], rows: list[dict], seed: int,
+    def snapshot(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The weights the rollouts submitted now must be sampled from (in place: already in the engine's copy)."""
+        return None if self.in_place else weights_snapshot(model)
+
+    def submit(self, step: int, version: int, weights: dict[str, torch.Tensor] | None, rows: list[dict], seed: int,
                sequence_offset: int) -> None:
-        """Queue the rollout of `step`, sampled from `weights` (the policy after `version` updates)."""
+        """Queue the rollout of `step`, sampled from `weights` (the policy after `version` updates; None: the
+        engine's copy as the trainer left it)."""
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
         def job() -> Batch:
-            device = next(self.policy.parameters()).device
-            if device.type == "cuda":  # a thread starts on GPU 0, whatever the rank's GPU
+            if device is not None:  # a thread starts on GPU 0, whatever the rank's GPU
                 torch.cuda.set_device(device)
-            with torch.no_grad():
-                self.policy.load_state_dict(weights)
+            if weights is not None:
+                with torch.no_grad():
+                    self.policy.load_state_dict(weights)
             return self.sample(rows, seed, sequence_offset)
 
         self.pending[step] = (self.producer.submit(job), version)
+
+    def wait_idle(self) -> None:
+        """In place: wait until no rollout reads the engine's copy (before the trainer rewrites it, or samples on
+        the same engine itself). A producer with its own copy is never in the way: nothing to wait for."""
+        if self.in_place:
+            for future, _ in self.pending.values():
+                future.exception()  # waits; a failure is raised where the step takes its rollout
 
     def take(self, step: int) -> tuple[Batch, int]:
         """The rollout of `step` (waiting for it if it is still being sampled) and its policy version."""

@@ -108,6 +108,9 @@ class RemoteRollouts:
             self.pool = state["pool"]
             self.link.send((RESTORE, self.pool), self.server)
 
+    def wait_idle(self) -> None:
+        """Nothing to wait for: the sampling rank's engine is not this rank's."""
+
     def close(self) -> None:
         """Tell the sampling rank this trainer is done; wait until what it sent has gone. Once only. The rollouts
         requested and not trained on (a run stopped early) are received first: the sampling rank's sends of them

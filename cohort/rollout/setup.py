@@ -67,6 +67,10 @@ def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None 
                               "state cannot be checkpointed with the rollouts sampled ahead); leave one out")
         if link is not None:  # --rollout_gpus: sampled on other ranks
             ahead = RemoteRollouts(link, rank, args.max_staleness, partial=args.partial_rollouts)
+        elif args.fsdp and (args.max_staleness == 1 or sampling_group is not None):
+            # a producer thread samples later steps on the engine's own copy (the whole model or this rank's
+            # shard), which the trainer refreshes in place between its rollouts
+            ahead = AsyncRollouts(None, GroupSampler(sampler, tokenizer, args, pad_id, toolbox), args.max_staleness)
         else:  # a producer thread samples later steps on its own copy of the policy
             sampler_policy = frozen_copy(model)
             ahead = AsyncRollouts(sampler_policy, GroupSampler(

@@ -73,8 +73,11 @@ class StepReport:
             yield
         if cuda:
             torch.cuda.synchronize()
-            self.phase_peaks[name] = torch.cuda.max_memory_allocated(self.device) / 2**30  # which phase sets the peak
-        self.phase_times[name] = time.perf_counter() - started
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30  # which phase sets the peak
+            self.phase_peaks[name] = max(peak, self.phase_peaks.get(name, 0.0))
+        # a phase entered twice in a step (μ updates; an asynchronous rollout's wait before the weight refresh and
+        # at the next step's start) counts its whole time
+        self.phase_times[name] = self.phase_times.get(name, 0.0) + time.perf_counter() - started
 
     def restart_gc_clock(self) -> None:
         """The collection `MemoryManager.after_first_step` just ran is not the next step's pause."""
