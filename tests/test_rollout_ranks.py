@@ -232,7 +232,10 @@ def test_fsdp2_ranks_sample_ahead_on_their_engines_own_copy_and_resume(root, tin
     shard of a tensor-parallel group of 2) samples the next step's rollout during the update, on the copy the
     trainer refreshes in place once it is done; one process's run, and a resumed one, come out."""
     out = root / f"in_place_{len(placement)}"
-    run(root, torchrun(*options(tiny_dir, out, 2, *placement)), timeout=600)
+    output = run(root, torchrun(*options(tiny_dir, out, 2, *placement)), timeout=600)
+    if "--rollout_tensor_parallel_size" in placement:  # the step log says where and when the group samples
+        assert ("in 1 tensor-parallel group(s) of 2" in output
+                and "the next step's rollout is sampled during the update, one update behind" in output)
     assert_same_training(out, reference)
     resumed = root / f"in_place_resumed_{len(placement)}"
     resumed.mkdir()

@@ -136,14 +136,17 @@ def where_line(args, asked_split, world_size: int, group, device) -> str | None:
     size = args.rollout_tensor_parallel_size
     why = ("auto: the smallest split that keeps the KV cache of a useful batch beside its weights" if asked_split == "auto"
            else "rollout_tensor_parallel_size")
+    ahead = ("; asynchronous: the next step's rollout is sampled during the update, one update behind, and the "
+             "copy refreshed once it is done") if (args.async_rollouts and args.fsdp and not args.rollout_gpus
+                                          and (args.max_staleness == 1 or group is not None)) else ""
     if group is not None:
         return (f"rollouts: sampled on the {world_size} training ranks in {group.count} tensor-parallel group(s) of "
                 f"{size}, each rank keeping its shard ({why}; colocated with FSDP2: the shards are refreshed from the "
-                "trained weights after each update)")
+                f"trained weights after each update{ahead})")
     if args.fsdp and asked_split == "auto" and world_size > 1 and device.type == "cuda":
         return (f"rollouts: each of the {world_size} FSDP2 ranks samples on a whole copy of the model (auto: one GPU "
                 "holds its weights and the KV cache of a useful batch beside its training shard; "
-                "--rollout_tensor_parallel_size T samples in groups of T, each rank keeping 1/T)")
+                f"--rollout_tensor_parallel_size T samples in groups of T, each rank keeping 1/T{ahead})")
     if args.rollout_gpus:
         return (f"rollouts: sampled on {args.rollout_gpus} rank(s)"
                 + (f" in {args.rollout_gpus // size} tensor-parallel group(s) of {size}" if size > 1 else
