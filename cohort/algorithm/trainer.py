@@ -173,7 +173,7 @@ class GRPOTrainer:
     def wait_for_engine(self) -> None:
         """Asynchronous rollouts sampled on the engine's own copy (FSDP2, cohort/rollout/async_rollouts.py): the
         trainer's own use of that engine, or a rewrite of its weights, waits for the rollout it is sampling."""
-        if self.async_rollouts is not None:
+        if self.async_rollouts is not None and self.async_rollouts.in_place:
             with self.report.phase("sampling"):
                 self.async_rollouts.wait_idle()
 

@@ -114,11 +114,10 @@ class AsyncRollouts:
         self.pending[step] = (self.producer.submit(job), version)
 
     def wait_idle(self) -> None:
-        """In place: wait until no rollout reads the engine's copy (before the trainer rewrites it, or samples on
-        the same engine itself). A producer with its own copy is never in the way: nothing to wait for."""
-        if self.in_place:
-            for future, _ in self.pending.values():
-                future.exception()  # waits; a failure is raised where the step takes its rollout
+        """Wait until no rollout reads the engine's copy (before the trainer rewrites it, or samples on the same
+        engine itself). Only in place: a producer with its own copy is never in the way."""
+        for future, _ in self.pending.values():
+            future.exception()  # waits; a failure is raised where the step takes its rollout
 
     def take(self, step: int) -> tuple[Batch, int]:
         """The rollout of `step` (waiting for it if it is still being sampled) and its policy version."""

@@ -36,6 +36,8 @@ class RemoteRollouts:
     rollouts (cohort/rollout/partial.py): requests go out 1 update ahead, the first with a second batch of
     prompts, and each rollout comes with its oldest tokens' version and the pool it leaves (for checkpoints)."""
 
+    in_place = False  # the sampling rank's engine is not this rank's: nothing of it to wait for
+
     def __init__(self, link, rank: int, max_staleness: int, partial: bool = False):
         if max_staleness < 1:
             raise CohortError(f"max_staleness={max_staleness}: rollouts on other ranks are at least 1 update behind")
@@ -107,9 +109,6 @@ class RemoteRollouts:
         if self.partial and state.get("pool") is not None:
             self.pool = state["pool"]
             self.link.send((RESTORE, self.pool), self.server)
-
-    def wait_idle(self) -> None:
-        """Nothing to wait for: the sampling rank's engine is not this rank's."""
 
     def close(self) -> None:
         """Tell the sampling rank this trainer is done; wait until what it sent has gone. Once only. The rollouts
