@@ -491,7 +491,7 @@ class GRPOConfig:
                 bad(f"rollout_tensor_parallel_size={size} without rollout_gpus samples on the training ranks in "
                     "groups, each rank keeping its shard of the model, which needs --fsdp (the update's weights "
                     "sharded too); pass --fsdp, or --rollout_gpus K to sample on ranks of their own")
-            if self.async_rollouts and self.max_staleness != 1:
+            if self.async_rollouts and self.max_staleness not in (None, 1):  # None: 1 here (no partial rollouts)
                 bad(f"async_rollouts with rollout_tensor_parallel_size={size} on the training ranks samples on the "
                     "shard the trainer refreshes after each update, 1 update behind; pass --max_staleness 1, or "
                     "--rollout_gpus K to sample further ahead on ranks of their own")

@@ -74,6 +74,7 @@ def test_settings_the_colocated_placement_cannot_run_are_refused_in_one_line(mon
                                           r"ranks .* 1 update behind; pass (--max_staleness 1|max_staleness=1)"):
         colocated_args(async_rollouts=True, max_staleness=2).validate()
     colocated_args(async_rollouts=True, max_staleness=1).validate()
+    assert colocated_args(async_rollouts=True).validate().max_staleness is None  # settled to 1 when the run resolves
     monkeypatch.setenv("WORLD_SIZE", "2")
 
     def resolve(model, args=None, world_size=2, tools=False):

@@ -135,6 +135,7 @@ def test_the_plan_follows_the_options():
     (dict(), True),  # one process: the producer thread samples on a copy of its own
     (dict(fsdp=True, max_staleness=2), True),  # FSDP2 two updates behind: the copy keeps the older weights
     (dict(fsdp=True, max_staleness=1), False),  # FSDP2: on the engine's own copy, refreshed in place
+    (dict(fsdp=True), False),  # max_staleness None: 1 once the run resolves it
     (dict(fsdp=True, max_staleness=1, rollout_tensor_parallel_size=2), False),  # on the rank's shard
     (dict(rollout_gpus=1), False)])  # on ranks of their own
 def test_asynchronous_rollouts_price_a_producer_copy_only_where_it_exists(options, copies):

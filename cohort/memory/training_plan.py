@@ -127,7 +127,8 @@ def producer_copy(args) -> bool:
     if not args.async_rollouts or args.rollout_gpus:
         return False
     split = args.rollout_tensor_parallel_size
-    return not (args.fsdp and (args.max_staleness == 1 or (isinstance(split, int) and split > 1)))
+    one_behind = args.max_staleness in (None, 1)  # None settles to 1 without sampling ranks (no partial rollouts)
+    return not (args.fsdp and (one_behind or (isinstance(split, int) and split > 1)))
 
 
 def engine_released_in_update(args) -> bool:
