@@ -1,6 +1,7 @@
 """bench/scale.py: `--plan` prints the capacity rows the memory plan computes, and `--smoke` runs cohort's
 synchronous (FSDP2) and asynchronous (a sampling rank) modes on 2 gloo processes, and a tiny Qwen3-MoE with and
-without routing replay, and writes the JSON the GPU run writes."""
+without routing replay, and writes the JSON the GPU run writes; bench/decode_step.py's smoke run times a decode
+step per batch size."""
 
 import json
 import os
@@ -68,3 +69,22 @@ def test_the_smoke_run_measures_both_modes(tmp_path):
         assert measured["full_shape_tok_per_s_per_gpu"] == measured["tok_per_s_per_gpu"] * 0.5
         assert measured["expert_load_max_over_mean"] >= 1
     assert "smoke: OK" in out
+
+
+def test_the_decode_step_bench_times_each_batch_on_the_shapes_model(tmp_path):
+    """bench/decode_step.py --smoke: one row per batch size, on a model of the shape's config (its weight bytes are
+    those of a CausalLM built here from the same config.json fields), in the JSON a GPU run writes."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from grpo_step_worker import SMOKE, config_dict
+
+    from cohort.models import CausalLM, ModelConfig
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_step.py"), "--smoke", "--out", str(tmp_path)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "decode_step-T1.json").read_text())
+    assert [row["sequences"] for row in report["rows"]] == [4, 8] and report["tensor_parallel"] == 1
+    model = CausalLM(ModelConfig.from_hf_dict(config_dict(SMOKE["qwen3-30b-a3b-half"])))
+    assert report["shard_weight_bytes"] == sum(p.numel() * 4 for p in model.parameters())  # float32 on the CPU
+    assert "| 8 |" in done.stdout
