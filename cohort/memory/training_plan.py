@@ -69,6 +69,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..models.config import ModelConfig
+from ..rollout.async_rollouts import samples_in_place
 from ..rollout.scheduler import ENGINE_SLOTS
 from ..update.fast_path import MICRO_BATCH_FLOP
 from ..update.logprobs import CHUNK_BYTES
@@ -124,11 +125,7 @@ def producer_copy(args) -> bool:
     """Whether asynchronous rollouts keep a second copy of the policy for their producer thread: in one process
     or under DDP, yes; under FSDP2 they sample on the engine's own copy, one update behind (a tensor-parallel
     shard always; a whole copy with max_staleness 1), cohort/rollout/async_rollouts.py."""
-    if not args.async_rollouts or args.rollout_gpus:
-        return False
-    split = args.rollout_tensor_parallel_size
-    one_behind = args.max_staleness in (None, 1)  # None settles to 1 without sampling ranks (no partial rollouts)
-    return not (args.fsdp and (one_behind or (isinstance(split, int) and split > 1)))
+    return bool(args.async_rollouts and not args.rollout_gpus and not samples_in_place(args))
 
 
 def engine_released_in_update(args) -> bool:

@@ -58,6 +58,15 @@ def batch_from_state(item: dict) -> Batch:
                  rollout_metrics=item["rollout_metrics"])
 
 
+def samples_in_place(args) -> bool:
+    """Whether the run `args`' asynchronous rollouts sample on the engine's own copy, refreshed in place (see the
+    module docstring): under FSDP2 without sampling ranks, one update behind (max_staleness None settles to 1
+    there), and always on a colocated tensor-parallel group's shards (a larger max_staleness is refused)."""
+    split = args.rollout_tensor_parallel_size
+    return bool(args.async_rollouts and args.fsdp and not args.rollout_gpus
+                and (args.max_staleness in (None, 1) or (isinstance(split, int) and split > 1)))
+
+
 def steps_to_start(step: int, max_staleness: int, anything_pending: bool) -> list[int]:
     """The steps whose rollouts start after update `step`: at the start (nothing pending) L + 1 of them,
     all from the current weights; after every later update one, step + 1 + L."""

@@ -19,7 +19,7 @@ from ..memory.sampling_plan import FILL, engine_call_rows, slot_length
 from ..models.policy import frozen_copy
 from ..tools.toolbox import Toolbox
 from . import make_sampler
-from .async_rollouts import AsyncRollouts
+from .async_rollouts import AsyncRollouts, samples_in_place
 from .colocated import ColocatedSampler
 from .engine import Engine
 from .group_sampler import GroupSampler
@@ -67,7 +67,7 @@ def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None 
                               "state cannot be checkpointed with the rollouts sampled ahead); leave one out")
         if link is not None:  # --rollout_gpus: sampled on other ranks
             ahead = RemoteRollouts(link, rank, args.max_staleness, partial=args.partial_rollouts)
-        elif args.fsdp and (args.max_staleness == 1 or sampling_group is not None):
+        elif samples_in_place(args):
             # a producer thread samples later steps on the engine's own copy (the whole model or this rank's
             # shard), which the trainer refreshes in place between its rollouts
             ahead = AsyncRollouts(None, GroupSampler(sampler, tokenizer, args, pad_id, toolbox), args.max_staleness)
@@ -137,8 +137,7 @@ def where_line(args, asked_split, world_size: int, group, device) -> str | None:
     why = ("auto: the smallest split that keeps the KV cache of a useful batch beside its weights" if asked_split == "auto"
            else "rollout_tensor_parallel_size")
     ahead = ("; asynchronous: the next step's rollout is sampled during the update, one update behind, and the "
-             "copy refreshed once it is done") if (args.async_rollouts and args.fsdp and not args.rollout_gpus
-                                          and (args.max_staleness == 1 or group is not None)) else ""
+             "copy refreshed once it is done") if samples_in_place(args) else ""
     if group is not None:
         return (f"rollouts: sampled on the {world_size} training ranks in {group.count} tensor-parallel group(s) of "
                 f"{size}, each rank keeping its shard ({why}; colocated with FSDP2: the shards are refreshed from the "
