@@ -1,8 +1,8 @@
 """Milliseconds per decode step of cohort's engine on a bench shape (random weights), whole on one GPU or split
 T ways over T GPUs: where a tensor-parallel split's sampling time goes.
 
-Each rank builds its part of the model directly on its GPU in bf16 (a `TensorParallelCausalLM` shard under
-torchrun, else the whole `CausalLM`), then, for each batch size N, samples N random 256-token prompts twice, for
+Each rank builds its part of the model directly on its GPU in bf16 (bench/grpo_step_worker.py's `build_module`:
+a `TensorParallelCausalLM` shard under torchrun, else the whole `CausalLM`), then, for each batch size N, samples N random 256-token prompts twice, for
 SHORT and SHORT + STEPS new tokens, after a warm-up call that captures the CUDA graphs. A decode step's time is the
 difference over STEPS: prefill and the first token cancel out. Every sequence runs to the end (no EOS), so the
 batch stays N wide. Printed per N: ms per decode step, tokens per second a GPU, and the shard's weight bytes
@@ -27,35 +27,17 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cohort from this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grpo_step_worker import SHAPES, SMOKE, config_dict  # noqa: E402
+from grpo_step_worker import SHAPES, SMOKE, build_module  # noqa: E402
 
-from cohort.models import CausalLM, ModelConfig  # noqa: E402
-from cohort.models.tensor_parallel import TensorParallelCausalLM  # noqa: E402
 from cohort.rollout import Engine  # noqa: E402
 from cohort.rollout.sampler import SamplingParams  # noqa: E402
 
 PROMPT_LEN = 256
-
-
-def build(config: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """This rank's part of a random model of `config`: its shard under torch.distributed, else the whole model."""
-    import torch.distributed as dist
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # initialised in the sampling dtype: no fp32 copy of a 15B model first
-    try:
-        with device:
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                model = TensorParallelCausalLM(config, dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
-            else:
-                model = CausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.requires_grad_(False).eval()
 
 
 def decode_step_seconds(engine: Engine, vocab: int, sequences: int, short: int, steps: int) -> float:
@@ -93,22 +75,18 @@ def main(argv=None) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     device = torch.device("cpu") if args.smoke else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
-        import torch.distributed as dist
-
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
     if args.smoke:
         args.short, args.steps, args.sequences = 2, 4, "4,8"
     shape = (SMOKE if args.smoke else SHAPES)[args.shape]
-    config = ModelConfig.from_hf_dict(config_dict(shape))
-    dtype = torch.float32 if args.smoke else torch.bfloat16
-    model = build(config, device, dtype)
+    model = build_module(shape, device, dist.group.WORLD if world > 1 else None).requires_grad_(False).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     for sequences in [int(n) for n in args.sequences.split(",") if n]:
         engine = Engine(model, max_batch_size=sequences)
-        seconds = decode_step_seconds(engine, config.vocab_size, sequences, args.short, args.steps)
+        seconds = decode_step_seconds(engine, shape["vocab_size"], sequences, args.short, args.steps)
         rows.append(dict(sequences=sequences, ms_per_step=round(seconds * 1e3, 3),
                          tokens_per_s_per_gpu=round(sequences / seconds / world, 1),
                          weight_gb_per_s=round(weight_bytes / seconds / 1e9, 1)))
@@ -128,8 +106,6 @@ def main(argv=None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"decode_step-T{world}.json").write_text(json.dumps(report, indent=2) + "\n")
     if world > 1:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
     return report
 

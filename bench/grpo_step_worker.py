@@ -276,18 +276,26 @@ def diagnosis_setup(model_name: str, smoke: bool) -> DiagnosisSetup:
                           make_tokenizer(shape["vocab_size"]), build_module(shape, device))
 
 
-def build_module(shape: dict, device: str):
+def build_module(shape: dict, device, group=None):
     """cohort's own CausalLM with random init, built directly on the device (bf16 on CUDA, as the
-    stored folders are; fp32 on CPU, cohort's CPU default): no 15 GB of safetensors for a 7B shape."""
+    stored folders are; fp32 on CPU, cohort's CPU default): no 15 GB of safetensors for a 7B shape.
+    `group`: a torch.distributed group of T > 1 ranks, of which this rank builds only its tensor-parallel shard."""
+    import torch.distributed as dist
+
     from cohort.models import CausalLM, ModelConfig
+    from cohort.models.tensor_parallel import TensorParallelCausalLM
 
     config = ModelConfig.from_hf_dict(config_dict(shape))
+    device = torch.device(device)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
+    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
-        with torch.device(device):
-            model = CausalLM(config)
+        with device:
+            if group is not None and dist.get_world_size(group) > 1:
+                model = TensorParallelCausalLM(config, dist.get_rank(group), dist.get_world_size(group), group)
+            else:
+                model = CausalLM(config)
     finally:
         torch.set_default_dtype(default)
     return model.to(device)
