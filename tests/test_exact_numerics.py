@@ -24,11 +24,12 @@ from triton_interpreter import kernel_module  # noqa: E402
 matmul_kernels = kernel_module("cohort.kernels.exact_matmul", "_matmul_kernel")
 attention_kernels = kernel_module("cohort.kernels.exact_attention", "_attention_kernel")
 norm_kernels = kernel_module("cohort.kernels.exact_rms_norm", "_rms_norm_kernel")
+elementwise_kernels = kernel_module("cohort.kernels.exact_elementwise", "_rotate_kernel")
 kernel_module("cohort.kernels.logprobs", "_stats_kernel")
 
 from cohort import GRPOConfig  # noqa: E402
 from cohort.errors import CohortError  # noqa: E402
-from cohort.kernels.elementwise import rms_norm_plain  # noqa: E402
+from cohort.kernels.elementwise import rms_norm_plain, rotate_plain, swiglu_gate_plain  # noqa: E402
 from cohort.models import CausalLM, ModelConfig  # noqa: E402
 from cohort.models.exact_layers import use_exact_numerics  # noqa: E402
 from cohort.rollout import Engine  # noqa: E402
@@ -81,6 +82,67 @@ def test_matmul_rows_are_batch_invariant_and_match_float64(dtype):
     expected = (x.double() @ weight.double().T + bias.double())
     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20  # one rounding of the float32 sum
     assert ((product.double() - expected).abs() <= ulp * expected.abs() + 1e-4).all()
+
+
+def test_matmul_split_by_chunk_equals_the_whole_product_bitwise():
+    """K cut into chunks summed in order: one program per chunk plus the ordered sum of their float32 partials
+    gives the bits of one program walking every chunk, for any rows."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 150, generator=generator).to(torch.bfloat16)  # 150 = 64 + 64 + 22: a short last chunk
+    weight, bias = torch.randn(40, 150, generator=generator).to(torch.bfloat16), torch.randn(40, generator=generator).to(torch.bfloat16)
+    whole = matmul_kernels.matmul(x, weight, bias, split=False, chunk_k=64)
+    assert torch.equal(matmul_kernels.matmul(x, weight, bias, split=True, chunk_k=64), whole)
+    assert rows_bitwise_invariant(lambda rows: matmul_kernels.matmul(rows, weight, bias, split=True, chunk_k=64), x)
+    assert matmul_kernels.plan(4, 40, 10**5, torch.device("cpu")) == matmul_kernels.Plan(matmul_kernels.TILE, False)
+
+
+def test_a_tile_the_gpu_cannot_launch_gives_way_to_the_default_tile(monkeypatch):
+    generator = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(8, 70, generator=generator), torch.randn(16, 70, generator=generator)
+    big = matmul_kernels.Tile(128, 256, 64, 8, 3)
+    launch = matmul_kernels._launch
+
+    def no_room_for_big(x2, w, bias, out, tile, split, chunk_k):
+        if tile == big:
+            raise matmul_kernels._OUT_OF_RESOURCES(262144, 232448, "shared memory")
+        launch(x2, w, bias, out, tile, split, chunk_k)
+
+    monkeypatch.setattr(matmul_kernels, "_launch", no_room_for_big)
+    monkeypatch.setattr(matmul_kernels, "UNFIT_TILES", set())
+    assert torch.equal(matmul_kernels.matmul(x, weight, tile=big), matmul_kernels.matmul(x, weight))
+    assert matmul_kernels.UNFIT_TILES == {big}
+
+
+def test_rotary_and_swiglu_kernels_compute_the_plain_functions():
+    """float32 (whose products and sums the interpreter rounds as torch does): the rotary kernel is
+    rotate_plain's function, written at cache positions as KVCache.write would; SiLU·mul within exp's rounding;
+    both backwards are the plain functions' gradients."""
+    generator = torch.Generator().manual_seed(4)
+    batch, heads, length, dim = 2, 3, 20, 32
+    fused = torch.randn(batch, length, heads * dim * 2, generator=generator)
+    x = fused[..., :heads * dim].reshape(batch, length, heads, dim).transpose(1, 2)  # strided, as after a fused qkv
+    cos, sin = (torch.randn(batch, length, dim, generator=generator) for _ in range(2))
+    expected, _ = rotate_plain(x, x, cos, sin)
+    assert torch.equal(elementwise_kernels.rotate(x, cos, sin), expected)
+    cache = torch.zeros(3, heads, 48, dim)
+    positions = torch.stack([torch.arange(length) + 3, torch.arange(length) + 11])
+    elementwise_kernels.rotate_kernel(x, cos, sin, cache, positions)
+    assert torch.equal(cache[0, :, 3:23], expected[0]) and torch.equal(cache[1, :, 11:31], expected[1])
+    assert cache[2].abs().sum() == 0 and cache[0, :, :3].abs().sum() == 0
+    elementwise_kernels.rotate_kernel(x, None, None, cache, positions)  # the values: copied, not rotated
+    assert torch.equal(cache[1, :, 11:31], x[1])
+    leaf = x.detach().requires_grad_()
+    grad_out = torch.randn(x.shape, generator=generator)
+    plain_grad = torch.autograd.grad(rotate_plain(leaf, leaf, cos, sin)[0], leaf, grad_out)[0]
+    assert torch.allclose(torch.autograd.grad(elementwise_kernels.rotate(leaf, cos, sin), leaf, grad_out)[0],
+                          plain_grad, atol=1e-6)
+    gate, up = (torch.randn(37, 200, generator=generator).requires_grad_() for _ in range(2))
+    out = elementwise_kernels.swiglu_gate(gate, up)
+    assert torch.allclose(out, swiglu_gate_plain(gate, up), rtol=1e-6, atol=1e-6)
+    grad_gated = torch.randn(37, 200, generator=generator)
+    grads = torch.autograd.grad(out, (gate, up), grad_gated)
+    plain = torch.autograd.grad(swiglu_gate_plain(gate, up), (gate, up), grad_gated)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, plain))
 
 
 # ---- (b) attention and RMSNorm ---------------------------------------------------------------------
@@ -171,7 +233,8 @@ def test_exact_numerics_refuse_what_they_do_not_cover(monkeypatch):
 
 
 def test_a_training_step_under_exact_numerics_reports_no_gap(tmp_path):
-    """The run's option reaches the policy, π_ref's copy and the engine; the step record says the gap is 0."""
+    """The run's option reaches the policy and the engine (π_ref's copy, which only the KL term reads, keeps the
+    fast kernels); the step record says the gap is 0."""
     from cohort import GRPOTrainer
     from cohort.models.tiny import build_model, build_tokenizer
 
@@ -185,7 +248,7 @@ def test_a_training_step_under_exact_numerics_reports_no_gap(tmp_path):
     rows = [{"prompt": f"{a}+{b}="} for a in range(1, 5) for b in range(1, 3)]
     trainer = GRPOTrainer(str(tmp_path / "tiny"), lambda completions, **_: [float(len(c) % 3) for c in completions],
                           rows, args=args, log=lambda *_: None)
-    assert (trainer.model.numerics, trainer.ref_model.numerics, trainer.args.torch_compile) == ("exact", "exact", False)
+    assert (trainer.model.numerics, trainer.ref_model.numerics, trainer.args.torch_compile) == ("exact", "fast", False)
     trainer.evaluate_held_out = lambda: None
     record = trainer.train()[0]
     assert record["sampling/sampling_logp_difference/max"] == 0.0

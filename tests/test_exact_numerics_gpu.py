@@ -45,6 +45,39 @@ def test_gpu_matmul_and_norm_rows_do_not_depend_on_the_batch(rows):
     assert torch.equal(rms_norm(x[:rows], norm_weight, 1e-6), rms_norm(x, norm_weight, 1e-6)[:rows])
 
 
+@pytest.mark.parametrize("k", [896, 4864])
+def test_gpu_every_tile_and_the_split_give_the_same_bits(k):
+    """The tiles `plan` picks by the number of rows, and the split by chunk, are speed choices only."""
+    from cohort.kernels import exact_matmul
+
+    generator = torch.Generator(device=CUDA).manual_seed(1)
+    x = torch.randn(600, k, generator=generator, device=CUDA).bfloat16()
+    weight = (torch.randn(896, k, generator=generator, device=CUDA) / k ** 0.5).bfloat16()
+    reference = matmul(x, weight, None, tile=exact_matmul.TILE, split=False)
+    for _, tile in exact_matmul.TILES:
+        for split in (False, True):
+            assert torch.equal(matmul(x, weight, None, tile=tile, split=split), reference), (tile, split)
+            assert torch.equal(matmul(x[:5], weight, None, tile=tile, split=split), reference[:5]), (tile, split)
+
+
+def test_gpu_rotary_kernel_equals_torch_and_packed_decode_attention_equals_the_full_forward():
+    from cohort.kernels import exact_attention, exact_elementwise
+    from cohort.kernels.elementwise import rotate_plain
+
+    generator = torch.Generator(device=CUDA).manual_seed(2)
+    q = torch.randn(4, 14, 300, 64, generator=generator, device=CUDA).bfloat16()
+    cos, sin = (torch.randn(4, 300, 64, generator=generator, device=CUDA).bfloat16() for _ in range(2))
+    rotated = exact_elementwise.rotate(q, cos, sin).float()  # float32 arithmetic rounded once: within an ulp of it
+    expected = rotate_plain(q.float(), q.float(), cos.float(), sin.float())[0]
+    assert ((rotated - expected).abs() <= 2 ** -8 * expected.abs() + 1e-30).all()
+    k, v = (torch.randn(4, 2, 300, 64, generator=generator, device=CUDA).bfloat16() for _ in range(2))
+    limits = torch.arange(300, device=CUDA).expand(4, 300)
+    full = exact_attention.attention_forward(q, k, v, limits)
+    for t in (0, 63, 64, 200, 299):
+        step = exact_attention.attention_forward(q[:, :, t:t + 1], k, v, limits[:, t:t + 1])
+        assert torch.equal(step, full[:, :, t:t + 1]), t
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_gpu_engine_logprobs_equal_the_trainers_bitwise(family):
     """48 sequences through 16 slots (continuous batching, several graph buckets), shared prompts; the trainer

@@ -14,8 +14,9 @@ caller's own code) that runs on the CPU and without triton, and that the tests h
 - `elementwise.py`: the decoder's elementwise pieces (RMSNorm, rotary, SwiGLU, residual add) as
   torch.compile'd fused functions for the decode step, and the switches that turn kernels on.
 - `training_compile.py`: torch.compile of one decoder layer for the training forward and backward.
-- `exact_matmul.py`, `exact_rms_norm.py`, `exact_attention.py`: the batch-invariant matrix product,
-  RMSNorm and causal attention (decode and full forward alike) of `rollout_numerics="exact"`
+- `exact_matmul.py`, `exact_rms_norm.py`, `exact_attention.py`, `exact_elementwise.py`: the batch-invariant
+  matrix product, RMSNorm, causal attention (decode and full forward alike), rotary and SwiGLU of
+  `rollout_numerics="exact"`
   (cohort/models/exact_layers.py), whose sampler and trainer log-probs are equal bit for bit.
 - `grouped_mm.py`: a mixture of experts' grouped GEMMs (torch's native grouped mm with a grouped backward,
   a padded batched product where it does not serve), tested against a loop over experts.

@@ -15,7 +15,10 @@ bit for bit unchanged (the max stays, the rescale factor is exp2(0) = 1, the add
 the blocks that other queries of the program need change nothing for this one; the blocks it does
 see are the same blocks, at the same offsets, with the same tile shapes (`BLOCK_M`, `BLOCK_N`,
 warps: constants, never chosen by size), whether it is the one query of a decode step or one of
-thousands in a training row. The key axis is never split. So its output is the same bits on both
+thousands in a training row. The key axis is never split. A decode step (one query per row) runs
+`_decode_kernel`, whose tile rows are the query heads that share a kv head instead of one head's
+positions: each cached key is read once per kv head, and a row's arithmetic is unchanged (its own
+limit, the same blocks and tile shapes: the rows of a tile do not mix). So its output is the same bits on both
 sides (the batch-invariance of Thinking Machines Lab, He et al. 2025, "Defeating Nondeterminism in
 LLM Inference", applied across decode and prefill).
 
@@ -111,11 +114,57 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=real[:, None] & dims_ok)
 
 
+@_jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, out_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, stride_lb, stride_ob, stride_oh, num_keys, window, scale_log2,
+                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDEN: tl.constexpr, PIPELINED: tl.constexpr):
+    """One query per row (a decode step): a program takes the query heads of one kv head (up to BLOCK_M of
+    them) as the rows of its tile, so each cached key is read once per kv head. A tile row's arithmetic is
+    `_attention_kernel`'s for that query: the same `_attend_block` over the same key blocks and tile shapes."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    dims_ok = offs_d[None, :] < HEAD_DIM
+    real = offs_m < GROUP
+    heads = kv_head * GROUP + offs_m
+    limit = tl.load(limit_ptr + row * stride_lb + offs_m * 0, mask=real, other=-1).to(tl.int32)
+    q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=real[:, None] & dims_ok, other=0.0)
+    k_ptrs = k_ptr + row * stride_kb + kv_head * stride_kh + offs_d[None, :]
+    v_ptrs = v_ptr + row * stride_vb + kv_head * stride_vh + offs_d[None, :]
+    lowest = limit - window + 1
+    hi = tl.minimum(tl.reduce(limit, 0, MAX_COMBINE) + 1, num_keys)
+    start = 0
+    if HAS_WINDOW:
+        first = tl.reduce(tl.where(real, lowest, 2147483647), 0, MIN_COMBINE)
+        start = (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+    if PIPELINED:
+        for block in range(start, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_block(q, k_ptrs, v_ptrs, dims_ok, block, limit, lowest, hi, m_i, l_i, acc,
+                                          stride_kn, stride_vn, scale_log2, BLOCK_N, HAS_WINDOW, WIDEN)
+    else:
+        block = start
+        while block < hi:
+            m_i, l_i, acc = _attend_block(q, k_ptrs, v_ptrs, dims_ok, block, limit, lowest, hi, m_i, l_i, acc,
+                                          stride_kn, stride_vn, scale_log2, BLOCK_N, HAS_WINDOW, WIDEN)
+            block += BLOCK_N
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=real[:, None] & dims_ok)
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: torch.Tensor,
-                      window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                      window: int | None = None, scale: float | None = None, packed_heads: bool = True
+                      ) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, H_kv, S, D] (any strides but unit stride along D), limits [B, T] integers:
     query t of row b sees keys j with j ≤ limits[b, t] (and j > limits[b, t] − window), j < S; query
-    head h uses kv head h // (H / H_kv). Returns [B, H, T, D] in q's dtype."""
+    head h uses kv head h // (H / H_kv). Returns [B, H, T, D] in q's dtype. With T = 1 a kv head's query
+    heads share a program (`packed_heads`; False: one program per head, the same bits, for comparison)."""
     if triton is None:
         raise RuntimeError("the exact attention kernel needs triton")
     batch, heads, length, dim = q.shape
@@ -128,14 +177,21 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits:
     if not (batch and length):
         return out
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    group = heads // kv_heads
+    launch = dict(GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=dim,
+                  BLOCK_D=max(16, triton.next_power_of_2(dim)), HAS_WINDOW=window is not None,
+                  WIDEN=not q.is_cuda, PIPELINED=q.is_cuda, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if length == 1 and packed_heads:  # a decode step: the query heads of a kv head share one tile
+        _decode_kernel[(batch, kv_heads, triton.cdiv(group, BLOCK_M))](
+            q, k, v, limits, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+            v.stride(1), v.stride(2), limits.stride(0), out.stride(0), out.stride(1), keys,
+            0 if window is None else window, scale * LOG2_E, **launch)
+        return out
     grid = (batch, heads, triton.cdiv(length, BLOCK_M))
     _attention_kernel[grid](
         q, k, v, limits, out, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), limits.stride(0), limits.stride(1), out.stride(0), out.stride(1),
-        out.stride(2), length, keys, 0 if window is None else window, scale * LOG2_E,
-        GROUP=heads // kv_heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=dim,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), HAS_WINDOW=window is not None,
-        WIDEN=not q.is_cuda, PIPELINED=q.is_cuda, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        out.stride(2), length, keys, 0 if window is None else window, scale * LOG2_E, **launch)
     return out
 
 

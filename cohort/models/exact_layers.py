@@ -14,8 +14,9 @@ token and the trainer's are the same bits:
   against the KV cache) and a full forward (causal rows, or the shared-prompt attention rows);
 - rotary cos/sin looked up in one table per (device, dtype), computed once: the same bits for a
   position whatever the call (a CPU's vectorised cos may round its loop's tail otherwise);
-- SiLU·mul and the residual adds as the plain torch functions, with the fast path's rounding points,
-  on both sides: no torch.compile and none of the sampling path's fused pieces;
+- the rotary embedding (with a decode step's cache write) and SiLU·mul by one kernel each
+  (`kernels/exact_elementwise.py`), the residual adds as plain torch adds, on both sides: no
+  torch.compile and none of the sampling path's fused pieces;
 - the LM head by the same matmul, its log-softmax by `kernels/logprobs.py` on both sides (the
   engine's recorded log-prob is computed from the logits it sampled from: `rollout/token_sampler.py`).
 """
@@ -28,8 +29,7 @@ import torch
 
 from cohort.choices import CHOICES
 from cohort.errors import CohortError
-from cohort.kernels import exact_attention, exact_matmul, exact_rms_norm
-from cohort.kernels.elementwise import rotate_plain, swiglu_gate_plain
+from cohort.kernels import exact_attention, exact_elementwise, exact_matmul, exact_rms_norm
 from cohort.models import shared_prefix
 
 NUMERICS = CHOICES["rollout_numerics"]  # the one table of allowed values
@@ -113,7 +113,16 @@ def attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     v = v.reshape(batch, length, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = rotate_plain(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    q = exact_elementwise.rotate(q.transpose(1, 2), cos, sin)
+    if kv_cache is not None and cache_rows is None and write_mask is None:
+        # rows 0..B-1 unmasked (a decode step): rotated keys and the values go straight into the cache
+        exact_elementwise.rotate_kernel(k.transpose(1, 2), cos, sin, kv_cache.k_layers[attn.layer_index],
+                                        position_ids)
+        exact_elementwise.rotate_kernel(v, None, None, kv_cache.v_layers[attn.layer_index], position_ids)
+        k, v = kv_cache.keys_values(attn.layer_index, None, batch, cache_len)
+        out = exact_attention.attention(q, k, v, mask.limits, mask.window)
+        return linear(attn.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
+    k = exact_elementwise.rotate(k.transpose(1, 2), cos, sin)
     if kv_cache is not None:
         kv_cache.write(attn.layer_index, cache_rows, position_ids, k, v, write_mask)
         k, v = kv_cache.keys_values(attn.layer_index, cache_rows, batch, cache_len)
@@ -133,13 +142,13 @@ def mlp_forward(mlp, x: torch.Tensor) -> torch.Tensor:
     fused = mlp.fused_gate_up
     if fused is not None and not torch.is_grad_enabled() and fused[0].data_ptr() == mlp.gate_proj.weight.data_ptr():
         gate, up = exact_matmul.linear(x, *fused).chunk(2, dim=-1)
-        if not gate.is_cuda:
+        if not (gate.is_cuda or mlp.is_silu):
             # A CPU elementwise op runs a scalar loop on strided operands, whose exp may round otherwise
             # than the vectorised loop the separate (contiguous) projections get. CUDA has one code path.
             gate, up = gate.contiguous(), up.contiguous()
     else:
         gate, up = linear(mlp.gate_proj, x), linear(mlp.up_proj, x)
-    hidden = swiglu_gate_plain(gate, up) if mlp.is_silu else mlp.act(gate) * up
+    hidden = exact_elementwise.swiglu_gate(gate, up) if mlp.is_silu else mlp.act(gate) * up
     return linear(mlp.down_proj, hidden)
 
 

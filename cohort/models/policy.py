@@ -132,6 +132,10 @@ def frozen_copy(model):
     """A copy of `model` in eval mode with no parameter requiring a gradient (π_ref)."""
     ref = copy.deepcopy(model)
     ref.eval()
+    if getattr(ref, "numerics", "fast") == "exact":
+        # π_ref enters only the KL penalty, never a ratio with the sampler's log-probs: the fast kernels
+        # serve it (its KL against π_θ at θ = ref is then arithmetic noise, as under the default numerics)
+        ref.set_numerics("fast")
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
