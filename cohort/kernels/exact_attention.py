@@ -15,9 +15,8 @@ bit for bit unchanged (the max stays, the rescale factor is exp2(0) = 1, the add
 the blocks that other queries of the program need change nothing for this one; the blocks it does
 see are the same blocks, at the same offsets, with the same tile shapes (`BLOCK_M`, `BLOCK_N`,
 warps: constants, never chosen by size), whether it is the one query of a decode step or one of
-thousands in a training row. The key axis is never split. A decode step (one query per row) runs
-`_decode_kernel`, whose tile rows are the query heads that share a kv head instead of one head's
-positions: each cached key is read once per kv head, and a row's arithmetic is unchanged (its own
+thousands in a training row. The key axis is never split. In a decode step (one query per row)
+the tile's rows are the query heads that share a kv head instead of one head's positions: each cached key is read once per kv head, and a row's arithmetic is unchanged (its own
 limit, the same blocks and tile shapes: the rows of a tile do not mix). So its output is the same bits on both
 sides (the batch-invariance of Thinking Machines Lab, He et al. 2025, "Defeating Nondeterminism in
 LLM Inference", applied across decode and prefill).
@@ -77,17 +76,28 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, out_ptr,
                       stride_vn, stride_lb, stride_lt, stride_ob, stride_oh, stride_ot,
                       num_queries, num_keys, window, scale_log2,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDEN: tl.constexpr, PIPELINED: tl.constexpr):
+                      BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDEN: tl.constexpr, PIPELINED: tl.constexpr,
+                      PACKED_HEADS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)  # a head dim that is not a power of two: zeros in the padded lanes add nothing
     dims_ok = offs_d[None, :] < HEAD_DIM
-    real = offs_m < num_queries
-    limit = tl.load(limit_ptr + row * stride_lb + offs_m * stride_lt, mask=real, other=-1).to(tl.int32)
-    q = tl.load(q_ptr + row * stride_qb + head * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=real[:, None] & dims_ok, other=0.0)
-    kv_head = head // GROUP
+    if PACKED_HEADS:  # one query a row (a decode step): the tile's rows are the query heads of one kv head
+        kv_head = tl.program_id(1).to(tl.int64)
+        heads = kv_head * GROUP + offs_m
+        real = offs_m < GROUP
+        q_rows = heads * stride_qh
+        limit_rows = offs_m * 0
+        out_rows = heads * stride_oh
+    else:  # the tile's rows are BLOCK_M query positions of one head
+        head = tl.program_id(1).to(tl.int64)
+        kv_head = head // GROUP
+        real = offs_m < num_queries
+        q_rows = head * stride_qh + offs_m * stride_qt
+        limit_rows = offs_m * stride_lt
+        out_rows = head * stride_oh + offs_m * stride_ot
+    limit = tl.load(limit_ptr + row * stride_lb + limit_rows, mask=real, other=-1).to(tl.int32)
+    q = tl.load(q_ptr + row * stride_qb + q_rows[:, None] + offs_d[None, :], mask=real[:, None] & dims_ok, other=0.0)
     k_ptrs = k_ptr + row * stride_kb + kv_head * stride_kh + offs_d[None, :]
     v_ptrs = v_ptr + row * stride_vb + kv_head * stride_vh + offs_d[None, :]
     lowest = limit - window + 1
@@ -110,52 +120,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, out_ptr,
                                           stride_kn, stride_vn, scale_log2, BLOCK_N, HAS_WINDOW, WIDEN)
             block += BLOCK_N
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=real[:, None] & dims_ok)
-
-
-@_jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, out_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_lb, stride_ob, stride_oh, num_keys, window, scale_log2,
-                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, WIDEN: tl.constexpr, PIPELINED: tl.constexpr):
-    """One query per row (a decode step): a program takes the query heads of one kv head (up to BLOCK_M of
-    them) as the rows of its tile, so each cached key is read once per kv head. A tile row's arithmetic is
-    `_attention_kernel`'s for that query: the same `_attend_block` over the same key blocks and tile shapes."""
-    row = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
-    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    dims_ok = offs_d[None, :] < HEAD_DIM
-    real = offs_m < GROUP
-    heads = kv_head * GROUP + offs_m
-    limit = tl.load(limit_ptr + row * stride_lb + offs_m * 0, mask=real, other=-1).to(tl.int32)
-    q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=real[:, None] & dims_ok, other=0.0)
-    k_ptrs = k_ptr + row * stride_kb + kv_head * stride_kh + offs_d[None, :]
-    v_ptrs = v_ptr + row * stride_vb + kv_head * stride_vh + offs_d[None, :]
-    lowest = limit - window + 1
-    hi = tl.minimum(tl.reduce(limit, 0, MAX_COMBINE) + 1, num_keys)
-    start = 0
-    if HAS_WINDOW:
-        first = tl.reduce(tl.where(real, lowest, 2147483647), 0, MIN_COMBINE)
-        start = (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-    if PIPELINED:
-        for block in range(start, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_block(q, k_ptrs, v_ptrs, dims_ok, block, limit, lowest, hi, m_i, l_i, acc,
-                                          stride_kn, stride_vn, scale_log2, BLOCK_N, HAS_WINDOW, WIDEN)
-    else:
-        block = start
-        while block < hi:
-            m_i, l_i, acc = _attend_block(q, k_ptrs, v_ptrs, dims_ok, block, limit, lowest, hi, m_i, l_i, acc,
-                                          stride_kn, stride_vn, scale_log2, BLOCK_N, HAS_WINDOW, WIDEN)
-            block += BLOCK_N
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=real[:, None] & dims_ok)
+    tl.store(out_ptr + row * stride_ob + out_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=real[:, None] & dims_ok)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: torch.Tensor,
@@ -181,17 +147,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits:
     launch = dict(GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=dim,
                   BLOCK_D=max(16, triton.next_power_of_2(dim)), HAS_WINDOW=window is not None,
                   WIDEN=not q.is_cuda, PIPELINED=q.is_cuda, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    if length == 1 and packed_heads:  # a decode step: the query heads of a kv head share one tile
-        _decode_kernel[(batch, kv_heads, triton.cdiv(group, BLOCK_M))](
-            q, k, v, limits, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-            v.stride(1), v.stride(2), limits.stride(0), out.stride(0), out.stride(1), keys,
-            0 if window is None else window, scale * LOG2_E, **launch)
-        return out
-    grid = (batch, heads, triton.cdiv(length, BLOCK_M))
+    packed = length == 1 and packed_heads  # a decode step: the query heads of a kv head share one tile
+    grid = (batch, kv_heads, triton.cdiv(group, BLOCK_M)) if packed else (batch, heads, triton.cdiv(length, BLOCK_M))
     _attention_kernel[grid](
         q, k, v, limits, out, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), limits.stride(0), limits.stride(1), out.stride(0), out.stride(1),
-        out.stride(2), length, keys, 0 if window is None else window, scale * LOG2_E, **launch)
+        out.stride(2), length, keys, 0 if window is None else window, scale * LOG2_E, PACKED_HEADS=packed, **launch)
     return out
 
 
