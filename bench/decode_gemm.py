@@ -33,6 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_attention import time_us  # noqa: E402
+from bench.grpo_step_worker import SHAPES, layer_projections  # noqa: E402
 
 
 def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
@@ -43,18 +44,6 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.
     x_slices = x.view(rows, splits, step).transpose(0, 1)  # [S, rows, step]
     w_slices = weight.view(weight.shape[0], splits, step).permute(1, 2, 0)  # [S, step, out]
     return torch.bmm(x_slices, w_slices, out_dtype=torch.float32).sum(0).to(x.dtype)
-
-# hidden, intermediate, heads, kv heads, head dim (the Qwen2.5 configs)
-SHAPES = {"0.5b": (896, 4864, 14, 2, 64), "1.5b": (1536, 8960, 12, 2, 128),
-          "3b": (2048, 11008, 16, 2, 128), "7b": (3584, 18944, 28, 4, 128)}
-
-
-def projections(model: str) -> dict[str, tuple[int, int]]:
-    """(out features, in features) of each projection the decode step runs per layer (fused as the engine runs them)."""
-    hidden, inter, heads, kv_heads, head_dim = SHAPES[model]
-    return {"qkv": (heads * head_dim + 2 * kv_heads * head_dim, hidden), "o": (hidden, heads * head_dim),
-            "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
-
 
 def copy_rate_gbs() -> float:
     """Device-to-device copy rate of a 1 GiB buffer (read + write bytes per second)."""
@@ -79,7 +68,7 @@ def main(argv=None) -> None:
           + " | autotuned µs" * args.autotune + " | floor µs | best vs linear | max error linear / best |")
     results = []
     for model in args.models.split(","):
-        for name, (out_features, in_features) in projections(model).items():
+        for name, (out_features, in_features) in layer_projections(SHAPES[model]).items():
             weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) / in_features**0.5
             for rows in [int(r) for r in args.rows.split(",")]:
                 x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cohort from this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grpo_step_worker import SHAPES  # noqa: E402
+from grpo_step_worker import SHAPES, layer_projections  # noqa: E402
 
 from cohort.kernels import exact_attention, exact_matmul  # noqa: E402
 from cohort.kernels.exact_matmul import Tile  # noqa: E402
@@ -53,11 +53,7 @@ TRAIN_ROWS = (4096, 16384)
 
 def projections(shape: dict) -> dict[str, tuple[int, int]]:
     """name -> (N, K) of each product a decoder layer and the LM head compute."""
-    hidden, inner = shape["hidden_size"], shape["intermediate_size"]
-    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
-    return {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inner, hidden), "down": (hidden, inner),
-            "lm_head": (shape["vocab_size"], hidden)}
+    return {**layer_projections(shape), "lm_head": (shape["vocab_size"], shape["hidden_size"])}
 
 
 def graph_us(fn) -> float:

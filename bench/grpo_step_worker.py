@@ -118,6 +118,15 @@ def config_dict(shape: dict) -> dict:
     return {**COMMON, **shape, "eos_token_id": vocab - 1, "pad_token_id": vocab - 2}
 
 
+def layer_projections(shape: dict) -> dict[str, tuple[int, int]]:
+    """(out features, in features) of each matrix product of a decoder layer of `shape`, q/k/v and gate/up fused
+    as the engine runs them."""
+    hidden, inner = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    return {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inner, hidden), "down": (hidden, inner)}
+
+
 def hf_config(shape: dict):
     from transformers import AutoConfig
 

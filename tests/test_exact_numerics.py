@@ -100,14 +100,14 @@ def test_a_tile_the_gpu_cannot_launch_gives_way_to_the_default_tile(monkeypatch)
     generator = torch.Generator().manual_seed(5)
     x, weight = torch.randn(8, 70, generator=generator), torch.randn(16, 70, generator=generator)
     big = matmul_kernels.Tile(128, 256, 64, 8, 3)
-    launch = matmul_kernels._launch
+    launch = matmul_kernels.launch
 
     def no_room_for_big(x2, w, bias, out, tile, split, chunk_k):
         if tile == big:
-            raise matmul_kernels._OUT_OF_RESOURCES(262144, 232448, "shared memory")
+            raise matmul_kernels.OUT_OF_RESOURCES(262144, 232448, "shared memory")
         launch(x2, w, bias, out, tile, split, chunk_k)
 
-    monkeypatch.setattr(matmul_kernels, "_launch", no_room_for_big)
+    monkeypatch.setattr(matmul_kernels, "launch", no_room_for_big)
     monkeypatch.setattr(matmul_kernels, "UNFIT_TILES", set())
     assert torch.equal(matmul_kernels.matmul(x, weight, tile=big), matmul_kernels.matmul(x, weight))
     assert matmul_kernels.UNFIT_TILES == {big}

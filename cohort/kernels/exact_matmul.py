@@ -159,7 +159,7 @@ TILES: tuple[tuple[int, Tile], ...] = (
 SPLIT_MIN_CHUNKS = 4
 SPLIT_BELOW_TILES = 64
 UNFIT_TILES: set[Tile] = set()  # tiles this GPU could not launch (shared memory): `TILE` serves instead, same bits
-_OUT_OF_RESOURCES = getattr(getattr(triton, "runtime", None), "OutOfResources", RuntimeError)
+OUT_OF_RESOURCES = getattr(getattr(triton, "runtime", None), "OutOfResources", RuntimeError)
 
 
 def plan(m: int, n: int, k: int, device: torch.device) -> Plan:
@@ -191,17 +191,18 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not (m and n):
         return out.reshape(*lead, n)
     try:
-        _launch(x2, weight, bias, out, tile, split, chunk_k)
-    except _OUT_OF_RESOURCES:  # a card with less shared memory than the one TILES was measured on
+        launch(x2, weight, bias, out, tile, split, chunk_k)
+    except OUT_OF_RESOURCES:  # a card with less shared memory than the one TILES was measured on
         if tile == TILE:
             raise
         UNFIT_TILES.add(tile)
-        _launch(x2, weight, bias, out, TILE, split, chunk_k)
+        launch(x2, weight, bias, out, TILE, split, chunk_k)
     return out.reshape(*lead, n)
 
 
-def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, tile: Tile,
+def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, tile: Tile,
             split: bool, chunk_k: int) -> None:
+    """out [M, N] = x2 [M, K] @ weight [N, K]ᵀ (+ bias) by `tile`, split by chunk or whole (`matmul`'s kernels)."""
     (m, k), n = x2.shape, weight.shape[0]
     chunks = max(1, triton.cdiv(k, chunk_k))
     grid = (triton.cdiv(m, tile.block_m), triton.cdiv(n, tile.block_n))

@@ -119,12 +119,11 @@ def attention_forward(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         exact_elementwise.rotate_kernel(k.transpose(1, 2), cos, sin, kv_cache.k_layers[attn.layer_index],
                                         position_ids)
         exact_elementwise.rotate_kernel(v, None, None, kv_cache.v_layers[attn.layer_index], position_ids)
-        k, v = kv_cache.keys_values(attn.layer_index, None, batch, cache_len)
-        out = exact_attention.attention(q, k, v, mask.limits, mask.window)
-        return linear(attn.o_proj, out.transpose(1, 2).reshape(batch, length, -1))
-    k = exact_elementwise.rotate(k.transpose(1, 2), cos, sin)
+    else:
+        k = exact_elementwise.rotate(k.transpose(1, 2), cos, sin)
+        if kv_cache is not None:
+            kv_cache.write(attn.layer_index, cache_rows, position_ids, k, v, write_mask)
     if kv_cache is not None:
-        kv_cache.write(attn.layer_index, cache_rows, position_ids, k, v, write_mask)
         k, v = kv_cache.keys_values(attn.layer_index, cache_rows, batch, cache_len)
         out = exact_attention.attention(q, k, v, mask.limits, mask.window)
     elif mask.packed is not None:
