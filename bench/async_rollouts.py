@@ -357,22 +357,6 @@ def precapture(engine: Engine, sequences: int, prompt_len: int, config, pad_id: 
 
 # ------------------------------------------------------------------------------------ the trainer
 
-def bench_trainer_class():
-    from cohort import GRPOTrainer
-
-    class BenchTrainer(GRPOTrainer):
-        """cohort's trainer minus checkpoints and the final save (a 0.5B run's optimizer state is GBs of
-        writes no step includes)."""
-
-        def save_checkpoint(self) -> Path:
-            return Path(self.args.output_dir)
-
-        def save_model(self, output_dir=None):
-            return Path(output_dir or self.args.output_dir)
-
-    return BenchTrainer
-
-
 class StepClock:
     """A TrainerCallback: the time each step begins and ends (after the step's record; on CUDA the phases
     have synchronised the device by then)."""
@@ -442,7 +426,7 @@ def mode_config(args, mode: str, output_dir: str):
 
 def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
     """One mode through GRPOTrainer.train(): per-step records joined with the engine calls that made them."""
-    from grpo_step_worker import build_module, make_prompts, make_reward, make_tokenizer
+    from grpo_step_worker import build_module, make_prompts, make_reward, make_tokenizer, unsaved_trainer
 
     from cohort import SamplingRank, is_sampling_rank
 
@@ -466,7 +450,7 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
     if is_sampling_rank(config):  # --rollout_gpus: this rank only samples, for the trainers it serves
         sampler = SamplingRank(model, config, processing_class=tokenizer, sampler_factory=factory, log=log)
     else:
-        trainer = bench_trainer_class()(model=model, reward_funcs=[make_reward(args.cap)], train_dataset=rows,
+        trainer = unsaved_trainer()(model=model, reward_funcs=[make_reward(args.cap)], train_dataset=rows,
                                         args=config, processing_class=tokenizer, callbacks=[clock],
                                         sampler_factory=factory, log=log)
     if sampler is not None:  # a sampling rank: its engine is the server's
@@ -647,7 +631,9 @@ def run_curves(args, out: Path) -> dict:
     from cohort.options.command_line import resolve_config
     from cohort.tasks import get_task
 
-    BenchTrainer = bench_trainer_class()
+    from grpo_step_worker import unsaved_trainer
+
+    BenchTrainer = unsaved_trainer()
     curves = {}
     for mode in args.modes:
         scratch = tempfile.mkdtemp(prefix=f"async-curves-{mode}-")

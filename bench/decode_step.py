@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,8 +41,9 @@ from cohort.rollout.sampler import SamplingParams  # noqa: E402
 PROMPT_LEN = 256
 
 
-def decode_step_seconds(engine: Engine, vocab: int, sequences: int, short: int, steps: int) -> float:
-    """Seconds a decode step takes at `sequences` wide: (run of short + steps tokens − run of short) ÷ steps."""
+def decode_step_seconds(engine: Engine, vocab: int, sequences: int, short: int, steps: int, repeats: int = 3) -> float:
+    """Seconds a decode step takes at `sequences` wide: (run of short + steps tokens − run of short) ÷ steps, the
+    median of `repeats` such differences."""
     generator = torch.Generator().manual_seed(sequences)
     prompts = torch.randint(0, vocab, (sequences, PROMPT_LEN), generator=generator).tolist()
 
@@ -54,7 +56,8 @@ def decode_step_seconds(engine: Engine, vocab: int, sequences: int, short: int, 
         return time.perf_counter() - started
 
     run(short + steps)  # warm-up: CUDA graphs for every width this batch passes through
-    return (run(short + steps) - run(short)) / steps
+    # the median of `repeats` differences: one host hiccup (a GC pause, another process) moved a lone one by 30%
+    return statistics.median((run(short + steps) - run(short)) / steps for _ in range(repeats))
 
 
 def synchronize(engine: Engine) -> None:
@@ -68,6 +71,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--sequences", default="64,128")
     parser.add_argument("--short", type=int, default=16)
     parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="differences measured; their median is reported")
     parser.add_argument("--smoke", action="store_true", help="the shape's tiny twin on the CPU, a few steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -79,14 +83,14 @@ def main(argv=None) -> dict:
             torch.cuda.set_device(device)
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
     if args.smoke:
-        args.short, args.steps, args.sequences = 2, 4, "4,8"
+        args.short, args.steps, args.sequences, args.repeats = 2, 4, "4,8", 1
     shape = (SMOKE if args.smoke else SHAPES)[args.shape]
     model = build_module(shape, device, dist.group.WORLD if world > 1 else None).requires_grad_(False).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     for sequences in [int(n) for n in args.sequences.split(",") if n]:
         engine = Engine(model, max_batch_size=sequences)
-        seconds = decode_step_seconds(engine, shape["vocab_size"], sequences, args.short, args.steps)
+        seconds = decode_step_seconds(engine, shape["vocab_size"], sequences, args.short, args.steps, args.repeats)
         rows.append(dict(sequences=sequences, ms_per_step=round(seconds * 1e3, 3),
                          tokens_per_s_per_gpu=round(sequences / seconds / world, 1),
                          weight_gb_per_s=round(weight_bytes / seconds / 1e9, 1)))

@@ -310,6 +310,21 @@ def build_module(shape: dict, device, group=None):
     return model.to(device)
 
 
+def unsaved_trainer():
+    """cohort's GRPOTrainer minus checkpoints and the final save, for benches: a run's optimizer state is GBs of
+    disk writes that no measured step includes (a 7B-total MoE's, 40 GB, fills the GPU machine's disk)."""
+    from cohort import GRPOTrainer
+
+    class UnsavedTrainer(GRPOTrainer):
+        def save_checkpoint(self) -> Path:
+            return Path(self.args.output_dir)  # nothing written
+
+        def save_model(self, output_dir=None):
+            return Path(output_dir or self.args.output_dir)
+
+    return UnsavedTrainer
+
+
 def cohort_config(spec: dict, rec: Recorder):
     """GRPOConfig for the run; new fields (max_tokens_per_micro_batch, LoRA) only where they exist."""
     from cohort import GRPOConfig
@@ -362,8 +377,6 @@ def lora_route(config_fields) -> str:
 
 
 def run_cohort(spec: dict, rec: Recorder) -> None:
-    from cohort import GRPOTrainer
-
     device, run = spec["device"], spec["run"]
     vocab = spec["shape"]["vocab_size"]
     tokenizer = make_tokenizer(vocab)
@@ -383,15 +396,8 @@ def run_cohort(spec: dict, rec: Recorder) -> None:
     if route:
         rec.save(lora_route=route)
 
-    class BenchTrainer(GRPOTrainer):
-        """cohort's trainer, minus checkpoints and the final save (a 1.5B run's optimizer state alone
-        is 12 GB of disk writes that no step time includes); a record written after every step."""
-
-        def save_checkpoint(self) -> Path:
-            return Path(self.args.output_dir)  # nothing written
-
-        def save_model(self, output_dir=None):
-            return Path(output_dir or self.args.output_dir)
+    class BenchTrainer(unsaved_trainer()):
+        """A record written after every step."""
 
         def log_step(self, batch, losses, seconds):
             rec.observe_peak()  # before the trainer's own metrics reset the CUDA peak

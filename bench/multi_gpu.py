@@ -90,7 +90,8 @@ def worker(spec_path: str) -> None:
 
     import torch
 
-    from cohort import GRPOConfig, GRPOTrainer
+    from cohort import GRPOConfig
+    from grpo_step_worker import unsaved_trainer
 
     spec = json.loads(Path(spec_path).read_text())
     run, world = spec["run"], int(os.environ.get("WORLD_SIZE", "1"))
@@ -118,14 +119,8 @@ def worker(spec_path: str) -> None:
         gradient_checkpointing=spec["fsdp"], log_completions_steps=10**6, report_to="none", quiet=True)
     stamps: list[float] = []
 
-    class BenchTrainer(GRPOTrainer):
-        """No checkpoints or final save (not what is measured); a wall-clock stamp after every step."""
-
-        def save_checkpoint(self) -> Path:
-            return Path(self.args.output_dir)  # nothing written
-
-        def save_model(self, output_dir=None):
-            return Path(output_dir or self.args.output_dir)
+    class BenchTrainer(unsaved_trainer()):
+        """A wall-clock stamp after every step."""
 
         def log_step(self, batch, losses, seconds):
             super().log_step(batch, losses, seconds)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import _options  # noqa: E402
-from grpo_step_worker import diagnosis_setup, make_prompts, make_reward  # noqa: E402
+from grpo_step_worker import diagnosis_setup, make_prompts, make_reward, unsaved_trainer  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -34,7 +34,7 @@ def main(argv=None) -> None:
                         help="also print the update phase's top host (CPU) ops by self time: where a host-bound phase goes")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
-    from cohort import GRPOConfig, GRPOTrainer
+    from cohort import GRPOConfig
     from cohort.telemetry.metrics import rollout_attention_pairs, update_flops
     from cohort.update.packing import computed_prompt_tokens
 
@@ -47,7 +47,7 @@ def main(argv=None) -> None:
                    save_steps=0, log_completions_steps=10**6, output_dir="/tmp/profile-step", device=device,
                    overwrite_output_dir=True, quiet=True, seed=0)
     options.update(_options(args.options))
-    trainer = GRPOTrainer(model, [make_reward(completion)], make_prompts(setup.shape["vocab_size"], prompts * 8,
+    trainer = unsaved_trainer()(model, [make_reward(completion)], make_prompts(setup.shape["vocab_size"], prompts * 8,
                                                                          setup.prompt_len),
                           args=GRPOConfig(**options), processing_class=tokenizer)
     trainer.train()  # the warm-up steps; the profiled one is run by hand below

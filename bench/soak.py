@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shapes and inputs of the step bench
-from grpo_step_worker import SHAPES, SMOKE, build_module, make_prompts, make_reward, make_tokenizer  # noqa: E402
+from grpo_step_worker import SHAPES, SMOKE, build_module, make_prompts, make_reward, make_tokenizer, unsaved_trainer  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     meta = dict(device=args.device, device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 torch=torch.__version__, shape=shape, run=run, warmup=warmup, limits=LIMITS)
 
-    from cohort import GRPOConfig, GRPOTrainer
+    from cohort import GRPOConfig
 
     vocab = shape["vocab_size"]
     output_dir = tempfile.mkdtemp(prefix="cohort-soak-")
@@ -263,15 +263,7 @@ def main(argv=None) -> int:
     records: list = []
     box: dict = {}
 
-    class SoakTrainer(GRPOTrainer):
-        """No checkpoints or final save: disk writes are not what this measures."""
-
-        def save_checkpoint(self) -> Path:
-            return Path(self.args.output_dir)
-
-        def save_model(self, output_dir=None):
-            return Path(output_dir or self.args.output_dir)
-
+    SoakTrainer = unsaved_trainer()
     recorder = step_recorder(box, records, out, started, args.time_budget, meta)
     rows = make_prompts(vocab, max(64, run["prompts"] * 4), run["prompt_len"])
     box["trainer"] = SoakTrainer(model=build_module(shape, args.device),

@@ -238,15 +238,17 @@ def test_routing_reports_reach_the_caller_through_fsdp2_mixed_precision(tmp_path
     """FSDP2 with a mixed-precision policy (the GPU's) rebuilds dataclass inputs to cast their tensors: the
     layers' reports (the replay mismatch, the router's outputs) must still land in the caller's `Routing`."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _our_moe()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         policy = MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=True)
+        mesh = init_device_mesh("cpu", (1,))  # else FSDP2 moves the model to a GPU where one is visible
         for layer in model.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(0))
         recorded = torch.zeros(2, 7, 2, 2, dtype=torch.int16)
         recorded[..., 1] = 1  # experts 0 and 1 everywhere: the free router picks others somewhere

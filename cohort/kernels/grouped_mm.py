@@ -16,12 +16,20 @@ Two implementations, chosen per call:
 - a padded batched product where the native one does not serve (float32 on CUDA, strides it refuses):
   rows scattered into [E, capacity, K], one `bmm`, gathered back. The capacity is the busiest
   expert's row count (one host sync), or all rows while a CUDA graph is being captured.
+- on the sampling path (`triton_kernel_on`) at few rows (a decode step: a few token copies an expert),
+  `thin_grouped_linear` (`thin_grouped_mm.py`): a Triton kernel with one program per (expert, block of output columns) that
+  streams the expert's weights once for all its rows. A decode step reads nearly every expert's weights
+  for a handful of rows each, so it is bound by that read, and the native kernel's tiles, cut for many
+  rows an expert, leave part of the bandwidth unused (bench/grouped_gemm.py measures both).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .elementwise import triton_kernel_on
+from .thin_grouped_mm import THIN_ROWS, thin_grouped_linear
 
 _native = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -107,6 +115,8 @@ def padded_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """[n, N]: each row of `x` [n, K] times its expert's `weight` [E, N, K] transposed, rows grouped
     by expert with cumulative ends `offsets` [E] (int32)."""
+    if x.shape[0] <= THIN_ROWS and triton_kernel_on(x):
+        return thin_grouped_linear(x, weight, offsets)
     if native_serves(x, weight):
         return native_grouped_linear(x, weight, offsets)
     return padded_grouped_linear(x, weight, offsets)

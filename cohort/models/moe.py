@@ -144,7 +144,8 @@ class SparseMoeBlock(nn.Module):
         (stable, so equal experts keep token order), the experts' grouped products, the copies put back
         in (token, j) order and summed over j (a fixed order: no atomics)."""
         num_experts = self.gate.out_features
-        flat_ids = ids.reshape(-1)
+        # 16-bit keys: the sort's radix passes follow the width of its keys
+        flat_ids = ids.reshape(-1).to(torch.int16 if num_experts <= 2**15 else torch.int32)
         order = torch.argsort(flat_ids, stable=True)
         # cumulative ends of each expert's copies, found on the device (no bincount: it syncs for its size)
         offsets = torch.searchsorted(flat_ids[order], torch.arange(num_experts, device=ids.device, dtype=flat_ids.dtype),
