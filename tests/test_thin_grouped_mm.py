@@ -91,8 +91,9 @@ def test_every_tile_of_the_sweep_gives_the_product():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the sampling path takes Triton kernels on CUDA only")
 def test_the_sampling_path_takes_the_thin_product_up_to_thin_rows(monkeypatch):
-    """Under the engine's fused kernels and autograd off, `grouped_linear` is the thin kernel at up to THIN_ROWS
-    rows and torch's grouped GEMM above; with autograd on (training) always the native product."""
+    """Under the engine's fused kernels and autograd off, `grouped_linear` is the thin kernel at up to
+    THIN_ROWS_PER_EXPERT rows an expert and torch's grouped GEMM above; with autograd on (training) always the
+    native product."""
     from cohort.kernels import grouped_mm
     from cohort.kernels.elementwise import fused_kernels
 
@@ -101,7 +102,8 @@ def test_the_sampling_path_takes_the_thin_product_up_to_thin_rows(monkeypatch):
                         lambda *args: taken.append(args[0].shape[0]) or thin.thin_grouped_linear(*args))
     generator = torch.Generator().manual_seed(13)
     weight = torch.randn(8, 64, 128, generator=generator).to(torch.bfloat16).cuda()
-    for rows in (64, grouped_mm.THIN_ROWS, grouped_mm.THIN_ROWS + 8):
+    most = grouped_mm.THIN_ROWS_PER_EXPERT * 8  # 8 experts
+    for rows in (64, most, most + 8):
         x = torch.randn(rows, 128, generator=generator).to(torch.bfloat16).cuda()
         offsets = torch.linspace(rows / 8, rows, 8).round().to(torch.int32).cuda()
         with torch.inference_mode(), fused_kernels(True):
@@ -109,4 +111,4 @@ def test_the_sampling_path_takes_the_thin_product_up_to_thin_rows(monkeypatch):
         with fused_kernels(True):
             trained = grouped_mm.grouped_linear(x.requires_grad_(), weight, offsets)
         assert (sampled.float() - trained.float()).abs().max() <= 1e-2 * trained.float().abs().max()
-    assert taken == [64, grouped_mm.THIN_ROWS]
+    assert taken == [64, most]

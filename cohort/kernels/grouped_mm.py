@@ -16,7 +16,7 @@ Two implementations, chosen per call:
 - a padded batched product where the native one does not serve (float32 on CUDA, strides it refuses):
   rows scattered into [E, capacity, K], one `bmm`, gathered back. The capacity is the busiest
   expert's row count (one host sync), or all rows while a CUDA graph is being captured.
-- on the sampling path (`triton_kernel_on`) at few rows (a decode step: a few token copies an expert),
+- on the sampling path (`triton_kernel_on`) at few rows an expert (a decode step; `THIN_ROWS_PER_EXPERT`),
   `thin_grouped_linear` (`thin_grouped_mm.py`): a Triton kernel with one program per (expert, block of output columns) that
   streams the expert's weights once for all its rows. A decode step reads nearly every expert's weights
   for a handful of rows each, so it is bound by that read, and the native kernel's tiles, cut for many
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .elementwise import triton_kernel_on
-from .thin_grouped_mm import THIN_ROWS, thin_grouped_linear
+from .thin_grouped_mm import THIN_ROWS_PER_EXPERT, thin_grouped_linear
 
 _native = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -115,7 +115,7 @@ def padded_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """[n, N]: each row of `x` [n, K] times its expert's `weight` [E, N, K] transposed, rows grouped
     by expert with cumulative ends `offsets` [E] (int32)."""
-    if x.shape[0] <= THIN_ROWS and triton_kernel_on(x):
+    if x.shape[0] <= THIN_ROWS_PER_EXPERT * weight.shape[0] and triton_kernel_on(x):
         return thin_grouped_linear(x, weight, offsets)
     if native_serves(x, weight):
         return native_grouped_linear(x, weight, offsets)
