@@ -54,6 +54,37 @@ def routed_rows(tokens: int, experts: int, top_k: int, hidden: int, generator: t
     return x.cuda(), counts.cumsum(0).to(torch.int32).cuda(), int((counts > 0).sum())
 
 
+def measure(weight: torch.Tensor, sequences: int, top_k: int, sweep: bool, generator: torch.Generator) -> dict:
+    """One product at `sequences` decode rows: both kernels' µs, the bytes they move, the thin one's error, and
+    with `sweep` each tile of SWEEP's µs (a tile the card's shared memory cannot hold is left out)."""
+    experts, n, k = weight.shape
+    x, offsets, used = routed_rows(sequences, experts, top_k, k, generator)
+    reference = native_grouped_linear(x, weight, offsets)
+    thin = thin_grouped_linear(x, weight, offsets)
+    tiles = {}
+    for block_m, tile in SWEEP if sweep else []:
+        try:
+            tiles[f"{block_m}, {tuple(tile)}"] = round(time_us(
+                lambda: thin_grouped_linear(x, weight, offsets, tile, block_m)), 1)
+        except OutOfResources:
+            continue
+    return dict(sequences=sequences, rows=x.shape[0], experts_with_rows=used,
+                native_us=round(time_us(lambda: native_grouped_linear(x, weight, offsets)), 1),
+                thin_us=round(time_us(lambda: thin_grouped_linear(x, weight, offsets)), 1),
+                bytes_moved=used * n * k * 2 + x.numel() * 2 + reference.numel() * 2,
+                max_relative_error=((thin.float() - reference.float()).abs().max()
+                                    / reference.float().abs().max()).item(), tiles=tiles)
+
+
+def table_row(row: dict, experts: int) -> str:
+    best = min(row["tiles"].items(), key=lambda kv: kv[1]) if row["tiles"] else None
+    native, thin, moved = row["native_us"], row["thin_us"], row["bytes_moved"]
+    return (f"| {row['shape']} | {row['tp']} | {row['projection']} | {row['sequences']} | {row['rows'] / experts:.1f} "
+            f"| {native:.1f} | {thin:.1f} | {moved / native / 1e3:,.0f} / {moved / thin / 1e3:,.0f} "
+            f"| {thin / native:.2f} "
+            f"| {f'{best[0]} ({best[1]:.1f})' if best else '—'} | {row['max_relative_error']:.1e} |")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="qwen3-30b-a3b-half,qwen3-moe-1b-7b")
@@ -71,42 +102,19 @@ def main(argv=None) -> dict:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        experts, hidden, inner, top_k = (shape["num_experts"], shape["hidden_size"], shape["moe_intermediate_size"],
-                                         shape["num_experts_per_tok"])
+        experts, hidden, inner = shape["num_experts"], shape["hidden_size"], shape["moe_intermediate_size"]
         for tp in [int(t) for t in args.tp.split(",")]:
             for projection, (n, k) in {"gate_up": (2 * inner // tp, hidden), "down": (hidden, inner // tp)}.items():
                 weight = (torch.randn(experts, n, k, generator=generator) * 0.02).to(torch.bfloat16).cuda()
                 for sequences in [int(s) for s in args.sequences.split(",")]:
-                    x, offsets, used = routed_rows(sequences, experts, top_k, k, generator)
-                    reference = native_grouped_linear(x, weight, offsets)
-                    thin = thin_grouped_linear(x, weight, offsets)
-                    error = ((thin.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-                    native_us = time_us(lambda: native_grouped_linear(x, weight, offsets))
-                    thin_us = time_us(lambda: thin_grouped_linear(x, weight, offsets))
-                    moved = used * n * k * 2 + x.numel() * 2 + reference.numel() * 2
-                    tiles = {}
-                    if args.sweep:
-                        for block_m, tile in SWEEP:
-                            try:
-                                tiles[f"{block_m}, {tuple(tile)}"] = time_us(
-                                    lambda: thin_grouped_linear(x, weight, offsets, tile, block_m))
-                            except OutOfResources:  # the card's shared memory cannot hold this tile's stages
-                                continue
-                    best = min(tiles.items(), key=lambda kv: kv[1]) if tiles else None
-                    row = dict(shape=name, tp=tp, projection=projection, sequences=sequences, rows=x.shape[0],
-                               experts_with_rows=used, native_us=round(native_us, 1), thin_us=round(thin_us, 1),
-                               bytes_moved=moved, max_relative_error=error,
-                               tiles={t: round(v, 1) for t, v in tiles.items()})
+                    row = dict(shape=name, tp=tp, projection=projection,
+                               **measure(weight, sequences, shape["num_experts_per_tok"], args.sweep, generator))
                     report["rows"].append(row)
-                    best_text = f"{best[0]} ({best[1]:.1f})" if best else "—"
-                    print(f"| {name} | {tp} | {projection} | {sequences} | {x.shape[0] / experts:.1f} | {native_us:.1f} "
-                          f"| {thin_us:.1f} | {moved / native_us / 1e3:,.0f} / {moved / thin_us / 1e3:,.0f} | {thin_us / native_us:.2f} | {best_text} | {error:.1e} |",
-                          flush=True)
+                    print(table_row(row, experts), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "grouped_gemm.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
-
 
 if __name__ == "__main__":
     main()

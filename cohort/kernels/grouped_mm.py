@@ -7,7 +7,7 @@ Shapes are static whatever the routing (the output is always [n, N]) and the off
 device, so a CUDA graph captures the product (MegaBlocks, Gale et al. 2023, runs MoE experts as
 such block-sparse / grouped products instead of a loop over experts).
 
-Two implementations, chosen per call:
+Three implementations, chosen per call:
 - torch's native grouped GEMM (`F.grouped_mm`, `torch._grouped_mm` before torch 2.13): CUTLASS on
   CUDA for bfloat16 (sm90+), a reference kernel on the CPU. Its own backward is not used: the
   product is a custom op (torch.library) whose backward computes dX = grouped(dY, W) and
@@ -17,9 +17,9 @@ Two implementations, chosen per call:
   rows scattered into [E, capacity, K], one `bmm`, gathered back. The capacity is the busiest
   expert's row count (one host sync), or all rows while a CUDA graph is being captured.
 - on the sampling path (`triton_kernel_on`) at few rows an expert (a decode step; `THIN_ROWS_PER_EXPERT`),
-  `thin_grouped_linear` (`thin_grouped_mm.py`): a Triton kernel with one program per (expert, block of output columns) that
-  streams the expert's weights once for all its rows. A decode step reads nearly every expert's weights
-  for a handful of rows each, so it is bound by that read, and the native kernel's tiles, cut for many
+  `thin_grouped_linear` (`thin_grouped_mm.py`): a Triton kernel with one program per (expert, block of output
+  columns) that streams the expert's weights once for all its rows. A decode step reads nearly every expert's
+  weights for a handful of rows each, so it is bound by that read, and the native kernel's tiles, cut for many
   rows an expert, leave part of the bandwidth unused (bench/grouped_gemm.py measures both).
 """
 

@@ -16,7 +16,7 @@ import torch
 from .triton_common import jit, tl, triton
 
 # Most token copies an expert (on average) for which the sampling path takes `thin_grouped_linear`: measured on an
-# H200 with 128 experts, it ran at 0.64-0.86x the native kernel's time at 32 and 1.0-1.16x at 64. A decode step
+# H200 with 128 experts, it ran at 0.64-0.86x the native kernel's time at 32 and 0.98-1.16x at 64. A decode step
 # of 512 sequences of Qwen3-30B-A3B (top-8 of 128) is 32; a prefill's many rows an expert, or Mixtral's 8 experts
 # at a wide batch, go to the native kernel's large tiles (the thin kernel would read each weight once a BLOCK_M).
 THIN_ROWS_PER_EXPERT = 32
