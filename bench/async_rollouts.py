@@ -451,8 +451,8 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
         sampler = SamplingRank(model, config, processing_class=tokenizer, sampler_factory=factory, log=log)
     else:
         trainer = unsaved_trainer()(model=model, reward_funcs=[make_reward(args.cap)], train_dataset=rows,
-                                        args=config, processing_class=tokenizer, callbacks=[clock],
-                                        sampler_factory=factory, log=log)
+                                    args=config, processing_class=tokenizer, callbacks=[clock],
+                                    sampler_factory=factory, log=log)
     if sampler is not None:  # a sampling rank: its engine is the server's
         sampling_engine = sampler.sampler
     elif trainer.async_rollouts is not None and hasattr(trainer.async_rollouts, "sample"):

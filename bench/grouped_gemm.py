@@ -116,5 +116,6 @@ def main(argv=None) -> dict:
     (out / "grouped_gemm.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
 
+
 if __name__ == "__main__":
     main()

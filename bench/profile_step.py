@@ -47,9 +47,9 @@ def main(argv=None) -> None:
                    save_steps=0, log_completions_steps=10**6, output_dir="/tmp/profile-step", device=device,
                    overwrite_output_dir=True, quiet=True, seed=0)
     options.update(_options(args.options))
-    trainer = unsaved_trainer()(model, [make_reward(completion)], make_prompts(setup.shape["vocab_size"], prompts * 8,
-                                                                         setup.prompt_len),
-                          args=GRPOConfig(**options), processing_class=tokenizer)
+    prompt_rows = make_prompts(setup.shape["vocab_size"], prompts * 8, setup.prompt_len)
+    trainer = unsaved_trainer()(model, [make_reward(completion)], prompt_rows, args=GRPOConfig(**options),
+                                processing_class=tokenizer)
     trainer.train()  # the warm-up steps; the profiled one is run by hand below
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
     phases = {}

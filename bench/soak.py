@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shapes and inputs of the step bench
-from grpo_step_worker import SHAPES, SMOKE, build_module, make_prompts, make_reward, make_tokenizer, unsaved_trainer  # noqa: E402
+from grpo_step_worker import (SHAPES, SMOKE, build_module, make_prompts, make_reward, make_tokenizer,  # noqa: E402
+                               unsaved_trainer)
 
 import torch  # noqa: E402
 

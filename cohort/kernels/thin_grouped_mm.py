@@ -25,7 +25,7 @@ THIN_ROWS_PER_EXPERT = 32
 @jit
 def _thin_grouped_kernel(x_ptr, w_ptr, offsets_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                         COMPILED: tl.constexpr):
+                         WIDEN: tl.constexpr):
     """Program (e, j): out[rows of e, j-th block of N] = x[rows of e] @ w[e, block]ᵀ, BLOCK_M rows at a time."""
     expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,22 +39,14 @@ def _thin_grouped_kernel(x_ptr, w_ptr, offsets_ptr, out_ptr, N, K, stride_xm, st
         rows = m + tl.arange(0, BLOCK_M)
         row_ok = rows < end
         acc = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
-        if COMPILED:  # range(): the compiler prefetches the next K block
-            for k in range(0, K, BLOCK_K):
-                ks = k + offs_k
-                a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K),
-                            other=0.0)
-                w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K), other=0.0)
-                acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-        else:  # the interpreter (CPU tests): its tl.dot wants float32 operands
-            k = 0
-            while k < K:
-                ks = k + offs_k
-                a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K),
-                            other=0.0)
-                w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K), other=0.0)
-                acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision=PRECISION)
-                k += BLOCK_K
+        for k in range(0, K, BLOCK_K):  # compiled, range() lets the next K block be prefetched
+            ks = k + offs_k
+            a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K),
+                        other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K), other=0.0)
+            if WIDEN:  # the interpreter (CPU tests): its tl.dot would multiply bf16 storage as integers
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
         m += BLOCK_M
@@ -111,5 +103,5 @@ def launch(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out: to
     _thin_grouped_kernel[(weight.shape[0], triton.cdiv(n, tile.block_n))](
         x, weight, offsets, out, n, k, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", COMPILED=x.is_cuda, num_warps=tile.num_warps,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WIDEN=not x.is_cuda, num_warps=tile.num_warps,
         num_stages=tile.num_stages)
