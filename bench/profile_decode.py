@@ -1,11 +1,13 @@
 """Where does a decode step's GPU time go? Top kernels of the engine's step, by total CUDA time.
 
-Runs the engine on the random-init Qwen2.5-0.5B shape (as bench/rollout.py) with CUDA graphs off,
+Runs the engine on the random-init Qwen2.5-0.5B shape (as bench/rollout.py), or on any shape of
+bench/grpo_step_worker.py (`--shape`, e.g. the mixture of experts qwen3-30b-a3b-half), with CUDA graphs off,
 so every kernel is visible to the profiler, fused kernels on or off, and prints the kernels that
 take most of the GPU time per decode step. The prefill is taken out: a run of 1 new token (prefill
 and first sample) is profiled too, and the per-step figures are (long run − that) ÷ (steps − 1).
 
     python bench/profile_decode.py --sequences 256 --steps 32
+    python bench/profile_decode.py --shape qwen3-30b-a3b-half --sequences 4 --fused on
 """
 
 from __future__ import annotations
@@ -31,10 +33,18 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--shape", default="0.5b", help="0.5b (a Qwen2.5 shape beside transformers') or a shape of "
+                                                       "bench/grpo_step_worker.py's SHAPES, built as cohort's own model")
+    parser.add_argument("--fused", choices=("both", "on", "off"), default="both", help="the engine's fused kernels")
     args = parser.parse_args(argv)
-    _, model = build_models("0.5b")
+    if args.shape == "0.5b":
+        _, model = build_models("0.5b")
+    else:
+        from bench.grpo_step_worker import SHAPES, build_module
+
+        model = build_module(SHAPES[args.shape], "cuda").requires_grad_(False).eval()
     prompts = torch.randint(0, model.config.vocab_size, (args.sequences, args.prompt_len)).tolist()
-    for fused in (True, False):
+    for fused in {"both": (True, False), "on": (True,), "off": (False,)}[args.fused]:
         engine = Engine(model, max_batch_size=args.sequences, use_cuda_graph=False, compile_kernels=fused)
         engine.bucketed = True
         engine.generate(prompts, 1, SamplingParams(max_new_tokens=args.steps, eos_token_ids=[], seed=0))  # warm-up

@@ -8,6 +8,8 @@ import torch
 from cohort import GRPOConfig
 from cohort.options.command_line import parse_config
 from cohort.errors import CohortError, command_line
+from cohort.memory.training_plan import StepShape, micro_batch_tokens
+from cohort.models import CausalLM, ModelConfig
 from cohort.update.fast_path import MICRO_BATCH_FLOP, fast_path_line, fast_path_settings
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
@@ -54,6 +56,29 @@ def test_gpu_with_our_model_gets_the_measured_fast_path():
     # A model 3× larger takes a third: 6,111 tokens, 5,888 in multiples of 256; a huge one still gets 1,024.
     assert resolve_fast_path(GRPOConfig().validate(), OurModel(3_000_000_000), GPU).max_tokens_per_micro_batch == 5_888
     assert resolve_fast_path(GRPOConfig().validate(), OurModel(10**11), GPU).max_tokens_per_micro_batch == 1_024
+
+
+def test_a_mixture_of_experts_is_sized_by_the_weights_a_token_passes_through():
+    """A token of a 7.2B-weight model routed to 8 of 64 experts does a 1.6B model's work: its micro-batches are
+    that model's, not a dense 7.2B model's five times smaller ones (whose fixed host cost the GPU cannot hide)."""
+    config = ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                         num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                         num_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024, norm_topk_prob=True)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = 16 * 64 * 3 * 2048 * 1024  # gate, up and down of every expert of every layer
+    active = total - experts + experts * 8 // 64
+
+    def auto_tokens(model):
+        return resolve_fast_path(GRPOConfig().validate(), model, GPU, compiles=True).max_tokens_per_micro_batch
+
+    # 1.1e14 ÷ (6 × 1.598e9) = 11,472 tokens, 11,264 in multiples of 256; all 7.23e9 weights would give 2,304.
+    assert auto_tokens(model) == auto_tokens(OurModel(active)) == 11_264
+    assert auto_tokens(OurModel(total)) == 2_304
+    # The memory plan, from the config alone, counts the micro-batch the update will make.
+    step = StepShape(rows=256, group=8, prompt_len=128, completion_len=512, micro_rows=256)
+    assert micro_batch_tokens(config, step) == 11_264
 
 
 def test_gpu_without_triton_or_under_fsdp_does_not_compile():

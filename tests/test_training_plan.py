@@ -15,8 +15,8 @@ from cohort.memory import capacity
 from cohort.memory.capacity import check_capacity, config_before_loading, run_placement
 from cohort.memory.precision import make_optimizer
 from cohort.memory.sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT, ShardedAdamW
-from cohort.memory.training_plan import (GIB, Placement, StepShape, engine_kv_bytes, lora_parameter_count,
-                                         micro_batch_tokens, training_memory_plan)
+from cohort.memory.training_plan import (GIB, Placement, StepShape, activation_bytes_per_token, engine_kv_bytes,
+                                         lora_parameter_count, micro_batch_tokens, training_memory_plan)
 from cohort.models import CausalLM, ModelConfig
 from cohort.rollout.engine import Engine
 from cohort.rollout.sampler import SamplingParams
@@ -270,3 +270,31 @@ def test_the_plan_meets_the_measured_fsdp2_peak():
     synced = training_memory_plan(qwen_7b, StepShape.from_config(args), replace(measured, sync_every_micro_batch=True))
     unsharded, shard = 4 * plan.parameters, -(-4 * plan.parameters // 4)  # fp32 gradients, whole and a rank's
     assert plan.total("backward") - synced.total("backward") == unsharded - shard
+
+
+@pytest.mark.parametrize("config, measured_bytes", [
+    # Qwen2.5-1.5B's shape: 75 KB a token (docs: the module's docstring)
+    (ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, head_dim=128), 75_000),
+    # a Qwen3-MoE of 64 experts, top 8 (bench's qwen3-moe-1b-7b): 1.57 GiB a kept layer at 11,264 tokens
+    (ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                 num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=64,
+                 num_experts_per_tok=8, moe_intermediate_size=1024, norm_topk_prob=True), 1.57 * GIB / 11_264),
+], ids=["qwen2.5-1.5b", "qwen3-moe-1b-7b"])
+def test_a_kept_layer_s_activations_meet_the_probe_s_measurement(config, measured_bytes):
+    """What `checkpointed_layers.ActivationProbe` measured a kept compiled layer to hold per token, bf16, on an H200:
+    the plan's estimate is within 10% for a dense layer and for a mixture of experts' (whose k copies of each token
+    are most of it: the dense formula would say 63.5 KB there)."""
+    assert abs(activation_bytes_per_token(config, 2) / measured_bytes - 1) < 0.10
+
+
+def test_a_model_with_dense_and_sparse_layers_keeps_each_layer_s_activations():
+    config = ModelConfig(model_type="qwen3_moe", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=32, mlp_only_layers=[1])
+    attention = 4 * 64 + 2 * 64 + 2 * 32
+    dense, sparse = 2 * (attention + 3 * 96), 2 * (attention + 2 * (2 * 64 + 3 * 32)) + 4 * 8
+    step = StepShape(rows=4, group=4, prompt_len=8, completion_len=8, micro_rows=4, checkpointing=False)
+    tokens = micro_batch_tokens(config, step)
+    assert training_memory_plan(config, step).phases["backward"]["activations"] == tokens * (2 * sparse + dense)
+    assert activation_bytes_per_token(config, 2) == sparse

@@ -74,6 +74,17 @@ def parameter_count(config: ModelConfig) -> int:
     return sum(layer_parameter_counts(config)) + embeddings + config.hidden_size
 
 
+def active_parameter_count(config: ModelConfig) -> float:
+    """The weights a token's forward passes through: `parameter_count` with each mixture-of-experts layer's
+    experts counted at their routed share, k of E (the router still sees every token). What a token costs in
+    FLOPs, where `parameter_count` is what the model holds."""
+    if not config.num_experts:
+        return parameter_count(config)
+    experts = config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
+    idle = experts * (1 - config.num_experts_per_tok / config.num_experts)
+    return parameter_count(config) - idle * len(config.sparse_layers)
+
+
 def kv_cache_bytes(config: ModelConfig, rows: int, max_len: int, element_bytes: int) -> int:
     """Keys and values of `rows` sequences of `max_len` tokens, every layer."""
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * rows * max_len * element_bytes

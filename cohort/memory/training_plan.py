@@ -39,7 +39,9 @@ The backward (`backward`) adds the gradients and the largest micro-batch's activ
   its backward reads, estimated as 2 × (4 hidden + 2 q + 2 kv + 3 intermediate) bytes (the norms' inputs and
   outputs, q/k/v, the attention output, the MLP's gate, up and product: 73 KB a token at the Qwen2.5-1.5B
   shape, where `checkpointed_layers.ActivationProbe` measured 75 KB), counted twice for the gradients in
-  flight; without checkpointing every layer keeps it. `gradient_checkpointing_layers=auto` keeps more layers
+  flight; without checkpointing every layer keeps it. A mixture of experts' layer keeps, in place of the MLP's
+  three, each of a token's k copies (its row sorted by expert, gate, up, their product and the expert's output:
+  2 hidden + 3 expert-intermediate) and the router's fp32 softmax; `gradient_checkpointing_layers=auto` keeps more layers
   where the budget allows: the plan is the least the step needs;
 - the fused head (`update/fused_head.py`): the head's gradient (vocabulary × hidden, bf16) and ∂loss/∂hidden
   made in the forward and held to the backward, one chunk of logits (`logprobs.CHUNK_BYTES` in fp32, and the
@@ -71,10 +73,10 @@ from dataclasses import dataclass, field
 from ..models.config import ModelConfig
 from ..rollout.async_rollouts import samples_in_place
 from ..rollout.scheduler import ENGINE_SLOTS
-from ..update.fast_path import MICRO_BATCH_FLOP
+from ..update.fast_path import tokens_for_work
 from ..update.logprobs import CHUNK_BYTES
 from .precision import GRADIENT_CHUNK_BYTES
-from .sampling_plan import kv_cache_bytes, kv_length, layer_parameter_counts, parameter_count
+from .sampling_plan import active_parameter_count, kv_cache_bytes, kv_length, layer_parameter_counts, parameter_count
 from .sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT
 
 GIB = 2**30
@@ -207,10 +209,21 @@ def lora_parameter_count(config: ModelConfig, rank: int) -> int:
     return config.num_hidden_layers * rank * per_layer
 
 
-def activation_bytes_per_token(config: ModelConfig, element_bytes: int) -> int:
-    """What a decoder layer that keeps its activations holds for its backward, per token (see the docstring)."""
+def layer_activation_bytes_per_token(config: ModelConfig, element_bytes: int) -> list[int]:
+    """What each decoder layer, keeping its activations, holds for its backward per token (see the docstring)."""
+    hidden = config.hidden_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    return element_bytes * (4 * config.hidden_size + 2 * q + 2 * kv + 3 * config.intermediate_size)
+    attention = 4 * hidden + 2 * q + 2 * kv
+    dense = element_bytes * (attention + 3 * config.intermediate_size)
+    # each of a token's k copies: its row sorted by expert, gate, up and their product, the expert's output
+    copies = config.num_experts_per_tok * (2 * hidden + 3 * config.moe_intermediate_size)
+    sparse = element_bytes * (attention + copies) + 4 * config.num_experts  # the router's softmax in fp32
+    return [sparse if config.is_sparse_layer(i) else dense for i in range(config.num_hidden_layers)]
+
+
+def activation_bytes_per_token(config: ModelConfig, element_bytes: int) -> int:
+    """The most any one decoder layer keeping its activations holds for its backward, per token."""
+    return max(layer_activation_bytes_per_token(config, element_bytes))
 
 
 def micro_batch_tokens(config: ModelConfig, step: StepShape) -> int:
@@ -222,7 +235,7 @@ def micro_batch_tokens(config: ModelConfig, step: StepShape) -> int:
     whole = prompts * step.prompt_len + rows * step.completion_len
     cap = step.micro_tokens
     if cap == "auto":
-        cap = max(1024, int(MICRO_BATCH_FLOP / (6 * parameter_count(config))) // 256 * 256)
+        cap = tokens_for_work(active_parameter_count(config))
     return max(unit, min(whole, cap)) if cap else whole
 
 
@@ -297,7 +310,7 @@ def training_memory_plan(config: ModelConfig, step: StepShape, placement: Placem
     if step.checkpointing:
         backward["activations"] = tokens * (layers * hidden * w + 2 * per_token)
     else:
-        backward["activations"] = tokens * layers * per_token
+        backward["activations"] = tokens * sum(layer_activation_bytes_per_token(config, w))
     completion_tokens = tokens - step.prompt_len  # the head runs on completion tokens only
     backward["LM head chunk"] = int(CHUNK_BYTES * 1.5) + completion_tokens * hidden * w * 2
     backward["LM head gradient"] = vocab * hidden * w if not lora else 0

@@ -155,6 +155,12 @@ class SparseMoeBlock(nn.Module):
         return (unsorted.reshape(-1, self.top_k, flat.shape[-1]) * weights[..., None]).sum(1)
 
 
+def active_shares(model: nn.Module) -> dict[int, float]:
+    """id(parameter) -> the share of the tokens it sees, for each expert weight of `model`'s mixtures of
+    experts (k / E: `Experts.active_share`); a parameter not listed sees every token."""
+    return {id(p): m.active_share for m in model.modules() if hasattr(m, "active_share") for p in m.parameters()}
+
+
 def load_balancing_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4): E · Σ_e f_e · P_e, f_e the share of
     the token copies sent to expert e (no gradient) and P_e its mean router probability."""

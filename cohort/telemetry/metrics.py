@@ -245,6 +245,7 @@ def update_flops(model, prompt_tokens: int, completion_tokens: int,
     With every weight trained, no head or embedding found and no attention term this is 6·N·tokens.
     Recomputation under activation checkpointing is not counted: it is not model work."""
     from ..models.lora import base_model
+    from ..models.moe import active_shares
 
     inner = base_model(model)
     flops = 0.0
@@ -256,7 +257,7 @@ def update_flops(model, prompt_tokens: int, completion_tokens: int,
         getattr(getattr(inner, "model", None), "embed_tokens", None)
     embed_weight = getattr(embed, "weight", None)
     tokens = prompt_tokens + completion_tokens
-    shares = {id(p): m.active_share for m in inner.modules() if hasattr(m, "active_share") for p in m.parameters()}
+    shares = active_shares(inner)
     for param in model.parameters():  # a shared (tied) tensor is yielded once
         per_token = (6 if param.requires_grad else 4) * shares.get(id(param), 1.0)
         if param is head_weight:

@@ -11,7 +11,8 @@ with cohort's own models,
   update. A smaller budget trades speed for memory.
 
 - `max_tokens_per_micro_batch=auto`: micro-batches of about `MICRO_BATCH_FLOP` of forward and
-  backward work (6 × parameters × tokens): 11,776 tokens at 1.5B, 36,864 at 0.5B, 2,304 at 7B. Each
+  backward work (6 × active parameters × tokens): 11,776 tokens at 1.5B, 36,864 at 0.5B, 2,304 at 7B; a
+  mixture of experts counts its experts at their routed share (11,264 at the 1B-active, 7B-total shape). Each
   micro-batch pays a fixed cost on the host (launching a compiled layer's kernels, the head's chunks),
   which the GPU's work on it must hide; past that size a larger micro-batch only keeps more
   activations alive, and a smaller one leaves the host cost exposed (the measurements behind the
@@ -28,6 +29,8 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+
+from ..models.moe import active_shares
 
 MICRO_BATCH_FLOP = 1.1e14  # `max_tokens_per_micro_batch=auto` with our models on a GPU: work per micro-batch
 
@@ -61,10 +64,17 @@ def fast_path_settings(args, model, device: torch.device, *, compiles: bool | No
 
 
 def micro_batch_tokens(model) -> int:
-    """Tokens of a training micro-batch that does `MICRO_BATCH_FLOP` of work through `model` (forward and
-    backward: 6 FLOPs a parameter a token), in multiples of 256, at least 1,024."""
-    parameters = max(1, sum(p.numel() for p in model.parameters()))
-    return max(1024, int(MICRO_BATCH_FLOP / (6 * parameters)) // 256 * 256)
+    """`tokens_for_work` of `model`'s active parameters: every weight, a mixture of experts' expert weights at
+    their routed share (`moe.active_shares`), since a token's work is what it passes through, not what the
+    model holds (a 7B-total, 1B-active model does a 1B model's work a token)."""
+    shares = active_shares(model)
+    return tokens_for_work(sum(p.numel() * shares.get(id(p), 1.0) for p in model.parameters()))
+
+
+def tokens_for_work(active_parameters: float) -> int:
+    """Tokens of a training micro-batch that does `MICRO_BATCH_FLOP` of work through `active_parameters`
+    weights (forward and backward: 6 FLOPs a weight a token), in multiples of 256, at least 1,024."""
+    return max(1024, int(MICRO_BATCH_FLOP / (6 * max(1.0, active_parameters))) // 256 * 256)
 
 
 def fast_path_line(args) -> str:
