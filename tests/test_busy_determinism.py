@@ -26,7 +26,8 @@ from safetensors.torch import load_file
 
 from cohort.run.checkpoint import check_checkpoint, list_checkpoints
 
-pytestmark = [pytest.mark.slow, pytest.mark.cpu("the CPU's determinism beside a busy CPU is what it tests")]
+# soak: three whole runs beside a hog and a resumed one, about a minute; CI runs them with -m soak, after the suite
+pytestmark = [pytest.mark.soak, pytest.mark.cpu("the CPU's determinism beside a busy CPU is what it tests")]
 
 STEPS = 6
 ARGS = ("--max_steps", str(STEPS), "--seed", "11", "--eval_limit", "0", "--logging_steps", "1", "--quiet")

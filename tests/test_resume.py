@@ -23,12 +23,19 @@ SPEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
             max_position_embeddings=64)
 MAX_STEPS = 20
 REWARD_MODULE = '''
+import os
 import random
+import time
 
 def digit_share(prompts, completions, completion_ids=None, **_):
-    """Share of digits in the completion, plus noise from python's global generator (restored on resume)."""
+    """Share of digits in the completion, plus noise from python's global generator (restored on resume).
+    REWARD_DELAY_S slows each call down without changing a number."""
+    time.sleep(float(os.environ.get("REWARD_DELAY_S", "0")))
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) + 1e-2 * random.random() for c in completions]
 '''
+# The SIGTERM attempt's reward delay a step: on an idle machine the 18 steps after the first checkpoint took under
+# half a second, so the signal could land after training had ended; at 0.2 s a step it lands inside it.
+SIGTERM_ATTEMPT_DELAY_S = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +58,15 @@ def train_command(root: Path, out: Path, *extra: str) -> list[str]:
             *extra]
 
 
-def environment(root: Path) -> dict:
+def environment(root: Path, reward_delay_s: float = 0.0) -> dict:
     # One thread everywhere: the same float reductions in every process, and fair to the shared CPU.
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CI="1")
+                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CI="1", REWARD_DELAY_S=str(reward_delay_s))
 
 
-def start(root: Path, out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(train_command(root, out, *extra), env=environment(root), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+def start(root: Path, out: Path, *extra: str, reward_delay_s: float = 0.0) -> subprocess.Popen:
+    return subprocess.Popen(train_command(root, out, *extra), env=environment(root, reward_delay_s),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(process: subprocess.Popen) -> str:
@@ -108,7 +115,7 @@ def test_sigkill_at_random_moments_then_resume_equals_the_uninterrupted_run(setu
     attempt, sigterm_output = 0, None
     while True:
         before = newest_complete_step(out)
-        process = start(setup, out, "--resume")
+        process = start(setup, out, "--resume", reward_delay_s=SIGTERM_ATTEMPT_DELAY_S if attempt == 1 else 0.0)
         if attempt < 4:
             # Attempt 0 dies at a random time (maybe before its first checkpoint); later ones once a new
             # checkpoint exists, a random fraction of a few steps later (maybe while saving one). Attempt 1

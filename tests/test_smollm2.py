@@ -34,6 +34,7 @@ def gguf_file(smollm2_gguf) -> str:
     return smollm2_gguf
 
 
+@pytest.mark.soak  # 20 greedy answers of a 135M model on the CPU, half a minute: CI runs it with -m soak
 def test_eval_on_20_gsm8k_test_questions(gguf_file, tmp_path, capsys):
     out_file = tmp_path / "eval.jsonl"
     assert main(["eval", "--model", gguf_file, "--task", "gsm8k", "--split", "test", "--limit", "20",
