@@ -33,8 +33,9 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--shape", default="0.5b", help="0.5b (a Qwen2.5 shape beside transformers') or a shape of "
-                                                       "bench/grpo_step_worker.py's SHAPES, built as cohort's own model")
+    parser.add_argument("--shape", default="0.5b",
+                        help="0.5b (a Qwen2.5 shape beside transformers') or a shape of bench/grpo_step_worker.py's "
+                             "SHAPES, built as cohort's own model")
     parser.add_argument("--fused", choices=("both", "on", "off"), default="both", help="the engine's fused kernels")
     args = parser.parse_args(argv)
     if args.shape == "0.5b":

@@ -283,7 +283,8 @@ class GRPOConfig:
     max_tokens_per_micro_batch: int | str = field(default="auto", metadata={
         "help": "Cap on each micro-batch's padded tokens besides its rows (0 caps rows only). auto: on a GPU with our "
                 "models, about 1.1e14 FLOPs of work (11,776 tokens at 1.5B; a mixture of experts counts the weights "
-                "a token passes through), enough to hide each micro-batch's host cost, for much less memory; 0 elsewhere. Out of GPU memory, rows and cap halve and the step is redone."})
+                "a token passes through), enough to hide each micro-batch's host cost, for much less memory; 0 "
+                "elsewhere. Out of GPU memory, rows and cap halve and the step is redone."})
     torch_compile: bool | str = field(default="auto", metadata={
         "help": "Compile each decoder layer's training forward and backward with torch.compile (our models; "
                 "needs triton on a GPU). auto: on with our models on a GPU where triton is installed, else off."})

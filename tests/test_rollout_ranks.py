@@ -425,13 +425,18 @@ class StopAfterOne:
 args = GRPOConfig(output_dir=sys.argv[2], device="cpu", quiet=True, max_steps=4, async_rollouts=True, rollout_gpus=1,
                   max_staleness=int(sys.argv[3]), partial_rollouts=sys.argv[4] == "1", num_generations=4,
                   per_device_train_batch_size=8, max_completion_length=16, save_steps=0, eval_steps=0)
+def say(line):  # one write of the whole line: the ranks share the pipe, and print's pieces interleaved with theirs
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
+
 if is_sampling_rank(args):
-    print("rollouts served:", SamplingRank(sys.argv[1], args).serve())
+    say(f"rollouts served: {SamplingRank(sys.argv[1], args).serve()}")
 else:
     trainer = GRPOTrainer(sys.argv[1], lambda completions, **_: [float(len(c)) for c in completions],
                           [{"prompt": f"{a}+{a}="} for a in range(40)], args=args, callbacks=[StopAfterOne()])
     trainer.train()
-    print("steps trained:", len(trainer.history))
+    say(f"steps trained: {len(trainer.history)}")
 '''
 
 

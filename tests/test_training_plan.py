@@ -289,9 +289,9 @@ def test_a_kept_layer_s_activations_meet_the_probe_s_measurement(config, measure
 
 
 def test_a_model_with_dense_and_sparse_layers_keeps_each_layer_s_activations():
-    config = ModelConfig(model_type="qwen3_moe", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                         moe_intermediate_size=32, mlp_only_layers=[1])
+    config = ModelConfig(model_type="qwen3_moe", vocab_size=97, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
     attention = 4 * 64 + 2 * 64 + 2 * 32
     dense, sparse = 2 * (attention + 3 * 96), 2 * (attention + 2 * (2 * 64 + 3 * 32)) + 4 * 8
     step = StepShape(rows=4, group=4, prompt_len=8, completion_len=8, micro_rows=4, checkpointing=False)
