@@ -20,5 +20,6 @@ caller's own code) that runs on the CPU and without triton, and that the tests h
   (cohort/models/exact_layers.py), whose sampler and trainer log-probs are equal bit for bit.
 - `grouped_mm.py`: a mixture of experts' grouped GEMMs (torch's native grouped mm with a grouped backward,
   a padded batched product where it does not serve), tested against a loop over experts;
-  `thin_grouped_mm.py`: the same product for a decode step's few rows an expert, one Triton kernel.
+  `thin_grouped_mm.py`: the same product for a decode step's few rows an expert, one Triton kernel;
+  `expert_order.py`: a decode step's token copies ordered by expert (a stable counting sort), one launch.
 """
