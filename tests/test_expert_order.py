@@ -39,6 +39,7 @@ def test_a_moe_layer_s_sampling_forward_orders_its_copies_by_the_kernel_with_the
     """Under the engine's fused kernels and autograd off, a MoE block's copies take `expert_order` up to
     THIN_ROWS_PER_EXPERT copies an expert and torch's sort above; the block's output is the same bits either way."""
     from cohort.kernels.elementwise import fused_kernels
+    from cohort.kernels.grouped_mm import THIN_ROWS_PER_EXPERT
     from cohort.models import moe
     from cohort.models.config import ModelConfig
 
@@ -50,14 +51,14 @@ def test_a_moe_layer_s_sampling_forward_orders_its_copies_by_the_kernel_with_the
     taken = []
     monkeypatch.setattr(moe, "expert_order", lambda ids, *rest: taken.append(ids.numel()) or
                         ordering.expert_order(ids, *rest))
-    most = moe.THIN_ROWS_PER_EXPERT * 8 // 2  # tokens: 2 copies each
+    most = THIN_ROWS_PER_EXPERT * 8 // 2  # tokens: 2 copies each
     outputs = {}
     for tokens in (3, most, most + 1):
         x = torch.randn(1, tokens, 64, device="cuda").to(torch.bfloat16)
         with torch.inference_mode(), fused_kernels(True):
             outputs[tokens] = block(x), x
     assert taken == [6, 2 * most]
-    monkeypatch.setattr(moe, "THIN_ROWS_PER_EXPERT", -1)  # torch's sort and search, the products unchanged
+    monkeypatch.setattr(moe, "decode_sized", lambda *_: False)  # torch's sort and search, the products unchanged
     for tokens, (sampled, x) in outputs.items():
         with torch.inference_mode(), fused_kernels(True):
             assert torch.equal(block(x), sampled)

@@ -112,10 +112,17 @@ def padded_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
     return out[expert, slot]
 
 
+def decode_sized(x: torch.Tensor, rows: int, experts: int) -> bool:
+    """Whether a grouped product of `rows` token copies over `experts` experts, of activations like `x`, is a
+    decode step's: the sampling path (`triton_kernel_on`) at up to `THIN_ROWS_PER_EXPERT` copies an expert on
+    average. Its products take the thin kernel, and its copies' order `expert_order.py` (moe.SparseMoeBlock)."""
+    return rows <= THIN_ROWS_PER_EXPERT * experts and triton_kernel_on(x)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """[n, N]: each row of `x` [n, K] times its expert's `weight` [E, N, K] transposed, rows grouped
     by expert with cumulative ends `offsets` [E] (int32)."""
-    if x.shape[0] <= THIN_ROWS_PER_EXPERT * weight.shape[0] and triton_kernel_on(x):
+    if decode_sized(x, x.shape[0], weight.shape[0]):
         return thin_grouped_linear(x, weight, offsets)
     if native_serves(x, weight):
         return native_grouped_linear(x, weight, offsets)

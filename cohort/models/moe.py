@@ -29,10 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cohort.kernels.elementwise import triton_kernel_on
 from cohort.kernels.expert_order import expert_order
-from cohort.kernels.grouped_mm import grouped_linear
-from cohort.kernels.thin_grouped_mm import THIN_ROWS_PER_EXPERT
+from cohort.kernels.grouped_mm import decode_sized, grouped_linear
 
 ROUTE_DTYPE = torch.int16  # expert ids as recorded; 32767 experts is more than any model has
 _PER_EXPERT = re.compile(
@@ -147,7 +145,7 @@ class SparseMoeBlock(nn.Module):
         (stable, so equal experts keep token order), the experts' grouped products, the copies put back
         in (token, j) order and summed over j (a fixed order: no atomics)."""
         num_experts = self.gate.out_features
-        if ids.numel() <= THIN_ROWS_PER_EXPERT * num_experts and triton_kernel_on(flat):
+        if decode_sized(flat, ids.numel(), num_experts):
             # a decode step: the same order and ends in one launch instead of about six (expert_order.py)
             order, tokens, offsets = expert_order(ids, num_experts, self.top_k)
         else:
