@@ -48,10 +48,10 @@ def worker(algorithm: str, seed: int, steps: int, eval_every: int, eval_problems
 
     torch.set_num_threads(1)
     from cohort.cli import task_rows
-    from cohort.config import GRPOConfig
-    from cohort.algorithm.ppo import PPOConfig, PPOTrainer
+    from cohort.config.grpo_config import GRPOConfig
+    from cohort.trainer.ppo_trainer import PPOConfig, PPOTrainer
     from cohort.tasks import get_task
-    from cohort.algorithm.trainer import GRPOTrainer
+    from cohort.trainer.grpo_trainer import GRPOTrainer
 
     task = get_task("arithmetic")
     options = dict(task.default_config)
@@ -99,7 +99,7 @@ def baseline_worker() -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from cohort.models.policy import load_policy
+    from cohort.run.policy import load_policy
     from cohort.tasks import get_task
 
     load_policy(None, device="cpu", log=lambda *_: None)

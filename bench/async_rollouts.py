@@ -55,7 +55,7 @@ synchronise the whole device, so on one GPU `time/*` of the async mode include s
 
 Several GPUs (`--processes N --rollout_gpus K`): each mode runs under torchrun on N processes, with the same
 global batch. sync is DDP over all N (each rank samples and trains its share); async samples on K ranks of
-their own (`--rollout_gpus`, cohort/run/disaggregation.py) and trains on the other N − K, the weights going to
+their own (`--rollout_gpus`, cohort/parallel/disaggregation.py) and trains on the other N − K, the weights going to
 the samplers after each update. Rank 0's records give the figures: tokens per step from the global mean
 completion length (the engine columns stay empty: rank 0's engine sees only its share, or nothing).
 
@@ -628,7 +628,7 @@ def markdown(summaries: list[dict], header: str) -> str:
 def run_curves(args, out: Path) -> dict:
     """Both modes on the built-in arithmetic task, its default model and options, on the CPU."""
     from cohort.cli.main import task_rows
-    from cohort.options.command_line import resolve_config
+    from cohort.config.command_line import resolve_config
     from cohort.tasks import get_task
 
     from grpo_step_worker import unsaved_trainer

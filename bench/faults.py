@@ -125,7 +125,7 @@ def main() -> int:
     # The built-in model is built once per machine (an SFT warm start, about 45 s on an H200): before the
     # timed jobs, so no job's limit is spent on it.
     sys.path.insert(0, str(ROOT))
-    from cohort.models.tiny import builtin_model_dir
+    from cohort.sft.builtin import builtin_model_dir
 
     builtin_model_dir("cohort:tiny-arithmetic")
     rollout = ["--async_rollouts", "true", "--rollout_gpus", "1"]

@@ -121,7 +121,7 @@ def run(args) -> dict:
     from cohort.eval.evaluate import evaluate
     from cohort.rewards.rules import format_reward
     from cohort.rollout.sampler import SamplingParams
-    from cohort.algorithm.sft import SFTConfig, sft_train
+    from cohort.sft.sft_trainer import SFTConfig, sft_train
     from cohort.tasks import get_task
 
     started = time.perf_counter()

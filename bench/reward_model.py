@@ -39,7 +39,7 @@ from cohort import GRPOConfig, GRPOTrainer# noqa: E402
 from cohort.rewards.model import RewardModelReward, task_labeller, warm_up_reward_models# noqa: E402
 from cohort.rewards.scorers import load_scorer# noqa: E402
 from cohort.tasks.arithmetic import ArithmeticTask# noqa: E402
-from cohort.models.tiny import tiny_model_dir# noqa: E402
+from cohort.sft.builtin import tiny_model_dir# noqa: E402
 
 CONDITIONS = ("replay", "frozen")
 

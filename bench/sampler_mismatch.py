@@ -74,7 +74,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cohort.models.exact_layers import use_exact_numerics  # noqa: E402
-from cohort.models.policy import load_policy  # noqa: E402
+from cohort.run.policy import load_policy  # noqa: E402
 from cohort.rollout import make_sampler  # noqa: E402
 from cohort.rollout.sampler import SamplingParams  # noqa: E402
 from cohort.update.logprobs import rollout_logprobs  # noqa: E402

@@ -104,7 +104,7 @@ def ladder():
 def plan_rows(prompt_len: int = 256, completion_len: int = 4096, prompts_per_gpu: int = 2, group: int = 32) -> list:
     from grpo_step_worker import BETA, SHAPES, config_dict
 
-    from cohort.memory.training_plan import GIB, Placement, StepShape, training_memory_plan
+    from cohort.plans.training_plan import GIB, Placement, StepShape, training_memory_plan
     from cohort.models import ModelConfig
 
     rows = []

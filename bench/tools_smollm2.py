@@ -328,7 +328,7 @@ def prepare() -> None:
 def load_start(args):
     """(model, tokenizer, source): SmolLM2 from the GGUF with the ChatML-tools template; with --smoke, a tiny
     random Llama on the built-in tools tokenizer (characters, tool tags as tokens, its own Hermes template)."""
-    from cohort.models.policy import load_policy
+    from cohort.run.policy import load_policy
 
     if args.smoke and not args.model:
         from cohort.models.tiny import build_model, build_tools_tokenizer
@@ -381,7 +381,7 @@ def probe(sampler, tokenizer, rows: list[dict], args, toolbox) -> dict:
 def warm_start(model, tokenizer, train_rows: list[dict], args, log) -> dict:
     """SFT in rounds on tool and direct conversations (tool in the system prompt) until sampled completions
     call sometimes and answer right when they do, or the step bound."""
-    from cohort.algorithm.sft import SFTConfig, sft_train
+    from cohort.sft.sft_trainer import SFTConfig, sft_train
     from cohort.rollout import make_sampler
     from cohort.tools.schema import tool_schema
     from cohort.tools.toolbox import Toolbox

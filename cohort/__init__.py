@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import importlib
 
+# The config is light (no torch) and teaches cohort.errors how a Python caller spells an option: loaded first,
+# so an error message reads the same whatever module the caller imported.
+import cohort.config  # noqa: F401
+
 __all__ = ["GRPOConfig", "GRPOTrainer", "SamplingRank", "is_sampling_rank"]
 __version__ = "0.1.0"
 
 # The names load on first use (PEP 562): importing the trainer pulls in torch, transformers and peft, some
 # five seconds that `cohort --version`, `--help` and a mistyped command must not wait for.
-_HOMES = {"GRPOConfig": ".config", "GRPOTrainer": ".algorithm.trainer", "SamplingRank": ".rollout.sampling_rank",
-          "is_sampling_rank": ".rollout.sampling_rank"}
+_HOMES = {"GRPOConfig": ".config", "GRPOTrainer": ".trainer.grpo_trainer", "SamplingRank": ".run.sampling_rank",
+          "is_sampling_rank": ".run.sampling_rank"}
 
 
 def __getattr__(name: str):

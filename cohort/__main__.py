@@ -1,3 +1,3 @@
-from .cli.main import exit_process, main
+from cohort.cli.main import exit_process, main
 
 exit_process(main())

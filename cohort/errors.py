@@ -7,17 +7,17 @@ message must name the offending input and say how to fix it.
 A message names options as the command line writes them (`pass --resume`); the `cohort` command runs
 inside `command_line()` and shows it so. Anywhere else the reader called `GRPOConfig(...)` or
 `GRPOTrainer(...)` from Python, and the message is shown with the keywords written there (`pass
-resume=True`, cohort/options/spelling.py). The rewrite happens when the message is shown, not when it is
+resume=True`, cohort/config/spelling.py). The rewrite happens when the message is shown, not when it is
 raised, so a message built from another one, or raised on another thread, follows the same rule.
 """
 
 from __future__ import annotations
 
 import contextlib
-
-from .options.spelling import python_spelling
+from collections.abc import Callable
 
 _front_end = {"command_line": False}  # one front end per process: a flag, not a contextvar threads would miss
+_python_spelling: list[Callable[[str], str]] = []  # the config's rewrite of `--option value` spans
 
 
 class CohortError(Exception):
@@ -31,7 +31,14 @@ class CohortError(Exception):
 
 def in_front_end_words(text: str) -> str:
     """`text`, written with the command line's flags, as the front end running now names the options."""
-    return text if _front_end["command_line"] else python_spelling(text)
+    if _front_end["command_line"] or not _python_spelling:
+        return text
+    return _python_spelling[0](text)
+
+
+def spell_for_python(rewrite: Callable[[str], str]) -> None:
+    """How a message's options are written for a Python caller (`cohort.config.spelling.python_spelling`)."""
+    _python_spelling[:] = [rewrite]
 
 
 @contextlib.contextmanager

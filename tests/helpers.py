@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort.algorithm.trainer import Batch
+from cohort.trainer.grpo_trainer import Batch
 from cohort.kernels import elementwise as kernels
 from cohort.models import CausalLM, KVCache, ModelConfig
 from cohort.rollout.sampler import Rollout

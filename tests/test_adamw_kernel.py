@@ -9,9 +9,9 @@ import io
 import pytest
 import torch
 
-from cohort.memory import precision
-from cohort.memory.bf16 import join_master, split_master
-from cohort.memory.precision import MasterWeightAdamW
+from cohort.optim import precision
+from cohort.optim.bf16 import join_master, split_master
+from cohort.optim.precision import MasterWeightAdamW
 from triton_interpreter import ON_CUDA, kernel_module
 
 pytest.importorskip("triton")

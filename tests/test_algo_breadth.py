@@ -10,10 +10,10 @@ import torch
 from cohort.algorithm.advantages import gae_advantages, overlong_penalty, whiten
 from cohort.algorithm.objectives import LossSpec, policy_loss, sequence_log_ratio, value_loss
 from cohort.errors import CohortError
-from cohort.algorithm.dynamic_sampling import fill_informative, informative_groups
+from cohort.trainer.dynamic_sampling import fill_informative, informative_groups
 from cohort.update.logprobs import selected_logprobs
 from cohort.rollout.sampler import Rollout
-from cohort.algorithm.trainer import Batch
+from cohort.trainer.grpo_trainer import Batch
 
 
 # ---- overlong penalty (DAPO eq. 13) -------------------------------------------------------------
@@ -308,7 +308,7 @@ def test_fill_informative_needs_no_refill_when_full():
 # ---- wiring into the trainer (tiny random model) -------------------------------------------------
 
 from cohort import GRPOConfig, GRPOTrainer# noqa: E402
-from cohort.algorithm.dynamic_sampling import select_groups# noqa: E402
+from cohort.trainer.dynamic_sampling import select_groups# noqa: E402
 from update_gradients import update_gradient  # noqa: E402
 
 PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n", "a": a} for a in range(10) for b in range(10)]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINER = ROOT / "cohort" / "algorithm" / "trainer.py"
+TRAINER = ROOT / "cohort" / "trainer" / "grpo_trainer.py"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 

@@ -8,7 +8,7 @@ exercised the failure: the update's gather of the completion positions (`hidden[
 prompt's last position is gathered once for each of its completions) has an accumulating
 `index_put_` as its backward, which with two or more threads and >= 32,768 elements PyTorch runs
 with atomic float adds from all threads, so the duplicates' sum follows thread timing. Beside other work
-the weights drifted by 1e-10..1e-7 within a few steps (cohort/algorithm/determinism.py says how the
+the weights drifted by 1e-10..1e-7 within a few steps (cohort/run/determinism.py says how the
 trainer fixes the order).
 """
 
@@ -38,7 +38,7 @@ WALL_CLOCK = ("time", "step_time", "mfu")  # and time/*, tokens_per_second/*, th
 @pytest.fixture(scope="module")
 def tiny_cache():
     """The default job's warm-started model, built (into the user cache) once before the concurrent runs."""
-    from cohort.models.tiny import tiny_model_dir
+    from cohort.sft.builtin import tiny_model_dir
 
     tiny_model_dir()
 

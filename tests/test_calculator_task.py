@@ -8,14 +8,15 @@ import json
 import pytest
 import torch
 
-from cohort.algorithm.sft import SFTConfig, sft_train
-from cohort.algorithm.sft_tools import (
+from cohort.sft.sft_trainer import SFTConfig, sft_train
+from cohort.sft.sft_tools import (
     encode_trajectory,
     reproduced_fraction,
     tool_trajectories,
 )
 from cohort.errors import CohortError
 from cohort.models import tiny
+from cohort.sft import builtin
 from cohort.models.tiny import (
     TINY_TOOLS_MODEL,
     TINY_TOOLS_SPEC,
@@ -125,7 +126,7 @@ def test_default_config_names_the_tools_model_and_fits_a_rollout(tokenizer):
     assert len(completion) <= config["max_completion_length"]
     assert len(prompt) + len(completion) <= TINY_TOOLS_SPEC["max_position_embeddings"]
     with pytest.raises(CohortError, match="unknown built-in model"):
-        tiny.builtin_model_dir("cohort:nope")
+        builtin.builtin_model_dir("cohort:nope")
 
 
 def test_reward_reads_the_last_assistant_message_only():
@@ -236,15 +237,15 @@ def test_the_builtin_name_loads_a_cached_hugging_face_folder(tmp_path, monkeypat
     ordinary Hugging Face folder, tokenizer and chat template included, and loads it as the policy."""
     from transformers import AutoTokenizer
 
-    from cohort.models.policy import load_policy
+    from cohort.run.policy import load_policy
 
     monkeypatch.setenv("COHORT_CACHE", str(tmp_path))
     spec = dict(SMALL, hidden_size=16, intermediate_size=32, sft_steps=1, sft_mix_steps=1, sft_batch_size=2)
-    monkeypatch.setitem(tiny.BUILTIN_MODELS, TINY_TOOLS_MODEL,
-                        lambda log=print: tiny.tiny_tools_model_dir(log=log, spec=spec))
+    monkeypatch.setitem(builtin.BUILDERS, TINY_TOOLS_MODEL,
+                        lambda log=print: builtin.tiny_tools_model_dir(log=log, spec=spec))
     lines = []
     model, tokenizer = load_policy(TINY_TOOLS_MODEL, log=lines.append)
-    folder = tiny.builtin_model_dir(TINY_TOOLS_MODEL, log=lines.append)
+    folder = builtin.builtin_model_dir(TINY_TOOLS_MODEL, log=lines.append)
     assert folder.parent == tmp_path and folder.name.startswith("tiny-tools-")
     assert sum("Building the built-in tiny tools model" in line for line in lines) == 1  # cached after
     # each pass counts its steps from 1: its lines say which pass they are of

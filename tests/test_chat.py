@@ -248,7 +248,7 @@ def test_generate_completes_a_file_of_arithmetic_prompts_as_the_task_does(tmp_pa
     """The built-in model answers after the prompt's newline: a .txt file of the arithmetic task's prompts
     (one a line) gets exactly the completions of the task's own prompt strings, and they are answers."""
     from cohort.cli.chat import generate_rows, load_for_inference
-    from cohort.models.tiny import tiny_model_dir
+    from cohort.sft.builtin import tiny_model_dir
     from cohort.tasks import get_task
 
     rows = get_task("arithmetic").load("test", levels=[2], size=6)

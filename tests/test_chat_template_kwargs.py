@@ -6,8 +6,8 @@ import types
 import pytest
 
 from cohort import GRPOConfig
-from cohort.algorithm.sft import SFTConfig, encode_sft_row
-from cohort.algorithm.sft_tools import encode_trajectory
+from cohort.sft.sft_trainer import SFTConfig, encode_sft_row
+from cohort.sft.sft_tools import encode_trajectory
 from cohort.cli.eval import EVAL_OPTIONS, run_eval
 from cohort.cli.options import parse_options
 from cohort.cli.sft import SFT_OPTIONS
@@ -80,7 +80,7 @@ def test_sft_renders_prompts_and_trajectories_with_the_kwargs():
 def test_sft_train_encodes_rows_with_its_configs_kwargs(monkeypatch):
     import torch
 
-    import cohort.algorithm.sft as sft
+    import cohort.sft.sft_trainer as sft
 
     seen = []
     monkeypatch.setattr(sft, "encode_sft_row", lambda row, tokenizer, length, kwargs: seen.append(kwargs) or ([1], [2]))
@@ -100,7 +100,7 @@ def test_the_commands_take_a_json_object(options):
 
 def test_cohort_eval_encodes_prompts_with_the_kwargs(monkeypatch, tmp_path):
     import cohort.eval.evaluate
-    import cohort.models.policy
+    import cohort.run.policy
     import cohort.rollout
 
     seen = []
@@ -112,7 +112,7 @@ def test_cohort_eval_encodes_prompts_with_the_kwargs(monkeypatch, tmp_path):
         seen.append(tokenizer.decode(encode([{"role": "user", "content": "1+1"}])))
         raise Stop
 
-    monkeypatch.setattr(cohort.models.policy, "load_policy",
+    monkeypatch.setattr(cohort.run.policy, "load_policy",
                         lambda *a, **k: (types.SimpleNamespace(eval=lambda: None), tokenizer_with_template()))
     monkeypatch.setattr(cohort.rollout, "make_sampler", lambda model, tokenizer: None)
     monkeypatch.setattr(cohort.eval.evaluate, "evaluate", fake_evaluate)

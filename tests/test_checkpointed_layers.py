@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cohort import GRPOConfig
-from cohort.options.command_line import parse_config
+from cohort.config.command_line import parse_config
 from cohort.errors import CohortError
 from cohort.memory.checkpointed_layers import ActivationProbe, AutoCheckpointing, layers_to_keep
 from helpers import synthetic_batch, update_trainer

@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from cohort.cli import main
-from cohort.config import GRPOConfig
-from cohort.options.command_line import parse_config
+from cohort.config.grpo_config import GRPOConfig
+from cohort.config.command_line import parse_config
 from cohort.errors import CohortError
 
 

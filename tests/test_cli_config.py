@@ -15,12 +15,12 @@ import pytest
 import yaml
 
 import cohort
-from cohort.algorithm.determinism import cpu_thread_count
+from cohort.run.determinism import cpu_thread_count
 from cohort.cli import main
-from cohort.config import GRPOConfig
-from cohort.options.command_line import config_help, describe_config, parse_config, resolve_config
+from cohort.config.grpo_config import GRPOConfig
+from cohort.config.command_line import config_help, describe_config, parse_config, resolve_config
 from cohort.errors import CohortError
-from cohort.options.output_dir import COMMAND_LINE_OUTPUT_DIR
+from cohort.config.output_dir import COMMAND_LINE_OUTPUT_DIR
 from cohort.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ class Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch):
-    import cohort.algorithm.trainer as trainer_module
+    import cohort.trainer.grpo_trainer as trainer_module
 
     Recorder.calls = []
     monkeypatch.setattr(trainer_module, "GRPOTrainer", Recorder)
@@ -143,7 +143,7 @@ def test_trl_alias_sets_the_field_and_its_source():
 # ---- --print_config ---------------------------------------------------------------------------
 
 def test_print_config_shows_each_value_and_source_and_does_not_train(tmp_path, tiny_dir, capsys, monkeypatch):
-    import cohort.algorithm.trainer as trainer_module
+    import cohort.trainer.grpo_trainer as trainer_module
 
     monkeypatch.setattr(trainer_module.GRPOTrainer, "train", lambda self: pytest.fail("--print_config trained"))
     monkeypatch.chdir(tmp_path)  # the task's output_dir, runs/arithmetic, is made and removed here

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cohort.cli import main, task_rows
-from cohort.options.command_line import resolve_config
+from cohort.config.command_line import resolve_config
 from cohort.errors import CohortError
 from cohort.tasks import get_task
 from cohort.tasks.data import load_rows

@@ -1,6 +1,6 @@
 """The colocated placement (`--fsdp`, no `--rollout_gpus`, `rollout_tensor_parallel_size` T > 1): FSDP2 training
 ranks sample in groups of T consecutive ranks, one engine call per group (cohort/rollout/colocated.py,
-cohort/run/colocation.py). What runs in one process: the groups, how a group's requests become engine calls and
+cohort/parallel/colocation.py). What runs in one process: the groups, how a group's requests become engine calls and
 how a rank's block is cut from a merged call, and the settings refused in one line. Real ranks training exactly
 what one process trains, and resuming: tests/test_distributed.py."""
 
@@ -11,10 +11,10 @@ from cohort import GRPOConfig
 from cohort.errors import CohortError
 from cohort.models import CausalLM, ModelConfig
 from cohort.models.lora import apply_lora, lora_config_from_args
-from cohort.resolve import resolve_run_config
+from cohort.run.resolve import resolve_run_config
 from cohort.rollout.colocated import blocks_of_one_batch
 from cohort.rollout.sampler import SamplingParams
-from cohort.run.colocation import SamplingGroup, sampling_groups
+from cohort.parallel.colocation import SamplingGroup, sampling_groups
 
 CPU = torch.device("cpu")
 

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from cohort.algorithm.determinism import run_determinism, cpu_thread_count
-from cohort.config import GRPOConfig
+from cohort.run.determinism import run_determinism, cpu_thread_count
+from cohort.config.grpo_config import GRPOConfig
 from cohort.errors import CohortError
 
 
@@ -42,7 +42,7 @@ def test_a_count_below_one_is_refused():
 def test_full_determinism_turns_the_ordered_kernels_on_for_a_gpu_run_and_restores_them(monkeypatch):
     """`full_determinism`: a GPU run (here the meta device stands for it) gets PyTorch's deterministic algorithms
     and cuDNN's, and cuBLAS a fixed workspace; the CPU's thread count is not touched; all restored after."""
-    from cohort.algorithm.determinism import prepare_full_determinism
+    from cohort.run.determinism import prepare_full_determinism
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     prepare_full_determinism()

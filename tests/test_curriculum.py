@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort.options.command_line import parse_config
-from cohort.algorithm.curriculum import Curriculum, parse_curriculum
+from cohort.config.command_line import parse_config
+from cohort.config.curriculum import parse_curriculum
+from cohort.tasks.curriculum import Curriculum
 from cohort.errors import CohortError
 from cohort.tasks import get_task
 from cohort.models.tiny import TINY_SPEC, build_model, build_tokenizer

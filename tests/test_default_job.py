@@ -60,7 +60,7 @@ def test_the_built_in_models_choose_the_cpu_and_others_keep_their_device(monkeyp
     import torch
 
     from cohort.models.tiny import run_device
-    from cohort.run.distributed import pick_device
+    from cohort.parallel.distributed import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert run_device("auto", None) == "cpu"

@@ -19,13 +19,13 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from cohort.config import GRPOConfig
-from cohort.run.distributed import Parallel, average_records, check_parallel_options, shard_bounds
+from cohort.config.grpo_config import GRPOConfig
+from cohort.parallel.distributed import Parallel, average_records, check_parallel_options, shard_bounds
 from cohort.rollout import Engine
 from cohort.rollout.sampling import gumbel_noise
 from cohort.errors import CohortError
 from cohort.models import from_pretrained
-from cohort.algorithm.ppo import PPOConfig
+from cohort.trainer.ppo_trainer import PPOConfig
 from cohort.rollout.sampler import SamplingParams
 
 REWARD_MODULE = '''

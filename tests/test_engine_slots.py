@@ -13,10 +13,11 @@ import torch
 from cohort import GRPOConfig
 from cohort.errors import CohortError
 from cohort.models import CausalLM, ModelConfig
-from cohort.resolve import resolve_run_config
+from cohort.run.resolve import resolve_run_config
 from cohort.rollout import Engine
 from cohort.rollout.sampler import SamplingParams
-from cohort.rollout.setup import capped, placement_line, slots_line
+from cohort.plans.placement_lines import placement_line, slots_line
+from cohort.rollout.setup import capped
 
 torch.set_num_threads(1)
 

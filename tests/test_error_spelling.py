@@ -11,10 +11,10 @@ import pytest
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.cli.main import main
-from cohort.options.command_line import resolve_config
+from cohort.config.command_line import resolve_config
 from cohort.errors import CohortError, command_line
-from cohort.options.output_dir import script_output_dir
-from cohort.options.spelling import python_spelling
+from cohort.config.output_dir import script_output_dir
+from cohort.config.spelling import python_spelling
 from cohort.run.lifecycle import TrainingInterrupted
 
 

@@ -243,10 +243,10 @@ def test_gsm8k_eval_from_data_files(tmp_path, capsys):
 
 
 def test_no_model_means_the_built_in_model(tiny_dir, tmp_path, monkeypatch, capsys):
-    import cohort.models.tiny
+    import cohort.sft.builtin
 
     asked = []
-    monkeypatch.setattr(cohort.models.tiny, "tiny_model_dir", lambda log=print, **_: asked.append(1) or tiny_dir)
+    monkeypatch.setattr(cohort.sft.builtin, "tiny_model_dir", lambda log=print, **_: asked.append(1) or tiny_dir)
     out_file = tmp_path / "builtin.jsonl"
     assert main(["eval", "--limit", "3", "--output", str(out_file), "--device", "cpu"]) == 0
     assert asked and len(out_file.read_text().splitlines()) == 3

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from cohort import GRPOConfig
-from cohort.options.command_line import parse_config
+from cohort.config.command_line import parse_config
 from cohort.errors import CohortError, command_line
-from cohort.memory.training_plan import StepShape, micro_batch_tokens
+from cohort.plans.training_plan import StepShape, micro_batch_tokens
 from cohort.models import CausalLM, ModelConfig
 from cohort.update.fast_path import MICRO_BATCH_FLOP, fast_path_line, fast_path_settings
 

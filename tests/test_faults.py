@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from cohort.errors import CohortError
-from cohort.run.faults import INJECT_ENV, job_failure_line, wait_all, withheld_weights
+from cohort.parallel.faults import INJECT_ENV, job_failure_line, wait_all, withheld_weights
 from test_distributed import REWARD_MODULE, environment, rank_one_pid, run, step_records, train_options
 
 TOLERANCE = 1e-5
@@ -78,7 +78,7 @@ def test_a_teardown_that_never_completes_is_left_after_its_bound(monkeypatch, ca
     import torch
     import torch.distributed as dist
 
-    from cohort.run import distributed
+    from cohort.parallel import distributed
 
     forever = threading.Event()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cohort.algorithm.trainer import Batch
+from cohort.trainer.grpo_trainer import Batch
 from cohort.models import ModelConfig
 from cohort.rollout.sampler import Rollout
-from cohort.run.distributed import Parallel
+from cohort.parallel.distributed import Parallel
 from helpers import random_completions, update_trainer
 from test_tensor_parallel_model import random_model
 

@@ -184,7 +184,7 @@ def test_training_file_is_never_the_held_out_split(tmp_path, monkeypatch):
     test split, else none (one line) — never from the training file."""
     import cohort.tasks.gsm8k as gsm8k
     from cohort.cli import task_rows
-    from cohort.config import GRPOConfig
+    from cohort.config.grpo_config import GRPOConfig
 
     train_file = _write_rows(tmp_path / "train.jsonl", ROWS[:2])
     eval_file = _write_rows(tmp_path / "eval.jsonl", ROWS[3:])
@@ -205,7 +205,7 @@ def test_training_file_is_never_the_held_out_split(tmp_path, monkeypatch):
 @pytest.mark.skipif(not SHARED.exists(), reason="../shared/data/gsm8k is not present")
 def test_held_out_defaults_to_the_real_test_split_not_the_training_file(tmp_path):
     from cohort.cli import task_rows
-    from cohort.config import GRPOConfig
+    from cohort.config.grpo_config import GRPOConfig
 
     train_file = _write_rows(tmp_path / "train.jsonl", ROWS)
     _, held_out = task_rows(GSM8KTask(), GRPOConfig(task="gsm8k", data_files=train_file, eval_limit=5))

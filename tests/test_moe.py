@@ -112,7 +112,7 @@ def _our_moe(**config):
 
 
 def test_config_counts_and_flops_of_a_moe():
-    from cohort.memory.sampling_plan import parameter_count
+    from cohort.plans.sampling_plan import parameter_count
     from cohort.telemetry.metrics import update_flops
 
     model = _our_moe()
@@ -216,8 +216,8 @@ def test_compiled_training_layers_equal_eager_with_replay_in_one_graph_for_all_m
 def test_qwen3_30b_a3b_counts_its_experts():
     """The plans count every expert: Qwen3-30B-A3B's config gives the 30.5B weights transformers builds (less the
     q/k norms, which the count leaves out), and the layer FSDP2 gathers is a whole MoE layer."""
-    from cohort.memory.sampling_plan import parameter_count
-    from cohort.memory.training_plan import layer_parameter_count
+    from cohort.plans.sampling_plan import parameter_count
+    from cohort.plans.training_plan import layer_parameter_count
     from cohort.models import ModelConfig
 
     fields = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,

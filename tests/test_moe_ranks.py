@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 from cohort.models import CausalLM, ModelConfig, from_pretrained
 from cohort.models.resharding import full_parameters, update_shard_
 from cohort.models.tiny import build_tokenizer
-from cohort.run.sharding import decoder_layers
+from cohort.parallel.sharding import decoder_layers
 from test_distributed import REWARD_MODULE, run, step_records, train_options
 
 TOLERANCE = 1e-5

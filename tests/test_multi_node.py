@@ -19,9 +19,9 @@ import torch
 
 from cohort.cli import main
 from cohort.cli.main import _unreachable_checkpoint, torchrun_arguments
-from cohort.config import GRPOConfig
+from cohort.config.grpo_config import GRPOConfig
 from cohort.errors import CohortError
-from cohort.run.distributed import Parallel
+from cohort.parallel.distributed import Parallel
 from test_distributed import REWARD_MODULE, assert_same_training, environment, step_records, train_options
 
 NODE = ["--nnodes", "2", "--master_addr", "10.0.0.1"]
@@ -104,7 +104,7 @@ def test_the_launcher_starts_this_machines_torchrun(code, tiny_dir, capsys, tmp_
     assert main(["train", "--nproc_per_node", "4", "--nnodes", "2", "--node-rank=1", "--master_addr", "10.0.0.1",
                  "--master_port", "29511", "--model", tiny_dir, "--output_dir", out, "--max_steps", "3"]) == code
     [command] = FakeTorchrun.commands
-    assert command[:3] == [sys.executable, "-m", "cohort.run.faults"]  # torchrun, its failures kept for one line
+    assert command[:3] == [sys.executable, "-m", "cohort.parallel.faults"]  # torchrun, its failures kept for one line
     assert command[4:] == ["--nnodes=2", "--node_rank=1",
                        "--master_addr=10.0.0.1", "--master_port=29511", "--nproc_per_node=4", "-m", "cohort", "train",
                        "--model", tiny_dir, "--output_dir", out, "--max_steps", "3"]  # no node option reaches a rank
@@ -289,7 +289,7 @@ def test_resume_needs_the_checkpoint_on_every_node(setup, two_nodes, one_process
 FSDP_SCRIPT = '''
 import torch
 from torch import nn
-from cohort.run.distributed import Parallel
+from cohort.parallel.distributed import Parallel
 
 class Block(nn.Module):
     def __init__(self):

@@ -167,7 +167,7 @@ def test_steps_get_complete_groups_within_max_staleness_and_carried_tokens_keep_
 
 
 def test_partial_rollouts_are_on_by_default_wherever_they_can_run():
-    from cohort.config import GRPOConfig
+    from cohort.config.grpo_config import GRPOConfig
     from cohort.rollout.partial import partial_rollout_settings
 
     engine_like, hf_like = True, False

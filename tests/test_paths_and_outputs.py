@@ -219,10 +219,10 @@ def test_output_dir_and_output(tiny_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_the_built_in_model_writes_under_runs_eval(tiny_dir, tmp_path, monkeypatch, capsys):
-    import cohort.models.tiny
+    import cohort.sft.builtin
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cohort.models.tiny, "tiny_model_dir", lambda log=print, **_: tiny_dir)
+    monkeypatch.setattr(cohort.sft.builtin, "tiny_model_dir", lambda log=print, **_: tiny_dir)
     assert main(["eval", "--limit", "2", "--max_completion_length", "4", "--device", "cpu"]) == 0
     expected = Path("runs") / "eval" / "builtin-tiny" / "arithmetic_test.jsonl"
     assert (tmp_path / expected).is_file()

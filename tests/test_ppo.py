@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from cohort.errors import CohortError
-from cohort.config import GRPOConfig
-from cohort.algorithm.ppo import PPOConfig, PPOTrainer
+from cohort.config.grpo_config import GRPOConfig
+from cohort.trainer.ppo_trainer import PPOConfig, PPOTrainer
 
 PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n"} for a in range(10) for b in range(10)]
 

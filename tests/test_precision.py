@@ -7,9 +7,9 @@ import io
 import pytest
 import torch
 
-import cohort.memory.precision as precision
+import cohort.optim.precision as precision
 from cohort.errors import CohortError
-from cohort.memory.precision import MasterWeightAdamW, _chunks_by_bytes, clip_grad_norm, join_master, split_master
+from cohort.optim.precision import MasterWeightAdamW, _chunks_by_bytes, clip_grad_norm, join_master, split_master
 
 SHAPES = [(64, 32), (32,), (128, 16), (7,), (256, 8), (16, 16)]  # 2,048 + 32 + 2,048 + 7 + 2,048 + 256 elements
 

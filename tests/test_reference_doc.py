@@ -9,8 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from cohort.config import GRPOConfig
-from cohort.options.command_line import option_sections
+from cohort.config.grpo_config import GRPOConfig
+from cohort.config.command_line import option_sections
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

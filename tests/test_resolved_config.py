@@ -14,13 +14,13 @@ import pytest
 import torch
 import yaml
 
-from cohort.algorithm.trainer import GRPOTrainer
-from cohort.choices import AUTO_OPTIONS, CHOICES
+from cohort.trainer.grpo_trainer import GRPOTrainer
+from cohort.config.choices import AUTO_OPTIONS, CHOICES
 from cohort.cli import main
-from cohort.config import GRPOConfig
-from cohort.options.command_line import config_help, parse_config
+from cohort.config.grpo_config import GRPOConfig
+from cohort.config.command_line import config_help, parse_config
 from cohort.errors import CohortError
-from cohort.resolve import resolve_run_config
+from cohort.run.resolve import resolve_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"prompt": f"{a}+{b}=?"} for a in range(4) for b in range(4)]

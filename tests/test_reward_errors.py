@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort.options.command_line import parse_config
+from cohort.config.command_line import parse_config
 from cohort.errors import CohortError
 from cohort.rewards import runner as runner_module
 from cohort.rewards.runner import RewardRunner, RewardWarning, exception_line

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from cohort.config import GRPOConfig
+from cohort.config.grpo_config import GRPOConfig
 from cohort.errors import CohortError
-from cohort.run.disaggregation import Placement, RolloutLink
+from cohort.parallel.disaggregation import Placement, RolloutLink
 from test_distributed import REWARD_MODULE, environment, run, step_records, torchrun, train_options
 
 TOLERANCE = 1e-5
@@ -329,7 +329,7 @@ def test_one_engine_call_for_a_block_of_trainers_samples_what_their_own_calls_do
     import torch
 
     from cohort import GRPOConfig
-    from cohort.models.policy import load_policy
+    from cohort.run.policy import load_policy
     from cohort.rollout import make_sampler
     from cohort.rollout.group_sampler import GroupSampler
     from cohort.rollout.remote import split_by_blocks

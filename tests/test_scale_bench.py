@@ -24,7 +24,7 @@ def run(tmp_path, *flags):
 
 
 def test_the_plan_rows_are_the_plans(tmp_path):
-    from cohort.memory.training_plan import GIB
+    from cohort.plans.training_plan import GIB
 
     out = run(tmp_path, "--plan")
     report = json.loads((tmp_path / "scale_plan.json").read_text())

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.cli import main
-from cohort.algorithm.sft import SFTConfig, encode_sft_row
+from cohort.sft.sft_trainer import SFTConfig, encode_sft_row
 from cohort.models.tiny import build_model, build_tokenizer
 
 torch.set_num_threads(1)
@@ -109,8 +109,9 @@ def test_bad_arguments(argv, fragment, capsys):
 
 
 def test_built_in_warm_start_goes_through_sft_train(tmp_path, monkeypatch):
-    import cohort.algorithm.sft
+    import cohort.sft.sft_trainer
     import cohort.models.tiny
+    import cohort.sft.builtin
 
     calls = []
 
@@ -119,9 +120,9 @@ def test_built_in_warm_start_goes_through_sft_train(tmp_path, monkeypatch):
         return [0.0]
 
     monkeypatch.setenv("COHORT_CACHE", str(tmp_path))
-    monkeypatch.setattr(cohort.algorithm.sft, "sft_train", fake_sft_train)
+    monkeypatch.setattr(cohort.sft.sft_trainer, "sft_train", fake_sft_train)
     spec = dict(cohort.models.tiny.TINY_SPEC, version="test-sft-path", sft_steps=7)
-    path = cohort.models.tiny.tiny_model_dir(log=lambda *_: None, spec=spec)
+    path = cohort.sft.builtin.tiny_model_dir(log=lambda *_: None, spec=spec)
     assert len(calls) == 1
     rows, config = calls[0]
     assert isinstance(config, SFTConfig) and config.max_steps == 7

@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-import cohort.memory.sharded_adamw as sharded_adamw
-from cohort.config import GRPOConfig
+import cohort.optim.sharded_adamw as sharded_adamw
+from cohort.config.grpo_config import GRPOConfig
 from cohort.errors import CohortError
-from cohort.memory.bf16 import element_noise, round_with_noise
-from cohort.memory.precision import make_optimizer, optimizer_line
-from cohort.memory.sharded_adamw import ShardedAdamW
+from cohort.optim.bf16 import element_noise, round_with_noise
+from cohort.optim.precision import make_optimizer, optimizer_line
+from cohort.optim.sharded_adamw import ShardedAdamW
 
 HYPER = dict(lr=3e-2, weight_decay=0.1, betas=(0.9, 0.99))
 
@@ -174,10 +174,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import test_sharded_adamw as t
-from cohort.config import GRPOConfig
-from cohort.memory.precision import make_optimizer
-from cohort.memory.sharded_adamw import ShardedAdamW
-from cohort.run.distributed import Parallel
+from cohort.config.grpo_config import GRPOConfig
+from cohort.optim.precision import make_optimizer
+from cohort.optim.sharded_adamw import ShardedAdamW
+from cohort.parallel.distributed import Parallel
 
 out = sys.argv[1]
 dist.init_process_group("gloo")

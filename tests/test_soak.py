@@ -52,9 +52,9 @@ def container_sizes(root, depth: int = 4) -> dict[str, int]:
 
 def run_job(out: str) -> None:
     """The default job as `cohort train` runs it (cohort/cli/main.py), with a callback recording each step."""
-    from cohort.algorithm.trainer import GRPOTrainer
+    from cohort.trainer.grpo_trainer import GRPOTrainer
     from cohort.cli.main import task_rows
-    from cohort.options.command_line import resolve_config
+    from cohort.config.command_line import resolve_config
     from cohort.tasks import get_task
 
     args, _ = resolve_config(["--output_dir", str(Path(out).parent / "run"), "--quiet"])

@@ -10,7 +10,7 @@ import torch
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.algorithm import objectives
-from cohort.algorithm.prompts import PromptStream
+from cohort.tasks.prompts import PromptStream
 from cohort.update import fused_head
 from cohort.update.fused_head import FusedHead
 from cohort.update.logprobs import micro_batch_logprobs

@@ -62,8 +62,8 @@ def test_version_answers_within_a_generous_bound():
 
 def test_the_public_names_still_import_from_the_package():
     import cohort
-    from cohort.algorithm.trainer import GRPOTrainer
-    from cohort.config import GRPOConfig
+    from cohort.trainer.grpo_trainer import GRPOTrainer
+    from cohort.config.grpo_config import GRPOConfig
 
     assert cohort.GRPOTrainer is GRPOTrainer and cohort.GRPOConfig is GRPOConfig
     assert set(cohort.__all__) <= set(dir(cohort))

@@ -2,6 +2,8 @@
 well under a second).
 
 * cohort/ keeps at most a handful of top-level modules; everything else lives in a role folder.
+* The rooms of cohort/ (its folders and top-level modules) stand in one order, `ROOMS`, lowest first: a room
+  imports only rooms below it, so no two rooms import each other and a reader can learn them bottom up.
 * No import cycles among cohort's modules. Function-level (lazy) imports count as edges like module-level
   ones: a lazy import hides a cycle from the interpreter, not from the reader, and the aim is a clean
   layering; so do imports under `if TYPE_CHECKING:` (a type a lower layer needs belongs in that layer).
@@ -22,6 +24,7 @@ import ast
 import functools
 import io
 import re
+import sys
 import tokenize
 from pathlib import Path
 
@@ -29,7 +32,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "cohort"
-MAX_TOP_LEVEL_MODULES = 6
+MAX_TOP_LEVEL_MODULES = 3
+
+# The rooms, lowest first. The data flow runs prompts → rollout → rewards → advantages → loss → update; a room sits
+# above everything it needs: the maths of the algorithm (advantages, objectives) above only the config, the stages
+# above the models they run, the plans above the stages whose allocations they count, the run above the plans, the
+# loops above the run that assembles their parts, the command line at the top.
+ROOMS = ("errors.py", "kernels", "config", "algorithm", "models", "parallel", "optim", "memory", "tools", "rewards",
+         "tasks", "rollout", "update", "eval", "sft", "telemetry", "plans", "run", "trainer", "cli", "__main__.py")
 
 
 def _module_name(path: Path) -> str:
@@ -179,6 +189,43 @@ def test_few_top_level_modules():
         f"cohort/ has {len(top)} top-level modules ({', '.join(top)}); at most {MAX_TOP_LEVEL_MODULES}: "
         "move the others into a role folder"
     )
+
+
+def _room(module: str) -> str | None:
+    """The room of a cohort module: its folder, or its file for a top-level module; None for cohort itself."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None
+    return parts[1] + ("" if (PACKAGE / parts[1]).is_dir() else ".py")
+
+
+def test_every_room_has_a_place_in_the_order():
+    rooms = {_room(m) for m in MODULES} - {None}
+    assert rooms == set(ROOMS), (f"rooms without a place in ROOMS: {sorted(rooms - set(ROOMS))}; "
+                                 f"places without a room: {sorted(set(ROOMS) - rooms)}")
+
+
+def test_rooms_import_only_rooms_below_them():
+    graph = _graph()
+    upward = []
+    for module, targets in graph.items():
+        room = _room(module)
+        for target, places in targets.items():
+            other = _room(target)
+            if room and other and room != other and ROOMS.index(other) > ROOMS.index(room):
+                upward.append(f"  {room} imports {other}, which stands above it: {module} -> {target} ({', '.join(places)})")
+    if upward:
+        pytest.fail("imports up the order of rooms (move the name to the lower room, or pass it in; lazy imports "
+                    "count):\n" + "\n".join(sorted(upward)), pytrace=False)
+
+
+def test_the_order_check_finds_an_upward_import(monkeypatch):
+    """The check above, on a made-up graph: a kernel that imports the trainer is refused."""
+    fake = {"cohort.kernels.k": {"cohort.trainer.grpo_trainer": ["cohort/kernels/k.py:1"]},
+            "cohort.trainer.grpo_trainer": {"cohort.kernels.k": ["cohort/trainer/grpo_trainer.py:1"]}}
+    monkeypatch.setattr(sys.modules[__name__], "_graph", lambda: fake)
+    with pytest.raises(pytest.fail.Exception, match="kernels imports trainer"):
+        test_rooms_import_only_rooms_below_them()
 
 
 def test_no_import_cycles():

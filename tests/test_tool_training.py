@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort.algorithm.sft_tools import encode_trajectory
+from cohort.sft.sft_tools import encode_trajectory
 from cohort.errors import CohortError
 from cohort.models.tiny import build_model, build_tools_tokenizer
 

@@ -1,5 +1,5 @@
-"""The training memory plan (cohort/memory/training_plan.py) against the tensors cohort really makes, and the
-refusal before loading (cohort/memory/capacity.py) on a GPU whose capacity the test sets."""
+"""The training memory plan (cohort/plans/training_plan.py) against the tensors cohort really makes, and the
+refusal before loading (cohort/plans/capacity.py) on a GPU whose capacity the test sets."""
 
 import json
 import re
@@ -11,11 +11,11 @@ import torch
 
 from cohort import GRPOConfig
 from cohort.errors import CohortError
-from cohort.memory import capacity
-from cohort.memory.capacity import check_capacity, config_before_loading, run_placement
-from cohort.memory.precision import make_optimizer
-from cohort.memory.sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT, ShardedAdamW
-from cohort.memory.training_plan import (GIB, Placement, StepShape, activation_bytes_per_token, engine_kv_bytes,
+from cohort.plans import capacity
+from cohort.plans.capacity import check_capacity, config_before_loading, run_placement
+from cohort.optim.precision import make_optimizer
+from cohort.optim.sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT, ShardedAdamW
+from cohort.plans.training_plan import (GIB, Placement, StepShape, activation_bytes_per_token, engine_kv_bytes,
                                          lora_parameter_count, micro_batch_tokens, training_memory_plan)
 from cohort.models import CausalLM, ModelConfig
 from cohort.rollout.engine import Engine
@@ -229,7 +229,7 @@ def test_cohort_train_stops_before_loading(gpu, llama_8b_folder, tmp_path, monke
     """Through the trainer: the refusal comes before the loader is called; a fitting run reaches the loader."""
     from cohort import GRPOTrainer
     from cohort.run import assembly
-    from cohort.run.distributed import Parallel
+    from cohort.parallel.distributed import Parallel
 
     monkeypatch.setattr(Parallel, "from_env", classmethod(lambda cls, *a, **k: Parallel(device=CUDA)))
     loads = []

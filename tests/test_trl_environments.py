@@ -13,7 +13,7 @@ import torch
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.errors import CohortError
-from cohort.models import tiny
+from cohort.sft import builtin
 from cohort.models.tiny import TINY_TOOLS_MODEL, TINY_TOOLS_SPEC
 
 torch.set_num_threads(1)
@@ -25,8 +25,8 @@ SPEC = dict(TINY_TOOLS_SPEC, hidden_size=16, intermediate_size=32, num_hidden_la
 @pytest.fixture(autouse=True)
 def small_tools_model(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("COHORT_CACHE", str(tmp_path_factory.getbasetemp() / "cohort-cache"))
-    monkeypatch.setitem(tiny.BUILTIN_MODELS, TINY_TOOLS_MODEL,
-                        lambda log=print: tiny.tiny_tools_model_dir(log=log, spec=SPEC))
+    monkeypatch.setitem(builtin.BUILDERS, TINY_TOOLS_MODEL,
+                        lambda log=print: builtin.tiny_tools_model_dir(log=log, spec=SPEC))
 
 
 def small(tmp_path, **overrides):

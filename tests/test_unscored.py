@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from cohort import GRPOConfig, GRPOTrainer
-from cohort.algorithm.dynamic_sampling import select_groups
+from cohort.trainer.dynamic_sampling import select_groups
 from cohort.algorithm.advantages import group_advantages
-from cohort.options.command_line import parse_config
+from cohort.config.command_line import parse_config
 from cohort.errors import CohortError
 from cohort.rewards.runner import RewardOutput, RewardRunner, RewardWarning
 from cohort.rollout.batch import Batch

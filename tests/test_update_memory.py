@@ -9,7 +9,7 @@ from cohort import GRPOConfig
 from cohort.errors import CohortError
 from cohort.update.logprobs import lm_head_logprobs, micro_batch_logprobs, rollout_logprobs, selected_logprobs
 from cohort.update.packing import pack_micro_batch, plan_micro_batches
-from cohort.memory.precision import MasterWeightAdamW, make_optimizer
+from cohort.optim.precision import MasterWeightAdamW, make_optimizer
 from helpers import synthetic_batch as _synthetic_batch, update_trainer as _trainer, variable_batch as _variable_batch
 from update_gradients import update_gradient
 
@@ -204,7 +204,7 @@ def test_out_of_memory_in_the_optimizer_step_halves_its_chunks_and_the_update_is
     """bf16 weights (fp32 masters) on the CPU, one tensor's fp32 bytes a chunk at most 64 KiB: the
     second chunk's master cannot be rebuilt once. The trainer logs the halving, counts it as a retry,
     and ends the update with the weights of a run that never ran out of memory."""
-    import cohort.memory.precision as precision
+    import cohort.optim.precision as precision
 
     lines = []
     retried = _trainer(tiny_dir, tmp_path / "retry", dtype="bfloat16")

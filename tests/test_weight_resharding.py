@@ -23,7 +23,7 @@ from cohort.errors import CohortError
 from cohort.models import CausalLM, ModelConfig
 from cohort.models.resharding import full_parameters, plain_parameter_name, update_shard_
 from cohort.models.tensor_parallel import TensorParallelCausalLM, gather_logits, shard_model, shard_state_dict
-from cohort.run.distributed import Parallel
+from cohort.parallel.distributed import Parallel
 from test_tensor_parallel_model import random_model
 
 TOLERANCE = 1e-5

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .loss_spec import SCALE_CHOICES, ScaleRewards
+from cohort.algorithm.loss_spec import SCALE_CHOICES, ScaleRewards
 
 __all__ = ["gae_advantages", "group_advantages", "overlong_penalty", "whiten"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..choices import CHOICES
-from ..errors import CohortError
+from cohort.config.choices import CHOICES
+from cohort.errors import CohortError
 
 ScaleRewards = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -20,7 +20,7 @@ LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
 ImportanceLevel = Literal["token", "sequence"]
 SamplerCorrection = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
-# The option values come from the one table of them (cohort/choices.py); the Literals above name them
+# The option values come from the one table of them (cohort/config/choices.py); the Literals above name them
 # for type checkers only.
 SCALE_CHOICES = CHOICES["scale_rewards"]
 KL_CHOICES = ("k1", "k2", "k3")

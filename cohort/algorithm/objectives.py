@@ -26,9 +26,9 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
-from .loss_spec import (IMPORTANCE_LEVELS, KL_CHOICES, LOSS_TYPES, SAMPLER_CORRECTIONS, SCALE_CHOICES, BatchShare,
+from cohort.algorithm.loss_spec import (IMPORTANCE_LEVELS, KL_CHOICES, LOSS_TYPES, SAMPLER_CORRECTIONS, SCALE_CHOICES, BatchShare,
                         KLEstimator, LossSpec, LossType, ScaleRewards)
-from .sampler_correction import sampler_correction_weights, sampler_log_ratio, sampler_mismatch_stats
+from cohort.algorithm.sampler_correction import sampler_correction_weights, sampler_log_ratio, sampler_mismatch_stats
 
 __all__ = ["IMPORTANCE_LEVELS", "KL_CHOICES", "LOSS_TYPES", "SAMPLER_CORRECTIONS", "SCALE_CHOICES", "BatchShare",
            "LossSpec", "aggregate_loss", "kl_penalty", "nonfinite_tokens", "per_token_policy_loss", "policy_loss",

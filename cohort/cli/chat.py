@@ -22,10 +22,10 @@ from typing import Callable, TextIO
 
 import torch
 
-from ..rollout.sampling import filter_logits, scale_by_temperature
-from ..errors import CohortError
-from ..models.lora import base_model
-from .chat_options import generate_parser
+from cohort.rollout.sampling import filter_logits, scale_by_temperature
+from cohort.errors import CohortError
+from cohort.models.lora import base_model
+from cohort.cli.chat_options import generate_parser
 
 FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 FALLBACK_STOPS = ["\nUser:"]  # the plain format has no end-of-turn token: the next "User:" line ends a reply
@@ -36,8 +36,8 @@ PROMPT_BATCH = 256  # prompts per engine call in `generate` (bounds memory; rows
 def default_model_spec(log: Callable[[str], None]) -> str | None:
     """No MODEL_DIR: the default run's output folder when `cohort train` has finished one, else None
     (the built-in tiny model's warm start)."""
-    from ..options.output_dir import COMMAND_LINE_OUTPUT_DIR
-    from ..tasks import get_task
+    from cohort.config.output_dir import COMMAND_LINE_OUTPUT_DIR
+    from cohort.tasks import get_task
 
     candidates = [getattr(get_task("arithmetic"), "default_config", {}).get("output_dir"), COMMAND_LINE_OUTPUT_DIR]
     for folder in candidates:
@@ -50,7 +50,7 @@ def default_model_spec(log: Callable[[str], None]) -> str | None:
 
 def load_for_inference(spec: str | None, device: str = "auto", dtype: str = "auto", log=print):
     """(model in eval mode, tokenizer, device) for chat / generate; bf16 on CUDA unless told otherwise."""
-    from ..models.policy import load_policy
+    from cohort.run.policy import load_policy
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,7 +107,7 @@ class CachedDecoder:
     the last one; `rewind(n)` forgets everything after the first n tokens."""
 
     def __init__(self, model):
-        from ..models import CausalLM, KVCache
+        from cohort.models import CausalLM, KVCache
 
         base = base_model(model)  # PEFT: LoRA lives inside
         self.own = isinstance(base, CausalLM)
@@ -356,9 +356,9 @@ def generate_rows(model, tokenizer, prompts: list, *, model_spec: str | None = N
     Message-list prompts (and, with `as_chat`, string prompts as one user message, without a trailing
     newline) are rendered as in training and evaluation (`cohort.tasks.prompt_text`: the chat template,
     or the contents one per line without one); other strings are completed exactly as they are."""
-    from ..rollout import make_sampler
-    from ..rollout.sampler import SamplingParams
-    from ..tasks import prompt_text
+    from cohort.rollout import make_sampler
+    from cohort.rollout.sampler import SamplingParams
+    from cohort.tasks import prompt_text
 
     sampler = make_sampler(model, tokenizer)
     eos_ids = stop_token_ids(tokenizer, model_spec)

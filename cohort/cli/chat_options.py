@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..tools.calls import DEFAULT_TIMEOUT_S
-from ..tools.toolbox import TOOLS_FILE
+from cohort.tools.calls import DEFAULT_TIMEOUT_S
+from cohort.tools.toolbox import TOOLS_FILE
 
 DEFAULT_MAX_ITERATIONS = 5
 

@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import CohortError
-from ..tools import (ToolCall, ToolCallError, ToolResult, assistant_message, environment_tools, family_of_template,
+from cohort.errors import CohortError
+from cohort.tools import (ToolCall, ToolCallError, ToolResult, assistant_message, environment_tools, family_of_template,
                      make_tools, resolve_environment, resolve_tools, run_tool_call, split_turn, tool_result_messages)
-from ..tools.calls import CLOSE_TAG, DEFAULT_TIMEOUT_S, OPEN_TAG
-from ..tools.toolbox import TOOLS_FILE, read_tools_file
-from .chat import ChatSession, chat_loop, default_model_spec, load_for_inference, stderr_log
-from .chat_options import DEFAULT_MAX_ITERATIONS, chat_parser
+from cohort.tools.calls import CLOSE_TAG, DEFAULT_TIMEOUT_S, OPEN_TAG
+from cohort.tools.toolbox import TOOLS_FILE, read_tools_file
+from cohort.cli.chat import ChatSession, chat_loop, default_model_spec, load_for_inference, stderr_log
+from cohort.cli.chat_options import DEFAULT_MAX_ITERATIONS, chat_parser
 
 SHOWN_CHARS = 300  # a tool line shows at most this much of the arguments, and of the result
 

@@ -25,8 +25,8 @@ import os
 import time
 from pathlib import Path
 
-from ..errors import CohortError
-from .options import Option, mapping, options_help, parse_options, pick_device
+from cohort.errors import CohortError
+from cohort.cli.options import Option, mapping, options_help, parse_options, pick_device
 
 EVAL_OPTIONS = {
     "model": Option(str, None, "HF folder, .gguf file or hub id; none: the built-in tiny model"),
@@ -170,7 +170,7 @@ def summary_lines(result, temperature: float) -> list[str]:
 
 def run_eval(argv: list[str], log=print):
     """`cohort eval` (argv without the command word); returns the `EvalResult`."""
-    from ..tasks import get_task, prompt_text
+    from cohort.tasks import get_task, prompt_text
 
     if argv[:1] in (["-h"], ["--help"]):
         log("usage: cohort eval [--option value ...]\n\noptions:\n" + options_help(EVAL_OPTIONS))
@@ -186,11 +186,11 @@ def run_eval(argv: list[str], log=print):
     # the model's side (torch, transformers: seconds) loads once the options hold
     import torch
 
-    from ..rollout import make_sampler
-    from ..eval.evaluate import evaluate
-    from ..models.policy import load_policy
-    from ..tools.loading import resolve_tools
-    from ..tools.toolbox import Toolbox, saved_toolbox
+    from cohort.rollout import make_sampler
+    from cohort.eval.evaluate import evaluate
+    from cohort.run.policy import load_policy
+    from cohort.tools.loading import resolve_tools
+    from cohort.tools.toolbox import Toolbox, saved_toolbox
 
     task = get_task(o["task"])
     if not hasattr(task, "is_correct"):

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import NoReturn
 
-from ..errors import CohortError, command_line
+from cohort.errors import CohortError, command_line
 
 USAGE = """usage: cohort [train] [--option value ...]   GRPO training (no options: the built-in task)
        cohort train --config run.yaml [...]     options from a YAML file; flags override it
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     if argv[:1] in (["--version"], ["-V"]):
-        from .. import __version__
+        from cohort import __version__
 
         print(f"cohort {__version__}")
         return 0
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     except CohortError as error:
         if debug:
             raise
-        from ..run.faults import record_rank_error
+        from cohort.parallel.faults import record_rank_error
 
         if not record_rank_error(str(error)):  # under our launcher, it prints the line of the rank that failed first
             print(f"cohort: error: {error}", file=sys.stderr)
@@ -115,7 +115,7 @@ command options:
 
 
 def _train_help(argv: list[str]) -> int:
-    from ..options.command_line import config_help, resolve_config
+    from cohort.config.command_line import config_help, resolve_config
 
     argv = [arg for arg in argv if arg not in HELP_FLAGS]
     for name in ("nproc_per_node", "print_config", *NODE_OPTIONS):
@@ -126,8 +126,8 @@ def _train_help(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from ..options.command_line import resolve_config
-    from ..tasks import get_task
+    from cohort.config.command_line import resolve_config
+    from cohort.tasks import get_task
 
     argv, processes = _pop_option(argv, "nproc_per_node")
     argv, print_config = _pop_option(argv, "print_config")
@@ -143,8 +143,8 @@ def _train(argv: list[str]) -> int:
         return _launch(argv + ["--print_config"] * printing, launcher, args, processes, nodes)
     # only now, the options checked: the trainer brings torch and transformers (seconds), which a mistyped
     # option should not wait for
-    from ..algorithm.trainer import GRPOTrainer
-    from ..rollout.sampling_rank import SamplingRank, is_sampling_rank
+    from cohort.trainer.grpo_trainer import GRPOTrainer
+    from cohort.run.sampling_rank import SamplingRank, is_sampling_rank
 
     _import_user_rewards_from_cwd(args)
     task = get_task(args.task)
@@ -178,8 +178,8 @@ def _train(argv: list[str]) -> int:
 def print_resolved(trainer, settled, sources: dict[str, str]) -> int:
     """`--print_config`: the trainer's resolved config as YAML (rank 0), each value with its source (a value
     that resolution settled says so), then the trainer is let go untrained."""
-    from ..options.command_line import describe_config
-    from ..resolve import resolved_sources
+    from cohort.config.command_line import describe_config
+    from cohort.run.resolve import resolved_sources
 
     if trainer.parallel.is_main:
         print(describe_config(trainer.args, resolved_sources(settled, trainer.args, sources)))
@@ -192,7 +192,7 @@ def print_resolved(trainer, settled, sources: dict[str, str]) -> int:
 def check_task_data(args) -> None:
     """The data options fit the task, before anything loads: a generated task reads no data, the generic
     task needs rows and reward functions, `prompt_column` is the generic task's."""
-    from ..tasks import get_task
+    from cohort.tasks import get_task
 
     task = get_task(args.task)
     data = [f"--{name} {value}" for name, value in (("data_files", args.data_files),
@@ -221,7 +221,7 @@ def _import_user_rewards_from_cwd(args) -> None:
 
 def _lost_rank(error: RuntimeError) -> Exception:
     """A one-line CohortError for a failed collective under torchrun; any other error unchanged."""
-    from ..run.faults import lost_rank_error
+    from cohort.parallel.faults import lost_rank_error
 
     return lost_rank_error(error)
 
@@ -301,7 +301,8 @@ def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: d
     if os.environ.get("WORLD_SIZE"):
         raise CohortError("--nproc_per_node launches torchrun, but this process already runs under torchrun; "
                           "leave --nproc_per_node (and --nnodes, --node_rank, --master_addr, --master_port) out")
-    from ..models.tiny import builtin_model_dir, is_builtin_model, tiny_model_dir
+    from cohort.models.tiny import is_builtin_model
+    from cohort.sft.builtin import builtin_model_dir, tiny_model_dir
 
     # Build the warm-started tiny model once per machine (in its own cache), not in every rank at the same
     # time. Machines may build copies that differ in the last bits (another CPU or GPU); the ranks start
@@ -313,12 +314,12 @@ def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: d
     import tempfile
     from pathlib import Path
 
-    from ..run.faults import REPORT_ENV, job_failure_line
+    from cohort.parallel.faults import REPORT_ENV, job_failure_line
 
-    # torchrun runs inside cohort.run.faults, which keeps its failures for the one line below; the ranks leave
+    # torchrun runs inside cohort.parallel.faults, which keeps its failures for the one line below; the ranks leave
     # their own error lines in the same folder.
     reports = Path(tempfile.mkdtemp(prefix="cohort-faults-"))
-    command = [sys.executable, "-m", "cohort.run.faults", str(reports / "torchrun.json"), *launcher, "-m", "cohort",
+    command = [sys.executable, "-m", "cohort.parallel.faults", str(reports / "torchrun.json"), *launcher, "-m", "cohort",
                "train", *argv]
     child = subprocess.Popen(command, env={**os.environ, REPORT_ENV: str(reports)})
     stops: list[int] = []
@@ -406,14 +407,14 @@ def task_rows(task, args, log=print):
 
 
 def _eval_help(argv: list[str]) -> int:
-    from .eval import run_eval
+    from cohort.cli.eval import run_eval
 
     run_eval(["--help"])
     return 0
 
 
 def _sft_help(argv: list[str]) -> int:
-    from .sft import run_sft
+    from cohort.cli.sft import run_sft
 
     run_sft(["--help"])
     return 0
@@ -439,39 +440,39 @@ HELP = {
 
 
 def _eval(argv: list[str]) -> int:
-    from .eval import run_eval
+    from cohort.cli.eval import run_eval
 
     run_eval(argv)
     return 0
 
 
 def _sft(argv: list[str]) -> int:
-    from .sft import run_sft
+    from cohort.cli.sft import run_sft
 
     run_sft(argv)
     return 0
 
 
 def _report(argv: list[str]) -> int:
-    from ..telemetry.report import main as report_main
+    from cohort.telemetry.report import main as report_main
 
     return report_main(argv)
 
 
 def _chat(argv: list[str]) -> int:
-    from .chat_options import chat_parser
+    from cohort.cli.chat_options import chat_parser
 
     chat_parser().parse_args(argv)  # --help and bad options answer here, before torch loads
-    from .chat_tools import chat_main
+    from cohort.cli.chat_tools import chat_main
 
     return chat_main(argv)
 
 
 def _generate(argv: list[str]) -> int:
-    from .chat_options import generate_parser
+    from cohort.cli.chat_options import generate_parser
 
     generate_parser().parse_args(argv)  # --help and bad options answer here, before torch loads
-    from .chat import generate_main
+    from cohort.cli.chat import generate_main
 
     return generate_main(argv)
 

@@ -1,7 +1,7 @@
 """The small `--name value` parser that `cohort eval` and `cohort sft` share.
 
-`cohort train` parses into `GRPOConfig` instead (`cohort.options.command_line.parse_config`); both read the argv
-pairs through `cohort.options.command_line.option_pairs`, so the two spell options the same way.
+`cohort train` parses into `GRPOConfig` instead (`cohort.config.command_line.parse_config`); both read the argv
+pairs through `cohort.config.command_line.option_pairs`, so the two spell options the same way.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..options.command_line import option_pairs
-from ..errors import CohortError
+from cohort.config.command_line import option_pairs
+from cohort.errors import CohortError
 
 
 @dataclass

@@ -4,7 +4,7 @@
     cohort sft --model M --task arithmetic     (the task's train split with its reference solutions)
 
 Saves an ordinary Hugging Face folder that `cohort train --model D` loads. The training itself is
-`cohort.algorithm.sft.sft_train`.
+`cohort.sft.sft_trainer.sft_train`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import json
 import random
 from pathlib import Path
 
-from ..algorithm.sft_config import SFTConfig
-from ..errors import CohortError
-from .options import Option, mapping, options_help, parse_options, pick_device
+from cohort.sft.sft_config import SFTConfig
+from cohort.errors import CohortError
+from cohort.cli.options import Option, mapping, options_help, parse_options, pick_device
 
 SFT_OPTIONS = {
     "model": Option(str, None, "HF folder, .gguf file or hub id to fine-tune (required)"),
@@ -40,8 +40,8 @@ SFT_OPTIONS = {
 
 def sft_rows(data_files=None, task_name: str | None = None, subset: int | None = None, seed: int = 0) -> list[dict]:
     """SFT rows from files, or from a task's train split (`task.solved_completion` as the target)."""
-    from ..tasks import get_task
-    from ..tasks.data import load_rows
+    from cohort.tasks import get_task
+    from cohort.tasks.data import load_rows
 
     if (data_files is None) == (task_name is None):
         raise CohortError("cohort sft needs exactly one of --data_files FILE (prompt/completion or messages rows) "
@@ -69,8 +69,9 @@ def run_sft(argv: list[str], log=print) -> Path | None:
     o = parse_options(argv, SFT_OPTIONS, "sft")
     import torch  # after the options: help and bad options answer without loading it
 
-    from ..algorithm.sft import sft_train
-    from ..models.policy import load_policy, save_policy
+    from cohort.sft.sft_trainer import sft_train
+    from cohort.models.policy import save_policy
+    from cohort.run.policy import load_policy
 
     if o["model"] is None:
         raise CohortError("cohort sft needs --model (a Hugging Face folder, a .gguf file or a hub id)")

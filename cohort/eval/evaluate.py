@@ -19,9 +19,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .passk import majority_vote, pass_at_k, pass_k_values
-from ..rollout.sampler import SamplingParams
-from ..tools.environments import reset_environments, with_addition
+from cohort.eval.passk import majority_vote, pass_at_k, pass_k_values
+from cohort.rollout.sampler import SamplingParams
+from cohort.tools.environments import reset_environments, with_addition
 
 @dataclass
 class EvalResult:
@@ -42,7 +42,7 @@ class EvalResult:
 
     def summed(self, all_reduce_sums) -> "EvalResult":
         """The result over every rank's questions: `all_reduce_sums(list of floats)` sums each count
-        over ranks (cohort/run/distributed.py); `records` stay this rank's own."""
+        over ranks (cohort/parallel/distributed.py); `records` stay this rank's own."""
         sampled = self.pass_at_k is not None
         ks = pass_k_values(self.k) if sampled else []
         mine = len(self.records)
@@ -96,7 +96,7 @@ class EvalResult:
 def _answer_of(task, text: str) -> str | None:
     extract = getattr(task, "extract_answer", None)
     if extract is None:
-        from ..rewards.answers import extract_answer as extract
+        from cohort.rewards.answers import extract_answer as extract
     return extract(text)
 
 

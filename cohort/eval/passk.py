@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from ..errors import CohortError
+from cohort.errors import CohortError
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -1,6 +1,6 @@
 """One AdamW step of a bf16 parameter with an fp32 master and bf16 moments, in one pass over memory.
 
-`MasterWeightAdamW` (cohort/memory/precision.py) keeps, per parameter, the bf16 weight, the 16 low
+`MasterWeightAdamW` (cohort/optim/precision.py) keeps, per parameter, the bf16 weight, the 16 low
 bits its fp32 master lacks, and AdamW's two moments in bf16. In torch its step takes several passes
 per chunk: widen the gradient, rebuild the master, widen both moments, torch's fused AdamW, split
 the master again, round each moment stochastically. This kernel reads each of those five 2-byte
@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .triton_common import jit, tl, triton
+from cohort.kernels.triton_common import jit, tl, triton
 
 BLOCK = 1024
 

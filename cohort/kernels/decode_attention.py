@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from .triton_common import MAX_COMBINE, SUM_COMBINE, tl, triton  # triton None: only the reference is usable
+from cohort.kernels.triton_common import MAX_COMBINE, SUM_COMBINE, tl, triton  # triton None: only the reference is usable
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 DEFAULT_SM_COUNT = 132  # H100/H200 SXM, used when no CUDA device can be asked

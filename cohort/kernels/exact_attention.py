@@ -32,8 +32,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .triton_common import MAX_COMBINE, MIN_COMBINE, SUM_COMBINE, tl, triton  # noqa: F401
-from .triton_common import jit as _jit
+from cohort.kernels.triton_common import MAX_COMBINE, MIN_COMBINE, SUM_COMBINE, tl, triton  # noqa: F401
+from cohort.kernels.triton_common import jit as _jit
 
 BLOCK_M = 16  # queries per program: tl.dot's smallest tile, so a decode step wastes least
 BLOCK_N = 64  # keys per block

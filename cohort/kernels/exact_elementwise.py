@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from .elementwise import swiglu_gate_plain
-from .triton_common import tl, triton  # noqa: F401
-from .triton_common import jit as _jit
+from cohort.kernels.elementwise import swiglu_gate_plain
+from cohort.kernels.triton_common import tl, triton  # noqa: F401
+from cohort.kernels.triton_common import jit as _jit
 
 BLOCK_T = 16  # tokens per program
 

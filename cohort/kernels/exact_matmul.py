@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_common import tl, triton  # noqa: F401  (triton None: not installed; `linear` then refuses)
-from .triton_common import jit as _jit
+from cohort.kernels.triton_common import tl, triton  # noqa: F401  (triton None: not installed; `linear` then refuses)
+from cohort.kernels.triton_common import jit as _jit
 
 
 class Tile(NamedTuple):

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from .elementwise import rms_norm_plain
-from .triton_common import SUM_COMBINE, tl, triton  # noqa: F401
-from .triton_common import jit as _jit
+from cohort.kernels.elementwise import rms_norm_plain
+from cohort.kernels.triton_common import SUM_COMBINE, tl, triton  # noqa: F401
+from cohort.kernels.triton_common import jit as _jit
 
 NUM_WARPS = 4  # fixed: the reduction tree is a function of the block and the warps
 

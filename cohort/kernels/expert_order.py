@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import SUM_COMBINE, jit, tl, triton
+from cohort.kernels.triton_common import SUM_COMBINE, jit, tl, triton
 
 # The copies one program reads at a time; a decode step of 512 sequences × top-8 is 4,096.
 MAX_BLOCK = 1024

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .elementwise import triton_kernel_on
-from .thin_grouped_mm import THIN_ROWS_PER_EXPERT, thin_grouped_linear
+from cohort.kernels.elementwise import triton_kernel_on
+from cohort.kernels.thin_grouped_mm import THIN_ROWS_PER_EXPERT, thin_grouped_linear
 
 _native = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 # triton None (not installed): the LM head uses torch ops; `triton` stays a module name for the tests
-from .triton_common import MAX_COMBINE, SUM_COMBINE, tl, triton  # noqa: F401
-from .triton_common import jit as _jit
+from cohort.kernels.triton_common import MAX_COMBINE, SUM_COMBINE, tl, triton  # noqa: F401
+from cohort.kernels.triton_common import jit as _jit
 
 
 BLOCK = 2048  # logits per loop step: 8 bf16 (16 bytes) per thread at 8 warps

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_common import jit, tl, triton
+from cohort.kernels.triton_common import jit, tl, triton
 
 # Most token copies an expert (on average) for which the sampling path takes `thin_grouped_linear`: measured on an
 # H200 with 128 experts, it ran at 0.64-0.86x the native kernel's time at 32 and 0.98-1.16x at 64. A decode step

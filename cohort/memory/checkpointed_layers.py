@@ -30,9 +30,9 @@ from typing import Callable
 
 import torch
 
-from ..errors import CohortError
-from ..models.lora import base_model
-from ..models import CausalLM
+from cohort.errors import CohortError
+from cohort.models.lora import base_model
+from cohort.models import CausalLM
 
 BUDGET_SHARE = 0.9  # of the card's memory, when --max_memory_gib is 0
 

@@ -26,11 +26,11 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 
-from .checkpointed_layers import AutoCheckpointing
-from .gc_pauses import freeze_long_lived_objects, thaw_frozen_objects
-from .lending import idle_buffers, lend_gradients
-from .offload import HostOffload
-from .training_plan import engine_released_in_update
+from cohort.memory.checkpointed_layers import AutoCheckpointing
+from cohort.memory.gc_pauses import freeze_long_lived_objects, thaw_frozen_objects
+from cohort.memory.lending import idle_buffers, lend_gradients
+from cohort.memory.offload import HostOffload
+from cohort.parallel.placement import engine_released_in_update
 
 NO_GRAD_FACTOR = 2  # no-grad log-prob passes (π_old, π_ref) use micro-batches this many times larger
 T = TypeVar("T")

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from ..errors import CohortError
+from cohort.errors import CohortError
 
 
 class HostOffload:

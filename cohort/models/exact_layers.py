@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from cohort.choices import CHOICES
+from cohort.config.choices import CHOICES
 from cohort.errors import CohortError
 from cohort.kernels import exact_attention, exact_elementwise, exact_matmul, exact_rms_norm
 from cohort.models import shared_prefix

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CohortError
+from cohort.errors import CohortError
 
 ADAPTER_DIR = "adapter"
 ADAPTER_WEIGHTS = "adapter/adapter_model.safetensors"

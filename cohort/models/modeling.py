@@ -38,7 +38,7 @@ from cohort.kernels.decode_attention import decode_attention
 from cohort.models.fusion import fused_weight
 from cohort.models.moe import LayerRouting, Routing, SparseMoeBlock, split_expert_weights
 from cohort.models import exact_layers, shared_prefix
-from cohort.kernels.training_compile import run_layer
+from cohort.models.training_compile import run_layer
 from cohort.models.config import ModelConfig
 from cohort.models.rotary import RotaryEmbedding
 
@@ -329,8 +329,8 @@ class CausalLM(nn.Module):
         self.gradient_checkpointing = False
 
     def compile_for_training(self) -> None:
-        """Run each decoder layer compiled in full-sequence forwards (cohort/kernels/training_compile.py)."""
-        from cohort.kernels.training_compile import CompiledLayerCall
+        """Run each decoder layer compiled in full-sequence forwards (cohort/models/training_compile.py)."""
+        from cohort.models.training_compile import CompiledLayerCall
 
         self.training_layer_call = CompiledLayerCall()
 

@@ -2,28 +2,23 @@
 
 `cohort train` with no arguments must run anywhere in minutes, with nothing to download. So we
 build a small Llama-architecture model (~0.8M parameters), teach it the answer format with a
-short supervised pass on solved *easy* problems (`cohort.algorithm.sft.tiny_warm_start`), and cache
+short supervised pass on solved *easy* problems (`cohort.sft.sft_trainer.tiny_warm_start`), and cache
 the result as an ordinary Hugging Face folder (`AutoModelForCausalLM` / `AutoTokenizer` load it) in
 the user cache folder. GRPO then trains it on harder problems than it was shown.
 
 A second built-in model, the tiny *tools* model (`TINY_TOOLS_MODEL`, the calculator task's default), has
 the characters JSON needs, Qwen's tool tags as single tokens and a Hermes-style chat template; its warm
-start (`cohort.algorithm.sft_tools.tools_warm_start`) teaches it to call a calculator on some problems.
+start (`cohort.sft.sft_tools.tools_warm_start`) teaches it to call a calculator on some problems.
 A model name of the form `cohort:<name>` (`BUILTIN_MODELS`) stands for one of these.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from ..errors import CohortError
 
 ANSWER_TAGS = ["<answer>", "</answer>"]
 CHARS = list("0123456789+-*=?<>/.,:()# ") + list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") + ["\n"]
@@ -149,35 +144,7 @@ def build_model(tokenizer, seed: int = 0, spec: dict = TINY_SPEC):
     return LlamaForCausalLM(config)
 
 
-def tiny_model_dir(log=print, spec: dict = TINY_SPEC) -> Path:
-    """Path of the warm-started tiny model, building and caching it on first use."""
-
-    def build():
-        from ..algorithm.sft import tiny_warm_start  # training code: imported only when the cache is empty
-
-        tokenizer = build_tokenizer()
-        model = build_model(tokenizer, seed=spec["sft_seed"], spec=spec)
-        tiny_warm_start(model, tokenizer, spec, log=log)
-        return model, tokenizer
-
-    return _cached_model("tiny-arithmetic", spec, build, log, "the built-in tiny model")
-
-
-def tiny_tools_model_dir(log=print, spec: dict = TINY_TOOLS_SPEC) -> Path:
-    """Path of the warm-started tiny tools model, building and caching it on first use."""
-
-    def build():
-        from ..algorithm.sft_tools import tools_warm_start  # training code: imported only when the cache is empty
-
-        tokenizer = build_tools_tokenizer(spec)
-        model = build_model(tokenizer, seed=spec["sft_seed"], spec=spec)
-        tools_warm_start(model, tokenizer, spec, log=log)
-        return model, tokenizer
-
-    return _cached_model("tiny-tools", spec, build, log, "the built-in tiny tools model")
-
-
-BUILTIN_MODELS = {"cohort:tiny-arithmetic": tiny_model_dir, TINY_TOOLS_MODEL: tiny_tools_model_dir}
+BUILTIN_MODELS = ("cohort:tiny-arithmetic", TINY_TOOLS_MODEL)  # built and warm-started by cohort.sft.builtin
 
 
 def is_builtin_model(name) -> bool:
@@ -191,30 +158,3 @@ def run_device(spec: str, model) -> str:
     if spec == "auto" and (model is None or is_builtin_model(model)):
         return "cpu"
     return spec
-
-
-def builtin_model_dir(name: str, log=print) -> Path:
-    """The folder of the built-in model `name` (a key of BUILTIN_MODELS), built on first use."""
-    if name not in BUILTIN_MODELS:
-        raise CohortError(f"unknown built-in model {name!r}; choose one of {sorted(BUILTIN_MODELS)}")
-    return BUILTIN_MODELS[name](log=log)
-
-
-def _cached_model(prefix: str, spec: dict, build, log, what: str) -> Path:
-    """`cache_root()/<prefix>-<hash of spec>`, made by `build() -> (model, tokenizer)` when missing."""
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    target = cache_root() / f"{prefix}-{key}"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
-    log(f"Building {what} (one-time SFT warm start, cached in {target}) ...")
-    model, tokenizer = build()
-    # Write to a temporary folder and rename: a killed build never leaves a half-written cache.
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.replace(tmp, target)
-    except OSError:  # another process won the race; keep its copy
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target

@@ -5,7 +5,7 @@ safely and combines them (`runner`).
 worker processes import this package without wanting torch.
 """
 
-from .rules import (
+from cohort.rewards.rules import (
     REWARD_FUNCS,
     accuracy_reward,
     canonical_answer,
@@ -30,11 +30,11 @@ __all__ = [
 
 def __getattr__(name):
     if name in ("RewardRunner", "RewardOutput", "RewardWarning"):
-        from . import runner
+        from cohort.rewards import runner
 
         return getattr(runner, name)
     if name in ("RewardModelReward", "task_labeller"):  # the learned reward model r_φ, trained with replay
-        from . import model
+        from cohort.rewards import model
 
         return getattr(model, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

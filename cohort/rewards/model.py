@@ -36,12 +36,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..choices import CHOICES
-from ..errors import CohortError
-from .replay import MixedBatches, ReplayBuffer, Sample, rng_state, set_rng_state, within_group_pairs
-from .completions import completion_text
-from .runner import accepted_kwargs
-from .scorers import REWARD_OUTPUT_KEY, SCORERS, as_scorer, load_scorer
+from cohort.config.choices import CHOICES
+from cohort.errors import CohortError
+from cohort.rewards.replay import MixedBatches, ReplayBuffer, Sample, rng_state, set_rng_state, within_group_pairs
+from cohort.rewards.completions import completion_text
+from cohort.rewards.runner import accepted_kwargs
+from cohort.rewards.scorers import REWARD_OUTPUT_KEY, SCORERS, as_scorer, load_scorer
 
 RM_LOSSES = CHOICES["rm_loss"]
 REWARD_OUTPUTS = ("probability", "logit")
@@ -421,7 +421,7 @@ def prepare_reward_funcs(reward_funcs: list, *, args, tokenizer, device, task=No
 def _own_tokenizer(model):
     name = getattr(getattr(model, "config", None), "_name_or_path", None)
     if name and Path(name).is_dir():
-        from ..models import load_tokenizer
+        from cohort.models import load_tokenizer
 
         return load_tokenizer(name)
     return None

@@ -18,8 +18,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ..choices import CHOICES
-from ..errors import CohortError
+from cohort.config.choices import CHOICES
+from cohort.errors import CohortError
 
 BUFFER_POLICIES = CHOICES["rm_buffer_policy"]
 

@@ -20,9 +20,9 @@ import json
 import re
 from typing import Callable
 
-from ..errors import CohortError
-from .answers import canonical_answer, extract_answer, score_accuracy
-from .completions import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, completion_text
+from cohort.errors import CohortError
+from cohort.rewards.answers import canonical_answer, extract_answer, score_accuracy
+from cohort.rewards.completions import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, completion_text
 
 __all__ = ["REWARD_FUNCS", "accuracy_reward", "canonical_answer", "completion_text", "extract_answer",
            "format_reward", "get_soft_overlong_punishment", "lenient_format_reward", "reasoning_steps_reward",
@@ -169,7 +169,7 @@ class _SoftOverlongPunishment:
             return [-1.0 if n > self.max_completion_len else 0.0 for n in lengths]
         import torch
 
-        from ..algorithm.advantages import overlong_penalty
+        from cohort.algorithm.advantages import overlong_penalty
 
         penalty = overlong_penalty(torch.tensor(lengths, dtype=torch.float64), self.max_completion_len,
                                    self.soft_punish_cache)

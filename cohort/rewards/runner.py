@@ -42,10 +42,10 @@ from typing import Callable
 
 import torch
 
-from ..choices import CHOICES
-from ..errors import CohortError
-from .completions import completion_text
-from .rules import resolve_reward
+from cohort.config.choices import CHOICES
+from cohort.errors import CohortError
+from cohort.rewards.completions import completion_text
+from cohort.rewards.rules import resolve_reward
 
 
 class RewardWarning(UserWarning):

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..choices import CHOICES
-from ..errors import CohortError
+from cohort.config.choices import CHOICES
+from cohort.errors import CohortError
 
 REWARD_OUTPUT_KEY = "cohort_reward_output"  # config.json key: "probability" or "logit"
 SCORER_KEY = "cohort_scorer"  # config.json key of a likelihood scorer: "likelihood"
@@ -66,7 +66,7 @@ class CausalLMScorer(nn.Module):
     def save_pretrained(self, out_dir, extra_config: dict | None = None) -> Path:
         from safetensors.torch import save_file
 
-        from ..models.config import ARCHITECTURES
+        from cohort.models.config import ARCHITECTURES
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +138,7 @@ class SequenceClassifierScorer(nn.Module):
 def as_scorer(model, pad_token_id: int | None = None, kind: str = "head") -> nn.Module:
     """Wrap a model object as a scorer: a scorer as is, our `CausalLM` with a fresh head (`kind`: "head"
     or "likelihood"), or a transformers sequence classifier."""
-    from ..models import CausalLM
+    from cohort.models import CausalLM
 
     if kind not in SCORERS:
         raise CohortError(f"unknown rm_scorer {kind!r}; choose one of {list(SCORERS)}")
@@ -155,8 +155,8 @@ def as_scorer(model, pad_token_id: int | None = None, kind: str = "head") -> nn.
 def load_scorer(folder, device=None, dtype: str | None = None, kind: str = "head") -> tuple[nn.Module, object, bool, dict]:
     """(scorer, tokenizer, has_trained_head, config.json) from a model folder. A causal-LM folder becomes
     a `kind` scorer with a fresh zero head; a saved likelihood scorer comes back as one."""
-    from ..models import is_supported, load_tokenizer
-    from ..models.loading import build_model, read_hf_config, read_safetensors, resolve_dtype, safetensors_files
+    from cohort.models import is_supported, load_tokenizer
+    from cohort.models.loading import build_model, read_hf_config, read_safetensors, resolve_dtype, safetensors_files
 
     path = Path(folder).expanduser()
     try:

@@ -30,9 +30,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..errors import CohortError
-from .batch import Batch
-from .sampler import Rollout
+from cohort.errors import CohortError
+from cohort.rollout.batch import Batch
+from cohort.rollout.sampler import Rollout
 
 
 def weights_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -56,15 +56,6 @@ def batch_from_state(item: dict) -> Batch:
                       item["tool_mask"], item.get("routed_experts"))
     return Batch(rows=item["rows"], prompt_ids=item["prompt_ids"], rollout=rollout, completions=item["completions"],
                  rollout_metrics=item["rollout_metrics"])
-
-
-def samples_in_place(args) -> bool:
-    """Whether the run `args`' asynchronous rollouts sample on the engine's own copy, refreshed in place (see the
-    module docstring): under FSDP2 without sampling ranks, one update behind (max_staleness None settles to 1
-    there), and always on a colocated tensor-parallel group's shards (a larger max_staleness is refused)."""
-    split = args.rollout_tensor_parallel_size
-    return bool(args.async_rollouts and args.fsdp and not args.rollout_gpus
-                and (args.max_staleness in (None, 1) or (isinstance(split, int) and split > 1)))
 
 
 def steps_to_start(step: int, max_staleness: int, anything_pending: bool) -> list[int]:

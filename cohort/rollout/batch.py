@@ -11,8 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from .sampler import Rollout
+from cohort.rollout.sampler import Rollout
 
 
 @dataclass
@@ -73,3 +74,10 @@ def without_extra_padding(batch: Batch) -> Batch:
     is then what sampling it alone gives)."""
     rollout = batch.rollout.trimmed()
     return batch if rollout is batch.rollout else dataclasses.replace(batch, rollout=rollout)
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """`tensor` on `device`; CPU → CUDA through pinned memory without a host sync."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

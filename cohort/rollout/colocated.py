@@ -1,6 +1,6 @@
 """Training ranks that sample together: one engine call for a tensor-parallel group's prompts.
 
-In the colocated placement (cohort/run/colocation.py) each training rank holds one shard of the sampling
+In the colocated placement (cohort/parallel/colocation.py) each training rank holds one shard of the sampling
 model, and the T ranks of a group run one engine over their shards: every rank of the group must make the same
 engine calls, with the same prompts, or their collectives stop matching. Each rank still asks for its own
 prompts, as with a whole model (`GroupSampler`, held-out evaluation). `ColocatedSampler` turns the group's T
@@ -22,8 +22,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..errors import CohortError
-from .sampler import Rollout, Sampler, SamplingParams
+from cohort.errors import CohortError
+from cohort.rollout.sampler import Rollout, Sampler, SamplingParams
 
 
 class ColocatedSampler:
@@ -36,7 +36,7 @@ class ColocatedSampler:
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  turns=None) -> Rollout:
-        if turns is not None:  # refused with the run's options before this (cohort/resolve.py)
+        if turns is not None:  # refused with the run's options before this (cohort/run/resolve.py)
             raise CohortError("multi-turn rollouts do not run in a tensor-parallel sampling group: every rank would "
                               "run the tools; use --rollout_tensor_parallel_size 1 for tool-using rollouts")
         requests = [None] * self.size

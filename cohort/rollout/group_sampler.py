@@ -11,12 +11,12 @@ its own environment (TRL's `environment_factory`), reset on its row before sampl
 
 from __future__ import annotations
 
-from ..errors import CohortError
-from ..tasks import prompt_text
-from ..tools.environments import reset_environments, with_addition
-from ..tools.toolbox import Toolbox
-from .batch import Batch
-from .sampler import Sampler, SamplingParams
+from cohort.errors import CohortError
+from cohort.tasks import prompt_text
+from cohort.tools.environments import reset_environments, with_addition
+from cohort.tools.toolbox import Toolbox
+from cohort.rollout.batch import Batch
+from cohort.rollout.sampler import Sampler, SamplingParams
 
 
 class GroupSampler:

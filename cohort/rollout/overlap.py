@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cohort.rollout.sequence import Sequence, SlotState
-from cohort.update.packing import to_device as pinned_to_device
+from cohort.rollout.batch import to_device as pinned_to_device
 from cohort.rollout.sampler import find_stop_string
 
 
@@ -32,7 +32,7 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def to_device(values: list | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host integers (a list, as a long tensor) on `device` without a host sync (`packing.to_device`):
+    """Host integers (a list, as a long tensor) on `device` without a host sync (`batch.to_device`):
     a copy from pageable memory, what `torch.tensor(values, device=cuda)` does, waits for every
     kernel already enqueued, which would stall the host behind the chunk launched ahead."""
     tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)

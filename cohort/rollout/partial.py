@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import CohortError
-from .batch import Batch
-from .sampler import Rollout
+from cohort.errors import CohortError
+from cohort.rollout.batch import Batch
+from cohort.rollout.sampler import Rollout
 
 
 @dataclass

@@ -19,7 +19,7 @@ from cohort.rollout.sampler import SamplingParams
 from cohort.rollout.sampling import sampling_key
 from cohort.rollout.sequence import Sequence, SlotState
 from cohort.rollout.token_sampler import TokenSampler
-from cohort.update.packing import prompt_groups
+from cohort.rollout.layout import prompt_groups
 
 
 def prefill(model, cache: KVCache, state: SlotState, admitted: list[Sequence], params: SamplingParams,

@@ -1,4 +1,4 @@
-"""Asynchronous rollouts sampled on other ranks (`--rollout_gpus K`, cohort/run/disaggregation.py).
+"""Asynchronous rollouts sampled on other ranks (`--rollout_gpus K`, cohort/parallel/disaggregation.py).
 
 `RemoteRollouts` is the trainer's side, with the interface of `AsyncRollouts` (cohort/rollout/
 async_rollouts.py), so the training loop is the same: after an update it submits the rollouts the
@@ -20,11 +20,11 @@ from typing import Callable
 
 import torch
 
-from ..errors import CohortError
-from ..models.resharding import update_shard_
-from .async_rollouts import batch_from_state, batch_state, steps_to_start, weights_snapshot
-from .batch import Batch, select_groups, without_extra_padding
-from .partial import GroupPool, PartialRollouts
+from cohort.errors import CohortError
+from cohort.models.resharding import update_shard_
+from cohort.rollout.async_rollouts import batch_from_state, batch_state, steps_to_start, weights_snapshot
+from cohort.rollout.batch import Batch, select_groups, without_extra_padding
+from cohort.rollout.partial import GroupPool, PartialRollouts
 
 SAMPLE, ROLLOUT, STOP, RESTORE = "sample", "rollout", "stop", "restore"
 

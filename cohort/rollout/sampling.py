@@ -101,7 +101,7 @@ def gumbel_noise(seed: torch.Tensor, draw: torch.Tensor, rows: torch.Tensor, voc
     all ranks) and draw = the index of the token being drawn within that sequence, so a
     completion's tokens depend on the seed, its prompt and its index only: not on which KV slot
     it occupies, how many sequences share a decode step, nor on how the batch is split over
-    processes (cohort/run/distributed.py). No generator state is involved, so a captured CUDA graph
+    processes (cohort/parallel/distributed.py). No generator state is involved, so a captured CUDA graph
     can sample: `seed`, `draw` and `rows` are device tensors the graph reads. Under
     torch.compile it is one elementwise kernel.
     The token's number is its index in the whole vocabulary, so a rank holding the slice that

@@ -17,36 +17,38 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..algorithm.curriculum import Curriculum
-from ..algorithm.determinism import prepare_full_determinism, seed_everything
-from ..algorithm.loss_spec import LossSpec
-from ..algorithm.prompts import PromptStream
-from ..config import GRPOConfig
-from ..errors import CohortError
-from ..memory.capacity import check_capacity
-from ..memory.checkpointed_layers import AutoCheckpointing
-from ..memory.manager import MemoryManager
-from ..memory.precision import make_optimizer, optimizer_line
-from ..memory.training_plan import engine_released_in_update
-from ..models.lora import has_lora
-from ..models.policy import frozen_copy, load_run_policy
-from ..models.tiny import run_device
-from ..options.epochs import with_epoch_steps
-from ..resolve import resolve_run_config
-from ..rewards.model import resolve_reward_funcs
-from ..rewards.runner import RewardRunner
-from ..rollout.setup import Rollouts, build_rollouts, placement_line
-from ..tasks.data import dataset_rows
-from ..telemetry.step_report import StepReport, open_step_report
-from ..tools.environments import environment_reward
-from ..tools.toolbox import Toolbox
-from ..update.fast_path import fast_path_line
-from ..update.logprobs import supports_hidden
-from ..update.policy_update import PolicyUpdate, sampler_correction_mode
-from ..update.schedule import lr_scheduler
-from .colocation import colocate, colocated
-from .distributed import Parallel, check_parallel_options
-from .lifecycle import prepare_output_dir
+from cohort.tasks.curriculum import Curriculum
+from cohort.run.determinism import prepare_full_determinism, seed_everything
+from cohort.algorithm.loss_spec import LossSpec
+from cohort.tasks.prompts import PromptStream
+from cohort.config.grpo_config import GRPOConfig
+from cohort.errors import CohortError
+from cohort.plans.capacity import check_capacity
+from cohort.memory.checkpointed_layers import AutoCheckpointing
+from cohort.memory.manager import MemoryManager
+from cohort.optim.precision import make_optimizer, optimizer_line
+from cohort.parallel.placement import engine_released_in_update
+from cohort.models.lora import has_lora
+from cohort.models.policy import frozen_copy
+from cohort.run.policy import load_run_policy
+from cohort.models.tiny import run_device
+from cohort.config.epochs import with_epoch_steps
+from cohort.run.resolve import resolve_run_config
+from cohort.rewards.model import resolve_reward_funcs
+from cohort.rewards.runner import RewardRunner
+from cohort.plans.placement_lines import placement_line
+from cohort.rollout.setup import Rollouts, build_rollouts
+from cohort.tasks.data import dataset_rows
+from cohort.telemetry.step_report import StepReport, open_step_report
+from cohort.tools.environments import environment_reward
+from cohort.tools.toolbox import Toolbox
+from cohort.update.fast_path import fast_path_line
+from cohort.update.logprobs import supports_hidden
+from cohort.update.policy_update import PolicyUpdate, sampler_correction_mode
+from cohort.update.schedule import lr_scheduler
+from cohort.parallel.colocation import colocate, colocated
+from cohort.parallel.distributed import Parallel, check_parallel_options
+from cohort.run.lifecycle import prepare_output_dir
 
 
 @dataclass
@@ -98,7 +100,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     if args.full_determinism:
         prepare_full_determinism()  # before the first CUDA work
     prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
-    # torchrun's ranks (cohort/run/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
+    # torchrun's ranks (cohort/parallel/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
     parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, args.rollout_gpus)
     device = parallel.device
     if args.device == "auto" and device.type == "cpu" and torch.cuda.is_available():
@@ -109,7 +111,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     # TRL's num_train_epochs: the steps follow from the rows (resolved before the config is frozen).
     args = with_epoch_steps(args, len(train_rows), parallel.world_size)
     asked_split = args.rollout_tensor_parallel_size  # the log says whether auto chose it
-    # The run's configuration, settled once, frozen; every stage below is built from it (cohort/resolve.py).
+    # The run's configuration, settled once, frozen; every stage below is built from it (cohort/run/resolve.py).
     args = resolve_run_config(args, model=model, device=device, world_size=parallel.world_size,
                               tools=toolbox is not None)
     if parallel.link is not None:  # the rollout link's message window covers the resolved staleness
@@ -136,7 +138,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     # What the training forward calls: the model itself, DDP around it on several ranks, or with
     # --fsdp a sharded copy (`model` then stays the full copy the engine samples and saves).
     train_model = parallel.wrap(model, fsdp=args.fsdp)
-    # bf16 weights on a GPU: the optimizer keeps fp32 masters and moments (cohort/memory/precision.py).
+    # bf16 weights on a GPU: the optimizer keeps fp32 masters and moments (cohort/optim/precision.py).
     optimizer = make_optimizer(train_model, args)
     scheduler = lr_scheduler(optimizer, args)
     # β = 0 needs no reference at all: skip the copy and its forward passes.

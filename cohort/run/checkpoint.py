@@ -29,10 +29,10 @@ from typing import Any, Callable, ContextManager
 import numpy as np
 import torch
 
-from ..errors import CohortError
-from ..telemetry.metrics import COMPLETIONS_FILE, METRICS_FILE
-from ..models.policy import save_policy
-from .colocation import gathered_state, holds_shards
+from cohort.errors import CohortError
+from cohort.telemetry.metrics import COMPLETIONS_FILE, METRICS_FILE
+from cohort.models.policy import save_policy
+from cohort.parallel.colocation import gathered_state, holds_shards
 
 PREFIX = "checkpoint-"
 MARKER = "complete.json"
@@ -59,7 +59,7 @@ class RunParts:
     ref_model: Any | None  # π_ref, when it is a separate copy
     reference_pass: Callable[..., ContextManager]  # π_ref's weights on the device inside (MemoryManager)
     reward_funcs: list
-    parallel: Any  # cohort.run.distributed.Parallel
+    parallel: Any  # cohort.parallel.distributed.Parallel
     extra_state: Callable[[], dict | None] | None = None  # a trainer subclass's own state (PPO's critic)
     load_extra_state: Callable[[dict], None] | None = None
 
@@ -131,7 +131,7 @@ def _write_checkpoint(parts: RunParts, state: RunState, out: Path, final: Path, 
 def _write_contents(parts: RunParts, run: RunState, folder: Path, shared: dict | None = None) -> None:
     from safetensors.torch import save_file
 
-    from ..models.lora import base_state_dict, has_lora
+    from cohort.models.lora import base_state_dict, has_lora
 
     policy = None
     if sharded(parts.model):  # no whole copy to save: the gathered fp32 weights, in the run's dtype

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CohortError
-from .checkpoint import (EXTRA_FILE, OPTIMIZER_FILE, REFERENCE_FILE, REWARD_DIR, TRAINER_STATE, RunParts, RunState,
+from cohort.errors import CohortError
+from cohort.run.checkpoint import (EXTRA_FILE, OPTIMIZER_FILE, REFERENCE_FILE, REWARD_DIR, TRAINER_STATE, RunParts, RunState,
                          python_state, restore_random, sharded, truncate_logs)
-from .colocation import load_gathered_state
+from cohort.parallel.colocation import load_gathered_state
 
 
 def checkpoint_step(folder: Path) -> int:
@@ -27,8 +27,8 @@ def checkpoint_step(folder: Path) -> int:
 
 def load_checkpoint(parts: RunParts, folder: Path, log=print) -> RunState:
     """Restore everything `save_checkpoint` saved into `parts`; the run's plain values are returned."""
-    from ..models.lora import ADAPTER_WEIGHTS, has_lora, load_adapter_state_dict, load_base_state_dict
-    from ..models.loading import read_safetensors, safetensors_files
+    from cohort.models.lora import ADAPTER_WEIGHTS, has_lora, load_adapter_state_dict, load_base_state_dict
+    from cohort.models.loading import read_safetensors, safetensors_files
 
     folder = Path(folder)
     state = json.loads((folder / TRAINER_STATE).read_text())
@@ -97,7 +97,7 @@ def _check_same_model(model, saved_shapes: dict, folder: Path) -> None:
 
 
 def _load_weights(model, state: dict, folder: Path) -> None:
-    from ..models.moe import fuse_expert_weights
+    from cohort.models.moe import fuse_expert_weights
 
     state = fuse_expert_weights(state)  # a MoE model's folder holds a matrix per expert; the model stacks them
     missing, unexpected = model.load_state_dict(state, strict=False)

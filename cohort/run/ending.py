@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from ..models.policy import save_policy
-from .colocation import gathered_state, holds_shards
-from .distributed import Parallel
+from cohort.models.policy import save_policy
+from cohort.parallel.colocation import gathered_state, holds_shards
+from cohort.parallel.distributed import Parallel
 
 SUMMARY_FILE = "summary.json"
 

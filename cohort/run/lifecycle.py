@@ -19,11 +19,11 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from ..errors import CohortError, in_front_end_words
-from ..telemetry.metrics import COMPLETIONS_FILE, METRICS_FILE
-from .checkpoint import (RunParts, RunState, check_checkpoint, list_checkpoints, newest_complete, remove_leftovers,
+from cohort.errors import CohortError, in_front_end_words
+from cohort.telemetry.metrics import COMPLETIONS_FILE, METRICS_FILE
+from cohort.run.checkpoint import (RunParts, RunState, check_checkpoint, list_checkpoints, newest_complete, remove_leftovers,
                          truncate_logs)
-from .checkpoint_load import checkpoint_step, load_checkpoint
+from cohort.run.checkpoint_load import checkpoint_step, load_checkpoint
 
 
 class TrainingInterrupted(KeyboardInterrupt):

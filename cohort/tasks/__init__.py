@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import CohortError
-
-# name → "module:attribute" so optional tasks import only when asked for.
-TASKS = {
-    "arithmetic": "cohort.tasks.arithmetic:ArithmeticTask",
-    "calculator": "cohort.tasks.calculator:CalculatorTask",  # tool use: the tiny tools model and a calculator
-    "gsm8k": "cohort.tasks.gsm8k:GSM8KTask",
-    "generic": "cohort.tasks.generic:GenericTask",  # your rows and reward functions, no verifier
-}
+from cohort.config.choices import TASKS
+from cohort.errors import CohortError
 
 
 def get_task(name: str):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import re
 
-from ..errors import CohortError
+from cohort.errors import CohortError
 
 PROMPT_TEMPLATE = "{question}=? Reply <answer>N</answer>\n"
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

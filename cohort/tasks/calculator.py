@@ -3,7 +3,7 @@
 Each problem multiplies a 3-digit by a 4-digit number (`347*2891=?`). The tiny built-in tools model
 (`cohort.models.tiny`, name `TINY_TOOLS_MODEL`) cannot multiply such numbers itself, but it can call
 `calculator` and copy the result into `<answer>N</answer>`. Its warm start
-(`cohort.algorithm.sft_tools`) calls the tool on only a fraction of the problems and answers the rest
+(`cohort.sft.sft_tools`) calls the tool on only a fraction of the problems and answers the rest
 directly (and so wrongly on unseen ones): GRPO has to learn that calling the tool is what pays.
 
 A rollout is multi-turn: the call turn, the tool's result (appended by the rollout, not sampled), the
@@ -18,7 +18,7 @@ import random
 import re
 from fractions import Fraction
 
-from ..errors import CohortError
+from cohort.errors import CohortError
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 TOOL_RESPONSE_END = "</tool_response>"

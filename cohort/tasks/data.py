@@ -11,7 +11,7 @@ import glob
 import json
 from pathlib import Path
 
-from ..errors import CohortError
+from cohort.errors import CohortError
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -161,7 +161,7 @@ def load_hub_dataset(name: str, config: str | None, split: str) -> list[dict]:
     except ImportError:
         raise CohortError(f"loading hub dataset {name!r} needs the datasets package; pip install datasets, "
                           "or pass a local file with --data_files") from None
-    from ..models.loading import hub_endpoint, hub_offline, hub_unreachable, one_line
+    from cohort.models.loading import hub_endpoint, hub_offline, hub_unreachable, one_line
 
     what = f"hub dataset {name!r} (config {config!r}, split {split!r})"
     unreachable = None if hub_offline() else hub_unreachable()

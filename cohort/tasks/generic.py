@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import random
 
-from ..errors import CohortError
-from .data import check_prompt_column, load_hub_dataset, load_rows
+from cohort.errors import CohortError
+from cohort.tasks.data import check_prompt_column, load_hub_dataset, load_rows
 
 
 class GenericTask:

@@ -14,9 +14,9 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..errors import CohortError
-from ..rewards.rules import accuracy_reward, format_reward, tag_count_reward
-from .data import load_hub_dataset, load_rows
+from cohort.errors import CohortError
+from cohort.rewards.rules import accuracy_reward, format_reward, tag_count_reward
+from cohort.tasks.data import load_hub_dataset, load_rows
 
 HUB_ID, HUB_CONFIG = "openai/gsm8k", "main"
 SPLITS = ("train", "test")

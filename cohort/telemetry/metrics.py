@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from cohort.choices import CHOICES
+from cohort.config.choices import CHOICES
 from cohort.errors import CohortError
 
 METRICS_FILE = "metrics.jsonl"
@@ -244,8 +244,8 @@ def update_flops(model, prompt_tokens: int, completion_tokens: int,
 
     With every weight trained, no head or embedding found and no attention term this is 6·N·tokens.
     Recomputation under activation checkpointing is not counted: it is not model work."""
-    from ..models.lora import base_model
-    from ..models.moe import active_shares
+    from cohort.models.lora import base_model
+    from cohort.models.moe import active_shares
 
     inner = base_model(model)
     flops = 0.0
@@ -270,7 +270,7 @@ def update_flops(model, prompt_tokens: int, completion_tokens: int,
 def attention_layers(model) -> list[tuple[int, int | None]]:
     """(heads × head dim, sliding window or None) of each attention layer of a cohort or supported
     transformers model; [] for an architecture cohort does not know."""
-    from ..models.config import ModelConfig, is_supported
+    from cohort.models.config import ModelConfig, is_supported
 
     config = getattr(model, "config", None)
     if not isinstance(config, ModelConfig):
@@ -286,7 +286,7 @@ def rollout_attention_pairs(model, prompt_ids: list[list[int]], completion_lengt
                             share_prompts: bool) -> dict[int | None, int]:
     """`update_flops`'s `attention_pairs` for a rollout: packing.attention_pairs for each sliding
     window (or None) that `model`'s attention layers use."""
-    from ..update.packing import attention_pairs
+    from cohort.update.packing import attention_pairs
 
     windows = dict.fromkeys(window for _, window in attention_layers(model))
     return {window: attention_pairs(prompt_ids, completion_lengths, max_rows, share_prompts, window)

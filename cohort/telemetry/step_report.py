@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..memory.gc_pauses import collector_seconds
-from ..rollout.batch import Batch
-from ..run.distributed import SilentMetrics, silent
-from ..update.packing import computed_prompt_tokens
-from .metrics import MetricsLogger, rollout_attention_pairs, throughput_metrics
-from .progress import PHASES, Progress
+from cohort.memory.gc_pauses import collector_seconds
+from cohort.rollout.batch import Batch
+from cohort.parallel.distributed import SilentMetrics, silent
+from cohort.update.packing import computed_prompt_tokens
+from cohort.telemetry.metrics import MetricsLogger, rollout_attention_pairs, throughput_metrics
+from cohort.telemetry.progress import PHASES, Progress
 
 
 def allocator_retries(device: torch.device) -> int:

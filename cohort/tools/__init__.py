@@ -11,7 +11,7 @@
 docs/howto/tools.md has the details, and what the sandbox does and does not contain.
 """
 
-from .calls import (
+from cohort.tools.calls import (
     FAMILIES,
     ParsedTurn,
     ToolCall,
@@ -29,9 +29,9 @@ from .calls import (
     tool_result_messages,
     validate_tool_call,
 )
-from .loading import resolve_environment, resolve_tools, tool_spec
-from .sandbox import DEFAULT_SANDBOX, Sandbox, SandboxResult, run_python, sandbox_report
-from .schema import Tool, environment_tools, make_tool, make_tools, tool_schema
+from cohort.tools.loading import resolve_environment, resolve_tools, tool_spec
+from cohort.tools.sandbox import DEFAULT_SANDBOX, Sandbox, SandboxResult, run_python, sandbox_report
+from cohort.tools.schema import Tool, environment_tools, make_tool, make_tools, tool_schema
 
 __all__ = [
     "DEFAULT_SANDBOX", "FAMILIES", "ParsedTurn", "Sandbox", "SandboxResult", "Tool", "ToolCall", "ToolCallError",

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .schema import Tool, make_tools
+from cohort.tools.schema import Tool, make_tools
 
 FAMILIES = ("hermes", "llama3")
 FAMILY_ALIASES = {"hermes": "hermes", "qwen": "hermes", "qwen2": "hermes", "qwen2.5": "hermes", "qwen3": "hermes",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..errors import CohortError
+from cohort.errors import CohortError
 def reset_environments(factory, rows: list[dict]) -> tuple[list, list[str | None]]:
     """One environment per row, each `reset(**row)` (TRL: the returned string, if any, is appended to the
     prompt's last user message; None keeps the prompt as it is)."""

@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import CohortError
-from .sandbox import run_python
-from .schema import make_tool
+from cohort.errors import CohortError
+from cohort.tools.sandbox import run_python
+from cohort.tools.schema import make_tool
 
 BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"run_python": run_python}
 

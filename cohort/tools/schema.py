@@ -31,7 +31,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ..errors import CohortError
+from cohort.errors import CohortError
 
 ENVIRONMENT_METHODS = ("reset", "get_reward")  # an environment's methods that are not tools
 

@@ -8,10 +8,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CohortError
-from .loading import resolve_environment, resolve_tools, tool_spec, unsaved_reason
-from .schema import environment_tools, make_tools
-from .turns import ToolTurns
+from cohort.errors import CohortError
+from cohort.tools.loading import resolve_environment, resolve_tools, tool_spec, unsaved_reason
+from cohort.tools.schema import environment_tools, make_tools
+from cohort.tools.turns import ToolTurns
 
 TOOLS_FILE = "tools.json"  # beside a trained model: the tools it was trained with (`cohort chat`, `cohort eval`)
 

@@ -19,10 +19,10 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
-from ..errors import CohortError
-from .calls import (DEFAULT_TIMEOUT_S, assistant_message, execute_tool_call, family_name, family_of_template,
+from cohort.errors import CohortError
+from cohort.tools.calls import (DEFAULT_TIMEOUT_S, assistant_message, execute_tool_call, family_name, family_of_template,
                     split_turn, tool_result_messages)
-from .schema import environment_tools, make_tools
+from cohort.tools.schema import environment_tools, make_tools
 
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()

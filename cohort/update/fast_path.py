@@ -4,7 +4,7 @@ A bare `GRPOConfig` gets the configuration that measured fastest (docs/performan
 with cohort's own models,
 
 - `torch_compile=auto`: each decoder layer's training forward and backward compiled
-  (cohort/kernels/training_compile.py), where triton is installed, except under FSDP;
+  (cohort/models/training_compile.py), where triton is installed, except under FSDP;
 - `gradient_checkpointing=auto`: only as many layers recompute their activations as the memory
   budget needs (`max_memory_gib`, default 90% of the card), measured in the first update
   (cohort/memory/checkpointed_layers.py). Where everything fits, no layer recomputes: the fastest
@@ -30,7 +30,7 @@ import importlib.util
 
 import torch
 
-from ..models.moe import active_shares
+from cohort.models.moe import active_shares
 
 MICRO_BATCH_FLOP = 1.1e14  # `max_tokens_per_micro_batch=auto` with our models on a GPU: work per micro-batch
 

@@ -25,11 +25,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..algorithm.loss_spec import BatchShare, LossSpec
-from ..algorithm.objectives import DEFAULT_SPEC, PolicyLossOutput, policy_loss
-from .logprobs import (accumulate_chunk_grads, chunk_rows_for, completion_hidden, head_functions,
+from cohort.algorithm.loss_spec import BatchShare, LossSpec
+from cohort.algorithm.objectives import DEFAULT_SPEC, PolicyLossOutput, policy_loss
+from cohort.update.logprobs import (accumulate_chunk_grads, chunk_rows_for, completion_hidden, head_functions,
                        micro_batch_logprobs, model_numerics, scatter_to_rows, supports_hidden)
-from .packing import MicroBatch
+from cohort.update.packing import MicroBatch
 
 # ℓ(log π, entropy, token rows, token cols) for the tokens of one chunk, in the micro-batch's [b, T] layout
 TokenLoss = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]

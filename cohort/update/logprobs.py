@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .packing import MicroBatch, filler_micro_batches, pack, plan_rollout
+from cohort.update.packing import MicroBatch, filler_micro_batches, pack, plan_rollout
 
 CHUNK_BYTES = 512 * 2**20  # float32 logits per LM-head chunk: 512 MiB (≈880 rows at a 152k vocabulary)
 
@@ -114,10 +114,10 @@ def _maybe_compiled(name: str, plain, tensor: Tensor):
 def chunk_stats_function(tensor: Tensor):
     """(log π, entropy, logsumexp) of one chunk's logits: the one-pass Triton kernel on CUDA
     (`triton_logprobs`), else `_chunk_forward` (compiled on a GPU without the kernel)."""
-    from ..kernels.elementwise import triton_allowed
+    from cohort.kernels.elementwise import triton_allowed
 
     if triton_allowed(tensor):
-        from ..kernels.logprobs import chunk_logprob_stats
+        from cohort.kernels.logprobs import chunk_logprob_stats
 
         return chunk_logprob_stats
     return _maybe_compiled("forward", _chunk_forward, tensor)
@@ -133,7 +133,7 @@ def head_functions(numerics: str, hidden: Tensor):
     its logits (`rollout.sampling.sample_with_head_logprobs`), so the two log-probs are the same bits;
     else a plain GEMM and `chunk_stats_function`."""
     if numerics == "exact":
-        from ..kernels import exact_matmul, logprobs as stats_kernels
+        from cohort.kernels import exact_matmul, logprobs as stats_kernels
 
         return exact_matmul.matmul, stats_kernels.chunk_logprob_stats
     return chunk_logits_plain, chunk_stats_function(hidden)
@@ -217,7 +217,7 @@ def is_fully_sharded(model) -> bool:
 
 def supports_hidden(model) -> bool:
     """Our CausalLM can return its final hidden states instead of logits."""
-    from ..models import CausalLM
+    from cohort.models import CausalLM
 
     return isinstance(model, CausalLM) or isinstance(getattr(model, "module", None), CausalLM)
 

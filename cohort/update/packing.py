@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..models.moe import Routing
+from cohort.models.moe import Routing
+from cohort.rollout.batch import to_device
+from cohort.rollout.layout import prompt_groups
 
 
 @dataclass
@@ -66,13 +68,6 @@ class MicroBatch:
             self.input_ids, self.completion_ids, self.completion_mask, self.row_index, self.token_rows,
             self.token_cols, self.source_rows, self.source_cols, self.position_ids, self.attention_rows,
             self.attention_slots)), None if self.routing is None else self.routing.to(device))
-
-
-def to_device(tensor: Tensor, device: torch.device) -> Tensor:
-    """`tensor` on `device`; CPU → CUDA through pinned memory without a host sync."""
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 # ---- planning ----------------------------------------------------------------------------------
@@ -120,15 +115,6 @@ def filler_micro_batches(plans: list[list[int]], count: int) -> list[list[int]]:
     if count <= len(plans) or not plans:
         return []
     return [[plans[-1][-1]] for _ in range(count - len(plans))]
-
-
-def prompt_groups(prompt_ids: list[list[int]], max_rows: int) -> list[list[int]]:
-    """The rollout's rows grouped by identical prompt (first-seen order, rows in order), each group
-    cut into runs of at most `max_rows` completions."""
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    for row, prompt in enumerate(prompt_ids):
-        by_prompt.setdefault(tuple(prompt), []).append(row)
-    return [rows[i: i + max_rows] for rows in by_prompt.values() for i in range(0, len(rows), max_rows)]
 
 
 def plan_rollout(prompt_ids: list[list[int]], completion_mask: Tensor, max_rows: int, max_tokens: int = 0,

@@ -21,14 +21,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..algorithm.loss_spec import BatchShare, LossSpec
-from ..memory.manager import MemoryManager
-from ..memory.precision import clip_grad_norm
-from ..rollout.batch import Batch
-from .fused_head import micro_batch_policy_loss
-from .logprobs import is_fully_sharded, rollout_logprobs
-from .packing import MicroBatch, filler_micro_batches, pack, plan_rollout, to_device
-from .routing import expert_load, num_experts, replay_mismatch, router_aux_loss
+from cohort.algorithm.loss_spec import BatchShare, LossSpec
+from cohort.memory.manager import MemoryManager
+from cohort.optim.precision import clip_grad_norm
+from cohort.rollout.batch import Batch
+from cohort.update.fused_head import micro_batch_policy_loss
+from cohort.update.logprobs import is_fully_sharded, rollout_logprobs
+from cohort.rollout.batch import to_device
+from cohort.update.packing import MicroBatch, filler_micro_batches, pack, plan_rollout
+from cohort.update.routing import expert_load, num_experts, replay_mismatch, router_aux_loss
 
 
 @dataclass

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from ..models.moe import expert_load_max_over_mean, load_balancing_loss
-from .packing import MicroBatch
+from cohort.models.moe import expert_load_max_over_mean, load_balancing_loss
+from cohort.update.packing import MicroBatch
 
 
 def num_experts(model) -> int:
     """The experts per MoE layer of our model (inside a DDP/FSDP or PEFT wrapper); 0 for a dense model."""
-    from ..models.lora import base_model
+    from cohort.models.lora import base_model
 
     return int(getattr(base_model(getattr(model, "module", model)).config, "num_experts", 0) or 0)
 

@@ -1,0 +1,96 @@
+"""The values an option takes, where they are a fixed set: the one table of them.
+
+`GRPOConfig.validate` refuses a value outside it, `cohort train --help` shows it (`cohort.config.command_line.type_text`),
+docs/generate_reference.py prints it in docs/reference.md, and the stages that take such a value from
+Python directly (the loss, the reward model's buffer, loss and scorer, the reward runner, the reporters)
+check it against the same entry. A value added here is accepted, shown and documented at once.
+
+Besides literal values an entry may hold a pattern: `N` is a whole number, `cuda:N` a GPU's index, and
+`true` / `false` match Python's booleans as well as the words.
+"""
+
+from __future__ import annotations
+
+import re
+
+from cohort.errors import CohortError
+
+# The built-in tasks (`--task`): name → "module:attribute", imported only when asked for (`cohort.tasks.get_task`).
+TASKS = {
+    "arithmetic": "cohort.tasks.arithmetic:ArithmeticTask",
+    "calculator": "cohort.tasks.calculator:CalculatorTask",  # tool use: the tiny tools model and a calculator
+    "gsm8k": "cohort.tasks.gsm8k:GSM8KTask",
+    "generic": "cohort.tasks.generic:GenericTask",  # your rows and reward functions, no verifier
+}
+
+# The options whose values `choose` splits at commas: each item must be a value of the option.
+LISTS = ("report_to",)
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "task": tuple(TASKS),
+    "loss_type": ("grpo", "bnpo", "dapo", "dr_grpo"),
+    "scale_rewards": ("group", "batch", "none"),
+    "importance_sampling_level": ("token", "sequence"),
+    "importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    "lr_scheduler_type": ("constant", "cosine", "linear"),
+    "rm_buffer_policy": ("fifo", "reservoir"),
+    "rm_loss": ("pointwise", "pairwise"),
+    "rm_scorer": ("head", "likelihood"),
+    "reward_errors": ("raise", "warn"),
+    "device": ("auto", "cpu", "cuda", "cuda:N"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "optimizer_state_dtype": ("auto", "float32", "bfloat16"),
+    "model_impl": ("auto", "cohort", "hf"),
+    "report_to": ("none", "tensorboard", "wandb", "all"),
+    "gradient_checkpointing": ("auto", "true", "false"),
+    "gradient_checkpointing_layers": ("N", "auto"),
+    "max_tokens_per_micro_batch": ("N", "auto"),
+    "torch_compile": ("auto", "true", "false"),
+    "partial_rollouts": ("auto", "true", "false"),
+    "rollout_tensor_parallel_size": ("auto", "N"),
+    "max_concurrent_sequences": ("auto", "N"),
+    "cpu_threads": ("auto", "N"),
+    "rollout_numerics": ("fast", "exact"),
+}
+
+# Options whose default, auto, is settled once the device and the model are known (cohort/run/resolve.py).
+AUTO_OPTIONS = tuple(name for name, values in CHOICES.items() if "auto" in values)
+
+
+def allowed(name: str, value) -> bool:
+    """Whether `value` is one of option `name`'s values (any value, for an option not in the table)."""
+    if name not in CHOICES:
+        return True
+    if name in LISTS and isinstance(value, str):
+        items = [item.strip() for item in value.split(",") if item.strip()]
+        return bool(items) and all(allowed_one(name, item) for item in items)
+    if name in LISTS and isinstance(value, (list, tuple)):
+        return bool(value) and all(allowed_one(name, item) for item in value)
+    return allowed_one(name, value)
+
+
+def allowed_one(name: str, value) -> bool:
+    values = CHOICES[name]
+    if isinstance(value, bool):
+        return ("true" if value else "false") in values
+    if isinstance(value, int):
+        return "N" in values
+    if not isinstance(value, str):
+        return False
+    if value in values:
+        return True
+    return "cuda:N" in values and re.fullmatch(r"cuda:\d+", value) is not None
+
+
+def choose(name: str, value) -> None:
+    """Refuse a value outside option `name`'s entry with one line naming the option and its values."""
+    if not allowed(name, value):
+        kind = "a comma-separated list of " if name in LISTS else ""
+        raise CohortError(f"{name}={value!r} is not one of its values; pass {kind}{values_text(name)} (--{name})")
+
+
+def values_text(name: str) -> str:
+    """`a, b or c`: option `name`'s values as a sentence writes them."""
+    values = ["a whole number" if value == "N" else value for value in CHOICES[name]]
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]

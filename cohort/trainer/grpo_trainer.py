@@ -1,0 +1,473 @@
+"""`GRPOTrainer`: DeepSeekMath Algorithm 1, with the loop in `train()` on one screen.
+
+    for step in 1..max_steps:
+        every M steps:        π_ref ← π_θ                            (outer iteration)
+        sample a prompt batch
+        π_old ← π_θ;  sample G completions per prompt from π_old    (cohort/rollout/)
+        score each completion with the reward functions r_φ          (cohort/rewards/)
+        A_i = (r_i − mean(group)) / (std(group) + eps)               (advantages.group_advantages)
+        μ times: update π_θ on the clipped surrogate − β·KL          (cohort/update/, objectives.policy_loss)
+        update r_φ by continuous training with replay                (learned reward models only)
+
+The trainer keeps the stages that cohort/run/assembly.py builds, and calls them; each stage takes its
+inputs and returns its result: `PromptStream` (the data order), `GroupSampler` (the rollout),
+`RewardRunner` (the rewards), `PolicyUpdate` (the update), `MemoryManager` (everything memory),
+`StepReport` (metrics and display) and `RunLifecycle` (resume, signals, checkpoints).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from cohort.config.grpo_config import GRPOConfig
+from cohort.errors import CohortError
+from cohort.eval.evaluate import evaluate
+from cohort.models.lora import adapters_disabled, has_lora, merge_into_base
+from cohort.rewards.model import warm_up_reward_models
+from cohort.rollout.batch import Batch
+from cohort.run.assembly import assemble_run
+from cohort.run.callbacks import CallbackHandler
+from cohort.run.checkpoint import RunParts, RunState, save_checkpoint
+from cohort.parallel.disaggregation import samples_here
+from cohort.run.ending import release_run, save_policy_folder, write_summary
+from cohort.run.lifecycle import RunLifecycle
+from cohort.telemetry.step_report import StepContext, success_rate
+from cohort.tools.toolbox import make_toolbox
+from cohort.run.determinism import run_determinism
+from cohort.trainer.dynamic_sampling import fill_informative
+from cohort.algorithm.advantages import group_advantages, overlong_penalty
+
+
+class GRPOTrainer:
+    def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
+                 processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
+                 tools=None, environment_factory=None, sampler_factory=None):
+        # The raw values checked before anything loads, on a copy: the caller's config is never changed.
+        self.args = args = (args or GRPOConfig()).validate()
+        if samples_here(args.rollout_gpus):
+            raise CohortError(f"GRPOTrainer on a rank that only samples (rollout_gpus={args.rollout_gpus}: the last "
+                              "ranks): run cohort.SamplingRank(model, args).serve() there instead "
+                              "(cohort.is_sampling_rank(args) tells the ranks apart)")
+        # A benchmark or test samples with its own engine through this; None: cohort.rollout.make_sampler.
+        self.sampler_factory = sampler_factory
+        # A run that fails before its first step leaves no folder behind (when it made the folder).
+        self.new_output_dir = not Path(args.output_dir).exists()
+        self.step = 0
+        try:
+            # Tools the model may call while sampling (TRL's `tools` / `environment_factory`).
+            self.toolbox = make_toolbox(tools, environment_factory, args, task)
+            self.build(model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
+                       peft_config)
+        except BaseException:
+            self.discard_unused_output_dir()
+            raise
+        # transformers' TrainerState and TrainerCallbacks (cohort/run/callbacks.py).
+        self.callback_handler = CallbackHandler(callbacks, self.args, dict(
+            model=self.model, processing_class=self.tokenizer, optimizer=self.optimizer,
+            lr_scheduler=self.scheduler))
+        self.callback_handler.event("on_init_end")
+
+    def build(self, model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
+              peft_config) -> None:
+        """The stages of the run, each given what it needs (cohort/run/assembly.py), kept here."""
+        self.task = task
+        parts = assemble_run(model, args, reward_funcs=reward_funcs, train_dataset=train_dataset,
+                             eval_dataset=eval_dataset, processing_class=processing_class, task=task,
+                             toolbox=self.toolbox, peft_config=peft_config, sampler_factory=self.sampler_factory,
+                             log=log, stage_log=self.log_line)
+        self.args, self.parallel, self.device = parts.args, parts.parallel, parts.device
+        self.model, self.tokenizer, self.pad_id = parts.model, parts.tokenizer, parts.pad_id
+        self.train_rows, self.eval_rows, self.prompts = parts.train_rows, parts.eval_rows, parts.prompts
+        self.curriculum, self.rewards = parts.curriculum, parts.rewards
+        self.train_model, self.optimizer, self.scheduler = parts.train_model, parts.optimizer, parts.scheduler
+        self.uses_reference, self.ref_model, self.loss_spec = parts.uses_reference, parts.ref_model, parts.loss_spec
+        self.share_prompts, self.sampler_correction = parts.share_prompts, parts.sampler_correction
+        self.sampler, self.group_sampler = parts.rollouts.sampler, parts.rollouts.group_sampler
+        self.async_rollouts, self.sequence_offset = parts.rollouts.async_rollouts, parts.rollouts.sequence_offset
+        self.memory, self.policy_update = parts.memory, parts.policy_update
+        self.report, self.log = parts.report, parts.report.log
+        self.accuracy_before = self.accuracy_after = None
+        self.seconds_before = 0.0  # training time of the attempts a resumed run continues
+
+    # ---- Algorithm 1 -------------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        """Run Algorithm 1 for max_steps steps (continuing a checkpoint with --resume); the history
+        of per-step records is returned."""
+        args = self.args
+        self.started = time.perf_counter()
+        with self.lifecycle() as run, run_determinism(self.device, args.cpu_threads, args.full_determinism):  # same sums, busy or not
+            try:
+                self.resume(run)  # --resume: continue from the newest complete checkpoint, exactly
+                self.callback_handler.event("on_train_begin")
+                if self.step == 0:
+                    self.accuracy_before = self.evaluate_held_out()
+                    self.warm_up_reward_models()  # r_φ: offline training on the initial policy's labelled samples
+                for step in self.steps():
+                    if self.new_iteration(step):
+                        self.reset_reference()  # π_ref ← π_θ
+                    batch = self.rollout_of(step)  # π_old ← π_θ (async: max_staleness updates ago); G per prompt
+                    self.score(batch)  # rewards r_φ(q, o_i)
+                    batch = self.refill_uninformative(batch)  # DAPO dynamic sampling (off by default)
+                    batch.old_logp, batch.ref_logp = self.reference_logprobs(batch)  # log π_old (μ > 1), log π_ref (β > 0)
+                    batch.advantages = self.estimate_advantages(batch)  # A_i = (r_i − mean) / (std + eps)
+                    losses = [self.update(batch) for _ in range(args.num_iterations)]  # μ policy updates
+                    self.update_reward_models(batch)  # r_φ: continuous training with replay (learned r_φ only)
+                    self.end_step(run, batch, losses)  # the record, held-out evaluation, the checkpoint
+                self.finish()
+            except BaseException:
+                self.discard_unused_output_dir()
+                raise
+            finally:
+                if self.async_rollouts is not None:
+                    self.async_rollouts.close()  # the producer thread, and what it was sampling
+                self.memory.close()  # a later run in this process can reclaim this run's objects
+        return self.history
+
+    # ---- the steps of the loop ---------------------------------------------------------------
+    def steps(self):
+        """The steps still to run (after a checkpoint's, on resume); each starts the step's clock. A
+        callback that sets `control.should_training_stop` ends the loop after its step."""
+        for step in range(self.step + 1, self.args.max_steps + 1):
+            if self.callback_handler.control.should_training_stop:
+                return
+            if not (self.async_rollouts is None or self.async_rollouts.pending):
+                self.sample_ahead()  # asynchronous rollouts: the first steps' start from the weights as they are
+            self.step, self.step_started = step, time.perf_counter()
+            self.callback_handler.event("on_step_begin")
+            yield step
+
+    def new_iteration(self, step: int) -> bool:
+        """An outer iteration of Algorithm 1 starts every ref_reset_steps (M) steps."""
+        every = self.args.ref_reset_steps
+        return bool(every) and step > 1 and (step - 1) % every == 0
+
+    def reset_reference(self) -> None:
+        """π_ref ← π_θ: copy the weights, or with LoRA fold the adapters into the base (models/lora.py)."""
+        if self.ref_model is not None:
+            with self.memory.reference_pass(modified=True):
+                self.ref_model.load_state_dict(self.model.state_dict())
+        elif has_lora(self.model) and self.uses_reference:
+            for param in merge_into_base(self.model):
+                self.optimizer.state.pop(param, None)  # B restarts at 0: its AdamW moments start over too
+        self.report.log_iteration_summary(self.step)
+
+    def next_prompts(self) -> list[dict]:
+        """This rank's block of the next prompt batch (a curriculum switches the source at its stages)."""
+        self.enter_curriculum_stage(self.step)
+        return self.parallel.shard(self.prompts.next_rows())
+
+    def rollout_of(self, step: int) -> Batch:
+        """The step's rollout: sampled now from the current policy, or, with asynchronous rollouts, the one
+        sampled ahead from the policy of `max_staleness` updates ago (async/staleness says how many)."""
+        if self.async_rollouts is None:
+            return self.sample(self.next_prompts())
+        with self.report.phase("sampling"):  # only the wait: the sampling itself overlapped earlier steps
+            batch, version = self.async_rollouts.take(step)
+        batch.rollout_metrics = {**(batch.rollout_metrics or {}), "async/staleness": float(step - 1 - version)}
+        return batch
+
+    def wait_for_engine(self) -> None:
+        """Asynchronous rollouts sampled on the engine's own copy (FSDP2, cohort/rollout/async_rollouts.py): the
+        trainer's own use of that engine, or a rewrite of its weights, waits for the rollout it is sampling."""
+        if self.async_rollouts is not None and self.async_rollouts.in_place:
+            with self.report.phase("sampling"):
+                self.async_rollouts.wait_idle()
+
+    def sample_ahead(self) -> None:
+        """Asynchronous rollouts: start sampling, from the weights as they are now, the rollouts of the
+        steps that must use them (the first L + 1 at the start, then one per update)."""
+        if self.async_rollouts is None:
+            return
+        steps = [ahead for ahead in self.async_rollouts.steps_ahead(self.step) if ahead <= self.args.max_steps]
+        if not steps:
+            return
+        weights = self.async_rollouts.snapshot(self.model)
+        for ahead in steps:  # partial rollouts: the first request brings the groups in flight beyond a step's
+            rows = [row for _ in range(self.async_rollouts.prompt_batches()) for row in self.next_prompts()]
+            self.async_rollouts.submit(ahead, self.step, weights, rows, self.prompts.next_seed(), self.sequence_offset)
+
+    def sample(self, rows: list[dict]) -> Batch:
+        """π_old ← π_θ (the sampler reads the current weights); G completions for each prompt."""
+        with self.report.phase("sampling"):
+            return self.rollout(rows)
+
+    def rollout(self, rows: list[dict]) -> Batch:
+        self.wait_for_engine()
+        self.memory.before_sampling()  # π_ref's weights head back to the GPU while the engine samples
+        batch = self.group_sampler(rows, seed=self.prompts.next_seed(), sequence_offset=self.sequence_offset)
+        self.memory.after_sampling()
+        return batch
+
+    def score(self, batch: Batch) -> None:
+        """Each completion's reward (weighted sum of the reward functions; DAPO's overlong penalty added)."""
+        with self.report.phase("rewards"):
+            self.add_rewards(batch)
+
+    def add_rewards(self, batch: Batch) -> None:
+        out = self.rewards(batch.prompts, batch.completions, batch.completion_token_ids(), batch.columns)
+        batch.rewards, batch.per_function, batch.reward_metrics = out.rewards, out.per_function, out.metrics
+        if self.args.overlong_buffer_length:  # DAPO soft overlong punishment, part of the reward
+            penalty = overlong_penalty(batch.rollout.completion_mask.sum(dim=1), self.args.max_completion_length,
+                                       self.args.overlong_buffer_length, self.args.overlong_penalty_factor)
+            batch.rewards = batch.rewards + penalty.to(batch.rewards.dtype)
+            batch.reward_metrics = {**batch.reward_metrics, "rewards/overlong_penalty": float(penalty.mean())}
+
+    def refill_uninformative(self, batch: Batch) -> Batch:
+        """DAPO dynamic sampling: swap all-equal-reward groups for freshly sampled informative ones."""
+        if not self.args.dynamic_sampling:
+            return batch
+
+        def sample_more() -> Batch:
+            more = self.rollout(self.next_prompts())
+            self.add_rewards(more)
+            return more
+
+        with self.report.phase("resampling"):
+            batch, stats = fill_informative(batch, sample_more, prompts_needed=self.args.prompts_per_step,
+                                            group_size=self.args.num_generations,
+                                            max_resample_tries=self.args.max_resample_tries, pad_id=self.pad_id)
+        batch.reward_metrics = {**(batch.reward_metrics or {}), **stats}
+        return batch
+
+    def reference_logprobs(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(log π_old, log π_ref), each [B, T] or None: π_old's only when μ > 1 (at μ = 1, π_old = π_θ
+        and ρ ≡ 1) or when a sequence-level sampler correction needs it up front, π_ref's only when β > 0."""
+        old = ref = None
+        with self.report.phase("logprobs"):
+            if self.args.num_iterations > 1 or self.loss_spec.sequence_correction:
+                old = self.policy_update.logprobs(self.model, batch)
+            if self.ref_model is not None:
+                with self.memory.reference_pass():
+                    ref = self.policy_update.logprobs(self.ref_model, batch)
+            elif self.uses_reference:  # LoRA: the reference is this very model with its adapters switched off
+                with adapters_disabled(self.model):
+                    ref = self.policy_update.logprobs(self.model, batch)
+        return old, ref
+
+    def estimate_advantages(self, batch: Batch) -> torch.Tensor:
+        """GRPO's group-relative advantages, [B] (PPO's trainer supplies GAE's per-token ones instead).
+        A completion that no reward function scored (its row of `batch.per_function` all NaN) is left out
+        of its group's mean and std and gets 0, as in TRL 1.16."""
+        scored = None if batch.per_function is None else ~torch.isnan(batch.per_function).all(dim=1)
+        return group_advantages(batch.rewards, self.args.num_generations, self.args.scale_rewards, scored=scored)
+
+    def update(self, batch: Batch) -> dict:
+        """One policy update (μ of these per rollout); its statistics."""
+        with self.report.phase("update"):
+            return self.update_step(batch)
+
+    def update_step(self, batch: Batch) -> dict:
+        return self.policy_update(batch, self.step)
+
+    def update_reward_models(self, batch: Batch) -> None:
+        """Algorithm 1, last line: each learned reward model r_φ (a reward function with `on_step_end`)
+        trains on this step's samples with replay; its rm/* metrics join the step's record."""
+        hooks = [f for f in self.rewards.funcs if hasattr(f, "on_step_end")]
+        if not hooks:
+            return
+        with self.report.phase("reward_model"):
+            ids, columns = batch.completion_token_ids(), batch.columns
+            for func in hooks:
+                metrics = func.on_step_end(batch.prompts, batch.completions, ids,
+                                           group_size=self.args.num_generations, step=self.step, **columns)
+                for key, value in metrics.items():
+                    batch.reward_metrics[key if key not in batch.reward_metrics else f"{func.__name__}/{key}"] = value
+
+    def end_step(self, run: RunLifecycle, batch: Batch, losses: list[dict]) -> None:
+        """After the algorithm's lines: the sampling copy (FSDP), the record, evaluation, the checkpoint."""
+        if self.parallel.fsdp:
+            self.wait_for_engine()  # the copy the refresh rewrites may be sampling the next step's rollout
+            with self.report.phase("gather"):  # FSDP2: the updated shards into the copy (or TP shard) the engine samples
+                self.parallel.refresh_sampling_model()
+        self.sample_ahead()  # asynchronous rollouts: a later step's sampling starts from the updated weights
+        self.log_step(batch, losses, time.perf_counter() - self.step_started)
+        if self.step == self.first_step:  # the run's long-lived objects exist now
+            self.memory.after_first_step()  # full collections stop walking them (cohort/memory/gc_pauses.py)
+            self.report.restart_gc_clock()
+        state, control = self.state, self.callback_handler.control
+        state.global_step = self.step
+        self.callback_handler.event("on_step_end")
+        due = self.args.eval_steps and self.step % self.args.eval_steps == 0 and self.step < self.args.max_steps
+        if due or control.should_evaluate:
+            control.should_evaluate = False
+            self.evaluate_held_out()
+        if control.should_save:
+            control.should_save = False
+            run.save_once(self.step)
+        run.end_of_step(self.step, self.policy_update.counters.nonfinite_in_a_row)
+
+    def log_step(self, batch: Batch, losses: list[dict], seconds: float) -> dict:
+        """The step's metrics record (cohort/telemetry/step_report.py)."""
+        task = self.curriculum.task if self.curriculum is not None else self.task  # the rows' own task
+        context = StepContext(
+            success=success_rate(batch, task), learning_rate=self.scheduler.get_last_lr()[0],
+            uses_reference=self.uses_reference, micro_rows=self.memory.micro_rows, share_prompts=self.share_prompts,
+            reward_names=self.rewards.names,
+            counters={"skipped_steps": self.policy_update.counters.skipped_steps,
+                      "oom_retries": self.memory.oom_retries},
+            extra=self.curriculum.metrics() if self.curriculum is not None else {})
+        record = self.report.record(self.step, batch, losses, seconds, context)
+        self.state.log_history.append(record)
+        if self.step % self.args.logging_steps == 0 or self.step == self.args.max_steps:
+            self.callback_handler.event("on_log", logs=record)
+        return record
+
+    # ---- around the loop ---------------------------------------------------------------------
+    def lifecycle(self) -> RunLifecycle:
+        """The run around the loop: signals, resume, checkpoints (cohort/run/lifecycle.py)."""
+        return RunLifecycle(self.args, self.parallel, self.log, self.save_checkpoint, self.close_logs)
+
+    def resume(self, run: RunLifecycle | None = None) -> None:
+        """Load the checkpoint --resume / resume_from_checkpoint names into this trainer (`train()`
+        does; call it yourself to inspect a checkpoint's state without training)."""
+        state = (run or self.lifecycle()).resume(self.run_parts, self.enter_curriculum_stage)
+        if state is not None:  # the objects are restored in place; the plain values are the trainer's
+            self.step, self.accuracy_before, self.seconds_before = state.step, state.accuracy_before, state.seconds
+            self.report.history, self.state.log_history = state.history, [dict(r) for r in state.history]
+            self.prompts.load_state_dict(state.prompts)
+            counters = self.policy_update.counters
+            counters.skipped_steps, counters.nonfinite_in_a_row = state.skipped_steps, state.nonfinite_in_a_row
+            self.state.global_step = self.step
+        self.first_step = self.step + 1
+
+    def save_checkpoint(self) -> Path:
+        """checkpoint-<step> of the run as it is now (cohort/run/checkpoint.py)."""
+        counters = self.policy_update.counters
+        parts = self.run_parts()
+        if self.async_rollouts is not None and self.parallel.world_size > 1:
+            saved = self.extra_checkpoint_state()  # a collective: every rank hands over its rollouts, rank 0 writes
+            parts.extra_state = lambda: saved
+        folder = save_checkpoint(parts, RunState(
+            step=self.step, prompts=self.prompts.state_dict(), history=self.history,
+            accuracy_before=self.accuracy_before, skipped_steps=counters.skipped_steps,
+            nonfinite_in_a_row=counters.nonfinite_in_a_row, seconds=self.training_seconds()))
+        self.callback_handler.event("on_save")
+        return folder
+
+    def run_parts(self) -> RunParts:
+        return RunParts(args=self.args, model=self.model, tokenizer=self.tokenizer, train_model=self.train_model,
+                        optimizer=self.optimizer, scheduler=self.scheduler, ref_model=self.ref_model,
+                        reference_pass=self.memory.reference_pass, reward_funcs=self.rewards.funcs,
+                        parallel=self.parallel, extra_state=self.extra_checkpoint_state,
+                        load_extra_state=self.load_extra_checkpoint_state)
+
+    def extra_checkpoint_state(self) -> dict | None:
+        """State beyond the model, optimizer and data order: the rollouts sampled ahead (asynchronous
+        rollouts), a subclass's own (PPO's critic); None: nothing to add."""
+        if self.async_rollouts is None:
+            return None
+        # Every rank samples its own block of each step: rank 0 writes all ranks' rollouts sampled ahead.
+        return {"async_rollouts": self.parallel.gather_objects(self.async_rollouts.state_dict())}
+
+    def load_extra_checkpoint_state(self, state: dict) -> None:
+        """Restore what `extra_checkpoint_state` saved."""
+        by_rank = state.get("async_rollouts")
+        if self.async_rollouts is not None and by_rank and len(by_rank) == self.parallel.world_size:
+            self.async_rollouts.load_state_dict(by_rank[self.parallel.rank])  # else: sampled again from here
+
+    def enter_curriculum_stage(self, step: int) -> None:
+        """At a stage boundary: that stage's rows (and reward functions)."""
+        if self.curriculum is None:
+            return
+        switch = self.curriculum.enter(step, self.tokenizer)
+        if switch is None:
+            return
+        self.prompts.switch_rows(switch.rows)
+        if switch.rewards is not None:
+            self.rewards = switch.rewards
+        self.rewards.check_columns(set(switch.rows[0]))
+        self.log(switch.message)
+
+    def warm_up_reward_models(self) -> None:
+        """r_φ's offline warm-up on the initial policy's samples; the run's data order and seeds are kept."""
+        with self.prompts.unchanged():
+            warm_up_reward_models(self.rewards.funcs, self.args, self.prompts.rows, self.rollout, self.log)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy, format rate and mean length on the held-out rows (`eval/*` metrics, logged
+        and passed to the callbacks' `on_evaluate`); empty without eval_dataset or a task verifier."""
+        if not self.eval_rows or self.task is None:
+            return {}
+        self.wait_for_engine()
+        with self.report.phase("eval"):  # each rank (or sampling group) evaluates its block; the counts are summed
+            result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.evaluation_rows(self.eval_rows),
+                              self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length,
+                              toolbox=self.toolbox)
+            result = result.summed(self.parallel.evaluation_sums)
+        metrics = result.metrics()
+        self.report.metrics.log(self.step, metrics)
+        self.state.log_history.append({**metrics, "step": self.step})
+        self.callback_handler.event("on_evaluate", metrics=metrics)
+        self.log(f"eval (step {self.step}): accuracy={100 * result.accuracy:.1f}% on {result.num_questions} problems")
+        return metrics
+
+    def evaluate_held_out(self) -> float | None:
+        """The greedy held-out accuracy of `evaluate` (None without eval_dataset or a task verifier)."""
+        return self.evaluate().get("eval/accuracy")
+
+    def finish(self) -> None:
+        """The last iteration's summary, the final held-out accuracy, the policy as a Hugging Face
+        folder, summary.json (its seconds summed over the attempts of a resumed run): cohort/run/ending.py."""
+        self.report.log_iteration_summary(self.step, final=True)
+        self.accuracy_after = self.evaluate_held_out()
+        out = self.save_model(self.args.output_dir)
+        release_run(self.async_rollouts, self.sampler, self.parallel, self.memory)
+        self.callback_handler.event("on_train_end")
+        if not self.parallel.is_main:  # rank 0 alone writes the summary and prints
+            self.report.progress.close()
+            return
+        write_summary(out, accuracy_before=self.accuracy_before, accuracy_after=self.accuracy_after,
+                      seconds=self.training_seconds(), steps=self.step, history=self.history)
+        self.close_logs()
+        if self.accuracy_before is not None:
+            self.log(f"held-out accuracy: {100 * self.accuracy_before:.1f}% -> {100 * self.accuracy_after:.1f}% "
+                     f"({len(self.eval_rows)} problems)")
+
+    def training_seconds(self) -> float:
+        """Seconds spent in train() so far, the earlier attempts of a resumed run included."""
+        return self.seconds_before + time.perf_counter() - self.started
+
+    def close_logs(self) -> None:
+        self.report.metrics.close()
+        self.report.progress.close()
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """The policy as a Hugging Face folder, written by rank 0 (the others wait for it)."""
+        out = Path(output_dir or self.args.output_dir)
+        return save_policy_folder(self.model, self.tokenizer, out, self.parallel, self.args.dtype)
+
+    @property
+    def history(self) -> list[dict]:
+        """Every step's metrics record so far."""
+        return self.report.history
+
+    @property
+    def state(self):
+        """transformers' `TrainerState`: global_step, max_steps, log_history (step records and evaluations)."""
+        return self.callback_handler.state
+
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.pop(callback)
+
+    def discard_unused_output_dir(self) -> None:
+        """Remove the output folder this run made, if it failed before finishing a step."""
+        report = getattr(self, "report", None)
+        if not self.new_output_dir or (report is not None and self.history):
+            return
+        if report is not None:
+            self.close_logs()
+        shutil.rmtree(self.args.output_dir, ignore_errors=True)
+
+    def log_line(self, line: str) -> None:
+        """What the stages built before the display exists log through (the display's, once it does)."""
+        self.log(line)
