@@ -9,7 +9,7 @@ from cohort import GRPOConfig
 from cohort.sft.sft_trainer import SFTConfig, encode_sft_row
 from cohort.sft.sft_tools import encode_trajectory
 from cohort.cli.eval import EVAL_OPTIONS, run_eval
-from cohort.cli.options import parse_options
+from cohort.cli.flags import parse_options
 from cohort.cli.sft import SFT_OPTIONS
 from cohort.errors import CohortError
 from cohort.models.tiny import build_tokenizer

@@ -25,7 +25,7 @@ import torch
 from cohort.rollout.sampling import filter_logits, scale_by_temperature
 from cohort.errors import CohortError
 from cohort.models.lora import base_model
-from cohort.cli.chat_options import generate_parser
+from cohort.cli.chat_flags import generate_parser
 
 FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 FALLBACK_STOPS = ["\nUser:"]  # the plain format has no end-of-turn token: the next "User:" line ends a reply

@@ -33,7 +33,7 @@ from cohort.tools import (ToolCall, ToolCallError, ToolResult, assistant_message
 from cohort.tools.calls import CLOSE_TAG, DEFAULT_TIMEOUT_S, OPEN_TAG
 from cohort.tools.toolbox import TOOLS_FILE, read_tools_file
 from cohort.cli.chat import ChatSession, chat_loop, default_model_spec, load_for_inference, stderr_log
-from cohort.cli.chat_options import DEFAULT_MAX_ITERATIONS, chat_parser
+from cohort.cli.chat_flags import DEFAULT_MAX_ITERATIONS, chat_parser
 
 SHOWN_CHARS = 300  # a tool line shows at most this much of the arguments, and of the result
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from cohort.errors import CohortError
-from cohort.cli.options import Option, mapping, options_help, parse_options, pick_device
+from cohort.cli.flags import Option, mapping, options_help, parse_options, pick_device
 
 EVAL_OPTIONS = {
     "model": Option(str, None, "HF folder, .gguf file or hub id; none: the built-in tiny model"),

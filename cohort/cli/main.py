@@ -460,7 +460,7 @@ def _report(argv: list[str]) -> int:
 
 
 def _chat(argv: list[str]) -> int:
-    from cohort.cli.chat_options import chat_parser
+    from cohort.cli.chat_flags import chat_parser
 
     chat_parser().parse_args(argv)  # --help and bad options answer here, before torch loads
     from cohort.cli.chat_tools import chat_main
@@ -469,7 +469,7 @@ def _chat(argv: list[str]) -> int:
 
 
 def _generate(argv: list[str]) -> int:
-    from cohort.cli.chat_options import generate_parser
+    from cohort.cli.chat_flags import generate_parser
 
     generate_parser().parse_args(argv)  # --help and bad options answer here, before torch loads
     from cohort.cli.chat import generate_main

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cohort.sft.sft_config import SFTConfig
 from cohort.errors import CohortError
-from cohort.cli.options import Option, mapping, options_help, parse_options, pick_device
+from cohort.cli.flags import Option, mapping, options_help, parse_options, pick_device
 
 SFT_OPTIONS = {
     "model": Option(str, None, "HF folder, .gguf file or hub id to fine-tune (required)"),

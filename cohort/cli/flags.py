@@ -1,4 +1,5 @@
-"""The small `--name value` parser that `cohort eval` and `cohort sft` share.
+"""The flags of `cohort eval` and `cohort sft`: each one's type, default and help (`Option`), and the small
+`--name value` parser they share.
 
 `cohort train` parses into `GRPOConfig` instead (`cohort.config.command_line.parse_config`); both read the argv
 pairs through `cohort.config.command_line.option_pairs`, so the two spell options the same way.

@@ -1,5 +1,5 @@
-"""The command lines of `cohort chat` and `cohort generate`, without torch: `--help` and a bad option answer
-at once, before the modules that load a model are imported."""
+"""The flags of `cohort chat` and `cohort generate` (their argparse parsers), without torch: `--help` and a
+bad option answer at once, before the modules that load a model are imported."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ def chat_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cohort chat", description="Chat with a model; /reset clears, /exit quits.")
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
                         help="HF folder, .gguf file or hub id (default: runs/arithmetic if trained, else the tiny model)")
-    common_options(parser, temperature=0.7)
-    add_tool_options(parser)
+    common_flags(parser, temperature=0.7)
+    add_tool_flags(parser)
     return parser
 
 
@@ -33,11 +33,11 @@ def generate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_generations", type=int, default=1, help="completions per prompt (default 1)")
     parser.add_argument("--chat", action="store_true", help="wrap plain-text prompts as one user message "
                         "with the chat template (message-list prompts always get it)")
-    common_options(parser, temperature=0.7)
+    common_flags(parser, temperature=0.7)
     return parser
 
 
-def common_options(parser: argparse.ArgumentParser, temperature: float) -> None:
+def common_flags(parser: argparse.ArgumentParser, temperature: float) -> None:
     parser.add_argument("--max_new_tokens", type=int, default=256, help="most tokens per reply (default 256)")
     parser.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})")
     parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
@@ -50,7 +50,7 @@ def common_options(parser: argparse.ArgumentParser, temperature: float) -> None:
                             "completed as it is (base models, the built-in arithmetic model)")
 
 
-def add_tool_options(parser: argparse.ArgumentParser) -> None:
+def add_tool_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tools", default=None, metavar="SPECS",
                         help="tools the model may call: module:function,... (typed functions with Google-style "
                         "docstrings; 'run_python' is the built-in sandbox); 'none': no tools, whatever "
