@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from cohort import GRPOConfig, GRPOTrainer# noqa: E402
+from cohort.config.settings import RewardModelSettings# noqa: E402
 from cohort.rewards.model import RewardModelReward, task_labeller, warm_up_reward_models# noqa: E402
 from cohort.rewards.scorers import load_scorer# noqa: E402
 from cohort.tasks.arithmetic import ArithmeticTask# noqa: E402
@@ -49,11 +50,11 @@ def make_trainer(condition: str, seed: int, opts, out_dir: Path, rm=None):
     policy_dir = str(tiny_model_dir(log=lambda *_: None))
     if rm is None:
         scorer, tokenizer, _, _ = load_scorer(policy_dir, kind=opts.scorer)  # warm-start weights, fresh zero head
-        rm = RewardModelReward(
-            scorer, tokenizer, label_fn=task_labeller(task), updates_per_step=opts.rm_updates,
-            batch_size=opts.rm_batch, learning_rate=opts.rm_lr, head_learning_rate=opts.rm_head_lr,
-            replay_ratio=opts.replay_ratio, buffer_size=opts.buffer_size, loss="pointwise", scorer=opts.scorer,
-            max_length=64, seed=seed)
+        settings = RewardModelSettings(
+            updates_per_step=opts.rm_updates, batch_size=opts.rm_batch, learning_rate=opts.rm_lr,
+            head_learning_rate=opts.rm_head_lr, replay_ratio=opts.replay_ratio, buffer_size=opts.buffer_size,
+            loss="pointwise", scorer=opts.scorer, max_length=64)
+        rm = RewardModelReward(scorer, tokenizer, settings, label_fn=task_labeller(task), seed=seed)
     rm.train_steps = opts.frozen_after if condition == "frozen" else 0
     defaults = dict(task.default_config)
     defaults.update(max_steps=opts.steps, seed=seed, quiet=True, logging_steps=1, log_completions_steps=10**6,

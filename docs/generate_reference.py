@@ -1,6 +1,7 @@
 """Write docs/reference.md from the code: every `GRPOConfig` field (name, type, default, help), grouped
-by the section comments of the class in cohort/config/grpo_config.py, with the values of each option that takes a fixed set
-(the table in cohort/config/choices.py), and every metric name the step log writes.
+in the sections of cohort/config/sections.py, with the values of each option that takes a fixed set
+(the table in cohort/config/choices.py), the configs refused (the table in cohort/config/rules.py), and
+every metric name the step log writes.
 
     python docs/generate_reference.py           # rewrite docs/reference.md
     python docs/generate_reference.py --check   # exit 1 if docs/reference.md is not what the code gives
@@ -157,14 +158,15 @@ def render() -> str:
     sys.path.insert(0, str(ROOT))
     from cohort.config.choices import CHOICES
     from cohort.config.grpo_config import GRPOConfig
-    from cohort.config.command_line import option_sections
+    from cohort.config.rules import RULES
+    from cohort.config.sections import SECTIONS
 
     fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-    groups = option_sections(GRPOConfig)
-    listed = [name for _, _, names in groups for name in names]
+    listed = [name for section in SECTIONS for name in section.options]
     missing = [name for name in fields if name not in listed]
     if missing or len(listed) != len(set(listed)) or set(listed) - set(fields):
-        raise SystemExit(f"the class's section comments do not cover the fields exactly (missing {missing})")
+        raise SystemExit(f"the sections of cohort/config/sections.py do not cover the fields exactly (missing "
+                         f"{missing})")
     lines = [
         "# Reference",
         "",
@@ -188,20 +190,27 @@ def render() -> str:
         "file back to the same run. `gradient_checkpointing_layers: auto` can stay: it is measured in the first "
         "update.",
         "",
-        "- [Options](#options): " + ", ".join(f"[{title}](#{anchor(title)})" for title, _, _ in groups),
+        "- [Options](#options): " + ", ".join(f"[{s.title}](#{anchor(s.title)})" for s in SECTIONS),
+        "- [Refused configurations](#refused-configurations): the ranges and combinations a run refuses",
         "- [Metrics](#metrics): the names in `metrics.jsonl`, TensorBoard and Weights & Biases",
         "",
         "## Options",
     ]
-    for title, description, names in groups:
-        lines += ["", f"### {title}", ""]
-        if description and description.rstrip(".") != title:
-            lines += [description, ""]
+    for section in SECTIONS:
+        lines += ["", f"### {section.title}", ""]
+        if section.description:
+            lines += [section.description, ""]
         lines += ["| option | type | default | what it does |", "| --- | --- | --- | --- |"]
-        for name in names:
+        for name in section.options:
             f = fields[name]
             lines.append(f"| `{name}` | {type_cell(f, CHOICES)} | {cell(default_text(f))} | "
                          f"{cell(f.metadata.get('help', ''))} |")
+    lines += ["", "## Refused configurations", "",
+              "Besides a value of the wrong type or outside an option's listed values, `GRPOConfig.validate()` and "
+              "`cohort train` refuse a configuration in these cases, with a one-line error that names the values "
+              "and the fix (the table of them is cohort/config/rules.py; checks that need the number of "
+              "processes or the model run when those are known):", ""]
+    lines += [f"- {rule.when}" for rule in RULES]
     lines += ["", "## Metrics", "",
               "Each line of `<output_dir>/metrics.jsonl` is one JSON object, `{\"step\", \"time\", <name>: value, …}`, "
               "written every `logging_steps` steps; a value that is not a finite number is `null`. Evaluations "

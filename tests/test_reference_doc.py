@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from cohort.config.grpo_config import GRPOConfig
-from cohort.config.command_line import option_sections
+from cohort.config.rules import RULES
+from cohort.config.sections import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -49,10 +50,18 @@ def test_every_option_has_help_and_a_section():
     for f in dataclasses.fields(GRPOConfig):
         text = f.metadata.get("help", "")
         assert isinstance(text, str) and text.strip(), f"GRPOConfig.{f.name} has no help text"
-    listed = [name for _, _, names in option_sections(GRPOConfig) for name in names]
-    assert sorted(listed) == sorted(FIELDS)
+    listed = [name for section in SECTIONS for name in section.options]
+    assert listed == [f.name for f in dataclasses.fields(GRPOConfig)]  # each once, in the class's order
     reference = (DOCS / "reference.md").read_text(encoding="utf-8")
     assert all(f"| `{name}` |" in reference for name in FIELDS)
+
+
+def test_reference_lists_every_refused_configuration():
+    reference = (DOCS / "reference.md").read_text(encoding="utf-8")
+    refused = reference.split("## Refused configurations")[1].split("\n## ")[0]
+    assert [line[2:] for line in refused.splitlines() if line.startswith("- ")] == [rule.when for rule in RULES]
+    named = {name for rule in RULES for name in re.findall(r"`(\w+)`", rule.when)}
+    assert named <= FIELDS, named - FIELDS
 
 
 def flags(text: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""The learned reward model r_φ (issue 7): replay buffer, mixing ratio, online accuracy, checkpoints, wiring."""
+"""The learned reward model r_φ: replay buffer, mixing ratio, online accuracy, checkpoints, wiring."""
 
 import math
 import random
@@ -7,7 +7,10 @@ from collections import Counter
 import pytest
 import torch
 
+import dataclasses
+
 from cohort import GRPOConfig, GRPOTrainer
+from cohort.config.settings import RewardModelSettings
 from cohort.errors import CohortError
 from cohort.models import CausalLM, ModelConfig
 from cohort.rewards.model import RewardModelReward, prepare_reward_funcs
@@ -117,10 +120,9 @@ def test_within_group_pairs_never_cross_groups():
 
 # ---- the reward model as a reward function and its online training --------------------------------
 
-def make_rm(tokenizer, seed=0, **options):
-    options = {"updates_per_step": 4, "batch_size": 16, "learning_rate": 3e-3, "label_fn": parity_label,
-               "seed": seed, **options}
-    return RewardModelReward(tiny_backbone(tokenizer, seed), tokenizer, **options)
+def make_rm(tokenizer, seed=0, label_fn=parity_label, **settings):
+    settings = RewardModelSettings(**{"updates_per_step": 4, "batch_size": 16, "learning_rate": 3e-3, **settings})
+    return RewardModelReward(tiny_backbone(tokenizer, seed), tokenizer, settings, label_fn=label_fn, seed=seed)
 
 
 def test_hook_mixes_fresh_and_replayed_samples_at_the_ratio(tokenizer):
@@ -345,6 +347,25 @@ def test_head_learning_rate_puts_the_head_in_its_own_group(tokenizer):
     assert len(trunk["params"]) + 1 == len(list(rm.model.parameters()))
     with pytest.raises(CohortError, match="rm_scorer"):
         make_rm(tokenizer, scorer="middle_token")
+
+
+def test_settings_are_the_configs_rm_options_and_refused_as_the_config_refuses_them(tokenizer):
+    config = GRPOConfig(rm_updates_per_step=3, rm_replay_ratio=0.25, rm_scorer="likelihood", rm_warmup_batches=2)
+    settings = config.reward_model()
+    for f in dataclasses.fields(RewardModelSettings):
+        assert getattr(settings, f.name) == getattr(config, f"rm_{f.name}")
+    assert RewardModelSettings() == GRPOConfig().reward_model()  # the same defaults
+    # A Python caller building r_φ directly meets the config's rule, in its words.
+    for bad in ({"replay_ratio": 1.0}, {"label_fraction": 0.0}, {"batch_size": 0}, {"head_learning_rate": 0.0},
+                {"loss": "listwise"}):
+        (name, value), = bad.items()
+        with pytest.raises(CohortError) as from_config:
+            GRPOConfig(**{f"rm_{name}": value}).validate()
+        with pytest.raises(CohortError) as from_python:
+            make_rm(tokenizer, **bad)
+        assert str(from_python.value) == str(from_config.value) and f"rm_{name}=" in str(from_config.value)
+    with pytest.raises(CohortError, match="takes a RewardModelSettings"):
+        RewardModelReward(tiny_backbone(tokenizer), tokenizer, {"replay_ratio": 0.5})
 
 
 @pytest.mark.parametrize("scorer", ["head", "likelihood"])

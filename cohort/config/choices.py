@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+from cohort.config.rules import refusal
 from cohort.errors import CohortError
 
 # The built-in tasks (`--task`): name → "module:attribute", imported only when asked for (`cohort.tasks.get_task`).
@@ -87,7 +88,8 @@ def choose(name: str, value) -> None:
     """Refuse a value outside option `name`'s entry with one line naming the option and its values."""
     if not allowed(name, value):
         kind = "a comma-separated list of " if name in LISTS else ""
-        raise CohortError(f"{name}={value!r} is not one of its values; pass {kind}{values_text(name)} (--{name})")
+        raise CohortError(refusal(name, value, "is not one of its values",
+                                  f"pass {kind}{values_text(name)} (--{name})"))
 
 
 def values_text(name: str) -> str:

@@ -9,9 +9,7 @@ from __future__ import annotations
 import importlib
 import dataclasses
 import difflib
-import inspect
 import json
-import re
 import textwrap
 import typing
 from collections.abc import Callable
@@ -21,6 +19,7 @@ from cohort.config.choices import AUTO_OPTIONS, CHOICES, TASKS, values_text
 from cohort.config.grpo_config import ALIASES, GRPOConfig, default_task
 from cohort.errors import CohortError
 from cohort.config.output_dir import COMMAND_LINE_OUTPUT_DIR
+from cohort.config.sections import SECTIONS
 
 
 def config_fields() -> dict[str, dataclasses.Field]:
@@ -96,7 +95,7 @@ def load_yaml(path: str) -> dict:
 def option_pairs(argv: list[str], command: str = ""):
     """Yield (name, value) for `--name value` / `--name=value` / bare `--name` (value None) arguments,
     dashes in names read as underscores; anything else is a one-line `CohortError`. Shared by
-    `cohort train` (`parse_config`) and `cohort eval` / `cohort sft` (`cohort.cli.options.parse_options`)."""
+    `cohort train` (`parse_config`) and `cohort eval` / `cohort sft` (`cohort.cli.flags.parse_options`)."""
     prefix = f"cohort {command}: " if command else ""
     i = 0
     while i < len(argv):
@@ -245,62 +244,16 @@ def type_text(name: str) -> str:
     return text + ("|none" if optional and name not in ("task",) else "")
 
 
-def option_sections(cls) -> list[tuple[str, str, list[str]]]:
-    """(title, description, field names) for each block of the dataclass `cls` that a comment opens after a
-    blank line (or the class line); the title is the comment up to its first '. ', ': ' or '; '. `--help`
-    and docs/reference.md group the options this way. Raises OSError/TypeError when no source is at hand."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    out: list[tuple[str, str, list[str]]] = []
-    comment: list[str] = []
-    previous_blank = True
-    source = inspect.getsource(cls).splitlines()
-    body = source[next(i for i, line in enumerate(source) if line.lstrip().startswith("class ")) + 1:]
-    for line in body:
-        text = line.strip()
-        if text.startswith(("@", "def ")):
-            break
-        if text.startswith("#"):
-            if previous_blank or comment:
-                comment.append(text.lstrip("#").strip())
-            previous_blank = False
-            continue
-        if comment:
-            description = " ".join(comment)
-            title = re.split(r"(?<=[^\s(])[.:;](?:\s|$)", description, maxsplit=1)[0]
-            out.append((re.sub(r"\s*\([^)]*\)", "", title).strip(), description, []))
-            comment = []
-        match = re.match(r"(\w+)\s*:", text)
-        if match and match.group(1) in names:
-            if not out:
-                out.append(("Options", "", []))
-            out[-1][2].append(match.group(1))
-        previous_blank = not text
-    return out
-
-
-def sections() -> list[tuple[str, list[str]]]:
-    """(title, field names) of `GRPOConfig`'s blocks (`option_sections`); one group when its source is not at
-    hand or the blocks miss a field."""
-    names = [f.name for f in dataclasses.fields(GRPOConfig)]
-    try:
-        out = [(title, group) for title, _, group in option_sections(GRPOConfig)]
-    except (OSError, TypeError):
-        return [("Options", names)]
-    if sorted(name for _, group in out for name in group) != sorted(names):
-        return [("Options", names)]
-    return out
-
-
 def config_help(config: GRPOConfig | None = None, sources: dict[str, str] | None = None, width: int = 100) -> str:
     """Every option of `cohort train`: its kind (type or choices), the default this invocation would use
-    and where that default comes from, and the field's help text, grouped as in the class."""
+    and where that default comes from, and the field's help text, in the sections of `SECTIONS`."""
     config = config if config is not None else GRPOConfig(output_dir=COMMAND_LINE_OUTPUT_DIR)
     sources = sources or {}
     fields = config_fields()
     blocks = []
-    for title, names in sections():
-        lines = [f"{title}:"]
-        for name in names:
+    for section in SECTIONS:
+        lines = [f"{section.title}:"]
+        for name in section.options:
             source = sources.get(name, "default")
             default = show_value(getattr(config, name))
             lines.append(f"  --{name} {type_text(name)}    default: {default}"

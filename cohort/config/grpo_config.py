@@ -2,9 +2,11 @@
 
 A config comes from Python (`GRPOConfig(learning_rate=...)`), or from the command line and YAML
 (`cohort.config.command_line.resolve_config`, with one precedence rule for every option and the
-source of each value). `validate()` returns a checked copy (contradictions
-and values outside the table of cohort/config/choices.py are one-line `CohortError`s) and never changes the
-object it is called on; the `auto` options are settled later, once, by `cohort.run.resolve.resolve_run_config`.
+source of each value). `validate()` returns a checked copy (values outside the table of
+cohort/config/choices.py and configs the table of cohort/config/rules.py refuses are one-line
+`CohortError`s) and never changes the object it is called on; the `auto` options are settled later, once,
+by `cohort.run.resolve.resolve_run_config`. A stage that takes a group of options as one value gets it
+from here (`reward_model()`, cohort/config/settings.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 from cohort.config.choices import CHOICES, choose
 from cohort.errors import CohortError
 from cohort.config.output_dir import DESCRIPTION, script_output_dir
+from cohort.config.rules import RULES, first_refusal
+from cohort.config.settings import RewardModelSettings
 from cohort.config.spelling import learn_options
 from cohort.config.trl_names import translate
 from cohort.config.types import fits, type_problem
@@ -29,6 +33,9 @@ DEFAULT_ROLLOUT_NUMERICS = "fast"
 
 @dataclass
 class GRPOConfig:
+    # Each block below is a section of `cohort train --help` and docs/reference.md, in the same order: its
+    # title, description and options are cohort/config/sections.py's SECTIONS.
+
     # What to train, on what.
     model: str | None = field(default=None, metadata={
         "help": "The policy: a local Hugging Face folder, a hub id or a .gguf file; None is the built-in tiny model."})
@@ -94,13 +101,13 @@ class GRPOConfig:
         "help": "Seconds a reward call may take (a whole-batch call, or one sample of a per-sample function) "
                 "before its samples score None."})
 
-    # Reward faults: a reward function that raises stops the run, unless told to score None (cohort/rewards/runner.py).
+    # Reward faults.
     reward_errors: str = field(default="raise", metadata={
         "help": "What a reward function that raises does: raise stops the run at its first exception with one line "
                 "naming the function; warn scores the samples it fails on None and counts them in "
                 "rewards/<name>/errors. A reward call that times out is not an error: it scores None either way."})
 
-    # Tools: multi-turn rollouts in which the model calls functions (cohort/tools/, docs/howto/tools.md).
+    # Tools.
     tools: list[str] | None = field(default=None, metadata={
         "help": "Tools the model may call while sampling: module:function (typed, with a Google-style docstring; "
                 "sync or async) or run_python (the sandboxed code tool); None uses the task's tools, if any."})
@@ -112,7 +119,7 @@ class GRPOConfig:
     tool_timeout: float = field(default=30.0, metadata={
         "help": "Seconds a tool call may take; a call that overruns is a failed call whose error the model sees."})
 
-    # Asynchronous rollouts (cohort/rollout/async_rollouts.py): sampling of later steps overlaps the update.
+    # Asynchronous rollouts.
     async_rollouts: bool = field(default=False, metadata={
         "help": "Sample the rollouts of later steps on a copy of the policy while the update trains; the update "
                 "corrects for the stale samples by importance sampling against the sampler's log-probs."})
@@ -144,7 +151,7 @@ class GRPOConfig:
                 "max_staleness (2 or more). auto: on with rollout_gpus where cohort's engine samples, without "
                 "tools, unless max_staleness is set below 2."})
 
-    # Algorithm breadth: DAPO, GSPO, an entropy bonus. The defaults leave plain GRPO unchanged.
+    # Algorithm breadth.
     dynamic_sampling: bool = field(default=False, metadata={
         "help": "DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."})
     max_resample_tries: int = field(default=4, metadata={
@@ -166,8 +173,7 @@ class GRPOConfig:
         "help": "Weigh each token's KL term by the importance ratio (DeepSeek-V3.2's unbiased KL gradient); off "
                 "keeps DeepSeekMath's β·KL (TRL 1.16 defaults to on)."})
 
-    # The sampler computes in other kernels than the trainer (bf16 on a GPU): its samples' probabilities
-    # under the trainer differ. Measured every step (sampling/*); corrected by importance weights.
+    # The sampler computes in other kernels than the trainer.
     importance_sampling_correction: bool | None = field(default=None, metadata={
         "help": "Weigh the surrogate by π_trainer / π_sampler of each sample; None turns it on where the sampler "
                 "is not exact (a bf16 or fp16 policy on a GPU)."})
@@ -196,8 +202,7 @@ class GRPOConfig:
                 "sampler's log-prob equals the trainer's log π_old bit for bit (our models on a GPU, one engine per "
                 "GPU, no LoRA; docs/concepts.md)."})
 
-    # Learned reward model r_φ: a reward_funcs entry that is a model folder or object, trained online on
-    # rule-labelled samples with replay (Algorithm 1, last line). See cohort/rewards/model.py.
+    # Learned reward model r_φ.
     rm_updates_per_step: int = field(default=0, metadata={
         "help": "k: r_φ optimizer steps after each policy step; 0 keeps r_φ frozen, as in TRL."})
     rm_buffer_size: int = field(default=4096, metadata={
@@ -269,7 +274,7 @@ class GRPOConfig:
     gradient_accumulation_steps: int = field(default=4, metadata={
         "help": "Micro-batches per optimizer step; the step samples per_device_train_batch_size × this completions."})
 
-    # Memory and speed of the update (docs/howto/memory.md, docs/howto/speed.md).
+    # Memory and speed of the update.
     gradient_checkpointing: bool | str = field(default="auto", metadata={
         "help": "Recompute decoder layers' activations in the backward instead of keeping them. auto: on a GPU, "
                 "our models recompute only the layers the memory budget needs (gradient_checkpointing_layers=auto) "
@@ -304,7 +309,7 @@ class GRPOConfig:
     share_prompt_prefix: bool = field(default=True, metadata={
         "help": "Our models: compute each prompt once per group in the log-prob passes and the update."})
 
-    # Mixture-of-experts models (Qwen3-MoE and Mixtral, cohort/models/moe.py); ignored for dense models.
+    # Mixture-of-experts models.
     routing_replay: bool = field(default=True, metadata={
         "help": "The trainer's forwards (π_old, π_θ, π_ref) route each token by the experts the sampler chose "
                 "for it, the router still trained through the gate values."})
@@ -312,7 +317,7 @@ class GRPOConfig:
         "help": "Weight of the Switch Transformer load-balancing loss added to the policy loss; 0 leaves it out, "
                 "as RL frameworks do."})
 
-    # LoRA through peft, with TRL's ModelConfig names; π_ref is then the same model with the adapters off.
+    # LoRA through peft, with TRL's ModelConfig names.
     use_peft: bool = field(default=False, metadata={
         "help": "Train LoRA adapters (peft) instead of every weight."})
     lora_r: int = field(default=16, metadata={
@@ -324,8 +329,7 @@ class GRPOConfig:
     lora_target_modules: list[str] | None = field(default=None, metadata={
         "help": "Module names that get adapters; None is every attention and MLP projection."})
 
-    # Seed, devices, processes and precision. Several processes (torchrun, or --nproc_per_node N): DDP by
-    # default; fsdp shards parameters, gradients and optimizer state (FSDP2) for models one GPU can't train.
+    # Seed, devices, processes and precision.
     seed: int = field(default=42, metadata={
         "help": "Seed of the data order, the sampling and the global random generators."})
     device: str = field(default="auto", metadata={
@@ -364,7 +368,7 @@ class GRPOConfig:
     quiet: bool = field(default=False, metadata={
         "help": "No progress bars: only the per-step and per-iteration lines, as plain text."})
 
-    # Never lose a run (docs/reliability.md): checkpoints, resume, local faults, safe loading.
+    # Never lose a run.
     save_total_limit: int = field(default=2, metadata={
         "help": "Keep the newest N checkpoint-<step> folders; 0 keeps all."})
     resume: bool = field(default=False, metadata={
@@ -380,7 +384,7 @@ class GRPOConfig:
     model_impl: str = field(default="auto", metadata={
         "help": "auto, cohort (our models and the KV-cache engine) or hf (transformers and HF generate)."})
 
-    # Curriculum (cohort/tasks/curriculum.py): stages {task, steps, <load options>} trained in turn.
+    # Curriculum.
     curriculum: list[dict] | None = field(default=None, metadata={
         "help": "Stages trained in turn, a YAML list or arithmetic:50,gsm8k:200; None trains the one task above."})
 
@@ -409,6 +413,10 @@ class GRPOConfig:
     def frozen(self) -> bool:
         return bool(self.__dict__.get("frozen_as_resolved"))
 
+    def reward_model(self) -> RewardModelSettings:
+        """The rm_* options as one checked value, what a learned reward model (`RewardModelReward`) takes."""
+        return RewardModelSettings.of(self)
+
     def validate(self) -> "GRPOConfig":
         """A checked copy with its spellings settled (the task chosen from the data when unnamed, TRL's
         boolean scale_rewards and vllm_* names turned into cohort's, a curriculum parsed); contradictions
@@ -435,165 +443,18 @@ class GRPOConfig:
         return config
 
     def check(self) -> None:
-        """Raise a one-line `CohortError` for the first value that is out of range or contradicts another."""
-        def bad(msg: str) -> None:
-            raise CohortError(msg)
-
+        """Raise a one-line `CohortError` for the first value of the wrong type, outside its fixed values
+        (cohort/config/choices.py) or refused by a rule (cohort/config/rules.py: ranges, contradictions,
+        unsupported combinations)."""
         self.check_types()
         hints = typing.get_type_hints(type(self))
         for name in CHOICES:
             value = getattr(self, name)
             if not (value is None and type(None) in typing.get_args(hints[name])):
                 choose(name, value)
-        if self.data_files is not None and self.dataset_name is not None:
-            bad(f"data_files={self.data_files!r} and dataset_name={self.dataset_name!r} both name the training "
-                "rows; pass only one")
-
-        if self.num_generations < 2:
-            bad(f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt to form a group")
-        if not self.router_aux_loss_coef >= 0:
-            bad(f"router_aux_loss_coef={self.router_aux_loss_coef}: give a weight of 0 (off) or more")
-        if self.generation_batch_size % self.num_generations:
-            bad(
-                f"per_device_train_batch_size × gradient_accumulation_steps = {self.generation_batch_size} completions "
-                f"is not divisible by num_generations={self.num_generations}; make it a multiple"
-            )
-        if self.async_rollouts:
-            if self.max_staleness is not None and self.max_staleness < 1:
-                bad(f"max_staleness={self.max_staleness}: asynchronous rollouts are at least 1 update behind; "
-                    "give --max_staleness 1 or more, or leave --async_rollouts off")
-            if self.importance_sampling_correction is False:
-                bad("async_rollouts trains on samples of an older policy, which only the sampler correction "
-                    "accounts for; leave importance_sampling_correction on (or unset) with async_rollouts")
-            if self.curriculum:
-                bad("async_rollouts with a curriculum is not supported (a rollout sampled ahead would cross a stage "
-                    "switch); train the stages without --async_rollouts")
-        if self.partial_rollouts is True:
-            if not self.rollout_gpus:
-                bad("partial_rollouts runs on sampling ranks: pass --async_rollouts true --rollout_gpus K under "
-                    "torchrun, or leave partial_rollouts off")
-            if self.max_staleness is not None and self.max_staleness < 2:
-                bad(f"partial_rollouts with max_staleness={self.max_staleness}: a group carried into the next call is "
-                    "2 updates old when trained; give --max_staleness 2 or more")
-        if self.rollout_gpus < 0:
-            bad(f"rollout_gpus={self.rollout_gpus} is negative; give the number of sampling ranks, or 0")
-        if self.rollout_gpus and not self.async_rollouts:
-            bad(f"rollout_gpus={self.rollout_gpus} samples on other ranks, which is asynchronous by nature; pass "
-                "--async_rollouts true (and --max_staleness) with it")
-        size = self.rollout_tensor_parallel_size
-        if isinstance(size, int) and size < 1:
-            bad(f"rollout_tensor_parallel_size={size}: give the number of sampling ranks that share one engine (1: "
-                "each sampling rank holds the whole model), or auto")
-        if isinstance(size, int) and size > 1 and self.rollout_gpus % size:
-            bad(f"rollout_tensor_parallel_size={self.rollout_tensor_parallel_size} does not divide rollout_gpus="
-                f"{self.rollout_gpus}: the sampling ranks form groups of that many; give --rollout_gpus a multiple of it")
-        if isinstance(size, int) and size > 1 and not self.rollout_gpus:  # the colocated placement
-            if not self.fsdp:
-                bad(f"rollout_tensor_parallel_size={size} without rollout_gpus samples on the training ranks in "
-                    "groups, each rank keeping its shard of the model, which needs --fsdp (the update's weights "
-                    "sharded too); pass --fsdp, or --rollout_gpus K to sample on ranks of their own")
-            if self.async_rollouts and self.max_staleness not in (None, 1):  # None: 1 here (no partial rollouts)
-                bad(f"async_rollouts with rollout_tensor_parallel_size={size} on the training ranks samples on the "
-                    "shard the trainer refreshes after each update, 1 update behind; pass --max_staleness 1, or "
-                    "--rollout_gpus K to sample further ahead on ranks of their own")
-        slots = self.max_concurrent_sequences
-        if isinstance(slots, int) and slots < 1:
-            bad(f"max_concurrent_sequences={slots}: give the most sequences an engine decodes at once (1 or more), "
-                "or auto")
-        if self.rollout_gpus and self.fsdp:
-            bad(f"rollout_gpus={self.rollout_gpus} with fsdp is not supported (the samplers need whole weights from "
-                "one rank); train the trainer ranks with DDP (leave out --fsdp)")
-        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
-        if (low is not None and low < 0) or (high is not None and high <= 0) or (
-                low is not None and high is not None and low >= high):
-            bad(f"importance_sampling_clip_min={low} / clip_max={high}: the bounds must satisfy 0 ≤ min < max")
-        if high is None and self.importance_sampling_mode.endswith("truncate") and low is None:
-            bad("importance_sampling_clip_max=None with a truncate mode and no clip_min truncates nothing; give a "
-                "bound, or use a mask mode")
-        if self.delta is not None and self.delta <= 1:
-            bad(f"delta={self.delta} caps the importance ratio below 1, where every on-policy token sits; choose a "
-                "value above 1 + epsilon_high, e.g. 4")
-        if self.rollout_numerics == "exact" and self.use_peft:
-            bad("rollout_numerics=exact does not cover LoRA adapters yet; use --rollout_numerics fast with use_peft")
-        if self.rollout_numerics == "exact" and isinstance(size, int) and size > 1:
-            bad(f"rollout_numerics=exact covers one engine per GPU, not rollout_tensor_parallel_size={size}; "
-                "give --rollout_tensor_parallel_size 1 or --rollout_numerics fast")
-        if self.rollout_numerics == "exact" and self.model_impl == "hf":
-            bad("rollout_numerics=exact needs cohort's own models; leave out --model_impl hf or use --rollout_numerics fast")
-        if self.use_peft and self.lora_r < 1:
-            bad(f"lora_r={self.lora_r}: the LoRA rank must be at least 1")
-        if isinstance(self.max_tokens_per_micro_batch, int) and self.max_tokens_per_micro_batch < 0:
-            bad(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is negative; use 0 (no token cap) or a "
-                "token budget such as 16384")
-        budgeted = self.gradient_checkpointing_layers == "auto" or (
-            self.gradient_checkpointing == "auto" and self.gradient_checkpointing_layers is None)
-        if self.max_memory_gib < 0 or (self.max_memory_gib and not budgeted):
-            bad(f"max_memory_gib={self.max_memory_gib} is only the budget of gradient_checkpointing_layers=auto and "
-                "must be ≥ 0; pass --gradient_checkpointing_layers auto with it, or leave it at 0")
-        if isinstance(self.cpu_threads, int) and self.cpu_threads < 1:
-            bad(f"cpu_threads={self.cpu_threads} must be at least 1; pass a count of threads, or auto")
-        if isinstance(self.gradient_checkpointing_layers, int) and self.gradient_checkpointing_layers < 0:
-            bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers} is negative; use 0 (no layer "
-                "recomputed) up to the model's layer count, or leave it unset to recompute every layer")
-        if self.gradient_checkpointing_layers is not None and self.gradient_checkpointing is False:
-            bad(f"gradient_checkpointing_layers={self.gradient_checkpointing_layers} does nothing without "
-                "gradient_checkpointing; pass --gradient_checkpointing true as well")
-        if self.beta < 0:
-            bad(f"beta={self.beta} is negative; the KL coefficient must be ≥ 0")
-        if not 0 < self.epsilon < 1:
-            bad(f"epsilon={self.epsilon} must lie in (0, 1)")
-        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
-            bad(f"epsilon_high={self.epsilon_high} is below epsilon={self.epsilon}; clip-higher needs epsilon_high ≥ epsilon")
-        if self.num_train_epochs is not None and self.num_train_epochs <= 0:
-            bad(f"num_train_epochs={self.num_train_epochs} must be positive, or None to count max_steps")
-        for name in ("num_iterations", "max_steps", "max_completion_length", "per_device_train_batch_size",
-                     "gradient_accumulation_steps", "max_prompt_length", "logging_steps", "log_completions_steps"):
-            if getattr(self, name) < 1:
-                bad(f"{name}={getattr(self, name)} must be at least 1")
-        for name in ("ref_reset_steps", "save_steps", "eval_steps", "warmup_steps", "eval_limit"):
-            if getattr(self, name) < 0:
-                bad(f"{name}={getattr(self, name)} must be ≥ 0")
-        if self.save_total_limit < 0 or self.max_consecutive_nonfinite < 1:
-            bad(f"save_total_limit={self.save_total_limit} must be ≥ 0 and max_consecutive_nonfinite="
-                f"{self.max_consecutive_nonfinite} at least 1")
-        if self.overwrite_output_dir and (self.resume or self.resume_from_checkpoint):
-            bad("overwrite_output_dir and resume contradict each other: resume continues the earlier run, "
-                "overwrite_output_dir deletes it; pass only one")
-        if self.ddp_timeout < 1:
-            bad(f"ddp_timeout={self.ddp_timeout} must be at least 1 second")
-        # Greedy sampling makes the G completions of a prompt identical: every advantage is 0, nothing is learnt.
-        if self.temperature <= 0:
-            bad(f"temperature={self.temperature:g}: GRPO needs the completions of one prompt to differ, and "
-                "greedy sampling makes every group identical; pass --temperature > 0, e.g. 0.7-1.0")
-        if self.top_k == 1 or self.top_k < 0:
-            bad(f"top_k={self.top_k}: " + ("sampling only the most likely token makes every group identical" if
-                self.top_k == 1 else "a negative count means nothing") + "; pass --top_k 0 (off) or more than 1")
-        if self.min_p is not None and not 0 <= self.min_p < 1:
-            bad(f"min_p={self.min_p:g} must lie in [0, 1): at 1 only the most likely token is sampled and every "
-                "group is identical; pass --min_p 0 (off) or e.g. 0.05")
-        if not 0 < self.top_p <= 1:
-            bad(f"top_p={self.top_p} must lie in (0, 1]")
-        if self.learning_rate <= 0:
-            bad(f"learning_rate={self.learning_rate} must be positive")
-        if self.max_resample_tries < 0:
-            bad(f"max_resample_tries={self.max_resample_tries} must be ≥ 0")
-        if not 0 <= self.overlong_buffer_length <= self.max_completion_length:
-            bad(f"overlong_buffer_length={self.overlong_buffer_length} must lie in [0, max_completion_length="
-                f"{self.max_completion_length}]")
-        if not 0 <= self.rm_replay_ratio < 1 or not 0 < self.rm_label_fraction <= 1:
-            bad(f"rm_replay_ratio={self.rm_replay_ratio} must lie in [0, 1) and rm_label_fraction="
-                f"{self.rm_label_fraction} in (0, 1]")
-        for name in ("rm_buffer_size", "rm_batch_size", "rm_max_length"):
-            if getattr(self, name) < 1:
-                bad(f"{name}={getattr(self, name)} must be at least 1")
-        if self.rm_updates_per_step < 0 or self.rm_train_steps < 0 or self.rm_learning_rate <= 0:
-            bad("rm_updates_per_step and rm_train_steps must be ≥ 0 and rm_learning_rate > 0")
-        if self.rm_warmup_batches < 0 or self.rm_warmup_updates < 0:
-            bad(f"rm_warmup_batches={self.rm_warmup_batches} / rm_warmup_updates={self.rm_warmup_updates} must be ≥ 0")
-        if self.rm_head_learning_rate is not None and self.rm_head_learning_rate <= 0:
-            bad(f"rm_head_learning_rate={self.rm_head_learning_rate} must be > 0")
-        if self.reward_weights is not None and self.reward_funcs is not None and len(self.reward_weights) != len(self.reward_funcs):
-            bad(f"{len(self.reward_weights)} reward_weights for {len(self.reward_funcs)} reward_funcs; give one weight per function")
+        message = first_refusal(RULES, self)
+        if message is not None:
+            raise CohortError(message)
 
     def check_types(self) -> None:
         """Raise a one-line `CohortError` naming the first option whose value is not of its type."""

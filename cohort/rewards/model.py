@@ -36,57 +36,52 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from cohort.config.choices import CHOICES
+from cohort.config.settings import RewardModelSettings
 from cohort.errors import CohortError
 from cohort.rewards.replay import MixedBatches, ReplayBuffer, Sample, rng_state, set_rng_state, within_group_pairs
 from cohort.rewards.completions import completion_text
 from cohort.rewards.runner import accepted_kwargs
-from cohort.rewards.scorers import REWARD_OUTPUT_KEY, SCORERS, as_scorer, load_scorer
+from cohort.rewards.scorers import REWARD_OUTPUT_KEY, as_scorer, load_scorer
 
-RM_LOSSES = CHOICES["rm_loss"]
 REWARD_OUTPUTS = ("probability", "logit")
 
 
 class RewardModelReward:
     """r_φ as a reward function. `model`: a scorer, our `CausalLM` (a fresh head is added) or a transformers
-    sequence classifier; `tokenizer`: the one the model reads. Training options mirror `GRPOConfig.rm_*`;
-    `updates_per_step=0` keeps r_φ frozen (TRL's behaviour), `train_steps=K` freezes it after K steps."""
+    sequence classifier; `tokenizer`: the one the model reads; `settings`: how it trains
+    (`RewardModelSettings`, `GRPOConfig.reward_model()` from a config; the defaults keep r_φ frozen, as TRL
+    does). `output`: probability (σ of the score) or logit; None chooses probability for a pointwise r_φ that
+    trains, else logit. `seed`: its replay sampling and label choice; `name`: its name in the metrics."""
 
-    def __init__(self, model, tokenizer, *, label_fn=None, updates_per_step: int = 0, buffer_size: int = 4096,
-                 buffer_policy: str = "fifo", replay_ratio: float = 0.5, batch_size: int = 32,
-                 learning_rate: float = 1e-4, loss: str = "pointwise", label_fraction: float = 1.0,
-                 train_steps: int = 0, max_length: int = 512, max_grad_norm: float = 1.0, output: str | None = None,
-                 scorer: str = "head", head_learning_rate: float | None = None, seed: int = 0, device=None,
+    def __init__(self, model, tokenizer, settings: RewardModelSettings | None = None, *, label_fn=None,
+                 output: str | None = None, max_grad_norm: float = 1.0, seed: int = 0, device=None,
                  name: str = "reward_model"):
-        if loss not in RM_LOSSES:
-            raise CohortError(f"unknown rm_loss {loss!r}; choose one of {list(RM_LOSSES)}")
+        settings = RewardModelSettings() if settings is None else settings
+        if not isinstance(settings, RewardModelSettings):
+            raise CohortError(f"RewardModelReward takes a RewardModelSettings, got {type(settings).__name__}; build "
+                              "one with RewardModelSettings(updates_per_step=..., ...) or config.reward_model()")
         if output is not None and output not in REWARD_OUTPUTS:
             raise CohortError(f"unknown reward model output {output!r}; choose one of {list(REWARD_OUTPUTS)}")
-        if not 0 <= replay_ratio < 1:
-            raise CohortError(f"rm_replay_ratio={replay_ratio} must lie in [0, 1): some of each batch must be fresh")
-        if not 0 < label_fraction <= 1:
-            raise CohortError(f"rm_label_fraction={label_fraction} must lie in (0, 1]")
-        if scorer not in SCORERS:
-            raise CohortError(f"unknown rm_scorer {scorer!r}; choose one of {list(SCORERS)}")
-        head_learning_rate = learning_rate if head_learning_rate is None else head_learning_rate
-        if updates_per_step < 0 or batch_size < 1 or train_steps < 0 or learning_rate <= 0 or head_learning_rate <= 0:
-            raise CohortError("rm_updates_per_step and rm_train_steps must be ≥ 0, rm_batch_size ≥ 1, "
-                              "rm_learning_rate and rm_head_learning_rate > 0")
         self.tokenizer = tokenizer
         self.pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
-        self.model = as_scorer(model, self.pad_id, scorer)
+        self.model = as_scorer(model, self.pad_id, settings.scorer)
         if device is not None:
             self.model.to(device)
-        self.label_fn, self.loss_kind, self.label_fraction = label_fn, loss, label_fraction
-        self.updates_per_step, self.train_steps, self.batch_size = updates_per_step, train_steps, batch_size
-        self.replay_ratio, self.max_length, self.max_grad_norm = replay_ratio, max_length, max_grad_norm
-        self.output = output or ("probability" if loss == "pointwise" and updates_per_step > 0 else "logit")
+        self.label_fn, self.loss_kind, self.label_fraction = label_fn, settings.loss, settings.label_fraction
+        self.updates_per_step, self.train_steps = settings.updates_per_step, settings.train_steps
+        self.batch_size, self.replay_ratio = settings.batch_size, settings.replay_ratio
+        self.max_length, self.max_grad_norm = settings.max_length, max_grad_norm
+        self.output = output or ("probability" if settings.loss == "pointwise" and settings.updates_per_step > 0
+                                 else "logit")
         self.__name__ = name  # the reward's name in metrics: rewards/<name>/mean
-        self.buffer = ReplayBuffer(buffer_size, buffer_policy, seed=seed + 1)
+        self.buffer = ReplayBuffer(settings.buffer_size, settings.buffer_policy, seed=seed + 1)
         self.rng = random.Random(seed)
         head = getattr(self.model, "score", None)
         head_ids = {id(q) for q in head.parameters()} if isinstance(head, torch.nn.Module) else set()
-        groups = [{"params": [q for q in self.model.parameters() if id(q) not in head_ids], "lr": learning_rate},
+        head_learning_rate = settings.head_learning_rate
+        head_learning_rate = settings.learning_rate if head_learning_rate is None else head_learning_rate
+        groups = [{"params": [q for q in self.model.parameters() if id(q) not in head_ids],
+                   "lr": settings.learning_rate},
                   {"params": [q for q in self.model.parameters() if id(q) in head_ids], "lr": head_learning_rate}]
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=0.0)
         self.steps_seen = 0  # policy steps this reward model has been through
@@ -94,15 +89,17 @@ class RewardModelReward:
         self.next_group = 0  # group ids are unique over the run, so pairs never cross steps
 
     @classmethod
-    def from_pretrained(cls, folder, *, device=None, dtype: str | None = None, **options) -> "RewardModelReward":
-        """Load a reward model folder (or a causal-LM folder: a fresh head is added, to be trained)."""
-        scorer, tokenizer, trained, config = load_scorer(folder, device=device, dtype=dtype,
-                                                         kind=options.get("scorer", "head"))
-        if not trained and options.get("updates_per_step", 0) == 0:
+    def from_pretrained(cls, folder, settings: RewardModelSettings | None = None, *, device=None,
+                        dtype: str | None = None, **keywords) -> "RewardModelReward":
+        """Load a reward model folder (or a causal-LM folder: a fresh head is added, to be trained); `keywords`
+        are the constructor's (label_fn, output, seed, name)."""
+        settings = RewardModelSettings() if settings is None else settings
+        scorer, tokenizer, trained, config = load_scorer(folder, device=device, dtype=dtype, kind=settings.scorer)
+        if not trained and settings.updates_per_step == 0:
             raise CohortError(f"{folder} has no trained score head (it is not a reward model) and r_φ is frozen; "
                               "train it online (--rm_updates_per_step 4) or pass a reward-model folder")
-        options.setdefault("output", None if options.get("updates_per_step") else config.get(REWARD_OUTPUT_KEY))
-        return cls(scorer, tokenizer, device=device, **options)
+        keywords.setdefault("output", None if settings.updates_per_step else config.get(REWARD_OUTPUT_KEY))
+        return cls(scorer, tokenizer, settings, device=device, **keywords)
 
     def save_pretrained(self, out_dir) -> Path:
         """A Hugging Face folder (config.json, model.safetensors, tokenizer) that `from_pretrained` reloads."""
@@ -342,15 +339,6 @@ def task_labeller(task):
     return rule_label
 
 
-def reward_model_options(args) -> dict:
-    """`RewardModelReward` keyword options from a `GRPOConfig`'s rm_* fields."""
-    return dict(updates_per_step=args.rm_updates_per_step, buffer_size=args.rm_buffer_size,
-                buffer_policy=args.rm_buffer_policy, replay_ratio=args.rm_replay_ratio, batch_size=args.rm_batch_size,
-                learning_rate=args.rm_learning_rate, loss=args.rm_loss, label_fraction=args.rm_label_fraction,
-                train_steps=args.rm_train_steps, max_length=args.rm_max_length, seed=args.seed,
-                scorer=getattr(args, "rm_scorer", "head"), head_learning_rate=getattr(args, "rm_head_learning_rate", None))
-
-
 def warm_up_reward_models(reward_funcs: list, args, rows: list[dict], sample: Callable[[list[dict]], object],
                           log: Callable[[str], None] = print) -> None:
     """Before GRPO's first step: sample `rm_warmup_batches` batches of the initial policy on random
@@ -359,7 +347,8 @@ def warm_up_reward_models(reward_funcs: list, args, rows: list[dict], sample: Ca
     sampling seeds out of this (`PromptStream.unchanged`), so the GRPO run itself is unchanged."""
     models = [f for f in reward_funcs if isinstance(f, RewardModelReward) and f.label_fn is not None
               and f.updates_per_step > 0 and not f.warmed_up]
-    batches = getattr(args, "rm_warmup_batches", 0)
+    settings = args.reward_model()
+    batches = settings.warmup_batches
     if not models or not batches:
         return
     pick = random.Random(args.seed + 7)  # warm-up prompts: their own stream
@@ -373,7 +362,7 @@ def warm_up_reward_models(reward_funcs: list, args, rows: list[dict], sample: Ca
             columns.setdefault(key, []).extend(values)
     for rm in models:
         metrics = rm.warm_up(prompts, completions, ids, group_size=args.num_generations,
-                             updates=getattr(args, "rm_warmup_updates", 200), **columns)
+                             updates=settings.warmup_updates, **columns)
         log(f"r_φ warm-up on {int(metrics['rm/warmup_samples'])} samples: held-out accuracy "
             f"{100 * metrics.get('rm/warmup_online_accuracy_before', float('nan')):.1f}% → "
             f"{100 * metrics.get('rm/warmup_online_accuracy_after', float('nan')):.1f}%")
@@ -405,10 +394,10 @@ def prepare_reward_funcs(reward_funcs: list, *, args, tokenizer, device, task=No
     prepared = []
     for spec in reward_funcs:
         if isinstance(spec, (str, Path)) and Path(spec).expanduser().is_dir():
-            spec = RewardModelReward.from_pretrained(spec, device=device, **reward_model_options(args))
+            spec = RewardModelReward.from_pretrained(spec, args.reward_model(), device=device, seed=args.seed)
         elif isinstance(spec, nn.Module):
-            spec = RewardModelReward(spec, _own_tokenizer(spec) or tokenizer, device=device,
-                                     **reward_model_options(args))
+            spec = RewardModelReward(spec, _own_tokenizer(spec) or tokenizer, args.reward_model(), device=device,
+                                     seed=args.seed)
         if isinstance(spec, RewardModelReward) and spec.label_fn is None and spec.updates_per_step > 0:
             if task is None or not hasattr(task, "is_correct"):
                 raise CohortError("a trained reward model needs labels: pass a task with a verifier, or build "
