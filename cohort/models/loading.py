@@ -180,7 +180,7 @@ def _download(repo_id: str, gguf_file: str | None = None) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError as error:
-        raise CohortError(f"cannot fetch {repo_id!r}: huggingface_hub is not installed (pip install cohort[hub])") from error
+        raise CohortError(f"cannot fetch {repo_id!r}: huggingface_hub is not installed (pip install huggingface_hub)") from error
     patterns = HUB_FILES + ([gguf_file] if gguf_file else [])
     offline = hub_offline()
     unreachable = None if offline else hub_unreachable()

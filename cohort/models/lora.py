@@ -34,7 +34,7 @@ def _peft():
     try:
         import peft
     except ImportError:
-        raise CohortError("LoRA needs peft: pip install 'cohort[peft]' (or pip install peft)") from None
+        raise CohortError("LoRA needs peft: pip install peft") from None
     return peft
 
 
