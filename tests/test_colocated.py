@@ -14,7 +14,8 @@ from cohort.models.lora import apply_lora, lora_config_from_args
 from cohort.run.resolve import resolve_run_config
 from cohort.rollout.colocated import blocks_of_one_batch
 from cohort.rollout.sampler import SamplingParams
-from cohort.parallel.colocation import SamplingGroup, sampling_groups
+from cohort.parallel.colocation import SamplingGroup
+from cohort.parallel.placement import Placement
 
 CPU = torch.device("cpu")
 
@@ -31,7 +32,9 @@ def colocated_args(**options) -> GRPOConfig:
 
 
 def test_groups_are_consecutive_ranks_and_a_group_evaluates_one_block_of_rows():
-    assert sampling_groups(6, 3) == [(0, 1, 2), (3, 4, 5)] and sampling_groups(2, 2) == [(0, 1)]
+    six = Placement.from_config(colocated_args(rollout_tensor_parallel_size=3).validate(), 6)
+    assert [six.group_ranks(g) for g in range(six.groups)] == [[0, 1, 2], [3, 4, 5]]
+    assert Placement.from_config(colocated_args().validate(), 2).group_ranks(0) == [0, 1]
     second = SamplingGroup(ranks=(2, 3), index=1, count=2, process_group=None)
     assert second.leader == 2 and second.block(list(range(5))) == [3, 4]  # blocks of 3 and 2 rows
 
@@ -67,7 +70,7 @@ def test_a_ranks_block_of_one_engine_call_is_what_its_own_call_samples():
     assert not torch.equal(merged.rows(0, 6).completion_ids[:, :2], part.completion_ids[:, :2])
 
 
-def test_settings_the_colocated_placement_cannot_run_are_refused_in_one_line(monkeypatch):
+def test_settings_the_colocated_placement_cannot_run_are_refused_in_one_line():
     with pytest.raises(CohortError, match=r"rollout_tensor_parallel_size=2 without rollout_gpus .* needs (--fsdp|fsdp=True)"):
         GRPOConfig(rollout_tensor_parallel_size=2).validate()
     with pytest.raises(CohortError, match=r"async_rollouts with rollout_tensor_parallel_size=2 on the training "
@@ -75,10 +78,9 @@ def test_settings_the_colocated_placement_cannot_run_are_refused_in_one_line(mon
         colocated_args(async_rollouts=True, max_staleness=2).validate()
     colocated_args(async_rollouts=True, max_staleness=1).validate()
     assert colocated_args(async_rollouts=True).validate().max_staleness is None  # settled to 1 when the run resolves
-    monkeypatch.setenv("WORLD_SIZE", "2")
-
     def resolve(model, args=None, world_size=2, tools=False):
-        return resolve_run_config(args or colocated_args(), model=model, device=CPU, world_size=world_size,
+        args = (args or colocated_args()).validate()
+        return resolve_run_config(args, model=model, device=CPU, placement=Placement.from_config(args, world_size),
                                   tools=tools)
 
     assert resolve(small_model()).rollout_tensor_parallel_size == 2

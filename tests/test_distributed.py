@@ -19,13 +19,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from cohort.config.grpo_config import GRPOConfig
-from cohort.parallel.distributed import Parallel, average_records, check_parallel_options, shard_bounds
+from cohort.parallel.distributed import Parallel, average_records, shard_bounds
 from cohort.rollout import Engine
 from cohort.rollout.sampling import gumbel_noise
-from cohort.errors import CohortError
 from cohort.models import from_pretrained
-from cohort.trainer.ppo_trainer import PPOConfig
 from cohort.rollout.sampler import SamplingParams
 
 REWARD_MODULE = '''
@@ -74,18 +71,6 @@ def test_one_process_parallel_is_a_no_op():
     assert parallel.mean_metrics(record) is record and parallel.is_main
     with parallel.no_sync(module, last=False):
         pass
-
-
-def test_options_that_need_batch_wide_statistics_are_refused_on_several_ranks():
-    two = Parallel(rank=0, world_size=2)  # no process group needed: the check runs no collective
-    with pytest.raises(CohortError, match="scale_rewards='batch' with 2 ranks"):
-        check_parallel_options(GRPOConfig(scale_rewards="batch"), two)
-    with pytest.raises(CohortError, match="dynamic_sampling with 2 ranks"):
-        check_parallel_options(GRPOConfig(dynamic_sampling=True), two)
-    with pytest.raises(CohortError, match="PPO with 2 ranks"):
-        check_parallel_options(PPOConfig(), two)
-    check_parallel_options(GRPOConfig(scale_rewards="batch"), Parallel())  # one process: fine
-    check_parallel_options(GRPOConfig(), two)
 
 
 @pytest.mark.parametrize("argv,expected", [

@@ -16,6 +16,7 @@ from cohort.models import CausalLM, ModelConfig
 from cohort.run.resolve import resolve_run_config
 from cohort.rollout import Engine
 from cohort.rollout.sampler import SamplingParams
+from cohort.parallel.placement import Placement
 from cohort.plans.placement_lines import placement_line, slots_line
 from cohort.rollout.setup import capped
 
@@ -128,19 +129,23 @@ def test_the_cpu_run_keeps_the_engines_most_and_an_integer_asked_for():
 def test_the_step_log_says_how_many_sequences_decode_at_once():
     gpu = dict(device="cuda:0", rollout_tensor_parallel_size=1, per_device_train_batch_size=32,
                gradient_accumulation_steps=8, num_generations=8, max_prompt_length=128, max_completion_length=4096)
-    line = slots_line(GRPOConfig(**gpu, max_concurrent_sequences=48))
+
+    def one(args):  # the line of one process's run
+        return slots_line(args, Placement.from_config(args.validate(), 1))
+
+    line = one(GRPOConfig(**gpu, max_concurrent_sequences=48))
     assert re.fullmatch(r"rollouts: the engine decodes at most 48 of a call's 256 sequences at once, the others wait "
                         r"for a slot \(max_concurrent_sequences; auto: as many KV caches of 4224 tokens as fit beside "
                         r"the weights and the training state in 85% of the GPU, at most 256, at a CUDA-graph width\)",
                         line)
-    assert placement_line(GRPOConfig(**gpu, max_concurrent_sequences=48), 1, 1, None, torch.device("cuda")) == line
-    assert slots_line(GRPOConfig(**gpu, max_concurrent_sequences=256)) is None  # every sequence has a slot
-    assert slots_line(GRPOConfig(**{**gpu, "device": "cpu"}, max_concurrent_sequences=48)) is None
+    args = GRPOConfig(**gpu, max_concurrent_sequences=48)
+    assert placement_line(args, Placement.from_config(args.validate(), 1), 1, torch.device("cuda")) == line
+    assert one(GRPOConfig(**gpu, max_concurrent_sequences=256)) is None  # every sequence has a slot
+    assert one(GRPOConfig(**{**gpu, "device": "cpu"}, max_concurrent_sequences=48)) is None
     # A sampling rank of a --rollout_gpus run says its own: 3 trainers' 64 rows, two batches in flight
     sampling = dict(gpu, per_device_train_batch_size=8, async_rollouts=True, rollout_gpus=1, partial_rollouts=True,
                     max_concurrent_sequences=192)
-    assert slots_line(GRPOConfig(**sampling)) is None  # a trainer's log leaves it to the sampling rank
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("WORLD_SIZE", "4")
-        assert slots_line(GRPOConfig(**sampling), sampling_rank=True).startswith(
-            "rollouts: the engine decodes at most 192 of a call's 384 sequences at once")
+    four = Placement.from_config(GRPOConfig(**sampling).validate(), 4)
+    assert slots_line(GRPOConfig(**sampling), four) is None  # a trainer's log leaves it to the sampling rank
+    assert slots_line(GRPOConfig(**sampling), four, sampling_rank=True).startswith(
+        "rollouts: the engine decodes at most 192 of a call's 384 sequences at once")

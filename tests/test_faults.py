@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from cohort.errors import CohortError
 from cohort.parallel.faults import INJECT_ENV, job_failure_line, wait_all, withheld_weights
+from cohort.parallel.placement import Placement
 from test_distributed import REWARD_MODULE, environment, rank_one_pid, run, step_records, train_options
 
 TOLERANCE = 1e-5
@@ -33,12 +34,13 @@ def test_the_root_cause_is_a_killed_rank_else_the_first_line_a_rank_left(tmp_pat
     lost = "rank 0 stopped waiting for a message from sampling rank 2 after 0.1 s (Connection closed by peer)"
     killed = write_reports(tmp_path / "killed", {"2": {"exitcode": -9, "signal": "SIGKILL", "time": 10},
                                                  "0": {"exitcode": 2, "signal": None, "time": 10}}, {0: (9.5, lost)})
-    assert job_failure_line(killed, rollout_gpus=1, world_size=3) == "rank 2 (sampling rank) was killed by SIGKILL"
+    three = Placement(world_size=3, rollout_gpus=1)
+    assert job_failure_line(killed, three) == "rank 2 (sampling rank) was killed by SIGKILL"
     # Ranks that torchrun stopped (SIGTERM) are no cause; the earliest line is, without its leading "rank N".
     hung = write_reports(tmp_path / "hung", {"1": {"exitcode": -15, "signal": "SIGTERM", "time": 20},
                                              "0": {"exitcode": 2, "signal": None, "time": 20}},
                          {0: (19.0, lost), 2: (18.0, "rank 2 stopped waiting for the weight broadcast")})
-    assert job_failure_line(hung, rollout_gpus=1, world_size=3) == \
+    assert job_failure_line(hung, three) == \
         "rank 2 (sampling rank) stopped waiting for the weight broadcast"
     # A collective that merely failed is a symptom: the line that names what its rank waited for is the
     # cause, even when written later (a rank that waits on the others can time out first under load).
@@ -47,11 +49,11 @@ def test_the_root_cause_is_a_killed_rank_else_the_first_line_a_rank_left(tmp_pat
     racing = write_reports(tmp_path / "racing", {"0": {"exitcode": 2, "signal": None, "time": 30},
                                                  "1": {"exitcode": 2, "signal": None, "time": 30}},
                            {0: (25.0, symptom), 1: (25.2, "rank 1 stopped waiting for the weight broadcast")})
-    assert job_failure_line(racing, rollout_gpus=1, world_size=2) == \
+    assert job_failure_line(racing, Placement(world_size=2, rollout_gpus=1)) == \
         "rank 1 (sampling rank) stopped waiting for the weight broadcast"
     assert job_failure_line(write_reports(tmp_path / "bare", {"1": {"exitcode": 1, "signal": None, "time": 3}}, {}),
-                            rollout_gpus=0, world_size=2) == "rank 1 (trainer) exited with code 1"
-    assert job_failure_line(tmp_path / "nothing", rollout_gpus=0, world_size=2) is None
+                            Placement(world_size=2)) == "rank 1 (trainer) exited with code 1"
+    assert job_failure_line(tmp_path / "nothing", Placement(world_size=2)) is None
 
 
 def test_a_wait_that_never_completes_ends_at_its_deadline_naming_what(monkeypatch):

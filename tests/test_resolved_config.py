@@ -20,6 +20,7 @@ from cohort.cli import main
 from cohort.config.grpo_config import GRPOConfig
 from cohort.config.command_line import config_help, parse_config
 from cohort.errors import CohortError
+from cohort.parallel.placement import Placement
 from cohort.run.resolve import resolve_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,9 +70,10 @@ def test_resolution_needs_the_model_and_device():
     assert resolved.optimizer_state_dtype == "float32" and resolved.gradient_checkpointing is False
     model.to(torch.bfloat16)
     assert resolve_run_config(GRPOConfig(), model=model, device=torch.device("cpu")).optimizer_state_dtype == "bfloat16"
+    partial = GRPOConfig(partial_rollouts=True, async_rollouts=True, rollout_gpus=1)
     with pytest.raises(CohortError, match="partial_rollouts needs cohort's engine"):
-        resolve_run_config(GRPOConfig(partial_rollouts=True, async_rollouts=True, rollout_gpus=1), model=model,
-                           device=torch.device("cpu"))
+        resolve_run_config(partial, model=model, device=torch.device("cpu"),
+                           placement=Placement.from_config(partial.validate(), 2))
 
 
 def printed_config(capsys, *argv) -> str:

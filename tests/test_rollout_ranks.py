@@ -10,45 +10,11 @@ from safetensors.torch import load_file
 
 from cohort.config.grpo_config import GRPOConfig
 from cohort.errors import CohortError
-from cohort.parallel.disaggregation import Placement, RolloutLink
+from cohort.parallel.disaggregation import RolloutLink
+from cohort.parallel.placement import Placement
 from test_distributed import REWARD_MODULE, environment, run, step_records, torchrun, train_options
 
 TOLERANCE = 1e-5
-
-
-def test_placement_splits_trainers_and_samplers():
-    four = Placement(world_size=4, rollout_gpus=2)
-    assert four.trainers == 2 and [four.samples(r) for r in range(4)] == [False, False, True, True]
-    assert [four.server_of(t) for t in range(2)] == [2, 3] and four.served_by(2) == [0] and four.served_by(3) == [1]
-    three = Placement(world_size=3, rollout_gpus=1)
-    assert three.served_by(2) == [0, 1]
-    eight = Placement(world_size=8, rollout_gpus=2)  # blocks of consecutive trainers: their completions follow
-    assert eight.served_by(6) == [0, 1, 2] and eight.served_by(7) == [3, 4, 5]
-    seven = Placement(world_size=7, rollout_gpus=2)
-    assert seven.served_by(5) == [0, 1, 2] and seven.served_by(6) == [3, 4]
-    for world, k in ((2, 2), (2, 0), (1, 1)):
-        with pytest.raises(CohortError, match=f"rollout_gpus={k} with {world} ranks"):
-            Placement(world, k)
-
-
-def test_tensor_parallel_sampling_groups_are_consecutive_ranks_led_by_their_first():
-    six = Placement(world_size=6, rollout_gpus=4, tensor_parallel_size=2)  # 2 trainers, 2 groups of 2
-    assert six.groups == 2 and six.group_ranks(0) == [2, 3] and six.group_ranks(1) == [4, 5]
-    assert [six.server_of(t) for t in range(2)] == [2, 4]  # the leaders
-    assert six.served_by(2) == six.served_by(3) == [0] and six.served_by(4) == six.served_by(5) == [1]
-    assert [six.leader_of(r) for r in range(2, 6)] == [2, 2, 4, 4]
-    five = Placement(world_size=5, rollout_gpus=2, tensor_parallel_size=2)  # 3 trainers, one group serves all
-    assert five.served_by(3) == five.served_by(4) == [0, 1, 2] and five.server_of(2) == 3
-    plain = Placement(world_size=4, rollout_gpus=2)
-    assert [plain.leader_of(r) for r in (2, 3)] == [2, 3] and plain.groups == 2
-    with pytest.raises(CohortError, match="rollout_tensor_parallel_size=2 with rollout_gpus=3: .* must divide"):
-        Placement(world_size=5, rollout_gpus=3, tensor_parallel_size=2)
-    with pytest.raises(CohortError, match="2 sampling group\\(s\\) for 1 trainer rank\\(s\\): a group would serve no"):
-        Placement(world_size=5, rollout_gpus=4, tensor_parallel_size=2)
-    with pytest.raises(CohortError, match="rollout_tensor_parallel_size=3 does not divide rollout_gpus=4"):
-        GRPOConfig(rollout_gpus=4, async_rollouts=True, rollout_tensor_parallel_size=3).validate()
-    with pytest.raises(CohortError, match="rollout_tensor_parallel_size=0: give the number"):
-        GRPOConfig(rollout_tensor_parallel_size=0).validate()
 
 
 def test_a_groups_leader_relays_each_request_so_its_ranks_make_the_same_calls_and_only_it_replies(monkeypatch):
@@ -64,7 +30,7 @@ def test_a_groups_leader_relays_each_request_so_its_ranks_make_the_same_calls_an
 
     monkeypatch.setattr(remote, "batch_state", lambda batch: {"rows": batch.rows})  # no engine: rows stand for it
 
-    placement = Placement(world_size=4, rollout_gpus=2, tensor_parallel_size=2)
+    placement = Placement(world_size=4, rollout_gpus=2, split=2)
     wire = {(a, b): queue.Queue() for a in range(4) for b in range(4)}
     calls = {2: [], 3: []}
 
@@ -115,6 +81,10 @@ def test_settings_that_cannot_work_are_refused():
     with pytest.raises(CohortError, match="give max_staleness=2 or more"):
         GRPOConfig(partial_rollouts=True, async_rollouts=True, rollout_gpus=1, max_staleness=1).validate()
     GRPOConfig(partial_rollouts=True, async_rollouts=True, rollout_gpus=1, max_staleness=2).validate()
+    with pytest.raises(CohortError, match="rollout_tensor_parallel_size=3 does not divide rollout_gpus=4"):
+        GRPOConfig(rollout_gpus=4, async_rollouts=True, rollout_tensor_parallel_size=3).validate()
+    with pytest.raises(CohortError, match="rollout_tensor_parallel_size=0: give the number"):
+        GRPOConfig(rollout_tensor_parallel_size=0).validate()
 
 
 def test_one_process_cannot_sample_on_other_ranks(tiny_dir, tmp_path):

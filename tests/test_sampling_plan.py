@@ -15,6 +15,7 @@ from cohort.plans import sampling_plan as plans
 from cohort.plans.sampling_plan import (SamplingPlan, engine_call_rows, kv_cache_bytes, parameter_count, sampling_plan,
                                          sampling_tensor_parallel_size)
 from cohort.models import CausalLM, ModelConfig
+from cohort.parallel.placement import Placement
 
 GIB = 2**30
 # Llama-3.1-8B's shape (config.json): 8.03 billion weights.
@@ -43,13 +44,22 @@ def run_args(**options):
     return GRPOConfig(**{**base, **options}).validate()
 
 
+def placed(args, world_size: int = 8) -> Placement:
+    """The run `args` on `world_size` processes (`run_args`: 8 ranks of which the last 4 sample)."""
+    return Placement.from_config(args, world_size)
+
+
+def run_placed(args, world_size: int = 8) -> tuple:
+    """(`args`, its placement on `world_size` processes): a plan's first two arguments."""
+    return args, placed(args, world_size)
+
+
 @pytest.fixture
 def card(monkeypatch):
-    """A GPU of `card.gib` GiB as far as the plan can tell, and 8 ranks of which the last 4 sample."""
-    state = SimpleNamespace(gib=80, monkeypatch=monkeypatch)
+    """A GPU of `card.gib` GiB as far as the plan can tell."""
+    state = SimpleNamespace(gib=80)
     monkeypatch.setattr(plans.torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=state.gib * GIB))
-    monkeypatch.setenv("WORLD_SIZE", "8")
     return state
 
 
@@ -81,12 +91,13 @@ def test_auto_takes_the_smallest_group_that_keeps_a_useful_batch(card):
     assert expected(80) == (1, 80)  # 53.0 GiB left: 94 slots, 80 at a CUDA-graph width
     assert expected(55) == (2, 128)  # alone 31.8 GiB left: 48 slots, too few; in pairs 128
     assert expected(40) == (2, 80)  # refused before (the whole batch's KV cache); 80 slots in pairs now
+    eight = placed(args)
     for gib in (80, 55, 40):
         card.gib = gib
-        plan = sampling_plan(args, LLAMA_8B, cuda, 2, sampling_rank=True)
+        plan = sampling_plan(args, eight, LLAMA_8B, cuda, 2, sampling_rank=True)
         assert (plan.size, plan.slots) == expected(gib)
-        assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2) == plan.size  # the trainers form the same groups
-        assert sampling_plan(args, LLAMA_8B, cuda, 2).slots is None  # a trainer's own engine: its training plan's
+        assert sampling_tensor_parallel_size(args, eight, LLAMA_8B, cuda, 2) == plan.size  # the trainers' groups alike
+        assert sampling_plan(args, eight, LLAMA_8B, cuda, 2).slots is None  # a trainer's engine: its training plan's
     card.gib = 16  # 13.6 GiB usable: 4 ranks a group keep 9.86 GiB, 70 slots of 0.14 GiB: 48 at a graph width
     assert widest(0.85 * 16 - weights / 4, 0.5625 / 4) == 48
     with pytest.raises(CohortError, match=r"rollout_tensor_parallel_size=auto: the model's weights \(3.7 GiB a rank "
@@ -95,26 +106,26 @@ def test_auto_takes_the_smallest_group_that_keeps_a_useful_batch(card):
                                           r"useful decode batch needs; add sampling ranks \((--)?rollout_gpus\), shorter "
                                           r"completions \((--)?max_completion_length\), or (--)?max_concurrent_sequences"
                                           r"[= ]48 to sample that few at once"):
-        sampling_plan(args, LLAMA_8B, cuda, 2, sampling_rank=True)
+        sampling_plan(args, eight, LLAMA_8B, cuda, 2, sampling_rank=True)
     # Asked for 48 at once, the same card samples with 4 ranks a group
-    assert sampling_plan(run_args(max_concurrent_sequences=48), LLAMA_8B, cuda, 2, sampling_rank=True) == \
+    assert sampling_plan(*run_placed(run_args(max_concurrent_sequences=48)), LLAMA_8B, cuda, 2, sampling_rank=True) == \
         SamplingPlan(4, 48)
 
 
 def test_slots_asked_for_are_kept_and_the_split_is_the_smallest_that_holds_them(card):
     cuda = torch.device("cuda", 0)
     card.gib = 80  # alone: 53.0 GiB left, 94 slots of 0.5625 GiB; in pairs 60.5 GiB, 215 slots of 0.28 GiB
-    assert sampling_plan(run_args(max_concurrent_sequences=90), LLAMA_8B, cuda, 2, sampling_rank=True) == \
+    assert sampling_plan(*run_placed(run_args(max_concurrent_sequences=90)), LLAMA_8B, cuda, 2, sampling_rank=True) == \
         SamplingPlan(1, 90)
-    assert sampling_plan(run_args(max_concurrent_sequences=100), LLAMA_8B, cuda, 2, sampling_rank=True) == \
-        SamplingPlan(2, 100)
+    hundred = run_args(max_concurrent_sequences=100)
+    assert sampling_plan(hundred, placed(hundred), LLAMA_8B, cuda, 2, sampling_rank=True) == SamplingPlan(2, 100)
     with pytest.raises(CohortError, match=r"max_concurrent_sequences[= ]2000"):
-        sampling_plan(run_args(max_concurrent_sequences=2000), LLAMA_8B, cuda, 2, sampling_rank=True)
+        sampling_plan(*run_placed(run_args(max_concurrent_sequences=2000)), LLAMA_8B, cuda, 2, sampling_rank=True)
     # A split asked for keeps what fits, whatever it is: 4 ranks of an 8 GiB card keep 21 slots, 16 at a width
     card.gib = 8
     assert widest(0.85 * 8 - parameter_count(LLAMA_8B) * 2 / GIB / 4, 0.5625 / 4) == 16
-    assert sampling_plan(run_args(rollout_tensor_parallel_size=4), LLAMA_8B, cuda, 2, sampling_rank=True) == \
-        SamplingPlan(4, 16)
+    four = run_args(rollout_tensor_parallel_size=4)
+    assert sampling_plan(four, placed(four), LLAMA_8B, cuda, 2, sampling_rank=True) == SamplingPlan(4, 16)
 
 
 def test_the_8b_bench_run_on_one_sampling_gpu_samples_with_fewer_slots_instead_of_being_refused(card):
@@ -127,42 +138,43 @@ def test_the_8b_bench_run_on_one_sampling_gpu_samples_with_fewer_slots_instead_o
 
     config = ModelConfig.from_hf_dict(config_dict(SHAPES["llama3.1-8b"]))
     card.gib = 140
-    card.monkeypatch.setenv("WORLD_SIZE", "2")
     args = GRPOConfig(per_device_train_batch_size=32, gradient_accumulation_steps=4, num_generations=8,
                       max_prompt_length=128, max_completion_length=4096, async_rollouts=True, rollout_gpus=1,
                       partial_rollouts=True).validate()
-    assert engine_call_rows(args, 1, sampling_rank=True) == 256
+    two = placed(args, 2)  # one trainer, one sampling rank
+    assert engine_call_rows(args, two, 1, sampling_rank=True) == 256
     weights = parameter_count(config) * 2
     slot = 32 * 8 * 128 * 2 * 2 * 4224  # layers × KV heads × head_dim × (K, V) × bf16 × 4,224 tokens (33 × 128)
     assert slot == 528 * 2**20
     assert (weights + 256 * slot) / GIB > 0.85 * 140  # the whole call's cache: refused before
-    plan = sampling_plan(args, config, torch.device("cuda", 0), 2, sampling_rank=True)
+    plan = sampling_plan(args, two, config, torch.device("cuda", 0), 2, sampling_rank=True)
     assert plan.size == 1 and plan.slots == widest((0.85 * 140 * GIB - weights) / GIB, slot / GIB) == 192
     assert weights + plan.slots * slot <= 0.85 * 140 * GIB
     card.gib = 40  # 34 GiB usable: 15 GiB of weights leave room for 36 slots, fewer than a useful 64: refused
     with pytest.raises(CohortError, match=r"leave room for 32 sequence\(s\) of 4224 tokens in 85% of a 40 GiB GPU, "
                                           r"not the KV cache of the 64 sequences a useful decode batch needs; add "
                                           r"sampling ranks \((--)?rollout_gpus\)"):
-        sampling_plan(args, config, torch.device("cuda", 0), 2, sampling_rank=True)
+        sampling_plan(args, two, config, torch.device("cuda", 0), 2, sampling_rank=True)
     card.gib = 16  # the weights alone need more than 85% of it
     with pytest.raises(CohortError, match=r"leave no room for one sequence of 4224 tokens in 85% of a 16 GiB GPU"):
-        sampling_plan(args, config, torch.device("cuda", 0), 2, sampling_rank=True)
+        sampling_plan(args, two, config, torch.device("cuda", 0), 2, sampling_rank=True)
 
 
 def test_auto_is_one_where_a_split_cannot_apply(card):
     card.gib = 8  # far too small for a whole copy: only the cases below keep it from a refusal
     args = run_args()
-    assert sampling_tensor_parallel_size(args, LLAMA_8B, torch.device("cpu"), 4) == 1
-    assert sampling_plan(args, LLAMA_8B, torch.device("cpu"), 4) == SamplingPlan(1, 256)  # the engine's most
-    assert sampling_tensor_parallel_size(args, None, torch.device("cuda", 0), 2) == 1  # Hugging Face generate
-    assert sampling_tensor_parallel_size(run_args(rollout_gpus=0, async_rollouts=False), LLAMA_8B,
+    eight = placed(args)
+    assert sampling_tensor_parallel_size(args, eight, LLAMA_8B, torch.device("cpu"), 4) == 1
+    assert sampling_plan(args, eight, LLAMA_8B, torch.device("cpu"), 4) == SamplingPlan(1, 256)  # the engine's most
+    assert sampling_tensor_parallel_size(args, eight, None, torch.device("cuda", 0), 2) == 1  # Hugging Face generate
+    assert sampling_tensor_parallel_size(*run_placed(run_args(rollout_gpus=0, async_rollouts=False), 1), LLAMA_8B,
                                          torch.device("cuda", 0), 2) == 1
-    assert sampling_tensor_parallel_size(run_args(rollout_tensor_parallel_size=4), LLAMA_8B,
+    assert sampling_tensor_parallel_size(*run_placed(run_args(rollout_tensor_parallel_size=4)), LLAMA_8B,
                                          torch.device("cuda", 0), 2) == 4  # asked for: kept
     # Tools or LoRA: one rank an engine, so the card must hold a whole copy, and it does not
     with pytest.raises(CohortError, match=r"leave no room for one sequence of 4608 tokens in 85% of a 8 GiB GPU, not "
                                           r"the KV cache of one sequence"):
-        sampling_tensor_parallel_size(args, LLAMA_8B, torch.device("cuda", 0), 2, splittable=False)
+        sampling_tensor_parallel_size(args, eight, LLAMA_8B, torch.device("cuda", 0), 2, splittable=False)
 
 
 def test_the_cpu_run_settles_auto_to_one():
@@ -185,21 +197,21 @@ def test_auto_on_fsdp_ranks_that_sample_themselves_counts_their_training_shard(c
     slots = {(gib, t): widest(0.85 * gib - weights / t - training, 0.5625 / t) for gib in (141, 110, 80) for t in (1, 2)}
     assert slots == {(141, 1): 80, (141, 2): 192, (110, 1): 48, (110, 2): 128, (80, 1): 8, (80, 2): 48}
     card.gib = 141  # each rank samples its own completions on a whole copy, 80 at once
-    assert sampling_plan(args, LLAMA_8B, cuda, 2, world_size=2) == SamplingPlan(1, 80)
+    assert sampling_plan(args, placed(args, 2), LLAMA_8B, cuda, 2) == SamplingPlan(1, 80)
     card.gib = 110  # alone, 48 slots; the two ranks sample as one group with 128
-    assert sampling_plan(args, LLAMA_8B, cuda, 2, world_size=2) == SamplingPlan(2, 128)
+    assert sampling_plan(args, placed(args, 2), LLAMA_8B, cuda, 2) == SamplingPlan(2, 128)
     card.gib = 80
     with pytest.raises(CohortError, match=r"weights \(7.5 GiB a rank split over 2 training rank\(s\)\) and the "
                                           r"training state leave room for 48 sequence\(s\) of 4608 tokens in 85% of a "
                                           r"80 GiB GPU, not the KV cache of the 64 sequences a useful decode batch "
                                           r"needs; add GPUs \(--nproc_per_node\)"):
-        sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=2)
+        sampling_tensor_parallel_size(args, placed(args, 2), LLAMA_8B, cuda, 2)
     bf16 = run_args(rollout_gpus=0, async_rollouts=False, fsdp=True)  # auto: bf16 moments, 29.9 GiB a rank
-    assert sampling_plan(bf16, LLAMA_8B, cuda, 2, world_size=2) == SamplingPlan(
+    assert sampling_plan(bf16, placed(bf16, 2), LLAMA_8B, cuda, 2) == SamplingPlan(
         2, widest(0.85 * 80 - weights / 2 - parameter_count(LLAMA_8B) * 8 / 2 / GIB, 0.5625 / 2))
-    assert sampling_tensor_parallel_size(args, LLAMA_8B, cuda, 2, world_size=1) == 1  # one process: nothing to split
-    assert sampling_tensor_parallel_size(run_args(rollout_gpus=0, async_rollouts=False), LLAMA_8B, cuda, 2,
-                                         world_size=2) == 1  # DDP: every rank holds the whole model anyway
+    assert sampling_tensor_parallel_size(args, placed(args, 1), LLAMA_8B, cuda, 2) == 1  # one process: nothing to split
+    assert sampling_tensor_parallel_size(*run_placed(run_args(rollout_gpus=0, async_rollouts=False), 2), LLAMA_8B, cuda,
+                                         2) == 1  # DDP: every rank holds the whole model anyway
 
 
 def test_a_rank_that_trains_keeps_the_slots_its_step_leaves_room_for(card):
@@ -207,16 +219,17 @@ def test_a_rank_that_trains_keeps_the_slots_its_step_leaves_room_for(card):
     widest width whose plan peaks within 85% of the card (the next width's would not)."""
     from dataclasses import replace
 
-    from cohort.plans.training_plan import Placement, StepShape, training_memory_plan
+    from cohort.plans.training_plan import RankLayout, StepShape, training_memory_plan
     from cohort.plans.training_slots import training_rank_slots
 
     cuda = torch.device("cuda", 0)
     args = GRPOConfig(per_device_train_batch_size=16, gradient_accumulation_steps=32, num_generations=8,
                       max_prompt_length=512, max_completion_length=4096).validate()  # 512 completions a step
     card.gib = 141
-    slots = training_rank_slots(args, LLAMA_8B, cuda)
-    step = StepShape.from_config(args)
-    peak = {w: training_memory_plan(LLAMA_8B, replace(step, engine_slots=w), Placement()).peak for w in WIDTHS}
+    one = placed(args, 1)
+    slots = training_rank_slots(args, one, LLAMA_8B, cuda)
+    step = StepShape.from_config(args, one)
+    peak = {w: training_memory_plan(LLAMA_8B, replace(step, engine_slots=w), RankLayout()).peak for w in WIDTHS}
     assert peak[slots] <= 0.85 * 141 * GIB < peak[WIDTHS[WIDTHS.index(slots) + 1]]
     # While sampling the rank holds 8 bytes a weight (bf16 weights, the masters' low halves, bf16 moments) and the
     # slots' caches, 0.5625 GiB each: within the budget too.
@@ -225,13 +238,13 @@ def test_a_rank_that_trains_keeps_the_slots_its_step_leaves_room_for(card):
     # A model whose step is small keeps the engine's most, as before
     small = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    assert training_rank_slots(args, small, cuda) == 256
+    assert training_rank_slots(args, one, small, cuda) == 256
     # A step that needs more than 85% of the card without any cache still samples, with the slots that do not
     # raise its peak: the update borrows the idle cache for its gradients (15 GiB), so a cache that size is free.
     card.gib = 60
-    without = training_memory_plan(LLAMA_8B, replace(step, engine_slots=0), Placement()).peak
+    without = training_memory_plan(LLAMA_8B, replace(step, engine_slots=0), RankLayout()).peak
     assert without > 0.85 * 60 * GIB
-    lent = training_rank_slots(args, LLAMA_8B, cuda)
+    lent = training_rank_slots(args, one, LLAMA_8B, cuda)
     assert lent == max(w for w in WIDTHS if peak[w] <= without) and lent * 0.5625 <= 15
 
 
@@ -242,18 +255,19 @@ def test_colocated_ranks_keep_the_slots_their_update_leaves_room_for(card):
     the training plan's slots do not. In a tensor-parallel group π_ref is sharded like the policy."""
     from dataclasses import replace
 
-    from cohort.plans.training_plan import Placement, StepShape, training_memory_plan
+    from cohort.plans.training_plan import RankLayout, StepShape, training_memory_plan
     from cohort.plans.training_slots import training_rank_slots
 
     cuda = torch.device("cuda", 0)
     card.gib = 140
     args = run_args(rollout_gpus=0, fsdp=True, per_device_train_batch_size=8, gradient_accumulation_steps=8,
                     num_generations=32, max_prompt_length=256, max_completion_length=4096, beta=0.04)
-    weights_only = sampling_plan(args, LLAMA_8B, cuda, 2, world_size=2).slots
-    training = training_rank_slots(args, LLAMA_8B, cuda, world_size=2)
-    step, placement = StepShape.from_config(args), Placement(ranks=2, fsdp=True)
-    peak = lambda slots: training_memory_plan(LLAMA_8B, replace(step, engine_slots=slots), placement).peak  # noqa: E731
+    two = placed(args, 2)
+    weights_only = sampling_plan(args, two, LLAMA_8B, cuda, 2).slots
+    training = training_rank_slots(args, two, LLAMA_8B, cuda)
+    step, layout = StepShape.from_config(args, two), RankLayout(ranks=2, fsdp=True)
+    peak = lambda slots: training_memory_plan(LLAMA_8B, replace(step, engine_slots=slots), layout).peak  # noqa: E731
     assert peak(weights_only) > 0.85 * 140 * GIB >= peak(training) and training < weights_only
-    grouped = training_memory_plan(LLAMA_8B, step, Placement(ranks=2, fsdp=True, sampling_split=2))
+    grouped = training_memory_plan(LLAMA_8B, step, RankLayout(ranks=2, fsdp=True, sampling_split=2))
     assert grouped.phases["sampling"]["π_ref"] == parameter_count(LLAMA_8B) * 2 / 2
-    assert training_memory_plan(LLAMA_8B, step, placement).phases["sampling"]["π_ref"] == parameter_count(LLAMA_8B) * 2
+    assert training_memory_plan(LLAMA_8B, step, layout).phases["sampling"]["π_ref"] == parameter_count(LLAMA_8B) * 2

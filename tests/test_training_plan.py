@@ -12,10 +12,11 @@ import torch
 from cohort import GRPOConfig
 from cohort.errors import CohortError
 from cohort.plans import capacity
-from cohort.plans.capacity import check_capacity, config_before_loading, run_placement
+from cohort.parallel.placement import Placement
+from cohort.plans.capacity import check_capacity, config_before_loading
 from cohort.optim.precision import make_optimizer
 from cohort.optim.sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT, ShardedAdamW
-from cohort.plans.training_plan import (GIB, Placement, StepShape, activation_bytes_per_token, engine_kv_bytes,
+from cohort.plans.training_plan import (GIB, RankLayout, StepShape, activation_bytes_per_token, engine_kv_bytes,
                                          lora_parameter_count, micro_batch_tokens, training_memory_plan)
 from cohort.models import CausalLM, ModelConfig
 from cohort.rollout.engine import Engine
@@ -65,7 +66,7 @@ def test_sharded_terms_are_the_shard_optimizer_s_split_over_the_ranks(moment_dty
     step = StepShape(rows=8, group=4, prompt_len=8, completion_len=8, micro_rows=4,
                      moment_bytes=8 if moment_dtype == "float32" else 4)
     for ranks in (2, 4):
-        terms = training_memory_plan(TINY, step, Placement(ranks=ranks, fsdp=True, sampling_split=ranks)).phases
+        terms = training_memory_plan(TINY, step, RankLayout(ranks=ranks, fsdp=True, sampling_split=ranks)).phases
         assert terms["sampling"]["fp32 master shard"] == -(-tensor_bytes(model.parameters()) // ranks)
         assert terms["sampling"]["moments"] == -(-moments // ranks)
         assert terms["sampling"]["engine weights"] == -(-tensor_bytes(model.parameters()) // 2 // ranks)  # bf16
@@ -116,14 +117,23 @@ def test_the_largest_micro_batch_is_the_packers(micro_rows, cap):
     assert micro_batch_tokens(TINY, step) == max(padded(rows) for rows in plans)
 
 
+def one_gpu(args) -> Placement:
+    return Placement.from_config(args, 1)
+
+
+def step_of(args, world_size: int = 1) -> StepShape:
+    """The step of the run `args` (validated) on `world_size` processes."""
+    return StepShape.from_config(args, Placement.from_config(args, world_size))
+
+
 def test_the_plan_follows_the_options():
-    step = StepShape.from_config(GRPOConfig(max_completion_length=4096, per_device_train_batch_size=4,
-                                            gradient_accumulation_steps=8, beta=0.04).validate())
+    step = step_of(GRPOConfig(max_completion_length=4096, per_device_train_batch_size=4,
+                              gradient_accumulation_steps=8, beta=0.04).validate())
     assert (step.rows, step.micro_rows, step.reference, step.moment_bytes) == (32, 4, True, 4)
     config = ModelConfig(**LLAMA_8B)
     one = training_memory_plan(config, step)
     assert "π_ref" not in one.phases["sampling"] and one.phases["logprobs"]["π_ref"] == 2 * one.parameters  # offloaded
-    assert training_memory_plan(config, StepShape.from_config(GRPOConfig(
+    assert training_memory_plan(config, step_of(GRPOConfig(
         offload_ref_model=False, beta=0.04).validate())).phases["sampling"]["π_ref"] == 2 * one.parameters
     freed = training_memory_plan(config, StepShape(**{**vars(step), "free_sampling_memory": True}))
     assert freed.phases["backward"]["KV cache"] == 0 < freed.phases["sampling"]["KV cache"]
@@ -131,15 +141,16 @@ def test_the_plan_follows_the_options():
     assert lent == max(0, 2 * one.parameters - one.phases["sampling"]["KV cache"])  # borrowed from the idle cache
 
 
-@pytest.mark.parametrize("options, copies", [
-    (dict(), True),  # one process: the producer thread samples on a copy of its own
-    (dict(fsdp=True, max_staleness=2), True),  # FSDP2 two updates behind: the copy keeps the older weights
-    (dict(fsdp=True, max_staleness=1), False),  # FSDP2: on the engine's own copy, refreshed in place
-    (dict(fsdp=True), False),  # max_staleness None: 1 once the run resolves it
-    (dict(fsdp=True, max_staleness=1, rollout_tensor_parallel_size=2), False),  # on the rank's shard
-    (dict(rollout_gpus=1), False)])  # on ranks of their own
-def test_asynchronous_rollouts_price_a_producer_copy_only_where_it_exists(options, copies):
-    step = StepShape.from_config(GRPOConfig(async_rollouts=True, **options).validate())
+@pytest.mark.parametrize("world, options, copies", [
+    (1, dict(), True),  # one process: the producer thread samples on a copy of its own
+    (2, dict(), True),  # DDP alike
+    (2, dict(fsdp=True, max_staleness=2), True),  # FSDP2 two updates behind: the copy keeps the older weights
+    (2, dict(fsdp=True, max_staleness=1), False),  # FSDP2: on the engine's own copy, refreshed in place
+    (2, dict(fsdp=True), False),  # max_staleness None: 1 once the run resolves it
+    (2, dict(fsdp=True, max_staleness=1, rollout_tensor_parallel_size=2), False),  # on the rank's shard
+    (2, dict(rollout_gpus=1), False)])  # on ranks of their own
+def test_asynchronous_rollouts_price_a_producer_copy_only_where_it_exists(world, options, copies):
+    step = step_of(GRPOConfig(async_rollouts=True, **options).validate(), world)
     plan = training_memory_plan(ModelConfig(**LLAMA_8B), step)
     assert step.async_copy is copies
     assert ("sampler copy" in plan.phases["sampling"]) is copies
@@ -171,7 +182,7 @@ def test_a_run_that_cannot_fit_is_refused_with_what_would(gpu, llama_8b_folder):
     args = GRPOConfig(model=str(llama_8b_folder), max_completion_length=4096, per_device_train_batch_size=8,
                       gradient_accumulation_steps=8).validate()
     with pytest.raises(CohortError) as refused:
-        check_capacity(str(llama_8b_folder), args, CUDA)
+        check_capacity(str(llama_8b_folder), args, one_gpu(args), CUDA)
     line = str(refused.value)
     assert "\n" not in line
     assert re.search(r"full-parameter GRPO of this 8\.0B-parameter llama model on one GPU needs about \d+\.\d GiB "
@@ -182,11 +193,12 @@ def test_a_run_that_cannot_fit_is_refused_with_what_would(gpu, llama_8b_folder):
     # each suggestion fits where the run did not
     gpus = int(re.search(r"(\d+) GPUs with FSDP2", line).group(1))
     # max_concurrent_sequences=auto: the engine's slots are sized after loading, to what the step leaves (one at least)
-    step = replace(StepShape.from_config(args), engine_slots=1)
-    assert training_memory_plan(ModelConfig(**LLAMA_8B), step, run_placement(
-        GRPOConfig(fsdp=True).validate(), gpus)).peak <= 80 * GIB
-    assert training_memory_plan(ModelConfig(**LLAMA_8B), step, run_placement(
-        GRPOConfig(fsdp=True).validate(), gpus - 1)).peak > 80 * GIB
+    step = replace(step_of(args), engine_slots=1)
+    fsdp = GRPOConfig(fsdp=True).validate()
+    assert training_memory_plan(ModelConfig(**LLAMA_8B), step, RankLayout.of(
+        Placement.from_config(fsdp, gpus))).peak <= 80 * GIB
+    assert training_memory_plan(ModelConfig(**LLAMA_8B), step, RankLayout.of(
+        Placement.from_config(fsdp, gpus - 1))).peak > 80 * GIB
 
 
 def test_a_run_whose_engine_can_decode_fewer_sequences_at_once_is_not_refused(gpu, llama_8b_folder):
@@ -195,31 +207,32 @@ def test_a_run_whose_engine_can_decode_fewer_sequences_at_once_is_not_refused(gp
     options = dict(max_completion_length=4096, per_device_train_batch_size=1, gradient_accumulation_steps=64,
                    use_peft=True)
     args = GRPOConfig(**options).validate()
-    step = StepShape.from_config(args)
+    step = step_of(args)
     config = ModelConfig(**LLAMA_8B)
     whole, one = (training_memory_plan(config, replace(step, engine_slots=n)).peak for n in (64, 1))
     gpu.gib = (whole + one) / 2 / GIB
-    assert check_capacity(str(llama_8b_folder), args, CUDA).peak == one
+    assert check_capacity(str(llama_8b_folder), args, one_gpu(args), CUDA).peak == one
+    asked = GRPOConfig(**options, max_concurrent_sequences=64).validate()
     with pytest.raises(CohortError, match="LoRA GRPO"):
-        check_capacity(str(llama_8b_folder), GRPOConfig(**options, max_concurrent_sequences=64).validate(), CUDA)
+        check_capacity(str(llama_8b_folder), asked, one_gpu(asked), CUDA)
 
 
 def test_a_run_that_fits_is_not_refused(gpu, llama_8b_folder):
     args = GRPOConfig(max_completion_length=512, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                       use_peft=True).validate()
-    plan = check_capacity(str(llama_8b_folder), args, CUDA)
+    plan = check_capacity(str(llama_8b_folder), args, one_gpu(args), CUDA)
     assert plan is not None and plan.peak < 80 * GIB
     gpu.gib = 1.0  # the same run on a 1 GiB card
     with pytest.raises(CohortError, match="LoRA GRPO"):
-        check_capacity(str(llama_8b_folder), args, CUDA)
+        check_capacity(str(llama_8b_folder), args, one_gpu(args), CUDA)
 
 
 def test_nothing_is_planned_off_cuda_or_without_a_config(gpu, llama_8b_folder, tmp_path):
     gpu.gib = 0.001
     big = GRPOConfig(max_completion_length=4096).validate()
-    assert check_capacity(str(llama_8b_folder), big, torch.device("cpu")) is None
-    assert check_capacity(None, big, CUDA) is None  # the built-in model
-    assert check_capacity(CausalLM(TINY), big, CUDA) is None  # a model object is already loaded
+    assert check_capacity(str(llama_8b_folder), big, one_gpu(big), torch.device("cpu")) is None
+    assert check_capacity(None, big, one_gpu(big), CUDA) is None  # the built-in model
+    assert check_capacity(CausalLM(TINY), big, one_gpu(big), CUDA) is None  # a model object is already loaded
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({**LLAMA_8B, "model_type": "gpt2"}))
     assert config_before_loading(tmp_path / "other") is None  # transformers' model: not this plan's
@@ -263,11 +276,11 @@ def test_the_plan_meets_the_measured_fsdp2_peak():
     args = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
                       max_prompt_length=64, max_completion_length=128, fsdp=True,
                       optimizer_state_dtype="float32").validate()  # the moments were fp32 on the shard then
-    measured = Placement(ranks=4, fsdp=True, sync_every_micro_batch=False, optimizer_temporary=True,
-                         widen_after_sharding=False)
-    plan = training_memory_plan(qwen_7b, StepShape.from_config(args), measured)
+    measured = RankLayout(ranks=4, fsdp=True, sync_every_micro_batch=False, optimizer_temporary=True,
+                          widen_after_sharding=False)
+    plan = training_memory_plan(qwen_7b, step_of(args, 4), measured)
     assert plan.peak_phase == "backward" and abs(plan.peak / GIB - 69.4) < 0.05 * 69.4
-    synced = training_memory_plan(qwen_7b, StepShape.from_config(args), replace(measured, sync_every_micro_batch=True))
+    synced = training_memory_plan(qwen_7b, step_of(args, 4), replace(measured, sync_every_micro_batch=True))
     unsharded, shard = 4 * plan.parameters, -(-4 * plan.parameters // 4)  # fp32 gradients, whole and a rank's
     assert plan.total("backward") - synced.total("backward") == unsharded - shard
 

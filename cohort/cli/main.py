@@ -140,7 +140,11 @@ def _train(argv: list[str]) -> int:
     printing = print_config is not None and print_config.lower() not in ("false", "0", "no", "off")
     check_task_data(args)
     if launcher is not None and (processes != "1" or nodes):
-        return _launch(argv + ["--print_config"] * printing, launcher, args, processes, nodes)
+        from cohort.parallel.placement import Placement
+
+        # the job's ranks, checked against the options before torchrun starts any of them
+        placement = Placement.from_config(args, int(processes) * int(nodes.get("nnodes", "1")))
+        return _launch(argv + ["--print_config"] * printing, launcher, args, processes, nodes, placement)
     # only now, the options checked: the trainer brings torch and transformers (seconds), which a mistyped
     # option should not wait for
     from cohort.trainer.grpo_trainer import GRPOTrainer
@@ -290,10 +294,10 @@ def _whole(value: str) -> int | None:
     return int(value) if value.isascii() and value.isdigit() else None
 
 
-def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: dict[str, str]) -> int:
+def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: dict[str, str], placement) -> int:
     """`cohort train --nproc_per_node N [--nnodes M --node_rank R --master_addr HOST ...] ...`: run
     `torchrun <launcher> -m cohort train ...` on this machine (torch.distributed.run, PyTorch's launcher
-    and its failure handling; `torchrun_arguments` gives <launcher>) and wait for it."""
+    and its failure handling; `torchrun_arguments` gives <launcher>) for the job's `placement` and wait for it."""
     import shutil
     import signal
     import subprocess
@@ -338,8 +342,7 @@ def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: d
                 continue
     finally:
         signal.signal(signal.SIGTERM, previous)
-    count = int(processes) * int(nodes.get("nnodes", "1"))
-    failure = job_failure_line(reports, args.rollout_gpus, count) if code != 0 else None
+    failure = job_failure_line(reports, placement) if code != 0 else None
     shutil.rmtree(reports, ignore_errors=True)
     if failure is not None and not stops:
         where = f" on node {nodes['node_rank']}" if int(nodes.get("nnodes", "1")) > 1 else ""

@@ -30,30 +30,30 @@ from cohort.memory.checkpointed_layers import AutoCheckpointing
 from cohort.memory.gc_pauses import freeze_long_lived_objects, thaw_frozen_objects
 from cohort.memory.lending import idle_buffers, lend_gradients
 from cohort.memory.offload import HostOffload
-from cohort.parallel.placement import engine_released_in_update
+from cohort.parallel.placement import Placement
 
 NO_GRAD_FACTOR = 2  # no-grad log-prob passes (π_old, π_ref) use micro-batches this many times larger
 T = TypeVar("T")
 
 
 class MemoryManager:
-    def __init__(self, args, *, auto_checkpointing: AutoCheckpointing | None, ref_model, sampler,
-                 device: torch.device, world_size: int, share_prompts: bool, log: Callable[[str], None] = print,
+    def __init__(self, args, *, placement: Placement, auto_checkpointing: AutoCheckpointing | None, ref_model,
+                 sampler, device: torch.device, share_prompts: bool, log: Callable[[str], None] = print,
                  release_weights: Callable[[], None] | None = None):
         self.args, self.device, self.log = args, device, log
-        self.sampler, self.world_size, self.share_prompts = sampler, world_size, share_prompts
+        self.sampler, self.world_size, self.share_prompts = sampler, placement.trainers, share_prompts
         self.micro_rows, self.micro_tokens = args.per_device_train_batch_size, args.max_tokens_per_micro_batch
         # `gradient_checkpointing_layers=auto` (AutoCheckpointing.setup, called before the model is
         # wrapped): how many layers are checkpointed is decided by a measured update.
         self.auto_checkpointing = auto_checkpointing
         cuda = device.type == "cuda"
         # One process only: DDP and FSDP own their gradients, and FSDP shards π_ref its own way.
-        self.ref_offload = HostOffload(ref_model, enabled=args.offload_ref_model and cuda and not args.fsdp)
-        self.lend_kv_cache = args.lend_kv_cache and world_size == 1 and not args.fsdp
+        self.ref_offload = HostOffload(ref_model, enabled=args.offload_ref_model and cuda and not placement.fsdp)
+        self.lend_kv_cache = args.lend_kv_cache and placement.trainers == 1 and not placement.fsdp
         self.release_sampler = args.free_sampling_memory and cuda and hasattr(sampler, "release")
         # FSDP2: the engine's weights too, until the refresh after the update rewrites them; on a GPU only with
         # the graphs (they read the weights by address and are recaptured from the new ones).
-        self.release_weights = (release_weights if engine_released_in_update(args) and world_size > 1
+        self.release_weights = (release_weights if placement.engine_released_in_update and placement.sharded
                                 and (self.release_sampler or not cuda) else None)
         self.oom_retries = 0
         self.lent_bytes = 0

@@ -1,10 +1,11 @@
 """The colocated placement: every rank trains with FSDP2, then samples in tensor-parallel groups.
 
-With `--fsdp`, no `--rollout_gpus` and `rollout_tensor_parallel_size` T > 1, the W training ranks form W / T
-groups of T consecutive ranks (`form_sampling_group`). Each rank keeps, for sampling, only its T-way shard of
-the model (cohort/models/tensor_parallel.py; `Parallel.sample_from_shard`) instead of a whole plain copy, and a
-group's ranks sample their prompts together, in one engine call (cohort/rollout/colocated.py). No rank ever
-holds the whole model. What a rank holds, phase by phase:
+With `--fsdp`, no `--rollout_gpus` and `rollout_tensor_parallel_size` T > 1 (`Placement.colocated`), the W
+training ranks form W / T groups of T consecutive ranks (`Placement.group_ranks`, `form_sampling_group`). Each
+rank keeps, for sampling, only its T-way shard of the model (cohort/models/tensor_parallel.py;
+`Parallel.sample_from_shard`) instead of a whole plain copy, and a group's ranks sample their prompts together,
+in one engine call (cohort/rollout/colocated.py). No rank ever holds the whole model. What a rank holds, phase
+by phase:
 
 - sampling: its FSDP2 shards of the fp32 weights and of AdamW's moments (1/W each; no gradients, which the
   update frees after its optimizer step), its sampling shard (1/T of the weights, in the loaded dtype) and the
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from cohort.parallel.distributed import Parallel, shard_bounds
+from cohort.parallel.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -55,26 +57,17 @@ class SamplingGroup:
         return items[start:stop]
 
 
-def sampling_groups(world_size: int, size: int) -> list[tuple[int, ...]]:
-    """The ranks of each group: `world_size` / `size` runs of `size` consecutive ranks.
-
-    >>> sampling_groups(4, 2)
-    [(0, 1), (2, 3)]
-    """
-    return [tuple(range(start, start + size)) for start in range(0, world_size, size)]
-
-
-def form_sampling_group(parallel: Parallel, size: int, timeout_s: float) -> SamplingGroup:
-    """This rank's group of `size` (a collective: every rank makes every group, in the same order, as
-    torch.distributed requires). `size` divides the training ranks (settled by cohort/plans/sampling_plan.py)."""
+def form_sampling_group(parallel: Parallel, placement: Placement, timeout_s: float) -> SamplingGroup:
+    """This rank's group of `placement`'s settled split (a collective: every rank makes every group, in the same
+    order, as torch.distributed requires). The split divides the training ranks (refused otherwise by `Placement`)."""
     import torch.distributed as dist
 
-    groups = sampling_groups(parallel.world_size, size)
     mine = None
-    for index, ranks in enumerate(groups):
+    for index in range(placement.groups):
+        ranks = tuple(placement.group_ranks(index))
         made = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s))
         if parallel.rank in ranks:
-            mine = SamplingGroup(ranks, index, len(groups), made)
+            mine = SamplingGroup(ranks, index, placement.groups, made)
     return mine
 
 
@@ -112,17 +105,12 @@ def load_gathered_state(module: nn.Module, state: dict[str, torch.Tensor]) -> No
     set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
 
 
-def colocated(args) -> bool:
-    """Whether the run `args` (resolved) is the colocated placement: FSDP2 ranks sampling in groups of T > 1."""
-    return bool(args.fsdp and not args.rollout_gpus and args.rollout_tensor_parallel_size > 1)
-
-
-def colocate(parallel: Parallel, model: nn.Module, size: int, timeout_s: float,
+def colocate(parallel: Parallel, model: nn.Module, placement: Placement, timeout_s: float,
              reference: bool) -> tuple[nn.Module, nn.Module | None]:
-    """After `parallel.wrap(model, fsdp=True)`: this rank's sampling group of `size` ranks is formed (a
-    collective), π_ref made as a sharded frozen copy of `model` when `reference`, and the whole copy `model`
-    replaced, for the engine, by this rank's shard (`model` is left on the meta device). Returns (the shard,
-    π_ref or None)."""
+    """After `parallel.wrap(model, fsdp=True)`, for a colocated `placement` (its split settled): this rank's
+    sampling group is formed (a collective), π_ref made as a sharded frozen copy of `model` when `reference`, and
+    the whole copy `model` replaced, for the engine, by this rank's shard (`model` is left on the meta device).
+    Returns (the shard, π_ref or None)."""
     ref = frozen_sharded_copy(parallel, model) if reference else None  # before the whole copy goes
-    parallel.sampling_group = form_sampling_group(parallel, size, timeout_s)
+    parallel.sampling_group = form_sampling_group(parallel, placement, timeout_s)
     return parallel.sample_from_shard(model, parallel.sampling_group.process_group), ref

@@ -1,10 +1,13 @@
 """Sampling and training on different ranks of one torchrun job (`--rollout_gpus K`).
 
 With W ranks, the first W − K train (DDP among themselves, as without this option) and the last K
-only run the sampling engine. The T = W − K trainers are split into K blocks of consecutive ranks,
-block k served by sampler T + k, which samples a step's requests of its block in one engine call
-(`RolloutServer`). Three groups
-carry the traffic, made in the same order on every rank as torch.distributed requires:
+only run the sampling engine. The W − K trainers are split into blocks of consecutive ranks, one per
+sampling group, whose leader samples a step's requests of its block in one engine call (`RolloutServer`).
+Which ranks sample, in which groups, and who serves whom is the run's `Placement`
+(cohort/parallel/placement.py): with T > 1 the K sampling ranks form K / T groups of T consecutive ranks, each
+one engine over a T-way shard of the model, whose first rank, its leader, reads its trainers' requests, relays
+each to the group's other ranks (so every rank of the group runs the same engine call) and sends the rollouts
+back. Three groups carry the traffic, made in the same order on every rank as torch.distributed requires:
 
 - the trainers' group: every collective of the update (DDP's gradient all-reduce, metrics);
 - the weights group, rank 0 and the samplers: after an update, rank 0 broadcasts the policy's
@@ -22,87 +25,13 @@ from __future__ import annotations
 
 import datetime
 import io
-import os
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
 from cohort.errors import CohortError
 from cohort.parallel.faults import wait_all, waiting_for, withheld_weights
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Which ranks train and which sample, and who serves whom.
-
-    With `tensor_parallel_size` T > 1 the K sampling ranks form K / T groups of T consecutive ranks, each
-    group one engine over a T-way shard of the model (cohort/models/tensor_parallel.py). The first rank of
-    a group, its leader, talks to the trainers: it reads their requests, relays each to the group's other
-    ranks (so every rank of the group runs the same engine call) and sends the rollouts back."""
-
-    world_size: int
-    rollout_gpus: int
-    tensor_parallel_size: int = 1
-
-    def __post_init__(self):
-        if not 0 < self.rollout_gpus < self.world_size:
-            raise CohortError(f"rollout_gpus={self.rollout_gpus} with {self.world_size} ranks: at least one rank must "
-                              f"train and one sample; give 1 to {self.world_size - 1}, or start more processes")
-        size = self.tensor_parallel_size
-        if size < 1 or self.rollout_gpus % size:
-            raise CohortError(f"rollout_tensor_parallel_size={size} with rollout_gpus={self.rollout_gpus}: the sampling "
-                              "ranks form groups of that many ranks, so it must divide rollout_gpus (e.g. "
-                              f"--rollout_gpus {max(size, 1) * max(1, self.rollout_gpus // max(size, 1))})")
-        if size > 1 and self.groups > self.trainers:
-            raise CohortError(f"rollout_gpus={self.rollout_gpus} in {self.groups} sampling group(s) for {self.trainers} "
-                              "trainer rank(s): a group would serve no trainer; use fewer sampling ranks or a larger "
-                              "--rollout_tensor_parallel_size")
-
-    @property
-    def trainers(self) -> int:
-        return self.world_size - self.rollout_gpus
-
-    @property
-    def groups(self) -> int:
-        """How many sampling groups (engines) there are."""
-        return self.rollout_gpus // self.tensor_parallel_size
-
-    def samples(self, rank: int) -> bool:
-        return rank >= self.trainers
-
-    def group_ranks(self, group: int) -> list[int]:
-        """The ranks of sampling group `group`, its leader first."""
-        first = self.trainers + group * self.tensor_parallel_size
-        return list(range(first, first + self.tensor_parallel_size))
-
-    def leader_of(self, rank: int) -> int:
-        """The leader of sampling rank `rank`'s group (itself when it leads or T = 1)."""
-        return rank - (rank - self.trainers) % self.tensor_parallel_size
-
-    def group_of(self, rank: int) -> list[int]:
-        """The ranks of sampling rank `rank`'s group, its leader first."""
-        return self.group_ranks((rank - self.trainers) // self.tensor_parallel_size)
-
-    def server_of(self, trainer: int) -> int:
-        """The sampling rank (a group's leader) that serves trainer rank `trainer`: the trainers in one block of
-        consecutive ranks per group (sizes differing by one at most), so a group's trainers own consecutive
-        completions of a step."""
-        return self.group_ranks(trainer * self.groups // self.trainers)[0]
-
-    def served_by(self, server: int) -> list[int]:
-        """The trainer ranks the group of sampling rank `server` serves, in rank order."""
-        leader = self.leader_of(server)
-        return [t for t in range(self.trainers) if self.server_of(t) == leader]
-
-
-def samples_here(rollout_gpus: int) -> bool:
-    """Whether this process, by torchrun's RANK and WORLD_SIZE, is one of the last `rollout_gpus` ranks, which
-    only sample; False in a single process (where rollout_gpus > 0 fails later, with its own message)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if not rollout_gpus or world_size <= 1:
-        return False
-    return Placement(world_size, rollout_gpus).samples(int(os.environ.get("RANK", "0")))
+from cohort.parallel.placement import Placement
 
 
 class RolloutLink:
@@ -141,13 +70,12 @@ class RolloutLink:
         return cls(placement, rank, trainer_group, weights_group, message_group,
                    messages_in_flight=max_staleness + 2, timeout_s=timeout.total_seconds(), poll_weights=poll)
 
-    def form_sampling_groups(self, tensor_parallel_size: int) -> None:
-        """Group the sampling ranks by the run's settled `rollout_tensor_parallel_size` (known once the model is
+    def form_sampling_groups(self, placement: Placement) -> None:
+        """Group the sampling ranks by `placement`, the run's with its split settled (known once the model is
         loaded: `cohort.run.resolve`), making each group's process group (a collective: every rank of the job calls
         it, in the same order, before the first request)."""
-        placement = Placement(self.placement.world_size, self.placement.rollout_gpus, tensor_parallel_size)
         self.placement = placement
-        if tensor_parallel_size == 1:
+        if placement.split == 1:
             return
         import torch.distributed as dist
 
@@ -183,7 +111,7 @@ class RolloutLink:
         import torch.distributed as dist
 
         size = torch.zeros(1, dtype=torch.int64)
-        part = "sampling rank" if self.placement.samples(src) else "trainer rank"
+        part = "sampling rank" if self.placement.samples_here(src) else "trainer rank"
         with waiting_for(f"a message from {part} {src}"):
             dist.recv(size, src, group=self.message_group)
             payload = torch.empty(int(size.item()), dtype=torch.uint8)

@@ -45,6 +45,7 @@ from torch import nn
 from cohort.errors import CohortError
 from cohort.models.resharding import full_parameters, update_shard_
 from cohort.models.tensor_parallel import TensorParallelCausalLM, shard_model
+from cohort.parallel.placement import Placement
 from cohort.parallel.sharding import fully_sharded_copy
 
 # Seconds `Parallel.close` waits for the process group's teardown.
@@ -117,7 +118,7 @@ class Parallel:
 
     # ---- set-up --------------------------------------------------------------------------------
     @classmethod
-    def from_env(cls, device_spec: str, timeout_s: float, rollout_gpus: int = 0) -> "Parallel":
+    def from_env(cls, device_spec: str, timeout_s: float, placement: Placement | None = None) -> "Parallel":
         """From torchrun's RANK / WORLD_SIZE / LOCAL_RANK: one process group (NCCL on CUDA, gloo on
         CPU) whose collectives give up after `timeout_s` seconds, so a rank that died or hangs stops
         the others with an error instead of a silent wait. Without torchrun: one process, no group.
@@ -127,15 +128,13 @@ class Parallel:
         (SLURM's srun, mpirun) works when it sets what torchrun sets: RANK, WORLD_SIZE, LOCAL_RANK,
         MASTER_ADDR and MASTER_PORT for env:// initialisation.
 
-        With `rollout_gpus` = K, the last K ranks sample for the others (cohort/parallel/disaggregation.py; their
-        tensor-parallel groups are formed once the run's config is settled, `RolloutLink.form_sampling_groups`):
+        With `placement` (the run's `Placement`) giving `rollout_gpus` = K, the last K ranks sample for the others
+        (cohort/parallel/disaggregation.py; their tensor-parallel groups are formed once the run's config is
+        settled, `RolloutLink.form_sampling_groups`):
         this object then describes the training ranks' group, or for a sampling rank, that rank alone. The
         link's message window is sized once the run's `max_staleness` is resolved (`RolloutLink.cover_staleness`)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size <= 1:
-            if rollout_gpus:
-                raise CohortError(f"rollout_gpus={rollout_gpus} needs ranks that train besides the ones that sample; "
-                                  f"start {rollout_gpus + 1} or more processes (--nproc_per_node), or leave it at 0")
+        if world_size <= 1:  # a placement with sampling ranks refuses one process itself
             return cls(device=pick_device(device_spec))
         import torch.distributed as dist
 
@@ -159,12 +158,11 @@ class Parallel:
                 torch.cuda.set_device(device)
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        if rollout_gpus:
-            from cohort.parallel.disaggregation import Placement, RolloutLink
+        if placement is not None and placement.rollout_gpus:
+            from cohort.parallel.disaggregation import RolloutLink
 
-            placement = Placement(world_size, rollout_gpus)
             link = RolloutLink.create(placement, rank, datetime.timedelta(seconds=timeout_s))
-            if placement.samples(rank):
+            if placement.samples_here(rank):
                 return cls(rank, 1, local_rank, device, owns_group, link=link)
             return cls(rank, placement.trainers, local_rank, device, owns_group, group=link.trainer_group, link=link)
         return cls(rank, world_size, local_rank, device, owns_group)
@@ -425,23 +423,3 @@ class SilentMetrics:
 
 def silent(*_args, **_kwargs) -> None:
     """The `log` of ranks other than 0."""
-
-
-def check_parallel_options(args, parallel: Parallel) -> None:
-    """Options whose statistics would differ between one process and several, refused on several
-    ranks with the fix (each rank would otherwise use only its own part of the batch)."""
-    if parallel.world_size == 1:
-        return
-    ranks = f"with {parallel.world_size} ranks"
-    if args.scale_rewards == "batch":
-        raise CohortError(f"scale_rewards='batch' {ranks} would divide by each rank's own reward std, not the "
-                          "batch's; use --scale_rewards group (GRPO) or none (Dr. GRPO), or run one process")
-    if args.dynamic_sampling:
-        raise CohortError(f"dynamic_sampling {ranks} is not supported (each rank would resample a different "
-                          "number of times); leave it off or run one process")
-    if hasattr(args, "cliprange_value"):  # cohort.ppo.PPOConfig: the critic is neither wrapped nor averaged
-        raise CohortError(f"PPO {ranks} is not supported (the critic would train on each rank's batch alone); "
-                          "run PPOTrainer in one process")
-    if args.rm_updates_per_step or args.rm_warmup_batches:
-        raise CohortError(f"training a reward model online {ranks} is not supported (each rank would train its "
-                          "own); set --rm_updates_per_step 0 --rm_warmup_batches 0 or run one process")

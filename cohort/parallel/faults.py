@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from cohort.errors import CohortError
+from cohort.parallel.placement import Placement
 
 INJECT_ENV = "COHORT_INJECT_FAULT"
 REPORT_ENV = "COHORT_FAULT_REPORTS"  # the folder where the ranks a launcher started write their error line
@@ -120,11 +121,11 @@ def record_rank_error(line: str) -> bool:
     return True
 
 
-def job_failure_line(folder: Path, rollout_gpus: int, world_size: int) -> str | None:
-    """The one line that ends a failed job: the rank that failed first, its part (trainer or sampling rank) and
-    what failed. Root cause: a rank killed by a signal torchrun does not send (kill -9, a crash), else the
-    earliest error line a rank left (one that names what it waited for before a collective that merely failed),
-    else torchrun's first failure. None when nothing was recorded."""
+def job_failure_line(folder: Path, placement: Placement) -> str | None:
+    """The one line that ends a failed job of `placement`: the rank that failed first, its part (trainer or
+    sampling rank) and what failed. Root cause: a rank killed by a signal torchrun does not send (kill -9, a
+    crash), else the earliest error line a rank left (one that names what it waited for before a collective that
+    merely failed), else torchrun's first failure. None when nothing was recorded."""
     try:
         failures = json.loads((folder / "torchrun.json").read_text())
     except (OSError, ValueError):
@@ -153,7 +154,7 @@ def job_failure_line(folder: Path, rollout_gpus: int, world_size: int) -> str | 
         what = f"exited with code {info['exitcode']}" + (f" ({info['signal']})" if info.get("signal") else "")
     else:
         return None
-    part = "sampling rank" if rollout_gpus and rank >= world_size - rollout_gpus else "trainer"
+    part = "sampling rank" if placement.samples_here(rank) else "trainer"
     return f"rank {rank} ({part}) {what}"
 
 

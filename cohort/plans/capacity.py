@@ -23,8 +23,8 @@ import torch
 from cohort.errors import CohortError
 from cohort.models.config import ModelConfig, is_supported
 from cohort.models.loading import hub_offline, is_hub_id
-from cohort.parallel.placement import engine_released_in_update
-from cohort.plans.training_plan import GIB, MemoryPlan, Placement, StepShape, training_memory_plan
+from cohort.parallel.placement import Placement
+from cohort.plans.training_plan import GIB, MemoryPlan, RankLayout, StepShape, training_memory_plan
 
 MOST_GPUS = 64  # the largest FSDP2 group the refusal suggests
 
@@ -83,38 +83,25 @@ def _hub_config(repo_id: str) -> ModelConfig | None:
         return None
 
 
-def run_placement(args, training_ranks: int) -> Placement:
-    """Where a training rank of the run `args` (validated, not yet resolved) trains and samples. Under FSDP2
-    without sampling ranks, `rollout_tensor_parallel_size=auto` may split the engine over the training ranks
-    (the colocated placement): the plan takes that split, so that no run `auto` could fit is refused."""
-    fsdp = bool(args.fsdp) and training_ranks > 1
-    split = 1
-    if fsdp and not args.rollout_gpus:
-        asked = args.rollout_tensor_parallel_size
-        split = training_ranks if asked == "auto" else asked
-    return Placement(ranks=training_ranks, fsdp=fsdp, sampling_split=split, samples=not args.rollout_gpus,
-                     engine_in_update=not (fsdp and engine_released_in_update(args)))
-
-
-def fitting_alternatives(config: ModelConfig, step: StepShape, placement: Placement, free: int) -> list[str]:
+def fitting_alternatives(config: ModelConfig, step: StepShape, layout: RankLayout, free: int) -> list[str]:
     """The nearest runs whose plan fits `free` bytes a GPU, as flags: more GPUs under FSDP2, LoRA, a smaller step."""
     fits = lambda s, p: training_memory_plan(config, s, p).peak <= free  # noqa: E731
     out = []
-    for ranks in range(placement.ranks + 1, MOST_GPUS + 1):
-        wider = replace(placement, ranks=ranks, fsdp=True,
-                        sampling_split=ranks if placement.samples else placement.sampling_split)
+    for ranks in range(layout.ranks + 1, MOST_GPUS + 1):
+        wider = replace(layout, ranks=ranks, fsdp=True,
+                        sampling_split=ranks if layout.samples else layout.sampling_split)
         if fits(step, wider):
             out.append(f"{ranks} GPUs with FSDP2 (--fsdp true under --nproc_per_node {ranks})")
             break
-    if not step.lora_rank and fits(replace(step, lora_rank=16, reference=False), placement):
+    if not step.lora_rank and fits(replace(step, lora_rank=16, reference=False), layout):
         out.append("LoRA (--use_peft true)")
-    smaller = smaller_step(config, step, placement, free)
+    smaller = smaller_step(config, step, layout, free)
     if smaller:
         out.append(f"a smaller step ({smaller})")
     return out
 
 
-def smaller_step(config: ModelConfig, step: StepShape, placement: Placement, free: int) -> str | None:
+def smaller_step(config: ModelConfig, step: StepShape, layout: RankLayout, free: int) -> str | None:
     """Flags of the first smaller step that fits: one completion a micro-batch, then the KV cache released for
     the update, then fewer completions a GPU (down to one group), then shorter completions (down to 256)."""
     changes: dict = {}
@@ -134,7 +121,7 @@ def smaller_step(config: ModelConfig, step: StepShape, placement: Placement, fre
         candidates.append(dict(changes, rows=rows, completion_len=length))
     for candidate in candidates:
         smaller = replace(step, **candidate)
-        if training_memory_plan(config, smaller, placement).peak > free:
+        if training_memory_plan(config, smaller, layout).peak > free:
             continue
         flags = []
         if smaller.micro_rows != step.micro_rows:
@@ -149,27 +136,27 @@ def smaller_step(config: ModelConfig, step: StepShape, placement: Placement, fre
     return None
 
 
-def check_capacity(model, args, device: torch.device, training_ranks: int = 1) -> MemoryPlan | None:
-    """Refuse, before loading, a run of `model` with `args` (validated) on `training_ranks` ranks whose step
-    cannot fit the free memory of `device`; the plan where it fits, None where there is nothing to plan."""
+def check_capacity(model, args, placement: Placement, device: torch.device) -> MemoryPlan | None:
+    """Refuse, before loading, a run of `model` with `args` (validated) placed by `placement` whose step cannot
+    fit the free memory of `device`; the plan where it fits, None where there is nothing to plan."""
     if device.type != "cuda":
         return None
     config = config_before_loading(model)
     if config is None:
         return None
-    step = StepShape.from_config(args)
+    step = StepShape.from_config(args, placement)
     if args.max_concurrent_sequences == "auto":  # sized after loading to what the step leaves: one slot will do
         step = replace(step, engine_slots=1)
-    placement = run_placement(args, training_ranks)
-    plan = training_memory_plan(config, step, placement)
+    layout = RankLayout.of(placement)
+    plan = training_memory_plan(config, step, layout)
     free, _total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's cached blocks
     if plan.peak <= free:
         return plan
-    options = fitting_alternatives(config, step, placement, free)
+    options = fitting_alternatives(config, step, layout, free)
     how = "LoRA" if step.lora_rank else "full-parameter"
-    where = f"FSDP2 over {training_ranks} GPUs" if placement.sharded else (
-        f"{training_ranks} GPUs" if training_ranks > 1 else "one GPU")
+    ranks = placement.trainers
+    where = f"FSDP2 over {ranks} GPUs" if layout.sharded else (f"{ranks} GPUs" if ranks > 1 else "one GPU")
     raise CohortError(
         f"{model}: {how} GRPO of this {plan.parameters / 1e9:.1f}B-parameter {config.model_type} model on {where} "
         f"needs about {plan.peak / GIB:.1f} GiB a GPU ({plan.describe()}), more than the {free / GIB:.1f} GiB free "

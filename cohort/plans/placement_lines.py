@@ -3,20 +3,20 @@ sequences than it decodes at once: the placement and the sampling plan, told to 
 
 from __future__ import annotations
 
-from cohort.parallel.placement import samples_in_place
+from cohort.parallel.placement import Placement
 from cohort.plans.sampling_plan import FILL, engine_call_rows, slot_length
 from cohort.rollout.scheduler import ENGINE_SLOTS
 
 
-def slots_line(args, sampling_rank: bool = False) -> str | None:
+def slots_line(args, placement: Placement, sampling_rank: bool = False) -> str | None:
     """The step log's line on the engine's slots where a GPU's call has more sequences than slots (None where
-    every sequence of a call decodes at once, the plain case). `args`: the resolved config; `sampling_rank`: the
-    line of a rank that only samples (`--rollout_gpus`), which sizes its own engine."""
-    if not args.device.startswith("cuda") or (args.rollout_gpus and not sampling_rank):
+    every sequence of a call decodes at once, the plain case). `args`: the resolved config; `placement`: the run's,
+    its split settled; `sampling_rank`: the line of a rank that only samples (`--rollout_gpus`), which sizes its
+    own engine."""
+    if not args.device.startswith("cuda") or (placement.rollout_gpus and not sampling_rank):
         return None  # the CPU's engine keeps its default; the sampling ranks' engines each say their own
-    size = args.rollout_tensor_parallel_size
-    colocated = args.fsdp and not args.rollout_gpus and size > 1
-    rows = engine_call_rows(args, size if sampling_rank or colocated else 1, sampling_rank)
+    size = placement.split
+    rows = engine_call_rows(args, placement, size if sampling_rank or placement.colocated else 1, sampling_rank)
     slots = args.max_concurrent_sequences
     if slots >= rows:
         return None
@@ -26,33 +26,33 @@ def slots_line(args, sampling_rank: bool = False) -> str | None:
             f"the weights{beside} in {FILL:.0%} of the GPU, at most {ENGINE_SLOTS}, at a CUDA-graph width)")
 
 
-def placement_line(args, asked_split, world_size: int, group, device) -> str | None:
+def placement_line(args, placement: Placement, asked_split, device) -> str | None:
     """The step log's lines on where rollouts are sampled and why, and on the engine's slots where a call has more
     sequences than that (`slots_line`); None where every rank samples a call at once on its own whole copy, the
-    plain case. `asked_split`: rollout_tensor_parallel_size as the user gave it (`auto` or a number); `group`:
-    this rank's colocated sampling group, if any."""
-    lines = [line for line in (where_line(args, asked_split, world_size, group, device), slots_line(args)) if line]
+    plain case. `placement`: the run's, its split settled; `asked_split`: rollout_tensor_parallel_size as the user
+    gave it (`auto` or a number)."""
+    lines = [line for line in (where_line(args, placement, asked_split, device), slots_line(args, placement)) if line]
     return "\n".join(lines) or None
 
 
-def where_line(args, asked_split, world_size: int, group, device) -> str | None:
+def where_line(args, placement: Placement, asked_split, device) -> str | None:
     """`placement_line`'s line on where rollouts are sampled (None: each rank on its own whole copy)."""
-    size = args.rollout_tensor_parallel_size
+    size, ranks = placement.split, placement.trainers
     why = ("auto: the smallest split that keeps the KV cache of a useful batch beside its weights" if asked_split == "auto"
            else "rollout_tensor_parallel_size")
     ahead = ("; asynchronous: the next step's rollout is sampled during the update, one update behind, and the "
-             "copy refreshed once it is done") if samples_in_place(args) else ""
-    if group is not None:
-        return (f"rollouts: sampled on the {world_size} training ranks in {group.count} tensor-parallel group(s) of "
+             "copy refreshed once it is done") if placement.samples_in_place else ""
+    if placement.colocated:
+        return (f"rollouts: sampled on the {ranks} training ranks in {placement.groups} tensor-parallel group(s) of "
                 f"{size}, each rank keeping its shard ({why}; colocated with FSDP2: the shards are refreshed from the "
                 f"trained weights after each update{ahead})")
-    if args.fsdp and asked_split == "auto" and world_size > 1 and device.type == "cuda":
-        return (f"rollouts: each of the {world_size} FSDP2 ranks samples on a whole copy of the model (auto: one GPU "
+    if placement.fsdp_ranks_sample and asked_split == "auto" and device.type == "cuda":
+        return (f"rollouts: each of the {ranks} FSDP2 ranks samples on a whole copy of the model (auto: one GPU "
                 "holds its weights and the KV cache of a useful batch beside its training shard; "
                 f"--rollout_tensor_parallel_size T samples in groups of T, each rank keeping 1/T{ahead})")
-    if args.rollout_gpus:
-        return (f"rollouts: sampled on {args.rollout_gpus} rank(s)"
-                + (f" in {args.rollout_gpus // size} tensor-parallel group(s) of {size}" if size > 1 else
+    if placement.rollout_gpus:
+        return (f"rollouts: sampled on {placement.rollout_gpus} rank(s)"
+                + (f" in {placement.groups} tensor-parallel group(s) of {size}" if size > 1 else
                    ", each holding the whole model") + f" ({why})"
                 + f", max_staleness {args.max_staleness}" + (", partial rollouts" if args.partial_rollouts else ""))
     return None

@@ -25,7 +25,6 @@ sizes its own.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +33,7 @@ import torch
 from cohort.errors import CohortError
 from cohort.models.config import ModelConfig
 from cohort.models.tensor_parallel import check_tensor_parallel_size
+from cohort.parallel.placement import Placement
 from cohort.rollout.engine import KV_LENGTH_STEP
 from cohort.rollout.scheduler import ENGINE_SLOTS, batch_buckets
 
@@ -122,41 +122,36 @@ def slots_within(free_bytes: float, per_slot: int) -> int:
     return widest_width(lambda width: width * per_slot <= free_bytes)
 
 
-def engine_call_rows(args, size: int, sampling_rank: bool) -> int:
+def engine_call_rows(args, placement: Placement, size: int, sampling_rank: bool) -> int:
     """The sequences one engine call of the run `args` samples, for a group of `size` ranks: a sampling rank's
-    call serves a block of trainers (and, with partial rollouts, a second batch of groups in flight); in the
-    colocated placement a group samples its ranks' completions together; else a rank samples its own."""
+    call serves a block of `placement`'s trainers (and, with partial rollouts, a second batch of groups in
+    flight); in the colocated placement a group samples its ranks' completions together; else a rank samples its
+    own."""
     per_rank = args.prompts_per_step * args.num_generations
     if sampling_rank:
-        trainers = max(int(os.environ.get("WORLD_SIZE", "1")) - args.rollout_gpus, 1)
         in_flight = 1 if args.partial_rollouts is False else 2
-        return math.ceil(trainers / (args.rollout_gpus // size)) * per_rank * in_flight
+        return math.ceil(placement.trainers / (placement.rollout_gpus // size)) * per_rank * in_flight
     return size * per_rank
 
 
-def sampling_plan(args, model_config: ModelConfig | None, device: torch.device, element_bytes: int,
-                  splittable: bool = True, world_size: int = 1, sampling_rank: bool = False) -> SamplingPlan:
+def sampling_plan(args, placement: Placement, model_config: ModelConfig | None, device: torch.device,
+                  element_bytes: int, splittable: bool = True, sampling_rank: bool = False) -> SamplingPlan:
     """`rollout_tensor_parallel_size` and `max_concurrent_sequences` of the run `args` (`auto` settled here; an
-    integer kept) for the loaded model's `model_config` (None: not a model cohort's engine samples) on `device`.
-    `splittable`: no tools and no LoRA adapters. `world_size`: the training ranks, which sample in groups
-    themselves with `fsdp` and no `rollout_gpus` (the colocated placement). `sampling_rank`: this rank only
-    samples (`--rollout_gpus`). Refused, in one line, where no group keeps a useful batch (or the slots asked
-    for) beside its weights, and for the colocated placement where an integer asked for does not divide the
-    ranks."""
+    integer kept) placed by `placement` (its split as asked), for the loaded model's `model_config` (None: not a
+    model cohort's engine samples) on `device`. `splittable`: no tools and no LoRA adapters. The training ranks
+    sample in groups themselves under FSDP2 without sampling ranks (the colocated placement). `sampling_rank`:
+    this rank only samples (`--rollout_gpus`). Refused, in one line, where no group keeps a useful batch (or the
+    slots asked for) beside its weights."""
     asked, slots = args.rollout_tensor_parallel_size, args.max_concurrent_sequences
-    colocated = not args.rollout_gpus and args.fsdp
-    if colocated and asked != "auto" and asked > 1 and world_size % asked:
-        raise CohortError(f"rollout_tensor_parallel_size={asked} does not divide the {world_size} training rank(s), "
-                          "which sample in groups of that many (--fsdp without --rollout_gpus); give a divisor of "
-                          f"{world_size}, or start a multiple of {asked} processes")
     if device.type != "cuda" or model_config is None:
         return SamplingPlan(1 if asked == "auto" else asked, ENGINE_SLOTS if slots == "auto" else slots)
-    if args.rollout_gpus:  # the sampling ranks' groups, which the trainers settle too (to form the same groups)
-        trainers = max(int(os.environ.get("WORLD_SIZE", "1")) - args.rollout_gpus, 1)
-        sizes = [size for size in range(1, args.rollout_gpus + 1)
-                 if not args.rollout_gpus % size and args.rollout_gpus // size <= trainers]
+    sampling_ranks = placement.rollout_gpus
+    if sampling_ranks:  # the sampling ranks' groups, which the trainers settle too (to form the same groups)
+        sizes = [size for size in range(1, sampling_ranks + 1)
+                 if not sampling_ranks % size and sampling_ranks // size <= placement.trainers]
         where, fix, resident = "sampling rank(s)", "add sampling ranks (--rollout_gpus)", 0
-    elif colocated and world_size > 1 and (asked == "auto" and splittable or asked != "auto" and asked > 1):
+    elif placement.fsdp_ranks_sample and (asked == "auto" and splittable or asked != "auto" and asked > 1):
+        world_size = placement.trainers
         sizes = [size for size in range(1, world_size + 1) if not world_size % size]
         where, fix = "training rank(s)", "add GPUs (--nproc_per_node)"
         # What a rank keeps of the training state between updates: its FSDP2 shard of the fp32 weights and of
@@ -169,10 +164,10 @@ def sampling_plan(args, model_config: ModelConfig | None, device: torch.device, 
         sizes = [asked]
     elif not splittable:
         sizes = [1]
-    rows = {size: engine_call_rows(args, size, sampling_rank=bool(args.rollout_gpus)) for size in sizes}
+    rows = {size: engine_call_rows(args, placement, size, sampling_rank=bool(sampling_ranks)) for size in sizes}
     plan = fitting_plan(args, model_config, device, element_bytes, rows, resident, where, fix,
                         useful=asked == "auto" and splittable)
-    if args.rollout_gpus and not sampling_rank:  # a trainer: its own engine only evaluates, beside its training
+    if sampling_ranks and not sampling_rank:  # a trainer: its own engine only evaluates, beside its training
         return SamplingPlan(plan.size, None if slots == "auto" else slots)
     return plan
 
@@ -236,8 +231,8 @@ def option_spelling(args) -> str:
     return f"rollout_tensor_parallel_size={size}" + (f" with max_concurrent_sequences={slots}" if slots != "auto" else "")
 
 
-def sampling_tensor_parallel_size(args, model_config: ModelConfig | None, device: torch.device,
-                                  element_bytes: int, splittable: bool = True, world_size: int = 1) -> int:
+def sampling_tensor_parallel_size(args, placement: Placement, model_config: ModelConfig | None,
+                                  device: torch.device, element_bytes: int, splittable: bool = True) -> int:
     """`sampling_plan(...).size`: the split alone, which a trainer and a sampling rank settle alike."""
-    return sampling_plan(args, model_config, device, element_bytes, splittable, world_size,
-                         sampling_rank=bool(args.rollout_gpus)).size
+    return sampling_plan(args, placement, model_config, device, element_bytes, splittable,
+                         sampling_rank=bool(placement.rollout_gpus)).size

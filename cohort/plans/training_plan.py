@@ -7,7 +7,7 @@ Resident through the step (`resident`):
 - full parameters, one GPU or DDP: the bf16 weights (2 bytes a parameter; `--dtype`), the fp32 master's low
   half (2: `precision.MasterWeightAdamW`, `bf16.split_master`) and AdamW's two moments (4 in bf16, the GPU
   default, or 8: `optimizer_state_dtype`). The engine samples from the same weights.
-- FSDP2 over N ranks (`run/distributed.py` `_fully_shard`): the engine's copy of the weights in bf16 (a whole
+- FSDP2 over N ranks (`parallel/distributed.py` `_fully_shard`): the engine's copy of the weights in bf16 (a whole
   copy, or 1/T of it where the engine is a T-way tensor-parallel shard), the fp32 master shard (4/N) and AdamW's
   moments on it, as on one GPU (4/N in bf16, the GPU default: `sharded_adamw.ShardedAdamW`; 8/N in fp32).
 - LoRA (`models/lora.py`): the frozen bf16 base, and the adapters trained in fp32 (weights, moments: 12 bytes
@@ -56,10 +56,10 @@ parameter on every rank).
 
 Checked against measurements: FSDP2 over 4 H200s at the Qwen2.5-7B shape (docs/performance.md, 16 prompts × 4
 of 128 tokens, 2 micro-batches, measured while FSDP2 still accumulated unsharded gradients and kept fp32
-moments: the `Placement` with `sync_every_micro_batch=False`, `optimizer_state_dtype=float32`) peaked at 69.4 GiB, the plan says 70.6 (the unsharded fp32 gradients are
-28.4 of it); one H200 at that shape with fp32 moments peaked at 104.4 GiB, the plan says 103.3 (with bf16
-moments, 73.8). `Placement`'s defaults are what the code does; its other settings price changes (or the code
-as it was).
+moments: the `RankLayout` with `sync_every_micro_batch=False`, `optimizer_state_dtype=float32`) peaked at 69.4
+GiB, the plan says 70.6 (the unsharded fp32 gradients are 28.4 of it); one H200 at that shape with fp32 moments
+peaked at 104.4 GiB, the plan says 103.3 (with bf16 moments, 73.8). `RankLayout`'s defaults are what the code
+does; its other settings price changes (or the code as it was).
 
 Left out (each well under a GiB at these sizes, or outside what a model's config says): the CUDA context and
 NCCL's buffers, CUDA graph pools, the allocator's fragmentation, the decode step's logits. The refusal
@@ -72,7 +72,7 @@ import math
 from dataclasses import dataclass, field
 
 from cohort.models.config import ModelConfig
-from cohort.parallel.placement import producer_copy
+from cohort.parallel.placement import Placement
 from cohort.rollout.scheduler import ENGINE_SLOTS
 from cohort.update.fast_path import tokens_for_work
 from cohort.update.logprobs import CHUNK_BYTES
@@ -108,8 +108,8 @@ class StepShape:
     engine_slots: int = ENGINE_SLOTS
 
     @classmethod
-    def from_config(cls, args) -> "StepShape":
-        """The step of the run `args` (a validated `GRPOConfig`) on a GPU."""
+    def from_config(cls, args, placement: Placement) -> "StepShape":
+        """The step of the run `args` (a validated `GRPOConfig`) on a GPU, placed by `placement`."""
         fp32 = args.dtype == "float32"
         return cls(rows=args.per_device_train_batch_size * args.gradient_accumulation_steps, group=args.num_generations,
                    prompt_len=args.max_prompt_length, completion_len=args.max_completion_length,
@@ -119,16 +119,16 @@ class StepShape:
                    moment_bytes=8 if fp32 or args.optimizer_state_dtype == "float32" else 4,
                    lora_rank=args.lora_r if args.use_peft else 0, reference=args.beta > 0 and not args.use_peft,
                    offload_reference=args.offload_ref_model,
-                   async_copy=producer_copy(args), lend_kv_cache=args.lend_kv_cache,
+                   async_copy=placement.producer_copy, lend_kv_cache=args.lend_kv_cache,
                    free_sampling_memory=args.free_sampling_memory,
                    engine_slots=slots if isinstance(slots := args.max_concurrent_sequences, int) else ENGINE_SLOTS)
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where the step runs: `ranks` training ranks (FSDP2 over them with `fsdp`, else each holds the whole
-    model: one GPU or DDP); the engine's weights split `sampling_split` ways (a tensor-parallel shard per
-    rank); `samples`: this rank runs the engine (not a trainer whose rollouts come from sampling ranks)."""
+class RankLayout:
+    """What a training rank holds: `ranks` training ranks (FSDP2 over them with `fsdp`, else each holds the whole
+    model: one GPU or DDP); the engine's weights split `sampling_split` ways (a tensor-parallel shard per rank);
+    `samples`: this rank runs the engine (not a trainer whose rollouts come from sampling ranks)."""
 
     ranks: int = 1
     fsdp: bool = False
@@ -142,6 +142,14 @@ class Placement:
     widen_after_sharding: bool = True  # shards allocated and filled slice by slice; False: a whole fp32 copy first
     sync_every_micro_batch: bool = True  # a reduce-scatter every micro-batch; False: unsharded fp32 accumulation
 
+    @classmethod
+    def of(cls, placement: Placement) -> "RankLayout":
+        """What a training rank of `placement` holds, its split perhaps still `auto`: the plan takes the widest
+        split `auto` may choose (`Placement.widest_split`), so that no run `auto` could fit is refused."""
+        return cls(ranks=placement.trainers, fsdp=placement.sharded, sampling_split=placement.widest_split,
+                   samples=not placement.rollout_gpus,
+                   engine_in_update=not (placement.sharded and placement.engine_released_in_update))
+
     @property
     def sharded(self) -> bool:
         return self.fsdp and self.ranks > 1
@@ -152,7 +160,7 @@ class MemoryPlan:
     """Bytes per GPU: `phases[phase][term]`. A phase's total is what is allocated at its peak."""
 
     parameters: int
-    placement: Placement
+    layout: RankLayout
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def total(self, phase: str) -> int:
@@ -174,7 +182,7 @@ class MemoryPlan:
                 + ", ".join(f"{name} {size / GIB:.1f}" for name, size in largest if size))
 
     def as_dict(self) -> dict:
-        return dict(parameters=self.parameters, placement=vars(self.placement), peak_phase=self.peak_phase,
+        return dict(parameters=self.parameters, layout=vars(self.layout), peak_phase=self.peak_phase,
                     peak_gib=round(self.peak / GIB, 2),
                     phases={phase: {"total_gib": round(self.total(phase) / GIB, 2),
                                     **{name: round(size / GIB, 3) for name, size in terms.items()}}
@@ -240,24 +248,24 @@ def engine_kv_bytes(config: ModelConfig, step: StepShape, split: int) -> int:
     return math.ceil(kv_cache_bytes(config, rows, length, step.element_bytes) / split)
 
 
-def training_memory_plan(config: ModelConfig, step: StepShape, placement: Placement = Placement()) -> MemoryPlan:
+def training_memory_plan(config: ModelConfig, step: StepShape, layout: RankLayout = RankLayout()) -> MemoryPlan:
     """The bytes a training rank holds in each phase of a GRPO step (see the module's docstring)."""
     params, w = parameter_count(config), step.element_bytes
     hidden, vocab = config.hidden_size, config.vocab_size
-    n = placement.ranks if placement.sharded else 1
+    n = layout.ranks if layout.sharded else 1
     lora = lora_parameter_count(config, step.lora_rank) if step.lora_rank else 0
     trained = lora or params
     resident: dict[str, int] = {}
     gradients: dict[str, int] = {}
     optimizer: dict[str, int] = {}
-    if placement.sharded:
-        resident["engine weights"] = math.ceil(params * w / placement.sampling_split)
+    if layout.sharded:
+        resident["engine weights"] = math.ceil(params * w / layout.sampling_split)
         resident["fp32 master shard"] = math.ceil(params * 4 / n)  # a frozen LoRA base is sharded in fp32 too
         resident["moments"] = math.ceil(trained * step.moment_bytes / n)
         gradients["gradients"] = math.ceil(trained * 4 / n)
         if step.moment_bytes == 4:  # bf16 moments: one slice of a tensor widened at a time
             optimizer["optimizer chunk"] = CHUNK_ELEMENTS * SCRATCH_BYTES_PER_ELEMENT
-        elif placement.optimizer_temporary:  # torch's foreach AdamW: √v / bias correction + ε, every shard at once
+        elif layout.optimizer_temporary:  # torch's foreach AdamW: √v / bias correction + ε, every shard at once
             optimizer["optimizer temporary"] = math.ceil(trained * 4 / n)
     else:
         resident["weights"] = params * w
@@ -269,25 +277,25 @@ def training_memory_plan(config: ModelConfig, step: StepShape, placement: Placem
             resident["master low halves"] = params * 2 if w == 2 else 0
             resident["moments"] = params * step.moment_bytes
             gradients["gradients"] = params * w
-            if placement.ranks > 1:
+            if layout.ranks > 1:
                 gradients["DDP buckets"] = params * w
             if w == 2 and step.moment_bytes == 8:  # the chunked torch step: fp32 gradients, masters, moments
                 optimizer["optimizer chunk"] = 4 * GRADIENT_CHUNK_BYTES
     copy = params * w
-    # The colocated placement shards π_ref like the policy (run/colocation.py); otherwise each rank holds it whole.
-    reference = math.ceil(copy / placement.ranks) if placement.sharded and placement.sampling_split > 1 else copy
-    if step.reference and (placement.sharded or not step.offload_reference):
+    # The colocated placement shards π_ref like the policy (parallel/colocation.py); else each rank holds it whole.
+    reference = math.ceil(copy / layout.ranks) if layout.sharded and layout.sampling_split > 1 else copy
+    if step.reference and (layout.sharded or not step.offload_reference):
         resident["π_ref"] = reference
     if step.async_copy:
         resident["sampler copy"] = copy
-    kv = engine_kv_bytes(config, step, placement.sampling_split) if placement.samples else 0
+    kv = engine_kv_bytes(config, step, layout.sampling_split) if layout.samples else 0
     resident["KV cache"] = kv
     after_sampling = dict(resident)
     if step.free_sampling_memory:
         after_sampling["KV cache"] = 0  # released after sampling (and then lends nothing)
-    if placement.sharded and not placement.engine_in_update:
+    if layout.sharded and not layout.engine_in_update:
         after_sampling["engine weights"] = 0
-    elif step.lend_kv_cache and placement.ranks == 1 and not placement.fsdp and not lora:
+    elif step.lend_kv_cache and layout.ranks == 1 and not layout.fsdp and not lora:
         gradients["gradients"] -= min(gradients["gradients"], kv)  # the gradients borrow the idle cache
 
     tokens = micro_batch_tokens(config, step)
@@ -301,16 +309,16 @@ def training_memory_plan(config: ModelConfig, step: StepShape, placement: Placem
     completion_tokens = tokens - step.prompt_len  # the head runs on completion tokens only
     backward["LM head chunk"] = int(CHUNK_BYTES * 1.5) + completion_tokens * hidden * w * 2
     backward["LM head gradient"] = vocab * hidden * w if not lora else 0
-    if placement.sharded and several_micro_batches(config, step) and not placement.sync_every_micro_batch:
+    if layout.sharded and several_micro_batches(config, step) and not layout.sync_every_micro_batch:
         # Without a reduce-scatter, FSDP2 accumulates each parameter's unsharded gradient, upcast to the fp32
         # reduce dtype (`FSDPParam.to_accumulated_grad_if_needed`), until the last micro-batch: all of them.
         backward["gradients"] = trained * 4
-    if placement.sharded:
+    if layout.sharded:
         backward["gathered root"] = (vocab * hidden * (1 if config.tie_word_embeddings else 2) + hidden) * 2
         layer = layer_parameter_count(config)
         backward["gathered layers"] = 2 * layer * 2 + layer * (2 + 4)
 
-    plan = MemoryPlan(params, placement)
+    plan = MemoryPlan(params, layout)
     plan.phases["sampling"] = resident
     logprobs = dict(after_sampling)
     if step.reference:
@@ -320,8 +328,8 @@ def training_memory_plan(config: ModelConfig, step: StepShape, placement: Placem
     plan.phases["logprobs"] = logprobs
     plan.phases["backward"] = backward
     plan.phases["optimizer step"] = {**after_sampling, **gradients, **optimizer}
-    if placement.sharded:
-        widened = math.ceil(params * 4 / n) if placement.widen_after_sharding else params * 4
-        plan.phases["setup"] = {"loaded model": copy, "fp32 shards" if placement.widen_after_sharding
+    if layout.sharded:
+        widened = math.ceil(params * 4 / n) if layout.widen_after_sharding else params * 4
+        plan.phases["setup"] = {"loaded model": copy, "fp32 shards" if layout.widen_after_sharding
                                 else "fp32 copy to shard": widened}
     return plan

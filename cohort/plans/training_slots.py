@@ -15,21 +15,21 @@ from dataclasses import replace
 import torch
 
 from cohort.models.config import ModelConfig
-from cohort.plans.capacity import run_placement
+from cohort.parallel.placement import Placement
 from cohort.plans.sampling_plan import FILL, widest_width
-from cohort.plans.training_plan import StepShape, training_memory_plan
+from cohort.plans.training_plan import RankLayout, StepShape, training_memory_plan
 
 
-def training_rank_slots(args, model_config: ModelConfig, device: torch.device, world_size: int = 1,
+def training_rank_slots(args, placement: Placement, model_config: ModelConfig, device: torch.device,
                         sampling_split: int = 1) -> int:
     """The slots of the engine of a training rank of the run `args` (validated, `optimizer_state_dtype` settled)
-    over `world_size` training ranks, for the loaded model's `model_config`, on CUDA `device`; `sampling_split`:
-    the ranks of its tensor-parallel sampling group (the colocated placement)."""
-    step = StepShape.from_config(args)
-    placement = replace(run_placement(args, world_size), samples=True, sampling_split=sampling_split)
+    placed by `placement`, for the loaded model's `model_config`, on CUDA `device`; `sampling_split`: the ranks of
+    its tensor-parallel sampling group (the colocated placement)."""
+    step = StepShape.from_config(args, placement)
+    layout = replace(RankLayout.of(placement), samples=True, sampling_split=sampling_split)
 
     def peak(slots: int) -> int:
-        return training_memory_plan(model_config, replace(step, engine_slots=slots), placement).peak
+        return training_memory_plan(model_config, replace(step, engine_slots=slots), layout).peak
 
     budget = max(FILL * torch.cuda.get_device_properties(device).total_memory, peak(0))
     return widest_width(lambda width: peak(width) <= budget) or 1

@@ -18,7 +18,7 @@ from cohort.errors import CohortError
 from cohort.models.policy import frozen_copy
 from cohort.tools.toolbox import Toolbox
 from cohort.rollout import make_sampler
-from cohort.parallel.placement import samples_in_place
+from cohort.parallel.placement import Placement
 from cohort.rollout.async_rollouts import AsyncRollouts
 from cohort.rollout.colocated import ColocatedSampler
 from cohort.rollout.engine import Engine
@@ -44,12 +44,14 @@ class Rollouts:
     sequence_offset: int = 0
 
 
-def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None = None, *, link=None, rank: int = 0,
-                   sampler_factory: Callable[..., Sampler] | None = None, sampling_group=None) -> Rollouts:
+def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None = None, *, placement: Placement,
+                   link=None, rank: int = 0, sampler_factory: Callable[..., Sampler] | None = None,
+                   sampling_group=None) -> Rollouts:
     """The rollout side of trainer rank `rank` of the run `args` describes.
 
     model: the policy the sampler reads (under FSDP, the full copy, or this rank's tensor-parallel shard); pad_id:
-    the padding token id; toolbox: the tools a completion may call. link: the job's `RolloutLink` with
+    the padding token id; toolbox: the tools a completion may call. placement: the run's, its split settled (which
+    copy samples ahead: `Placement.async_mode`). link: the job's `RolloutLink` with
     --rollout_gpus, else None. sampling_group: the process group of the training ranks that sample together over
     their shards (the colocated placement), else None.
     sampler_factory(model, tokenizer): makes each sampler (default `make_sampler`; a benchmark passes its own
@@ -66,7 +68,7 @@ def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None 
                               "state cannot be checkpointed with the rollouts sampled ahead); leave one out")
         if link is not None:  # --rollout_gpus: sampled on other ranks
             ahead = RemoteRollouts(link, rank, args.max_staleness, partial=args.partial_rollouts)
-        elif samples_in_place(args):
+        elif placement.samples_in_place:
             # a producer thread samples later steps on the engine's own copy (the whole model or this rank's
             # shard), which the trainer refreshes in place between its rollouts
             ahead = AsyncRollouts(None, GroupSampler(sampler, tokenizer, args, pad_id, toolbox), args.max_staleness)

@@ -27,7 +27,7 @@ from cohort.plans.capacity import check_capacity
 from cohort.memory.checkpointed_layers import AutoCheckpointing
 from cohort.memory.manager import MemoryManager
 from cohort.optim.precision import make_optimizer, optimizer_line
-from cohort.parallel.placement import engine_released_in_update
+from cohort.parallel.placement import Placement, launched_rank, launched_world_size
 from cohort.models.lora import has_lora
 from cohort.models.policy import frozen_copy
 from cohort.run.policy import load_run_policy
@@ -46,8 +46,8 @@ from cohort.update.fast_path import fast_path_line
 from cohort.update.logprobs import supports_hidden
 from cohort.update.policy_update import PolicyUpdate, sampler_correction_mode
 from cohort.update.schedule import lr_scheduler
-from cohort.parallel.colocation import colocate, colocated
-from cohort.parallel.distributed import Parallel, check_parallel_options
+from cohort.parallel.colocation import colocate
+from cohort.parallel.distributed import Parallel
 from cohort.run.lifecycle import prepare_output_dir
 
 
@@ -96,27 +96,33 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     log: where lines go until the display exists (the returned report's `log` after). stage_log: what the
     memory manager and the policy update log through for the whole run; the trainer passes its own, which
     reaches the display once the trainer has it."""
+    # Which ranks train and sample, and on which copy: decided once, before anything starts (parallel/placement.py).
+    placement = Placement.from_config(args, launched_world_size())
+    if placement.samples_here(launched_rank()):
+        raise CohortError(f"GRPOTrainer on a rank that only samples (rollout_gpus={args.rollout_gpus}: the last "
+                          "ranks): run cohort.SamplingRank(model, args).serve() there instead "
+                          "(cohort.is_sampling_rank(args) tells the ranks apart)")
     seed_everything(args.seed)
     if args.full_determinism:
         prepare_full_determinism()  # before the first CUDA work
     prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
     # torchrun's ranks (cohort/parallel/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
-    parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, args.rollout_gpus)
+    parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, placement)
     device = parallel.device
     if args.device == "auto" and device.type == "cpu" and torch.cuda.is_available():
         log("device: cpu, the built-in tiny model's step is faster there than on a GPU (--device cuda to use it)")
-    check_capacity(model, args, device, parallel.world_size)  # refused before loading: what would fit
+    check_capacity(model, args, placement, device)  # refused before loading: what would fit
     model, tokenizer, pad_id = load_run_policy(model, processing_class, args, device, peft_config=peft_config, log=log)
     train_rows = training_rows(train_dataset, args, toolbox, parallel.world_size)
     # TRL's num_train_epochs: the steps follow from the rows (resolved before the config is frozen).
     args = with_epoch_steps(args, len(train_rows), parallel.world_size)
     asked_split = args.rollout_tensor_parallel_size  # the log says whether auto chose it
     # The run's configuration, settled once, frozen; every stage below is built from it (cohort/run/resolve.py).
-    args = resolve_run_config(args, model=model, device=device, world_size=parallel.world_size,
-                              tools=toolbox is not None)
+    args = resolve_run_config(args, model=model, device=device, placement=placement, tools=toolbox is not None)
+    placement = placement.settled(args.rollout_tensor_parallel_size)
     if parallel.link is not None:  # the rollout link's message window covers the resolved staleness
         parallel.link.cover_staleness(args.max_staleness)
-        parallel.link.form_sampling_groups(args.rollout_tensor_parallel_size)
+        parallel.link.form_sampling_groups(placement)
     # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
     curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
     env_reward = environment_reward(toolbox.environment_factory) if toolbox is not None else None
@@ -130,7 +136,6 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     eval_rows = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
     provided = {"environments"} if toolbox is not None and toolbox.environment_factory else set()
     rewards.check_columns(set(train_rows[0]) | provided)
-    check_parallel_options(args, parallel)
     if args.torch_compile and hasattr(model, "compile_for_training"):
         model.compile_for_training()  # fused elementwise work, fewer saved activations
     # Checkpointed layers are set before wrapping: FSDP's sharded copy must recompute them too.
@@ -144,23 +149,22 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     # β = 0 needs no reference at all: skip the copy and its forward passes.
     uses_reference = args.beta > 0
     sampling_model = model
-    if colocated(args):  # FSDP2 ranks sampling in tensor-parallel groups: no rank keeps a whole copy
-        sampling_model, ref_model = colocate(parallel, model, args.rollout_tensor_parallel_size, args.ddp_timeout,
-                                             uses_reference)
+    if placement.colocated:  # FSDP2 ranks sampling in tensor-parallel groups: no rank keeps a whole copy
+        sampling_model, ref_model = colocate(parallel, model, placement, args.ddp_timeout, uses_reference)
         model = train_model  # π_θ is the FSDP2 module itself (π_old's pass, saving, callbacks)
     else:
         ref_model = frozen_copy(model) if uses_reference and not has_lora(model) else None
-        if parallel.fsdp and engine_released_in_update(args):  # the plain copy is empty between a
+        if parallel.fsdp and placement.engine_released_in_update:  # the plain copy is empty between a
             model = train_model  # rollout and its refresh: π_old's pass goes through FSDP2
     # The G completions of a prompt share its forward in the log-prob passes and the update: our
     # models only (they take attention rows), and only where a prompt has several completions.
     share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(model))
     group = parallel.sampling_group
-    rollouts = build_rollouts(args, sampling_model, tokenizer, pad_id, toolbox, link=parallel.link, rank=parallel.rank,
-                              sampler_factory=sampler_factory,
+    rollouts = build_rollouts(args, sampling_model, tokenizer, pad_id, toolbox, placement=placement, link=parallel.link,
+                              rank=parallel.rank, sampler_factory=sampler_factory,
                               sampling_group=None if group is None else group.process_group)
-    memory = MemoryManager(args, auto_checkpointing=auto_checkpointing, ref_model=ref_model, sampler=rollouts.sampler,
-                           device=device, world_size=parallel.world_size, share_prompts=share_prompts, log=stage_log,
+    memory = MemoryManager(args, placement=placement, auto_checkpointing=auto_checkpointing, ref_model=ref_model,
+                           sampler=rollouts.sampler, device=device, share_prompts=share_prompts, log=stage_log,
                            release_weights=parallel.release_sampling_weights)
     prompts = PromptStream(train_rows, args.prompts_per_step * parallel.world_size, args.seed)
     # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
@@ -175,7 +179,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
             log(warning)
     # The display's first lines, worked out before the report opens its files: a failure here leaves none open.
     lines = [fast_path_line(args), optimizer_line(optimizer)] if device.type == "cuda" else []
-    lines.append(placement_line(args, asked_split, parallel.world_size, group, device))
+    lines.append(placement_line(args, placement, asked_split, device))
     report = open_step_report(args, model=model, device=device, parallel=parallel, log=log)
     for line in filter(None, lines):
         report.log(line)

@@ -33,6 +33,7 @@ from cohort.run.determinism import cpu_thread_count
 from cohort.config.grpo_config import GRPOConfig
 from cohort.config.command_line import show_value
 from cohort.optim.precision import optimizer_state_dtype, resolve_dtype
+from cohort.parallel.placement import Placement
 from cohort.plans.sampling_plan import sampling_plan
 from cohort.plans.training_slots import training_rank_slots
 from cohort.models.lora import has_lora
@@ -43,12 +44,15 @@ from cohort.update.fast_path import fast_path_settings
 from cohort.update.policy_update import sampler_correction_mode
 
 
-def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_size: int = 1,
+def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, placement: Placement | None = None,
                        tools: bool = False, compiles: bool | None = None, sampling_rank: bool = False) -> GRPOConfig:
-    """The frozen configuration of a run of `args` on `device` with the loaded `model` (`world_size` training
-    ranks; `tools`: completions may call tools; `compiles`: triton can compile here, default whether it is
-    installed; `sampling_rank`: this rank only samples, `--rollout_gpus`). `args` itself is left as it is."""
+    """The frozen configuration of a run of `args` on `device` with the loaded `model` (`placement`: the run's, from
+    the same config, its split as asked; None: one process; `tools`: completions may call tools; `compiles`: triton
+    can compile here, default whether it is installed; `sampling_rank`: this rank only samples, `--rollout_gpus`).
+    `args` itself is left as it is; the run's placement with its split settled is
+    `placement.settled(resolved.rollout_tensor_parallel_size)`."""
     config = args.validate()
+    placement = placement or Placement.from_config(config, 1)
     changes: dict = {"device": str(device), "dtype": resolve_dtype(config.dtype, device)}
     if device.type == "cpu":
         changes["cpu_threads"] = cpu_thread_count(config.cpu_threads)
@@ -63,22 +67,20 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, world_s
     changes.update(partial_rollout_settings(config, engine=engine, tools=tools, routing_replay=replay))
     settled = dataclasses.replace(config, **changes)
     model_config = base_model(model).config if engine else None
-    plan = sampling_plan(settled, model_config, device, getattr(torch, changes["dtype"]).itemsize,
-                         splittable=not tools and not has_lora(model), world_size=world_size, sampling_rank=sampling_rank)
+    plan = sampling_plan(settled, placement, model_config, device, getattr(torch, changes["dtype"]).itemsize,
+                         splittable=not tools and not has_lora(model), sampling_rank=sampling_rank)
     changes["rollout_tensor_parallel_size"] = plan.size
     slots = plan.slots
-    colocated_ranks = config.fsdp and not config.rollout_gpus and world_size > 1
-    if slots is None or (colocated_ranks and config.max_concurrent_sequences == "auto" and device.type == "cuda"
-                         and model_config is not None):
+    if slots is None or (placement.fsdp_ranks_sample and config.max_concurrent_sequences == "auto"
+                         and device.type == "cuda" and model_config is not None):
         # a rank that also trains: its engine's cache is one more term of its training plan (the KV cache stays
         # through the update unless freed, and an asynchronous engine samples during it)
-        training = training_rank_slots(settled, model_config, device, world_size, sampling_split=plan.size)
+        training = training_rank_slots(settled, placement, model_config, device, sampling_split=plan.size)
         slots = training if slots is None else min(slots, training)
     changes["max_concurrent_sequences"] = slots
-    size = changes["rollout_tensor_parallel_size"]
-    if size > 1 and config.fsdp and not config.rollout_gpus:  # colocated: refused before anything is sharded
-        check_splittable(model, size, tools)
-        check_tensor_parallel_size(model.config, size)  # the heads, KV heads and MLP columns split T ways
+    if placement.settled(plan.size).colocated:  # refused before anything is sharded
+        check_splittable(model, plan.size, tools)
+        check_tensor_parallel_size(model.config, plan.size)  # the heads, KV heads and MLP columns split T ways
     return dataclasses.replace(config, **changes).freeze()
 
 

@@ -22,7 +22,7 @@ from cohort.run.policy import load_run_policy
 from cohort.models.tensor_parallel import check_splittable, shard_model
 from cohort.models.tiny import run_device
 from cohort.run.resolve import resolve_run_config
-from cohort.parallel.disaggregation import samples_here
+from cohort.parallel.placement import Placement, launched_rank, launched_world_size
 from cohort.parallel.distributed import Parallel
 from cohort.run.lifecycle import StopRequest
 from cohort.tools.toolbox import make_toolbox
@@ -44,8 +44,8 @@ def split_for_sampling(model, group, args, tools: bool):
 
 def is_sampling_rank(args) -> bool:
     """Whether this process (torchrun's RANK among WORLD_SIZE) is one of the last `args.rollout_gpus` ranks,
-    which run a `SamplingRank` instead of a `GRPOTrainer`."""
-    return samples_here(args.rollout_gpus)
+    which run a `SamplingRank` instead of a `GRPOTrainer` (a placement that cannot run is refused here)."""
+    return Placement.from_config(args.validate(), launched_world_size()).samples_here(launched_rank())
 
 
 class SamplingRank:
@@ -58,7 +58,9 @@ class SamplingRank:
     def __init__(self, model, args, processing_class=None, *, task=None, tools=None, environment_factory=None,
                  peft_config=None, sampler_factory: Callable[..., Sampler] | None = None, log=print):
         self.args = args = args.validate()
-        if not is_sampling_rank(args):
+        # Which ranks train and sample: decided once, before anything starts (parallel/placement.py).
+        placement = Placement.from_config(args, launched_world_size())
+        if not placement.samples_here(launched_rank()):
             raise CohortError(f"SamplingRank on a rank that trains (rollout_gpus={args.rollout_gpus}): build a "
                               "GRPOTrainer on the ranks where cohort.is_sampling_rank(args) is False")
         toolbox = make_toolbox(tools, environment_factory, args, task)
@@ -66,22 +68,23 @@ class SamplingRank:
         if args.full_determinism:
             prepare_full_determinism()  # before the first CUDA work
         # The same process groups as the trainers make.
-        self.parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, args.rollout_gpus)
+        self.parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, placement)
         device = self.parallel.device
         # The trainers' parameters, LoRA adapters included, arrive in this copy.
         self.model, self.tokenizer, pad_id = load_run_policy(model, processing_class, args, device,
                                                              peft_config=peft_config, log=log)
         # Settled as the trainers settle theirs (cohort/run/resolve.py), from the same model and tools, so both sides
         # agree on partial_rollouts and max_staleness without a message.
-        self.args = args = resolve_run_config(args, model=self.model, device=device, world_size=self.parallel.world_size,
+        self.args = args = resolve_run_config(args, model=self.model, device=device, placement=placement,
                                               tools=toolbox is not None, sampling_rank=True)
-        line = slots_line(args, sampling_rank=True)  # this rank sizes its own engine: it says so itself
+        placement = placement.settled(args.rollout_tensor_parallel_size)
+        line = slots_line(args, placement, sampling_rank=True)  # this rank sizes its own engine: it says so itself
         if line:
             log(f"rank {self.parallel.rank}: {line}")
         self.parallel.link.cover_staleness(args.max_staleness)
-        self.parallel.link.form_sampling_groups(args.rollout_tensor_parallel_size)
+        self.parallel.link.form_sampling_groups(placement)
         layout = None
-        if args.rollout_tensor_parallel_size > 1:  # this rank keeps its shard; the whole model goes
+        if placement.split > 1:  # this rank keeps its shard; the whole model goes
             self.model, layout = split_for_sampling(self.model, self.parallel.link.tensor_parallel_group, args,
                                                     toolbox is not None)
         self.server = build_rollout_server(args, self.model, self.tokenizer, pad_id, toolbox, self.parallel.link,

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from cohort.config.grpo_config import GRPOConfig
-from cohort.errors import CohortError
 from cohort.eval.evaluate import evaluate
 from cohort.models.lora import adapters_disabled, has_lora, merge_into_base
 from cohort.rewards.model import warm_up_reward_models
@@ -32,7 +31,6 @@ from cohort.rollout.batch import Batch
 from cohort.run.assembly import assemble_run
 from cohort.run.callbacks import CallbackHandler
 from cohort.run.checkpoint import RunParts, RunState, save_checkpoint
-from cohort.parallel.disaggregation import samples_here
 from cohort.run.ending import release_run, save_policy_folder, write_summary
 from cohort.run.lifecycle import RunLifecycle
 from cohort.telemetry.step_report import StepContext, success_rate
@@ -48,10 +46,6 @@ class GRPOTrainer:
                  tools=None, environment_factory=None, sampler_factory=None):
         # The raw values checked before anything loads, on a copy: the caller's config is never changed.
         self.args = args = (args or GRPOConfig()).validate()
-        if samples_here(args.rollout_gpus):
-            raise CohortError(f"GRPOTrainer on a rank that only samples (rollout_gpus={args.rollout_gpus}: the last "
-                              "ranks): run cohort.SamplingRank(model, args).serve() there instead "
-                              "(cohort.is_sampling_rank(args) tells the ranks apart)")
         # A benchmark or test samples with its own engine through this; None: cohort.rollout.make_sampler.
         self.sampler_factory = sampler_factory
         # A run that fails before its first step leaves no folder behind (when it made the folder).
