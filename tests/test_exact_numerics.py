@@ -46,6 +46,8 @@ FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**TINY),
     "qwen3_sliding": lambda: transformers.Qwen3Config(**TINY, head_dim=32, use_sliding_window=True, sliding_window=6,
                                                       max_window_layers=1),
+    # q/k/v with biases and an activation other than SiLU (the fused gate/up's other branch)
+    "qwen2_gelu": lambda: transformers.Qwen2Config(**TINY, hidden_act="gelu_pytorch_tanh"),
 }
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 GENERATIONS = 2
@@ -172,6 +174,36 @@ def test_rms_norm_rows_are_batch_invariant_and_match_the_plain_norm():
     plain = rms_norm_plain(x, weight, 1e-6).float()
     # two bf16 roundings (the normalised value, then its product with the weight): within two ulps
     assert ((norm_kernels.rms_norm(x, weight, 1e-6).float() - plain).abs() <= 2 ** -6 * plain.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_sliding", "qwen2_gelu"])
+def test_fused_projections_give_the_separate_projections_bits(family, monkeypatch):
+    """The engine fuses q/k/v and gate/up into one matrix each on CUDA (fusion.py), and π_old's no-grad forward
+    then reads the fused matrices too: a fused branch wrong on both sides would pass the engine-against-trainer
+    tests. Fused here explicitly, a no-grad forward that takes both fused products gives the bits of the same
+    model's forward through the separate projections."""
+    model = build(family)
+    model.set_numerics("exact")
+    ids = torch.tensor([PROMPTS[2], PROMPTS[0] + [21, 22, 23, 24, 25, 26]])
+    model.fuse_projections()
+    config = model.config
+    qkv_rows = config.num_attention_heads * config.head_dim + 2 * config.num_key_value_heads * config.head_dim
+    fused_products = {product for layer in model.model.layers for product in (
+        (layer.self_attn.q_proj.weight.data_ptr(), qkv_rows),
+        (layer.mlp.gate_proj.weight.data_ptr(), 2 * config.intermediate_size))}
+    products, linear = set(), matmul_kernels.linear  # (where a weight starts, its rows) of each product
+    monkeypatch.setattr(matmul_kernels, "linear", lambda x, weight, *rest: products.add(
+        (weight.data_ptr(), weight.shape[0])) or linear(x, weight, *rest))
+    with torch.no_grad():
+        fused = model(ids)
+    assert fused_products <= products  # every layer's two fused products ran
+    for layer in model.model.layers:
+        layer.self_attn.fused_qkv = layer.mlp.fused_gate_up = None
+    products.clear()
+    with torch.no_grad():
+        separate = model(ids)
+    assert not fused_products & products
+    assert torch.equal(fused, separate)
 
 
 # ---- (c) the engine against the trainer ------------------------------------------------------------

@@ -96,3 +96,28 @@ def test_gpu_engine_logprobs_equal_the_trainers_bitwise(family):
                                     max_rows=max_rows, temperature=0.9, share_prompts=share_prompts)
         difference = (old_logp[mask] - rollout.logprobs.float()[mask]).abs().max().item()
         assert difference == 0.0, (family, share_prompts, max_rows, difference)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_engine_logprobs_equal_the_separate_projections_forward_bitwise(family):
+    """The engine fuses q/k/v and gate/up on CUDA (fusion.py), and π_old's no-grad forward then reads the same
+    fused matrices: the test above cannot see a fused branch wrong on both sides. Here the reference is the
+    model's forward through its separate projections (the fused views dropped after sampling): the engine's
+    log-probs of its tokens must be that forward's, bit for bit."""
+    model = random_model(family)
+    prompts = [[1 + (5 * i + j) % 500 for j in range(4 + 3 * i)] for i in range(8)]
+    generations = 2
+    params = SamplingParams(max_new_tokens=32, temperature=0.9, seed=5, pad_token_id=0, eos_token_ids=[5])
+    rollout = Engine(model, max_batch_size=8).generate(prompts, generations, params)
+    layers = model.model.layers
+    assert all(layer.self_attn.fused_qkv is not None and layer.mlp.fused_gate_up is not None for layer in layers)
+    for layer in layers:
+        layer.self_attn.fused_qkv = layer.mlp.fused_gate_up = None
+    mask = rollout.completion_mask.bool()
+    assert mask.sum() > 200
+    rows = [p for p in prompts for _ in range(generations)]
+    for share_prompts, max_rows in ((True, 16), (False, 5)):
+        separate = rollout_logprobs(model, rows, rollout.completion_ids, rollout.completion_mask, pad_id=0,
+                                    max_rows=max_rows, temperature=0.9, share_prompts=share_prompts)
+        difference = (separate[mask] - rollout.logprobs.float()[mask]).abs().max().item()
+        assert difference == 0.0, (family, share_prompts, max_rows, difference)

@@ -3,6 +3,10 @@ most one chunk of fp32 gradients alive; out of memory before a chunk changes any
 and the step goes on, exactly, and part-way through an update it stops the run instead of stepping twice."""
 
 import io
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -315,6 +319,43 @@ def test_out_of_memory_after_tensors_stepped_stops_the_run_rather_than_step_them
     assert not isinstance(error.value, torch.OutOfMemoryError)
     assert "resume=True" in str(error.value) and "\n" not in str(error.value)
     assert [float(optimizer.state[m]["step"]) for m in optimizer.masters] == [1, 1, 0, 0, 0, 0]
+
+
+PART_WAY_ALONE = textwrap.dedent("""
+    import torch
+
+    import cohort.optim.precision as precision
+
+    params = [torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16)) for _ in range(3)]
+    optimizer = precision.MasterWeightAdamW(params, chunk_bytes=1, lr=1e-2)
+    join_master, calls = precision.join_master, []
+
+    def third_call_out_of_memory(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return join_master(*args)
+
+    precision.join_master = third_call_out_of_memory
+    for p in params:
+        p.grad = torch.ones_like(p)
+    try:
+        optimizer.step()
+    except Exception as error:
+        print(type(error).__name__, error)
+""")
+
+
+def test_the_part_way_error_reads_as_python_in_an_interpreter_that_imported_only_the_optimizer():
+    """A fresh interpreter that imports this module and nothing else of cohort (no GRPOConfig, which teaches the
+    errors a Python caller's spelling) still shows the error in keywords: what a caller imported first, or which
+    test ran before, does not change a message."""
+    done = subprocess.run([sys.executable, "-c", PART_WAY_ALONE], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip()
+    assert line.startswith("CohortError out of GPU memory part-way through the optimizer step (2 of 3"), line
+    assert "resume=True" in line and "max_memory_gib" in line and "--" not in line, line
 
 
 def test_a_step_skipped_after_clipping_leaves_no_coefficient_behind():

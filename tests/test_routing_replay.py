@@ -6,10 +6,12 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cohort import GRPOConfig, GRPOTrainer
 from cohort.errors import CohortError
 from cohort.models import CausalLM, ModelConfig
+from cohort.models.moe import LayerRouting, Routing
 from cohort.models.tiny import build_tokenizer
 from cohort.rollout.engine import Engine
 from cohort.rollout.sampler import SamplingParams
@@ -97,6 +99,101 @@ def test_replay_keeps_the_routers_gradient(sampled):
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
     expected = rollout.logprobs[[0, 3, 5]][:, : out.logp.shape[1]] * micro.completion_mask
     assert (out.logp.detach() - expected).abs().max() <= 1e-5
+
+
+def far_from_ties_moe(norm_topk_prob: bool = True) -> CausalLM:
+    """A random Qwen3-MoE (float32) whose routers' logits are far apart (rows of std 1 over a hidden size of 16):
+    a token's top-3 is decided by whole units of logit, not by the last bits."""
+    torch.manual_seed(4)
+    model = CausalLM(ModelConfig(
+        model_type="qwen3_moe", vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=8, mlp_only_layers=[1], norm_topk_prob=norm_topk_prob))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.sparse:
+                layer.mlp.gate.weight.normal_()
+                layer.mlp.experts.gate_up_proj.normal_(std=0.5)
+                layer.mlp.experts.down_proj.normal_(std=0.5)
+    return model
+
+
+def recorded_elsewhere(shape: tuple[int, ...], experts: int, k: int, seed: int) -> torch.Tensor:
+    """[*shape, k] int16: for each position k distinct experts drawn at random, as another router (a sampler's
+    weights one update behind, say) may have chosen them: mostly not this router's top-k."""
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.rand(*shape, experts, generator=generator)
+    return draws.argsort(-1)[..., :k].to(torch.int16)
+
+
+def replayed_block_reference(block, x: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
+    """What a mixture-of-experts block replaying `recorded` [B, T, k] computes, written apart from SparseMoeBlock:
+    in float64, each token's softmax over all its router logits, read at its recorded experts (renormalised over
+    them with norm_topk_prob), weights those experts' SwiGLU outputs (gate the first half of gate_up_proj)."""
+    flat = x.reshape(-1, x.shape[-1]).double()
+    ids = recorded.reshape(flat.shape[0], -1).long()
+    probs = torch.softmax(flat @ block.gate.weight.double().T, dim=-1)
+    weights = probs.gather(1, ids)
+    if block.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    gate_up, down = block.experts.gate_up_proj.double()[ids], block.experts.down_proj.double()[ids]
+    gate, up = torch.einsum("nkoh,nh->nko", gate_up, flat).chunk(2, dim=-1)
+    outputs = torch.einsum("nkhi,nki->nkh", down, F.silu(gate) * up)
+    return (weights[..., None] * outputs).sum(1).reshape(x.shape).to(x.dtype)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_a_replayed_block_weights_the_recorded_experts_by_its_softmax_there(norm_topk_prob):
+    """Routes far from ties, recorded by another router: the block's output and every gradient (the router's
+    included) are the reference's, which weights the recorded experts by this router's softmax at them."""
+    block = far_from_ties_moe(norm_topk_prob).model.layers[0].mlp
+    x = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    recorded = recorded_elsewhere((2, 9), 8, 3, seed=6)
+    cotangent = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(7))
+    grads = {}
+    for name, forward in (("block", lambda: block(x, LayerRouting(recorded))),
+                          ("reference", lambda: replayed_block_reference(block, x, recorded))):
+        block.zero_grad()
+        x.grad = None
+        out = forward()
+        (out * cotangent).sum().backward()
+        grads[name] = (out.detach(), x.grad.clone(), *(p.grad.clone() for p in block.parameters()))
+    for got, expected in zip(grads["block"], grads["reference"]):
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert grads["reference"][2].abs().max() > 1e-2  # the router's gradient: block.parameters() starts with it
+    # The test has teeth: the recorded experts are mostly not the router's top-k, and their softmax weights
+    # differ from the top-k's by far more than the tolerance.
+    routing = LayerRouting(recorded)
+    with torch.no_grad():
+        block(x, routing)
+        probs = torch.softmax(block.gate(x.reshape(-1, 16)), -1)
+    assert routing.free_differs.float().mean() > 0.8
+    free_top = probs.topk(3, -1).values
+    assert (free_top - probs.gather(1, recorded.reshape(-1, 3).long())).abs().max() > 0.1
+
+
+def test_a_replayed_model_is_the_one_whose_moe_blocks_are_the_reference(monkeypatch):
+    """Through the whole model (each MoE layer its own slice of the routes): logits and the routers' gradients
+    equal those of the same model whose MoE blocks are replaced by `replayed_block_reference`."""
+    model = far_from_ties_moe()
+    ids = torch.randint(1, 40, (2, 7), generator=torch.Generator().manual_seed(8))
+    recorded = recorded_elsewhere((2, 7, 2), 8, 3, seed=9)
+    routers = [layer.mlp.gate.weight for layer in model.model.layers if layer.sparse]
+    results = {}
+    for name in ("model", "reference"):
+        if name == "reference":
+            for layer in model.model.layers:
+                if layer.sparse:
+                    monkeypatch.setattr(layer.mlp, "forward", lambda x, routing, block=layer.mlp, **_:
+                                        replayed_block_reference(block, x, routing.recorded))
+        model.zero_grad()
+        routing = Routing(recorded)
+        logits = model(ids, routing=routing)
+        logits.logsumexp(-1).sum().backward()
+        results[name] = (logits.detach(), *(router.grad.clone() for router in routers))
+    for got, expected in zip(results["model"], results["reference"]):
+        assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert all(grad.abs().max() > 1e-3 for grad in results["reference"][1:])
 
 
 def _moe_folder(path):

@@ -77,6 +77,32 @@ def test_sharded_terms_are_the_shard_optimizer_s_split_over_the_ranks(moment_dty
         assert chunk == (CHUNK_ELEMENTS * SCRATCH_BYTES_PER_ELEMENT if moment_dtype == "bfloat16" else 0)
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_ddp_rank_holds_its_gradients_and_buckets_beside_the_kv_cache(ranks):
+    """DDP: each rank holds what one GPU does, and in the backward and the optimizer step its bf16 gradients and
+    DDP's buckets (a second copy), each parameters × 2 bytes, beside the whole KV cache: only one process lends the
+    idle cache to the gradients (`memory/manager.py`), so a DDP rank borrows none of it."""
+    model = CausalLM(TINY).to(torch.bfloat16)
+    weights = tensor_bytes(model.parameters())
+    step = StepShape(rows=8, group=4, prompt_len=8, completion_len=8, micro_rows=4)  # lend_kv_cache: the default
+    one_gpu, ddp = training_memory_plan(TINY, step), training_memory_plan(TINY, step, Placement(ranks=ranks))
+    kv = engine_kv_bytes(TINY, step, 1)
+    assert kv > weights  # a cache that could take the gradients whole: one GPU's plan lends it
+    assert one_gpu.phases["backward"]["gradients"] == 0 and "DDP buckets" not in one_gpu.phases["backward"]
+    sampling = ddp.phases["sampling"]
+    assert sampling == one_gpu.phases["sampling"]
+    assert (sampling["weights"], sampling["master low halves"], sampling["KV cache"]) == (weights, weights, kv)
+    assert sampling["moments"] == 2 * weights  # AdamW's two moments in bf16
+    for phase in ("backward", "optimizer step"):
+        terms = ddp.phases[phase]
+        assert (terms["gradients"], terms["DDP buckets"], terms["KV cache"]) == (weights, weights, kv), phase
+    # the optimizer step is what stays through the step, the gradients and the buckets: nothing else
+    assert ddp.total("optimizer step") == ddp.total("sampling") + 2 * weights
+    backward = {name: size for name, size in ddp.phases["backward"].items() if name not in sampling}
+    one_gpu_backward = {name: size for name, size in one_gpu.phases["backward"].items() if name not in sampling}
+    assert backward == {**one_gpu_backward, "gradients": weights, "DDP buckets": weights}
+
+
 def test_lora_adapters_are_peft_s():
     from cohort.models.lora import apply_lora, lora_config_from_args
 
