@@ -42,6 +42,33 @@ LABELS = {"grpo": "GRPO", "dr_grpo": "Dr. GRPO", "dapo": "DAPO", "gspo": "GSPO",
 
 # ---- worker: one run, in its own process -------------------------------------------------------
 
+class EvalClock:
+    """A trainer callback: held-out accuracy against training time with the evaluations taken out. An
+    evaluation starts right after `on_train_begin` (the one before step 1) or `on_step_end`, and ends
+    with its `on_evaluate`; the first one's end starts the clock."""
+
+    def __init__(self):
+        self.points: list[dict] = []
+        self.start: float | None = None
+        self.eval_seconds = 0.0
+        self.mark = 0.0  # when the latest evaluation could have started
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.mark = time.perf_counter()
+
+    on_step_end = on_train_begin
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        now, accuracy = time.perf_counter(), (metrics or {}).get("eval/accuracy")
+        if self.start is None:
+            self.start = now
+            self.points.append({"step": 0, "seconds": 0.0, "accuracy": accuracy})
+        else:
+            seconds = self.mark - self.start - self.eval_seconds
+            self.points.append({"step": state.global_step, "seconds": seconds, "accuracy": accuracy})
+            self.eval_seconds += now - self.mark
+
+
 def worker(algorithm: str, seed: int, steps: int, eval_every: int, eval_problems: int, out_dir: str,
            extra: dict | None = None) -> dict:
     import torch
@@ -63,26 +90,11 @@ def worker(algorithm: str, seed: int, steps: int, eval_every: int, eval_problems
     config_class, trainer_class = (PPOConfig, PPOTrainer) if algorithm == "ppo" else (GRPOConfig, GRPOTrainer)
     args = config_class(**options).validate()
     train_rows, eval_rows = task_rows(task, args)
-    trainer = trainer_class(None, None, train_rows, args=args, eval_dataset=eval_rows, task=task, log=lambda *_: None)
-
-    points, clock = [], {"start": None, "eval": 0.0}
-    evaluate = trainer.evaluate_held_out
-
-    def timed_evaluate():
-        started = time.perf_counter()
-        accuracy = evaluate()
-        spent = time.perf_counter() - started
-        if clock["start"] is None:  # the evaluation before step 1 opens the clock
-            clock["start"] = started + spent
-            points.append({"step": 0, "seconds": 0.0, "accuracy": accuracy})
-        else:
-            train_seconds = started - clock["start"] - clock["eval"]
-            points.append({"step": trainer.step, "seconds": train_seconds, "accuracy": accuracy})
-            clock["eval"] += spent
-        return accuracy
-
-    trainer.evaluate_held_out = timed_evaluate
+    clock = EvalClock()
+    trainer = trainer_class(None, None, train_rows, args=args, eval_dataset=eval_rows, task=task, log=lambda *_: None,
+                            callbacks=[clock])
     trainer.train()
+    points = clock.points
     models = [trainer.model] + [m for m in (trainer.ref_model, getattr(trainer, "critic", None)) if m is not None]
     optimizers = [trainer.optimizer] + [o for o in (getattr(trainer, "critic_optimizer", None),) if o is not None]
     state_bytes = sum(p.numel() * p.element_size() for m in models for p in m.parameters())

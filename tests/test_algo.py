@@ -1,4 +1,7 @@
-"""algo.py against independent float64 loops, for every scale / estimator / loss_type."""
+"""The advantages (cohort/algorithm/advantages.py) and the policy loss (cohort/algorithm/objectives.py) against
+independent computations: float64 loops for every advantage scale, KL estimator and loss_type; the docstrings'
+worked examples; k3's mean over samples against the exact KL; the gradient's direction; and which tokens the
+kl, clip and non-finite statistics count."""
 
 import math
 

@@ -16,6 +16,8 @@ well under a second).
   alias (`import x as _x`) is fine.
 * No issue-tracker references ("issue 7", "(issue 10)", "#12") in code comments, docstrings or strings:
   say what the code does instead.
+* No function or method outside cohort/kernels/ longer than `MAX_FUNCTION_LINES` lines, its docstring included
+  (from its `def` line to its last line): split it into functions that each say what they do.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "cohort"
 MAX_TOP_LEVEL_MODULES = 3
+MAX_FUNCTION_LINES = 80
 
 # The rooms, lowest first. The data flow runs prompts → rollout → rewards → advantages → loss → update; a room sits
 # above everything it needs: the maths of the algorithm (advantages, objectives) above only the config, the stages
@@ -308,3 +311,33 @@ def test_tracker_pattern():
         assert TRACKER.search(text), text
     for text in ("# 3 layers", "f'{x:#06x}'", "step 100", "tissue 5", "level 2", "&#38;", "##1"):
         assert not TRACKER.search(text), text
+
+
+def _long_functions(tree: ast.Module, limit: int) -> list[tuple[int, str, int]]:
+    """(line, name, length) of each function in `tree`, nested ones included, longer than `limit` lines."""
+    return [(node.lineno, node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= limit]
+
+
+def test_no_long_functions():
+    offenders = []
+    for module, path in MODULES.items():
+        if _room(module) == "kernels":  # hand-written kernels keep a launch's steps in one place
+            continue
+        for line, name, length in _long_functions(_tree(module), MAX_FUNCTION_LINES):
+            offenders.append(f"  {path.relative_to(ROOT)}:{line}: {name} is {length} lines")
+    if offenders:
+        pytest.fail(f"functions longer than {MAX_FUNCTION_LINES} lines outside cohort/kernels/ (split them into "
+                    "functions that each say what they do):\n" + "\n".join(sorted(offenders)), pytrace=False)
+
+
+def test_long_function_count():
+    """The measure above, on made-up source: a function of 81 lines is long, one of 80 is not (the decorator
+    above its `def` does not count); a long method, and a long function nested in another, are found too."""
+    def source(name: str, lines: int, indent: str = "") -> str:
+        return f"{indent}def {name}():\n" + f"{indent}    x = 1\n" * (lines - 1)
+
+    tree = ast.parse("@decorator\n" + source("fits", 80) + source("long", 81) + "class C:\n"
+                     + source("method", 82, "    ") + source("outer", 2) + source("inner", 85, "    "))
+    found = {name: (line, length) for line, name, length in _long_functions(tree, MAX_FUNCTION_LINES)}
+    assert found == {"long": (82, 81), "method": (164, 82), "outer": (246, 87), "inner": (248, 85)}, found

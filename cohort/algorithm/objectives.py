@@ -189,57 +189,108 @@ def policy_loss(logp: Tensor | FusedTokenLossHead, old_logp: Tensor | None, adva
     head gets each token's gradient as soon as its log π exists and never recomputes the logits. The
     formula is the same either way: `per_token_policy_loss` weighted as `aggregate_loss` weighs it.
     """
-    correction = spec.importance_sampling_mode if sampling_logp is not None else None
-    clip = (spec.importance_sampling_clip_min, spec.importance_sampling_clip_max)
     if isinstance(logp, Tensor):
-        old = logp.detach() if old_logp is None else old_logp
-        if spec.importance_sampling_level == "token":
-            log_ratio = logp - old
-        else:
-            log_ratio = sequence_log_ratio(logp, old, mask)
-        adv = _per_token(advantages, logp)
-        is_weight = None if correction is None else sampler_correction_weights(
-            sampler_log_ratio(old, sampling_logp, mask, correction), correction, *clip)
-        per_token = per_token_policy_loss(logp, log_ratio, adv.expand_as(logp), spec, ref_logp=ref_logp,
-                                          entropy=entropy, is_weight=is_weight)
-        loss = aggregate_loss(per_token, mask, spec.loss_type, spec.max_completion_length, share)
+        loss, log_ratio = _policy_loss_of_logprobs(logp, old_logp, advantages, mask, spec, ref_logp=ref_logp,
+                                                   entropy=entropy, sampling_logp=sampling_logp, share=share)
         logp, entropy = logp.detach(), None if entropy is None else entropy.detach()
-        log_ratio = log_ratio.detach()
     else:
-        if spec.importance_sampling_level != "token":
-            raise ValueError("GSPO's sequence ratio couples a completion's tokens: pass the log-probs themselves")
-        sequence_correction = correction is not None and spec.sequence_correction
-        if sequence_correction and old_logp is None:
-            raise ValueError("a sequence-level sampler correction needs π_old's log-probs before the head runs: "
-                             "pass old_logp")
-        adv = _per_token(advantages, mask).float().expand(mask.shape)
-        sequence_weight = None if not sequence_correction else sampler_correction_weights(
-            sampler_log_ratio(old_logp, sampling_logp, mask, correction), correction, *clip).expand(mask.shape)
-
-        def token_loss(token_logp: Tensor, token_entropy: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
-            old_t = token_logp.detach() if old_logp is None else old_logp[rows, cols]
-            ref_t = None if ref_logp is None else ref_logp[rows, cols]
-            if correction is None:
-                is_weight = None
-            elif sequence_correction:
-                is_weight = sequence_weight[rows, cols]
-            else:  # token modes: element-wise in the token's own values (NaN read as 0, as sampler_log_ratio does)
-                log_ratio_t = torch.nan_to_num(old_t - sampling_logp[rows, cols], nan=0.0)
-                is_weight = sampler_correction_weights(log_ratio_t, correction, *clip)
-            return per_token_policy_loss(token_logp, token_logp - old_t, adv[rows, cols], spec, ref_logp=ref_t,
-                                         entropy=token_entropy, is_weight=is_weight)
-
-        weights = token_weights(mask, spec.loss_type, spec.max_completion_length, share)
-        loss, logp, entropy = logp.weighted_token_loss(token_loss, weights)
+        loss, logp, entropy = _policy_loss_through_head(logp, old_logp, advantages, mask, spec, ref_logp=ref_logp,
+                                                        sampling_logp=sampling_logp, share=share)
         log_ratio = torch.zeros_like(logp) if old_logp is None else logp - old_logp
+    correction = _sampler_correction(spec, sampling_logp)
     stats = policy_loss_stats(logp, log_ratio, _per_token(advantages, logp), mask, ref_logp, spec.epsilon,
                               spec.upper_epsilon)
     if sampling_logp is not None:
         stats.update(sampler_mismatch_stats(logp if old_logp is None else old_logp, sampling_logp, mask, correction,
-                                            *clip))
+                                            spec.importance_sampling_clip_min, spec.importance_sampling_clip_max))
     nonfinite = nonfinite_tokens(mask, logp, old_logp, ref_logp if spec.beta != 0.0 else None,
                                  sampling_logp if correction is not None else None, torch.exp(log_ratio))
     return PolicyLossOutput(loss, stats, logp, entropy, nonfinite)
+
+
+def _policy_loss_of_logprobs(logp: Tensor, old_logp: Tensor | None, advantages: Tensor, mask: Tensor, spec: LossSpec,
+                             *, ref_logp: Tensor | None, entropy: Tensor | None, sampling_logp: Tensor | None,
+                             share: BatchShare | None) -> tuple[Tensor, Tensor]:
+    """`policy_loss` of log-probs given as a `[B, T]` tensor: (the loss, log ρ detached).
+
+    log ρ is each token's log-ratio to π_old, or its completion's mean one (GSPO, `sequence_log_ratio`)."""
+    old = logp.detach() if old_logp is None else old_logp
+    if spec.importance_sampling_level == "token":
+        log_ratio = logp - old
+    else:
+        log_ratio = sequence_log_ratio(logp, old, mask)
+    adv = _per_token(advantages, logp)
+    is_weight = None
+    if _sampler_correction(spec, sampling_logp) is not None:
+        is_weight = _sampler_weights(old, sampling_logp, mask, spec)
+    per_token = per_token_policy_loss(logp, log_ratio, adv.expand_as(logp), spec, ref_logp=ref_logp,
+                                      entropy=entropy, is_weight=is_weight)
+    loss = aggregate_loss(per_token, mask, spec.loss_type, spec.max_completion_length, share)
+    return loss, log_ratio.detach()
+
+
+def _policy_loss_through_head(head: FusedTokenLossHead, old_logp: Tensor | None, advantages: Tensor, mask: Tensor,
+                              spec: LossSpec, *, ref_logp: Tensor | None, sampling_logp: Tensor | None,
+                              share: BatchShare | None) -> tuple[Tensor, Tensor, Tensor]:
+    """`policy_loss` of a head that computes log π_θ: (the loss, log π_θ, entropy), the last two detached.
+
+    The head weighs each token's `_token_loss` by `token_weights`, the weights `aggregate_loss` gives."""
+    if spec.importance_sampling_level != "token":
+        raise ValueError("GSPO's sequence ratio couples a completion's tokens: pass the log-probs themselves")
+    if spec.sequence_correction and sampling_logp is not None and old_logp is None:
+        raise ValueError("a sequence-level sampler correction needs π_old's log-probs before the head runs: "
+                         "pass old_logp")
+    token_loss = _token_loss(old_logp, advantages, mask, spec, ref_logp=ref_logp, sampling_logp=sampling_logp)
+    weights = token_weights(mask, spec.loss_type, spec.max_completion_length, share)
+    return head.weighted_token_loss(token_loss, weights)
+
+
+def _token_loss(old_logp: Tensor | None, advantages: Tensor, mask: Tensor, spec: LossSpec, *,
+                ref_logp: Tensor | None, sampling_logp: Tensor | None) -> TokenLoss:
+    """The `TokenLoss` of `policy_loss` for a fused head: `per_token_policy_loss` of the tokens at (rows, cols),
+    with π_old, π_ref and the advantage read at those positions ([B, T] inputs).
+
+    A token-level sampler weight is computed from each token's own values; a sequence-level one sums whole
+    completions, so it is computed once, from π_old, before the head runs.
+
+    Worked example: a head's chunk holding tokens 2 of row 0 and 0 of row 1 calls `token_loss(logp_c, H_c,
+    rows=[0, 1], cols=[2, 0])`, whose terms read old_logp[0, 2] and old_logp[1, 0], and the advantages A[0]
+    and A[1] of `[B]` advantages (each completion's, on every one of its tokens)."""
+    correction = _sampler_correction(spec, sampling_logp)
+    sequence_correction = correction is not None and spec.sequence_correction
+    adv = _per_token(advantages, mask).float().expand(mask.shape)
+    sequence_weight = None
+    if sequence_correction:
+        sequence_weight = _sampler_weights(old_logp, sampling_logp, mask, spec).expand(mask.shape)
+    clip = (spec.importance_sampling_clip_min, spec.importance_sampling_clip_max)
+
+    def token_loss(token_logp: Tensor, token_entropy: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+        old_t = token_logp.detach() if old_logp is None else old_logp[rows, cols]
+        ref_t = None if ref_logp is None else ref_logp[rows, cols]
+        if correction is None:
+            is_weight = None
+        elif sequence_correction:
+            is_weight = sequence_weight[rows, cols]
+        else:  # token modes: element-wise in the token's own values (NaN read as 0, as sampler_log_ratio does)
+            log_ratio_t = torch.nan_to_num(old_t - sampling_logp[rows, cols], nan=0.0)
+            is_weight = sampler_correction_weights(log_ratio_t, correction, *clip)
+        return per_token_policy_loss(token_logp, token_logp - old_t, adv[rows, cols], spec, ref_logp=ref_t,
+                                     entropy=token_entropy, is_weight=is_weight)
+
+    return token_loss
+
+
+def _sampler_correction(spec: LossSpec, sampling_logp: Tensor | None) -> str | None:
+    """The sampler correction `policy_loss` applies: `spec`'s, when the sampler's log-probs are given."""
+    return spec.importance_sampling_mode if sampling_logp is not None else None
+
+
+def _sampler_weights(trainer_logp: Tensor, sampling_logp: Tensor, mask: Tensor, spec: LossSpec) -> Tensor:
+    """`sampler_correction_weights` of the trainer's log-probs against the sampler's, as `spec` sets them:
+    `[B, T]` for a token-level correction, `[B, 1]` for a sequence-level one."""
+    correction = spec.importance_sampling_mode
+    return sampler_correction_weights(sampler_log_ratio(trainer_logp, sampling_logp, mask, correction), correction,
+                                      spec.importance_sampling_clip_min, spec.importance_sampling_clip_max)
 
 
 def _per_token(advantages: Tensor, like: Tensor) -> Tensor:

@@ -145,17 +145,19 @@ class Plan(NamedTuple):
     split: bool  # one program per (tile, chunk) and a second kernel that adds the chunks
 
 
-# Tiles by the number of rows (the first entry whose bound is >= M), the fastest measured on an H200
-# (bench/exact_tiles.py, 2026-11-29: Qwen2.5-0.5B/1.5B projections). Every one of the 17 tiles measured there
-# gave the same bits, whole or split, so a tile is a matter of speed only; tests/test_exact_numerics_gpu.py
-# holds these to it on the GPU at hand.
+# Tiles by the number of rows (the first entry whose bound is >= M), the fastest that bench/exact_tiles.py
+# found for each width (docs/history/2026-11-29-exact-numerics-h200.md). Only the order of the K sum fixes
+# the bits, so every tile gives the same bits, whole or split, and a tile is a matter of speed only;
+# tests/test_exact_numerics_gpu.py holds these to it on the GPU at hand.
 TILES: tuple[tuple[int, Tile], ...] = (
     (256, Tile(64, 64, 128, 4, 3)),  # decode steps
     (8192, Tile(128, 128, 64, 8, 4)),
     (2**62, Tile(128, 256, 64, 8, 3)),  # the trainer's micro-batches
 )
 # Split a product into its chunks when it has at least SPLIT_MIN_CHUNKS of them and fewer tiles than
-# SPLIT_BELOW_TILES (a decode step's down projection: 14-24 tiles of a 132-SM GPU; 1.7-1.8x faster split).
+# SPLIT_BELOW_TILES: a thin product has too few tiles to fill the GPU (a decode step's down projection of
+# Qwen2.5-0.5B/1.5B: 14-24 tiles, an H100 or H200 has 132 SMs), and a program per chunk fills it; with fewer
+# chunks or more tiles the split measured slower (the history page above).
 SPLIT_MIN_CHUNKS = 4
 SPLIT_BELOW_TILES = 64
 UNFIT_TILES: set[Tile] = set()  # tiles this GPU could not launch (shared memory): `TILE` serves instead, same bits

@@ -364,67 +364,94 @@ class CausalLM(nn.Module):
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(position_ids, hidden.dtype)
-        windows = {self._config.layer_sliding_window(i) for i in range(self._config.num_hidden_layers)}
-        cache_args, decode_kernel = {}, False
-        exact = self.numerics == "exact"
         if attention_rows is not None and (kv_cache is not None or attention_mask is not None or batch != 1
                                            or attention_slots is None):
             raise CohortError("attention_rows (shared-prompt packing) need one flat row of tokens, "
                               "attention_slots, and no kv_cache or attention_mask")
+        cache_args = {}
         if kv_cache is not None:
-            if cache_rows is None and batch > kv_cache.num_rows:
-                raise CohortError(f"batch of {batch} rows does not fit a KVCache of {kv_cache.num_rows} rows: "
-                                  "pass cache_rows or allocate more rows")
-            cache_len = kv_cache.max_len if cache_len is None else cache_len
-            # A decode step (one token per row, default cache rows) on the sampling path attends
-            # through the Triton kernel, which masks by position itself: no mask to build.
-            decode_kernel = (length == 1 and cache_rows is None and attention_mask is None and not exact
-                             and self._config.head_dim in DECODE_KERNEL_HEAD_DIMS and kernels.triton_kernel_on(hidden))
-            cache_args = dict(kv_cache=kv_cache, cache_rows=cache_rows, position_ids=position_ids,
-                              write_mask=attention_mask, cache_len=cache_len, decode_kernel=decode_kernel)
-        if exact:  # no mask: each layer's exact attention gets the keys each query sees (exact_layers.py)
-            masks = exact_layers.masks(input_ids, position_ids, attention_mask, kv_cache, attention_rows,
-                                       attention_slots, windows)
-        elif attention_rows is not None:
-            masks = {w: shared_prefix.PackedRows(attention_rows, attention_slots,
-                                                 _padding_causal_mask(attention_rows.shape[1], None, w, input_ids.device))
-                     for w in windows}
-        elif kv_cache is None:
-            masks = {w: _padding_causal_mask(length, attention_mask, w, input_ids.device) for w in windows}
-        elif decode_kernel:
-            masks = dict.fromkeys(windows)
-        elif kernels.fused_path():  # the additive form SDPA would rebuild in every layer, built once
-            masks = {w: kernels.cache_attention_bias(position_ids, cache_len, w, hidden.dtype) for w in windows}
-        else:
-            masks = {w: _cache_mask(position_ids, cache_len, w) for w in windows}
-        if kernels.fused_path() and not exact:
+            cache_args = self._cache_args(hidden, kv_cache, cache_rows, position_ids, attention_mask, cache_len)
+        masks = self._attention_masks(input_ids, position_ids, attention_mask, hidden.dtype, kv_cache=kv_cache,
+                                      cache_args=cache_args, attention_rows=attention_rows,
+                                      attention_slots=attention_slots)
+        if kernels.fused_path() and self.numerics != "exact":
             hidden = self._fused_layers(hidden, cos, sin, masks, cache_args, routing)
         else:
-            # MoE layers too: each gets its own slice of the routing (LayerRouting), so one graph serves them all
-            compiled = self.training_layer_call if kv_cache is None and not exact else None
-            recomputed = 0  # layers [0, recomputed) are checkpointed
-            if self.gradient_checkpointing and self.training and kv_cache is None:
-                recomputed = len(self.model.layers) if self.checkpointed_layers is None else self.checkpointed_layers
-            probe = self.activation_probe if self.training and torch.is_grad_enabled() else None
-            for i, layer in enumerate(self.model.layers):
-                mask = masks[self._config.layer_sliding_window(i)]
-                layer_routing = _layer_routing(layer, routing)
-                layer_args = {} if layer_routing is None else {"routing": layer_routing}
-                if i < recomputed:
-                    hidden = checkpoint(compiled or run_layer, layer, hidden, cos, sin, mask, use_reentrant=False,
-                                        **layer_args)
-                elif probe is not None and i == recomputed:  # the first kept layer: what it keeps, measured
-                    run = compiled or run_layer
-                    hidden = probe.around(lambda: run(layer, hidden, cos, sin, mask, **layer_args),
-                                          hidden.shape[0] * hidden.shape[1])
-                elif compiled is not None:
-                    hidden = compiled(layer, hidden, cos, sin, mask, **layer_args)
-                else:
-                    hidden = layer(hidden, cos, sin, mask, **layer_args, **cache_args)
-                if layer_routing is not None:
-                    routing.add(layer_routing)
-            hidden = self.model.norm(hidden)
+            hidden = self._unfused_layers(hidden, cos, sin, masks, cache_args, routing, cached=kv_cache is not None)
         return hidden if return_hidden else exact_layers.head_logits(self, hidden)
+
+    def _cache_args(self, hidden: torch.Tensor, kv_cache: KVCache, cache_rows: torch.Tensor | None,
+                    position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    cache_len: int | None) -> dict:
+        """The keyword arguments with which each layer reads and writes `kv_cache` (`Attention.forward`);
+        `cache_len` defaults to the cache's length."""
+        batch, length = hidden.shape[:2]
+        if cache_rows is None and batch > kv_cache.num_rows:
+            raise CohortError(f"batch of {batch} rows does not fit a KVCache of {kv_cache.num_rows} rows: "
+                              "pass cache_rows or allocate more rows")
+        cache_len = kv_cache.max_len if cache_len is None else cache_len
+        # A decode step (one token per row, default cache rows) on the sampling path attends
+        # through the Triton kernel, which masks by position itself: no mask to build.
+        decode_kernel = (length == 1 and cache_rows is None and attention_mask is None and self.numerics != "exact"
+                         and self._config.head_dim in DECODE_KERNEL_HEAD_DIMS and kernels.triton_kernel_on(hidden))
+        return dict(kv_cache=kv_cache, cache_rows=cache_rows, position_ids=position_ids, write_mask=attention_mask,
+                    cache_len=cache_len, decode_kernel=decode_kernel)
+
+    def _attention_masks(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dtype: torch.dtype, *, kv_cache: KVCache | None,
+                         cache_args: dict, attention_rows: torch.Tensor | None,
+                         attention_slots: torch.Tensor | None) -> dict:
+        """The attention mask of each sliding window the layers use (None: full attention), built once
+        for all layers, in the form the forward's path reads (see `forward` for the arguments)."""
+        windows = {self._config.layer_sliding_window(i) for i in range(self._config.num_hidden_layers)}
+        device = input_ids.device
+        # exact numerics: no mask, each layer's exact attention gets the keys each query sees (exact_layers.py)
+        if self.numerics == "exact":
+            return exact_layers.masks(input_ids, position_ids, attention_mask, kv_cache, attention_rows,
+                                      attention_slots, windows)
+        if attention_rows is not None:
+            return {w: shared_prefix.PackedRows(attention_rows, attention_slots,
+                                                _padding_causal_mask(attention_rows.shape[1], None, w, device))
+                    for w in windows}
+        if kv_cache is None:
+            return {w: _padding_causal_mask(input_ids.shape[1], attention_mask, w, device) for w in windows}
+        if cache_args["decode_kernel"]:
+            return dict.fromkeys(windows)
+        cache_len = cache_args["cache_len"]
+        if kernels.fused_path():  # the additive form SDPA would rebuild in every layer, built once
+            return {w: kernels.cache_attention_bias(position_ids, cache_len, w, dtype) for w in windows}
+        return {w: _cache_mask(position_ids, cache_len, w) for w in windows}
+
+    def _unfused_layers(self, hidden, cos, sin, masks, cache_args, routing: Routing | None, *,
+                        cached: bool) -> torch.Tensor:
+        """The decoder layers and final norm, one layer call each: every forward but the sampling path's fused
+        one (`_fused_layers`). In a full-sequence forward (not `cached`) each layer runs compiled after
+        `compile_for_training`, and in training the first `checkpointed_layers` are recomputed in the
+        backward. Returns the final normed hidden states."""
+        # MoE layers too: each gets its own slice of the routing (LayerRouting), so one graph serves them all
+        compiled = self.training_layer_call if not cached and self.numerics != "exact" else None
+        recomputed = 0  # layers [0, recomputed) are checkpointed
+        if self.gradient_checkpointing and self.training and not cached:
+            recomputed = len(self.model.layers) if self.checkpointed_layers is None else self.checkpointed_layers
+        probe = self.activation_probe if self.training and torch.is_grad_enabled() else None
+        for i, layer in enumerate(self.model.layers):
+            mask = masks[self._config.layer_sliding_window(i)]
+            layer_routing = _layer_routing(layer, routing)
+            layer_args = {} if layer_routing is None else {"routing": layer_routing}
+            if i < recomputed:
+                hidden = checkpoint(compiled or run_layer, layer, hidden, cos, sin, mask, use_reentrant=False,
+                                    **layer_args)
+            elif probe is not None and i == recomputed:  # the first kept layer: what it keeps, measured
+                run = compiled or run_layer
+                hidden = probe.around(lambda: run(layer, hidden, cos, sin, mask, **layer_args),
+                                      hidden.shape[0] * hidden.shape[1])
+            elif compiled is not None:
+                hidden = compiled(layer, hidden, cos, sin, mask, **layer_args)
+            else:
+                hidden = layer(hidden, cos, sin, mask, **layer_args, **cache_args)
+            if layer_routing is not None:
+                routing.add(layer_routing)
+        return self.model.norm(hidden)
 
     def _fused_layers(self, hidden, cos, sin, masks, cache_args, routing: Routing | None) -> torch.Tensor:
         """The decoder layers and final norm on the sampling path: the residual add ending each

@@ -90,12 +90,6 @@ def kv_cache_bytes(config: ModelConfig, rows: int, max_len: int, element_bytes: 
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * rows * max_len * element_bytes
 
 
-def rank_bytes(config: ModelConfig, size: int, rows: int, max_len: int, element_bytes: int) -> int:
-    """What one rank of a group of `size` holds: its share of the weights and of the KV cache."""
-    whole = parameter_count(config) * element_bytes + kv_cache_bytes(config, rows, max_len, element_bytes)
-    return math.ceil(whole / size)
-
-
 def kv_length(prompt_len: int, completion_len: int) -> int:
     """The KV length of an engine's slot for prompts and completions of these lengths, rounded up as the engine does."""
     return -(-(prompt_len + completion_len) // KV_LENGTH_STEP) * KV_LENGTH_STEP

@@ -189,8 +189,8 @@ class PartialRollouts:
 
 def partial_rollout_settings(args, *, engine: bool, tools: bool, routing_replay: bool = False) -> dict:
     """`partial_rollouts` and `max_staleness` as the run uses them: `auto` and an unset `max_staleness` settled,
-    the same on every rank (each holds the same model and tools). Partial rollouts, measured 1.8× the
-    synchronous loop against 1.47× without on 4 GPUs (docs/performance.md), are on wherever they can run;
+    the same on every rank (each holds the same model and tools). Partial rollouts are on wherever they can run,
+    since no sampling call then waits for its longest completion (docs/performance.md measures the gain);
     asked for where they cannot, they are refused here, on every rank alike. `engine`: the policy samples with
     cohort's engine, which can pause a call; `tools`: completions may call tools; `routing_replay`: a
     mixture-of-experts policy is trained on its sampler's routes."""

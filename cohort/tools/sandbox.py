@@ -176,6 +176,33 @@ class Sandbox:
         return self.python == os.path.realpath(sys.executable)
 
     def _launch(self, host_workdir: str, start: float) -> SandboxResult:
+        """Run the launcher on `host_workdir` (main.py in it) until it ends, the timeout passes or the output
+        passes its cap; then kill what is left and read its status lines."""
+        proc, status_r = self._start_launcher(host_workdir)
+        pgid = proc.pid  # start_new_session: the launcher leads its own process group
+        out, err, status = bytearray(), bytearray(), bytearray()
+        stopped = None
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ, out)
+        sel.register(proc.stderr, selectors.EVENT_READ, err)
+        sel.register(status_r, selectors.EVENT_READ, status)
+        try:
+            stopped = self._read_pipes(proc, sel, out, err, status, deadline=start + self.timeout_s)
+        finally:
+            _end_launcher(proc, pgid, stopped)
+            _read_rest(status_r, status)  # whatever the launcher and init wrote before they ended
+            sel.close()
+            proc.stdout.close()
+            proc.stderr.close()
+            os.close(status_r)
+        seconds = time.monotonic() - start
+        setup, exit_code, refused = _launcher_status(status)
+        if refused:
+            stopped = "refused"
+        return self._result(bytes(out), bytes(err), exit_code, stopped, seconds, pgid, setup, host_workdir)
+
+    def _start_launcher(self, host_workdir: str) -> tuple[subprocess.Popen, int]:
+        """Start sandbox_launcher.py in a session of its own: (its process, the read end of its status pipe)."""
         status_r, status_w = os.pipe()
         # the configuration goes in a file, not argv, where the program would read it in /proc/1/cmdline
         config = Path(host_workdir, "sandbox.json")
@@ -187,78 +214,37 @@ class Sandbox:
                 cwd=host_workdir, pass_fds=(status_w,), start_new_session=True, close_fds=True)
         finally:
             os.close(status_w)
-        pgid = proc.pid  # start_new_session: the launcher leads its own process group
-        deadline = start + self.timeout_s
-        out, err, status = bytearray(), bytearray(), bytearray()
-        stopped = None
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ, out)
-        sel.register(proc.stderr, selectors.EVENT_READ, err)
-        sel.register(status_r, selectors.EVENT_READ, status)
+        return proc, status_r
+
+    def _read_pipes(self, proc: subprocess.Popen, sel: selectors.BaseSelector, out: bytearray, err: bytearray,
+                    status: bytearray, deadline: float) -> str | None:
+        """Read the launcher's stdout, stderr and status pipes (`sel`) into `out`, `err` and `status` until they
+        close. Returns why the program must be stopped: "timeout" at `deadline`, "output" when stdout and
+        stderr together pass `output_bytes` (what fits is kept); None when the pipes closed, or stayed open
+        half a second after the launcher exited."""
         exited_at = None
-        try:
-            while sel.get_map():
-                now = time.monotonic()
-                if now >= deadline:
-                    stopped = "timeout"
-                    break
-                if exited_at is None and proc.poll() is not None:
-                    exited_at = now
-                if exited_at is not None and now - exited_at > 0.5:
-                    break  # the launcher is gone; something it left behind holds the pipes
-                for key, _ in sel.select(timeout=min(deadline - now, 0.05)):
-                    fd = key.fd
-                    chunk = os.read(fd, 65536)
-                    if not chunk:
-                        sel.unregister(key.fileobj)
-                        continue
-                    buffer = key.data
-                    if buffer is status:
-                        status += chunk[: 65536 - len(status)]
-                        continue
-                    room = self.output_bytes - len(out) - len(err)
-                    buffer += chunk[:max(room, 0)]
-                    if len(chunk) > room:
-                        stopped = "output"
-                        break
-                if stopped:
-                    break
-        finally:
-            if not stopped:
-                try:
-                    proc.wait(timeout=1)  # the normal end: the launcher exits right after init
-                except subprocess.TimeoutExpired:
-                    pass
-            if stopped or proc.poll() is None:
-                _stop(proc, pgid)
-            proc.wait()
-            # whatever the launcher and init wrote before they ended
-            try:
-                os.set_blocking(status_r, False)
-                while len(status) < 65536:
-                    chunk = os.read(status_r, 65536)
-                    if not chunk:
-                        break
-                    status += chunk
-            except (BlockingIOError, OSError):
-                pass
-            sel.close()
-            proc.stdout.close()
-            proc.stderr.close()
-            os.close(status_r)
-        seconds = time.monotonic() - start
-        setup, exit_code, refused = {}, None, False
-        for line in status.decode("utf-8", "replace").splitlines():
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue
-            setup = message.get("setup", setup)
-            exit_code = message.get("exit", exit_code)
-            refused = refused or bool(message.get("refused"))
-        if refused:
-            stopped = "refused"
-        return self._result(bytes(out), bytes(err), exit_code, stopped, seconds, pgid, setup, host_workdir)
+        while sel.get_map():
+            now = time.monotonic()
+            if now >= deadline:
+                return "timeout"
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+            if exited_at is not None and now - exited_at > 0.5:
+                return None  # the launcher is gone; something it left behind holds the pipes
+            for key, _ in sel.select(timeout=min(deadline - now, 0.05)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buffer = key.data
+                if buffer is status:
+                    buffer += chunk[: 65536 - len(status)]
+                    continue
+                room = self.output_bytes - len(out) - len(err)
+                buffer += chunk[:max(room, 0)]
+                if len(chunk) > room:
+                    return "output"
+        return None
 
     def _result(self, out: bytes, err: bytes, exit_code, stopped, seconds, pgid, setup, host_workdir) -> SandboxResult:
         def text_of(data: bytes) -> str:
@@ -390,6 +376,51 @@ class Sandbox:
                        "disk_mb": self.disk_mb, "max_processes": self.max_processes,
                        "max_open_files": self.max_open_files},
         }
+
+
+def _end_launcher(proc: subprocess.Popen, pgid: int, stopped: str | None) -> None:
+    """Wait for the launcher, which exits right after init when the program ended by itself; stop it (and
+    its process group) when the program was stopped or it is still running a second later."""
+    if not stopped:
+        try:
+            proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+    if stopped or proc.poll() is None:
+        _stop(proc, pgid)
+    proc.wait()
+
+
+def _read_rest(status_r: int, status: bytearray) -> None:
+    """Append what is left in the status pipe to `status` (up to 64 KiB in all), without waiting for more."""
+    try:
+        os.set_blocking(status_r, False)
+        while len(status) < 65536:
+            chunk = os.read(status_r, 65536)
+            if not chunk:
+                break
+            status += chunk
+    except (BlockingIOError, OSError):
+        pass
+
+
+def _launcher_status(status: bytearray) -> tuple[dict, int | None, bool]:
+    """(setup, exit code, refused) from the launcher's JSON status lines: what it contained, the program's
+    exit code (None: it never reported one), and whether it refused to run without the isolation required.
+    Lines that are not JSON (cut off when the launcher was killed) are skipped; a later key wins.
+
+        '{"setup": {"mode": "root"}}\n{"exit": 1}\n{"ex'  ->  ({"mode": "root"}, 1, False)
+    """
+    setup, exit_code, refused = {}, None, False
+    for line in status.decode("utf-8", "replace").splitlines():
+        try:
+            message = json.loads(line)
+        except ValueError:
+            continue
+        setup = message.get("setup", setup)
+        exit_code = message.get("exit", exit_code)
+        refused = refused or bool(message.get("refused"))
+    return setup, exit_code, refused
 
 
 def _stop(proc: subprocess.Popen, pgid: int) -> None:

@@ -75,7 +75,7 @@ class GRPOTrainer:
                              log=log, stage_log=self.log_line)
         self.args, self.parallel, self.device = parts.args, parts.parallel, parts.device
         self.model, self.tokenizer, self.pad_id = parts.model, parts.tokenizer, parts.pad_id
-        self.train_rows, self.eval_rows, self.prompts = parts.train_rows, parts.eval_rows, parts.prompts
+        self.eval_rows, self.prompts = parts.eval_rows, parts.prompts  # prompts.rows: the training rows in use
         self.curriculum, self.rewards = parts.curriculum, parts.rewards
         self.train_model, self.optimizer, self.scheduler = parts.train_model, parts.optimizer, parts.scheduler
         self.uses_reference, self.ref_model, self.loss_spec = parts.uses_reference, parts.ref_model, parts.loss_spec
