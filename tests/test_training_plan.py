@@ -85,7 +85,7 @@ def test_a_ddp_rank_holds_its_gradients_and_buckets_beside_the_kv_cache(ranks):
     model = CausalLM(TINY).to(torch.bfloat16)
     weights = tensor_bytes(model.parameters())
     step = StepShape(rows=8, group=4, prompt_len=8, completion_len=8, micro_rows=4)  # lend_kv_cache: the default
-    one_gpu, ddp = training_memory_plan(TINY, step), training_memory_plan(TINY, step, Placement(ranks=ranks))
+    one_gpu, ddp = training_memory_plan(TINY, step), training_memory_plan(TINY, step, RankLayout(ranks=ranks))
     kv = engine_kv_bytes(TINY, step, 1)
     assert kv > weights  # a cache that could take the gradients whole: one GPU's plan lends it
     assert one_gpu.phases["backward"]["gradients"] == 0 and "DDP buckets" not in one_gpu.phases["backward"]

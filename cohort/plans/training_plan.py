@@ -248,10 +248,11 @@ def engine_kv_bytes(config: ModelConfig, step: StepShape, split: int) -> int:
     return math.ceil(kv_cache_bytes(config, rows, length, step.element_bytes) / split)
 
 
-def training_memory_plan(config: ModelConfig, step: StepShape, layout: RankLayout = RankLayout()) -> MemoryPlan:
-    """The bytes a training rank holds in each phase of a GRPO step (see the module's docstring)."""
+def training_state(config: ModelConfig, step: StepShape,
+                   layout: RankLayout) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """What the trained weights cost a rank: (resident — the weights, masters and moments kept all step;
+    gradients; the optimizer step's temporaries), sharded over FSDP2's ranks or whole (one GPU, DDP, LoRA)."""
     params, w = parameter_count(config), step.element_bytes
-    hidden, vocab = config.hidden_size, config.vocab_size
     n = layout.ranks if layout.sharded else 1
     lora = lora_parameter_count(config, step.lora_rank) if step.lora_rank else 0
     trained = lora or params
@@ -281,6 +282,40 @@ def training_memory_plan(config: ModelConfig, step: StepShape, layout: RankLayou
                 gradients["DDP buckets"] = params * w
             if w == 2 and step.moment_bytes == 8:  # the chunked torch step: fp32 gradients, masters, moments
                 optimizer["optimizer chunk"] = 4 * GRADIENT_CHUNK_BYTES
+    return resident, gradients, optimizer
+
+
+def backward_terms(config: ModelConfig, step: StepShape, layout: RankLayout, trained: int) -> dict[str, int]:
+    """The backward pass's own terms beside the state: a micro-batch's activations (its checkpointed layers'
+    inputs, or every layer's), the LM head's chunk and gradient, and under FSDP2 the gathered weights."""
+    w, hidden, vocab = step.element_bytes, config.hidden_size, config.vocab_size
+    tokens = micro_batch_tokens(config, step)
+    terms: dict[str, int] = {}
+    if step.checkpointing:
+        terms["activations"] = tokens * (config.num_hidden_layers * hidden * w + 2 * activation_bytes_per_token(config, w))
+    else:
+        terms["activations"] = tokens * sum(layer_activation_bytes_per_token(config, w))
+    completion_tokens = tokens - step.prompt_len  # the head runs on completion tokens only
+    terms["LM head chunk"] = int(CHUNK_BYTES * 1.5) + completion_tokens * hidden * w * 2
+    terms["LM head gradient"] = vocab * hidden * w if not step.lora_rank else 0
+    if layout.sharded and several_micro_batches(config, step) and not layout.sync_every_micro_batch:
+        # Without a reduce-scatter, FSDP2 accumulates each parameter's unsharded gradient, upcast to the fp32
+        # reduce dtype (`FSDPParam.to_accumulated_grad_if_needed`), until the last micro-batch: all of them.
+        terms["gradients"] = trained * 4
+    if layout.sharded:
+        terms["gathered root"] = (vocab * hidden * (1 if config.tie_word_embeddings else 2) + hidden) * 2
+        layer = layer_parameter_count(config)
+        terms["gathered layers"] = 2 * layer * 2 + layer * (2 + 4)
+    return terms
+
+
+def training_memory_plan(config: ModelConfig, step: StepShape, layout: RankLayout = RankLayout()) -> MemoryPlan:
+    """The bytes a training rank holds in each phase of a GRPO step (see the module's docstring)."""
+    params, w = parameter_count(config), step.element_bytes
+    hidden = config.hidden_size
+    n = layout.ranks if layout.sharded else 1
+    lora = lora_parameter_count(config, step.lora_rank) if step.lora_rank else 0
+    resident, gradients, optimizer = training_state(config, step, layout)
     copy = params * w
     # The colocated placement shards π_ref like the policy (parallel/colocation.py); else each rank holds it whole.
     reference = math.ceil(copy / layout.ranks) if layout.sharded and layout.sampling_split > 1 else copy
@@ -298,25 +333,9 @@ def training_memory_plan(config: ModelConfig, step: StepShape, layout: RankLayou
     elif step.lend_kv_cache and layout.ranks == 1 and not layout.fsdp and not lora:
         gradients["gradients"] -= min(gradients["gradients"], kv)  # the gradients borrow the idle cache
 
+    backward = {**after_sampling, **gradients, **backward_terms(config, step, layout, lora or params)}
     tokens = micro_batch_tokens(config, step)
     per_token = activation_bytes_per_token(config, w)
-    layers = config.num_hidden_layers
-    backward = {**after_sampling, **gradients}
-    if step.checkpointing:
-        backward["activations"] = tokens * (layers * hidden * w + 2 * per_token)
-    else:
-        backward["activations"] = tokens * sum(layer_activation_bytes_per_token(config, w))
-    completion_tokens = tokens - step.prompt_len  # the head runs on completion tokens only
-    backward["LM head chunk"] = int(CHUNK_BYTES * 1.5) + completion_tokens * hidden * w * 2
-    backward["LM head gradient"] = vocab * hidden * w if not lora else 0
-    if layout.sharded and several_micro_batches(config, step) and not layout.sync_every_micro_batch:
-        # Without a reduce-scatter, FSDP2 accumulates each parameter's unsharded gradient, upcast to the fp32
-        # reduce dtype (`FSDPParam.to_accumulated_grad_if_needed`), until the last micro-batch: all of them.
-        backward["gradients"] = trained * 4
-    if layout.sharded:
-        backward["gathered root"] = (vocab * hidden * (1 if config.tie_word_embeddings else 2) + hidden) * 2
-        layer = layer_parameter_count(config)
-        backward["gathered layers"] = 2 * layer * 2 + layer * (2 + 4)
 
     plan = MemoryPlan(params, layout)
     plan.phases["sampling"] = resident
