@@ -20,7 +20,7 @@ from cohort.plans.training_plan import (GIB, Placement, StepShape, activation_by
 from cohort.models import CausalLM, ModelConfig
 from cohort.rollout.engine import Engine
 from cohort.rollout.sampler import SamplingParams
-from cohort.update.packing import plan_rollout
+from cohort.rollout.layout import Layout
 
 TINY = ModelConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -103,7 +103,7 @@ def test_the_largest_micro_batch_is_the_packers(micro_rows, cap):
     group, prompt_len, completion_len, prompts = 4, 6, 10, 4
     prompt_ids = [[p] * prompt_len for p in range(prompts) for _ in range(group)]
     mask = torch.ones(len(prompt_ids), completion_len)
-    plans = plan_rollout(prompt_ids, mask, micro_rows, cap, share_prompts=True)
+    plans = Layout(shared=True, group=group).plan(prompt_ids, mask, micro_rows, cap)
 
     def padded(rows):  # units (prompt groups) × the longest unit, as the packer budgets them
         units = {}
@@ -114,6 +114,18 @@ def test_the_largest_micro_batch_is_the_packers(micro_rows, cap):
     step = StepShape(rows=len(prompt_ids), group=group, prompt_len=prompt_len, completion_len=completion_len,
                      micro_rows=micro_rows, micro_tokens=cap)
     assert micro_batch_tokens(TINY, step) == max(padded(rows) for rows in plans)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_plan_lays_the_step_out_as_the_run_does(share):
+    """Each prompt once for its G completions where asked and G > 1, with our models (the plan's); a model
+    without attention rows always gets one padded row per completion."""
+    args = GRPOConfig(num_generations=4, per_device_train_batch_size=4, share_prompt_prefix=share).validate()
+    layout = StepShape.from_config(args).layout
+    assert layout == Layout.choose(args.share_prompt_prefix, args.num_generations)
+    assert layout.shared == share and layout.group == 4
+    assert not Layout.choose(share, 4, takes_attention_rows=False).shared
+    assert not Layout.choose(share, 1).shared  # one completion a prompt: nothing to share
 
 
 def test_the_plan_follows_the_options():
