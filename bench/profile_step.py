@@ -36,7 +36,6 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     from cohort import GRPOConfig
     from cohort.telemetry.metrics import rollout_attention_pairs, update_flops
-    from cohort.update.packing import computed_prompt_tokens
 
     setup = diagnosis_setup(args.model, args.smoke)
     device, tokenizer, model = setup.device, setup.tokenizer, setup.model
@@ -81,10 +80,10 @@ def main(argv=None) -> None:
         batch.advantages = trainer.estimate_advantages(batch)
         stats = trainer.update(batch)
     print(json.dumps({"phases_s": {k: round(v, 3) for k, v in phases.items()}, "micro_batches": stats.get("micro_batches")}))
-    prompt_tokens = computed_prompt_tokens(batch.prompt_ids, trainer.memory.micro_rows, trainer.share_prompts)
+    prompt_tokens = trainer.layout.computed_prompt_tokens(batch.prompt_ids, trainer.memory.micro_rows)
     completion_tokens = int(batch.rollout.completion_mask.sum())
     lengths = [int(n) for n in batch.rollout.completion_mask.sum(dim=1).tolist()]
-    pairs = rollout_attention_pairs(trainer.model, batch.prompt_ids, lengths, trainer.memory.micro_rows, trainer.share_prompts)
+    pairs = rollout_attention_pairs(trainer.model, trainer.layout, batch.prompt_ids, lengths, trainer.memory.micro_rows)
     flops = update_flops(trainer.model, prompt_tokens, completion_tokens, pairs)  # what the step log's MFU counts
     if "update" in phases:
         print(f"update: {prompt_tokens + completion_tokens} tokens, model FLOPs = {flops / 1e12:.1f} TFLOP in "

@@ -76,8 +76,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cohort.models.exact_layers import use_exact_numerics  # noqa: E402
 from cohort.run.policy import load_policy  # noqa: E402
 from cohort.rollout import make_sampler  # noqa: E402
+from cohort.rollout.layout import PADDED, Layout  # noqa: E402
 from cohort.rollout.sampler import SamplingParams  # noqa: E402
 from cohort.update.logprobs import rollout_logprobs  # noqa: E402
+
+SHARED = Layout(shared=True)  # each prompt once per group, the trainer's default
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODELS = [Path(".models/smollm2-135m-instruct") / GGUF_NAME,  # get.sh's default folder
@@ -158,7 +161,7 @@ def sample_and_score(model, tokenizer, prompts: list[list[int]], args) -> dict:
     sample_seconds = time.perf_counter() - started
     rows = [p for p in prompts for _ in range(args.generations)]
     trainer = rollout_logprobs(model, rows, rollout.completion_ids, rollout.completion_mask, pad_id=pad,
-                               max_rows=args.max_rows, temperature=args.temperature, share_prompts=True)
+                               max_rows=args.max_rows, temperature=args.temperature, layout=SHARED)
     release = getattr(sampler, "release", None)
     if release is not None:
         release()
@@ -276,9 +279,9 @@ def measure(args, spec: str) -> dict:
     fp32 = sample_and_score(model32, tokenizer, prompts, args)
     pad, rows, tokens, mask = bf16["pad"], bf16["rows"], bf16["rollout"].completion_ids.cpu(), bf16["mask"]
     trainer_fp32_on_bf16 = rollout_logprobs(model32, rows, tokens, mask, pad_id=pad, max_rows=args.max_rows,
-                                            temperature=args.temperature, share_prompts=True)
+                                            temperature=args.temperature, layout=SHARED)
     trainer_bf16_padded = rollout_logprobs(model16, rows, tokens, mask, pad_id=pad, max_rows=args.max_rows,
-                                           temperature=args.temperature, share_prompts=False)
+                                           temperature=args.temperature, layout=PADDED)
     forward_rows = 4 if args.device == "cuda" else 8
     head_bf16, head_fp32 = (head_logprobs(model16, rows, tokens, mask, pad, fp32_head=fp32_head,
                                           rows_per_forward=forward_rows, temperature=args.temperature)
@@ -313,7 +316,7 @@ def measure(args, spec: str) -> dict:
             "data": None if args.smoke else str(args.data),
             "questions": len(prompts), "generations": args.generations, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "seed": args.seed, "max_rows": args.max_rows,
-            "trainer_layout": "each prompt once per group (share_prompts=True, the trainer's default)",
+            "trainer_layout": "each prompt once per group (the shared-prompt layout, the trainer's default)",
             "sampler": bf16["sampler_class"],
             "completion_tokens_bf16": int(mask.sum()), "completion_tokens_fp32": int(fp32["mask"].sum()),
             "mean_completion_length_bf16": lengths.mean().item(),
@@ -339,7 +342,7 @@ def measure_exact(args, spec: str, tokenizer, prompts, comparisons: dict, import
     run = sample_and_score(model, tokenizer, prompts, args)
     tokens, mask = run["rollout"].completion_ids.cpu(), run["mask"]
     padded = rollout_logprobs(model, run["rows"], tokens, mask, pad_id=run["pad"], max_rows=max(1, args.max_rows // 4),
-                              temperature=args.temperature, share_prompts=False)
+                              temperature=args.temperature, layout=PADDED)
     comparisons["exact_trainer_bf16_vs_exact_sampler_bf16"] = token_stats(run["trainer"], run["sampler"], mask)
     comparisons["exact_trainer_bf16_padded_vs_exact_sampler_bf16"] = token_stats(padded, run["sampler"], mask)
     importance["bf16_exact"] = token_truncate_weights(run["trainer"], run["sampler"], mask)

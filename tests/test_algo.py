@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cohort.algorithm.advantages import group_advantages
-from cohort.algorithm.objectives import LossSpec, aggregate_loss, kl_penalty, policy_loss, policy_loss_stats
+from cohort.algorithm.objectives import BatchShare, LossSpec, aggregate_loss, kl_penalty, policy_loss, policy_loss_stats
 
 
 def _std(xs):  # Bessel-corrected
@@ -137,6 +137,23 @@ def test_aggregate_loss_docstring_example():
     assert aggregate_loss(per_token, mask, "grpo").item() == pytest.approx(1.5)
     assert aggregate_loss(per_token, mask, "dapo").item() == pytest.approx(1.75)
     assert aggregate_loss(per_token, mask, "dr_grpo", max_completion_length=4).item() == pytest.approx(0.875)
+
+
+def test_a_micro_batch_mean_weighs_into_the_steps_row_weighted_mean_over_ranks():
+    """A loss already averaged over each micro-batch (the router's load balancing): two ranks, micro-batches of
+    3 + 1 and 2 + 2 completions. Summed over a rank's micro-batches and averaged over the ranks as DDP averages
+    gradients, it is the step's mean over completions, each micro-batch's value standing for its rows, whatever
+    the policy loss's type."""
+    from cohort.algorithm.objectives import MICRO_BATCH_MEAN
+
+    ranks = [[(3, 0.5), (1, 2.0)], [(2, 1.0), (2, 4.0)]]  # (completions, the micro-batch's mean) per rank
+    step_rows = sum(rows for rank in ranks for rows, _ in rank)
+    per_rank = [sum(aggregate_loss(torch.tensor(value), None, MICRO_BATCH_MEAN,
+                                   share=BatchShare(rows, step_rows, step_tokens=99.0, world_size=len(ranks)))
+                    for rows, value in rank) for rank in ranks]
+    step_mean = (3 * 0.5 + 1 * 2.0 + 2 * 1.0 + 2 * 4.0) / 8
+    assert float(sum(per_rank) / len(ranks)) == pytest.approx(step_mean)
+    assert float(aggregate_loss(torch.tensor(1.25), None, MICRO_BATCH_MEAN)) == 1.25  # the whole step: as it is
 
 
 def test_no_reference_means_no_kl_term():

@@ -137,7 +137,8 @@ def test_out_of_memory_while_keeping_layers_recomputes_them_before_halving(tiny_
 @pytest.mark.parametrize("share", [True, False])
 def test_largest_micro_batch_bounds_every_planned_micro_batch(tiny_dir, tmp_path, share):
     """The bound against the planner itself, on rollouts whose completions all reach the limit."""
-    from cohort.update.packing import pack, plan_rollout
+    from cohort.rollout.layout import Layout
+    from cohort.update.packing import pack
 
     trainer = _trainer(tiny_dir, tmp_path, share_prompt_prefix=share)
     G, P, C = trainer.args.num_generations, trainer.args.max_prompt_length, trainer.args.max_completion_length
@@ -146,8 +147,9 @@ def test_largest_micro_batch_bounds_every_planned_micro_batch(tiny_dir, tmp_path
     mask = torch.ones(len(prompt_ids), C, dtype=torch.long)
     ids = torch.full((len(prompt_ids), C), 9)
     bound = trainer.memory.largest_micro_batch_tokens()
-    sizes = [pack(prompt_ids, ids, mask, rows, trainer.pad_id, share).input_ids.numel()
-             for rows in plan_rollout(prompt_ids, mask, trainer.memory.micro_rows, 0, share)]
+    layout = Layout(shared=share, group=G)
+    sizes = [pack(prompt_ids, ids, mask, rows, trainer.pad_id, layout).input_ids.numel()
+             for rows in layout.plan(prompt_ids, mask, trainer.memory.micro_rows, 0)]
     assert max(sizes) <= bound
     assert max(sizes) == bound  # tight here: two whole groups at the longest prompt and completion
     assert bound == (2 if share else 8) * P + 8 * C

@@ -36,6 +36,7 @@ from cohort.rollout import Engine  # noqa: E402
 from cohort.rollout.sampler import SamplingParams  # noqa: E402
 from cohort.update.fused_head import micro_batch_policy_loss  # noqa: E402
 from cohort.update.logprobs import rollout_logprobs  # noqa: E402
+from cohort.rollout.layout import Layout  # noqa: E402
 from cohort.update.packing import pack  # noqa: E402
 
 torch.set_num_threads(1)
@@ -221,10 +222,10 @@ def test_engine_logprobs_equal_the_trainers_bitwise():
     mask = rollout.completion_mask.bool()
     assert mask.sum() > 30
     rows = [p for p in PROMPTS for _ in range(GENERATIONS)]
-    for share_prompts, max_rows in ((True, 8), (False, 3), (True, 2)):  # each prompt once / padded rows; micro-batches
+    for shared, max_rows in ((True, 8), (False, 3), (True, 2)):  # each prompt once / padded rows; micro-batches
         old_logp = rollout_logprobs(model, rows, rollout.completion_ids, rollout.completion_mask, pad_id=0,
-                                    max_rows=max_rows, temperature=0.8, share_prompts=share_prompts)
-        assert torch.equal(old_logp[mask], rollout.logprobs.float()[mask]), (share_prompts, max_rows)
+                                    max_rows=max_rows, temperature=0.8, layout=Layout(shared=shared))
+        assert torch.equal(old_logp[mask], rollout.logprobs.float()[mask]), (shared, max_rows)
 
 
 def test_the_trained_forward_equals_pi_old_bitwise_and_its_gradient_is_the_fast_paths():
@@ -237,10 +238,11 @@ def test_the_trained_forward_equals_pi_old_bitwise_and_its_gradient_is_the_fast_
         model.set_numerics(numerics)
         rollout = sample(model, max_batch_size=6) if numerics == "exact" else rollout
         old_logp = rollout_logprobs(model, rows, rollout.completion_ids, rollout.completion_mask, pad_id=0,
-                                    max_rows=8, temperature=0.8, share_prompts=True)
+                                    max_rows=8, temperature=0.8, layout=Layout(shared=True))
         model.train()
         model.gradient_checkpointing_enable(checkpointed_layers=1)
-        micro = pack(rows, rollout.completion_ids, rollout.completion_mask, list(range(len(rows))), 0, True)
+        micro = pack(rows, rollout.completion_ids, rollout.completion_mask, list(range(len(rows))), 0,
+                     Layout(shared=True))
         advantages = torch.linspace(-1, 1, len(rows))
         out = micro_batch_policy_loss(model, micro, old_logp=None, ref_logp=None, advantages=advantages,
                                       loss_mask=micro.completion_mask, temperature=0.8)

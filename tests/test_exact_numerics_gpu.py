@@ -14,6 +14,7 @@ from cohort.kernels.exact_matmul import matmul  # noqa: E402
 from cohort.kernels.exact_rms_norm import rms_norm  # noqa: E402
 from cohort.models import CausalLM, ModelConfig  # noqa: E402
 from cohort.rollout import Engine  # noqa: E402
+from cohort.rollout.layout import Layout  # noqa: E402
 from cohort.rollout.sampler import SamplingParams  # noqa: E402
 from cohort.update.logprobs import rollout_logprobs  # noqa: E402
 
@@ -91,11 +92,11 @@ def test_gpu_engine_logprobs_equal_the_trainers_bitwise(family):
     mask = rollout.completion_mask.bool()
     assert mask.sum() > 1000
     rows = [p for p in prompts for _ in range(generations)]
-    for share_prompts, max_rows in ((True, 48), (False, 7), (True, 5)):
+    for shared, max_rows in ((True, 48), (False, 7), (True, 5)):
         old_logp = rollout_logprobs(model, rows, rollout.completion_ids, rollout.completion_mask, pad_id=0,
-                                    max_rows=max_rows, temperature=0.9, share_prompts=share_prompts)
+                                    max_rows=max_rows, temperature=0.9, layout=Layout(shared=shared))
         difference = (old_logp[mask] - rollout.logprobs.float()[mask]).abs().max().item()
-        assert difference == 0.0, (family, share_prompts, max_rows, difference)
+        assert difference == 0.0, (family, shared, max_rows, difference)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -116,8 +117,8 @@ def test_gpu_engine_logprobs_equal_the_separate_projections_forward_bitwise(fami
     mask = rollout.completion_mask.bool()
     assert mask.sum() > 200
     rows = [p for p in prompts for _ in range(generations)]
-    for share_prompts, max_rows in ((True, 16), (False, 5)):
+    for shared, max_rows in ((True, 16), (False, 5)):
         separate = rollout_logprobs(model, rows, rollout.completion_ids, rollout.completion_mask, pad_id=0,
-                                    max_rows=max_rows, temperature=0.9, share_prompts=share_prompts)
+                                    max_rows=max_rows, temperature=0.9, layout=Layout(shared=shared))
         difference = (separate[mask] - rollout.logprobs.float()[mask]).abs().max().item()
-        assert difference == 0.0, (family, share_prompts, max_rows, difference)
+        assert difference == 0.0, (family, shared, max_rows, difference)

@@ -600,7 +600,7 @@ def test_attention_pairs_count_the_mask_entries_of_each_layout(window):
     """Against the attention masks themselves: a causal (windowed) mask per [prompt | completion]
     row; with shared prompts, the prompt's rows once per run of at most max_rows completions and
     each completion's rows from the prompt's end on."""
-    from cohort.update.packing import attention_pairs, causal_pairs
+    from cohort.rollout.layout import PADDED, Layout, causal_pairs
 
     def mask(length):
         i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
@@ -611,11 +611,11 @@ def test_attention_pairs_count_the_mask_entries_of_each_layout(window):
     prompt_ids = [prompt_a, prompt_a, prompt_a, prompt_b, prompt_b]
     lengths = [3, 0, 6, 2, 5]
     rows = [mask(len(p) + n) for p, n in zip(prompt_ids, lengths)]
-    assert attention_pairs(prompt_ids, lengths, 2, False, window) == sum(int(m.sum()) for m in rows)
+    assert PADDED.attention_pairs(prompt_ids, lengths, 2, window) == sum(int(m.sum()) for m in rows)
     runs = [[0, 1], [2], [3, 4]]  # max_rows = 2 cuts prompt a's three rows into two runs
     want = sum(int(mask(len(prompt_ids[run[0]])).sum()) for run in runs)
     want += sum(int(rows[r][len(prompt_ids[r]):].sum()) for run in runs for r in run)
-    assert attention_pairs(prompt_ids, lengths, 2, True, window) == want
+    assert Layout(shared=True).attention_pairs(prompt_ids, lengths, 2, window) == want
     assert [causal_pairs(n, window) for n in range(8)] == [int(mask(n).sum()) for n in range(8)]
 
 
@@ -624,7 +624,7 @@ def test_update_flops_add_twelve_flops_per_attention_pair_and_head_dim_by_layer_
 
     from cohort.telemetry.metrics import attention_layers, rollout_attention_pairs, update_flops
     from cohort.models import CausalLM, ModelConfig
-    from cohort.update.packing import attention_pairs
+    from cohort.rollout.layout import Layout
 
     config = ModelConfig(model_type="qwen2", vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=6, sliding_window=4,
@@ -632,8 +632,9 @@ def test_update_flops_add_twelve_flops_per_attention_pair_and_head_dim_by_layer_
     model = CausalLM(config)
     assert attention_layers(model) == [(12, None), (12, 4), (12, 4)]
     prompts, lengths = [[1, 2, 3]] * 2 + [[4] * 6], [5, 2, 7]
-    assert rollout_attention_pairs(model, prompts, lengths, 8, True) == {
-        window: attention_pairs(prompts, lengths, 8, True, window) for window in (None, 4)}
+    shared = Layout(shared=True, group=2)
+    assert rollout_attention_pairs(model, shared, prompts, lengths, 8) == {
+        window: shared.attention_pairs(prompts, lengths, 8, window) for window in (None, 4)}
     pairs = {None: 1000, 4: 300}
     weights_only = update_flops(model, 7, 30)
     # forward: q·k and p·v, 2 FLOPs per multiply-add, per head dim and head; backward twice that

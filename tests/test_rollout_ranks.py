@@ -17,7 +17,7 @@ from test_distributed import REWARD_MODULE, environment, run, step_records, torc
 TOLERANCE = 1e-5
 
 
-def test_a_groups_leader_relays_each_request_so_its_ranks_make_the_same_calls_and_only_it_replies(monkeypatch):
+def test_a_groups_leader_relays_each_request_so_its_ranks_make_the_same_calls_and_only_it_replies():
     """Trainers 0 and 1, one sampling group of ranks 2 (leader) and 3: rank 3 reads every request, a
     resumed trainer's pool included, from rank 2, makes the same sample calls, and sends nothing back."""
     import pickle
@@ -28,8 +28,6 @@ def test_a_groups_leader_relays_each_request_so_its_ranks_make_the_same_calls_an
     from cohort.rollout import remote
     from cohort.rollout.remote import RESTORE, ROLLOUT, SAMPLE, STOP, RolloutServer
 
-    monkeypatch.setattr(remote, "batch_state", lambda batch: {"rows": batch.rows})  # no engine: rows stand for it
-
     placement = Placement(world_size=4, rollout_gpus=2, split=2)
     wire = {(a, b): queue.Queue() for a in range(4) for b in range(4)}
     calls = {2: [], 3: []}
@@ -37,7 +35,8 @@ def test_a_groups_leader_relays_each_request_so_its_ranks_make_the_same_calls_an
     def server(rank):
         def sample(rows, seed, sequence_offset):
             calls[rank].append((tuple(r["prompt"] for r in rows), seed, sequence_offset))
-            return SimpleNamespace(rows=list(rows), rollout_metrics=None)
+            kept = list(rows)  # no engine: the rows stand for the rollout
+            return SimpleNamespace(rows=kept, rollout_metrics=None, state=lambda: {"rows": kept})
 
         return RolloutServer(QueueLink(placement, rank, wire, None), None, sample, group_size=1)
 

@@ -14,6 +14,7 @@ from cohort.models import CausalLM, ModelConfig
 from cohort.models.moe import LayerRouting, Routing
 from cohort.models.tiny import build_tokenizer
 from cohort.rollout.engine import Engine
+from cohort.rollout.layout import PADDED, Layout
 from cohort.rollout.sampler import SamplingParams
 from cohort.tasks.arithmetic import ArithmeticTask
 from cohort.update.logprobs import forward_hidden, micro_batch_logprobs, rollout_logprobs
@@ -52,18 +53,18 @@ def sampled():
     return model, [p for p in prompts for _ in range(2)], rollout
 
 
-@pytest.mark.parametrize("share_prompts", [False, True])
-def test_replayed_logprobs_equal_the_engines_where_free_routing_differs(sampled, share_prompts):
+@pytest.mark.parametrize("shared", [False, True])
+def test_replayed_logprobs_equal_the_engines_where_free_routing_differs(sampled, shared):
     model, prompts, rollout = sampled
     assert rollout.routed_experts.dtype == torch.int16 and rollout.routed_experts.shape[2:] == (2, 3)
     mask = rollout.completion_mask.bool()
     errors, mismatches = {}, {}
     for replay in (True, False):
         logp = rollout_logprobs(model, prompts, rollout.completion_ids, rollout.completion_mask, pad_id=0, max_rows=3,
-                                share_prompts=share_prompts, routes=rollout.routed_experts, replay=replay)
+                                layout=Layout(shared=shared), routes=rollout.routed_experts, replay=replay)
         errors[replay] = (logp - rollout.logprobs)[mask].abs().max()
-        micro = pack(prompts, rollout.completion_ids, rollout.completion_mask, list(range(8)), 0, share_prompts,
-                     routes=rollout.routed_experts, replay=replay)
+        micro = pack(prompts, rollout.completion_ids, rollout.completion_mask, list(range(8)), 0,
+                     Layout(shared=shared), routes=rollout.routed_experts, replay=replay)
         with torch.no_grad():
             forward_hidden(model, micro)
         mismatches[replay] = float(replay_mismatch(micro))
@@ -76,7 +77,7 @@ def test_mismatch_counts_the_positions_whose_free_top_k_differs(sampled):
     """An independent count: the trainer's free top-k per MoE layer (from its routers' outputs) against the
     recorded ids, at each completion token's predicting position."""
     model, prompts, rollout = sampled
-    micro = pack(prompts, rollout.completion_ids, rollout.completion_mask, list(range(8)), 0, False,
+    micro = pack(prompts, rollout.completion_ids, rollout.completion_mask, list(range(8)), 0, PADDED,
                  routes=rollout.routed_experts, replay=False, keep_router=True)
     with torch.no_grad():
         forward_hidden(model, micro)
@@ -91,7 +92,7 @@ def test_mismatch_counts_the_positions_whose_free_top_k_differs(sampled):
 
 def test_replay_keeps_the_routers_gradient(sampled):
     model, prompts, rollout = sampled
-    micro = pack(prompts, rollout.completion_ids, rollout.completion_mask, [0, 3, 5], 0, True,
+    micro = pack(prompts, rollout.completion_ids, rollout.completion_mask, [0, 3, 5], 0, Layout(shared=True),
                  routes=rollout.routed_experts)
     model.zero_grad()
     out = micro_batch_logprobs(model, micro)
@@ -256,3 +257,54 @@ def test_replay_survives_checkpoint_and_resume_exactly(tmp_path, async_rollouts)
     assert _records(tmp_path / "resumed/metrics.jsonl") == records
     for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_the_router_loss_enters_the_update_as_the_steps_mean_over_completions(tmp_path):
+    """The update's gradient with router_aux_loss_coef = c, less its gradient with 0, is c times the gradient of
+    the step's load-balancing loss computed here on its own: each micro-batch's Switch loss standing for its
+    rows, averaged over the step's completions."""
+    import dataclasses
+
+    from helpers import synthetic_batch
+
+    from cohort.update.routing import router_aux_loss
+
+    coef = 0.5
+    args = GRPOConfig(num_generations=4, per_device_train_batch_size=6, gradient_accumulation_steps=2,
+                      max_completion_length=6, max_steps=1, output_dir=str(tmp_path / "run"), quiet=True, seed=0,
+                      device="cpu", beta=0.04, max_grad_norm=1e9, router_aux_loss_coef=coef)
+    task = ArithmeticTask()
+    trainer = GRPOTrainer(_moe_folder(tmp_path / "model"), _digit_share, task.load("train", size=16, seed=0),
+                          args=args, task=task)
+    model, update = trainer.train_model, trainer.policy_update
+    batch = synthetic_batch(trainer)
+
+    def gradient() -> dict[str, torch.Tensor]:
+        seen = {}
+        trainer.optimizer.step = lambda *a, **k: seen.update(
+            {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        trainer.update(batch)
+        return seen
+
+    with_aux = gradient()
+    update.args = dataclasses.replace(update.args, router_aux_loss_coef=0.0)
+    without = gradient()
+
+    plans = update.plan(batch)
+    assert len(plans) > 1 and len({len(rows) for rows in plans}) > 1  # micro-batches of unequal size
+    model.train()
+    model.zero_grad(set_to_none=True)
+    step_loss = 0.0
+    for rows in plans:
+        micro = pack(batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask, rows,
+                     trainer.pad_id, trainer.layout, keep_router=True)
+        forward_hidden(model, micro)
+        step_loss = step_loss + router_aux_loss(micro, model.config.num_experts) * len(rows)
+    (coef * step_loss / len(batch.rows)).backward()
+    expected = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert set(expected) <= set(with_aux) == set(without)
+    scale = max(float(g.abs().max()) for g in without.values())
+    for name, g in with_aux.items():
+        want = expected.get(name, torch.zeros_like(g))
+        torch.testing.assert_close(g - without[name], want, rtol=0, atol=1e-5 * scale, msg=name)
+    assert max(float(g.abs().max()) for g in expected.values()) > 1e-2 * scale  # the term is not negligible here

@@ -15,9 +15,11 @@ from cohort.algorithm.loss_spec import BatchShare, LossSpec
 from cohort.update.fused_head import micro_batch_policy_loss
 from cohort.update.logprobs import micro_batch_logprobs, rollout_logprobs
 from cohort.models import from_pretrained
-from cohort.update.packing import pack_micro_batch, pack_shared_prompts, plan_rollout
+from cohort.rollout.layout import Layout
+from cohort.update.packing import pack_micro_batch, pack_shared_prompts
 
 torch.set_num_threads(1)
+SHARED = Layout(shared=True, group=4)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=96, max_position_embeddings=128)
 FAMILIES = {
@@ -70,20 +72,20 @@ def test_layout_puts_each_prompt_once_and_completions_after_it():
 
 def test_plan_keeps_prompt_groups_together_within_budgets():
     prompt_ids, _, mask = _groups(vocab=50, prompts=4, per_prompt=4, seed=3)
-    plans = plan_rollout(prompt_ids, mask, max_rows=8, max_tokens=0, share_prompts=True)
+    plans = SHARED.plan(prompt_ids, mask, max_rows=8, max_tokens=0)
     assert sorted(r for p in plans for r in p) == list(range(len(prompt_ids)))
     for plan in plans:
         assert len(plan) <= 8
         assert len({tuple(prompt_ids[r]) for r in plan}) == len(plan) // 4  # whole groups of 4
     # max_rows below the group size cuts a group into runs that each repeat the prompt
-    small = plan_rollout(prompt_ids, mask, max_rows=3, share_prompts=True)
+    small = SHARED.plan(prompt_ids, mask, max_rows=3)
     assert all(len(p) <= 3 for p in small) and sorted(r for p in small for r in p) == list(range(16))
     # the token cap counts a group as its prompt plus all its completions
     lengths = mask.sum(1).tolist()
     group_len = {tuple(p): len(p) for p in prompt_ids}
     for r, p in enumerate(prompt_ids):
         group_len[tuple(p)] += lengths[r]
-    capped = plan_rollout(prompt_ids, mask, max_rows=16, max_tokens=max(group_len.values()) + 1, share_prompts=True)
+    capped = SHARED.plan(prompt_ids, mask, max_rows=16, max_tokens=max(group_len.values()) + 1)
     assert all(len({tuple(prompt_ids[r]) for r in p}) == 1 for p in capped)
 
 
@@ -109,7 +111,7 @@ def families(tmp_path_factory):
 def test_shared_logprobs_equal_transformers_on_each_row_alone(families, family):
     reference, model = families[family]
     prompt_ids, completion, mask = _groups(TINY["vocab_size"])
-    got = rollout_logprobs(model, prompt_ids, completion, mask, pad_id=0, max_rows=9, share_prompts=True)
+    got = rollout_logprobs(model, prompt_ids, completion, mask, pad_id=0, max_rows=9, layout=SHARED)
     for i, prompt in enumerate(prompt_ids):
         n = int(mask[i].sum())
         if n == 0:
@@ -194,7 +196,7 @@ def test_trainer_step_is_the_same_with_and_without_sharing(tiny_dir, tmp_path):
                           quiet=True, seed=0, beta=0.04, share_prompt_prefix=share, save_steps=0, eval_steps=0,
                           dtype="float32")
         trainer = GRPOTrainer(tiny_dir, _reward_length, PROMPTS, args=args)
-        assert trainer.share_prompts is share
+        assert trainer.layout == Layout(shared=share, group=4)
         packed = []
         original = trainer.policy_update.pack
         trainer.policy_update.pack = lambda batch, rows: packed.append(original(batch, rows)) or packed[-1]

@@ -21,7 +21,7 @@ from cohort.plans.training_plan import (GIB, RankLayout, StepShape, activation_b
 from cohort.models import CausalLM, ModelConfig
 from cohort.rollout.engine import Engine
 from cohort.rollout.sampler import SamplingParams
-from cohort.update.packing import plan_rollout
+from cohort.rollout.layout import Layout
 
 TINY = ModelConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -130,7 +130,7 @@ def test_the_largest_micro_batch_is_the_packers(micro_rows, cap):
     group, prompt_len, completion_len, prompts = 4, 6, 10, 4
     prompt_ids = [[p] * prompt_len for p in range(prompts) for _ in range(group)]
     mask = torch.ones(len(prompt_ids), completion_len)
-    plans = plan_rollout(prompt_ids, mask, micro_rows, cap, share_prompts=True)
+    plans = Layout(shared=True, group=group).plan(prompt_ids, mask, micro_rows, cap)
 
     def padded(rows):  # units (prompt groups) × the longest unit, as the packer budgets them
         units = {}
@@ -150,6 +150,18 @@ def one_gpu(args) -> Placement:
 def step_of(args, world_size: int = 1) -> StepShape:
     """The step of the run `args` (validated) on `world_size` processes."""
     return StepShape.from_config(args, Placement.from_config(args, world_size))
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_plan_lays_the_step_out_as_the_run_does(share):
+    """Each prompt once for its G completions where asked and G > 1, with our models (the plan's); a model
+    without attention rows always gets one padded row per completion."""
+    args = GRPOConfig(num_generations=4, per_device_train_batch_size=4, share_prompt_prefix=share).validate()
+    layout = step_of(args).layout
+    assert layout == Layout.choose(args.share_prompt_prefix, args.num_generations)
+    assert layout.shared == share and layout.group == 4
+    assert not Layout.choose(share, 4, takes_attention_rows=False).shared
+    assert not Layout.choose(share, 1).shared  # one completion a prompt: nothing to share
 
 
 def test_the_plan_follows_the_options():

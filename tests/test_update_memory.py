@@ -8,7 +8,8 @@ import torch
 from cohort import GRPOConfig
 from cohort.errors import CohortError
 from cohort.update.logprobs import lm_head_logprobs, micro_batch_logprobs, rollout_logprobs, selected_logprobs
-from cohort.update.packing import pack_micro_batch, plan_micro_batches
+from cohort.rollout.layout import plan_micro_batches
+from cohort.update.packing import pack_micro_batch
 from cohort.optim.precision import MasterWeightAdamW, make_optimizer
 from helpers import synthetic_batch as _synthetic_batch, update_trainer as _trainer, variable_batch as _variable_batch
 from update_gradients import update_gradient

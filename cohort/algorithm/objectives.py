@@ -30,10 +30,13 @@ from cohort.algorithm.loss_spec import (IMPORTANCE_LEVELS, KL_CHOICES, LOSS_TYPE
                         KLEstimator, LossSpec, LossType, ScaleRewards)
 from cohort.algorithm.sampler_correction import sampler_correction_weights, sampler_log_ratio, sampler_mismatch_stats
 
-__all__ = ["IMPORTANCE_LEVELS", "KL_CHOICES", "LOSS_TYPES", "SAMPLER_CORRECTIONS", "SCALE_CHOICES", "BatchShare",
-           "LossSpec", "aggregate_loss", "kl_penalty", "nonfinite_tokens", "per_token_policy_loss", "policy_loss",
-           "policy_loss_stats", "sampler_correction_weights", "sampler_log_ratio", "sampler_mismatch_stats",
+__all__ = ["IMPORTANCE_LEVELS", "KL_CHOICES", "LOSS_TYPES", "MICRO_BATCH_MEAN", "SAMPLER_CORRECTIONS",
+           "SCALE_CHOICES", "BatchShare", "LossSpec", "aggregate_loss", "kl_penalty", "nonfinite_tokens",
+           "per_token_policy_loss", "policy_loss", "policy_loss_stats", "sampler_correction_weights", "sampler_log_ratio", "sampler_mismatch_stats",
            "sequence_log_ratio", "token_weights", "value_loss"]
+
+# `aggregate_loss`'s weighting of a loss that is already one micro-batch's mean (the router's load balancing)
+MICRO_BATCH_MEAN = "micro_batch_mean"
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") -> Tensor:
@@ -58,7 +61,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: KLEstimator = "k3") ->
     raise ValueError(f"estimator must be one of {KL_CHOICES}, got {estimator!r}")
 
 
-def aggregate_loss(per_token: Tensor, mask: Tensor, loss_type: LossType = "grpo",
+def aggregate_loss(per_token: Tensor, mask: Tensor | None, loss_type: LossType | str = "grpo",
                    max_completion_length: int | None = None, share: BatchShare | None = None) -> Tensor:
     """Reduce a `[B, T]` per-token loss to a scalar: every normalisation of the loss lives here.
 
@@ -68,6 +71,10 @@ def aggregate_loss(per_token: Tensor, mask: Tensor, loss_type: LossType = "grpo"
       token weighs the same.
     - ``"dr_grpo"`` (Dr. GRPO §3.1): sum over all tokens ÷ (B × max_completion_length), a constant,
       so no length bias at all.
+    - ``MICRO_BATCH_MEAN`` (not a `loss_type` option): `per_token` is a loss already averaged over one
+      micro-batch's forward (0-dim, `mask` unused), such as a mixture of experts' load-balancing loss over
+      its tokens; whatever the policy loss's type, it weighs as grpo's mean over completions does, by the
+      micro-batch's share of the step's completions.
 
     `share` (None: these rows are the whole step) places a micro-batch in the optimizer step that
     accumulates it, so the sum of the micro-batches' losses over every rank is the step's loss:
@@ -85,6 +92,8 @@ def aggregate_loss(per_token: Tensor, mask: Tensor, loss_type: LossType = "grpo"
     and as one of two ranks' micro-batches of a step of 8 completions and 14 tokens: grpo → 1.5 × 2/8 × 2
     = 0.75, dapo → 7 / 14 × 2 = 1.0.
     """
+    if loss_type == MICRO_BATCH_MEAN:
+        return per_token if share is None else per_token * share.rows / share.step_rows * share.world_size
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
     if loss_type == "dapo" and share is not None:

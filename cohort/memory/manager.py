@@ -20,7 +20,6 @@ decide what it does.
 from __future__ import annotations
 
 import gc
-import math
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, TypeVar
 
@@ -38,10 +37,11 @@ T = TypeVar("T")
 
 class MemoryManager:
     def __init__(self, args, *, placement: Placement, auto_checkpointing: AutoCheckpointing | None, ref_model,
-                 sampler, device: torch.device, share_prompts: bool, log: Callable[[str], None] = print,
+                 sampler, device: torch.device, layout, log: Callable[[str], None] = print,
                  release_weights: Callable[[], None] | None = None):
         self.args, self.device, self.log = args, device, log
-        self.sampler, self.world_size, self.share_prompts = sampler, placement.trainers, share_prompts
+        # `layout`: the run's `cohort.rollout.layout.Layout` (a room above this one: passed in, not imported)
+        self.sampler, self.world_size, self.layout = sampler, placement.trainers, layout
         self.micro_rows, self.micro_tokens = args.per_device_train_batch_size, args.max_tokens_per_micro_batch
         # `gradient_checkpointing_layers=auto` (AutoCheckpointing.setup, called before the model is
         # wrapped): how many layers are checkpointed is decided by a measured update.
@@ -156,11 +156,9 @@ class MemoryManager:
 
     def largest_micro_batch_tokens(self) -> int:
         """Tokens a training micro-batch can reach under the current budgets: every row at the
-        longest prompt and completion, each prompt computed once per group of G rows with shared
-        prompts (`packing.plan_rollout` keeps a group's rows together)."""
-        rows, group = self.micro_rows, self.args.num_generations
-        prompts = math.ceil(rows / min(group, rows)) if self.share_prompts else rows
-        tokens = prompts * self.args.max_prompt_length + rows * self.args.max_completion_length
+        longest prompt and completion, as the run's layout lays them out (`Layout.full_length_tokens`)."""
+        tokens = self.layout.full_length_tokens(self.micro_rows, self.args.max_prompt_length,
+                                                self.args.max_completion_length)
         return min(tokens, self.micro_tokens) if self.micro_tokens else tokens
 
     def update_metrics(self) -> dict[str, float]:

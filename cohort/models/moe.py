@@ -188,17 +188,6 @@ def expert_load_max_over_mean(routes: torch.Tensor, mask: torch.Tensor, num_expe
     return float((counts.max(1).values / counts.mean(1)).mean())
 
 
-def stack_routes(routes: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """Per-row routes [S_i, layers, k] right-padded with zeros into [B, max S_i, layers, k]; None unless
-    every row has them."""
-    if not routes or any(r is None for r in routes):
-        return None
-    out = routes[0].new_zeros((len(routes), max(1, max(r.shape[0] for r in routes)), *routes[0].shape[1:]))
-    for row, r in enumerate(routes):
-        out[row, : r.shape[0]] = r
-    return out
-
-
 def fuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint names → ours: per-expert `experts.{e}.gate_proj/up_proj/down_proj.weight` (Mixtral's
     `block_sparse_moe.experts.{e}.w1/w3/w2.weight`) stacked into `mlp.experts.gate_up_proj` [E, 2I, H] and

@@ -34,7 +34,7 @@ The backward (`backward`) adds the gradients and the largest micro-batch's activ
   size of the shard, √v̂ + ε: `optimizer_temporary`);
 - tokens: a micro-batch is `per_device_train_batch_size` rows and at most `max_tokens_per_micro_batch`
   tokens (`auto`: `fast_path.micro_batch_tokens`), but never less than one unit, a prompt with the group's
-  completions when prompts are shared (`update/packing.py`: a unit longer than the cap is a micro-batch alone);
+  completions when prompts are shared (`Layout.plan`: a unit longer than the cap is a micro-batch alone);
 - per token, a checkpointed layer keeps its input (hidden × 2 bytes); the layer being recomputed keeps what
   its backward reads, estimated as 2 × (4 hidden + 2 q + 2 kv + 3 intermediate) bytes (the norms' inputs and
   outputs, q/k/v, the attention output, the MLP's gate, up and product: 73 KB a token at the Qwen2.5-1.5B
@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 
 from cohort.models.config import ModelConfig
 from cohort.parallel.placement import Placement
+from cohort.rollout.layout import Layout
 from cohort.rollout.scheduler import ENGINE_SLOTS
 from cohort.update.fast_path import tokens_for_work
 from cohort.update.logprobs import CHUNK_BYTES
@@ -96,7 +97,7 @@ class StepShape:
     micro_rows: int
     micro_tokens: int | str = "auto"  # 0: rows only
     checkpointing: bool = True
-    share_prompts: bool = True
+    share_prompt_prefix: bool = True
     element_bytes: int = 2  # bf16 weights; 4 with --dtype float32
     moment_bytes: int = 4  # AdamW's two moments, one GPU or FSDP2's shard: bf16 (8 for fp32)
     lora_rank: int = 0  # 0: full parameters
@@ -114,14 +115,19 @@ class StepShape:
         return cls(rows=args.per_device_train_batch_size * args.gradient_accumulation_steps, group=args.num_generations,
                    prompt_len=args.max_prompt_length, completion_len=args.max_completion_length,
                    micro_rows=args.per_device_train_batch_size, micro_tokens=args.max_tokens_per_micro_batch,
-                   checkpointing=args.gradient_checkpointing is not False, share_prompts=args.share_prompt_prefix,
-                   element_bytes=4 if fp32 else 2,
+                   checkpointing=args.gradient_checkpointing is not False,
+                   share_prompt_prefix=args.share_prompt_prefix, element_bytes=4 if fp32 else 2,
                    moment_bytes=8 if fp32 or args.optimizer_state_dtype == "float32" else 4,
                    lora_rank=args.lora_r if args.use_peft else 0, reference=args.beta > 0 and not args.use_peft,
                    offload_reference=args.offload_ref_model,
                    async_copy=placement.producer_copy, lend_kv_cache=args.lend_kv_cache,
                    free_sampling_memory=args.free_sampling_memory,
                    engine_slots=slots if isinstance(slots := args.max_concurrent_sequences, int) else ENGINE_SLOTS)
+
+    @property
+    def layout(self) -> Layout:
+        """The layout of the step's passes, as the run decides it for cohort's own models (`Layout.choose`)."""
+        return Layout.choose(self.share_prompt_prefix, self.group)
 
 
 @dataclass(frozen=True)
@@ -223,11 +229,9 @@ def activation_bytes_per_token(config: ModelConfig, element_bytes: int) -> int:
 
 def micro_batch_tokens(config: ModelConfig, step: StepShape) -> int:
     """Tokens of the largest training micro-batch the step can make (see the docstring)."""
-    rows = min(step.micro_rows, step.rows)
-    shared = step.share_prompts and step.group > 1
-    unit = step.prompt_len + (min(step.group, rows) if shared else 1) * step.completion_len
-    prompts = math.ceil(rows / min(step.group, rows)) if shared else rows
-    whole = prompts * step.prompt_len + rows * step.completion_len
+    rows, layout = min(step.micro_rows, step.rows), step.layout
+    unit = layout.full_length_tokens(layout.unit_rows(rows), step.prompt_len, step.completion_len)
+    whole = layout.full_length_tokens(rows, step.prompt_len, step.completion_len)
     cap = step.micro_tokens
     if cap == "auto":
         cap = tokens_for_work(active_parameter_count(config))
@@ -236,8 +240,7 @@ def micro_batch_tokens(config: ModelConfig, step: StepShape) -> int:
 
 def several_micro_batches(config: ModelConfig, step: StepShape) -> bool:
     """Whether the step's update takes more than one micro-batch (gradients accumulate between them)."""
-    shared = step.share_prompts and step.group > 1
-    whole = (math.ceil(step.rows / step.group) if shared else step.rows) * step.prompt_len + step.rows * step.completion_len
+    whole = step.layout.full_length_tokens(step.rows, step.prompt_len, step.completion_len)
     return step.rows > step.micro_rows or micro_batch_tokens(config, step) < whole
 
 

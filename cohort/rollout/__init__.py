@@ -6,6 +6,9 @@ slots (`scheduler.py`), per-sequence state (`sequence.py`), device-side sampling
 vocabulary slices on a tensor-parallel shard, `token_sampler.py`), CUDA-graph decode (`cuda_graphs.py`)
 and the overlapped host checks (`overlap.py`).
 
+What a rollout is, once sampled: `Rollout` and the step's `Batch` (`batch.py`), per-row records whose fields
+declare their layout (`records.py`), and the `Layout` of the passes over it (`layout.py`).
+
 `make_sampler(model, tokenizer)` makes a sampler for any model: our own `CausalLM` gets the
 `Engine`; any other model gets Hugging Face `generate` (`HFGenerateSampler`). `setup.py` builds a
 run's whole rollout side for the trainer (`build_rollouts`: the sampler, the `GroupSampler` stage,

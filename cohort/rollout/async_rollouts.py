@@ -32,30 +32,12 @@ import torch
 
 from cohort.errors import CohortError
 from cohort.rollout.batch import Batch
-from cohort.rollout.sampler import Rollout
 
 
 def weights_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A copy of the policy's weights as they are now (the version a rollout must be sampled from)."""
     with torch.no_grad():
         return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-
-
-def batch_state(batch: Batch) -> dict:
-    """A sampled rollout as plain values (a checkpoint's, or a message between ranks)."""
-    rollout = batch.rollout
-    return {"rows": batch.rows, "prompt_ids": batch.prompt_ids, "completions": batch.completions,
-            "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
-            "logprobs": rollout.logprobs, "finish_reasons": rollout.finish_reasons, "tool_mask": rollout.tool_mask,
-            "routed_experts": rollout.routed_experts, "rollout_metrics": batch.rollout_metrics}
-
-
-def batch_from_state(item: dict) -> Batch:
-    """Inverse of `batch_state` (the rollout's tensors stay on the CPU, where the engine makes them)."""
-    rollout = Rollout(item["completion_ids"], item["completion_mask"], item["logprobs"], item["finish_reasons"],
-                      item["tool_mask"], item.get("routed_experts"))
-    return Batch(rows=item["rows"], prompt_ids=item["prompt_ids"], rollout=rollout, completions=item["completions"],
-                 rollout_metrics=item["rollout_metrics"])
 
 
 def steps_to_start(step: int, max_staleness: int, anything_pending: bool) -> list[int]:
@@ -137,14 +119,14 @@ class AsyncRollouts:
     def state_dict(self) -> dict:
         """The rollouts sampled ahead (waited for), as plain values, so a checkpoint resumes exactly: they
         were drawn from the data stream and the weights the checkpoint has already moved past."""
-        return {"pending": [{"step": step, "version": version, **batch_state(future.result())}
+        return {"pending": [{"step": step, "version": version, **future.result().state()}
                             for step, (future, version) in sorted(self.pending.items())]}
 
     def load_state_dict(self, state: dict) -> None:
         """Put back the rollouts a checkpoint saved, as if just sampled."""
         for item in state.get("pending", []):
             done: Future = Future()
-            done.set_result(batch_from_state(item))
+            done.set_result(Batch.from_state(item))
             self.pending[item["step"]] = (done, item["version"])
 
     def close(self) -> None:

@@ -13,23 +13,42 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cohort.rollout.records import COMPLETION, WHOLE, RowRecord, record_field
 from cohort.rollout.sampler import Rollout
 
 
+def mean_per_key(parts: list[dict | None]) -> dict:
+    """Each key of the first part's metrics, averaged over the parts that have it (reward metrics describe
+    everything sampled in a step: every round of dynamic sampling)."""
+    metrics = {}
+    for key in parts[0] or {}:
+        values = [part[key] for part in parts if part and key in part]
+        metrics[key] = sum(values) / len(values)
+    return metrics
+
+
 @dataclass
-class Batch:
-    rows: list[dict]  # the dataset row of each completion (repeated G times)
-    prompt_ids: list[list[int]]  # [B] prompt token ids
-    rollout: Rollout  # completion ids [B, T], mask [B, T], finish reasons
-    completions: list  # decoded completions (str, or chat messages for chat prompts)
-    rewards: torch.Tensor | None = None  # [B]
-    advantages: torch.Tensor | None = None  # [B], or [B, T] per token (PPO's GAE)
-    old_logp: torch.Tensor | None = None  # [B, T] log π_old, when μ > 1
-    ref_logp: torch.Tensor | None = None  # [B, T] log π_ref, when β > 0
-    per_function: torch.Tensor | None = None  # [B, F] each reward function's score (NaN = not scored)
-    reward_metrics: dict | None = None
-    environments: list | None = None  # [B] each completion's environment (environment_factory), or None
-    rollout_metrics: dict | None = None  # tools/* of a tool-calling rollout, async/* of one sampled ahead
+class Batch(RowRecord):
+    """Every field but the two metrics is one value per row, declared with its layout (cohort/rollout/records.py):
+    selecting and joining rows carry each of them; `state` keeps what sampling made (a rollout sampled ahead, in a
+    checkpoint or a message between ranks), the environments excepted (live objects)."""
+
+    rows: list[dict] = record_field()  # the dataset row of each completion (repeated G times)
+    prompt_ids: list[list[int]] = record_field()  # [B] prompt token ids
+    rollout: Rollout = record_field(record=Rollout)  # completion ids [B, T], mask [B, T], finish reasons
+    completions: list = record_field()  # decoded completions (str, or chat messages for chat prompts)
+    rewards: torch.Tensor | None = record_field(default=None, state=False)  # [B]
+    # [B], or [B, T] per token (PPO's GAE)
+    advantages: torch.Tensor | None = record_field(COMPLETION, default=None, state=False)
+    old_logp: torch.Tensor | None = record_field(COMPLETION, default=None, state=False)  # [B, T] log π_old, when μ > 1
+    ref_logp: torch.Tensor | None = record_field(COMPLETION, default=None, state=False)  # [B, T] log π_ref, when β > 0
+    # [B, F] each reward function's score (NaN = not scored)
+    per_function: torch.Tensor | None = record_field(default=None, state=False)
+    reward_metrics: dict | None = record_field(WHOLE, default=None, state=False, merge=mean_per_key)
+    # [B] each completion's environment (environment_factory), or None
+    environments: list | None = record_field(default=None, state=False)
+    # tools/* of a tool-calling rollout, async/* of one sampled ahead (joined: the first part's)
+    rollout_metrics: dict | None = record_field(WHOLE, default=None)
 
     @property
     def prompts(self) -> list:
@@ -49,24 +68,9 @@ class Batch:
         return [ids[m.bool()].tolist() for ids, m in zip(self.rollout.completion_ids, self.rollout.completion_mask)]
 
 
-def select_groups(batch, groups: list[int], group_size: int):
+def select_groups(batch: Batch, groups: list[int], group_size: int) -> Batch:
     """The batch restricted to the given group indices (each group's G rows, in order)."""
-    rows = [g * group_size + i for g in groups for i in range(group_size)]
-    index = torch.tensor(rows, dtype=torch.long)
-
-    def pick(x):
-        if x is None:
-            return None
-        return x[index] if isinstance(x, torch.Tensor) else [x[r] for r in rows]
-
-    rollout = batch.rollout
-    return dataclasses.replace(
-        batch, rows=pick(batch.rows), prompt_ids=pick(batch.prompt_ids), completions=pick(batch.completions),
-        rewards=pick(batch.rewards), per_function=pick(batch.per_function), advantages=pick(batch.advantages),
-        rollout=Rollout(pick(rollout.completion_ids), pick(rollout.completion_mask), pick(rollout.logprobs),
-                        pick(rollout.finish_reasons), pick(rollout.tool_mask), pick(rollout.routed_experts)),
-        environments=pick(batch.environments),
-    )
+    return batch.select([g * group_size + i for g in groups for i in range(group_size)])
 
 
 def without_extra_padding(batch: Batch) -> Batch:

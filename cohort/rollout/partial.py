@@ -112,16 +112,11 @@ class GroupPool:
 def groups_batch(groups: list[GroupInFlight], pad_id: int, decode) -> Batch:
     """The delivered groups as a step's `Batch` (rows group-contiguous); `decode(rows, rollout)` the texts."""
     completions = [(g, i) for g in groups for i in range(len(g.tokens))]
-    width = max(1, max(len(g.tokens[i]) for g, i in completions))
-    ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(completions), width), dtype=torch.long)
-    logprobs = torch.zeros((len(completions), width), dtype=torch.float32)
-    for row, (g, i) in enumerate(completions):
-        count = len(g.tokens[i])
-        ids[row, :count] = torch.tensor(g.tokens[i], dtype=torch.long)
-        mask[row, :count] = 1
-        logprobs[row, :count] = torch.tensor(g.logprobs[i], dtype=torch.float32)
-    rollout = Rollout(ids, mask, logprobs, [g.finish_reasons[i] for g, i in completions])
+    rollout = Rollout.concatenate([Rollout(
+        completion_ids=torch.tensor(g.tokens[i], dtype=torch.long)[None],
+        completion_mask=torch.ones((1, len(g.tokens[i])), dtype=torch.long),
+        logprobs=torch.tensor(g.logprobs[i], dtype=torch.float32)[None],
+        finish_reasons=[g.finish_reasons[i]]) for g, i in completions], pad_id, width=1)
     rows = [g.row for g, _ in completions]
     carried = sum(g.calls > 1 for g in groups) / len(groups)
     return Batch(rows=rows, prompt_ids=[g.prompt_ids for g, _ in completions], rollout=rollout,

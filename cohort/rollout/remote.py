@@ -9,7 +9,7 @@ loop: read the next request of each trainer it serves, load the version's weight
 sample, send each rollout back. Requests are served in order, so version t's weights are loaded
 exactly when the first rollout that needs them is sampled.
 
-Messages carry plain values (`batch_state`); the weights travel from a snapshot taken after the
+Messages carry plain values (`Batch.state`); the weights travel from a snapshot taken after the
 update, so the broadcast runs while the next update changes the live weights.
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from cohort.errors import CohortError
 from cohort.models.resharding import update_shard_
-from cohort.rollout.async_rollouts import batch_from_state, batch_state, steps_to_start, weights_snapshot
+from cohort.rollout.async_rollouts import steps_to_start, weights_snapshot
 from cohort.rollout.batch import Batch, select_groups, without_extra_padding
 from cohort.rollout.partial import GroupPool, PartialRollouts
 
@@ -82,7 +82,7 @@ class RemoteRollouts:
                 raise CohortError(f"rank {self.rank}: expected a rollout from sampling rank {self.server}, got {kind!r}")
             if "pool" in state:  # partial rollouts
                 self.versions[done_step], self.pool = state.pop("version"), state.pop("pool")
-            self.received[done_step] = batch_from_state(state)
+            self.received[done_step] = Batch.from_state(state)
 
     def steps_ahead(self, step: int) -> list[int]:
         return steps_to_start(step, self.lag, bool(self.pending))
@@ -98,13 +98,13 @@ class RemoteRollouts:
         if self.pending:
             self.receive_until(max(self.pending))
         return {"pending": [{"step": step, "version": self.versions.get(step, version),
-                             **batch_state(self.received[step])} for step, version in sorted(self.pending.items())],
+                             **self.received[step].state()} for step, version in sorted(self.pending.items())],
                 "pool": self.pool}
 
     def load_state_dict(self, state: dict) -> None:
         """The rollouts a checkpoint saved, as if just received; the sampling rank gets its pool back."""
         for item in state.get("pending", []):
-            self.received[item["step"]] = batch_from_state(item)
+            self.received[item["step"]] = Batch.from_state(item)
             self.pending[item["step"]] = item["version"]
         if self.partial and state.get("pool") is not None:
             self.pool = state["pool"]
@@ -185,7 +185,7 @@ class RolloutServer:
                 batch = self.sample([row for block in blocks for row in block], seed, sequence_offset)
                 for trainer, part in zip(trainers, split_by_blocks(batch, [len(block) for block in blocks])):
                     part.rollout_metrics = {**(part.rollout_metrics or {}), "time/weight_sync": synced}
-                    self.reply((ROLLOUT, step, batch_state(part)), trainer)  # the engine's rollouts are on the CPU
+                    self.reply((ROLLOUT, step, part.state()), trainer)  # the engine's rollouts are on the CPU
         self.link.flush()
         return self.served
 
@@ -210,7 +210,7 @@ class RolloutServer:
         results = self.partial(pools, [requests[t][3] for t in trainers], step, version, seed)
         for trainer, pool, (batch, oldest, _) in zip(trainers, pools, results):
             batch.rollout_metrics = {**(batch.rollout_metrics or {}), "time/weight_sync": synced}
-            self.reply((ROLLOUT, step, {**batch_state(batch), "version": oldest, "pool": pool.state_dict()}), trainer)
+            self.reply((ROLLOUT, step, {**batch.state(), "version": oldest, "pool": pool.state_dict()}), trainer)
 
     @torch.no_grad()
     def use_weights_of(self, version: int) -> float:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from cohort.rollout.records import COMPLETION, PAD_TOKEN, POSITION, RowRecord, record_field
 from cohort.rollout.turns import TURN_NOISE_STRIDE, TurnHandler
 
 
@@ -34,19 +35,25 @@ class SamplingParams:
 
 
 @dataclass
-class Rollout:
-    """G completions for each prompt, rows group-contiguous (prompt i → rows i*G … i*G+G-1)."""
+class Rollout(RowRecord):
+    """G completions for each prompt, rows group-contiguous (prompt i → rows i*G … i*G+G-1). Every field is one
+    value per row, declared with its layout (cohort/rollout/records.py), so selecting, joining and saving rows
+    carry each of them."""
 
-    completion_ids: torch.Tensor  # [B, T] long, right-padded with pad_token_id
-    completion_mask: torch.Tensor  # [B, T] long, 1 on generated tokens up to and including the first EOS
-    logprobs: torch.Tensor | None  # [B, T] float32 sampling log-probs (after temperature), or None
-    finish_reasons: list[str]  # "stop" (EOS or stop string) or "length"
+    # [B, T] long, right-padded with pad_token_id
+    completion_ids: torch.Tensor = record_field(COMPLETION, pad=PAD_TOKEN)
+    # [B, T] long, 1 on generated tokens up to and including the first EOS
+    completion_mask: torch.Tensor = record_field(COMPLETION)
+    # [B, T] float32 sampling log-probs (after temperature), or None
+    logprobs: torch.Tensor | None = record_field(COMPLETION)
+    finish_reasons: list[str] = record_field()  # "stop" (EOS or stop string) or "length"
     # Multi-turn rollouts (cohort/rollout/turns.py): [B, T] long, 1 on tokens the model sampled, 0 on
-    # tokens appended between its turns (tool results); None when nothing was appended.
-    tool_mask: torch.Tensor | None = None
+    # tokens appended between its turns (tool results); None when nothing was appended (every token sampled).
+    tool_mask: torch.Tensor | None = record_field(COMPLETION, default=None,
+                                                  absent=lambda part: torch.ones_like(part.completion_mask))
     # A mixture-of-experts model's expert ids per row and position of [prompt | completion], as the
     # sampler routed them: [B, S, MoE layers, k] int16 (zeros past a row's end), or None (routing replay).
-    routed_experts: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = record_field(POSITION, default=None)
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -56,26 +63,14 @@ class Rollout:
 
     def rows(self, start: int, stop: int) -> "Rollout":
         """Rows [start, stop), every per-row field, cut to their longest completion (`trimmed`)."""
-        def part(x):
-            return None if x is None else x[start:stop]
-
-        return replace(self, completion_ids=part(self.completion_ids), completion_mask=part(self.completion_mask),
-                       logprobs=part(self.logprobs), finish_reasons=self.finish_reasons[start:stop],
-                       tool_mask=part(self.tool_mask), routed_experts=part(self.routed_experts)).trimmed()
+        return self.select(slice(start, stop)).trimmed()
 
     def trimmed(self) -> "Rollout":
         """The completion tensors cut to the longest completion: a part of a larger rollout is then what sampling it
         alone gives (`routed_experts`, by position of prompt and completion, is kept as it is)."""
         mask = self.completion_mask
         width = max(1, int(mask.sum(dim=1).max())) if mask.shape[0] else 1
-        if width >= self.completion_ids.shape[1]:
-            return self
-
-        def cut(x):
-            return None if x is None else x[:, :width]
-
-        return replace(self, completion_ids=cut(self.completion_ids), completion_mask=cut(mask),
-                       logprobs=cut(self.logprobs), tool_mask=cut(self.tool_mask))
+        return self if width >= self.completion_ids.shape[1] else self.cut(width)
 
 
 class Sampler(Protocol):

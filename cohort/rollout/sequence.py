@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from cohort.errors import CohortError
-from cohort.models.moe import stack_routes
 from cohort.rollout.sampler import Rollout
 from cohort.rollout.turns import TURN_NOISE_STRIDE
 
@@ -153,21 +152,17 @@ class SlotState:
 
 
 def assemble_rollout(sequences: list[Sequence], pad_token_id: int, multi_turn: bool = False) -> Rollout:
-    """Right-pad the finished sequences into the Rollout tensors (on the CPU, like HFGenerateSampler);
+    """The finished sequences, in index order, as one right-padded Rollout (on the CPU, like HFGenerateSampler);
     `multi_turn` adds the tool mask (1 on sampled tokens, 0 on appended ones)."""
-    sequences = sorted(sequences, key=lambda seq: seq.index)
-    length = max(len(seq.tokens) for seq in sequences)
-    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    logprobs = torch.zeros((len(sequences), length), dtype=torch.float32)
-    tool_mask = torch.zeros((len(sequences), length), dtype=torch.long) if multi_turn else None
-    for row, seq in enumerate(sequences):
-        count = len(seq.tokens)
-        ids[row, :count] = seq.tokens
-        mask[row, :count] = 1
-        logprobs[row, :count] = seq.logprobs
-        if tool_mask is not None:
-            tool_mask[row, :count] = seq.sampled if seq.sampled is not None else 1
-    return Rollout(completion_ids=ids, completion_mask=mask, logprobs=logprobs,
-                   finish_reasons=[seq.finish_reason for seq in sequences], tool_mask=tool_mask,
-                   routed_experts=stack_routes([seq.routes for seq in sequences]))
+    return Rollout.concatenate([sequence_rollout(seq, multi_turn) for seq in sorted(sequences, key=lambda s: s.index)],
+                               pad_token_id)
+
+
+def sequence_rollout(seq: Sequence, multi_turn: bool) -> Rollout:
+    """One finished sequence as a rollout of one row."""
+    count = len(seq.tokens)
+    sampled = seq.sampled if seq.sampled is not None else torch.ones(count, dtype=torch.long)
+    return Rollout(completion_ids=seq.tokens.long()[None], completion_mask=torch.ones((1, count), dtype=torch.long),
+                   logprobs=seq.logprobs.float()[None], finish_reasons=[seq.finish_reason],
+                   tool_mask=sampled.long()[None] if multi_turn else None,
+                   routed_experts=None if seq.routes is None else seq.routes[None])

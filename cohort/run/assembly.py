@@ -37,6 +37,7 @@ from cohort.run.resolve import resolve_run_config
 from cohort.rewards.model import resolve_reward_funcs
 from cohort.rewards.runner import RewardRunner
 from cohort.plans.placement_lines import placement_line
+from cohort.rollout.layout import Layout
 from cohort.rollout.setup import Rollouts, build_rollouts
 from cohort.tasks.data import dataset_rows
 from cohort.telemetry.step_report import StepReport, open_step_report
@@ -59,9 +60,9 @@ class RunAssembly:
     the loaded policy, or the FSDP2 module itself where no rank keeps a whole copy (colocated sampling) or
     the whole copy is empty between a rollout and its refresh. train_model: what the training forward
     calls (the model, DDP around it, or FSDP2's sharded copy). ref_model: π_ref's frozen copy, None when
-    β = 0 or with LoRA (π_ref is the policy with its adapters off). share_prompts: the G completions of a
-    prompt share its forward. sampler_correction: the correction in force for a sampler that is not the
-    policy being trained, None when off."""
+    β = 0 or with LoRA (π_ref is the policy with its adapters off). layout: how the passes over a rollout lay
+    it out (the G completions of a prompt sharing its forward, or a padded row each). sampler_correction: the
+    correction in force for a sampler that is not the policy being trained, None when off."""
 
     args: GRPOConfig
     parallel: Parallel
@@ -78,7 +79,7 @@ class RunAssembly:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     uses_reference: bool
     ref_model: nn.Module | None
-    share_prompts: bool
+    layout: Layout
     rollouts: Rollouts
     memory: MemoryManager
     prompts: PromptStream
@@ -158,13 +159,13 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
             model = train_model  # rollout and its refresh: π_old's pass goes through FSDP2
     # The G completions of a prompt share its forward in the log-prob passes and the update: our
     # models only (they take attention rows), and only where a prompt has several completions.
-    share_prompts = bool(args.share_prompt_prefix and args.num_generations > 1 and supports_hidden(model))
+    layout = Layout.choose(args.share_prompt_prefix, args.num_generations, supports_hidden(model))
     group = parallel.sampling_group
     rollouts = build_rollouts(args, sampling_model, tokenizer, pad_id, toolbox, placement=placement, link=parallel.link,
                               rank=parallel.rank, sampler_factory=sampler_factory,
                               sampling_group=None if group is None else group.process_group)
     memory = MemoryManager(args, placement=placement, auto_checkpointing=auto_checkpointing, ref_model=ref_model,
-                           sampler=rollouts.sampler, device=device, share_prompts=share_prompts, log=stage_log,
+                           sampler=rollouts.sampler, device=device, layout=layout, log=stage_log,
                            release_weights=parallel.release_sampling_weights)
     prompts = PromptStream(train_rows, args.prompts_per_step * parallel.world_size, args.seed)
     # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
@@ -172,7 +173,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     loss_spec = LossSpec.from_config(args, sampler_correction)  # the loss's settings, in one value
     policy_update = PolicyUpdate(args, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
                                  memory=memory, parallel=parallel, device=device, pad_id=pad_id,
-                                 share_prompts=share_prompts, loss=loss_spec, log=stage_log)
+                                 layout=layout, loss=loss_spec, log=stage_log)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     if parallel.is_main and toolbox is not None:  # rank 0 alone logs, prints and saves
         for warning in toolbox.save(args.output_dir):  # `cohort chat` on the model offers the same tools
@@ -186,7 +187,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     return RunAssembly(args=args, parallel=parallel, device=device, model=model, tokenizer=tokenizer, pad_id=pad_id,
                        train_rows=train_rows, eval_rows=eval_rows, curriculum=curriculum, rewards=rewards,
                        train_model=train_model, optimizer=optimizer, scheduler=scheduler,
-                       uses_reference=uses_reference, ref_model=ref_model, share_prompts=share_prompts,
+                       uses_reference=uses_reference, ref_model=ref_model, layout=layout,
                        rollouts=rollouts, memory=memory, prompts=prompts, sampler_correction=sampler_correction,
                        loss_spec=loss_spec, policy_update=policy_update, report=report)
 

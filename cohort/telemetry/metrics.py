@@ -18,10 +18,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from cohort.config.choices import CHOICES
 from cohort.errors import CohortError
+
+if TYPE_CHECKING:  # for the annotation only: the HTML report (report.py) imports this module without torch
+    from cohort.rollout.layout import Layout
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
@@ -239,7 +242,7 @@ def update_flops(model, prompt_tokens: int, completion_tokens: int,
     - attention's score and value products, as PaLM's MFU counts them (Chowdhery et al. 2022,
       appendix B), but only the causal half that is computed: 2 products × 2 FLOPs × heads ×
       head dim per (query, key) pair forward, twice that backward, over `attention_pairs[window]`
-      pairs per layer (packing.attention_pairs, keyed by the layer's sliding window or None; see
+      pairs per layer (Layout.attention_pairs, keyed by the layer's sliding window or None; see
       `attention_layers`). Left out when `attention_pairs` is None or the architecture is unknown.
 
     With every weight trained, no head or embedding found and no attention term this is 6·N·tokens.
@@ -282,15 +285,12 @@ def attention_layers(model) -> list[tuple[int, int | None]]:
     return [(width, config.layer_sliding_window(i)) for i in range(config.num_hidden_layers)]
 
 
-def rollout_attention_pairs(model, prompt_ids: list[list[int]], completion_lengths: list[int], max_rows: int,
-                            share_prompts: bool) -> dict[int | None, int]:
-    """`update_flops`'s `attention_pairs` for a rollout: packing.attention_pairs for each sliding
-    window (or None) that `model`'s attention layers use."""
-    from cohort.update.packing import attention_pairs
-
+def rollout_attention_pairs(model, layout: Layout, prompt_ids: list[list[int]], completion_lengths: list[int],
+                            max_rows: int) -> dict[int | None, int]:
+    """`update_flops`'s `attention_pairs` for a rollout laid out as `layout` lays it out (`Layout.attention_pairs`),
+    for each sliding window (or None) that `model`'s attention layers use."""
     windows = dict.fromkeys(window for _, window in attention_layers(model))
-    return {window: attention_pairs(prompt_ids, completion_lengths, max_rows, share_prompts, window)
-            for window in windows}
+    return {window: layout.attention_pairs(prompt_ids, completion_lengths, max_rows, window) for window in windows}
 
 
 def peak_memory_gib(device, reset: bool = True) -> float:
@@ -320,7 +320,8 @@ def throughput_metrics(model, device, phase_seconds: dict[str, float], prompt_to
       passes (log π_old when μ > 1, log π_ref when β > 0), when there are any;
     - `tokens_per_second/update`: prompt + completion tokens through forward + backward per second,
       counting each of the μ updates;
-    `prompt_tokens` are those the forwards compute: a prompt its group shares counts once (cohort/update/packing.py).
+    `prompt_tokens` are those the forwards compute: a prompt its group shares counts once
+    (`Layout.computed_prompt_tokens`).
     - `mfu`: `update_flops` (attention included when `attention_pairs` is given) × the μ updates /
       update seconds / the GPU's peak bf16 FLOP/s; None on CPU.
     """

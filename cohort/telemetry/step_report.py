@@ -18,8 +18,8 @@ import torch
 
 from cohort.memory.gc_pauses import collector_seconds
 from cohort.rollout.batch import Batch
+from cohort.rollout.layout import Layout
 from cohort.parallel.distributed import SilentMetrics, silent
-from cohort.update.packing import computed_prompt_tokens
 from cohort.telemetry.metrics import MetricsLogger, rollout_attention_pairs, throughput_metrics
 from cohort.telemetry.progress import PHASES, Progress
 
@@ -45,7 +45,7 @@ class StepContext:
     learning_rate: float
     uses_reference: bool  # β > 0: the KL is reported
     micro_rows: int  # the training micro-batch size (token counts of the forward passes)
-    share_prompts: bool
+    layout: Layout  # how the passes lay the rollout out (prompt tokens and attention pairs computed)
     reward_names: list[str]
     counters: dict[str, float] = field(default_factory=dict)  # skipped_steps, oom_retries, ...
     extra: dict[str, float] = field(default_factory=dict)  # e.g. curriculum/stage
@@ -144,10 +144,10 @@ class StepReport:
 
         Prompt tokens as the forward passes see them: once per group when the group shares its
         prompt; attention's (query, key) pairs per layer, for each sliding window the layers use."""
-        pairs = rollout_attention_pairs(self.model, batch.prompt_ids, [int(n) for n in lengths.tolist()],
-                                        context.micro_rows, context.share_prompts)
+        pairs = rollout_attention_pairs(self.model, context.layout, batch.prompt_ids,
+                                        [int(n) for n in lengths.tolist()], context.micro_rows)
         prompt_tokens, completion_tokens, *summed_pairs = (int(n) for n in self.parallel.all_reduce_sums(
-            [computed_prompt_tokens(batch.prompt_ids, context.micro_rows, context.share_prompts),
+            [context.layout.computed_prompt_tokens(batch.prompt_ids, context.micro_rows),
              float(lengths.sum()), *map(float, pairs.values())]))
         record = throughput_metrics(
             self.model, self.device, self.phase_times, prompt_tokens, completion_tokens, updates,

@@ -6,19 +6,17 @@ Reinforcement Learning System at Scale", §3.2 and Algorithm 1) drops such group
 sampling prompts until the batch holds `prompts_per_step` informative groups. We bound the
 number of extra sampling rounds; when they run out we train on the informative groups we have.
 
-Works on any dataclass batch with the trainer's `Batch` fields, without importing the trainer.
+The kept groups of the rounds are joined by `Batch.concatenate` (every per-row field; completions right-padded to
+one width; the reward metrics averaged over the rounds).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
 
-from cohort.models.moe import stack_routes
-from cohort.rollout.batch import select_groups
-from cohort.rollout.sampler import Rollout
+from cohort.rollout.batch import Batch, select_groups
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int, scored: torch.Tensor | None = None) -> torch.Tensor:
@@ -34,45 +32,6 @@ def informative_groups(rewards: torch.Tensor, group_size: int, scored: torch.Ten
 def scored_rows(batch) -> torch.Tensor | None:
     """[B] bool: the completions some reward function scored (None: every one)."""
     return None if batch.per_function is None else ~torch.isnan(batch.per_function).all(dim=1)
-
-
-def concat_batches(batches: list, pad_id: int):
-    """One batch from several (scored, before advantages); completions are right-padded to one width."""
-    if len(batches) == 1:
-        return batches[0]
-    width = max(b.rollout.completion_ids.shape[1] for b in batches)
-
-    def pad(x, value):
-        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
-
-    rollouts = [b.rollout for b in batches]
-    logprobs = None
-    if all(r.logprobs is not None for r in rollouts):
-        logprobs = torch.cat([pad(r.logprobs, 0.0) for r in rollouts])
-    tool_mask = None
-    if any(r.tool_mask is not None for r in rollouts):
-        tool_mask = torch.cat([pad(r.tool_mask if r.tool_mask is not None else torch.ones_like(r.completion_mask), 0)
-                               for r in rollouts])
-    # Reward metrics describe everything sampled this step: average them over the rounds.
-    metrics = {}
-    for key in batches[0].reward_metrics or {}:
-        values = [b.reward_metrics[key] for b in batches if b.reward_metrics and key in b.reward_metrics]
-        metrics[key] = sum(values) / len(values)
-    return dataclasses.replace(
-        batches[0],
-        rows=[r for b in batches for r in b.rows],
-        prompt_ids=[p for b in batches for p in b.prompt_ids],
-        completions=[c for b in batches for c in b.completions],
-        rewards=torch.cat([b.rewards for b in batches]),
-        per_function=torch.cat([b.per_function for b in batches]) if batches[0].per_function is not None else None,
-        rollout=Rollout(torch.cat([pad(r.completion_ids, pad_id) for r in rollouts]),
-                        torch.cat([pad(r.completion_mask, 0) for r in rollouts]), logprobs,
-                        [f for r in rollouts for f in r.finish_reasons], tool_mask,
-                        stack_routes([row for r in rollouts for row in (
-                            r.routed_experts if r.routed_experts is not None else [None])])),
-        reward_metrics=metrics,
-        environments=None if batches[0].environments is None else [e for b in batches for e in b.environments],
-    )
 
 
 def fill_informative(first, sample_more: Callable[[], object], *, prompts_needed: int, group_size: int,
@@ -104,7 +63,7 @@ def fill_informative(first, sample_more: Callable[[], object], *, prompts_needed
     if not kept:
         stats["dynamic_sampling/informative_groups"] = 0.0
         return first, stats
-    merged = concat_batches(kept, pad_id)
+    merged = Batch.concatenate(kept, pad_id)
     if have > prompts_needed:  # the last round overshot: keep the first prompts_needed groups
         merged = select_groups(merged, list(range(prompts_needed)), group_size)
     stats["dynamic_sampling/informative_groups"] = float(min(have, prompts_needed))

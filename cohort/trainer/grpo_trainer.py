@@ -79,7 +79,7 @@ class GRPOTrainer:
         self.curriculum, self.rewards = parts.curriculum, parts.rewards
         self.train_model, self.optimizer, self.scheduler = parts.train_model, parts.optimizer, parts.scheduler
         self.uses_reference, self.ref_model, self.loss_spec = parts.uses_reference, parts.ref_model, parts.loss_spec
-        self.share_prompts, self.sampler_correction = parts.share_prompts, parts.sampler_correction
+        self.layout, self.sampler_correction = parts.layout, parts.sampler_correction
         self.sampler, self.group_sampler = parts.rollouts.sampler, parts.rollouts.group_sampler
         self.async_rollouts, self.sequence_offset = parts.rollouts.async_rollouts, parts.rollouts.sequence_offset
         self.memory, self.policy_update = parts.memory, parts.policy_update
@@ -299,7 +299,7 @@ class GRPOTrainer:
         task = self.curriculum.task if self.curriculum is not None else self.task  # the rows' own task
         context = StepContext(
             success=success_rate(batch, task), learning_rate=self.scheduler.get_last_lr()[0],
-            uses_reference=self.uses_reference, micro_rows=self.memory.micro_rows, share_prompts=self.share_prompts,
+            uses_reference=self.uses_reference, micro_rows=self.memory.micro_rows, layout=self.layout,
             reward_names=self.rewards.names,
             counters={"skipped_steps": self.policy_update.counters.skipped_steps,
                       "oom_retries": self.memory.oom_retries},

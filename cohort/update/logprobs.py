@@ -3,9 +3,9 @@
 A float32 logits tensor at 16 × 1024 × 151,936 is 10 GB. Three choices keep the update phase's
 memory and time proportional to the tokens that matter:
 
-- **Length bucketing** (`packing.plan_micro_batches`): rows sorted by length fill micro-batches
-  under a row and a token budget, so a batch of mostly short completions does not pay for its
-  longest one.
+- **Length bucketing** (`Layout.plan`, cohort/rollout/layout.py): rows sorted by length fill
+  micro-batches under a row and a token budget, so a batch of mostly short completions does not pay
+  for its longest one.
 - **Each prompt computed once per group** (`packing.pack_shared_prompts`; one row per completion,
   `packing.pack_micro_batch`, for models that only give logits).
 - **A chunked LM head** (`lm_head_logprobs`): the head is applied to the completion tokens'
@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from cohort.update.packing import MicroBatch, filler_micro_batches, pack, plan_rollout
+from cohort.rollout.layout import PADDED, Layout
+from cohort.update.packing import MicroBatch, filler_micro_batches, pack
 
 CHUNK_BYTES = 512 * 2**20  # float32 logits per LM-head chunk: 512 MiB (≈880 rows at a 152k vocabulary)
 
@@ -275,22 +276,23 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
 
 def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, *,
                      pad_id: int, max_rows: int, max_tokens: int = 0, temperature: float = 1.0,
-                     share_prompts: bool = False, routes: Tensor | None = None, replay: bool = True,
+                     layout: Layout = PADDED, routes: Tensor | None = None, replay: bool = True,
                      agree: Callable[[int], int] | None = None) -> Tensor:
     """[B, T] float32 log-probs of a whole rollout's completions, no gradient (log π_old, log π_ref):
     length-bucketed micro-batches under inference mode, scattered back to rollout order on the
-    model's device and copied to the CPU once, at the end (one host sync per pass). `routes`: a
+    model's device and copied to the CPU once, at the end (one host sync per pass), laid out and planned as
+    `layout` says (default: one padded row per completion, which any model runs). `routes`: a
     mixture-of-experts rollout's recorded experts, routed by with `replay` (packing.pack). `agree`: given the
     number of micro-batches this rank planned, how many forwards to run (as many as the other FSDP2 ranks run;
     the extra ones discarded, `packing.filler_micro_batches`)."""
     device = next(model.parameters()).device
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
-    plans = plan_rollout(prompt_ids, completion_mask, max_rows, max_tokens, share_prompts)
+    plans = layout.plan(prompt_ids, completion_mask, max_rows, max_tokens)
     # FSDP2 gathers into buffers it reuses in training: made under inference mode they could not be written again.
     with torch.no_grad() if is_fully_sharded(model) else torch.inference_mode():
         forwards = agree(len(plans)) if agree is not None else len(plans)
         for i, rows in enumerate(plans + filler_micro_batches(plans, forwards)):
-            micro = pack(prompt_ids, completion_ids, completion_mask, rows, pad_id, share_prompts,
+            micro = pack(prompt_ids, completion_ids, completion_mask, rows, pad_id, layout,
                          routes=routes, replay=replay).to(device)
             logp = micro_batch_logprobs(model, micro, temperature=temperature).logp
             if i < len(plans):

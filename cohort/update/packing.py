@@ -14,10 +14,10 @@ Two layouts share one `MicroBatch`:
   prompts, 512-token completions and G = 8 the layers compute 17.5% fewer tokens; at GSM8K's
   ~200-token prompts and ~250-token completions, about 40%. Our models only.
 
-Length bucketing (`plan_micro_batches`): the units of a layout (rows, or prompt groups) sorted by
-length fill micro-batches under a row and a token budget, so a batch of mostly short completions
-does not pay for its longest one. Every index a forward needs is computed here, on the CPU, so using
-a micro-batch on a GPU needs no host sync.
+Which one a run uses, and the micro-batches' rows, are its `Layout`'s (cohort/rollout/layout.py: the units of a
+layout, rows or prompt groups, sorted by length fill micro-batches under a row and a token budget, so a batch of
+mostly short completions does not pay for its longest one); `pack` lays the planned rows out as the `Layout` says.
+Every index a forward needs is computed here, on the CPU, so using a micro-batch on a GPU needs no host sync.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from cohort.models.moe import Routing
 from cohort.rollout.batch import to_device
-from cohort.rollout.layout import prompt_groups
+from cohort.rollout.layout import PADDED, Layout, prompt_groups
 
 
 @dataclass
@@ -71,39 +71,6 @@ class MicroBatch:
 
 
 # ---- planning ----------------------------------------------------------------------------------
-def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0,
-                       sizes: list[int] | None = None) -> list[list[int]]:
-    """Split units of `lengths` tokens (each holding `sizes` completions, default 1) into
-    micro-batches of similar length: at most `max_rows` completions each and, when `max_tokens` > 0,
-    at most `max_tokens` padded tokens (units × the longest unit) each.
-
-    Units are taken longest first, so each micro-batch's padding is only the difference between
-    neighbours in the sorted order. Deterministic (ties keep unit order). A single unit longer than
-    `max_tokens` still gets a micro-batch of its own.
-
-    >>> plan_micro_batches([5, 100, 6, 90], max_rows=2)
-    [[1, 3], [2, 0]]
-    """
-    if max_rows < 1:
-        raise ValueError(f"max_rows={max_rows}: a micro-batch needs at least one row")
-    sizes = sizes or [1] * len(lengths)
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    plans: list[list[int]] = []
-    current: list[int] = []
-    rows = 0
-    for i in order:
-        longest = lengths[current[0]] if current else lengths[i]
-        too_many_tokens = max_tokens > 0 and (len(current) + 1) * longest > max_tokens
-        if current and (rows + sizes[i] > max_rows or too_many_tokens):
-            plans.append(current)
-            current, rows = [], 0
-        current.append(i)
-        rows += sizes[i]
-    if current:
-        plans.append(current)
-    return plans
-
-
 def filler_micro_batches(plans: list[list[int]], count: int) -> list[list[int]]:
     """`count - len(plans)` micro-batches of one row each, the last row of `plans`' last (shortest) micro-batch:
     forwards that a rank runs only to run as many as the other ranks (FSDP2 all-gathers in every forward, so
@@ -115,53 +82,6 @@ def filler_micro_batches(plans: list[list[int]], count: int) -> list[list[int]]:
     if count <= len(plans) or not plans:
         return []
     return [[plans[-1][-1]] for _ in range(count - len(plans))]
-
-
-def plan_rollout(prompt_ids: list[list[int]], completion_mask: Tensor, max_rows: int, max_tokens: int = 0,
-                 share_prompts: bool = False) -> list[list[int]]:
-    """`plan_micro_batches` over a rollout: rows as long as prompt + completion, or with
-    `share_prompts` prompt groups as long as the prompt + their completions (the shared layout has
-    no padding, but the budget stays a bound on rows × length, as in the other layout). Returns the
-    rollout rows of each micro-batch (a group's rows stay together)."""
-    completion_lengths = completion_mask.sum(dim=1).tolist()
-    if not share_prompts:
-        lengths = [len(p) + int(n) for p, n in zip(prompt_ids, completion_lengths)]
-        return plan_micro_batches(lengths, max_rows, max_tokens)
-    groups = prompt_groups(prompt_ids, max_rows)
-    lengths = [len(prompt_ids[g[0]]) + sum(int(completion_lengths[r]) for r in g) for g in groups]
-    plans = plan_micro_batches(lengths, max_rows, max_tokens, sizes=[len(g) for g in groups])
-    return [[row for unit in plan for row in groups[unit]] for plan in plans]
-
-
-def computed_prompt_tokens(prompt_ids: list[list[int]], max_rows: int, share_prompts: bool) -> int:
-    """Prompt tokens the forwards of `plan_rollout(..., max_rows, share_prompts=...)` compute: each
-    prompt once per group run with `share_prompts`, once per completion without."""
-    if not share_prompts:
-        return sum(len(p) for p in prompt_ids)
-    return sum(len(prompt_ids[group[0]]) for group in prompt_groups(prompt_ids, max_rows))
-
-
-def causal_pairs(length: int, window: int | None = None) -> int:
-    """(query, key) pairs of causal attention over `length` tokens, each query seeing itself and at
-    most `window` - 1 earlier keys (`window` None: all of them)."""
-    if window is None or length <= window:
-        return length * (length + 1) // 2
-    return window * (window + 1) // 2 + (length - window) * window
-
-
-def attention_pairs(prompt_ids: list[list[int]], completion_lengths: list[int], max_rows: int, share_prompts: bool,
-                    window: int | None = None) -> int:
-    """(query, key) pairs one attention layer computes over a rollout laid out as `plan_rollout`
-    lays it out: [prompt | completion] per row, or with `share_prompts` each prompt's queries once
-    per group, then every completion's queries over the prompt and its own earlier tokens."""
-    if not share_prompts:
-        return sum(causal_pairs(len(p) + n, window) for p, n in zip(prompt_ids, completion_lengths))
-    total = 0
-    for group in prompt_groups(prompt_ids, max_rows):
-        prompt = len(prompt_ids[group[0]])
-        total += causal_pairs(prompt, window)
-        total += sum(causal_pairs(prompt + completion_lengths[r], window) - causal_pairs(prompt, window) for r in group)
-    return total
 
 
 # ---- packing -----------------------------------------------------------------------------------
@@ -242,12 +162,12 @@ def pack_shared_prompts(prompt_ids: list[list[int]], completion_ids: Tensor, com
 
 
 def pack(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, rows: list[int],
-         pad_id: int, share_prompts: bool = False, routes: Tensor | None = None, replay: bool = True,
+         pad_id: int, layout: Layout = PADDED, routes: Tensor | None = None, replay: bool = True,
          keep_router: bool = False) -> MicroBatch:
-    """`pack_shared_prompts` or `pack_micro_batch`; with `routes` (`Rollout.routed_experts`, [B, S, layers, k]
-    by row and position) the micro-batch's `routing` holds them in the same layout as its input_ids, to
-    route by (`replay`) or compare with."""
-    packer = pack_shared_prompts if share_prompts else pack_micro_batch
+    """Rows `rows` as `layout` lays them out: `pack_shared_prompts` or `pack_micro_batch`; with `routes`
+    (`Rollout.routed_experts`, [B, S, layers, k] by row and position) the micro-batch's `routing` holds them in
+    the same layout as its input_ids, to route by (`replay`) or compare with."""
+    packer = pack_shared_prompts if layout.shared else pack_micro_batch
     micro = packer(prompt_ids, completion_ids, completion_mask, rows, pad_id)
     if routes is not None or keep_router:
         micro.routing = Routing(None if routes is None else routes_like_inputs(micro, routes), replay, keep_router)

@@ -22,13 +22,14 @@ import numpy as np
 import torch
 
 from cohort.algorithm.loss_spec import BatchShare, LossSpec
+from cohort.algorithm.objectives import MICRO_BATCH_MEAN, aggregate_loss
 from cohort.memory.manager import MemoryManager
 from cohort.optim.precision import clip_grad_norm
-from cohort.rollout.batch import Batch
+from cohort.rollout.batch import Batch, to_device
+from cohort.rollout.layout import Layout
 from cohort.update.fused_head import micro_batch_policy_loss
 from cohort.update.logprobs import is_fully_sharded, rollout_logprobs
-from cohort.rollout.batch import to_device
-from cohort.update.packing import MicroBatch, filler_micro_batches, pack, plan_rollout
+from cohort.update.packing import MicroBatch, filler_micro_batches, pack
 from cohort.update.routing import expert_load, num_experts, replay_mismatch, router_aux_loss
 
 
@@ -43,12 +44,12 @@ class UpdateCounters:
 
 class PolicyUpdate:
     def __init__(self, args, *, train_model, optimizer, scheduler, memory: MemoryManager, parallel,
-                 device: torch.device, pad_id: int, share_prompts: bool, loss: LossSpec,
+                 device: torch.device, pad_id: int, layout: Layout, loss: LossSpec,
                  log: Callable[[str], None] = print):
         self.args, self.train_model, self.optimizer, self.scheduler = args, train_model, optimizer, scheduler
         self.loss = loss
         self.memory, self.parallel, self.device, self.pad_id = memory, parallel, device, pad_id
-        self.share_prompts, self.log = share_prompts, log
+        self.layout, self.log = layout, log
         self.counters = UpdateCounters()
         self.num_experts = num_experts(train_model)  # 0: a dense model, no routing to replay or report
 
@@ -94,22 +95,19 @@ class PolicyUpdate:
                 width = micro.completion_ids.shape[1]
                 advantages = advantages_all[index] if advantages_all.dim() == 1 else advantages_all[index, :width]
                 mask = micro.completion_mask if tool_all is None else micro.completion_mask * tool_all[index, :width]
+                batch_share = BatchShare(len(rows), int(total_rows), max(total_tokens, 1.0), world)
                 out = micro_batch_policy_loss(
                     self.train_model, micro, old_logp=None if old_all is None else old_all[index, :width],
                     ref_logp=None if ref_all is None else ref_all[index, :width], advantages=advantages,
                     loss_mask=mask * keep_all[index].unsqueeze(1),  # truncated rows out, when asked
-                    spec=self.loss, share=BatchShare(len(rows), int(total_rows), max(total_tokens, 1.0), world),
+                    spec=self.loss, share=batch_share,
                     sampling_logp=None if sampling_all is None else sampling_all[index, :width],
                     temperature=args.temperature or 1.0, fused=args.fused_head_loss,
                 )  # None for π_old: at μ = 1 it is π_θ itself
                 stats, objective = dict(out.stats), out.loss
-                if micro.routing is not None:
-                    if (mismatch := replay_mismatch(micro)) is not None:
-                        stats["routing/replay_mismatch"] = mismatch
-                    if args.router_aux_loss_coef:  # this micro-batch's share of the step's mean, DDP's average undone
-                        aux = router_aux_loss(micro, self.num_experts)
-                        stats["routing/aux_loss"] = aux.detach()
-                        objective = objective + args.router_aux_loss_coef * aux * len(rows) / total_rows * world
+                if micro.routing is not None:  # a mixture of experts: its routing statistics and load-balancing loss
+                    routing_stats, router_term = self.routing_terms(micro, batch_share)
+                    stats, objective = {**stats, **routing_stats}, objective + router_term
                 # normalised for the whole step already (objectives.aggregate_loss); a filler adds exact zeros
                 (objective * 0.0 if filler else objective).backward()
             if filler:
@@ -147,6 +145,19 @@ class PolicyUpdate:
                 record["routing/expert_load_max_over_mean"] = load
         return record
 
+    def routing_terms(self, micro: MicroBatch, share: BatchShare) -> tuple[dict, torch.Tensor | float]:
+        """A mixture-of-experts micro-batch's routing statistics (the replay mismatch, the load-balancing loss), and
+        the load-balancing loss's term of the objective (0.0 without `router_aux_loss_coef`), weighed for the step
+        as the policy loss is: by `objectives.aggregate_loss`, from the micro-batch's `share`."""
+        stats, term = {}, 0.0
+        if (mismatch := replay_mismatch(micro)) is not None:
+            stats["routing/replay_mismatch"] = mismatch
+        if self.args.router_aux_loss_coef:
+            aux = router_aux_loss(micro, self.num_experts)
+            stats["routing/aux_loss"] = aux.detach()
+            term = aggregate_loss(self.args.router_aux_loss_coef * aux, None, MICRO_BATCH_MEAN, share=share)
+        return stats, term
+
     def is_finite(self, record: dict, step: int) -> bool:
         """False (and the gradients dropped, the skip counted) when the step's loss or gradient norm is
         NaN/inf, or some loss token's log-prob or importance ratio was (`nonfinite_logprobs`, all ranks)."""
@@ -181,9 +192,9 @@ class PolicyUpdate:
 
     def plan(self, batch: Batch) -> list[list[int]]:
         """Rows of the rollout grouped by length (and prompt) into micro-batches under the memory
-        manager's current sizes (cohort/update/packing.py)."""
-        return plan_rollout(batch.prompt_ids, batch.rollout.completion_mask, self.memory.micro_rows,
-                            self.memory.micro_tokens, self.share_prompts)
+        manager's current sizes, as the run's layout plans them (cohort/rollout/layout.py)."""
+        return self.layout.plan(batch.prompt_ids, batch.rollout.completion_mask, self.memory.micro_rows,
+                                self.memory.micro_tokens)
 
     def agreed_forwards(self, model, count: int) -> int:
         """How many micro-batches this rank runs through `model` when it planned `count`: under FSDP2 the most
@@ -195,7 +206,7 @@ class PolicyUpdate:
         """Rows `rows` packed for one forward (each prompt once, or one padded row per completion), on the
         training device."""
         return pack(batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask, rows, self.pad_id,
-                    self.share_prompts, **self.routing_options(batch, train=True)).to(self.device)
+                    self.layout, **self.routing_options(batch, train=True)).to(self.device)
 
     def routing_options(self, batch: Batch, train: bool) -> dict:
         """`pack`'s routing options for a mixture-of-experts model: the sampler's routes (to replay, or only to
@@ -214,7 +225,7 @@ class PolicyUpdate:
             return rollout_logprobs(model, batch.prompt_ids, batch.rollout.completion_ids,
                                     batch.rollout.completion_mask, pad_id=self.pad_id, max_rows=rows,
                                     max_tokens=tokens, temperature=self.args.temperature or 1.0,
-                                    share_prompts=self.share_prompts,
+                                    layout=self.layout,
                                     agree=lambda planned: self.agreed_forwards(model, planned),
                                     **self.routing_options(batch, train=False))
         return self.memory.run(attempt)
