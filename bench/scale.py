@@ -104,7 +104,7 @@ def ladder():
 def plan_rows(prompt_len: int = 256, completion_len: int = 4096, prompts_per_gpu: int = 2, group: int = 32) -> list:
     from grpo_step_worker import BETA, SHAPES, config_dict
 
-    from cohort.plans.training_plan import GIB, RankLayout, StepShape, training_memory_plan
+    from cohort.plans.training_plan import GIB, RankShape, StepShape, training_memory_plan
     from cohort.models import ModelConfig
 
     rows = []
@@ -112,13 +112,13 @@ def plan_rows(prompt_len: int = 256, completion_len: int = 4096, prompts_per_gpu
         config = ModelConfig.from_hf_dict(config_dict(SHAPES[shape]))
         step = StepShape(rows=prompts_per_gpu * group, group=group, prompt_len=prompt_len,
                          completion_len=completion_len, micro_rows=16, reference=BETA > 0)  # π_ref, as the runs
-        layout = RankLayout(ranks=gpus, fsdp=True)
+        rank = RankShape(ranks=gpus, fsdp=True)
         entry = dict(shape=shape, gpus=gpus, card=card, card_gib=card_gib, completions_per_gpu=step.rows,
                      prompt_len=prompt_len, completion_len=completion_len, ladder=[], fits_from=None)
-        for label, step_changes, layout_changes in ladder():
+        for label, step_changes, rank_changes in ladder():
             step = replace(step, **step_changes)
-            layout = replace(layout, **{k: gpus if v == "ranks" else v for k, v in layout_changes.items()})
-            plan = training_memory_plan(config, step, layout)
+            rank = replace(rank, **{k: gpus if v == "ranks" else v for k, v in rank_changes.items()})
+            plan = training_memory_plan(config, step, rank)
             fits = plan.peak / GIB <= card_gib - HEADROOM_GIB
             entry["ladder"].append(dict(configuration=label, fits=fits, peak_gib=round(plan.peak / GIB, 1),
                                         busiest=plan.describe(terms=5), plan=plan.as_dict()))

@@ -12,7 +12,7 @@ import pytest
 from cohort import GRPOConfig
 from cohort.errors import CohortError
 from cohort.parallel.placement import ASYNC_MODES, Placement
-from cohort.plans.training_plan import RankLayout
+from cohort.plans.training_plan import RankShape
 from cohort.trainer.ppo_trainer import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,17 +129,17 @@ def test_the_engine_is_released_in_the_update_only_under_fsdp_freeing_sampling_m
 
 
 @pytest.mark.parametrize("world, options, layout", [
-    (1, {}, RankLayout()),
-    (4, {}, RankLayout(ranks=4)),  # DDP: whole copies, the engine one of them
-    (4, dict(fsdp=True), RankLayout(ranks=4, fsdp=True, sampling_split=4)),  # auto: planned at its widest
-    (4, dict(fsdp=True, rollout_tensor_parallel_size=2), RankLayout(ranks=4, fsdp=True, sampling_split=2)),
+    (1, {}, RankShape()),
+    (4, {}, RankShape(ranks=4)),  # DDP: whole copies, the engine one of them
+    (4, dict(fsdp=True), RankShape(ranks=4, fsdp=True, sampling_split=4)),  # auto: planned at its widest
+    (4, dict(fsdp=True, rollout_tensor_parallel_size=2), RankShape(ranks=4, fsdp=True, sampling_split=2)),
     (4, dict(fsdp=True, free_sampling_memory=True),
-     RankLayout(ranks=4, fsdp=True, sampling_split=4, engine_in_update=False)),
-    (1, dict(fsdp=True, free_sampling_memory=True), RankLayout()),  # one process: nothing sharded
-    (3, dict(rollout_gpus=1, async_rollouts=True), RankLayout(ranks=2, samples=False)),  # a trainer's own engine idles
+     RankShape(ranks=4, fsdp=True, sampling_split=4, engine_in_update=False)),
+    (1, dict(fsdp=True, free_sampling_memory=True), RankShape()),  # one process: nothing sharded
+    (3, dict(rollout_gpus=1, async_rollouts=True), RankShape(ranks=2, samples=False)),  # a trainer's own engine idles
 ])
 def test_a_training_rank_s_memory_layout_follows_the_placement(world, options, layout):
-    assert RankLayout.of(placed(world, **options)) == layout
+    assert RankShape.of(placed(world, **options)) == layout
 
 
 # ---- the refusals ------------------------------------------------------------------------------------------

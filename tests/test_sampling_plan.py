@@ -219,7 +219,7 @@ def test_a_rank_that_trains_keeps_the_slots_its_step_leaves_room_for(card):
     widest width whose plan peaks within 85% of the card (the next width's would not)."""
     from dataclasses import replace
 
-    from cohort.plans.training_plan import RankLayout, StepShape, training_memory_plan
+    from cohort.plans.training_plan import RankShape, StepShape, training_memory_plan
     from cohort.plans.training_slots import training_rank_slots
 
     cuda = torch.device("cuda", 0)
@@ -229,7 +229,7 @@ def test_a_rank_that_trains_keeps_the_slots_its_step_leaves_room_for(card):
     one = placed(args, 1)
     slots = training_rank_slots(args, one, LLAMA_8B, cuda)
     step = StepShape.from_config(args, one)
-    peak = {w: training_memory_plan(LLAMA_8B, replace(step, engine_slots=w), RankLayout()).peak for w in WIDTHS}
+    peak = {w: training_memory_plan(LLAMA_8B, replace(step, engine_slots=w), RankShape()).peak for w in WIDTHS}
     assert peak[slots] <= 0.85 * 141 * GIB < peak[WIDTHS[WIDTHS.index(slots) + 1]]
     # While sampling the rank holds 8 bytes a weight (bf16 weights, the masters' low halves, bf16 moments) and the
     # slots' caches, 0.5625 GiB each: within the budget too.
@@ -242,7 +242,7 @@ def test_a_rank_that_trains_keeps_the_slots_its_step_leaves_room_for(card):
     # A step that needs more than 85% of the card without any cache still samples, with the slots that do not
     # raise its peak: the update borrows the idle cache for its gradients (15 GiB), so a cache that size is free.
     card.gib = 60
-    without = training_memory_plan(LLAMA_8B, replace(step, engine_slots=0), RankLayout()).peak
+    without = training_memory_plan(LLAMA_8B, replace(step, engine_slots=0), RankShape()).peak
     assert without > 0.85 * 60 * GIB
     lent = training_rank_slots(args, one, LLAMA_8B, cuda)
     assert lent == max(w for w in WIDTHS if peak[w] <= without) and lent * 0.5625 <= 15
@@ -255,7 +255,7 @@ def test_colocated_ranks_keep_the_slots_their_update_leaves_room_for(card):
     the training plan's slots do not. In a tensor-parallel group π_ref is sharded like the policy."""
     from dataclasses import replace
 
-    from cohort.plans.training_plan import RankLayout, StepShape, training_memory_plan
+    from cohort.plans.training_plan import RankShape, StepShape, training_memory_plan
     from cohort.plans.training_slots import training_rank_slots
 
     cuda = torch.device("cuda", 0)
@@ -265,9 +265,9 @@ def test_colocated_ranks_keep_the_slots_their_update_leaves_room_for(card):
     two = placed(args, 2)
     weights_only = sampling_plan(args, two, LLAMA_8B, cuda, 2).slots
     training = training_rank_slots(args, two, LLAMA_8B, cuda)
-    step, layout = StepShape.from_config(args, two), RankLayout(ranks=2, fsdp=True)
+    step, layout = StepShape.from_config(args, two), RankShape(ranks=2, fsdp=True)
     peak = lambda slots: training_memory_plan(LLAMA_8B, replace(step, engine_slots=slots), layout).peak  # noqa: E731
     assert peak(weights_only) > 0.85 * 140 * GIB >= peak(training) and training < weights_only
-    grouped = training_memory_plan(LLAMA_8B, step, RankLayout(ranks=2, fsdp=True, sampling_split=2))
+    grouped = training_memory_plan(LLAMA_8B, step, RankShape(ranks=2, fsdp=True, sampling_split=2))
     assert grouped.phases["sampling"]["π_ref"] == parameter_count(LLAMA_8B) * 2 / 2
     assert training_memory_plan(LLAMA_8B, step, layout).phases["sampling"]["π_ref"] == parameter_count(LLAMA_8B) * 2

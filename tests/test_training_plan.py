@@ -16,7 +16,7 @@ from cohort.parallel.placement import Placement
 from cohort.plans.capacity import check_capacity, config_before_loading
 from cohort.optim.precision import make_optimizer
 from cohort.optim.sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT, ShardedAdamW
-from cohort.plans.training_plan import (GIB, RankLayout, StepShape, activation_bytes_per_token, engine_kv_bytes,
+from cohort.plans.training_plan import (GIB, RankShape, StepShape, activation_bytes_per_token, engine_kv_bytes,
                                          lora_parameter_count, micro_batch_tokens, training_memory_plan)
 from cohort.models import CausalLM, ModelConfig
 from cohort.rollout.engine import Engine
@@ -66,7 +66,7 @@ def test_sharded_terms_are_the_shard_optimizer_s_split_over_the_ranks(moment_dty
     step = StepShape(rows=8, group=4, prompt_len=8, completion_len=8, micro_rows=4,
                      moment_bytes=8 if moment_dtype == "float32" else 4)
     for ranks in (2, 4):
-        terms = training_memory_plan(TINY, step, RankLayout(ranks=ranks, fsdp=True, sampling_split=ranks)).phases
+        terms = training_memory_plan(TINY, step, RankShape(ranks=ranks, fsdp=True, sampling_split=ranks)).phases
         assert terms["sampling"]["fp32 master shard"] == -(-tensor_bytes(model.parameters()) // ranks)
         assert terms["sampling"]["moments"] == -(-moments // ranks)
         assert terms["sampling"]["engine weights"] == -(-tensor_bytes(model.parameters()) // 2 // ranks)  # bf16
@@ -85,7 +85,7 @@ def test_a_ddp_rank_holds_its_gradients_and_buckets_beside_the_kv_cache(ranks):
     model = CausalLM(TINY).to(torch.bfloat16)
     weights = tensor_bytes(model.parameters())
     step = StepShape(rows=8, group=4, prompt_len=8, completion_len=8, micro_rows=4)  # lend_kv_cache: the default
-    one_gpu, ddp = training_memory_plan(TINY, step), training_memory_plan(TINY, step, RankLayout(ranks=ranks))
+    one_gpu, ddp = training_memory_plan(TINY, step), training_memory_plan(TINY, step, RankShape(ranks=ranks))
     kv = engine_kv_bytes(TINY, step, 1)
     assert kv > weights  # a cache that could take the gradients whole: one GPU's plan lends it
     assert one_gpu.phases["backward"]["gradients"] == 0 and "DDP buckets" not in one_gpu.phases["backward"]
@@ -233,9 +233,9 @@ def test_a_run_that_cannot_fit_is_refused_with_what_would(gpu, llama_8b_folder):
     # max_concurrent_sequences=auto: the engine's slots are sized after loading, to what the step leaves (one at least)
     step = replace(step_of(args), engine_slots=1)
     fsdp = GRPOConfig(fsdp=True).validate()
-    assert training_memory_plan(ModelConfig(**LLAMA_8B), step, RankLayout.of(
+    assert training_memory_plan(ModelConfig(**LLAMA_8B), step, RankShape.of(
         Placement.from_config(fsdp, gpus))).peak <= 80 * GIB
-    assert training_memory_plan(ModelConfig(**LLAMA_8B), step, RankLayout.of(
+    assert training_memory_plan(ModelConfig(**LLAMA_8B), step, RankShape.of(
         Placement.from_config(fsdp, gpus - 1))).peak > 80 * GIB
 
 
@@ -314,7 +314,7 @@ def test_the_plan_meets_the_measured_fsdp2_peak():
     args = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
                       max_prompt_length=64, max_completion_length=128, fsdp=True,
                       optimizer_state_dtype="float32").validate()  # the moments were fp32 on the shard then
-    measured = RankLayout(ranks=4, fsdp=True, sync_every_micro_batch=False, optimizer_temporary=True,
+    measured = RankShape(ranks=4, fsdp=True, sync_every_micro_batch=False, optimizer_temporary=True,
                           widen_after_sharding=False)
     plan = training_memory_plan(qwen_7b, step_of(args, 4), measured)
     assert plan.peak_phase == "backward" and abs(plan.peak / GIB - 69.4) < 0.05 * 69.4

@@ -24,7 +24,7 @@ from cohort.errors import CohortError
 from cohort.models.config import ModelConfig, is_supported
 from cohort.models.loading import hub_offline, is_hub_id
 from cohort.parallel.placement import Placement
-from cohort.plans.training_plan import GIB, MemoryPlan, RankLayout, StepShape, training_memory_plan
+from cohort.plans.training_plan import GIB, MemoryPlan, RankShape, StepShape, training_memory_plan
 
 MOST_GPUS = 64  # the largest FSDP2 group the refusal suggests
 
@@ -83,25 +83,25 @@ def _hub_config(repo_id: str) -> ModelConfig | None:
         return None
 
 
-def fitting_alternatives(config: ModelConfig, step: StepShape, layout: RankLayout, free: int) -> list[str]:
+def fitting_alternatives(config: ModelConfig, step: StepShape, rank: RankShape, free: int) -> list[str]:
     """The nearest runs whose plan fits `free` bytes a GPU, as flags: more GPUs under FSDP2, LoRA, a smaller step."""
     fits = lambda s, p: training_memory_plan(config, s, p).peak <= free  # noqa: E731
     out = []
-    for ranks in range(layout.ranks + 1, MOST_GPUS + 1):
-        wider = replace(layout, ranks=ranks, fsdp=True,
-                        sampling_split=ranks if layout.samples else layout.sampling_split)
+    for ranks in range(rank.ranks + 1, MOST_GPUS + 1):
+        wider = replace(rank, ranks=ranks, fsdp=True,
+                        sampling_split=ranks if rank.samples else rank.sampling_split)
         if fits(step, wider):
             out.append(f"{ranks} GPUs with FSDP2 (--fsdp true under --nproc_per_node {ranks})")
             break
-    if not step.lora_rank and fits(replace(step, lora_rank=16, reference=False), layout):
+    if not step.lora_rank and fits(replace(step, lora_rank=16, reference=False), rank):
         out.append("LoRA (--use_peft true)")
-    smaller = smaller_step(config, step, layout, free)
+    smaller = smaller_step(config, step, rank, free)
     if smaller:
         out.append(f"a smaller step ({smaller})")
     return out
 
 
-def smaller_step(config: ModelConfig, step: StepShape, layout: RankLayout, free: int) -> str | None:
+def smaller_step(config: ModelConfig, step: StepShape, rank: RankShape, free: int) -> str | None:
     """Flags of the first smaller step that fits: one completion a micro-batch, then the KV cache released for
     the update, then fewer completions a GPU (down to one group), then shorter completions (down to 256)."""
     changes: dict = {}
@@ -121,7 +121,7 @@ def smaller_step(config: ModelConfig, step: StepShape, layout: RankLayout, free:
         candidates.append(dict(changes, rows=rows, completion_len=length))
     for candidate in candidates:
         smaller = replace(step, **candidate)
-        if training_memory_plan(config, smaller, layout).peak > free:
+        if training_memory_plan(config, smaller, rank).peak > free:
             continue
         flags = []
         if smaller.micro_rows != step.micro_rows:
@@ -147,16 +147,16 @@ def check_capacity(model, args, placement: Placement, device: torch.device) -> M
     step = StepShape.from_config(args, placement)
     if args.max_concurrent_sequences == "auto":  # sized after loading to what the step leaves: one slot will do
         step = replace(step, engine_slots=1)
-    layout = RankLayout.of(placement)
-    plan = training_memory_plan(config, step, layout)
+    rank = RankShape.of(placement)
+    plan = training_memory_plan(config, step, rank)
     free, _total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's cached blocks
     if plan.peak <= free:
         return plan
-    options = fitting_alternatives(config, step, layout, free)
+    options = fitting_alternatives(config, step, rank, free)
     how = "LoRA" if step.lora_rank else "full-parameter"
     ranks = placement.trainers
-    where = f"FSDP2 over {ranks} GPUs" if layout.sharded else (f"{ranks} GPUs" if ranks > 1 else "one GPU")
+    where = f"FSDP2 over {ranks} GPUs" if rank.sharded else (f"{ranks} GPUs" if ranks > 1 else "one GPU")
     raise CohortError(
         f"{model}: {how} GRPO of this {plan.parameters / 1e9:.1f}B-parameter {config.model_type} model on {where} "
         f"needs about {plan.peak / GIB:.1f} GiB a GPU ({plan.describe()}), more than the {free / GIB:.1f} GiB free "

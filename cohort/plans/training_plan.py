@@ -56,9 +56,9 @@ parameter on every rank).
 
 Checked against measurements: FSDP2 over 4 H200s at the Qwen2.5-7B shape (docs/performance.md, 16 prompts × 4
 of 128 tokens, 2 micro-batches, measured while FSDP2 still accumulated unsharded gradients and kept fp32
-moments: the `RankLayout` with `sync_every_micro_batch=False`, `optimizer_state_dtype=float32`) peaked at 69.4
+moments: the `RankShape` with `sync_every_micro_batch=False`, `optimizer_state_dtype=float32`) peaked at 69.4
 GiB, the plan says 70.6 (the unsharded fp32 gradients are 28.4 of it); one H200 at that shape with fp32 moments
-peaked at 104.4 GiB, the plan says 103.3 (with bf16 moments, 73.8). `RankLayout`'s defaults are what the code
+peaked at 104.4 GiB, the plan says 103.3 (with bf16 moments, 73.8). `RankShape`'s defaults are what the code
 does; its other settings price changes (or the code as it was).
 
 Left out (each well under a GiB at these sizes, or outside what a model's config says): the CUDA context and
@@ -131,7 +131,7 @@ class StepShape:
 
 
 @dataclass(frozen=True)
-class RankLayout:
+class RankShape:
     """What a training rank holds: `ranks` training ranks (FSDP2 over them with `fsdp`, else each holds the whole
     model: one GPU or DDP); the engine's weights split `sampling_split` ways (a tensor-parallel shard per rank);
     `samples`: this rank runs the engine (not a trainer whose rollouts come from sampling ranks)."""
@@ -149,7 +149,7 @@ class RankLayout:
     sync_every_micro_batch: bool = True  # a reduce-scatter every micro-batch; False: unsharded fp32 accumulation
 
     @classmethod
-    def of(cls, placement: Placement) -> "RankLayout":
+    def of(cls, placement: Placement) -> "RankShape":
         """What a training rank of `placement` holds, its split perhaps still `auto`: the plan takes the widest
         split `auto` may choose (`Placement.widest_split`), so that no run `auto` could fit is refused."""
         return cls(ranks=placement.trainers, fsdp=placement.sharded, sampling_split=placement.widest_split,
@@ -166,7 +166,7 @@ class MemoryPlan:
     """Bytes per GPU: `phases[phase][term]`. A phase's total is what is allocated at its peak."""
 
     parameters: int
-    layout: RankLayout
+    rank: RankShape
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def total(self, phase: str) -> int:
@@ -188,7 +188,7 @@ class MemoryPlan:
                 + ", ".join(f"{name} {size / GIB:.1f}" for name, size in largest if size))
 
     def as_dict(self) -> dict:
-        return dict(parameters=self.parameters, layout=vars(self.layout), peak_phase=self.peak_phase,
+        return dict(parameters=self.parameters, rank=vars(self.rank), peak_phase=self.peak_phase,
                     peak_gib=round(self.peak / GIB, 2),
                     phases={phase: {"total_gib": round(self.total(phase) / GIB, 2),
                                     **{name: round(size / GIB, 3) for name, size in terms.items()}}
@@ -252,24 +252,24 @@ def engine_kv_bytes(config: ModelConfig, step: StepShape, split: int) -> int:
 
 
 def training_state(config: ModelConfig, step: StepShape,
-                   layout: RankLayout) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+                   rank: RankShape) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """What the trained weights cost a rank: (resident — the weights, masters and moments kept all step;
     gradients; the optimizer step's temporaries), sharded over FSDP2's ranks or whole (one GPU, DDP, LoRA)."""
     params, w = parameter_count(config), step.element_bytes
-    n = layout.ranks if layout.sharded else 1
+    n = rank.ranks if rank.sharded else 1
     lora = lora_parameter_count(config, step.lora_rank) if step.lora_rank else 0
     trained = lora or params
     resident: dict[str, int] = {}
     gradients: dict[str, int] = {}
     optimizer: dict[str, int] = {}
-    if layout.sharded:
-        resident["engine weights"] = math.ceil(params * w / layout.sampling_split)
+    if rank.sharded:
+        resident["engine weights"] = math.ceil(params * w / rank.sampling_split)
         resident["fp32 master shard"] = math.ceil(params * 4 / n)  # a frozen LoRA base is sharded in fp32 too
         resident["moments"] = math.ceil(trained * step.moment_bytes / n)
         gradients["gradients"] = math.ceil(trained * 4 / n)
         if step.moment_bytes == 4:  # bf16 moments: one slice of a tensor widened at a time
             optimizer["optimizer chunk"] = CHUNK_ELEMENTS * SCRATCH_BYTES_PER_ELEMENT
-        elif layout.optimizer_temporary:  # torch's foreach AdamW: √v / bias correction + ε, every shard at once
+        elif rank.optimizer_temporary:  # torch's foreach AdamW: √v / bias correction + ε, every shard at once
             optimizer["optimizer temporary"] = math.ceil(trained * 4 / n)
     else:
         resident["weights"] = params * w
@@ -281,14 +281,14 @@ def training_state(config: ModelConfig, step: StepShape,
             resident["master low halves"] = params * 2 if w == 2 else 0
             resident["moments"] = params * step.moment_bytes
             gradients["gradients"] = params * w
-            if layout.ranks > 1:
+            if rank.ranks > 1:
                 gradients["DDP buckets"] = params * w
             if w == 2 and step.moment_bytes == 8:  # the chunked torch step: fp32 gradients, masters, moments
                 optimizer["optimizer chunk"] = 4 * GRADIENT_CHUNK_BYTES
     return resident, gradients, optimizer
 
 
-def backward_terms(config: ModelConfig, step: StepShape, layout: RankLayout, trained: int) -> dict[str, int]:
+def backward_terms(config: ModelConfig, step: StepShape, rank: RankShape, trained: int) -> dict[str, int]:
     """The backward pass's own terms beside the state: a micro-batch's activations (its checkpointed layers'
     inputs, or every layer's), the LM head's chunk and gradient, and under FSDP2 the gathered weights."""
     w, hidden, vocab = step.element_bytes, config.hidden_size, config.vocab_size
@@ -301,46 +301,46 @@ def backward_terms(config: ModelConfig, step: StepShape, layout: RankLayout, tra
     completion_tokens = tokens - step.prompt_len  # the head runs on completion tokens only
     terms["LM head chunk"] = int(CHUNK_BYTES * 1.5) + completion_tokens * hidden * w * 2
     terms["LM head gradient"] = vocab * hidden * w if not step.lora_rank else 0
-    if layout.sharded and several_micro_batches(config, step) and not layout.sync_every_micro_batch:
+    if rank.sharded and several_micro_batches(config, step) and not rank.sync_every_micro_batch:
         # Without a reduce-scatter, FSDP2 accumulates each parameter's unsharded gradient, upcast to the fp32
         # reduce dtype (`FSDPParam.to_accumulated_grad_if_needed`), until the last micro-batch: all of them.
         terms["gradients"] = trained * 4
-    if layout.sharded:
+    if rank.sharded:
         terms["gathered root"] = (vocab * hidden * (1 if config.tie_word_embeddings else 2) + hidden) * 2
         layer = layer_parameter_count(config)
         terms["gathered layers"] = 2 * layer * 2 + layer * (2 + 4)
     return terms
 
 
-def training_memory_plan(config: ModelConfig, step: StepShape, layout: RankLayout = RankLayout()) -> MemoryPlan:
+def training_memory_plan(config: ModelConfig, step: StepShape, rank: RankShape = RankShape()) -> MemoryPlan:
     """The bytes a training rank holds in each phase of a GRPO step (see the module's docstring)."""
     params, w = parameter_count(config), step.element_bytes
     hidden = config.hidden_size
-    n = layout.ranks if layout.sharded else 1
+    n = rank.ranks if rank.sharded else 1
     lora = lora_parameter_count(config, step.lora_rank) if step.lora_rank else 0
-    resident, gradients, optimizer = training_state(config, step, layout)
+    resident, gradients, optimizer = training_state(config, step, rank)
     copy = params * w
     # The colocated placement shards π_ref like the policy (parallel/colocation.py); else each rank holds it whole.
-    reference = math.ceil(copy / layout.ranks) if layout.sharded and layout.sampling_split > 1 else copy
-    if step.reference and (layout.sharded or not step.offload_reference):
+    reference = math.ceil(copy / rank.ranks) if rank.sharded and rank.sampling_split > 1 else copy
+    if step.reference and (rank.sharded or not step.offload_reference):
         resident["π_ref"] = reference
     if step.async_copy:
         resident["sampler copy"] = copy
-    kv = engine_kv_bytes(config, step, layout.sampling_split) if layout.samples else 0
+    kv = engine_kv_bytes(config, step, rank.sampling_split) if rank.samples else 0
     resident["KV cache"] = kv
     after_sampling = dict(resident)
     if step.free_sampling_memory:
         after_sampling["KV cache"] = 0  # released after sampling (and then lends nothing)
-    if layout.sharded and not layout.engine_in_update:
+    if rank.sharded and not rank.engine_in_update:
         after_sampling["engine weights"] = 0
-    elif step.lend_kv_cache and layout.ranks == 1 and not layout.fsdp and not lora:
+    elif step.lend_kv_cache and rank.ranks == 1 and not rank.fsdp and not lora:
         gradients["gradients"] -= min(gradients["gradients"], kv)  # the gradients borrow the idle cache
 
-    backward = {**after_sampling, **gradients, **backward_terms(config, step, layout, lora or params)}
+    backward = {**after_sampling, **gradients, **backward_terms(config, step, rank, lora or params)}
     tokens = micro_batch_tokens(config, step)
     per_token = activation_bytes_per_token(config, w)
 
-    plan = MemoryPlan(params, layout)
+    plan = MemoryPlan(params, rank)
     plan.phases["sampling"] = resident
     logprobs = dict(after_sampling)
     if step.reference:
@@ -350,8 +350,8 @@ def training_memory_plan(config: ModelConfig, step: StepShape, layout: RankLayou
     plan.phases["logprobs"] = logprobs
     plan.phases["backward"] = backward
     plan.phases["optimizer step"] = {**after_sampling, **gradients, **optimizer}
-    if layout.sharded:
-        widened = math.ceil(params * 4 / n) if layout.widen_after_sharding else params * 4
-        plan.phases["setup"] = {"loaded model": copy, "fp32 shards" if layout.widen_after_sharding
+    if rank.sharded:
+        widened = math.ceil(params * 4 / n) if rank.widen_after_sharding else params * 4
+        plan.phases["setup"] = {"loaded model": copy, "fp32 shards" if rank.widen_after_sharding
                                 else "fp32 copy to shard": widened}
     return plan

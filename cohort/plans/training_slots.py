@@ -17,7 +17,7 @@ import torch
 from cohort.models.config import ModelConfig
 from cohort.parallel.placement import Placement
 from cohort.plans.sampling_plan import FILL, widest_width
-from cohort.plans.training_plan import RankLayout, StepShape, training_memory_plan
+from cohort.plans.training_plan import RankShape, StepShape, training_memory_plan
 
 
 def training_rank_slots(args, placement: Placement, model_config: ModelConfig, device: torch.device,
@@ -26,10 +26,10 @@ def training_rank_slots(args, placement: Placement, model_config: ModelConfig, d
     placed by `placement`, for the loaded model's `model_config`, on CUDA `device`; `sampling_split`: the ranks of
     its tensor-parallel sampling group (the colocated placement)."""
     step = StepShape.from_config(args, placement)
-    layout = replace(RankLayout.of(placement), samples=True, sampling_split=sampling_split)
+    rank = replace(RankShape.of(placement), samples=True, sampling_split=sampling_split)
 
     def peak(slots: int) -> int:
-        return training_memory_plan(model_config, replace(step, engine_slots=slots), layout).peak
+        return training_memory_plan(model_config, replace(step, engine_slots=slots), rank).peak
 
     budget = max(FILL * torch.cuda.get_device_properties(device).total_memory, peak(0))
     return widest_width(lambda width: peak(width) <= budget) or 1
