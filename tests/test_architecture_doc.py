@@ -93,3 +93,23 @@ def test_a_change_to_the_page_alone_is_caught():
         "        self.SWAP(batch)", "        batch = self.refill_uninformative(batch)", 1)
     assert swapped != page
     assert documented_calls(swapped) != train_calls(TRAINER.read_text())
+
+
+def documented_rooms(page: str) -> list[str]:
+    """The first column of the table under "Rooms, lowest first": `cohort/<room>/` or `cohort/<module>.py`."""
+    section = page.split("## Rooms, lowest first", 1)[1].split("\n## ", 1)[0]
+    return [match.group(1).rstrip("/") for match in re.finditer(r"^\| `cohort/([\w.]+/?)` \|", section, re.M)]
+
+
+def test_the_documented_rooms_are_the_enforced_order():
+    """The page's table of rooms lists every room in the order tests/test_structure.py enforces."""
+    from test_structure import ROOMS
+
+    assert documented_rooms(ARCHITECTURE.read_text()) == list(ROOMS)
+
+
+def test_a_room_out_of_order_on_the_page_is_caught():
+    page = ARCHITECTURE.read_text()
+    swapped = page.replace("| `cohort/kernels/` |", "| `cohort/KERNELS/` |", 1).replace(
+        "| `cohort/config/` |", "| `cohort/kernels/` |", 1).replace("| `cohort/KERNELS/` |", "| `cohort/config/` |", 1)
+    assert swapped != page and documented_rooms(swapped) != documented_rooms(page)
