@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "reference.md"
 
-# (name, when it is logged, meaning). Written by cohort/telemetry/step_report.py (the step record),
+# (name, when it is logged, meaning). Written by cohort/telemetry/step_report.py (the step record; its warnings
+# come from cohort/telemetry/health.py),
 # cohort/telemetry/metrics.py (throughput_metrics), cohort/update/policy_update.py (the update),
 # cohort/algorithm/objectives.py (PolicyLossStats.as_dict), cohort/rewards/runner.py, cohort/rewards/model.py,
 # cohort/algorithm/{dynamic_sampling,curriculum,ppo}.py and cohort/eval/evaluate.py.
@@ -37,9 +38,13 @@ METRICS: list[tuple[str, str, str]] = [
     ("frac_reward_zero_std", "every step", "fraction of groups whose rewards are all equal: zero advantage, "
                                            "no learning signal"),
     ("informative", "every step", "1 − frac_reward_zero_std: the groups that carry a learning signal"),
-    ("success", "every step", "fraction of completions the task's verifier accepts (else reward > 0)"),
+    ("success", "every step", "fraction of completions the task's verifier accepts; without a verifier, the "
+                              "fraction accuracy_reward scores above 0 when it is a reward function, else the "
+                              "fraction with a total reward above 0 (the step line then calls it `Reward>0`)"),
     ("completions/mean_length", "every step", "mean completion length in tokens, EOS included"),
     ("completions/clipped_ratio", "every step", "fraction of completions cut at max_completion_length"),
+    ("completions/empty_ratio", "every step", "fraction of completions with no text but white space (the model "
+                                              "ended them at once)"),
     ("loss", "every step", "the optimised loss (normalised over the whole step and every rank), mean over "
                            "the μ updates"),
     ("entropy", "every step", "mean per-token entropy of the policy on its own completions (nats)"),
@@ -116,6 +121,11 @@ METRICS: list[tuple[str, str, str]] = [
     ("ppo/return_mean", "PPOTrainer", "mean GAE return over completion tokens"),
     ("value_loss", "PPOTrainer", "the critic's clipped value loss"),
     ("critic_grad_norm", "PPOTrainer", "the critic's gradient norm before clipping"),
+    ("warnings", "a learning-health check fired", "the warning lines given since the previous line, each "
+                                                  "once a run: every completion empty or clipped, every group's "
+                                                  "rewards equal, a reward function or the tools failing on most "
+                                                  "calls, the KL or the clipped share running away, each for 10 "
+                                                  "steps in a row (cohort/telemetry/health.py); a list of strings"),
     ("eval/accuracy", "evaluations", "greedy held-out accuracy (before training, every eval_steps, after)"),
     ("eval/greedy_accuracy", "evaluations", "the same greedy accuracy, under the name `cohort eval` uses"),
     ("eval/pass@k", "cohort eval --num_samples n", "unbiased pass@k from n samples (Chen et al. 2021), k = 1, 2, 4, "

@@ -1,7 +1,8 @@
 """Training metrics on disk: `metrics.jsonl`, `completions.jsonl`, and optional TensorBoard / W&B.
 
 `metrics.jsonl` holds one JSON object per logged step, `{"step": int, "time": float, <name>: float, ...}`
-(docs/architecture.md, "Metrics"). Metric names follow TRL's `GRPOTrainer` where TRL has one
+(docs/architecture.md, "Metrics"), with `"warnings": [str, ...]` on a line after a learning-health check
+fired (cohort/telemetry/health.py). Metric names follow TRL's `GRPOTrainer` where TRL has one
 (`reward`, `reward_std`, `rewards/<func>/mean`, `kl`, `entropy`, `clip_ratio/low_mean`,
 `completions/mean_length`, ...), so plots and habits carry over between the two.
 

@@ -3,7 +3,8 @@
 Reads each run's `metrics.jsonl` (required), `completions.jsonl` and `summary.json` (optional), draws
 one PNG per metric group with every run on the same axes, and writes `index.html` with the PNGs
 embedded as base64 data URIs and inline CSS: the page loads nothing from anywhere, so it can be
-mailed, archived or opened offline. Groups a run never logged are listed as skipped on the page.
+mailed, archived or opened offline. Groups a run never logged are listed as skipped on the page; the
+learning-health warnings a run gave (metrics.jsonl's `warnings`) are listed under the summary.
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ class Run:
     metrics: list[dict[str, Any]]
     completions: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+
+    def warnings(self) -> list[tuple[Any, str]]:
+        """(step, line) of each learning-health warning the run gave (metrics.jsonl's `warnings`)."""
+        return [(record.get("step"), str(line)) for record in self.metrics
+                if isinstance(record.get("warnings"), list) for line in record["warnings"]]
 
     def series(self, name: str) -> tuple[list[float], list[float]]:
         """(steps, values) of one metric, leaving out steps where it is missing or non-finite."""
@@ -196,6 +202,13 @@ def _summary_table(runs: Sequence[Run]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _warnings_section(runs: Sequence[Run]) -> str:
+    """The learning-health warnings of each run that gave any (cohort/telemetry/health.py); nothing when none did."""
+    items = [f"<li>{html.escape(run.label)}, step {_number(step)}: {html.escape(line)}</li>"
+             for run in runs for step, line in run.warnings()]
+    return f"<h2>Warnings</h2><ul>{''.join(items)}</ul>" if items else ""
+
+
 def _at_step(value: float, step: float) -> str:
     return f"{_number(value)} <span class='note'>(step {_number(step)})</span>"
 
@@ -291,7 +304,7 @@ def _page(runs: Sequence[Run], figures: list[tuple[str, bytes]], skipped: list[s
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>cohort report: {html.escape(names)}</title><style>{STYLE}</style></head><body>"
         f"<h1>cohort report: {html.escape(names)}</h1>"
-        f"<h2>Summary</h2>{_summary_table(runs)}"
+        f"<h2>Summary</h2>{_summary_table(runs)}{_warnings_section(runs)}"
         f"<h2>Training curves</h2><div class='plots'>{plots}</div>{skipped_html}"
         f"<h2>Sample completions</h2>{completions}"
         "</body></html>\n"

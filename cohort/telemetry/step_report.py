@@ -1,8 +1,9 @@
 """`StepReport`: what each step reports — phase timings and peak memory, the metrics record (TRL's
 names where TRL has the metric), sample completions, and Algorithm 1's per-iteration summary.
 
-It owns the run's history, the metrics files, the progress display and the phase clocks; the loop
-hands it each step's batch, update statistics and counters explicitly (`record`).
+It owns the run's history, the metrics files, the progress display (the step line, its legend and the
+learning-health warnings of cohort/telemetry/health.py) and the phase clocks; the loop hands it each step's
+batch, update statistics and counters explicitly (`record`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,17 @@ import numpy as np
 import torch
 
 from cohort.memory.gc_pauses import collector_seconds
+from cohort.rewards.completions import completion_text
 from cohort.rollout.batch import Batch
 from cohort.rollout.layout import Layout
 from cohort.parallel.distributed import SilentMetrics, silent
+from cohort.telemetry.health import LearningHealth
 from cohort.telemetry.metrics import MetricsLogger, rollout_attention_pairs, throughput_metrics
 from cohort.telemetry.progress import PHASES, Progress
+
+# The reward function whose score > 0 counts a correct answer where the rows' task has no verifier: the
+# built-in one and TRL's are named so (1.0 correct, 0.0 wrong, None when the gold answer cannot be read).
+ACCURACY_REWARD = "accuracy_reward"
 
 
 def allocator_retries(device: torch.device) -> int:
@@ -29,19 +36,54 @@ def allocator_retries(device: torch.device) -> int:
     return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0
 
 
-def success_rate(batch: Batch, task=None) -> float:
-    """Fraction of completions that solve their problem (the task's verifier), else reward > 0."""
+def success_rate(batch: Batch, task=None) -> float | None:
+    """Fraction of completions that solve their problem by the task's verifier; None when the rows' task has
+    no verifier (`StepReport` then counts them by the rewards: `success_measure`)."""
     if task is not None and hasattr(task, "is_correct"):
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in batch.completions]
         return float(np.mean([task.is_correct(t, r) for t, r in zip(texts, batch.rows)]))
+    return None
+
+
+@dataclass(frozen=True)
+class SuccessMeasure:
+    """What the step line's success column counts: its name on the line, and the legend's definition."""
+
+    label: str  # "Success" where it counts correct answers, "Reward>0" where it cannot
+    meaning: str
+
+
+def success_measure(verified: bool, reward_names: list[str]) -> SuccessMeasure:
+    """The task's verifier where there is one, else the accuracy reward where one is among the rewards, else
+    the share of completions rewarded above 0 (which a format reward alone fills: not called success)."""
+    if verified:
+        return SuccessMeasure("Success", "completions the task's verifier grades correct")
+    if ACCURACY_REWARD in reward_names:
+        return SuccessMeasure("Success", f"completions {ACCURACY_REWARD} scores above 0 (correct answers)")
+    return SuccessMeasure("Reward>0", "completions whose total reward is above 0 (no verifier or "
+                                      f"{ACCURACY_REWARD} counts correct answers here)")
+
+
+def rewarded_rate(batch: Batch, reward_names: list[str]) -> float:
+    """`success` without a verifier: the share of the completions `accuracy_reward` scored that it scored
+    above 0 (0 when it scored none), else the share whose total reward is above 0."""
+    if ACCURACY_REWARD in reward_names and batch.per_function is not None:
+        scores = batch.per_function[:, reward_names.index(ACCURACY_REWARD)]
+        scored = ~torch.isnan(scores)
+        return float((scores[scored] > 0).float().mean()) if bool(scored.any()) else 0.0
     return float((batch.rewards > 0).float().mean())
+
+
+def empty_ratio(batch: Batch) -> float:
+    """Share of the completions with no text but white space (the model ended them at once)."""
+    return float(np.mean([not completion_text(c).strip() for c in batch.completions])) if batch.completions else 0.0
 
 
 @dataclass
 class StepContext:
     """What a step's record needs from the rest of the run, passed explicitly."""
 
-    success: float  # `success_rate` of the batch
+    success: float | None  # `success_rate` of the batch: None without a verifier (counted by the rewards)
     learning_rate: float
     uses_reference: bool  # β > 0: the KL is reported
     micro_rows: int  # the training micro-batch size (token counts of the forward passes)
@@ -60,6 +102,9 @@ class StepReport:
         self.phase_peaks: dict[str, float] = {}  # GiB, CUDA only
         self.gc_mark = collector_seconds()  # the garbage collector's pauses so far (each step logs its own)
         self.alloc_retry_mark = allocator_retries(device)  # likewise the CUDA allocator's retries
+        self.health = LearningHealth.from_config(args)
+        self.unlogged_warnings: list[str] = []  # given at a step metrics.jsonl did not log: on its next line
+        self.measure: SuccessMeasure | None = None  # what the success column counts, once the legend said it
 
     @contextmanager
     def phase(self, name: str):
@@ -108,9 +153,10 @@ class StepReport:
             "reward_std": float(group_std.mean()),
             "frac_reward_zero_std": float(zero_std.mean()),
             "informative": float(1 - zero_std.mean()),
-            "success": context.success,
+            "success": rewarded_rate(batch, context.reward_names) if context.success is None else context.success,
             "completions/mean_length": float(lengths.mean()),
             "completions/clipped_ratio": float(np.mean([r == "length" for r in batch.rollout.finish_reasons])),
+            "completions/empty_ratio": empty_ratio(batch),
             "learning_rate": context.learning_rate,
             "num_iterations": len(losses),
             **context.counters,
@@ -131,13 +177,28 @@ class StepReport:
         self.phase_times, self.phase_peaks = {}, {}
         record = self.parallel.mean_metrics(record)  # every rank's numbers averaged: global means
         self.history.append(record)
+        warnings = self.health.observe(record, len(batch.rows))
+        self.unlogged_warnings += warnings
         if step % self.args.logging_steps == 0 or step == self.args.max_steps:
-            self.metrics.log(step, record)
+            self.metrics.log(step, {**record, "warnings": self.unlogged_warnings} if self.unlogged_warnings else record)
+            self.unlogged_warnings = []
         if step == 1 or step % self.args.log_completions_steps == 0:
             self.metrics.log_completions(step, completion_samples(batch, context.reward_names))
-        self.progress.step_done(step, f"Step {step}/{self.args.max_steps}: Loss={record['loss']:.4f}, "
-                                      f"Success={100 * record['success']:.2f}%, μ_iters={record['num_iterations']}")
+        self.show(step, record, success_measure(context.success is not None, context.reward_names), warnings)
         return record
+
+    def show(self, step: int, record: dict, measure: SuccessMeasure, warnings: list[str]) -> None:
+        """The step's line; before it the legend, the first time and whenever the success column changes what it
+        counts (a curriculum stage without a verifier); after it the step's learning-health warnings."""
+        if measure != self.measure:
+            self.measure = measure
+            self.log(f"Legend: Loss = the loss optimised (near 0 by design when μ_iters = 1); {measure.label} = share "
+                     f"of the step's {measure.meaning}; μ_iters = policy updates on each rollout")
+        self.progress.step_done(step, f"Step {step}/{self.args.max_steps}: Loss={record['loss']:.4f}, "
+                                      f"{measure.label}={100 * record['success']:.2f}%, "
+                                      f"μ_iters={record['num_iterations']}")
+        for line in warnings:
+            self.log(line)
 
     def throughput(self, batch: Batch, lengths: torch.Tensor, updates: int, context: StepContext) -> dict:
         """Tokens/s per phase, peak memory and MFU (cohort/telemetry/metrics.py), over all ranks.
@@ -161,14 +222,16 @@ class StepReport:
         return record
 
     def log_iteration_summary(self, step: int, final: bool = False) -> None:
-        """Algorithm 1's outer iteration (ref_reset_steps steps) in one line: loss, success, reward."""
+        """Algorithm 1's outer iteration (ref_reset_steps steps) in one line: loss, success (by the step line's
+        name for it), reward."""
         M = self.args.ref_reset_steps or self.args.max_steps
         recent = self.history[-((step - 1) % M + 1 if final else M):] if self.history else []
         if not recent:
             return
         iteration = (recent[0]["step"] - 1) // M + 1
+        label = (self.measure or SuccessMeasure("Success", "")).label.lower()
         self.log(f"Iteration {iteration}: avg loss={np.mean([r['loss'] for r in recent]):.4f}, "
-                 f"success={100 * np.mean([r['success'] for r in recent]):.2f}%, "
+                 f"{label}={100 * np.mean([r['success'] for r in recent]):.2f}%, "
                  f"avg reward={np.mean([r['reward'] for r in recent]):.4f}")
 
 
