@@ -131,12 +131,14 @@ class StepReport:
         self.phase_times, self.phase_peaks = {}, {}
         record = self.parallel.mean_metrics(record)  # every rank's numbers averaged: global means
         self.history.append(record)
-        if step % self.args.logging_steps == 0 or step == self.args.max_steps:
+        logged = step % self.args.logging_steps == 0 or step == self.args.max_steps
+        if logged:
             self.metrics.log(step, record)
         if step == 1 or step % self.args.log_completions_steps == 0:
             self.metrics.log_completions(step, completion_samples(batch, context.reward_names))
         self.progress.step_done(step, f"Step {step}/{self.args.max_steps}: Loss={record['loss']:.4f}, "
-                                      f"Success={100 * record['success']:.2f}%, μ_iters={record['num_iterations']}")
+                                      f"Success={100 * record['success']:.2f}%, μ_iters={record['num_iterations']}",
+                                shown=logged)
         return record
 
     def throughput(self, batch: Batch, lengths: torch.Tensor, updates: int, context: StepContext) -> dict:
@@ -195,7 +197,7 @@ def completion_samples(batch: Batch, reward_names: list[str], limit: int = 8) ->
     rows = []
     for i in range(min(limit, len(batch.rows))):
         scores = batch.per_function[i].tolist()
-        rows.append({"prompt": batch.rows[i]["prompt"], "completion": batch.completions[i],
+        rows.append({"prompt": (batch.sampled_prompts or batch.prompts)[i], "completion": batch.completions[i],
                      "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(reward_names, scores)},
                      "reward": float(batch.rewards[i]), "advantage": float(advantages[i])})
     return rows
