@@ -222,10 +222,11 @@ def test_custom_model_code_runs_only_with_trust_remote_code(files, tmp_path, cap
 
 # ---- output folder, checkpoints, resume ----------------------------------------------------------
 
-def test_unwritable_output_folder(files, tmp_path, capsys):
+def test_an_output_folder_inside_a_file(files, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
     one_error_line(capsys, small_run(files, tmp_path / "a-file" / "run"),
-                   f"output_dir '{tmp_path / 'a-file' / 'run'}' is not writable", "--output_dir")
+                   f"output_dir '{tmp_path / 'a-file' / 'run'}' is inside '{tmp_path / 'a-file'}', which is a file",
+                   "--output_dir")
 
 
 @pytest.fixture(scope="module")

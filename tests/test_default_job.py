@@ -17,7 +17,8 @@ def test_default_job_learns(tmp_path):
     lines = out.stdout.splitlines()
     assert any(line.startswith("Step 1/600: Loss=") and "μ_iters=1" in line for line in lines)
     assert any(line.startswith("Iteration 1: avg loss=") for line in lines)
-    assert lines[-1].startswith("held-out accuracy: ") and lines[-1].endswith("(200 problems)")
+    assert lines[-2].startswith("held-out accuracy: ") and lines[-2].endswith("(200 problems)")
+    assert lines[-1].startswith(f"run saved in {tmp_path / 'run'}: ")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert set(summary) >= {"accuracy_before", "accuracy_after", "seconds", "steps"}
     assert summary["steps"] == 600

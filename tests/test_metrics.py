@@ -175,8 +175,12 @@ def test_progress_to_a_pipe_prints_only_plain_lines(mode):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
     assert result.returncode == 0, result.stderr.decode()
     out = result.stdout.decode("utf-8")
-    assert out.splitlines() == [f"Step {s}/3: Loss=0.0{s}23, Success=62.50%, μ_iters=2" for s in (1, 2, 3)] + [
+    lines = out.splitlines()
+    assert [re.sub(r", eta \d+:\d\d:\d\d$", "", line) for line in lines] == [
+        f"Step {s}/3: Loss=0.0{s}23, Success=62.50%, μ_iters=2" for s in (1, 2, 3)] + [
         "[bold]done[/bold]"]  # printed as is: no markup, no ANSI escape codes, no bars
+    # the time left, at the pace since the first step: not after the first one, nor at the end
+    assert [bool(re.search(r", eta \d+:\d\d:\d\d$", line)) for line in lines[:3]] == [False, True, False]
     assert "\x1b" not in out
 
 

@@ -258,7 +258,7 @@ def test_summary_rewards_name_the_steps_they_were_logged_at(tmp_path):
         for step in (10, 20, 30):
             logger.log(step, {"reward": step / 100})
     text = build_report([tmp_path / "run"]).read_text()
-    assert "reward (first logged step)" in text
+    assert "reward, sampled (first logged step)" in text
     assert "<td>0.1 <span class='note'>(step 10)</span></td><td>0.3 <span class='note'>(step 30)</span></td>" in text
 
 

@@ -81,6 +81,24 @@ def test_an_environment_writes_the_prompt_without_a_train_dataset(tmp_path):
     assert len(history) == 1 and "rewards/IncrementEnv/mean" in history[0]
 
 
+def test_completions_jsonl_logs_the_prompt_the_environment_wrote(tmp_path):
+    """The rows' own prompt is an empty user turn; what the model saw (and the log shows) is reset()'s text."""
+    import json
+
+    from cohort.telemetry.report import build_report
+
+    trainer = GRPOTrainer(model=TINY_TOOLS_MODEL, args=small(tmp_path, max_steps=1), environment_factory=IncrementEnv)
+    IncrementEnv.made.clear()
+    trainer.train()
+    logged = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert logged and len(logged) <= len(IncrementEnv.made)
+    # completion i of the step was sampled in environment i (made in order, one per completion)
+    assert [row["prompt"][-1] for row in logged] == [
+        {"role": "user", "content": f"Increment the counter by {env.target}."} for env in IncrementEnv.made[:len(logged)]]
+    page = build_report([tmp_path]).read_text()
+    assert f"user: Increment the counter by {IncrementEnv.made[0].target}." in page
+
+
 def test_num_train_epochs_needs_rows_the_environment_does_not_have(tmp_path):
     with pytest.raises(CohortError, match="num_train_epochs=1 counts passes over a train_dataset"):
         GRPOTrainer(model=TINY_TOOLS_MODEL, args=small(tmp_path, num_train_epochs=1), environment_factory=IncrementEnv)

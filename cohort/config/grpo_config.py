@@ -354,7 +354,8 @@ class GRPOConfig:
 
     # Book-keeping.
     logging_steps: int = field(default=1, metadata={
-        "help": "Append a line to metrics.jsonl every N steps (and at the last step)."})
+        "help": "Every N steps (and at the last step), append a line to metrics.jsonl and print the step's line "
+                "(the console also shows the first step)."})
     log_completions_steps: int = field(default=10, metadata={
         "help": "Append sample completions with their rewards to completions.jsonl every N steps."})
     save_steps: int = field(default=0, metadata={

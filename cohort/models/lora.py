@@ -164,11 +164,11 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(model: torch.nn.Module, out_dir: Path, base_model: str | None = None) -> None:
-    from safetensors.torch import save_file
+    from cohort.models.files import save_safetensors
 
     out_dir = Path(out_dir) / ADAPTER_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(adapter_state_dict(model), str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(adapter_state_dict(model), out_dir / "adapter_model.safetensors")
     config = model.peft_config["default"].to_dict()
     config["base_model_name_or_path"] = base_model
     config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}

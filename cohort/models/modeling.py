@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from safetensors.torch import save_file
 from torch.utils.checkpoint import checkpoint
 
 from cohort.errors import CohortError
@@ -35,6 +34,7 @@ from cohort.kernels import elementwise as kernels
 from cohort.models.cache import KVCache
 from cohort.kernels.decode_attention import SUPPORTED_HEAD_DIMS as DECODE_KERNEL_HEAD_DIMS
 from cohort.kernels.decode_attention import decode_attention
+from cohort.models.files import save_safetensors
 from cohort.models.fusion import fused_weight
 from cohort.models.moe import LayerRouting, Routing, SparseMoeBlock, split_expert_weights
 from cohort.models import exact_layers, shared_prefix
@@ -491,5 +491,5 @@ def save_pretrained(model: CausalLM, out_dir, state: dict | None = None) -> Path
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = split_expert_weights(state, model.config.model_type) if model.config.num_experts else state
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, out / "model.safetensors")
     return out

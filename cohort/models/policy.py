@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+from cohort.models.files import give_usual_mode
 from cohort.models.lora import has_lora, merged_state_dict, save_adapter
 from cohort.models.modeling import CausalLM
 
@@ -21,12 +22,27 @@ def save_policy(model, tokenizer, out_dir: Path, state: dict | None = None) -> P
     if isinstance(model, CausalLM):
         model.save_pretrained(out_dir, state=state)
     else:
-        model.save_pretrained(out_dir, safe_serialization=True, **({"state_dict": state} if state else {}))
+        save_transformers_model(model, out_dir, state)
     if lora:
         save_adapter(model, out_dir, base_model=getattr(model, "name_or_path", None))
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def save_transformers_model(model, out_dir: Path, state: dict | None = None) -> None:
+    """A transformers model's `save_pretrained`, without the "Writing model shards" bar it draws (the run's
+    display is cohort's) and with its weight files in the usual mode (`files.py`)."""
+    from transformers.utils import logging as transformers_logging
+
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out_dir, safe_serialization=True, **({"state_dict": state} if state else {}))
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
+    give_usual_mode(*Path(out_dir).glob("*.safetensors"))
 
 
 def frozen_copy(model):

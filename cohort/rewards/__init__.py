@@ -21,7 +21,7 @@ from cohort.rewards.rules import (
 )
 
 __all__ = [
-    "REWARD_FUNCS", "RewardModelReward", "RewardOutput", "RewardRunner", "RewardWarning", "accuracy_reward",
+    "REWARD_FUNCS", "RewardModelReward", "RewardOutput", "RewardRunner", "accuracy_reward",
     "canonical_answer",
     "completion_text", "extract_answer", "format_reward", "get_soft_overlong_punishment", "lenient_format_reward",
     "reasoning_steps_reward", "resolve_reward", "tag_count_reward", "task_labeller", "think_format_reward",
@@ -29,7 +29,7 @@ __all__ = [
 
 
 def __getattr__(name):
-    if name in ("RewardRunner", "RewardOutput", "RewardWarning"):
+    if name in ("RewardRunner", "RewardOutput"):
         from cohort.rewards import runner
 
         return getattr(runner, name)

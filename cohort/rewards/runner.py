@@ -8,12 +8,15 @@ its group's baseline and gets advantage 0 (`advantages.group_advantages(scored=.
 
 Faults. A reward function that *raises* is a bug the user should hear about at once: by default
 (`errors="raise"`, `--reward_errors raise`) the first exception stops the run with one line naming the
-function and the exception's last line (`CohortError`). With `errors="warn"` the samples it failed on get
-None (NaN in the table; unscored if no other function scores them), one warning per function says so,
-and `rewards/<name>/errors` counts them in every call's metrics. A function that hangs past `timeout_s`
-or returns NaN is not an error by this rule: those samples get None and a warning, once per function and
-kind of fault, under either setting. A contract breach that would make every step wrong — the wrong
-number of values, a non-numeric value, a missing dataset column — always raises `CohortError`.
+function, the exception's last line and the completion it failed on (`CohortError`). With `errors="warn"`
+the samples it failed on get None (NaN in the table; unscored if no other function scores them), one
+notice per function says so, and `rewards/<name>/errors` counts them in every call's metrics. A function
+that hangs past `timeout_s` or returns NaN / inf is not an error by this rule: those samples get None and
+a notice, once per function and kind of fault, under either setting. A contract breach that would make
+every step wrong — the wrong number of values, a non-numeric value, a missing dataset column — always
+raises `CohortError`. A notice is one line on stderr (`cohort: ...`) naming the function, the sample and
+what becomes of it. To quote the completion a whole-batch function failed on, the function is called
+again on one sample at a time (within `timeout_s` in all) until one of them raises alone.
 
 Time limits. A whole-batch call runs in a daemon thread and is abandoned after `timeout_s` (Python
 cannot kill a thread; the abandoned one runs on in the background). A function that carries a
@@ -35,7 +38,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -46,10 +48,6 @@ from cohort.config.choices import CHOICES
 from cohort.errors import CohortError
 from cohort.rewards.completions import completion_text
 from cohort.rewards.rules import resolve_reward
-
-
-class RewardWarning(UserWarning):
-    """A reward function failed on some samples; those samples were scored None."""
 
 
 ERROR_POLICIES = CHOICES["reward_errors"]  # what a reward function that raises does: stop the run, or score None
@@ -150,6 +148,7 @@ class RewardRunner:
             if len(values) != batch:
                 raise ValueError(f"column {column!r} has {len(values)} values for {batch} completions")
         table = torch.full((batch, len(self.funcs)), float("nan"), dtype=torch.float32)
+        nonfinite: dict[str, dict[int, float]] = {}  # each function's NaN / inf values, by sample
         self._error_counts = {name: 0 for name in self.names}
         for j, (name, func) in enumerate(zip(self.names, self.funcs)):
             if _importable_elsewhere(getattr(func, "score_sample", None)) and self._pool.available:
@@ -158,10 +157,14 @@ class RewardRunner:
                 kwargs = accepted_kwargs(func, dict(prompts=prompts, completions=completions,
                                                      completion_ids=completion_ids, **columns))
                 values = self._call_with_timeout(name, func, kwargs, completions)
-            table[:, j] = torch.tensor(self._check_values(name, values, batch, completions), dtype=torch.float32)
+            scores, nonfinite[name] = self._check_values(name, values, batch)
+            table[:, j] = torch.tensor(scores, dtype=torch.float32)
         unscored = unscored_rows(table)
-        if batch and bool(unscored.any()):
-            first = int(unscored.nonzero()[0])
+        self._report_nonfinite(nonfinite, unscored, completions)
+        unexplained = unscored.clone()  # a non-finite value's notice says what becomes of its sample
+        unexplained[[i for samples in nonfinite.values() for i in samples]] = False
+        if batch and bool(unexplained.any()):
+            first = int(unexplained.nonzero()[0])
             self._warn("*", "unscored", f"no reward function scored {int(unscored.sum())} of {batch} samples; "
                        "they are left out of their group's baseline and get advantage 0", completions[first])
         rewards = (table * self.weights).nansum(dim=1)
@@ -169,42 +172,69 @@ class RewardRunner:
 
     def _call_with_timeout(self, name, func, kwargs, completions) -> list:
         """Call `func(**kwargs)` in a daemon thread; all-None if it raises or outlives `timeout_s`."""
-        box: dict = {}
-
-        def target():
-            try:
-                box["values"] = func(**kwargs)
-            except BaseException as e:  # noqa: BLE001 — any failure of user code becomes None
-                box["error"] = e
-
-        thread = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
-        thread.start()
-        thread.join(self.timeout_s)
-        if thread.is_alive():
+        box = _call_in_thread(func, kwargs, self.timeout_s, f"reward-{name}")
+        if box is None:
             self._warn(name, "timeout", f"reward {name!r} took longer than {self.timeout_s:g}s on a batch of "
-                       f"{len(completions)}; the batch gets None for it (its thread is left running)",
-                       completions[0] if completions else None)
+                       f"{len(completions)}; the batch gets None for it (its thread is left running)")
             return [None] * len(completions)
         if "error" in box:
-            self._raised(name, exception_line(box["error"]), completions)
+            culprit = None
+            if self.errors == "raise" or (name, "raised") not in self._warned:  # only for a message shown
+                culprit = self._failing_sample(func, kwargs, len(completions), box["error"])
+            self._raised(name, exception_line(box["error"]), completions, culprit=culprit)
             return [None] * len(completions)
         return box["values"]
 
-    def _raised(self, name: str, error: str, completions: list, sample: int | None = None) -> None:
-        """Function `name` raised `error` ("Type: last line") on the whole batch (`sample` None) or on one
-        sample: a `CohortError` under errors="raise"; else a warning (once) and the samples counted."""
-        where = (f"on sample {sample}" if sample is not None else f"on a batch of {len(completions)} completions")
-        completion = completions[sample if sample is not None else 0] if completions else None
+    def _failing_sample(self, func, kwargs: dict, batch: int, error: BaseException) -> int | None:
+        """The first sample on which `func`, called on that sample alone, raises `error`'s type again; None
+        when none does within `timeout_s` in all (the batch as a whole is what fails)."""
+        deadline = time.monotonic() + self.timeout_s
+        for i in range(batch):
+            one = {key: [value[i]] if isinstance(value, (list, tuple)) and len(value) == batch else value
+                   for key, value in kwargs.items()}
+            box = _call_in_thread(func, one, deadline - time.monotonic(), "reward-culprit")
+            if box is None:
+                return None
+            if type(box.get("error")) is type(error):
+                return i
+        return None
+
+    def _raised(self, name: str, error: str, completions: list, sample: int | None = None,
+                culprit: int | None = None) -> None:
+        """Function `name` raised `error` ("Type: last line") on one sample (`sample`), or on the whole batch
+        (`culprit`: the sample that alone raises it too, if one does): a `CohortError` under errors="raise";
+        else a notice (once) and the samples counted."""
+        if sample is not None:
+            quoted, where = sample, f"on sample {sample}"
+        elif culprit is not None:
+            quoted, where = culprit, f"on a batch of {len(completions)} completions, and on sample {culprit} alone"
+        else:
+            quoted, where = None, f"on a batch of {len(completions)} completions (no one sample raises it alone)"
+        shown = f" ({_shown(completions[quoted], 80)!r})" if quoted is not None else ""
         if self.errors == "raise":
-            shown = f" ({_shown(completion, 80)!r})" if completion is not None else ""
             raise CohortError(f"reward {name!r} raised {error} {where}{shown}; fix the function, or pass "
                               "--reward_errors warn to score the samples it fails on None and go on")
         self._error_counts[name] = self._error_counts.get(name, 0) + (1 if sample is not None else len(completions))
         what = "that sample gets" if sample is not None else "the batch gets"
-        self._warn(name, "raised", f"reward {name!r} raised {error} {where}; {what} None for it (counted in "
-                   f"rewards/{name}/errors)", completion)
+        self._warn(name, "raised", f"reward {name!r} raised {error} {where}{shown}; {what} None for it (counted "
+                   f"in rewards/{name}/errors)")
 
-    def _check_values(self, name, values, batch, completions) -> list[float]:
+    def _report_nonfinite(self, nonfinite: dict[str, dict[int, float]], unscored: torch.Tensor,
+                          completions: list) -> None:
+        """One notice per function that returned NaN / inf: its first such sample, and what becomes of it."""
+        for name, samples in nonfinite.items():
+            if not samples:
+                continue
+            i = min(samples)
+            fate = ("no reward function scores that sample, so it gets advantage 0 and stays out of its group's "
+                    "baseline (counted in rewards/unscored_frac)" if bool(unscored[i])
+                    else f"{name!r} does not score that sample, the other reward functions do")
+            self._warn(name, "nan", f"reward {name!r} returned {samples[i]} for sample {i} of {len(completions)} "
+                       f"({_shown(completions[i], 80)!r}): {fate}")
+
+    def _check_values(self, name, values, batch) -> tuple[list[float], dict[int, float]]:
+        """`values` as floats, NaN where None or not finite, after checking the function's contract; and the
+        NaN / inf values by sample (scored None, with a notice of their own)."""
         try:
             values = list(values.tolist() if hasattr(values, "tolist") else values)
         except TypeError:
@@ -213,7 +243,7 @@ class RewardRunner:
         if len(values) != batch:
             raise CohortError(f"reward {name!r} returned {len(values)} values for {batch} completions; "
                               "return one float or None per completion")
-        out = []
+        out, nonfinite = [], {}
         for i, value in enumerate(values):
             if value is None:
                 out.append(math.nan)
@@ -225,11 +255,9 @@ class RewardRunner:
                     raise CohortError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for sample "
                                       f"{i}; return a float or None per completion") from None
             if not math.isfinite(value):
-                self._warn(name, "nan", f"reward {name!r} returned {value} for sample {i}; treated as None",
-                           completions[i])
-                value = math.nan
-            out.append(float(value))
-        return out
+                nonfinite[i] = float(value)
+            out.append(float(value) if math.isfinite(value) else math.nan)
+        return out, nonfinite
 
     def _metrics(self, table: torch.Tensor, rewards: torch.Tensor, unscored: torch.Tensor) -> dict[str, float]:
         metrics = {}
@@ -245,13 +273,13 @@ class RewardRunner:
         return metrics
 
     def _warn(self, name: str, kind: str, message: str, completion=None) -> None:
-        """One warning per function and kind of fault, showing the offending completion (truncated)."""
+        """One line on stderr per function and kind of fault, showing the offending completion (truncated)."""
         if (name, kind) in self._warned:
             return
         self._warned.add((name, kind))
         if completion is not None:
             message += f"; completion: {_shown(completion, 200)!r}"
-        warnings.warn(message + " (further faults of this kind are not reported)", RewardWarning, stacklevel=3)
+        print(f"cohort: {message} (reported once; later ones are handled alike)", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Stop the per-sample worker processes (also done at garbage collection and exit)."""
@@ -261,6 +289,23 @@ class RewardRunner:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.close()
+
+
+def _call_in_thread(func: Callable, kwargs: dict, timeout_s: float, name: str) -> dict | None:
+    """`func(**kwargs)` in a daemon thread: {"values": ...} or {"error": exception}; None if it is still
+    running after `timeout_s` (Python cannot stop it: it runs on in the background)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["values"] = func(**kwargs)
+        except BaseException as e:  # noqa: BLE001 — any failure of user code is reported, not raised here
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join(max(0.0, timeout_s))
+    return None if thread.is_alive() else box
 
 
 def _shown(completion, limit: int) -> str:

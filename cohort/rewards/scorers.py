@@ -64,9 +64,8 @@ class CausalLMScorer(nn.Module):
         return self.score(self.features(input_ids, attention_mask)).squeeze(-1).float()
 
     def save_pretrained(self, out_dir, extra_config: dict | None = None) -> Path:
-        from safetensors.torch import save_file
-
         from cohort.models.config import ARCHITECTURES
+        from cohort.models.files import save_safetensors
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -78,7 +77,7 @@ class CausalLMScorer(nn.Module):
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.backbone.state_dict().items()
                  if not k.startswith("lm_head.")}  # a sequence classifier has no LM head
         state["score.weight"] = self.score.weight.detach().to("cpu").contiguous()
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(state, out / "model.safetensors")
         return out
 
 
@@ -131,7 +130,9 @@ class SequenceClassifierScorer(nn.Module):
     def save_pretrained(self, out_dir, extra_config: dict | None = None) -> Path:
         for key, value in (extra_config or {}).items():
             setattr(self.model.config, key, value)
-        self.model.save_pretrained(out_dir, safe_serialization=True)
+        from cohort.models.policy import save_transformers_model
+
+        save_transformers_model(self.model, Path(out_dir))
         return Path(out_dir)
 
 

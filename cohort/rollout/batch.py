@@ -47,6 +47,9 @@ class Batch(RowRecord):
     reward_metrics: dict | None = record_field(WHOLE, default=None, state=False, merge=mean_per_key)
     # [B] each completion's environment (environment_factory), or None
     environments: list | None = record_field(default=None, state=False)
+    # [B] each completion's prompt as the model saw it, where that is not the row's own (an environment's reset()
+    # text appended); None when every one is its row's
+    sampled_prompts: list | None = record_field(default=None, absent=lambda part: part.prompts)
     # tools/* of a tool-calling rollout, async/* of one sampled ahead (joined: the first part's)
     rollout_metrics: dict | None = record_field(WHOLE, default=None)
 

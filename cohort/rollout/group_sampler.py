@@ -31,12 +31,13 @@ class GroupSampler:
         G = self.args.num_generations
         params = self.sampling_params(seed, sequence_offset)
         completion_rows = [r for r in rows for _ in range(G)]
-        environments = turns = None
+        environments = turns = sampled_prompts = None
         if self.toolbox is not None and self.toolbox.environment_factory is not None:
             # One environment per completion: the G completions of a prompt must not share state.
             environments, additions = reset_environments(self.toolbox.environment_factory, completion_rows)
-            prompts = [with_addition(r["prompt"], a) for r, a in zip(completion_rows, additions)]
-            prompt_ids = [self.encode_prompt(p, self.toolbox.schemas(env)) for p, env in zip(prompts, environments)]
+            sampled_prompts = [with_addition(r["prompt"], a) for r, a in zip(completion_rows, additions)]
+            prompt_ids = [self.encode_prompt(p, self.toolbox.schemas(env))
+                          for p, env in zip(sampled_prompts, environments)]
             turns = self.toolbox.turns(self.tokenizer, len(prompt_ids), environments)
             # Completion i*G+g keeps its global index (and so its sampling noise) with one prompt per row.
             rollout = self.sampler.generate(prompt_ids, 1, params, turns=turns)
@@ -55,7 +56,7 @@ class GroupSampler:
         else:
             completions = self.decode(rows, rollout)
         return Batch(rows=completion_rows, prompt_ids=prompt_ids, rollout=rollout, completions=completions,
-                     environments=environments,
+                     environments=environments, sampled_prompts=sampled_prompts,
                      rollout_metrics=None if turns is None else turns.metrics(len(completion_rows)))
 
     def sampling_params(self, seed: int, sequence_offset: int = 0) -> SamplingParams:

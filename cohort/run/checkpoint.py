@@ -129,8 +129,7 @@ def _write_checkpoint(parts: RunParts, state: RunState, out: Path, final: Path, 
 
 
 def _write_contents(parts: RunParts, run: RunState, folder: Path, shared: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
+    from cohort.models.files import save_safetensors
     from cohort.models.lora import base_state_dict, has_lora
 
     policy = None
@@ -139,14 +138,14 @@ def _write_contents(parts: RunParts, run: RunState, folder: Path, shared: dict |
                   for name, tensor in shared["optimizer"]["fsdp_weights"].items()}
     save_policy(parts.model, parts.tokenizer, folder, state=policy)
     if shared and shared.get("reference") is not None:
-        save_file(_untied(shared["reference"]), str(folder / REFERENCE_FILE))
+        save_safetensors(_untied(shared["reference"]), folder / REFERENCE_FILE, metadata=None)
     elif parts.ref_model is not None:
         with parts.reference_pass():
             state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in parts.ref_model.state_dict().items()}
-        save_file(_untied(state), str(folder / REFERENCE_FILE))
+        save_safetensors(_untied(state), folder / REFERENCE_FILE, metadata=None)
     elif has_lora(parts.model) and parts.args.ref_reset_steps:  # resets fold adapters into the base
         state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in base_state_dict(parts.model).items()}
-        save_file(_untied(state), str(folder / REFERENCE_FILE))
+        save_safetensors(_untied(state), folder / REFERENCE_FILE, metadata=None)
     if shared and shared["optimizer"] is not None:  # FSDP2: gathered from every rank's shard
         _save_optimizer(parts, folder / OPTIMIZER_FILE, shared["optimizer"])
     else:

@@ -5,8 +5,9 @@ accident: `prepare_output_dir`). `train()` runs inside `with RunLifecycle(...)`:
 SIGTERM are caught (`StopRequest`); `resume` loads a checkpoint when asked (`--resume`); after each
 step `end_of_step` saves one when due, and on a signal or too many non-finite updates in a row saves
 and stops (`TrainingInterrupted`, `CohortError`). On exit, also when training raises, the previous
-signal handlers are back. The checkpoint folder format itself is `checkpoint.py` (writing,
-verifying) and `checkpoint_load.py` (reading). docs/howto/resume.md tells the whole story.
+signal handlers are back; a run that ended says in one line where it is. The checkpoint folder format
+itself is `checkpoint.py` (writing, verifying) and `checkpoint_load.py` (reading). docs/howto/resume.md
+tells the whole story.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import time
 import threading
 from pathlib import Path
@@ -27,8 +29,13 @@ from cohort.run.checkpoint_load import checkpoint_step, load_checkpoint
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """SIGINT / SIGTERM arrived; a checkpoint was saved. The CLI exits with 128 + the signal number. A
-    KeyboardInterrupt, so code that lets Ctrl-C through lets this through too."""
+    """SIGINT / SIGTERM arrived; a checkpoint was saved. The CLI exits with 128 + the signal number.
+
+    A KeyboardInterrupt, raised out of `train()` once the checkpoint is written: what a script gets from
+    Ctrl-C under TRL too, so its own `except KeyboardInterrupt:` runs, and the code after `train()` (saving
+    the "final" model, pushing it) does not run on a half-trained policy as if training had ended. Not caught,
+    it ends the script as it ends `cohort train`: its one line, exit status 128 + the signal, no traceback
+    (`end_uncaught_stops_in_one_line`)."""
 
     def __init__(self, signum: int, checkpoint: Path, step: int):
         self.signum, self.checkpoint = signum, checkpoint
@@ -43,6 +50,11 @@ class TrainingInterrupted(KeyboardInterrupt):
 def prepare_output_dir(args, log=print) -> None:
     """Before any heavy work: output_dir is writable, and a run there is not overwritten by accident."""
     out = Path(args.output_dir)
+    file = next((path for path in (out, *out.parents) if path.exists() and not path.is_dir()), None)
+    if file is not None:  # mkdir's "File exists" / "Not a directory" would read as a permission problem
+        where = "is a file" if file == out else f"is inside {str(file)!r}, which is a file"
+        raise CohortError(f"output_dir {str(out)!r} {where}, not a folder; name a folder (a new one is made), "
+                          "or move the file away (--output_dir)")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"
@@ -90,8 +102,12 @@ class RunLifecycle:
         self.stop.install()
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, kind, value, traceback) -> bool:
         self.stop.uninstall()  # SIGINT / SIGTERM back to their previous handlers, also when training raised
+        if kind is None:
+            out = self.args.output_dir
+            self.log(f"run saved in {out}: the trained policy (a Hugging Face folder), metrics.jsonl, "
+                     f"completions.jsonl; `cohort report {out}` draws it")
         return False
 
     def checkpoint_to_resume(self) -> Path | None:
@@ -146,6 +162,7 @@ class RunLifecycle:
                               "lower --max_grad_norm, or check the reward functions for inf/NaN")
         if stop.signum is not None:
             self.close_logs()
+            end_uncaught_stops_in_one_line()
             raise TrainingInterrupted(stop.signum, folder, step)
 
     def save_once(self, step: int) -> Path:
@@ -156,6 +173,26 @@ class RunLifecycle:
         folder = self.save()
         self.saved_step = step
         return folder
+
+
+def end_uncaught_stops_in_one_line() -> None:
+    """From now on, a `TrainingInterrupted` that no code catches ends the process as `cohort train` does: its
+    one line on stderr (the first rank's) and exit status 128 + the signal, instead of a traceback and status 1
+    (Python exits as Ctrl-C did only for a KeyboardInterrupt of that very class). Every other exception goes
+    to the hook that was there; a hook that raises SystemExit sets the status, after the atexit handlers."""
+    previous = sys.excepthook
+    if getattr(previous, "ends_stops", False):
+        return
+
+    def hook(kind, value, traceback):
+        if not isinstance(value, TrainingInterrupted):
+            return previous(kind, value, traceback)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops alike: rank 0 says so
+            print(f"cohort: {value}", file=sys.stderr, flush=True)
+        sys.exit(value.exit_code)
+
+    hook.ends_stops = True
+    sys.excepthook = hook
 
 
 class StopRequest:

@@ -1,10 +1,11 @@
-"""The training progress display: one line per step, and live bars per phase on a terminal.
+"""The training progress display: a line per logged step, and live bars per phase on a terminal.
 
 On an interactive terminal a `rich` live display shows an overall step bar (with ETA) and one bar per
-phase of a GRPO step (sampling, rewards, update, eval) with its rate; each finished step's summary line
-is printed above the bars. Everywhere else -- `quiet=True`, stdout piped to a file or a pager, or a CI
-environment (`CI` set) -- only the summary lines are written, as plain text without ANSI codes, so logs
-stay greppable. A closed pipe (`cohort train | head`) silences the display instead of killing training.
+phase of a GRPO step (sampling, rewards, update, eval) with its rate; the summary line of each step the
+run logs (every `logging_steps`, the first and the last) is printed above the bars. Everywhere else --
+`quiet=True`, stdout piped to a file or a pager, or a CI environment (`CI` set) -- only the summary lines
+are written, each ending with the time left, as plain text without ANSI codes, so logs stay greppable.
+A closed pipe (`cohort train | head`) silences the display instead of killing training.
 """
 
 from __future__ import annotations
@@ -61,9 +62,14 @@ class _EtaColumn(ProgressColumn):
             remaining = max(0.0, expected - task.elapsed)
         if remaining is None:
             return Text("-:--:--", style="progress.remaining")
-        minutes, seconds = divmod(int(remaining + 0.5), 60)
-        hours, minutes = divmod(minutes, 60)
-        return Text(f"{hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
+        return Text(clock(remaining), style="progress.remaining")
+
+
+def clock(seconds: float) -> str:
+    """`H:MM:SS`, rounded to the second."""
+    minutes, seconds = divmod(int(seconds + 0.5), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
 class Progress:
@@ -88,6 +94,7 @@ class Progress:
         self._bars: RichProgress | None = None
         self._bar_ids: dict[str, TaskID] = {}
         self._started = False
+        self._first_done: tuple[int, float] | None = None  # (step, time) of the first step this display saw
         if self.live:
             self._bars = RichProgress(
                 TextColumn("{task.description:>9}"),
@@ -171,11 +178,25 @@ class Progress:
             self._bars.advance(self._bar(name), n)
 
     # -- lines -------------------------------------------------------------------------------------
-    def step_done(self, step: int, line: str) -> None:
-        """Print a finished step's summary line (above the bars) and move the step bar to `step`."""
-        self.print(line)
+    def step_done(self, step: int, line: str, shown: bool = True) -> None:
+        """Move the step bar to `step`, and print the step's summary line (above the bars) when `shown` (a
+        logged step) or when it is the first step this display sees (the run is under way). Without bars the
+        line ends with the time left, at the pace of the steps since that first one (which warms up)."""
+        now = time.perf_counter()
+        first = self._first_done is None
+        if first:
+            self._first_done = (step, now)
+        if shown or first:
+            self.print(line if self._bars is not None else line + self._time_left(step, now))
         if self._bars is not None:
             self._bars.update(self._bar_ids["steps"], completed=step)
+
+    def _time_left(self, step: int, now: float) -> str:
+        first_step, first_time = self._first_done
+        if step <= first_step or step >= self.total_steps:
+            return ""
+        per_step = (now - first_time) / (step - first_step)
+        return f", eta {clock(per_step * (self.total_steps - step))}"
 
     def print(self, line: str) -> None:
         """Print one line of text as it is (no markup), above the bars when they are shown."""

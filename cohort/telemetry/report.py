@@ -57,10 +57,11 @@ class PlotSpec:
 
 
 PLOTS = (
-    PlotSpec("reward", "Reward (mean over the batch)", "reward", ("reward",)),
+    PlotSpec("reward", "Reward of the sampled training completions (mean over the batch)", "reward", ("reward",)),
     PlotSpec("reward_per_function", "Reward per function", "mean reward", pattern=r"rewards/(.+)/mean"),
     # Evaluated at a few steps only: a line between them would draw progress nobody measured.
-    PlotSpec("accuracy", "Held-out accuracy (at each evaluation)", "accuracy", ("eval/accuracy",), joined=False),
+    PlotSpec("accuracy", "Held-out accuracy, greedy (at each evaluation)", "accuracy", ("eval/accuracy",),
+             joined=False),
     PlotSpec("tool_calls", "Tool use per completion", "per completion", ("tools/call_frequency", "tools/turns")),
     PlotSpec("tool_failures", "Failed tool calls (fraction of calls)", "fraction", ("tools/failure_frequency",)),
     PlotSpec("tool_time", "Seconds per tool call", "seconds", ("tools/seconds_per_call",)),
@@ -181,10 +182,16 @@ def _number(value: Any, digits: int = 4) -> str:
     return f"{value:.{digits}g}"
 
 
+# The two figures side by side measure different things; each column says which.
+SUMMARY_NOTE = ("Accuracy: one greedy (temperature 0) completion per held-out question, right or wrong. Reward: "
+                "the reward functions' weighted sum, averaged over a step's training completions, sampled at the "
+                "run's temperature (1.0 unless set): another measure, not comparable with the accuracy.")
+
+
 def _summary_table(runs: Sequence[Run]) -> str:
     # metrics.jsonl holds every logging_steps-th step: the first reward logged is that step's, said with it
-    header = ("run", "steps", "seconds", "accuracy before", "accuracy after",
-              "reward (first logged step)", "reward (last logged step)")
+    header = ("run", "steps", "seconds", "held-out accuracy before (greedy)", "held-out accuracy after (greedy)",
+              "reward, sampled (first logged step)", "reward, sampled (last logged step)")
     rows = []
     for run in runs:
         steps, rewards = run.series("reward")
@@ -199,7 +206,8 @@ def _summary_table(runs: Sequence[Run]) -> str:
         ))
     head = "".join(f"<th>{h}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return (f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+            f"<p class='note'>{html.escape(SUMMARY_NOTE)}</p>")
 
 
 def _warnings_section(runs: Sequence[Run]) -> str:

@@ -179,24 +179,26 @@ class StepReport:
         self.history.append(record)
         warnings = self.health.observe(record, len(batch.rows))
         self.unlogged_warnings += warnings
-        if step % self.args.logging_steps == 0 or step == self.args.max_steps:
+        logged = step % self.args.logging_steps == 0 or step == self.args.max_steps
+        if logged:
             self.metrics.log(step, {**record, "warnings": self.unlogged_warnings} if self.unlogged_warnings else record)
             self.unlogged_warnings = []
         if step == 1 or step % self.args.log_completions_steps == 0:
             self.metrics.log_completions(step, completion_samples(batch, context.reward_names))
-        self.show(step, record, success_measure(context.success is not None, context.reward_names), warnings)
+        self.show(step, record, success_measure(context.success is not None, context.reward_names), warnings, logged)
         return record
 
-    def show(self, step: int, record: dict, measure: SuccessMeasure, warnings: list[str]) -> None:
-        """The step's line; before it the legend, the first time and whenever the success column changes what it
-        counts (a curriculum stage without a verifier); after it the step's learning-health warnings."""
+    def show(self, step: int, record: dict, measure: SuccessMeasure, warnings: list[str], logged: bool) -> None:
+        """The step's line (printed on the first step and the logged ones: `logged`); before it the legend, the
+        first time and whenever the success column changes what it counts (a curriculum stage without a
+        verifier); after it the step's learning-health warnings, whatever the step."""
         if measure != self.measure:
             self.measure = measure
             self.log(f"Legend: Loss = the loss optimised (near 0 by design when μ_iters = 1); {measure.label} = share "
                      f"of the step's {measure.meaning}; μ_iters = policy updates on each rollout")
         self.progress.step_done(step, f"Step {step}/{self.args.max_steps}: Loss={record['loss']:.4f}, "
                                       f"{measure.label}={100 * record['success']:.2f}%, "
-                                      f"μ_iters={record['num_iterations']}")
+                                      f"μ_iters={record['num_iterations']}", shown=logged)
         for line in warnings:
             self.log(line)
 
@@ -258,7 +260,7 @@ def completion_samples(batch: Batch, reward_names: list[str], limit: int = 8) ->
     rows = []
     for i in range(min(limit, len(batch.rows))):
         scores = batch.per_function[i].tolist()
-        rows.append({"prompt": batch.rows[i]["prompt"], "completion": batch.completions[i],
+        rows.append({"prompt": (batch.sampled_prompts or batch.prompts)[i], "completion": batch.completions[i],
                      "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(reward_names, scores)},
                      "reward": float(batch.rewards[i]), "advantage": float(advantages[i])})
     return rows
