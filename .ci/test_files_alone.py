@@ -44,6 +44,7 @@ def main(argv: list[str]) -> int:
             failed.append(path.relative_to(ROOT))
             print("\n".join(output.splitlines()[-SHOWN_LINES:]), flush=True)
     print(f"alone: {len(files)} files in {time.monotonic() - began:.0f} s", flush=True)
+    print(f"files: {len(files) - len(failed)} passed, {len(failed)} failed", flush=True)  # CI's closing line
     if failed:
         print(f"alone: {len(failed)} file(s) failed when run on their own: {' '.join(map(str, failed))}", flush=True)
         return 1
