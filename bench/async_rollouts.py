@@ -455,12 +455,8 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
                                     sampler_factory=factory, log=log)
     if sampler is not None:  # a sampling rank: its engine is the server's
         sampling_engine = sampler.sampler
-    elif trainer.async_rollouts is not None and hasattr(trainer.async_rollouts, "sample"):
-        sampling_engine = trainer.async_rollouts.sample.sampler
-    elif trainer.async_rollouts is not None:  # a training rank whose rollouts come from a sampling rank
-        sampling_engine = None
-    else:
-        sampling_engine = trainer.sampler
+    else:  # the engine the trainer's rollouts come from: None where a sampling rank samples them
+        sampling_engine = trainer.rollouts.sampler
     if sampling_engine is not None and not isinstance(sampling_engine, DrawnLengthEngine):
         sampling_engine = sampling_engine.sampler  # the colocated placement: a tensor-parallel group's wrapper
     assert sampling_engine is None or isinstance(sampling_engine, DrawnLengthEngine), type(sampling_engine)

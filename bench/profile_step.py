@@ -74,7 +74,9 @@ def main(argv=None) -> None:
     with torch.profiler.profile(activities=activities) as prof:
         trainer.step = step
         trainer.memory.ref_offload.prefetch()  # as train() does at the top of a step: π_ref's copy overlaps sampling
-        batch = trainer.sample(trainer.next_prompts())  # each of these times its own phase
+        rows = trainer.next_prompts()
+        with trainer.report.phase("sampling"):  # each of these times its own phase
+            batch = trainer.sample(rows)
         trainer.score(batch)
         batch.old_logp, batch.ref_logp = trainer.reference_logprobs(batch)
         batch.advantages = trainer.estimate_advantages(batch)

@@ -1,9 +1,9 @@
 """docs/architecture.md's loop block is `GRPOTrainer.train()`: the same calls, in the same order.
 
 Both are read as Python syntax (no import of the trainer): from the `with` statement that holds the
-`for step in self.steps()` loop, every call to a method of `self` or to a plain function, in source
-order. Callback events (`self.callback_handler.event`) and the clean-up in the `try` statement's
-handlers and `finally` are the trainer's alone and left out.
+`for step in self.steps()` loop, every call to a method of `self`, of one of its stages (`self.rollouts.take`)
+or to a plain function, in source order. Callback events (`self.callback_handler.event`) and the clean-up in
+the `try` statement's handlers and `finally` are the trainer's alone and left out.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def kept_nodes(statements: list[ast.stmt]):
 
 
 def stage_calls(with_statement: ast.With) -> list[str]:
-    """`self.name` / `name` of each call the statement makes, in source order."""
+    """`self.name` / `self.stage.name` / `name` of each call the statement makes, in source order."""
     nodes = [item.context_expr for item in with_statement.items] + list(kept_nodes(with_statement.body))
     calls = [node for root in nodes for node in ast.walk(root) if isinstance(node, ast.Call)]
     names = []
@@ -46,6 +46,10 @@ def stage_calls(with_statement: ast.With) -> list[str]:
         func = call.func
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
             names.append(f"self.{func.attr}")
+        elif (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Attribute)
+              and isinstance(func.value.value, ast.Name) and func.value.value.id == "self"
+              and func.value.attr != "callback_handler"):
+            names.append(f"self.{func.value.attr}.{func.attr}")
         elif isinstance(func, ast.Name) and func.id != "range":
             names.append(func.id)
     return names
@@ -70,13 +74,14 @@ def test_the_documented_loop_is_train():
     assert documented == train_calls(TRAINER.read_text())
     # what the comparison sees: Algorithm 1's stages, in order
     assert documented[documented.index("self.steps"):documented.index("self.end_step") + 1] == [
-        "self.steps", "self.new_iteration", "self.reset_reference", "self.rollout_of", "self.score",
+        "self.steps", "self.new_iteration", "self.reset_reference", "self.rollouts.take", "self.score",
         "self.refill_uninformative", "self.reference_logprobs", "self.estimate_advantages", "self.update",
         "self.update_reward_models", "self.end_step"]
 
 
 @pytest.mark.parametrize("change", [
     ("self.score(batch)", "self.score(batch); self.extra_stage(batch)"),
+    ("batch = self.rollouts.take(step)", "batch = self.rollouts.sample(self.next_prompts())"),
     ("batch = self.refill_uninformative(batch)", "batch = batch"),
 ])
 def test_a_change_to_train_alone_is_caught(change):

@@ -28,12 +28,11 @@ def odd_length(completions, **kwargs):
 
 
 class Recording(GRPOTrainer):
-    """Keeps the batch each step trained on."""
+    """Keeps the batch each step trained on (the rollout its source handed over, as it is scored)."""
 
-    def rollout_of(self, step):
-        batch = super().rollout_of(step)
-        self.batches = {**getattr(self, "batches", {}), step: batch}
-        return batch
+    def score(self, batch):
+        self.batches = {**getattr(self, "batches", {}), self.step: batch}
+        super().score(batch)
 
 
 def config(out, **overrides):

@@ -408,11 +408,12 @@ def test_a_subclass_saves_and_restores_its_own_state(model_dir, tmp_path):
 
 
 class NanSamplerLogprob:
-    """`trainer`'s group sampler, reporting NaN for one sampled token (inside the loss mask) on `bad_steps`."""
+    """`trainer`'s group sampler (its rollout source's), reporting NaN for one sampled token (inside the loss
+    mask) on `bad_steps`."""
 
     def __init__(self, trainer, bad_steps):
-        self.trainer, self.bad_steps, self.inner = trainer, bad_steps, trainer.group_sampler
-        trainer.group_sampler = self
+        self.trainer, self.bad_steps, self.inner = trainer, bad_steps, trainer.rollouts.group_sampler
+        trainer.rollouts.group_sampler = self
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

@@ -119,14 +119,14 @@ def test_every_step_logs_the_mismatch_and_the_correction_reaches_the_update(tiny
         trainer = _trainer(tiny_dir, tmp_path / str(correction), importance_sampling_correction=correction,
                            importance_sampling_mode="token_mask")
         assert trainer.sampler_correction == ("token_mask" if correction else None)
-        rollout = trainer.group_sampler.__call__
+        rollout = trainer.rollouts.group_sampler.__call__
 
         def skewed(*args, **kwargs):
             batch = rollout(*args, **kwargs)
             batch.rollout.logprobs = batch.rollout.logprobs - 10.0 * batch.rollout.completion_mask
             return batch
 
-        trainer.group_sampler = skewed
+        trainer.rollouts.group_sampler = skewed  # the synchronous source's sampling stage
         record = trainer.train()[0]
         assert record["sampling/sampling_logp_difference/mean"] == pytest.approx(10.0, abs=1e-3)
         grad_norms[correction] = record["grad_norm"]

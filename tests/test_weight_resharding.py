@@ -24,6 +24,7 @@ from cohort.models import CausalLM, ModelConfig
 from cohort.models.resharding import full_parameters, plain_parameter_name, update_shard_
 from cohort.models.tensor_parallel import TensorParallelCausalLM, gather_logits, shard_model, shard_state_dict
 from cohort.parallel.distributed import Parallel
+from cohort.parallel.engine_copy import EngineCopy
 from test_tensor_parallel_model import random_model
 
 TOLERANCE = 1e-5
@@ -100,7 +101,7 @@ def update_check(config: ModelConfig, fused: bool) -> dict:
 
 def fsdp_check(rank: int) -> dict:
     """cohort's FSDP2 path (Parallel.wrap, fully_shard over gloo) trains one step; a fused TP=2 shard is
-    updated from its gathered parameters and compared with the plain copy refresh_sampling_model gathers."""
+    updated from its gathered parameters and compared with the plain copy `EngineCopy.refresh` gathers."""
     config = CONFIGS["qwen2_tied"]
     plain = random_model(config)
     parallel = Parallel(rank, WORLD)
@@ -112,7 +113,7 @@ def fsdp_check(rank: int) -> dict:
     logits = sharded((ids + rank) % config.vocab_size)  # each rank its own batch: the step uses both
     F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
     optimizer.step()
-    parallel.refresh_sampling_model()  # the plain copy as cohort's FSDP path gathers it
+    EngineCopy(plain, sharded).refresh()  # the plain copy as cohort's FSDP path gathers it
     stale = logit_errors(shard, plain, ids)
     names, alive = [], []
     for name, tensor in watched(full_parameters(sharded), alive):

@@ -3,7 +3,7 @@
 With `--fsdp`, no `--rollout_gpus` and `rollout_tensor_parallel_size` T > 1 (`Placement.colocated`), the W
 training ranks form W / T groups of T consecutive ranks (`Placement.group_ranks`, `form_sampling_group`). Each
 rank keeps, for sampling, only its T-way shard of the model (cohort/models/tensor_parallel.py;
-`Parallel.sample_from_shard`) instead of a whole plain copy, and a group's ranks sample their prompts together,
+`EngineCopy.sample_from_shard`) instead of a whole plain copy, and a group's ranks sample their prompts together,
 in one engine call (cohort/rollout/colocated.py). No rank ever holds the whole model. What a rank holds, phase
 by phase:
 
@@ -16,7 +16,7 @@ by phase:
   graphs read it by address) unless `--free_sampling_memory` releases it and the graphs after each rollout
   (cohort/memory/manager.py); the one-process tricks do not apply here: the KV cache cannot lend its bytes to
   FSDP2's sharded gradients, and π_ref is sharded rather than offloaded to the host.
-- the weight refresh after each update (`Parallel.refresh_sampling_model`): one FSDP2 parameter gathered at a
+- the weight refresh after each update (`EngineCopy.refresh`): one FSDP2 parameter gathered at a
   time, in the sampling dtype, each rank copying its slice into its shard in place
   (cohort/models/resharding.py).
 - checkpoints and the saved model: the policy and π_ref gathered from their FSDP2 shards into full state
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from cohort.parallel.distributed import Parallel, shard_bounds
+from cohort.parallel.engine_copy import EngineCopy
 from cohort.parallel.placement import Placement
 
 
@@ -105,12 +106,12 @@ def load_gathered_state(module: nn.Module, state: dict[str, torch.Tensor]) -> No
     set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
 
 
-def colocate(parallel: Parallel, model: nn.Module, placement: Placement, timeout_s: float,
+def colocate(parallel: Parallel, engine_copy: EngineCopy, placement: Placement, timeout_s: float,
              reference: bool) -> tuple[nn.Module, nn.Module | None]:
     """After `parallel.wrap(model, fsdp=True)`, for a colocated `placement` (its split settled): this rank's
-    sampling group is formed (a collective), π_ref made as a sharded frozen copy of `model` when `reference`, and
-    the whole copy `model` replaced, for the engine, by this rank's shard (`model` is left on the meta device).
-    Returns (the shard, π_ref or None)."""
-    ref = frozen_sharded_copy(parallel, model) if reference else None  # before the whole copy goes
+    sampling group is formed (a collective), π_ref made as a sharded frozen copy of the whole copy
+    `engine_copy.model` when `reference`, and that copy replaced, for the engine, by this rank's shard (the whole
+    copy is left on the meta device). Returns (the shard, π_ref or None)."""
+    ref = frozen_sharded_copy(parallel, engine_copy.model) if reference else None  # before the whole copy goes
     parallel.sampling_group = form_sampling_group(parallel, placement, timeout_s)
-    return parallel.sample_from_shard(model, parallel.sampling_group.process_group), ref
+    return engine_copy.sample_from_shard(parallel.sampling_group.process_group), ref

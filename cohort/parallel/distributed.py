@@ -16,12 +16,11 @@ trains on them, and gradients are averaged over ranks by PyTorch's own engines:
   gradients and optimizer state are sharded over ranks, each decoder layer gathered just before
   its use; on CUDA in bf16 for compute, fp32 for the gradient reduction and the master weights.
   For sampling, each rank keeps a plain full copy of the model (in the loaded dtype) that the
-  engine reads; its weights are gathered (`DTensor.full_tensor`) once per step, after the
-  update. Gathering once per step is one all-gather of the weights; sampling sharded would
-  all-gather every layer at every decode step (hundreds per step), so we gather. With
+  engine reads; its weights are gathered once per step, after the update (`EngineCopy`,
+  cohort/parallel/engine_copy.py, which the rollout source owns: it is no collective of the step). With
   `rollout_tensor_parallel_size` T > 1 (the colocated placement, cohort/parallel/colocation.py) the plain
-  copy is replaced by this rank's T-way tensor-parallel shard, refreshed one gathered parameter at a
-  time, and consecutive groups of T ranks sample together.
+  copy is replaced by this rank's T-way tensor-parallel shard, and consecutive groups of T ranks sample
+  together.
 
 Every rank computes the same data order and sampling seed; rank r takes the r-th contiguous
 block of the step's prompts (`shard_bounds`) and keys its sampling noise by the global index of
@@ -43,8 +42,6 @@ import torch
 from torch import nn
 
 from cohort.errors import CohortError
-from cohort.models.resharding import full_parameters, update_shard_
-from cohort.models.tensor_parallel import TensorParallelCausalLM, shard_model
 from cohort.parallel.placement import Placement
 from cohort.parallel.sharding import fully_sharded_copy
 
@@ -111,8 +108,6 @@ class Parallel:
         # of the step runs in this group (None: all ranks). `link` connects trainers and samplers.
         self.group, self.link = group, link
         self.fsdp = False
-        self._sampling_pair: tuple[nn.Module, nn.Module] | None = None  # FSDP2: (plain copy or TP shard, sharded)
-        self._released_weights: list[tuple[nn.Parameter, torch.Size]] = []  # release_sampling_weights
         # FSDP2 ranks that sample in tensor-parallel groups (cohort/parallel/colocation.py): this rank's group.
         self.sampling_group = None
 
@@ -175,7 +170,7 @@ class Parallel:
     def wrap(self, model: nn.Module, fsdp: bool = False) -> nn.Module:
         """The module the training forward calls: `model` itself (one process), DDP around it, or,
         with `fsdp`, a sharded fp32 copy (FSDP2) while `model` stays the plain copy the engine
-        samples from and checkpoints save (`refresh_sampling_model` brings it up to date)."""
+        samples from and checkpoints save (an `EngineCopy`, cohort/parallel/engine_copy.py, brings it up to date)."""
         if self.world_size == 1:
             return model
         if fsdp:
@@ -194,7 +189,6 @@ class Parallel:
         self._broadcast_from_main(model)
         sharded = self.sharded_copy(model, master_weights=self.device.type == "cuda")
         self.fsdp = True
-        self._sampling_pair = (model, sharded)
         return sharded
 
     def sharded_copy(self, model: nn.Module, master_weights: bool = False) -> nn.Module:
@@ -211,15 +205,6 @@ class Parallel:
         mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
         return fully_sharded_copy(model, mesh, self.device, master_weights)
 
-    def sample_from_shard(self, model: nn.Module, group) -> nn.Module:
-        """FSDP2 with tensor-parallel sampling on the training ranks (cohort/parallel/colocation.py): this rank's
-        shard of `model` over its sampling `group` becomes what the engine samples and `refresh_sampling_model`
-        updates, and the whole plain copy's memory goes (`model` is left on the meta device). Returns the shard."""
-        shard = shard_model(model, group)
-        model.to("meta")
-        self._sampling_pair = (shard, self._sampling_pair[1])
-        return shard
-
     @torch.no_grad()
     def _broadcast_from_main(self, model: nn.Module) -> None:
         """Rank 0's parameters into every rank's `model`, in place, as DDP does when it wraps a module:
@@ -230,37 +215,6 @@ class Parallel:
 
         for param in model.parameters():
             dist.broadcast(param.data, src=0)
-
-    @torch.no_grad()
-    def refresh_sampling_model(self) -> None:
-        """FSDP2: copy the sharded weights, gathered, into the plain copy (in place, so the engine's
-        captured graphs stay valid), cast to its dtype before the gather to halve the traffic; into a
-        tensor-parallel shard (`sample_from_shard`), one gathered parameter at a time, each rank copying its
-        slice (cohort/models/resharding.py). Every rank must call it at the same point. A no-op without FSDP2."""
-        if self._sampling_pair is None:
-            return
-        plain, sharded = self._sampling_pair
-        for param, shape in self._released_weights:  # the same parameters, their memory back (new addresses)
-            param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
-        self._released_weights = []
-        if isinstance(plain, TensorParallelCausalLM):
-            update_shard_(plain, full_parameters(sharded, dtype=plain.dtype))
-            return
-        targets = dict(plain.named_parameters())
-        for name, param in sharded.named_parameters():
-            target = targets[name]
-            target.copy_(param.detach().to(target.dtype).full_tensor())
-
-    def release_sampling_weights(self) -> None:
-        """FSDP2, after a rollout: the memory of the engine's weights (the plain copy or the tensor-parallel shard)
-        goes to the log-prob passes and the update; `refresh_sampling_model` allocates it again before it copies
-        the updated weights in, so nothing reads them in between. The engine's graphs, which read the weights
-        by address, must have been released with them (`MemoryManager.after_sampling`)."""
-        if self._sampling_pair is None or self._released_weights:
-            return
-        for param in self._sampling_pair[0].parameters():
-            self._released_weights.append((param, param.shape))
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def optimizer_state(self, train_model: nn.Module, optimizer) -> dict:
         """What a checkpoint stores for the optimizer: its state_dict, or under FSDP2 the full
@@ -289,7 +243,6 @@ class Parallel:
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(train_model, state["fsdp_weights"], options=options)
         set_optimizer_state_dict(train_model, optimizer, state["fsdp_optimizer"], options=options)
-        self.refresh_sampling_model()
 
     # ---- the step's collectives ----------------------------------------------------------------
     @contextlib.contextmanager

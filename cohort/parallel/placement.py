@@ -222,6 +222,6 @@ class Placement:
     @property
     def engine_released_in_update(self) -> bool:
         """The engine's weights are freed between a rollout and the weight refresh that rewrites them
-        (`Parallel.release_sampling_weights`): under FSDP2 with `free_sampling_memory`, synchronous (an
+        (`EngineCopy.release`): under FSDP2 with `free_sampling_memory`, synchronous (an
         asynchronous engine samples during the update), without LoRA (π_ref is that copy with its adapters off)."""
         return self.fsdp and self.free_sampling_memory and not self.async_rollouts and not self.lora

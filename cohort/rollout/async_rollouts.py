@@ -17,7 +17,7 @@ Each submitted rollout carries its own snapshot of the weights it must be sample
 at most), loaded into the sampler's copy by the producer just before it samples.
 
 Under FSDP2 the engine samples from a copy of its own anyway (the whole model, or the rank's tensor-parallel
-shard), which the trainer rewrites in place after each update (`Parallel.refresh_sampling_model`). With L = 1
+shard), which the trainer rewrites in place after each update (`EngineCopy.refresh`). With L = 1
 the producer samples on that copy itself, with no snapshot and no second copy: after update t the trainer
 waits for the rollout the producer is sampling (`wait_idle`: step t + 1's, from the weights after update
 t − 1, which the next step takes anyway), refreshes the copy to the weights after update t, and submits step

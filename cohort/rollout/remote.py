@@ -1,8 +1,8 @@
 """Asynchronous rollouts sampled on other ranks (`--rollout_gpus K`, cohort/parallel/disaggregation.py).
 
 `RemoteRollouts` is the trainer's side, with the interface of `AsyncRollouts` (cohort/rollout/
-async_rollouts.py), so the training loop is the same: after an update it submits the rollouts the
-schedule starts then, and each step takes its own. A submission is a message to this trainer's
+async_rollouts.py), so one `SampledAhead` (cohort/rollout/source.py) drives either and the training loop
+is the same: after an update it submits the rollouts the schedule starts then, and each step takes its own. A submission is a message to this trainer's
 sampling rank (the rows, the seed, the noise offset, the policy version); rank 0 also broadcasts
 the weights of each new version to the sampling ranks once. `RolloutServer` is the sampling rank's
 loop: read the next request of each trainer it serves, load the version's weights when it changes,

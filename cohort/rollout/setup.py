@@ -3,10 +3,12 @@ rank (`--rollout_gpus`) serves.
 
 A trainer rank gets its sampler over the live policy and the `GroupSampler` stage over it, plus, with
 `--async_rollouts`, the rollouts sampled ahead: on a producer thread over a copy of the policy
-(`AsyncRollouts`), or by its sampling rank (`RemoteRollouts`) — `build_rollouts`. A sampling rank gets the
-`RolloutServer` it runs until its trainers stop — `build_rollout_server` (cohort/run/sampling_rank.py runs
-it). Both read `partial_rollouts` and `max_staleness` from the run's resolved config (`cohort.run.resolve`),
-settled from the same model and tools on every rank, so the ranks agree without a message.
+(`AsyncRollouts`), or by its sampling rank (`RemoteRollouts`) — `build_rollouts`; and, once the run's other
+stages exist, the one `RolloutSource` the trainer takes each step's rollout from (cohort/rollout/source.py) —
+`rollout_source`. A sampling rank gets the `RolloutServer` it runs until its trainers stop —
+`build_rollout_server` (cohort/run/sampling_rank.py runs it). Both read `partial_rollouts` and `max_staleness`
+from the run's resolved config (`cohort.run.resolve`), settled from the same model and tools on every rank, so
+the ranks agree without a message.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from cohort.rollout.group_sampler import GroupSampler
 from cohort.rollout.partial import partial_rollouts
 from cohort.rollout.remote import RemoteRollouts, RolloutServer
 from cohort.rollout.sampler import Sampler
+from cohort.rollout.source import RolloutSource, SampledAhead, SampleNow
 
 
 @dataclass
@@ -33,14 +36,15 @@ class Rollouts:
     """What a trainer rank samples with.
 
     sampler: the engine (or Hugging Face `generate`) over the policy itself; group_sampler: Algorithm 1's
-    sampling stage over it. async_rollouts: the rollouts sampled ahead (`AsyncRollouts` or `RemoteRollouts`),
-    None when each step samples its own.
+    sampling stage over it. ahead: the rollouts sampled ahead (`AsyncRollouts` or `RemoteRollouts`), None when
+    each step samples its own; ahead_sampler: the engine that samples them on this rank (None: sampling ranks do).
     sequence_offset: the global index of this rank's first completion in a step's batch, which keys its
     sampling noise, so that several ranks draw what one would."""
 
     sampler: Sampler
     group_sampler: GroupSampler
-    async_rollouts: AsyncRollouts | RemoteRollouts | None = None
+    ahead: AsyncRollouts | RemoteRollouts | None = None
+    ahead_sampler: Sampler | None = None
     sequence_offset: int = 0
 
 
@@ -61,7 +65,7 @@ def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None 
     if sampling_group is not None:  # the group's requests become engine calls every rank of it makes
         sampler = ColocatedSampler(sampler, sampling_group)
     group_sampler = GroupSampler(sampler, tokenizer, args, pad_id, toolbox)
-    ahead = None
+    ahead = ahead_sampler = None
     if args.async_rollouts:
         if toolbox is not None and toolbox.environment_factory is not None:
             raise CohortError("async_rollouts with an environment_factory is not supported (an environment's "
@@ -71,13 +75,27 @@ def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None 
         elif placement.samples_in_place:
             # a producer thread samples later steps on the engine's own copy (the whole model or this rank's
             # shard), which the trainer refreshes in place between its rollouts
+            ahead_sampler = sampler
             ahead = AsyncRollouts(None, GroupSampler(sampler, tokenizer, args, pad_id, toolbox), args.max_staleness)
         else:  # a producer thread samples later steps on its own copy of the policy
             sampler_policy = frozen_copy(model)
-            ahead = AsyncRollouts(sampler_policy, GroupSampler(
-                sampler_factory(sampler_policy, tokenizer), tokenizer, args, pad_id, toolbox), args.max_staleness)
-    return Rollouts(sampler, group_sampler, async_rollouts=ahead,
+            ahead_sampler = sampler_factory(sampler_policy, tokenizer)
+            ahead = AsyncRollouts(sampler_policy, GroupSampler(ahead_sampler, tokenizer, args, pad_id, toolbox),
+                                  args.max_staleness)
+    return Rollouts(sampler, group_sampler, ahead=ahead, ahead_sampler=ahead_sampler,
                     sequence_offset=args.prompts_per_step * rank * args.num_generations)
+
+
+def rollout_source(rollouts: Rollouts, *, memory, phases, next_rows, next_seed, engine_copy, policy, parallel,
+                   max_steps: int) -> RolloutSource:
+    """The `RolloutSource` a trainer rank takes each step's rollout from, over what `build_rollouts` made:
+    `SampleNow`, or with rollouts sampled ahead `SampledAhead` (the arguments are theirs, cohort/rollout/source.py)."""
+    now = SampleNow(rollouts.group_sampler, memory=memory, phases=phases, next_rows=next_rows, next_seed=next_seed,
+                    sequence_offset=rollouts.sequence_offset, engine_copy=engine_copy)
+    if rollouts.ahead is None:
+        return now
+    return SampledAhead(rollouts.ahead, now, policy=policy, parallel=parallel, max_steps=max_steps,
+                        sampler=rollouts.ahead_sampler)
 
 
 def build_rollout_server(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None, link,

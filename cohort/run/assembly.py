@@ -2,10 +2,12 @@
 trainer's arguments and returned together as a `RunAssembly`, which `GRPOTrainer` keeps.
 
 The order is the point of this module. The output folder is checked and the ranks joined before
-anything heavy; a run that cannot fit is refused before its weights load; the configuration is
-resolved (and frozen) once the model and the rows exist, and every stage after that is built from the
-resolved one; checkpointed layers are set before the model is wrapped, since FSDP2's sharded copy must
-recompute them too; the step report, which owns the display, comes last.
+anything heavy (the start-up a sampling rank shares, cohort/run/start.py); a run that cannot fit is
+refused, and its rows read, before its weights load; the configuration is resolved (and frozen) once
+the model and the rows exist, and every stage after that is built from the resolved one; checkpointed
+layers are set before the model is wrapped, since FSDP2's sharded copy must recompute them too; the
+step report, which owns the display, comes last, and the rollout source, which times its phases on it,
+after it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import torch
 from torch import nn
 
 from cohort.tasks.curriculum import Curriculum
-from cohort.run.determinism import prepare_full_determinism, seed_everything
 from cohort.algorithm.loss_spec import LossSpec
 from cohort.tasks.prompts import PromptStream
 from cohort.config.grpo_config import GRPOConfig
@@ -30,15 +31,15 @@ from cohort.optim.precision import make_optimizer, optimizer_line
 from cohort.parallel.placement import Placement, launched_rank, launched_world_size
 from cohort.models.lora import has_lora
 from cohort.models.policy import frozen_copy
-from cohort.run.policy import load_run_policy
-from cohort.models.tiny import run_device
 from cohort.config.epochs import with_epoch_steps
-from cohort.run.resolve import resolve_run_config
 from cohort.rewards.model import resolve_reward_funcs
 from cohort.rewards.runner import RewardRunner
-from cohort.plans.placement_lines import placement_line
 from cohort.rollout.layout import Layout
-from cohort.rollout.setup import Rollouts, build_rollouts
+from cohort.plans.placement_lines import placement_line
+from cohort.rollout.group_sampler import GroupSampler
+from cohort.rollout.sampler import Sampler
+from cohort.rollout.setup import build_rollouts, rollout_source
+from cohort.rollout.source import RolloutSource
 from cohort.tasks.data import dataset_rows
 from cohort.telemetry.step_report import StepReport, open_step_report
 from cohort.tools.environments import environment_reward
@@ -49,7 +50,9 @@ from cohort.update.policy_update import PolicyUpdate, sampler_correction_mode
 from cohort.update.schedule import lr_scheduler
 from cohort.parallel.colocation import colocate
 from cohort.parallel.distributed import Parallel
+from cohort.parallel.engine_copy import EngineCopy
 from cohort.run.lifecycle import prepare_output_dir
+from cohort.run.start import RankStart, start_rank
 
 
 @dataclass
@@ -60,12 +63,17 @@ class RunAssembly:
     the loaded policy, or the FSDP2 module itself where no rank keeps a whole copy (colocated sampling) or
     the whole copy is empty between a rollout and its refresh. train_model: what the training forward
     calls (the model, DDP around it, or FSDP2's sharded copy). ref_model: π_ref's frozen copy, None when
-    β = 0 or with LoRA (π_ref is the policy with its adapters off). layout: how the passes over a rollout lay
-    it out (the G completions of a prompt sharing its forward, or a padded row each). sampler_correction: the
-    correction in force for a sampler that is not the policy being trained, None when off."""
+    β = 0 or with LoRA (π_ref is the policy with its adapters off). placement: which ranks train and sample, on
+    which copy (its split settled). layout: how the passes over a rollout lay it out (the G completions of a
+    prompt sharing its forward, or a padded row each). sampler_correction: the correction in force for a sampler that is not the
+    policy being trained, None when off. sampler, group_sampler: this rank's engine over the policy and
+    Algorithm 1's sampling stage over it (held-out evaluation samples with them); rollouts: where each step's
+    rollout comes from; engine_copy: under FSDP2, the engine's copy of the weights (a checkpoint's load
+    refreshes it), else None."""
 
     args: GRPOConfig
     parallel: Parallel
+    placement: Placement
     device: torch.device
     model: nn.Module
     tokenizer: Any
@@ -80,7 +88,10 @@ class RunAssembly:
     uses_reference: bool
     ref_model: nn.Module | None
     layout: Layout
-    rollouts: Rollouts
+    sampler: Sampler
+    group_sampler: GroupSampler
+    rollouts: RolloutSource
+    engine_copy: EngineCopy | None
     memory: MemoryManager
     prompts: PromptStream
     sampler_correction: str | None
@@ -90,41 +101,76 @@ class RunAssembly:
 
 
 def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_dataset, processing_class, task,
-                 toolbox: Toolbox | None, peft_config, sampler_factory, log: Callable[[str], None],
-                 stage_log: Callable[[str], None]) -> RunAssembly:
+                 toolbox: Toolbox | None, peft_config, sampler_factory, next_prompts: Callable[[], list[dict]],
+                 log: Callable[[str], None], stage_log: Callable[[str], None]) -> RunAssembly:
     """The run `args` (validated, not yet resolved) describes, from `GRPOTrainer`'s arguments (TRL's names).
 
-    log: where lines go until the display exists (the returned report's `log` after). stage_log: what the
-    memory manager and the policy update log through for the whole run; the trainer passes its own, which
-    reaches the display once the trainer has it."""
+    next_prompts(): this rank's block of the next prompt batch, which the rollouts draw (the trainer's own: a
+    curriculum switches its stages there). log: where lines go until the display exists (the returned report's
+    `log` after). stage_log: what the memory manager and the policy update log through for the whole run; the
+    trainer passes its own, which reaches the display once the trainer has it."""
     # Which ranks train and sample, and on which copy: decided once, before anything starts (parallel/placement.py).
     placement = Placement.from_config(args, launched_world_size())
     if placement.samples_here(launched_rank()):
         raise CohortError(f"GRPOTrainer on a rank that only samples (rollout_gpus={args.rollout_gpus}: the last "
                           "ranks): run cohort.SamplingRank(model, args).serve() there instead "
                           "(cohort.is_sampling_rank(args) tells the ranks apart)")
-    seed_everything(args.seed)
-    if args.full_determinism:
-        prepare_full_determinism()  # before the first CUDA work
     prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
-    # torchrun's ranks (cohort/parallel/distributed.py); with --rollout_gpus the last ones only sample (SamplingRank).
-    parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, placement)
-    device = parallel.device
-    if args.device == "auto" and device.type == "cpu" and torch.cuda.is_available():
-        log("device: cpu, the built-in tiny model's step is faster there than on a GPU (--device cuda to use it)")
-    check_capacity(model, args, placement, device)  # refused before loading: what would fit
-    model, tokenizer, pad_id = load_run_policy(model, processing_class, args, device, peft_config=peft_config, log=log)
-    train_rows = training_rows(train_dataset, args, toolbox, parallel.world_size)
-    # TRL's num_train_epochs: the steps follow from the rows (resolved before the config is frozen).
-    args = with_epoch_steps(args, len(train_rows), parallel.world_size)
     asked_split = args.rollout_tensor_parallel_size  # the log says whether auto chose it
-    # The run's configuration, settled once, frozen; every stage below is built from it (cohort/run/resolve.py).
-    args = resolve_run_config(args, model=model, device=device, placement=placement, tools=toolbox is not None)
-    placement = placement.settled(args.rollout_tensor_parallel_size)
-    if parallel.link is not None:  # the rollout link's message window covers the resolved staleness
-        parallel.link.cover_staleness(args.max_staleness)
-        parallel.link.form_sampling_groups(placement)
-    # Curriculum: stages switch the prompt source and, unless reward_funcs are given, the rewards.
+    train_rows: list[dict] = []
+
+    def before_loading(args: GRPOConfig, parallel: Parallel) -> GRPOConfig:
+        nonlocal train_rows
+        if args.device == "auto" and parallel.device.type == "cpu" and torch.cuda.is_available():
+            log("device: cpu, the built-in tiny model's step is faster there than on a GPU (--device cuda to use it)")
+        check_capacity(model, args, placement, parallel.device)  # refused before loading: what would fit
+        train_rows = training_rows(train_dataset, args, toolbox, parallel.world_size)
+        # TRL's num_train_epochs: the steps follow from the rows (resolved before the config is frozen).
+        return with_epoch_steps(args, len(train_rows), parallel.world_size)
+
+    start = start_rank(model, args, processing_class, placement=placement, toolbox=toolbox, peft_config=peft_config,
+                       log=log, before_loading=before_loading)
+    args, parallel, device, tokenizer = start.args, start.parallel, start.device, start.tokenizer
+    curriculum, rewards = build_rewards(args, reward_funcs, task, tokenizer, device, toolbox)
+    eval_rows = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+    provided = {"environments"} if toolbox is not None and toolbox.environment_factory else set()
+    rewards.check_columns(set(train_rows[0]) | provided)
+    train_model, optimizer, scheduler, auto_checkpointing, engine_copy = build_training(start)
+    model, sampling_model, ref_model = place_policy(start, train_model, engine_copy)
+    # The G completions of a prompt share its forward in the log-prob passes and the update: our
+    # models only (they take attention rows), and only where a prompt has several completions.
+    layout = Layout.choose(args.share_prompt_prefix, args.num_generations, supports_hidden(model))
+    group = parallel.sampling_group
+    rollouts = build_rollouts(args, sampling_model, tokenizer, start.pad_id, toolbox, placement=start.placement,
+                              link=parallel.link, rank=parallel.rank, sampler_factory=sampler_factory,
+                              sampling_group=None if group is None else group.process_group)
+    memory = MemoryManager(args, placement=start.placement, auto_checkpointing=auto_checkpointing, ref_model=ref_model,
+                           sampler=rollouts.sampler, device=device, layout=layout, log=stage_log,
+                           release_weights=None if engine_copy is None else engine_copy.release)
+    prompts = PromptStream(train_rows, args.prompts_per_step * parallel.world_size, args.seed)
+    # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
+    sampler_correction = sampler_correction_mode(args, model, device)
+    loss_spec = LossSpec.from_config(args, sampler_correction)  # the loss's settings, in one value
+    policy_update = PolicyUpdate(args, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
+                                 memory=memory, parallel=parallel, device=device, pad_id=start.pad_id,
+                                 layout=layout, loss=loss_spec, log=stage_log)
+    report = open_report(args, model, optimizer, toolbox, parallel, start.placement, asked_split, log)
+    source = rollout_source(rollouts, memory=memory, phases=report, next_rows=next_prompts,
+                            next_seed=prompts.next_seed, engine_copy=engine_copy, policy=model, parallel=parallel,
+                            max_steps=args.max_steps)
+    return RunAssembly(args=args, parallel=parallel, placement=start.placement, device=device, model=model, tokenizer=tokenizer,
+                       pad_id=start.pad_id, train_rows=train_rows, eval_rows=eval_rows, curriculum=curriculum,
+                       rewards=rewards, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
+                       uses_reference=args.beta > 0, ref_model=ref_model, layout=layout,
+                       sampler=rollouts.sampler, group_sampler=rollouts.group_sampler, rollouts=source,
+                       engine_copy=engine_copy, memory=memory, prompts=prompts, sampler_correction=sampler_correction,
+                       loss_spec=loss_spec, policy_update=policy_update, report=report)
+
+
+def build_rewards(args: GRPOConfig, reward_funcs, task, tokenizer, device: torch.device,
+                  toolbox: Toolbox | None) -> tuple[Curriculum | None, RewardRunner]:
+    """The curriculum (its stages switch the prompt source and, unless reward_funcs are given, the rewards) and
+    the run's `RewardRunner`: the reward functions asked for, and an environment's get_reward() beside them."""
     curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
     env_reward = environment_reward(toolbox.environment_factory) if toolbox is not None else None
     if env_reward is not None and reward_funcs is None and not args.reward_funcs and task is None:
@@ -133,63 +179,57 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
         funcs, weights = resolve_reward_funcs(reward_funcs, args, task, tokenizer, device)
     if env_reward is not None:  # the environment's get_reward(): one more reward, weight 1 (TRL)
         funcs, weights = funcs + [env_reward], None if weights is None else list(weights) + [1.0]
-    rewards = RewardRunner(funcs, weights, timeout_s=args.reward_timeout, errors=args.reward_errors)
-    eval_rows = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
-    provided = {"environments"} if toolbox is not None and toolbox.environment_factory else set()
-    rewards.check_columns(set(train_rows[0]) | provided)
+    return curriculum, RewardRunner(funcs, weights, timeout_s=args.reward_timeout, errors=args.reward_errors)
+
+
+def build_training(start: RankStart):
+    """(train_model, optimizer, scheduler, auto_checkpointing, engine_copy): what trains the policy. The model is
+    compiled and its checkpointed layers set before it is wrapped (FSDP's sharded copy must recompute them too);
+    under FSDP2 the loaded model stays the engine's copy, refreshed from the sharded one (`EngineCopy`)."""
+    model, args, parallel = start.model, start.args, start.parallel
     if args.torch_compile and hasattr(model, "compile_for_training"):
         model.compile_for_training()  # fused elementwise work, fewer saved activations
-    # Checkpointed layers are set before wrapping: FSDP's sharded copy must recompute them too.
-    auto_checkpointing = AutoCheckpointing.setup(model, args, device) if args.gradient_checkpointing else None
+    auto_checkpointing = AutoCheckpointing.setup(model, args, start.device) if args.gradient_checkpointing else None
     # What the training forward calls: the model itself, DDP around it on several ranks, or with
     # --fsdp a sharded copy (`model` then stays the full copy the engine samples and saves).
     train_model = parallel.wrap(model, fsdp=args.fsdp)
+    engine_copy = EngineCopy(model, train_model) if parallel.fsdp else None
     # bf16 weights on a GPU: the optimizer keeps fp32 masters and moments (cohort/optim/precision.py).
     optimizer = make_optimizer(train_model, args)
-    scheduler = lr_scheduler(optimizer, args)
-    # β = 0 needs no reference at all: skip the copy and its forward passes.
+    return train_model, optimizer, lr_scheduler(optimizer, args), auto_checkpointing, engine_copy
+
+
+def place_policy(start: RankStart, train_model: nn.Module, engine_copy: EngineCopy | None):
+    """(π_θ as the run samples and saves it, what the engine samples, π_ref or None). β = 0 needs no reference at
+    all: no copy and no forward passes for it."""
+    model, args, parallel = start.model, start.args, start.parallel
     uses_reference = args.beta > 0
     sampling_model = model
-    if placement.colocated:  # FSDP2 ranks sampling in tensor-parallel groups: no rank keeps a whole copy
-        sampling_model, ref_model = colocate(parallel, model, placement, args.ddp_timeout, uses_reference)
+    if start.placement.colocated:  # FSDP2 ranks sampling in tensor-parallel groups: no rank keeps a whole copy
+        sampling_model, ref_model = colocate(parallel, engine_copy, start.placement, args.ddp_timeout, uses_reference)
         model = train_model  # π_θ is the FSDP2 module itself (π_old's pass, saving, callbacks)
     else:
         ref_model = frozen_copy(model) if uses_reference and not has_lora(model) else None
-        if parallel.fsdp and placement.engine_released_in_update:  # the plain copy is empty between a
+        if parallel.fsdp and start.placement.engine_released_in_update:  # the plain copy is empty between a
             model = train_model  # rollout and its refresh: π_old's pass goes through FSDP2
-    # The G completions of a prompt share its forward in the log-prob passes and the update: our
-    # models only (they take attention rows), and only where a prompt has several completions.
-    layout = Layout.choose(args.share_prompt_prefix, args.num_generations, supports_hidden(model))
-    group = parallel.sampling_group
-    rollouts = build_rollouts(args, sampling_model, tokenizer, pad_id, toolbox, placement=placement, link=parallel.link,
-                              rank=parallel.rank, sampler_factory=sampler_factory,
-                              sampling_group=None if group is None else group.process_group)
-    memory = MemoryManager(args, placement=placement, auto_checkpointing=auto_checkpointing, ref_model=ref_model,
-                           sampler=rollouts.sampler, device=device, layout=layout, log=stage_log,
-                           release_weights=parallel.release_sampling_weights)
-    prompts = PromptStream(train_rows, args.prompts_per_step * parallel.world_size, args.seed)
-    # The engine's bf16 kernels are not the trainer's: weigh each sample by π_trainer / π_sampler.
-    sampler_correction = sampler_correction_mode(args, model, device)
-    loss_spec = LossSpec.from_config(args, sampler_correction)  # the loss's settings, in one value
-    policy_update = PolicyUpdate(args, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
-                                 memory=memory, parallel=parallel, device=device, pad_id=pad_id,
-                                 layout=layout, loss=loss_spec, log=stage_log)
+    return model, sampling_model, ref_model
+
+
+def open_report(args: GRPOConfig, model: nn.Module, optimizer, toolbox: Toolbox | None, parallel: Parallel,
+                placement: Placement, asked_split, log: Callable[[str], None]) -> StepReport:
+    """The step report, which owns the display, opened last; the tools saved beside the run's outputs first."""
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     if parallel.is_main and toolbox is not None:  # rank 0 alone logs, prints and saves
         for warning in toolbox.save(args.output_dir):  # `cohort chat` on the model offers the same tools
             log(warning)
     # The display's first lines, worked out before the report opens its files: a failure here leaves none open.
+    device = parallel.device
     lines = [fast_path_line(args), optimizer_line(optimizer)] if device.type == "cuda" else []
     lines.append(placement_line(args, placement, asked_split, device))
     report = open_step_report(args, model=model, device=device, parallel=parallel, log=log)
     for line in filter(None, lines):
         report.log(line)
-    return RunAssembly(args=args, parallel=parallel, device=device, model=model, tokenizer=tokenizer, pad_id=pad_id,
-                       train_rows=train_rows, eval_rows=eval_rows, curriculum=curriculum, rewards=rewards,
-                       train_model=train_model, optimizer=optimizer, scheduler=scheduler,
-                       uses_reference=uses_reference, ref_model=ref_model, layout=layout,
-                       rollouts=rollouts, memory=memory, prompts=prompts, sampler_correction=sampler_correction,
-                       loss_spec=loss_spec, policy_update=policy_update, report=report)
+    return report
 
 
 def training_rows(train_dataset, args: GRPOConfig, toolbox: Toolbox | None, world_size: int) -> list[dict]:

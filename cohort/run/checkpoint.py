@@ -62,6 +62,7 @@ class RunParts:
     parallel: Any  # cohort.parallel.distributed.Parallel
     extra_state: Callable[[], dict | None] | None = None  # a trainer subclass's own state (PPO's critic)
     load_extra_state: Callable[[dict], None] | None = None
+    engine_copy: Any | None = None  # FSDP2: the engine's copy of the weights (EngineCopy), refreshed once they load
 
 
 @dataclass

@@ -44,8 +44,10 @@ def load_checkpoint(parts: RunParts, folder: Path, log=print) -> RunState:
     elif not sharded(parts.model):  # an FSDP2-sharded policy takes its fp32 weights with the optimizer's below
         _load_weights(parts.model, read_safetensors(safetensors_files(folder)), folder)  # sharded files or not
     saved = _torch_load(folder / OPTIMIZER_FILE)
-    if parallel.fsdp:  # the full state and fp32 weights into this rank's shards
+    if parallel.fsdp:  # the full state and fp32 weights into this rank's shards, then into the engine's copy
         parallel.load_optimizer_state(parts.train_model, parts.optimizer, saved["optimizer"])
+        if parts.engine_copy is not None:
+            parts.engine_copy.refresh()
     else:
         parts.optimizer.load_state_dict(saved["optimizer"])
     parts.scheduler.load_state_dict(saved["scheduler"])

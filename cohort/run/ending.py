@@ -16,6 +16,7 @@ import torch
 from cohort.models.policy import save_policy
 from cohort.parallel.colocation import gathered_state, holds_shards
 from cohort.parallel.distributed import Parallel
+from cohort.rollout.source import RolloutSource
 
 SUMMARY_FILE = "summary.json"
 
@@ -32,12 +33,11 @@ def save_policy_folder(model, tokenizer, out: Path, parallel: Parallel, dtype: s
     return out
 
 
-def release_run(async_rollouts, sampler, parallel: Parallel, memory) -> None:
-    """After the last collective of a run that trained to its end: the rollouts sampled ahead stop (with
-    --rollout_gpus, so do the sampling ranks), then the engine's CUDA graphs, then the process group; π_ref
-    comes back from the host last, for the callbacks' `on_train_end` and the caller."""
-    if async_rollouts is not None:
-        async_rollouts.close()  # with --rollout_gpus: the sampling ranks stop
+def release_run(rollouts: RolloutSource, sampler, parallel: Parallel, memory) -> None:
+    """After the last collective of a run that trained to its end: the rollout source closes (what it sampled
+    ahead stops; with --rollout_gpus, so do the sampling ranks), then the engine's CUDA graphs, then the process
+    group; π_ref comes back from the host last, for the callbacks' `on_train_end` and the caller."""
+    rollouts.close()  # with --rollout_gpus: the sampling ranks stop
     if parallel.world_size > 1 and hasattr(sampler, "release"):
         sampler.release()  # CUDA graphs that captured a group's collectives go before the group
     parallel.close()  # the last collective was the saved model's barrier

@@ -16,15 +16,12 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from cohort.run.determinism import prepare_full_determinism, run_determinism, seed_everything
+from cohort.run.determinism import run_determinism
 from cohort.errors import CohortError
-from cohort.run.policy import load_run_policy
 from cohort.models.tensor_parallel import check_splittable, shard_model
-from cohort.models.tiny import run_device
-from cohort.run.resolve import resolve_run_config
 from cohort.parallel.placement import Placement, launched_rank, launched_world_size
-from cohort.parallel.distributed import Parallel
 from cohort.run.lifecycle import StopRequest
+from cohort.run.start import start_rank
 from cohort.tools.toolbox import make_toolbox
 from cohort.rollout.sampler import Sampler
 from cohort.plans.placement_lines import slots_line
@@ -64,27 +61,18 @@ class SamplingRank:
             raise CohortError(f"SamplingRank on a rank that trains (rollout_gpus={args.rollout_gpus}): build a "
                               "GRPOTrainer on the ranks where cohort.is_sampling_rank(args) is False")
         toolbox = make_toolbox(tools, environment_factory, args, task)
-        seed_everything(args.seed)
-        if args.full_determinism:
-            prepare_full_determinism()  # before the first CUDA work
-        # The same process groups as the trainers make.
-        self.parallel = Parallel.from_env(run_device(args.device, model), args.ddp_timeout, placement)
-        device = self.parallel.device
-        # The trainers' parameters, LoRA adapters included, arrive in this copy.
-        self.model, self.tokenizer, pad_id = load_run_policy(model, processing_class, args, device,
-                                                             peft_config=peft_config, log=log)
-        # Settled as the trainers settle theirs (cohort/run/resolve.py), from the same model and tools, so both sides
-        # agree on partial_rollouts and max_staleness without a message.
-        self.args = args = resolve_run_config(args, model=self.model, device=device, placement=placement,
-                                              tools=toolbox is not None, sampling_rank=True)
-        placement = placement.settled(args.rollout_tensor_parallel_size)
-        line = slots_line(args, placement, sampling_rank=True)  # this rank sizes its own engine: it says so itself
+        # The trainers' start-up (cohort/run/start.py): the same process groups, the same policy (the trainers'
+        # parameters, LoRA adapters included, arrive in this copy), the same resolved config.
+        start = start_rank(model, args, processing_class, placement=placement, toolbox=toolbox,
+                           peft_config=peft_config, log=log, sampling_rank=True)
+        self.args = args = start.args
+        self.parallel = start.parallel
+        self.model, self.tokenizer, pad_id = start.model, start.tokenizer, start.pad_id
+        line = slots_line(args, start.placement, sampling_rank=True)  # this rank sizes its own engine: it says so itself
         if line:
             log(f"rank {self.parallel.rank}: {line}")
-        self.parallel.link.cover_staleness(args.max_staleness)
-        self.parallel.link.form_sampling_groups(placement)
         layout = None
-        if placement.split > 1:  # this rank keeps its shard; the whole model goes
+        if start.placement.split > 1:  # this rank keeps its shard; the whole model goes
             self.model, layout = split_for_sampling(self.model, self.parallel.link.tensor_parallel_group, args,
                                                     toolbox is not None)
         self.server = build_rollout_server(args, self.model, self.tokenizer, pad_id, toolbox, self.parallel.link,

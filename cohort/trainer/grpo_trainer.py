@@ -10,9 +10,10 @@
         update r_φ by continuous training with replay                (learned reward models only)
 
 The trainer keeps the stages that cohort/run/assembly.py builds, and calls them; each stage takes its
-inputs and returns its result: `PromptStream` (the data order), `GroupSampler` (the rollout),
-`RewardRunner` (the rewards), `PolicyUpdate` (the update), `MemoryManager` (everything memory),
-`StepReport` (metrics and display) and `RunLifecycle` (resume, signals, checkpoints).
+inputs and returns its result: `PromptStream` (the data order), `RolloutSource` (the rollout: sampled now
+or ahead, on this rank or on sampling ranks, cohort/rollout/source.py), `RewardRunner` (the rewards),
+`PolicyUpdate` (the update), `MemoryManager` (everything memory), `StepReport` (metrics and display) and
+`RunLifecycle` (resume, signals, checkpoints).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class GRPOTrainer:
         parts = assemble_run(model, args, reward_funcs=reward_funcs, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, task=task,
                              toolbox=self.toolbox, peft_config=peft_config, sampler_factory=self.sampler_factory,
-                             log=log, stage_log=self.log_line)
+                             next_prompts=self.next_prompts, log=log, stage_log=self.log_line)
         self.args, self.parallel, self.device = parts.args, parts.parallel, parts.device
         self.model, self.tokenizer, self.pad_id = parts.model, parts.tokenizer, parts.pad_id
         self.eval_rows, self.prompts = parts.eval_rows, parts.prompts  # prompts.rows: the training rows in use
@@ -80,8 +81,8 @@ class GRPOTrainer:
         self.train_model, self.optimizer, self.scheduler = parts.train_model, parts.optimizer, parts.scheduler
         self.uses_reference, self.ref_model, self.loss_spec = parts.uses_reference, parts.ref_model, parts.loss_spec
         self.layout, self.sampler_correction = parts.layout, parts.sampler_correction
-        self.sampler, self.group_sampler = parts.rollouts.sampler, parts.rollouts.group_sampler
-        self.async_rollouts, self.sequence_offset = parts.rollouts.async_rollouts, parts.rollouts.sequence_offset
+        self.sampler, self.group_sampler, self.rollouts = parts.sampler, parts.group_sampler, parts.rollouts
+        self.engine_copy = parts.engine_copy
         self.memory, self.policy_update = parts.memory, parts.policy_update
         self.report, self.log = parts.report, parts.report.log
         self.accuracy_before = self.accuracy_after = None
@@ -103,21 +104,20 @@ class GRPOTrainer:
                 for step in self.steps():
                     if self.new_iteration(step):
                         self.reset_reference()  # π_ref ← π_θ
-                    batch = self.rollout_of(step)  # π_old ← π_θ (async: max_staleness updates ago); G per prompt
+                    batch = self.rollouts.take(step)  # π_old ← π_θ (async: max_staleness ago); G per prompt
                     self.score(batch)  # rewards r_φ(q, o_i)
                     batch = self.refill_uninformative(batch)  # DAPO dynamic sampling (off by default)
                     batch.old_logp, batch.ref_logp = self.reference_logprobs(batch)  # log π_old (μ > 1), log π_ref (β > 0)
                     batch.advantages = self.estimate_advantages(batch)  # A_i = (r_i − mean) / (std + eps)
                     losses = [self.update(batch) for _ in range(args.num_iterations)]  # μ policy updates
                     self.update_reward_models(batch)  # r_φ: continuous training with replay (learned r_φ only)
-                    self.end_step(run, batch, losses)  # the record, held-out evaluation, the checkpoint
+                    self.end_step(run, batch, losses)  # rollouts.after_update, the record, evaluation, checkpoint
                 self.finish()
             except BaseException:
                 self.discard_unused_output_dir()
                 raise
             finally:
-                if self.async_rollouts is not None:
-                    self.async_rollouts.close()  # the producer thread, and what it was sampling
+                self.rollouts.close()  # a producer thread, and what it was sampling; the sampling ranks
                 self.memory.close()  # a later run in this process can reclaim this run's objects
         return self.history
 
@@ -128,8 +128,6 @@ class GRPOTrainer:
         for step in range(self.step + 1, self.args.max_steps + 1):
             if self.callback_handler.control.should_training_stop:
                 return
-            if not (self.async_rollouts is None or self.async_rollouts.pending):
-                self.sample_ahead()  # asynchronous rollouts: the first steps' start from the weights as they are
             self.step, self.step_started = step, time.perf_counter()
             self.callback_handler.event("on_step_begin")
             yield step
@@ -154,47 +152,10 @@ class GRPOTrainer:
         self.enter_curriculum_stage(self.step)
         return self.parallel.shard(self.prompts.next_rows())
 
-    def rollout_of(self, step: int) -> Batch:
-        """The step's rollout: sampled now from the current policy, or, with asynchronous rollouts, the one
-        sampled ahead from the policy of `max_staleness` updates ago (async/staleness says how many)."""
-        if self.async_rollouts is None:
-            return self.sample(self.next_prompts())
-        with self.report.phase("sampling"):  # only the wait: the sampling itself overlapped earlier steps
-            batch, version = self.async_rollouts.take(step)
-        batch.rollout_metrics = {**(batch.rollout_metrics or {}), "async/staleness": float(step - 1 - version)}
-        return batch
-
-    def wait_for_engine(self) -> None:
-        """Asynchronous rollouts sampled on the engine's own copy (FSDP2, cohort/rollout/async_rollouts.py): the
-        trainer's own use of that engine, or a rewrite of its weights, waits for the rollout it is sampling."""
-        if self.async_rollouts is not None and self.async_rollouts.in_place:
-            with self.report.phase("sampling"):
-                self.async_rollouts.wait_idle()
-
-    def sample_ahead(self) -> None:
-        """Asynchronous rollouts: start sampling, from the weights as they are now, the rollouts of the
-        steps that must use them (the first L + 1 at the start, then one per update)."""
-        if self.async_rollouts is None:
-            return
-        steps = [ahead for ahead in self.async_rollouts.steps_ahead(self.step) if ahead <= self.args.max_steps]
-        if not steps:
-            return
-        weights = self.async_rollouts.snapshot(self.model)
-        for ahead in steps:  # partial rollouts: the first request brings the groups in flight beyond a step's
-            rows = [row for _ in range(self.async_rollouts.prompt_batches()) for row in self.next_prompts()]
-            self.async_rollouts.submit(ahead, self.step, weights, rows, self.prompts.next_seed(), self.sequence_offset)
-
     def sample(self, rows: list[dict]) -> Batch:
-        """π_old ← π_θ (the sampler reads the current weights); G completions for each prompt."""
-        with self.report.phase("sampling"):
-            return self.rollout(rows)
-
-    def rollout(self, rows: list[dict]) -> Batch:
-        self.wait_for_engine()
-        self.memory.before_sampling()  # π_ref's weights head back to the GPU while the engine samples
-        batch = self.group_sampler(rows, seed=self.prompts.next_seed(), sequence_offset=self.sequence_offset)
-        self.memory.after_sampling()
-        return batch
+        """`rows` sampled now from the current policy on this rank's engine, G completions each (dynamic
+        sampling's extra rounds, the reward models' warm-up); a step's own rollout is `self.rollouts.take`'s."""
+        return self.rollouts.sample(rows)
 
     def score(self, batch: Batch) -> None:
         """Each completion's reward (weighted sum of the reward functions; DAPO's overlong penalty added)."""
@@ -216,7 +177,7 @@ class GRPOTrainer:
             return batch
 
         def sample_more() -> Batch:
-            more = self.rollout(self.next_prompts())
+            more = self.sample(self.next_prompts())
             self.add_rewards(more)
             return more
 
@@ -272,12 +233,8 @@ class GRPOTrainer:
                     batch.reward_metrics[key if key not in batch.reward_metrics else f"{func.__name__}/{key}"] = value
 
     def end_step(self, run: RunLifecycle, batch: Batch, losses: list[dict]) -> None:
-        """After the algorithm's lines: the sampling copy (FSDP), the record, evaluation, the checkpoint."""
-        if self.parallel.fsdp:
-            self.wait_for_engine()  # the copy the refresh rewrites may be sampling the next step's rollout
-            with self.report.phase("gather"):  # FSDP2: the updated shards into the copy (or TP shard) the engine samples
-                self.parallel.refresh_sampling_model()
-        self.sample_ahead()  # asynchronous rollouts: a later step's sampling starts from the updated weights
+        """After the algorithm's lines: the engine's weights, the record, evaluation, the checkpoint."""
+        self.rollouts.after_update(self.model)  # the engine's copy refreshed (FSDP2); what is sampled ahead started
         self.log_step(batch, losses, time.perf_counter() - self.step_started)
         if self.step == self.first_step:  # the run's long-lived objects exist now
             self.memory.after_first_step()  # full collections stop walking them (cohort/memory/gc_pauses.py)
@@ -332,9 +289,8 @@ class GRPOTrainer:
         """checkpoint-<step> of the run as it is now (cohort/run/checkpoint.py)."""
         counters = self.policy_update.counters
         parts = self.run_parts()
-        if self.async_rollouts is not None and self.parallel.world_size > 1:
-            saved = self.extra_checkpoint_state()  # a collective: every rank hands over its rollouts, rank 0 writes
-            parts.extra_state = lambda: saved
+        saved = self.extra_checkpoint_state()  # on every rank: with rollouts sampled ahead, every rank hands over its
+        parts.extra_state = lambda: saved  # own (a collective) and rank 0 writes them
         folder = save_checkpoint(parts, RunState(
             step=self.step, prompts=self.prompts.state_dict(), history=self.history,
             accuracy_before=self.accuracy_before, skipped_steps=counters.skipped_steps,
@@ -347,21 +303,16 @@ class GRPOTrainer:
                         optimizer=self.optimizer, scheduler=self.scheduler, ref_model=self.ref_model,
                         reference_pass=self.memory.reference_pass, reward_funcs=self.rewards.funcs,
                         parallel=self.parallel, extra_state=self.extra_checkpoint_state,
-                        load_extra_state=self.load_extra_checkpoint_state)
+                        load_extra_state=self.load_extra_checkpoint_state, engine_copy=self.engine_copy)
 
     def extra_checkpoint_state(self) -> dict | None:
         """State beyond the model, optimizer and data order: the rollouts sampled ahead (asynchronous
-        rollouts), a subclass's own (PPO's critic); None: nothing to add."""
-        if self.async_rollouts is None:
-            return None
-        # Every rank samples its own block of each step: rank 0 writes all ranks' rollouts sampled ahead.
-        return {"async_rollouts": self.parallel.gather_objects(self.async_rollouts.state_dict())}
+        rollouts: `RolloutSource.state_dict`, a collective), a subclass's own (PPO's critic); None: nothing to add."""
+        return self.rollouts.state_dict()
 
     def load_extra_checkpoint_state(self, state: dict) -> None:
         """Restore what `extra_checkpoint_state` saved."""
-        by_rank = state.get("async_rollouts")
-        if self.async_rollouts is not None and by_rank and len(by_rank) == self.parallel.world_size:
-            self.async_rollouts.load_state_dict(by_rank[self.parallel.rank])  # else: sampled again from here
+        self.rollouts.load_state_dict(state)
 
     def enter_curriculum_stage(self, step: int) -> None:
         """At a stage boundary: that stage's rows (and reward functions)."""
@@ -379,14 +330,14 @@ class GRPOTrainer:
     def warm_up_reward_models(self) -> None:
         """r_φ's offline warm-up on the initial policy's samples; the run's data order and seeds are kept."""
         with self.prompts.unchanged():
-            warm_up_reward_models(self.rewards.funcs, self.args, self.prompts.rows, self.rollout, self.log)
+            warm_up_reward_models(self.rewards.funcs, self.args, self.prompts.rows, self.sample, self.log)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy, format rate and mean length on the held-out rows (`eval/*` metrics, logged
         and passed to the callbacks' `on_evaluate`); empty without eval_dataset or a task verifier."""
         if not self.eval_rows or self.task is None:
             return {}
-        self.wait_for_engine()
+        self.rollouts.wait_for_engine()  # a rollout sampled ahead on this rank's engine finishes first
         with self.report.phase("eval"):  # each rank (or sampling group) evaluates its block; the counts are summed
             result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.evaluation_rows(self.eval_rows),
                               self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length,
@@ -409,7 +360,7 @@ class GRPOTrainer:
         self.report.log_iteration_summary(self.step, final=True)
         self.accuracy_after = self.evaluate_held_out()
         out = self.save_model(self.args.output_dir)
-        release_run(self.async_rollouts, self.sampler, self.parallel, self.memory)
+        release_run(self.rollouts, self.sampler, self.parallel, self.memory)
         self.callback_handler.event("on_train_end")
         if not self.parallel.is_main:  # rank 0 alone writes the summary and prints
             self.report.progress.close()
