@@ -216,10 +216,10 @@ def render() -> str:
             lines.append(f"| `{name}` | {type_cell(f, CHOICES)} | {cell(default_text(f))} | "
                          f"{cell(f.metadata.get('help', ''))} |")
     lines += ["", "## Refused configurations", "",
-              "Besides a value of the wrong type or outside an option's listed values, `GRPOConfig.validate()` and "
-              "`cohort train` refuse a configuration in these cases, with a one-line error that names the values "
-              "and the fix (the table of them is cohort/config/rules.py; checks that need the number of "
-              "processes or the model run when those are known):", ""]
+              "Besides a value of the wrong type or outside an option's listed values, `GRPOConfig(...)` itself "
+              "(and so `cohort train`) refuses a configuration in these cases, with a one-line error that names "
+              "the values and the fix (the table of them is cohort/config/rules.py; checks that need the number "
+              "of processes or the model run when those are known):", ""]
     lines += [f"- {rule.when}" for rule in RULES]
     lines += ["", "## Metrics", "",
               "Each line of `<output_dir>/metrics.jsonl` is one JSON object, `{\"step\", \"time\", <name>: value, …}`, "

@@ -236,11 +236,12 @@ def finished_run(files, tmp_path_factory):
     return out
 
 
-def test_earlier_checkpoints_are_not_overwritten_by_accident(files, finished_run, tmp_path, capsys):
+def test_an_unfinished_run_is_not_overwritten_by_accident(files, finished_run, tmp_path, capsys):
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
-    one_error_line(capsys, small_run(files, out), "already holds checkpoints of an earlier run (newest: checkpoint-2)",
-                   "--resume", "--overwrite_output_dir")
+    shutil.rmtree(out / "checkpoint-2")  # the run as a stop after step 1 leaves it
+    one_error_line(capsys, small_run(files, out), "holds an unfinished run (newest: checkpoint-1)",
+                   "--resume to continue it", "--overwrite_output_dir to start over")
 
 
 def test_resume_from_a_checkpoint_of_another_model(files, finished_run, tmp_path, capsys):

@@ -167,7 +167,7 @@ def test_print_config_shows_each_value_and_source_and_does_not_train(tmp_path, t
         "max_staleness": 1, "partial_rollouts": False, "importance_sampling_correction": False,
         "optimizer_state_dtype": "float32", "gradient_checkpointing": False, "max_tokens_per_micro_batch": 0,
         "torch_compile": False, "dtype": "float32", "model_impl": "cohort", "cpu_threads": cpu_thread_count(),
-        "rollout_tensor_parallel_size": 1, "max_concurrent_sequences": 256}
+        "rollout_tensor_parallel_size": 1, "max_concurrent_sequences": 256, "eval_strategy": "no"}
     assert not (tmp_path / "runs" / "arithmetic").exists()
 
 

@@ -3,7 +3,7 @@ in docs/reference.md name, `check()` raises the first row that refuses, and a re
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import math
 import re
 
@@ -30,9 +30,12 @@ def inside(value: float, word: re.Match) -> bool:
 
 
 def with_value(name: str, value):
-    """The default config with `name` set (and what the option needs to take effect)."""
-    extra = {"use_peft": True} if name == "lora_r" else {}
-    return dataclasses.replace(DEFAULTS, **{name: value}, **extra)
+    """The default config with `name` set (and what the option needs to take effect), unchecked: GRPOConfig()
+    itself would refuse what a row refuses, and the rows are what is tested here."""
+    config = copy.copy(DEFAULTS)
+    for key, item in {name: value, **({"use_peft": True} if name == "lora_r" else {})}.items():
+        setattr(config, key, item)
+    return config
 
 
 RANGE_ROWS = [(rule, RANGE.match(rule.when)) for rule in RULES if RANGE.match(rule.when)]
@@ -72,14 +75,16 @@ def test_a_row_reads_only_numbers_so_auto_and_none_pass_it():
 
 
 def test_check_raises_the_first_row_that_refuses():
-    both = GRPOConfig(beta=-1.0, epsilon=0.0, rm_batch_size=0)  # beta's row comes first, rm_batch_size's last
-    with pytest.raises(CohortError) as caught:
-        both.validate()
+    with pytest.raises(CohortError) as caught:  # beta's row comes first, rm_batch_size's last
+        GRPOConfig(beta=-1.0, epsilon=0.0, rm_batch_size=0)
     assert str(caught.value) == "beta=-1.0 is negative; the KL coefficient must be ≥ 0"
     with pytest.raises(CohortError, match=r"^epsilon=0\.0 must lie in \(0, 1\)$"):
-        GRPOConfig(epsilon=0.0, rm_batch_size=0).validate()
+        GRPOConfig(epsilon=0.0, rm_batch_size=0)
     with pytest.raises(CohortError, match=r"^rm_batch_size=0 must be at least 1$"):
-        GRPOConfig(rm_batch_size=0).validate()
+        GRPOConfig(rm_batch_size=0)
+    unchecked = with_value("beta", -1.0)  # validate() refuses the same, for a config changed after it was built
+    with pytest.raises(CohortError, match=r"^beta=-1\.0 is negative"):
+        unchecked.validate()
 
 
 @pytest.mark.parametrize("options, message", [

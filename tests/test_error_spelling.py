@@ -42,12 +42,12 @@ def test_an_earlier_run_in_output_dir_names_resume_as_each_front_end_writes_it(t
     (out / "checkpoint-2").mkdir(parents=True)
     with pytest.raises(CohortError) as caught:
         GRPOTrainer(model=None, args=GRPOConfig(output_dir=str(out)))
-    assert str(caught.value).endswith("pass resume=True to continue it, overwrite_output_dir=True to start over, "
-                                      "or choose another output_dir")
+    assert str(caught.value).endswith("pass resume=True to continue it, overwrite_output_dir=True to start over "
+                                      "(deleting its checkpoints), or choose another output_dir")
 
     err = cli_error(capsys, "--output_dir", str(out))
-    assert err.endswith("pass --resume to continue it, --overwrite_output_dir to start over, or choose another "
-                        "--output_dir")
+    assert err.endswith("pass --resume to continue it, --overwrite_output_dir to start over (deleting its "
+                        "checkpoints), or choose another --output_dir")
     # The command is over: the same error shown from Python again reads as Python.
     assert "resume=True" in str(CohortError("pass --resume"))
 

@@ -145,8 +145,8 @@ def test_the_tools_failing_with_no_calls_made_is_not_a_failure():
 
 
 def test_the_advice_quotes_the_run_s_settings():
-    args = GRPOConfig(max_completion_length=48, num_generations=6, temperature=0.7, learning_rate=3e-6,
-                      num_iterations=3, epsilon=0.1, beta=0.02, tool_timeout=12.0)
+    args = GRPOConfig(max_completion_length=48, num_generations=6, per_device_train_batch_size=12, temperature=0.7,
+                      learning_rate=3e-6, num_iterations=3, epsilon=0.1, beta=0.02, tool_timeout=12.0)
     options = HealthOptions.from_config(args)
     assert options == HealthOptions(48, 6, 0.7, 0.02, 3e-6, 3, 0.1, 12.0)
     health = LearningHealth.from_config(args)

@@ -76,8 +76,9 @@ def test_trl_meanings():
     for bad, words in ((dict(bf16=True, fp16=True), "two precisions"),
                        (dict(bf16=True, dtype="float32"), "bf16=True) means dtype='bfloat16'"),
                        (dict(use_vllm=True), "own engine"),
-                       (dict(warmup_ratio=0.1), "warmup_steps"),
-                       (dict(eval_strategy="steps"), "TrainingArguments option"),
+                       (dict(save_strategy="best"), "metric_for_best_model, which cohort does not track"),
+                       (dict(loss_type="cispo"), "TRL's cispo loss, which cohort does not have"),
+                       (dict(logging_strategy="epoch"), "TrainingArguments option"),
                        (dict(lerning_rate=1e-5), "did you mean learning_rate?")):
         with pytest.raises(CohortError, match=words.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
             GRPOConfig(**bad)

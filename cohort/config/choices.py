@@ -44,6 +44,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer_state_dtype": ("auto", "float32", "bfloat16"),
     "model_impl": ("auto", "cohort", "hf"),
     "report_to": ("none", "tensorboard", "wandb", "all"),
+    "save_strategy": ("steps", "epoch", "no"),
+    "eval_strategy": ("steps", "epoch", "no"),
     "gradient_checkpointing": ("auto", "true", "false"),
     "gradient_checkpointing_layers": ("N", "auto"),
     "max_tokens_per_micro_batch": ("N", "auto"),
@@ -53,6 +55,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "max_concurrent_sequences": ("auto", "N"),
     "cpu_threads": ("auto", "N"),
     "rollout_numerics": ("fast", "exact"),
+}
+
+# Values TRL (or transformers) gives an option that cohort has no counterpart for: the refusal says what they are.
+ELSEWHERE: dict[str, dict[str, str]] = {
+    "loss_type": {name: f"is TRL's {name} loss, which cohort does not have" for name in ("cispo", "sapo", "luspo",
+                                                                                      "vespo")},
+    "save_strategy": {"best": "keeps the checkpoint of the best metric_for_best_model, which cohort does not track"},
 }
 
 # Options whose default, auto, is settled once the device and the model are known (cohort/run/resolve.py).
@@ -66,8 +75,8 @@ def allowed(name: str, value) -> bool:
     if name in LISTS and isinstance(value, str):
         items = [item.strip() for item in value.split(",") if item.strip()]
         return bool(items) and all(allowed_one(name, item) for item in items)
-    if name in LISTS and isinstance(value, (list, tuple)):
-        return bool(value) and all(allowed_one(name, item) for item in value)
+    if name in LISTS and isinstance(value, (list, tuple)):  # an empty list is transformers' none
+        return all(allowed_one(name, item) for item in value)
     return allowed_one(name, value)
 
 
@@ -85,11 +94,21 @@ def allowed_one(name: str, value) -> bool:
 
 
 def choose(name: str, value) -> None:
-    """Refuse a value outside option `name`'s entry with one line naming the option and its values."""
-    if not allowed(name, value):
-        kind = "a comma-separated list of " if name in LISTS else ""
-        raise CohortError(refusal(name, value, "is not one of its values",
-                                  f"pass {kind}{values_text(name)} (--{name})"))
+    """Refuse a value outside option `name`'s entry with one line naming the option and its values (and, for a
+    list, the item that is not one of them)."""
+    if allowed(name, value):
+        return
+    problem = ELSEWHERE.get(name, {}).get(value, "is not one of its values") if isinstance(value, str) else (
+        "is not one of its values")
+    fix = f"pass {values_text(name)} (--{name})"
+    if name in LISTS:
+        items = [item.strip() for item in value.split(",")] if isinstance(value, str) else value
+        items = items if isinstance(items, (list, tuple)) else [items]
+        wrong = [item for item in items if not allowed_one(name, item)]
+        if len(items) > 1 and wrong:
+            problem = f": {wrong[0]!r} is not one of its values"
+        fix = f"pass {values_text(name)}, or several of them as a list or comma-separated (--{name})"
+    raise CohortError(refusal(name, value, problem, fix))
 
 
 def values_text(name: str) -> str:

@@ -6,6 +6,7 @@ value converted to its field's type or refused in one line; where each value cam
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import dataclasses
 import difflib
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cohort.config.choices import AUTO_OPTIONS, CHOICES, TASKS, values_text
-from cohort.config.grpo_config import ALIASES, GRPOConfig, default_task
+from cohort.config.grpo_config import ALIASES, GRPOConfig, default_task, unchecked
 from cohort.errors import CohortError
 from cohort.config.output_dir import COMMAND_LINE_OUTPUT_DIR
 from cohort.config.sections import SECTIONS
@@ -38,16 +39,23 @@ def _convert(name: str, raw, annotation) -> object:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     optional = type(None) in typing.get_args(hint)
     base = args[0] if args else hint
+    if isinstance(raw, list) and any(typing.get_origin(arm) is list for arm in args):  # a YAML list
+        base = next(arm for arm in args if typing.get_origin(arm) is list)
     if raw is None or (optional and isinstance(raw, str) and raw.lower() in ("none", "null")):
         if optional:
             return None
         raise CohortError(f"--{name} needs a value")
+    if raw is False and base is str and "no" in CHOICES.get(name, ()):  # YAML reads an unquoted no as False
+        return "no"
     origin = typing.get_origin(base)
     try:
         if origin is list:
             (item,) = typing.get_args(base)
             items = raw if isinstance(raw, list) else [x for x in str(raw).split(",") if x.strip()]
             return [item(x) if not isinstance(x, item) else x for x in items]
+        if set(args) == {int, float}:  # a count of steps, or a fraction of the run: 10 stays a whole number
+            number = float(raw)
+            return int(number) if number.is_integer() else number
         if base is bool:
             if isinstance(raw, bool):
                 return raw
@@ -169,7 +177,8 @@ def resolve_config(argv: list[str], defaults_of: Callable[[str], dict] | None = 
             resolved[key] = value
             sources[key] = source
     resolved["task"] = task  # given (the command line, the YAML) or chosen from the data
-    config = GRPOConfig(**resolved)
+    with contextlib.nullcontext() if validate else unchecked():
+        config = GRPOConfig(**resolved)
     if validate:
         aliased = {alias: sources[alias] for alias, _ in ALIASES}
         config = config.validate()
@@ -234,7 +243,9 @@ def type_text(name: str) -> str:
     else:
         bases = [a for a in args if a is not type(None)] or [hint]
         base = bases[0]
-        if typing.get_origin(base) is list:
+        if set(bases) == {int, float}:
+            text = "INT|FLOAT"
+        elif typing.get_origin(base) is list:
             (item,) = typing.get_args(base)
             text = f"{item.__name__.upper()},..."
         elif base is bool:

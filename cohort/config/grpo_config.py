@@ -4,13 +4,17 @@ A config comes from Python (`GRPOConfig(learning_rate=...)`), or from the comman
 (`cohort.config.command_line.resolve_config`, with one precedence rule for every option and the
 source of each value). `validate()` returns a checked copy (values outside the table of
 cohort/config/choices.py and configs the table of cohort/config/rules.py refuses are one-line
-`CohortError`s) and never changes the object it is called on; the `auto` options are settled later, once,
-by `cohort.run.resolve.resolve_run_config`. A stage that takes a group of options as one value gets it
+`CohortError`s, which the constructor raises already) and never changes the object it is called on; the
+`auto` options are settled later, once, by `cohort.run.resolve.resolve_run_config`, and the step counts
+(fractions of the run, save and eval strategies) once the run's length is known
+(`cohort.config.step_counts.with_step_counts`). A stage that takes a group of options as one value gets it
 from here (`reward_model()`, cohort/config/settings.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
@@ -265,8 +269,11 @@ class GRPOConfig:
                 "masters, the GPU default; float32 otherwise), float32 or bfloat16."})
     max_grad_norm: float = field(default=1.0, metadata={
         "help": "Clip the gradient's global norm to this before each optimizer step."})
-    warmup_steps: int = field(default=0, metadata={
-        "help": "Steps of linear learning-rate warm-up from 0."})
+    warmup_steps: int | float = field(default=0, metadata={
+        "help": "Steps of linear learning-rate warm-up from 0; a fraction in (0, 1) is that share of max_steps, "
+                "rounded up (transformers' meaning)."})
+    warmup_ratio: float = field(default=0.0, metadata={
+        "help": "TRL's: the warm-up as a share of max_steps (rounded up), used when warmup_steps is 0."})
     lr_scheduler_type: str = field(default="constant", metadata={
         "help": "Learning-rate schedule after the warm-up: constant, cosine or linear (to 0 at max_steps)."})
     per_device_train_batch_size: int = field(default=16, metadata={
@@ -353,19 +360,34 @@ class GRPOConfig:
                 "float32 or bfloat16."})
 
     # Book-keeping.
-    logging_steps: int = field(default=1, metadata={
+    logging_steps: int | float = field(default=1, metadata={
         "help": "Every N steps (and at the last step), append a line to metrics.jsonl and print the step's line "
-                "(the console also shows the first step)."})
-    log_completions_steps: int = field(default=10, metadata={
-        "help": "Append sample completions with their rewards to completions.jsonl every N steps."})
-    save_steps: int = field(default=0, metadata={
-        "help": "Write a checkpoint every N steps; 0 writes one only at the end."})
-    eval_steps: int = field(default=0, metadata={
-        "help": "Evaluate on the held-out rows every N steps; 0 evaluates only before and after training."})
+                "(the console also shows the first step); a fraction in (0, 1) is that share of max_steps, rounded "
+                "up (transformers' meaning)."})
+    log_completions_steps: int | float = field(default=10, metadata={
+        "help": "Append sample completions with their rewards to completions.jsonl every N steps (a fraction "
+                "in (0, 1): that share of max_steps)."})
+    save_strategy: str = field(default="steps", metadata={
+        "help": "When checkpoints are written (transformers' name): steps (every save_steps steps and after the "
+                "last), epoch (after every pass over the training rows and the last step) or no (none during or "
+                "at the end of training; the final policy is still written to output_dir, and a stop by a "
+                "signal or a failure still saves one to resume from)."})
+    save_steps: int | float = field(default=0, metadata={
+        "help": "With save_strategy steps: write a checkpoint every N steps (a fraction in (0, 1): that share of "
+                "max_steps, rounded up); 0 writes one only at the end."})
+    eval_strategy: str | None = field(default=None, metadata={
+        "help": "When the held-out rows are evaluated during training (transformers' name): steps (every "
+                "eval_steps steps, or every logging_steps where eval_steps is 0), epoch (after every pass over "
+                "the training rows) or no; None is steps where eval_steps is above 0, else no. Evaluation "
+                "before and after training happens either way."})
+    eval_steps: int | float = field(default=0, metadata={
+        "help": "Evaluate on the held-out rows every N steps (a fraction in (0, 1): that share of max_steps, "
+                "rounded up); 0 evaluates only before and after training (unless eval_strategy is steps)."})
     eval_limit: int = field(default=200, metadata={
         "help": "Held-out problems scored for accuracy at each evaluation."})
-    report_to: str = field(default="none", metadata={
-        "help": "Where metrics go besides metrics.jsonl: none, tensorboard, wandb, all, or a comma-separated list."})
+    report_to: str | list[str] = field(default="none", metadata={
+        "help": "Where metrics go besides metrics.jsonl: none, tensorboard, wandb, all, or several of them (a "
+                "list, or comma-separated)."})
     quiet: bool = field(default=False, metadata={
         "help": "No progress bars: only the per-step and per-iteration lines, as plain text."})
 
@@ -377,7 +399,8 @@ class GRPOConfig:
     resume_from_checkpoint: str | None = field(default=None, metadata={
         "help": "Continue from this checkpoint-<step> folder; latest is the same as resume."})
     overwrite_output_dir: bool = field(default=False, metadata={
-        "help": "Start over in an output_dir that holds an earlier run's checkpoints, deleting them."})
+        "help": "Start over in an output_dir that holds an unfinished run's checkpoints, deleting them. A "
+                "finished run's (its last step saved) are replaced without it, as TRL writes over its output_dir."})
     max_consecutive_nonfinite: int = field(default=5, metadata={
         "help": "After this many non-finite updates in a row, save a checkpoint and stop the run."})
     trust_remote_code: bool = field(default=False, metadata={
@@ -439,7 +462,8 @@ class GRPOConfig:
             from cohort.config.curriculum import parse_curriculum
 
             changes["curriculum"] = parse_curriculum(self.curriculum)
-        config = dataclasses.replace(self, **changes)
+        with unchecked():  # the copy is checked once, here
+            config = dataclasses.replace(self, **changes)
         config.check()
         return config
 
@@ -480,7 +504,8 @@ def field_defaults() -> dict:
 
 def accepting_trl_names(init):
     """GRPOConfig's constructor taking TRL's keywords as well (cohort/config/trl_names.py) and checking
-    each value's type where it is written, not where a later comparison trips over it."""
+    each value where it is written (its type, its fixed values, the rules: what `validate` refuses), not where
+    a later comparison or the trainer trips over it."""
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         kwargs = translate(kwargs, field_defaults())
@@ -489,7 +514,23 @@ def accepting_trl_names(init):
                 kwargs[name] = os.fspath(value)
         init(self, *args, **kwargs)
         self.check_types()
+        if not deferred.get():
+            self.validate()  # a refused value is refused where it is written, as TRL's GRPOConfig does, not later
     return __init__
+
+
+deferred: contextvars.ContextVar[bool] = contextvars.ContextVar("deferred", default=False)
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Within it GRPOConfig(...) checks the values' types only: `validate` builds its copy so and checks it
+    itself, and `cohort train --help` shows the defaults of an invocation whatever it asks."""
+    token = deferred.set(True)
+    try:
+        yield
+    finally:
+        deferred.reset(token)
 
 
 GRPOConfig.__init__ = accepting_trl_names(GRPOConfig.__init__)

@@ -77,6 +77,25 @@ def within(name: str, interval: str, why: str = "", fix: str = "") -> Rule:
                       f"must lie in {interval}" + (f": {why}" if why else ""), fix)
 
 
+def step_count(name: str, zero_is_off: bool) -> Rule:
+    """A count of steps given as transformers takes it: a whole number of steps (0 for off, where `zero_is_off`),
+    or a fraction of max_steps in (0, 1); a number above 1 with a fractional part is neither."""
+    def refuses(config) -> bool:
+        value = getattr(config, name)
+        return is_number(value) and (math.isnan(value) or value < 0 or (value == 0 and not zero_is_off)
+                                     or (value > 1 and value != int(value)))
+
+    fix = f"pass a whole number{' (0: off)' if zero_is_off else ''} or a fraction such as 0.1"
+    return Rule(f"`{name}` {'negative' if zero_is_off else '≤ 0'}, or above 1 and not whole", refuses,
+                lambda config: refusal(name, getattr(config, name), "is neither a whole number of steps nor a "
+                                       "fraction of max_steps in (0, 1)", fix))
+
+
+def epoch_strategy(config) -> str:
+    """The name of the first strategy option set to epoch."""
+    return "save_strategy" if config.save_strategy == "epoch" else "eval_strategy"
+
+
 def ranks_per_engine(config) -> int:
     """The sampling ranks that share one engine where the config names a count, else 1 (`auto`, settled later)."""
     size = config.rollout_tensor_parallel_size
@@ -234,9 +253,15 @@ RULES: tuple[Rule, ...] = (
     positive("num_train_epochs", "must be positive, or None to count max_steps"),
     *(at_least(name, 1) for name in ("num_iterations", "max_steps", "max_completion_length",
                                      "per_device_train_batch_size", "gradient_accumulation_steps",
-                                     "max_prompt_length", "logging_steps", "log_completions_steps")),
-    *(not_negative(name) for name in ("ref_reset_steps", "save_steps", "eval_steps", "warmup_steps", "eval_limit",
-                                      "save_total_limit")),
+                                     "max_prompt_length")),
+    *(not_negative(name) for name in ("ref_reset_steps", "eval_limit", "save_total_limit")),
+    *(step_count(name, off) for name, off in (("logging_steps", False), ("log_completions_steps", False),
+                                              ("save_steps", True), ("eval_steps", True), ("warmup_steps", True))),
+    within("warmup_ratio", "[0, 1]"),
+    Rule("`save_strategy` or `eval_strategy` epoch with a `curriculum`",
+         lambda c: bool(c.curriculum) and "epoch" in (c.save_strategy, c.eval_strategy),
+         lambda c: f"{epoch_strategy(c)}='epoch' with a curriculum: each stage counts its own steps and rows; give "
+                   f"{epoch_strategy(c).replace('strategy', 'steps')} instead"),
     at_least("max_consecutive_nonfinite", 1),
     Rule("`overwrite_output_dir` with `resume` or `resume_from_checkpoint`",
          lambda c: c.overwrite_output_dir and bool(c.resume or c.resume_from_checkpoint),

@@ -10,7 +10,8 @@ TRL's `GRPOConfig` is a transformers `TrainingArguments`, so a script may pass a
   (`use_vllm=True`: cohort samples with its own engine).
 
 A transformers field with no entry here is accepted at its transformers default and refused otherwise.
-`num_train_epochs` and `chat_template_kwargs` are cohort fields of TRL's name and meaning, not entries here.
+`num_train_epochs`, `chat_template_kwargs`, `warmup_ratio`, `save_strategy` and `eval_strategy` are cohort fields
+of TRL's name and meaning, not entries here.
 """
 
 from __future__ import annotations
@@ -75,7 +76,6 @@ FIXED: dict[str, tuple] = {
     # transformers' TrainingArguments fields a GRPO script often sets.
     "optim": (("adamw_torch", "adamw_torch_fused", "adamw_hf"), "cohort's optimizer is AdamW (with fp32 master "
               "weights for bf16 weights); set adam_beta1, adam_beta2 and weight_decay"),
-    "warmup_ratio": ((0, 0.0), "cohort counts the warm-up in steps; pass warmup_steps=round(ratio × max_steps)"),
     "lr_scheduler_kwargs": ((None, {}), "lr_scheduler_type takes constant, cosine or linear without options"),
     "gradient_checkpointing_kwargs": (ANY, "cohort checkpoints its own way (gradient_checkpointing_layers)"),
     "per_device_eval_batch_size": (ANY, "evaluation batches itself"),

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from cohort.errors import CohortError
+from cohort.errors import CohortError, in_front_end_words
 from cohort.kernels.adamw import adamw_bf16_step, fused_adamw_available
 from cohort.optim.bf16 import join_master, noise_key, round_stochastic, split_master
 from cohort.optim.sharded_adamw import ShardedAdamW
@@ -72,6 +72,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise CohortError(f"dtype={dtype!r} is not one of auto, float32, bfloat16, float16")
     return dtype
+
+
+def cpu_precision_line(dtype: str, device: torch.device) -> str | None:
+    """One line where a 16-bit dtype was asked for on a CPU (TRL's bf16=True; cohort's auto is float32 there), which
+    trains slower there than float32 as a rule; None elsewhere. The run keeps the dtype: whoever wrote it may want
+    bf16's numbers, and cohort never picks bf16 on a CPU by itself."""
+    if device.type != "cpu" or dtype not in ("bfloat16", "float16"):
+        return None
+    return in_front_end_words(f"dtype: {dtype} on a CPU, where PyTorch's {dtype} kernels are mostly slower than its "
+                              "float32 ones; pass --dtype float32 (TRL's keywords: bf16=False) for speed")
 
 
 class MasterWeightAdamW(torch.optim.AdamW):

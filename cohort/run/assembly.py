@@ -27,11 +27,11 @@ from cohort.errors import CohortError
 from cohort.plans.capacity import check_capacity
 from cohort.memory.checkpointed_layers import AutoCheckpointing
 from cohort.memory.manager import MemoryManager
-from cohort.optim.precision import make_optimizer, optimizer_line
+from cohort.optim.precision import cpu_precision_line, make_optimizer, optimizer_line
 from cohort.parallel.placement import Placement, launched_rank, launched_world_size
 from cohort.models.lora import has_lora
 from cohort.models.policy import frozen_copy
-from cohort.config.epochs import with_epoch_steps
+from cohort.config.step_counts import epoch_options, with_step_counts
 from cohort.rewards.model import resolve_reward_funcs
 from cohort.rewards.runner import RewardRunner
 from cohort.rollout.layout import Layout
@@ -125,8 +125,8 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
             log("device: cpu, the built-in tiny model's step is faster there than on a GPU (--device cuda to use it)")
         check_capacity(model, args, placement, parallel.device)  # refused before loading: what would fit
         train_rows = training_rows(train_dataset, args, toolbox, parallel.world_size)
-        # TRL's num_train_epochs: the steps follow from the rows (resolved before the config is frozen).
-        return with_epoch_steps(args, len(train_rows), parallel.world_size)
+        # TRL's epochs, strategies and fractions of the run: whole step counts, before the config is frozen.
+        return with_step_counts(args, len(train_rows), parallel.world_size)
 
     start = start_rank(model, args, processing_class, placement=placement, toolbox=toolbox, peft_config=peft_config,
                        log=log, before_loading=before_loading)
@@ -225,7 +225,7 @@ def open_report(args: GRPOConfig, model: nn.Module, optimizer, toolbox: Toolbox 
     # The display's first lines, worked out before the report opens its files: a failure here leaves none open.
     device = parallel.device
     lines = [fast_path_line(args), optimizer_line(optimizer)] if device.type == "cuda" else []
-    lines.append(placement_line(args, placement, asked_split, device))
+    lines += [placement_line(args, placement, asked_split, device), cpu_precision_line(args.dtype, device)]
     report = open_step_report(args, model=model, device=device, parallel=parallel, log=log)
     for line in filter(None, lines):
         report.log(line)
@@ -236,8 +236,9 @@ def training_rows(train_dataset, args: GRPOConfig, toolbox: Toolbox | None, worl
     """The rows prompts are drawn from. Without a train_dataset, an environment that writes the prompt in
     its reset() (TRL) is driven by one step's worth of empty user turns that reset() fills in."""
     if train_dataset is None and toolbox is not None and toolbox.environment_factory is not None:
-        if args.num_train_epochs is not None:
-            raise CohortError(f"num_train_epochs={args.num_train_epochs} counts passes over a train_dataset, and "
-                              "there is none (the environment writes the prompts); set max_steps instead")
+        if epoch_options(args):
+            given, instead = epoch_options(args)[0]
+            raise CohortError(f"{given} counts passes over a train_dataset, and there is none (the environment "
+                              f"writes the prompts); {instead}")
         return [{"prompt": [{"role": "user", "content": ""}]} for _ in range(args.prompts_per_step * world_size)]
     return dataset_rows(train_dataset, "train_dataset")

@@ -16,13 +16,25 @@ import torch
 
 from cohort.errors import CohortError
 from cohort.run.checkpoint import (EXTRA_FILE, OPTIMIZER_FILE, REFERENCE_FILE, REWARD_DIR, TRAINER_STATE, RunParts, RunState,
-                         python_state, restore_random, sharded, truncate_logs)
+                         check_checkpoint, python_state, restore_random, sharded, truncate_logs)
 from cohort.parallel.colocation import load_gathered_state
 
 
 def checkpoint_step(folder: Path) -> int:
     """The step a checkpoint was saved after (a curriculum enters that step's stage before loading)."""
     return int(json.loads((Path(folder) / TRAINER_STATE).read_text())["step"])
+
+
+def ends_its_run(folder: Path) -> bool:
+    """Whether `folder` is a complete checkpoint of its run's last step: a run that finished, which a new run in
+    the same output_dir may replace (an unfinished one is what --resume continues)."""
+    if check_checkpoint(folder, hashes=False) is not None:
+        return False
+    try:
+        state = json.loads((Path(folder) / TRAINER_STATE).read_text())
+        return int(state["step"]) >= int(state["config"]["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def load_checkpoint(parts: RunParts, folder: Path, log=print) -> RunState:

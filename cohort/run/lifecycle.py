@@ -25,7 +25,7 @@ from cohort.errors import CohortError, in_front_end_words
 from cohort.telemetry.metrics import COMPLETIONS_FILE, METRICS_FILE
 from cohort.run.checkpoint import (RunParts, RunState, check_checkpoint, list_checkpoints, newest_complete, remove_leftovers,
                          truncate_logs)
-from cohort.run.checkpoint_load import checkpoint_step, load_checkpoint
+from cohort.run.checkpoint_load import checkpoint_step, ends_its_run, load_checkpoint
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -48,7 +48,8 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 def prepare_output_dir(args, log=print) -> None:
-    """Before any heavy work: output_dir is writable, and a run there is not overwritten by accident."""
+    """Before any heavy work: output_dir is writable, and an unfinished run there is not overwritten by accident
+    (a finished one is replaced, as TRL does)."""
     out = Path(args.output_dir)
     file = next((path for path in (out, *out.parents) if path.exists() and not path.is_dir()), None)
     if file is not None:  # mkdir's "File exists" / "Not a directory" would read as a permission problem
@@ -73,13 +74,21 @@ def prepare_output_dir(args, log=print) -> None:
                               "checkpoint-<step> folder or --resume to pick the newest complete one")
     existing = list_checkpoints(out)
     if existing and not (args.resume or args.resume_from_checkpoint):
-        if not args.overwrite_output_dir:
-            raise CohortError(f"output_dir {str(out)!r} already holds checkpoints of an earlier run (newest: "
-                              f"{existing[-1].name}); pass --resume to continue it, --overwrite_output_dir to "
-                              "start over, or choose another --output_dir")
+        # A finished run is replaced, as TRL writes over its output_dir; an unfinished one is what resume is for.
+        finished = ends_its_run(existing[-1])
+        if not (args.overwrite_output_dir or finished):
+            raise CohortError(f"output_dir {str(out)!r} holds an unfinished run (newest: {existing[-1].name}); pass "
+                              "--resume to continue it, --overwrite_output_dir to start over (deleting its "
+                              "checkpoints), or choose another --output_dir")
         if not first_rank:
             return
-        log(f"overwrite_output_dir: removing {len(existing)} checkpoint(s) and the metrics of the earlier run in {out}")
+        if args.overwrite_output_dir:
+            log(f"overwrite_output_dir: removing {len(existing)} checkpoint(s) and the metrics of the earlier run in "
+                f"{out}")
+        else:
+            log(in_front_end_words(f"{out} holds a finished run (newest: {existing[-1].name}): a new run replaces it, "
+                                   f"as in TRL; removing its {len(existing)} checkpoint(s) and metrics (another "
+                                   "--output_dir keeps a run)"))
         for folder in existing:
             shutil.rmtree(folder)
         truncate_logs(out, {METRICS_FILE: 0, COMPLETIONS_FILE: 0}, log)
@@ -146,13 +155,14 @@ class RunLifecycle:
         self.log(f"resumed from {folder} at step {step}")
 
     def end_of_step(self, step: int, nonfinite_in_a_row: int) -> None:
-        """Save every save_steps and at the last step; stop on a signal or on too many non-finite
-        updates in a row (after saving, so nothing is lost)."""
+        """Save every save_steps and at the last step (none of these with save_strategy no); stop on a signal
+        or on too many non-finite updates in a row, after saving, whatever save_strategy says, so nothing is lost."""
         args, stop, parallel = self.args, self.stop, self.parallel
         if parallel.world_size > 1:  # all ranks stop at the same step, or none does
             stop.signum = next((s for s in parallel.gather_objects(stop.signum) if s is not None), None)
         too_many_faults = nonfinite_in_a_row >= args.max_consecutive_nonfinite
-        due = (args.save_steps and step % args.save_steps == 0) or step == args.max_steps
+        due = args.save_strategy != "no" and (
+            (args.save_steps and step % args.save_steps == 0) or step == args.max_steps)
         if due or too_many_faults or stop.signum is not None:
             folder = self.save_once(step)
         if too_many_faults:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from cohort.config.choices import CHOICES
+from cohort.config.choices import choose
 from cohort.errors import CohortError
 
 if TYPE_CHECKING:  # for the annotation only: the HTML report (report.py) imports this module without torch
@@ -29,7 +29,6 @@ if TYPE_CHECKING:  # for the annotation only: the HTML report (report.py) import
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
-KNOWN_REPORTERS = CHOICES["report_to"]
 
 
 def _json_value(value: Any) -> Any:
@@ -55,13 +54,9 @@ def parse_report_to(report_to: list[str] | tuple[str, ...] | str | None) -> set[
     """TRL-style `report_to`: "none", "all", one name, a comma-separated string or a list of names."""
     if report_to is None:
         return set()
+    choose("report_to", report_to)  # GRPOConfig's own check, for a logger built from Python directly
     names = report_to.split(",") if isinstance(report_to, str) else list(report_to)
-    names = {name.strip().lower() for name in names if name and name.strip()}
-    unknown = names - set(KNOWN_REPORTERS)
-    if unknown:
-        raise CohortError(
-            f"report_to={sorted(unknown)} is not supported: use any of {', '.join(KNOWN_REPORTERS)}"
-        )
+    names = {name.strip() for name in names if name and name.strip()}
     if "all" in names:
         return {"tensorboard", "wandb"}
     return names - {"none"}
