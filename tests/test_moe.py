@@ -141,10 +141,10 @@ def test_moe_refusals_name_the_option():
 
     with pytest.raises(CohortError, match=r"router_aux_loss_coef[= ]-1"):
         GRPOConfig(router_aux_loss_coef=-1).validate()
-    args = GRPOConfig(partial_rollouts=True, max_staleness=2)
+    args = GRPOConfig(partial_rollouts=True, max_staleness=2, async_rollouts=True, rollout_gpus=1)
     with pytest.raises(CohortError, match="routing_replay"):
         partial_rollout_settings(args, engine=True, tools=False, routing_replay=True)
-    assert partial_rollout_settings(GRPOConfig(rollout_gpus=1), engine=True, tools=False,
+    assert partial_rollout_settings(GRPOConfig(rollout_gpus=1, async_rollouts=True), engine=True, tools=False,
                                     routing_replay=True)["partial_rollouts"] is False
 
 

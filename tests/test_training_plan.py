@@ -279,7 +279,7 @@ def test_nothing_is_planned_off_cuda_or_without_a_config(gpu, llama_8b_folder, t
 def test_cohort_train_stops_before_loading(gpu, llama_8b_folder, tmp_path, monkeypatch):
     """Through the trainer: the refusal comes before the loader is called; a fitting run reaches the loader."""
     from cohort import GRPOTrainer
-    from cohort.run import assembly
+    from cohort.run import start
     from cohort.parallel.distributed import Parallel
 
     monkeypatch.setattr(Parallel, "from_env", classmethod(lambda cls, *a, **k: Parallel(device=CUDA)))
@@ -289,7 +289,7 @@ def test_cohort_train_stops_before_loading(gpu, llama_8b_folder, tmp_path, monke
         loads.append(args[0])
         raise RuntimeError("loading")
 
-    monkeypatch.setattr(assembly, "load_run_policy", loader)
+    monkeypatch.setattr(start, "load_run_policy", loader)  # the start-up both kinds of rank share
     rows = [{"prompt": "1+1="}] * 8
     big = GRPOConfig(output_dir=str(tmp_path / "run"), max_completion_length=4096, per_device_train_batch_size=8,
                      gradient_accumulation_steps=8)
