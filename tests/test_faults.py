@@ -51,6 +51,15 @@ def test_the_root_cause_is_a_killed_rank_else_the_first_line_a_rank_left(tmp_pat
                            {0: (25.0, symptom), 1: (25.2, "rank 1 stopped waiting for the weight broadcast")})
     assert job_failure_line(racing, Placement(world_size=2, rollout_gpus=1)) == \
         "rank 1 (sampling rank) stopped waiting for the weight broadcast"
+    # A wait the peer's closing ended is a symptom too: the peer's own deadline is the cause, written later.
+    closed = ("rank 0 stopped waiting for a message from sampling rank 1 after 0.0 s (Application timeout caused "
+              "pair closure): that rank died or hung (--ddp_timeout bounds the wait)")
+    closing = write_reports(tmp_path / "closing", {"0": {"exitcode": 2, "signal": None, "time": 40},
+                                                   "1": {"exitcode": 2, "signal": None, "time": 40}},
+                            {0: (35.0, closed), 1: (35.1, "rank 1 stopped waiting for the weight broadcast after 5.0 s "
+                                                          "(Timed out)")})
+    assert job_failure_line(closing, Placement(world_size=2, rollout_gpus=1)) == \
+        "rank 1 (sampling rank) stopped waiting for the weight broadcast after 5.0 s (Timed out)"
     assert job_failure_line(write_reports(tmp_path / "bare", {"1": {"exitcode": 1, "signal": None, "time": 3}}, {}),
                             Placement(world_size=2)) == "rank 1 (trainer) exited with code 1"
     assert job_failure_line(tmp_path / "nothing", Placement(world_size=2)) is None

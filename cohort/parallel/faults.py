@@ -96,6 +96,9 @@ def wait_all(works: Sequence, what: str, timeout_s: float, poll: bool) -> None:
 # The line of a collective that failed outside a named wait: a symptom of another rank's fault, whose own
 # line (a named wait, a kill) is the root cause when there is one, even if it was written a moment later.
 LOST_COLLECTIVE = "a collective with the other ranks failed"
+# A named wait that ended because the other side closed the connection: that side gave up first (its own wait
+# ran to its deadline, or it crashed), so its line is the cause, whichever was written first.
+PEER_CLOSED = ("pair closure", "Connection closed", "Connection reset", "closed by peer")
 
 
 def lost_rank_error(error: RuntimeError) -> Exception:
@@ -124,8 +127,8 @@ def record_rank_error(line: str) -> bool:
 def job_failure_line(folder: Path, placement: Placement) -> str | None:
     """The one line that ends a failed job of `placement`: the rank that failed first, its part (trainer or
     sampling rank) and what failed. Root cause: a rank killed by a signal torchrun does not send (kill -9, a
-    crash), else the earliest error line a rank left (one that names what it waited for before a collective that
-    merely failed), else torchrun's first failure. None when nothing was recorded."""
+    crash), else the earliest error line a rank left (one whose own wait ended before one whose peer closed the
+    connection, and either before a collective that merely failed), else torchrun's first failure. None when nothing was recorded."""
     try:
         failures = json.loads((folder / "torchrun.json").read_text())
     except (OSError, ValueError):
@@ -144,7 +147,8 @@ def job_failure_line(folder: Path, placement: Placement) -> str | None:
         if failures[str(rank)]["signal"] == "SIGABRT":
             what += " (an abort: on GPUs, NCCL's watchdog aborts a rank whose collective ran past --ddp_timeout)"
     elif reports:
-        rank = min(reports, key=lambda r: (LOST_COLLECTIVE in reports[r]["line"], reports[r]["time"]))
+        rank = min(reports, key=lambda r: (LOST_COLLECTIVE in reports[r]["line"],
+                                           any(m in reports[r]["line"] for m in PEER_CLOSED), reports[r]["time"]))
         what = reports[rank]["line"]
         if what.startswith(f"rank {rank} "):
             what = what[len(f"rank {rank} "):]
