@@ -270,7 +270,8 @@ def config_help(config: GRPOConfig | None = None, sources: dict[str, str] | None
             lines.append(f"  --{name} {type_text(name)}    default: {default}"
                          + ("" if source == "default" else f" ({source})"))
             lines.append(textwrap.fill(fields[name].metadata.get("help", ""), width=width,
-                                       initial_indent=" " * 6, subsequent_indent=" " * 6))
+                                       initial_indent=" " * 6, subsequent_indent=" " * 6,
+                                       break_on_hyphens=False))  # a command or an option name stays whole
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
