@@ -81,7 +81,8 @@ def run_seed(seed: int, opts, out_dir: Path) -> list[dict]:
 
 def run_one(trainer, condition: str, seed: int) -> dict:
     started = time.perf_counter()
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     keys = ("success", "reward", "rm/online_accuracy", "rm/pair_accuracy", "rm/loss", "rm/label_mean")
     curves = {k: [float(r.get(k, float("nan"))) for r in history] for k in keys}
     curves["gap"] = [r - s for r, s in zip(curves["reward"], curves["success"])]

@@ -422,7 +422,8 @@ def test_dynamic_sampling_trains_only_informative_groups(tiny_dir, tmp_path):
         return update(batch)
 
     trainer.update = spy
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     for batch in seen:
         assert bool(informative_groups(batch.rewards, 4).all())
         assert all(row["a"] % 2 == 1 for row in batch.rows)

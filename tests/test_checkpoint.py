@@ -252,7 +252,8 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(model_dir, tmp_
         before_step_2.setdefault(trainer.step, state(trainer.model))
 
     trainer.log_step = snapshot
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert [h["skipped_steps"] for h in history] == [0, 1, 1]
     assert all(torch.equal(before_step_2[1][k], v) for k, v in before_step_2[2].items())  # step 2 left θ alone
     assert not all(torch.equal(before_step_2[2][k], v) for k, v in before_step_2[3].items())  # step 3 trained
@@ -448,7 +449,8 @@ def test_a_nan_sampler_logprob_skips_the_update_and_a_resumed_run_still_matches(
         weights[trainer.step] = state(trainer.model)
 
     trainer.log_step = snapshot
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert [h["skipped_steps"] for h in history] == [0, 0, 1, 1, 1]
     assert [h["nonfinite_logprobs"] > 0 for h in history] == [False, False, True, False, False]
     assert all(np.isfinite(h["loss"]) for h in history)  # the loss alone would not have caught it

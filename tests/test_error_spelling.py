@@ -37,11 +37,14 @@ def test_a_contradiction_names_keywords_from_python_and_flags_from_the_command_l
     assert err.endswith("give --max_staleness 1 or more, or leave --async_rollouts off")
 
 
-def test_an_earlier_run_in_output_dir_names_resume_as_each_front_end_writes_it(tmp_path, capsys):
+def test_an_earlier_run_in_output_dir_names_resume_as_each_front_end_writes_it(tiny_dir, tmp_path, capsys):
     out = tmp_path / "run"
     (out / "checkpoint-2").mkdir(parents=True)
-    with pytest.raises(CohortError) as caught:
-        GRPOTrainer(model=None, args=GRPOConfig(output_dir=str(out)))
+    args = GRPOConfig(output_dir=str(out), num_generations=2, per_device_train_batch_size=2,
+                      gradient_accumulation_steps=1, max_completion_length=2, quiet=True)
+    with pytest.raises(CohortError) as caught:  # refused when train() starts: train(resume_from_checkpoint=True) may
+        GRPOTrainer(tiny_dir, lambda completions, **_: [0.0] * len(completions), [{"prompt": "1+1="}] * 2,
+                    args=args).train()  # still continue it
     assert str(caught.value).endswith("pass resume=True to continue it, overwrite_output_dir=True to start over "
                                       "(deleting its checkpoints), or choose another output_dir")
 

@@ -284,6 +284,7 @@ def test_a_training_step_under_exact_numerics_reports_no_gap(tmp_path):
                           rows, args=args, log=lambda *_: None)
     assert (trainer.model.numerics, trainer.ref_model.numerics, trainer.args.torch_compile) == ("exact", "fast", False)
     trainer.evaluate_held_out = lambda: None
-    record = trainer.train()[0]
+    trainer.train()
+    record = trainer.history[0]
     assert record["sampling/sampling_logp_difference/max"] == 0.0
     assert record["sampling/importance_sampling_ratio/min"] == record["sampling/importance_sampling_ratio/max"] == 1.0

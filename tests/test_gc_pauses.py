@@ -71,7 +71,9 @@ def test_objects_are_frozen_from_the_second_step_and_thawed_at_the_end(nothing_f
     # Counted from what was frozen before the run: another library of the process may freeze objects of its
     # own (torch.compile's workers do, on a GPU), and the run must leave those as it found them.
     before = gc.get_freeze_count()
-    history = _trainer(tiny_dir, tmp_path, reward, gc_freeze=freeze).train()
+    trainer = _trainer(tiny_dir, tmp_path, reward, gc_freeze=freeze)
+    trainer.train()
+    history = trainer.history
     assert frozen_during_step[0] == before
     assert all((n > before) == freeze for n in frozen_during_step[1:]) and len(frozen_during_step) == 3, frozen_during_step
     if before == 0:  # thawed at the end (what others froze first is left frozen: gc.unfreeze thaws all)
@@ -105,7 +107,9 @@ def test_each_step_logs_the_collector_pauses_inside_it(tiny_dir, tmp_path):
                 gc.callbacks.remove(timer)
         return [float(len(c)) for c in completions]
 
-    history = _trainer(tiny_dir, tmp_path, reward, gc_freeze=True).train()
+    trainer = _trainer(tiny_dir, tmp_path, reward, gc_freeze=True)
+    trainer.train()
+    history = trainer.history
     assert len(pauses) == 1 and pauses[0] > 5e-3, pauses  # a full collection of 300,000 cycles
     # the trainer's callback times the same collection (a few callbacks' worth apart from ours)
     assert history[1]["time/gc"] >= 0.9 * pauses[0]

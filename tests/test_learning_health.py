@@ -5,6 +5,8 @@ off; a short training on the tiny model whose reward never varies says so exactl
 
 from __future__ import annotations
 
+import json
+
 import math
 
 import pytest
@@ -244,6 +246,15 @@ def test_a_constant_reward_on_the_tiny_model_prints_the_no_gradient_warning_once
     assert [step for step, r in logged.items() if "warnings" in r] == [WINDOW]
     assert logged[WINDOW]["warnings"] == warnings
     assert all(r["frac_reward_zero_std"] == 1.0 and r["completions/empty_ratio"] < 1.0 for r in logged.values())
+    assert json.loads((tmp_path / "summary.json").read_text())["warnings"] == warnings  # the run's, each once
+
+
+def test_a_healthy_run_has_no_warnings_in_its_summary(tiny_dir, tmp_path):
+    lines = []
+    GRPOTrainer(tiny_dir, [format_reward, accuracy_reward], PROMPTS, args=tiny_args(tmp_path, max_steps=2),
+                log=lines.append).train()
+    assert not [line for line in lines if line.startswith("warning:")]
+    assert json.loads((tmp_path / "summary.json").read_text())["warnings"] == []
 
 
 def test_a_warning_given_at_a_step_not_logged_goes_on_the_next_line_written(tiny_dir, tmp_path):

@@ -372,7 +372,8 @@ def tiny_run(tiny_dir, output_dir, **overrides):
         return rollout
 
     trainer.sampler.generate = capturing_generate
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     return trainer, history, rollouts
 
 

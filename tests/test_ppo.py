@@ -96,7 +96,8 @@ def test_ppo_training_moves_policy_and_separate_critic(tiny_dir, tmp_path):
     critic_before = [p.detach().clone() for p in trainer.critic.parameters()]
     # The critic is a copy, not a view of the policy's weights.
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(trainer.critic.body.parameters(), trainer.model.parameters()))
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert len(history) == 2 and all("value_loss" in h and "ppo/value_mean" in h for h in history)
     assert any(not torch.equal(a, p) for a, p in zip(policy_before, trainer.model.parameters()))
     assert any(not torch.equal(a, p) for a, p in zip(critic_before, trainer.critic.parameters()))

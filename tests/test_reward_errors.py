@@ -196,7 +196,8 @@ def test_training_stops_at_the_first_step_by_default(tiny_dir, tmp_path):
 def test_training_with_warn_goes_on_and_logs_the_error_counts(tiny_dir, tmp_path):
     trainer = GRPOTrainer(tiny_dir, [raising_reward, length_reward], [{"prompt": f"{i}+1=?"} for i in range(4)],
                           args=small_args(tmp_path, reward_errors="warn"), log=lambda *_: None)
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert [r["step"] for r in history] == [1, 2]
     for record in history:
         assert record["rewards/raising_reward/errors"] == 4.0 and record["rewards/length_reward/errors"] == 0.0

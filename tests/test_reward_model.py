@@ -294,7 +294,8 @@ def test_trainer_takes_a_folder_in_reward_funcs_and_trains_it_each_step(tokenize
     trainer = GRPOTrainer(str(policy_dir), None, rows, args=args, task=task)  # the folder, via args.reward_funcs
     (rm,) = trainer.rewards.funcs
     assert isinstance(rm, RewardModelReward) and rm.label_fn is not None
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert len(rm.buffer) == 16 and rm.steps_seen == 2
     for record in history:
         assert {"rm/online_accuracy", "rm/loss", "rm/train_loss", "rewards/reward_model/mean"} <= record.keys()

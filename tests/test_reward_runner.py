@@ -252,7 +252,8 @@ def test_training_goes_on_past_raising_nan_and_hanging_rewards(tiny_dir, tmp_pat
                       reward_errors="warn", output_dir=str(tmp_path), quiet=True, device="cpu")
     trainer = GRPOTrainer(tiny_dir, [raising_reward, nan_first_reward, short_hang_reward, length_reward],
                           [{"prompt": f"{i}+1=?"} for i in range(4)], args=args, log=lambda *_: None)
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert [r["step"] for r in history] == [1, 2]  # both steps ran
     messages = notices(capsys)
     for name, fault in (("raising_reward", "ValueError: boom"), ("nan_first_reward", "returned nan"),

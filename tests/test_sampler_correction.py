@@ -127,7 +127,8 @@ def test_every_step_logs_the_mismatch_and_the_correction_reaches_the_update(tiny
             return batch
 
         trainer.rollouts.group_sampler = skewed  # the synchronous source's sampling stage
-        record = trainer.train()[0]
+        trainer.train()
+        record = trainer.history[0]
         assert record["sampling/sampling_logp_difference/mean"] == pytest.approx(10.0, abs=1e-3)
         grad_norms[correction] = record["grad_norm"]
     assert grad_norms[False] > 1e-3 and grad_norms[True] == 0.0

@@ -94,7 +94,8 @@ def test_two_grpo_steps_on_gsm8k_train(sft_dir, tmp_path):
     trainer = GRPOTrainer(str(sft_dir), list(task.reward_funcs) + [shorter_is_better], rows, args=args, task=task,
                           log=lambda *_: None)
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert [r["step"] for r in history] == [1, 2]
     samples = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     for record in history:

@@ -116,7 +116,8 @@ def test_tools_train_log_call_frequency_and_leave_tool_results_out_of_the_loss(c
 @pytest.mark.slow
 def test_a_run_with_tools_logs_tools_metrics_and_records_its_tools(caller_dir, tmp_path):
     trainer = GRPOTrainer(caller_dir, [answer_reward], rows(), args=config(tmp_path, max_steps=2), tools=[add])
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert all(r["tools/call_frequency"] > 0 for r in history)
     assert all(0.0 <= r["tools/failure_frequency"] <= 1.0 for r in history)
     saved = json.loads((tmp_path / "tools.json").read_text())

@@ -52,7 +52,8 @@ def test_num_iterations_reuses_one_rollout(tiny_dir, tmp_path):
         return step(*a, **k)
 
     trainer.sampler.generate, trainer.optimizer.step = counting_generate, counting_step
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert calls == {"generate": 2, "optimizer": 6}  # one rollout per step, μ optimizer steps on it
     assert [h["num_iterations"] for h in history] == [3, 3]
     # With μ > 1 the later passes see ρ ≠ 1 and some tokens leave the clip range; the first pass of each
@@ -88,7 +89,9 @@ def test_learnable_reward_rises_to_one(tiny_dir, tmp_path):
     """Seed sanity check: with a learnable reward the mean reward climbs from ≤0.15 to ≥0.95 in ≤15 steps."""
     args = _args(tmp_path, num_generations=8, per_device_train_batch_size=64, gradient_accumulation_steps=1,
                  max_completion_length=3, max_steps=15, learning_rate=1e-2, seed=1)
-    history = GRPOTrainer(tiny_dir, starts_with_seven, PROMPTS, args=args).train()
+    trainer = GRPOTrainer(tiny_dir, starts_with_seven, PROMPTS, args=args)
+    trainer.train()
+    history = trainer.history
     rewards = [h["reward"] for h in history]
     assert rewards[0] <= 0.15, rewards
     assert max(rewards) >= 0.95, rewards
@@ -184,7 +187,8 @@ def test_logged_kl_is_the_k3_estimate_between_policy_and_reference(tiny_dir, tmp
     args = _args(tmp_path, beta=0.1, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                  max_completion_length=6, max_steps=2, learning_rate=3e-2, fused_head_loss=fused_head_loss)
     trainer = holder["trainer"] = GRPOTrainer(tiny_dir, reward, PROMPTS, args=args)
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert len(seen) == 2 and [h["micro_batches"] for h in history] == [1, 1]  # one micro-batch: a plain token mean
     policy = copy.deepcopy(trainer.model)
     for record, (prompts, completion_ids, weights) in zip(history, seen):

@@ -57,7 +57,8 @@ def test_callbacks_see_every_event_in_order_and_state_tracks_the_run(tiny_dir, t
     eval_rows = TASK.load("test", size=4)
     trainer = GRPOTrainer(tiny_dir, _length, TASK.load("train", size=32, seed=0), args=_args(tmp_path, eval_steps=2),
                           task=TASK, eval_dataset=eval_rows, callbacks=[recorder])
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     names = [e[0] for e in recorder.events]
     assert names[0] == "train_begin" and names[-1] == "train_end"
     assert recorder.events[0][2] == ["lr_scheduler", "model", "optimizer", "processing_class"]
@@ -85,7 +86,8 @@ def test_a_callback_can_stop_training(tiny_dir, tmp_path):
             return control
 
     trainer = GRPOTrainer(tiny_dir, _length, UPDATE_PROMPTS, args=_args(tmp_path, max_steps=6), callbacks=[StopAfterTwo])
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert [r["step"] for r in history] == [1, 2]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
     assert (tmp_path / "model.safetensors").is_file()  # the final policy is written as at a last step

@@ -77,7 +77,8 @@ def test_an_environment_writes_the_prompt_without_a_train_dataset(tmp_path):
     assert texts == [f"Increment the counter by {env.target}.\n" for env in environments]
     trainer.score(batch)
     assert batch.rewards.tolist() == [env.get_reward() for env in environments]
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert len(history) == 1 and "rewards/IncrementEnv/mean" in history[0]
 
 
@@ -135,7 +136,8 @@ def test_the_environments_reward_needs_no_reward_funcs(tmp_path):
     assert [env.target for env in batch.environments] == [row["target"] for row in batch.rows]
     trainer.score(batch)
     assert batch.rewards.tolist() == [env.get_reward() for env in batch.environments]
-    assert len(trainer.train()) == 1
+    trainer.train()
+    assert len(trainer.history) == 1
 
 
 def test_without_any_reward_the_error_names_all_three_sources(tmp_path):

@@ -129,7 +129,8 @@ def test_a_ported_trl_script_trains_on_cpu(tiny_dir, tmp_path):
                       use_vllm=False, device="cpu", quiet=True, eval_limit=0)
     trainer = GRPOTrainer(model=tiny_dir, reward_funcs=length_reward, args=args, train_dataset=rows)
     assert trainer.args.dtype == "bfloat16" and trainer.args.max_steps == 2  # 4 rows, 2 prompts a step
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     assert [r["step"] for r in history] == [1, 2]
     logged = [json.loads(line)["step"] for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert sorted(set(logged)) == [1, 2]  # every logging_steps step, as TRL's log_completions

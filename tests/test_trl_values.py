@@ -181,7 +181,8 @@ def test_a_tiny_run_obeys_trls_meanings(tiny_dir, arithmetic, tmp_path):
         eval_steps=5, warmup_steps=2, warmup_ratio=0.0)
     base = 1e-3  # linear warm-up over 2 steps: step 1's update takes half the rate, step 2's the whole of it
     assert trainer.scheduler.get_last_lr() == pytest.approx([base / 2])
-    history = trainer.train()
+    trainer.train()
+    history = trainer.history
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "loss" in r] == list(range(2, 21, 2))  # every ceil(0.1 × 20) steps
     assert [r["step"] for r in lines if "eval/accuracy" in r] == [0, 5, 10, 15, 20]  # before, every 5, after
@@ -232,12 +233,13 @@ def test_a_script_run_twice_runs_twice_and_an_unfinished_run_is_kept(tiny_dir, a
 
     shutil.rmtree(out / "checkpoint-2")  # as a run stopped after step 1 leaves its folder
     with pytest.raises(CohortError) as caught:
-        tiny_run(tiny_dir, arithmetic, out, max_steps=2, save_steps=1, eval_limit=0)
+        tiny_run(tiny_dir, arithmetic, out, max_steps=2, save_steps=1, eval_limit=0).train()
     assert str(caught.value) == (f"output_dir {str(out)!r} holds an unfinished run (newest: checkpoint-1); pass "
                                  "resume=True to continue it, overwrite_output_dir=True to start over (deleting its "
                                  "checkpoints), or choose another output_dir")
     resumed = tiny_run(tiny_dir, arithmetic, out, max_steps=2, save_steps=1, eval_limit=0, resume=True)
-    assert [r["step"] for r in resumed.train()] == [1, 2]
+    resumed.train()
+    assert [r["step"] for r in resumed.history] == [1, 2]
 
 
 # ---- bf16 on a CPU -----------------------------------------------------------------------------------------

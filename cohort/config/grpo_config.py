@@ -401,6 +401,15 @@ class GRPOConfig:
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "Start over in an output_dir that holds an unfinished run's checkpoints, deleting them. A "
                 "finished run's (its last step saved) are replaced without it, as TRL writes over its output_dir."})
+    push_to_hub: bool = field(default=False, metadata={
+        "help": "Upload output_dir (the trained policy, metrics, summary; not the checkpoints) to the Hugging Face "
+                "Hub when training ends, as transformers does (trainer.push_to_hub() does it any time)."})
+    hub_model_id: str | None = field(default=None, metadata={
+        "help": "The Hub repository to push to, name or namespace/name; None is output_dir's folder name."})
+    hub_token: str | None = field(default=None, metadata={
+        "help": "The Hub token to push with; None uses HF_TOKEN or the token huggingface_hub has stored."})
+    hub_private_repo: bool | None = field(default=None, metadata={
+        "help": "Make the repository private when push_to_hub creates it; None is the Hub's default."})
     max_consecutive_nonfinite: int = field(default=5, metadata={
         "help": "After this many non-finite updates in a row, save a checkpoint and stop the run."})
     trust_remote_code: bool = field(default=False, metadata={
@@ -489,7 +498,11 @@ class GRPOConfig:
                 raise CohortError(problem)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a dict; the hub token masked (the dict goes into metrics.jsonl and checkpoints)."""
+        values = dataclasses.asdict(self)
+        if values.get("hub_token") is not None:
+            values["hub_token"] = "<HUB_TOKEN>"
+        return values
 
 
 @functools.cache

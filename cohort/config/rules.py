@@ -15,6 +15,7 @@ where that is known. The rows are read in order; a config that breaks several ge
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -34,6 +35,14 @@ def refusal(name: str, value, problem: str, fix: str = "") -> str:
     (`num_generations=1: GRPO needs ...`)."""
     text = f"{name}={value!r}" + (problem if problem.startswith(":") else f" {problem}")
     return text + (f"; {fix}" if fix else "")
+
+
+def is_repo_id(text) -> bool:
+    """A Hugging Face Hub repository id: `name` or `namespace/name`, each part letters, digits, '-', '_', '.',
+    starting and ending with a letter or digit, without '--' or '..', 96 characters at most."""
+    part = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
+    return (isinstance(text, str) and len(text) <= 96 and re.fullmatch(f"(?:{part}/)?{part}", text) is not None
+            and "--" not in text and ".." not in text)
 
 
 def first_refusal(rules: Iterable[Rule], config) -> str | None:
@@ -263,6 +272,10 @@ RULES: tuple[Rule, ...] = (
          lambda c: f"{epoch_strategy(c)}='epoch' with a curriculum: each stage counts its own steps and rows; give "
                    f"{epoch_strategy(c).replace('strategy', 'steps')} instead"),
     at_least("max_consecutive_nonfinite", 1),
+    Rule("`hub_model_id` not a Hub repository id",
+         lambda c: c.hub_model_id is not None and not is_repo_id(c.hub_model_id),
+         lambda c: refusal("hub_model_id", c.hub_model_id, "is not a Hub repository id",
+                           "give name or namespace/name (letters, digits, '-', '_', '.')")),
     Rule("`overwrite_output_dir` with `resume` or `resume_from_checkpoint`",
          lambda c: c.overwrite_output_dir and bool(c.resume or c.resume_from_checkpoint),
          lambda c: "overwrite_output_dir and resume contradict each other: resume continues the earlier run, "

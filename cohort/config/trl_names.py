@@ -36,8 +36,8 @@ FIXED: dict[str, tuple] = {
     "disable_dropout": ((False,), "cohort's own models have no dropout and a transformers model keeps its config's"),
     "cast_lm_head_to_fp32": ((False,), "the LM head runs in dtype; log-softmax and entropy are float32 already"),
     "remove_unused_columns": ((False,), "every column reaches the reward functions"),
-    "num_generations_eval": ((None,), "evaluation is greedy, one completion per problem (cohort eval --num_samples "
-                             "gives pass@k)"),
+    "num_generations_eval": ((None,), "evaluation samples num_generations completions per prompt (TRL's default; "
+                             "a built-in task's is greedy, one per problem: cohort eval --num_samples gives pass@k)"),
     "ds3_gather_for_generation": (ANY, "no DeepSpeed"),
     "shuffle_dataset": ((True,), "the prompts are always shuffled from seed"),
     "pad_to_multiple_of": (("auto", None), "a Neuron (Trainium) option; cohort runs on CUDA GPUs and CPUs"),
@@ -83,8 +83,6 @@ FIXED: dict[str, tuple] = {
     "do_eval": (ANY, "only shapes transformers' example scripts"),
     "logging_first_step": (ANY, "cohort logs step 1 always"),
     "logging_dir": (ANY, "TensorBoard logs go to output_dir/tensorboard"),
-    "push_to_hub": ((False,), "cohort uploads nothing; the trained policy is a Hugging Face folder in output_dir "
-                    "(push it with huggingface_hub)"),
     "run_name": (ANY, "cohort names the run after output_dir"),
 }
 

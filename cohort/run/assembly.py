@@ -51,7 +51,7 @@ from cohort.update.schedule import lr_scheduler
 from cohort.parallel.colocation import colocate
 from cohort.parallel.distributed import Parallel
 from cohort.parallel.engine_copy import EngineCopy
-from cohort.run.lifecycle import prepare_output_dir
+from cohort.run.lifecycle import check_output_dir
 from cohort.run.start import RankStart, start_rank
 
 
@@ -115,7 +115,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
         raise CohortError(f"GRPOTrainer on a rank that only samples (rollout_gpus={args.rollout_gpus}: the last "
                           "ranks): run cohort.SamplingRank(model, args).serve() there instead "
                           "(cohort.is_sampling_rank(args) tells the ranks apart)")
-    prepare_output_dir(args, log)  # writable; an earlier run's checkpoints not overwritten by accident
+    check_output_dir(args)  # a writable folder (an earlier run there is train()'s to continue or replace)
     asked_split = args.rollout_tensor_parallel_size  # the log says whether auto chose it
     train_rows: list[dict] = []
 

@@ -1,17 +1,19 @@
 """`RunLifecycle`: the run around its checkpoints, so that a run is never lost.
 
-Before any heavy work the output folder is checked (writable, no earlier run overwritten by
-accident: `prepare_output_dir`). `train()` runs inside `with RunLifecycle(...)`: on entry SIGINT /
-SIGTERM are caught (`StopRequest`); `resume` loads a checkpoint when asked (`--resume`); after each
-step `end_of_step` saves one when due, and on a signal or too many non-finite updates in a row saves
-and stops (`TrainingInterrupted`, `CohortError`). On exit, also when training raises, the previous
-signal handlers are back; a run that ended says in one line where it is. The checkpoint folder format
-itself is `checkpoint.py` (writing, verifying) and `checkpoint_load.py` (reading). docs/howto/resume.md
-tells the whole story.
+Before any heavy work the output folder is checked (a folder, writable: `check_output_dir`); when
+training starts, once `train(resume_from_checkpoint=...)` said whether the run resumes (`resuming`), an
+earlier run there is not overwritten by accident (`claim_output_dir`). `train()` runs inside
+`with RunLifecycle(...)`: on entry SIGINT / SIGTERM are caught (`StopRequest`); `resume` loads a checkpoint
+when asked (`--resume`); after each step `end_of_step` saves one when due, and on a signal or too many
+non-finite updates in a row saves and stops (`TrainingInterrupted`, `CohortError`). On exit, also when
+training raises, the previous signal handlers are back; a run that ended says in one line where it is. The
+checkpoint folder format itself is `checkpoint.py` (writing, verifying) and `checkpoint_load.py` (reading).
+docs/howto/resume.md tells the whole story.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -48,8 +50,14 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 def prepare_output_dir(args, log=print) -> None:
-    """Before any heavy work: output_dir is writable, and an unfinished run there is not overwritten by accident
-    (a finished one is replaced, as TRL does)."""
+    """The whole check of `output_dir` for `args`: `check_output_dir`, then `claim_output_dir`."""
+    check_output_dir(args)
+    claim_output_dir(args, log)
+
+
+def check_output_dir(args) -> None:
+    """Before any heavy work: output_dir is a folder this process can write to (made if missing), the leftovers of
+    killed writes are gone, and a checkpoint that `args.resume_from_checkpoint` names is complete."""
     out = Path(args.output_dir)
     file = next((path for path in (out, *out.parents) if path.exists() and not path.is_dir()), None)
     if file is not None:  # mkdir's "File exists" / "Not a directory" would read as a permission problem
@@ -64,34 +72,62 @@ def prepare_output_dir(args, log=print) -> None:
     except OSError as error:
         raise CohortError(f"output_dir {str(out)!r} is not writable ({error.strerror or error}); choose a folder "
                           "you can write to (--output_dir)") from None
-    first_rank = int(os.environ.get("RANK", "0")) == 0  # several processes: rank 0 alone cleans and deletes
-    if first_rank:
+    if int(os.environ.get("RANK", "0")) == 0:  # several processes: rank 0 alone cleans and deletes
         remove_leftovers(out)
     if args.resume_from_checkpoint not in (None, "latest"):
-        reason = check_checkpoint(Path(args.resume_from_checkpoint))
-        if reason:
-            raise CohortError(f"cannot resume from {args.resume_from_checkpoint}: it is {reason}; pass a complete "
-                              "checkpoint-<step> folder or --resume to pick the newest complete one")
+        check_named_checkpoint(args.resume_from_checkpoint)
+
+
+def check_named_checkpoint(folder) -> None:
+    reason = check_checkpoint(Path(folder))
+    if reason:
+        raise CohortError(f"cannot resume from {folder}: it is {reason}; pass a complete checkpoint-<step> folder "
+                          "or --resume to pick the newest complete one")
+
+
+def resuming(args, resume_from_checkpoint=None):
+    """`args` as `train(resume_from_checkpoint)` runs them, with transformers' meanings: True continues the newest
+    complete checkpoint in output_dir (cohort's `resume`), a path that checkpoint folder; None or False leaves what
+    `args.resume` / `args.resume_from_checkpoint` say. The copy stays read-only where `args` is."""
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return args
+    if not isinstance(resume_from_checkpoint, (bool, str, os.PathLike)):
+        raise CohortError(f"train(resume_from_checkpoint={resume_from_checkpoint!r}): pass True (the newest checkpoint "
+                          "in output_dir), a checkpoint-<step> folder, or None")
+    if args.overwrite_output_dir:
+        raise CohortError("train(resume_from_checkpoint=...) and overwrite_output_dir=True contradict each other: "
+                          "overwrite_output_dir deletes the checkpoints; drop one of the two")
+    spec = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+    if spec != "latest":
+        check_named_checkpoint(spec)
+    copy = dataclasses.replace(args, resume_from_checkpoint=spec)
+    return copy.freeze() if getattr(args, "frozen", False) else copy
+
+
+def claim_output_dir(args, log=print) -> None:
+    """When training starts: an unfinished run in output_dir is not overwritten by accident (refused unless resuming
+    or `overwrite_output_dir`, which deletes it); a finished one is replaced, as TRL does."""
+    out = Path(args.output_dir)
     existing = list_checkpoints(out)
-    if existing and not (args.resume or args.resume_from_checkpoint):
-        # A finished run is replaced, as TRL writes over its output_dir; an unfinished one is what resume is for.
-        finished = ends_its_run(existing[-1])
-        if not (args.overwrite_output_dir or finished):
-            raise CohortError(f"output_dir {str(out)!r} holds an unfinished run (newest: {existing[-1].name}); pass "
-                              "--resume to continue it, --overwrite_output_dir to start over (deleting its "
-                              "checkpoints), or choose another --output_dir")
-        if not first_rank:
-            return
-        if args.overwrite_output_dir:
-            log(f"overwrite_output_dir: removing {len(existing)} checkpoint(s) and the metrics of the earlier run in "
-                f"{out}")
-        else:
-            log(in_front_end_words(f"{out} holds a finished run (newest: {existing[-1].name}): a new run replaces it, "
-                                   f"as in TRL; removing its {len(existing)} checkpoint(s) and metrics (another "
-                                   "--output_dir keeps a run)"))
-        for folder in existing:
-            shutil.rmtree(folder)
-        truncate_logs(out, {METRICS_FILE: 0, COMPLETIONS_FILE: 0}, log)
+    if not existing or args.resume or args.resume_from_checkpoint:
+        return
+    # A finished run is replaced, as TRL writes over its output_dir; an unfinished one is what resume is for.
+    finished = ends_its_run(existing[-1])
+    if not (args.overwrite_output_dir or finished):
+        raise CohortError(f"output_dir {str(out)!r} holds an unfinished run (newest: {existing[-1].name}); pass "
+                          "--resume to continue it, --overwrite_output_dir to start over (deleting its "
+                          "checkpoints), or choose another --output_dir")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    if args.overwrite_output_dir:
+        log(f"overwrite_output_dir: removing {len(existing)} checkpoint(s) and the metrics of the earlier run in {out}")
+    else:
+        log(in_front_end_words(f"{out} holds a finished run (newest: {existing[-1].name}): a new run replaces it, "
+                               f"as in TRL; removing its {len(existing)} checkpoint(s) and metrics (another "
+                               "--output_dir keeps a run)"))
+    for folder in existing:
+        shutil.rmtree(folder)
+    truncate_logs(out, {METRICS_FILE: 0, COMPLETIONS_FILE: 0}, log)
 
 
 class RunLifecycle:

@@ -23,25 +23,29 @@ import time
 from pathlib import Path
 
 import torch
+from transformers.trainer_utils import TrainOutput
 
 from cohort.config.grpo_config import GRPOConfig
 from cohort.eval.evaluate import evaluate
+from cohort.eval.rewarded import combined_metrics, metric_names, reward_metrics, sample_and_score
 from cohort.models.lora import adapters_disabled, has_lora, merge_into_base
 from cohort.rewards.model import warm_up_reward_models
 from cohort.rollout.batch import Batch
 from cohort.run.assembly import assemble_run
 from cohort.run.callbacks import CallbackHandler
 from cohort.run.checkpoint import RunParts, RunState, save_checkpoint
-from cohort.run.ending import release_run, save_policy_folder, write_summary
-from cohort.run.lifecycle import RunLifecycle
+from cohort.run.ending import release_run, save_policy_folder, train_output, write_summary
+from cohort.run.hub import push_to_hub
+from cohort.run.lifecycle import RunLifecycle, claim_output_dir, resuming
 from cohort.telemetry.step_report import StepContext, success_rate
 from cohort.tools.toolbox import make_toolbox
 from cohort.run.determinism import run_determinism
 from cohort.trainer.dynamic_sampling import fill_informative
+from cohort.trainer.trainer_methods import TrainerMethods
 from cohort.algorithm.advantages import group_advantages, overlong_penalty
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerMethods):  # save_state, log_metrics, push_to_hub, ...: trainer_methods.py
     def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
                  processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
                  tools=None, environment_factory=None, sampler_factory=None):
@@ -89,10 +93,12 @@ class GRPOTrainer:
         self.seconds_before = 0.0  # training time of the attempts a resumed run continues
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
-    def train(self) -> list[dict]:
-        """Run Algorithm 1 for max_steps steps (continuing a checkpoint with --resume); the history
-        of per-step records is returned."""
-        args = self.args
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
+        """Run Algorithm 1 for max_steps steps. resume_from_checkpoint as in transformers: True continues the newest
+        checkpoint in output_dir, a path that checkpoint, None what args say (--resume). Returns transformers'
+        `TrainOutput`; the per-step records are `trainer.history`."""
+        args = self.args = self.callback_handler.args = resuming(self.args, resume_from_checkpoint)
+        claim_output_dir(args, self.log)  # an earlier run in output_dir: resumed, replaced or refused
         self.started = time.perf_counter()
         with self.lifecycle() as run, run_determinism(self.device, args.cpu_threads, args.full_determinism):  # same sums, busy or not
             try:
@@ -119,7 +125,9 @@ class GRPOTrainer:
             finally:
                 self.rollouts.close()  # a producer thread, and what it was sampling; the sampling ranks
                 self.memory.close()  # a later run in this process can reclaim this run's objects
-        return self.history
+        return train_output(self.history, steps_run=self.step - self.first_step + 1, seconds=time.perf_counter() -
+                            self.started, completions_per_step=args.generation_batch_size * self.parallel.world_size,
+                            steps_per_epoch=len(self.prompts.rows) / (args.prompts_per_step * self.parallel.world_size))
 
     # ---- the steps of the loop ---------------------------------------------------------------
     def steps(self):
@@ -242,10 +250,11 @@ class GRPOTrainer:
         state, control = self.state, self.callback_handler.control
         state.global_step = self.step
         self.callback_handler.event("on_step_end")
-        due = self.args.eval_steps and self.step % self.args.eval_steps == 0 and self.step < self.args.max_steps
+        due = self.args.eval_steps and self.step % self.args.eval_steps == 0 and (
+            self.step < self.args.max_steps or self.task is None)  # a task's last evaluation is finish()'s
         if due or control.should_evaluate:
             control.should_evaluate = False
-            self.evaluate_held_out()
+            self.evaluate()
         if control.should_save:
             control.should_save = False
             run.save_once(self.step)
@@ -298,7 +307,7 @@ class GRPOTrainer:
         self.callback_handler.event("on_save")
         return folder
 
-    def run_parts(self) -> RunParts:
+    def run_parts(self) -> RunParts:  # what a checkpoint saves and loads
         return RunParts(args=self.args, model=self.model, tokenizer=self.tokenizer, train_model=self.train_model,
                         optimizer=self.optimizer, scheduler=self.scheduler, ref_model=self.ref_model,
                         reference_pass=self.memory.reference_pass, reward_funcs=self.rewards.funcs,
@@ -333,26 +342,39 @@ class GRPOTrainer:
             warm_up_reward_models(self.rewards.funcs, self.args, self.prompts.rows, self.sample, self.log)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy, format rate and mean length on the held-out rows (`eval/*` metrics, logged
-        and passed to the callbacks' `on_evaluate`); empty without eval_dataset or a task verifier."""
-        if not self.eval_rows or self.task is None:
+        """On eval_dataset: with the task's verifier, greedy accuracy, format rate and mean length (`eval/*`); with
+        the run's own reward functions, their scores of G completions per prompt sampled as in training (`eval_*`,
+        cohort/eval/rewarded.py), as TRL. Logged and passed to the callbacks' `on_evaluate`; empty without rows."""
+        if not self.eval_rows:
             return {}
         self.rollouts.wait_for_engine()  # a rollout sampled ahead on this rank's engine finishes first
         with self.report.phase("eval"):  # each rank (or sampling group) evaluates its block; the counts are summed
-            result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.evaluation_rows(self.eval_rows),
-                              self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length,
-                              toolbox=self.toolbox)
-            result = result.summed(self.parallel.evaluation_sums)
-        metrics = result.metrics()
+            metrics, line = self.verified_evaluation() if self.task is not None else self.rewarded_evaluation()
         self.report.metrics.log(self.step, metrics)
         self.state.log_history.append({**metrics, "step": self.step})
         self.callback_handler.event("on_evaluate", metrics=metrics)
-        self.log(f"eval (step {self.step}): accuracy={100 * result.accuracy:.1f}% on {result.num_questions} problems")
+        self.log(line)
         return metrics
 
+    def verified_evaluation(self) -> tuple[dict[str, float], str]:
+        result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.evaluation_rows(self.eval_rows),
+                          self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length,
+                          toolbox=self.toolbox).summed(self.parallel.evaluation_sums)
+        return result.metrics(), (f"eval (step {self.step}): accuracy={100 * result.accuracy:.1f}% on "
+                                  f"{result.num_questions} problems")
+
+    def rewarded_evaluation(self) -> tuple[dict[str, float], str]:
+        with self.prompts.unchanged():  # the run's data order and sampling seeds stay as they were
+            batch = sample_and_score(self.parallel.evaluation_rows(self.eval_rows), self.sample, self.add_rewards,
+                                     self.args.prompts_per_step, self.pad_id)
+        metrics = combined_metrics(reward_metrics(batch, self.args.num_generations), metric_names(self.rewards.names),
+                                   self.parallel.evaluation_sums)
+        return metrics, (f"eval (step {self.step}): reward={metrics.get('eval_reward', float('nan')):.4f} on "
+                         f"{len(self.eval_rows)} prompts")
+
     def evaluate_held_out(self) -> float | None:
-        """The greedy held-out accuracy of `evaluate` (None without eval_dataset or a task verifier)."""
-        return self.evaluate().get("eval/accuracy")
+        """Before and after training: the task's greedy held-out accuracy (None without a task: as TRL)."""
+        return self.evaluate().get("eval/accuracy") if self.task is not None else None
 
     def finish(self) -> None:
         """The last iteration's summary, the final held-out accuracy, the policy as a Hugging Face
@@ -366,8 +388,11 @@ class GRPOTrainer:
             self.report.progress.close()
             return
         write_summary(out, accuracy_before=self.accuracy_before, accuracy_after=self.accuracy_after,
-                      seconds=self.training_seconds(), steps=self.step, history=self.history)
+                      seconds=self.training_seconds(), steps=self.step, history=self.history,
+                      warnings=self.report.health.lines)
         self.close_logs()
+        if self.args.push_to_hub:  # as transformers: the trained policy and the run's files, at the end
+            self.log(f"pushed {out} to the Hub: {push_to_hub(self.args).commit_url}")
         if self.accuracy_before is not None:
             self.log(f"held-out accuracy: {100 * self.accuracy_before:.1f}% -> {100 * self.accuracy_after:.1f}% "
                      f"({len(self.eval_rows)} problems)")
@@ -381,28 +406,9 @@ class GRPOTrainer:
         self.report.progress.close()
 
     def save_model(self, output_dir: str | None = None) -> Path:
-        """The policy as a Hugging Face folder, written by rank 0 (the others wait for it)."""
+        """The policy and its tokenizer as a Hugging Face folder (TRL's), written by rank 0 (the others wait for it)."""
         out = Path(output_dir or self.args.output_dir)
         return save_policy_folder(self.model, self.tokenizer, out, self.parallel, self.args.dtype)
-
-    @property
-    def history(self) -> list[dict]:
-        """Every step's metrics record so far."""
-        return self.report.history
-
-    @property
-    def state(self):
-        """transformers' `TrainerState`: global_step, max_steps, log_history (step records and evaluations)."""
-        return self.callback_handler.state
-
-    def add_callback(self, callback) -> None:
-        self.callback_handler.add(callback)
-
-    def pop_callback(self, callback):
-        return self.callback_handler.pop(callback)
-
-    def remove_callback(self, callback) -> None:
-        self.callback_handler.pop(callback)
 
     def discard_unused_output_dir(self) -> None:
         """Remove the output folder this run made, if it failed before finishing a step."""
