@@ -13,7 +13,9 @@ The trainer keeps the stages that cohort/run/assembly.py builds, and calls them;
 inputs and returns its result: `PromptStream` (the data order), `RolloutSource` (the rollout: sampled now
 or ahead, on this rank or on sampling ranks, cohort/rollout/source.py), `RewardRunner` (the rewards),
 `PolicyUpdate` (the update), `MemoryManager` (everything memory), `StepReport` (metrics and display) and
-`RunLifecycle` (resume, signals, checkpoints).
+`RunLifecycle` (resume, signals, checkpoints). Last come the methods of transformers' `Trainer` a TRL
+script calls around `train()` (`save_state`, `log_metrics`, `push_to_hub`, ...), each a delegation to the room
+that does the work: they make the file longer than most, and a ported script's only change its import.
 """
 
 from __future__ import annotations
@@ -35,17 +37,17 @@ from cohort.run.assembly import assemble_run
 from cohort.run.callbacks import CallbackHandler
 from cohort.run.checkpoint import RunParts, RunState, save_checkpoint
 from cohort.run.ending import release_run, save_policy_folder, train_output, write_summary
-from cohort.run.hub import push_to_hub
+from cohort.run import hub
 from cohort.run.lifecycle import RunLifecycle, claim_output_dir, resuming
+from cohort.telemetry import results
 from cohort.telemetry.step_report import StepContext, success_rate
 from cohort.tools.toolbox import make_toolbox
 from cohort.run.determinism import run_determinism
 from cohort.trainer.dynamic_sampling import fill_informative
-from cohort.trainer.trainer_methods import TrainerMethods
 from cohort.algorithm.advantages import group_advantages, overlong_penalty
 
 
-class GRPOTrainer(TrainerMethods):  # save_state, log_metrics, push_to_hub, ...: trainer_methods.py
+class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
                  processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
                  tools=None, environment_factory=None, sampler_factory=None):
@@ -97,8 +99,7 @@ class GRPOTrainer(TrainerMethods):  # save_state, log_metrics, push_to_hub, ...:
         """Run Algorithm 1 for max_steps steps. resume_from_checkpoint as in transformers: True continues the newest
         checkpoint in output_dir, a path that checkpoint, None what args say (--resume). Returns transformers'
         `TrainOutput`; the per-step records are `trainer.history`."""
-        args = self.args = self.callback_handler.args = resuming(self.args, resume_from_checkpoint)
-        claim_output_dir(args, self.log)  # an earlier run in output_dir: resumed, replaced or refused
+        args = self.claim_output_dir(resume_from_checkpoint)  # an earlier run there: resumed, replaced or refused
         self.started = time.perf_counter()
         with self.lifecycle() as run, run_determinism(self.device, args.cpu_threads, args.full_determinism):  # same sums, busy or not
             try:
@@ -125,9 +126,22 @@ class GRPOTrainer(TrainerMethods):  # save_state, log_metrics, push_to_hub, ...:
             finally:
                 self.rollouts.close()  # a producer thread, and what it was sampling; the sampling ranks
                 self.memory.close()  # a later run in this process can reclaim this run's objects
-        return train_output(self.history, steps_run=self.step - self.first_step + 1, seconds=time.perf_counter() -
-                            self.started, completions_per_step=args.generation_batch_size * self.parallel.world_size,
-                            steps_per_epoch=len(self.prompts.rows) / (args.prompts_per_step * self.parallel.world_size))
+        return self.train_output()
+
+    def claim_output_dir(self, resume_from_checkpoint: bool | str | None) -> GRPOConfig:
+        """args with transformers' `resume_from_checkpoint` folded in; an earlier run in output_dir is then resumed,
+        replaced (a finished one, as TRL) or refused (an unfinished one) before anything trains."""
+        self.args = self.callback_handler.args = resuming(self.args, resume_from_checkpoint)
+        claim_output_dir(self.args, self.log)
+        return self.args
+
+    def train_output(self) -> TrainOutput:
+        """transformers' `TrainOutput` of this call of train(): steps, mean loss, runtime and throughputs."""
+        args, ranks = self.args, self.parallel.world_size
+        return train_output(self.history, steps_run=self.step - self.first_step + 1,
+                            seconds=time.perf_counter() - self.started,
+                            completions_per_step=args.generation_batch_size * ranks,
+                            steps_per_epoch=len(self.prompts.rows) / (args.prompts_per_step * ranks))
 
     # ---- the steps of the loop ---------------------------------------------------------------
     def steps(self):
@@ -392,7 +406,7 @@ class GRPOTrainer(TrainerMethods):  # save_state, log_metrics, push_to_hub, ...:
                       warnings=self.report.health.lines)
         self.close_logs()
         if self.args.push_to_hub:  # as transformers: the trained policy and the run's files, at the end
-            self.log(f"pushed {out} to the Hub: {push_to_hub(self.args).commit_url}")
+            self.log(f"pushed {out} to the Hub: {hub.push_to_hub(self.args).commit_url}")
         if self.accuracy_before is not None:
             self.log(f"held-out accuracy: {100 * self.accuracy_before:.1f}% -> {100 * self.accuracy_after:.1f}% "
                      f"({len(self.eval_rows)} problems)")
@@ -422,3 +436,54 @@ class GRPOTrainer(TrainerMethods):  # save_state, log_metrics, push_to_hub, ...:
     def log_line(self, line: str) -> None:
         """What the stages built before the display exists log through (the display's, once it does)."""
         self.log(line)
+
+    # ---- transformers' Trainer methods a TRL script calls ------------------------------------
+    @property
+    def history(self) -> list[dict]:
+        """Every step's metrics record so far."""
+        return self.report.history
+
+    @property
+    def state(self):
+        """transformers' `TrainerState`: global_step, max_steps, log_history (step records and evaluations)."""
+        return self.callback_handler.state
+
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.pop(callback)
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this process is the first of the job (the one that writes files and prints)."""
+        return self.parallel.is_main
+
+    def log_metrics(self, split: str, metrics: dict) -> None:
+        """`metrics` printed as one block under `***** <split> metrics *****`, by the first process."""
+        if self.parallel.is_main:
+            results.log_metrics(split, metrics)
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """`<split>_results.json` in output_dir, and with `combined` the metrics merged into all_results.json."""
+        if self.parallel.is_main:
+            results.save_metrics(self.args.output_dir, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """`trainer.state` as trainer_state.json in output_dir."""
+        if self.parallel.is_main:
+            results.save_state(self.state, self.args.output_dir)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
+        """The policy saved to output_dir, then output_dir uploaded to the Hub repository `args.hub_model_id` (else
+        the folder's name), created if missing (cohort/run/hub.py); the commit's `CommitInfo` (a `Future` of it
+        with `blocking=False`), None on the other processes. transformers' model-card keywords (`kwargs`) are
+        taken and unused: no model card is written."""
+        self.save_model()
+        if not self.parallel.is_main:
+            return None
+        return hub.push_to_hub(self.args, commit_message=commit_message, blocking=blocking, token=token,
+                               revision=revision, private=private)
