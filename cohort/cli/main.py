@@ -61,6 +61,17 @@ def main(argv: list[str] | None = None) -> int:
         if not record_rank_error(str(error)):  # under our launcher, it prints the line of the rank that failed first
             print(f"cohort: error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:  # noqa: BLE001 - a failure `train()` kept the run of is one line; others unchanged
+        from cohort.run.failure import failure_line
+
+        line = None if debug else failure_line(error)
+        if line is None:
+            raise
+        from cohort.parallel.faults import record_rank_error
+
+        if not record_rank_error(line):
+            print(f"cohort: error: {line}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as stop:  # cohort.run.lifecycle.TrainingInterrupted: SIGINT/SIGTERM, checkpoint saved
         if os.environ.get("RANK", "0") == "0":  # under torchrun every trainer rank stops alike: rank 0 says so
             print(f"cohort: {stop}" if str(stop) else "cohort: interrupted", file=sys.stderr)

@@ -76,6 +76,10 @@ class RunState:
     skipped_steps: int = 0
     nonfinite_in_a_row: int = 0
     seconds: float = 0.0  # time spent training so far, over every attempt of the run
+    # Noted at the step's end for a checkpoint written later (a failure in the next step, cohort/run/failure.py):
+    # this process's RNG states then (`random_state()`) and the logs' sizes then (`log_sizes`); None: as they are now.
+    random: dict | None = None
+    file_sizes: dict | None = None
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -89,7 +93,7 @@ def save_checkpoint(parts: RunParts, state: RunState) -> Path:
     final = out / f"{PREFIX}{step}"
     parallel = parts.parallel
     shared = {"optimizer": parallel.optimizer_state(parts.train_model, parts.optimizer) if parallel.fsdp else None,
-              "rank_random": parallel.gather_objects(random_state()) if parallel.world_size > 1 else None,
+              "rank_random": parallel.gather_objects(state.random or random_state()) if parallel.world_size > 1 else None,
               # an FSDP2-sharded π_ref (the colocated placement): gathered whole on rank 0
               "reference": gathered_state(parts.ref_model) if sharded(parts.ref_model) else None}
     failure = None
@@ -165,7 +169,7 @@ def _write_contents(parts: RunParts, run: RunState, folder: Path, shared: dict |
         "model_shapes": {k: list(v.shape) for k, v in parts.model.state_dict().items()},
         "data_order": list(run.prompts["data_order"]),
         "data_rng": python_state(run.prompts["data_rng"]),
-        **random_state(),  # rank 0's, and with several ranks each rank's in rank_random
+        **(run.random or random_state()),  # rank 0's, and with several ranks each rank's in rank_random
         "world_size": parts.parallel.world_size,
         "rank_random": shared["rank_random"] if shared else None,
         "history": run.history,
@@ -173,12 +177,15 @@ def _write_contents(parts: RunParts, run: RunState, folder: Path, shared: dict |
         "skipped_steps": run.skipped_steps,
         "nonfinite_in_a_row": run.nonfinite_in_a_row,
         "seconds": run.seconds,
-        # metrics.jsonl / completions.jsonl are flushed per line: their sizes now mark this step's end.
-        "file_sizes": {name: (out / name).stat().st_size if (out / name).exists() else 0
-                       for name in (METRICS_FILE, COMPLETIONS_FILE)},
+        "file_sizes": run.file_sizes if run.file_sizes is not None else log_sizes(out),
         "config": parts.args.to_dict(),
     }
     (folder / TRAINER_STATE).write_text(json.dumps(state, default=_plain) + "\n")
+
+
+def log_sizes(out: Path) -> dict:
+    """metrics.jsonl / completions.jsonl are flushed per line: their sizes at a step's end mark that step's end."""
+    return {name: (out / name).stat().st_size if (out / name).exists() else 0 for name in (METRICS_FILE, COMPLETIONS_FILE)}
 
 
 def sharded(module) -> bool:

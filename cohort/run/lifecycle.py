@@ -6,9 +6,10 @@ earlier run there is not overwritten by accident (`claim_output_dir`). `train()`
 `with RunLifecycle(...)`: on entry SIGINT / SIGTERM are caught (`StopRequest`); `resume` loads a checkpoint
 when asked (`--resume`); after each step `end_of_step` saves one when due, and on a signal or too many
 non-finite updates in a row saves and stops (`TrainingInterrupted`, `CohortError`). On exit, also when
-training raises, the previous signal handlers are back; a run that ended says in one line where it is. The
-checkpoint folder format itself is `checkpoint.py` (writing, verifying) and `checkpoint_load.py` (reading).
-docs/howto/resume.md tells the whole story.
+training raises, the previous signal handlers are back; a run that ended says in one line where it is, and a
+run that failed after a completed step keeps that step in a checkpoint and says so in its error's line
+(`failure.py`). The checkpoint folder format itself is `checkpoint.py` (writing, verifying) and
+`checkpoint_load.py` (reading). docs/howto/resume.md tells the whole story.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from cohort.telemetry.metrics import COMPLETIONS_FILE, METRICS_FILE
 from cohort.run.checkpoint import (RunParts, RunState, check_checkpoint, list_checkpoints, newest_complete, remove_leftovers,
                          truncate_logs)
 from cohort.run.checkpoint_load import checkpoint_step, ends_its_run, load_checkpoint
+from cohort.run.failure import StepEnd, TrainingFailed, keep_failed_run
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -133,15 +135,19 @@ def claim_output_dir(args, log=print) -> None:
 class RunLifecycle:
     """`with RunLifecycle(args, parallel, log) as run:` around the training loop.
 
-    `save` writes a checkpoint of the run as it is now and returns its folder; `close_logs` closes
-    the metrics files and the display before a stop is raised."""
+    `save` writes a checkpoint of the run as it is now and returns its folder (`save(step_end)`: of the run
+    as `step_end` noted it, with the weights as they are now); `close_logs` closes the metrics files and the
+    display before a stop is raised; `step_end` notes the run as it is at a step's end (None: a failure keeps
+    no checkpoint)."""
 
-    def __init__(self, args, parallel, log: Callable[[str], None], save: Callable[[], Path],
-                 close_logs: Callable[[], None]):
+    def __init__(self, args, parallel, log: Callable[[str], None], save: Callable[..., Path],
+                 close_logs: Callable[[], None], step_end: Callable[[], StepEnd] | None = None):
         self.args, self.parallel, self.log = args, parallel, log
-        self.save, self.close_logs = save, close_logs
+        self.save, self.close_logs, self.step_end = save, close_logs, step_end
         self.stop = StopRequest()
         self.saved_step: int | None = None  # the step of the checkpoint written (or loaded) last
+        self.last_step_end: StepEnd | None = None  # the last completed step, noted at its end
+        self.resumed_from: Path | None = None  # the checkpoint this attempt continues
 
     def __enter__(self) -> "RunLifecycle":
         self.stop.install()
@@ -153,6 +159,14 @@ class RunLifecycle:
             out = self.args.output_dir
             self.log(f"run saved in {out}: the trained policy (a Hugging Face folder), metrics.jsonl, "
                      f"completions.jsonl; `cohort report {out}` draws it")
+        elif isinstance(value, Exception) and not isinstance(value, TrainingFailed):  # not a stop of ours
+            raised = keep_failed_run(value, last=self.last_step_end, now=self.step_end, save_once=self.save_once,
+                                     out=Path(self.args.output_dir), world_size=self.parallel.world_size,
+                                     resumed_from=self.resumed_from)
+            if raised is not None:
+                self.close_logs()
+                if raised is not value:
+                    raise raised from value
         return False
 
     def checkpoint_to_resume(self) -> Path | None:
@@ -187,7 +201,7 @@ class RunLifecycle:
         return state
 
     def resumed(self, folder: Path, step: int) -> None:
-        self.saved_step = step
+        self.saved_step, self.resumed_from = step, Path(folder)
         self.log(f"resumed from {folder} at step {step}")
 
     def end_of_step(self, step: int, nonfinite_in_a_row: int) -> None:
@@ -203,20 +217,23 @@ class RunLifecycle:
             folder = self.save_once(step)
         if too_many_faults:
             self.close_logs()
-            raise CohortError(f"{nonfinite_in_a_row} updates in a row had a non-finite loss, gradient or log-prob (up to "
+            raise TrainingFailed(f"{nonfinite_in_a_row} updates in a row had a non-finite loss, gradient or log-prob (up to "
                               f"step {step}); stopped with the last finite weights in {folder}: lower --learning_rate, "
-                              "lower --max_grad_norm, or check the reward functions for inf/NaN")
+                              "lower --max_grad_norm, or check the reward functions for inf/NaN", folder, step)
         if stop.signum is not None:
             self.close_logs()
             end_uncaught_stops_in_one_line()
             raise TrainingInterrupted(stop.signum, folder, step)
+        if self.step_end is not None:
+            self.last_step_end = self.step_end()
 
-    def save_once(self, step: int) -> Path:
-        """checkpoint-<step>, unless this very step was saved already (a signal arrived on a save step)."""
+    def save_once(self, step: int, step_end: StepEnd | None = None) -> Path:
+        """checkpoint-<step>, unless this very step was saved already (a signal arrived on a save step, a failure
+        came in the step after a save); `step_end`: of the run as noted then, not as it is now."""
         final = Path(self.args.output_dir) / f"checkpoint-{step}"
         if self.saved_step == step and check_checkpoint(final, hashes=False) is None:
             return final
-        folder = self.save()
+        folder = self.save() if step_end is None else self.save(step_end)
         self.saved_step = step
         return folder
 

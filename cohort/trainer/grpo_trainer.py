@@ -35,8 +35,9 @@ from cohort.rewards.model import warm_up_reward_models
 from cohort.rollout.batch import Batch
 from cohort.run.assembly import assemble_run
 from cohort.run.callbacks import CallbackHandler
-from cohort.run.checkpoint import RunParts, RunState, save_checkpoint
+from cohort.run.checkpoint import RunParts, RunState, log_sizes, random_state, save_checkpoint
 from cohort.run.ending import release_run, save_policy_folder, train_output, write_summary
+from cohort.run.failure import StepEnd, fail_together
 from cohort.run import hub
 from cohort.run.lifecycle import RunLifecycle, claim_output_dir, resuming
 from cohort.telemetry import results
@@ -181,8 +182,8 @@ class GRPOTrainer:
 
     def score(self, batch: Batch) -> None:
         """Each completion's reward (weighted sum of the reward functions; DAPO's overlong penalty added)."""
-        with self.report.phase("rewards"):
-            self.add_rewards(batch)
+        with self.report.phase("rewards"), fail_together(self.parallel, f"scoring step {self.step}"):
+            self.add_rewards(batch)  # every rank fails alike, so that they save the last step together
 
     def add_rewards(self, batch: Batch) -> None:
         out = self.rewards(batch.prompts, batch.completions, batch.completion_token_ids(), batch.columns)
@@ -293,7 +294,7 @@ class GRPOTrainer:
     # ---- around the loop ---------------------------------------------------------------------
     def lifecycle(self) -> RunLifecycle:
         """The run around the loop: signals, resume, checkpoints (cohort/run/lifecycle.py)."""
-        return RunLifecycle(self.args, self.parallel, self.log, self.save_checkpoint, self.close_logs)
+        return RunLifecycle(self.args, self.parallel, self.log, self.save_checkpoint, self.close_logs, self.step_end)
 
     def resume(self, run: RunLifecycle | None = None) -> None:
         """Load the checkpoint --resume / resume_from_checkpoint names into this trainer (`train()`
@@ -308,18 +309,32 @@ class GRPOTrainer:
             self.state.global_step = self.step
         self.first_step = self.step + 1
 
-    def save_checkpoint(self) -> Path:
-        """checkpoint-<step> of the run as it is now (cohort/run/checkpoint.py)."""
-        counters = self.policy_update.counters
+    def save_checkpoint(self, step_end: StepEnd | None = None) -> Path:
+        """checkpoint-<step> of the run as it is now, or with `step_end`: of the step it noted, with the weights
+        as they are now (a failure in the next step, before its update: cohort/run/failure.py)."""
         parts = self.run_parts()
         saved = self.extra_checkpoint_state()  # on every rank: with rollouts sampled ahead, every rank hands over its
         parts.extra_state = lambda: saved  # own (a collective) and rank 0 writes them
-        folder = save_checkpoint(parts, RunState(
-            step=self.step, prompts=self.prompts.state_dict(), history=self.history,
-            accuracy_before=self.accuracy_before, skipped_steps=counters.skipped_steps,
-            nonfinite_in_a_row=counters.nonfinite_in_a_row, seconds=self.training_seconds()))
+        if step_end is not None:
+            parts.reward_funcs = step_end.reward_funcs
+        folder = save_checkpoint(parts, self.run_state() if step_end is None else step_end.state)
         self.callback_handler.event("on_save")
         return folder
+
+    def run_state(self) -> RunState:
+        """The run's plain values now (`RunState`)."""
+        counters = self.policy_update.counters
+        return RunState(step=self.step, prompts=self.prompts.state_dict(), history=list(self.history),
+                        accuracy_before=self.accuracy_before, skipped_steps=counters.skipped_steps,
+                        nonfinite_in_a_row=counters.nonfinite_in_a_row, seconds=self.training_seconds())
+
+    def step_end(self) -> StepEnd:
+        """The run at the end of a step, noted in memory (RNG states and logs' sizes too) for a checkpoint that a
+        failure in the next step writes; rollouts sampled ahead cannot be put back to it."""
+        state = self.run_state()
+        state.random, state.file_sizes = random_state(), log_sizes(Path(self.args.output_dir))
+        inexact = "the rollouts sampled ahead (--async_rollouts) have moved past it" if self.args.async_rollouts else None
+        return StepEnd(state, list(self.rewards.funcs), self.policy_update.optimizer_steps(), inexact)
 
     def run_parts(self) -> RunParts:  # what a checkpoint saves and loads
         return RunParts(args=self.args, model=self.model, tokenizer=self.tokenizer, train_model=self.train_model,

@@ -51,6 +51,7 @@ class PolicyUpdate:
         self.memory, self.parallel, self.device, self.pad_id = memory, parallel, device, pad_id
         self.layout, self.log = layout, log
         self.counters = UpdateCounters()
+        self.steps_reached = 0  # `optimizer_steps()`
         self.num_experts = num_experts(train_model)  # 0: a dense model, no routing to replay or report
 
     def __call__(self, batch: Batch, step: int) -> dict:
@@ -66,6 +67,12 @@ class PolicyUpdate:
         record = self.memory.run(attempt, backward=True, release=lambda: self.optimizer.zero_grad(set_to_none=True))
         self.memory.after_update()
         return record
+
+    def optimizer_steps(self) -> int:
+        """How many updates of this process reached their optimizer step (taken, or skipped for a non-finite
+        value). While it stays the same, the weights and the optimizer's state are those the last step left: a
+        failure then loses nothing a checkpoint of that step cannot restore (cohort/run/failure.py)."""
+        return self.steps_reached
 
     def accumulate_and_step(self, batch: Batch, step: int) -> dict:
         """Gradient accumulation over the micro-batches, then one optimizer step."""
@@ -132,6 +139,7 @@ class PolicyUpdate:
         record = dict(zip(names, values.tolist()))  # the step's one host sync
         # Every rank skips or none does: a NaN log-prob on one rank need not make the others' gradients NaN.
         record["nonfinite_logprobs"] = int(self.parallel.all_reduce_sum(record["nonfinite_logprobs"]))
+        self.steps_reached += 1  # from here on the optimizer's state, the weights or the counters change
         if self.is_finite(record, step):  # NaN/inf: skipped, counted
             self.optimizer_step()
             self.scheduler.step()  # as transformers' Trainer: the schedule advances with real updates only

@@ -1,0 +1,232 @@
+"""Never lose a run: an exception out of the training loop after a completed step keeps that step in a
+checkpoint (the state at its end, exactly) and says where in its one line; `--resume` continues it as if
+nothing had failed. A failure after the weights changed writes nothing and names the newest checkpoint."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cohort import GRPOConfig, GRPOTrainer
+from cohort.errors import CohortError
+from cohort.models.tiny import build_model, build_tokenizer
+from cohort.run.checkpoint import MARKER, TRAINER_STATE, check_checkpoint, list_checkpoints
+from cohort.run.failure import TrainingFailed
+from helpers import UPDATE_PROMPTS
+
+SPEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            max_position_embeddings=64)
+REWARD_MODULE = '''
+import os
+import random
+
+calls = 0
+
+def digit_share(prompts, completions, completion_ids=None, **_):
+    """Share of digits plus noise from python's global generator; from call CRASH_FROM_CALL on it raises, after
+    drawing its noise (the failing step moved that generator too)."""
+    global calls
+    calls += 1
+    noise = [1e-2 * random.random() for _ in completions]
+    if calls >= int(os.environ.get("CRASH_FROM_CALL") or 10**9):
+        raise ValueError("the reward service is down")
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) + n for c, n in zip(completions, noise)]
+'''
+
+
+def noisy_reward(completions, **_):
+    """A reward that moves python's global generator, so that a checkpoint must restore it."""
+    return [len(c) / 10 + 1e-2 * random.random() for c in completions]
+
+
+class RaisesAt:
+    """A callback raising `error` at `event` of step `step` (user code outside the reward functions)."""
+
+    def __init__(self, event: str, step: int, error: Exception):
+        self.event, self.step, self.error = event, step, error
+        self.running = 0  # the step running now
+
+    def __getattr__(self, name):
+        if not name.startswith("on_"):
+            raise AttributeError(name)
+
+        def handler(args, state, control, **_):
+            if name == "on_step_begin":
+                self.running = state.global_step + 1
+            if name == self.event and self.running == self.step:
+                raise self.error
+        return handler
+
+
+def config(out: Path, **overrides) -> GRPOConfig:
+    base = dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=4, max_steps=4, seed=3,
+                learning_rate=1e-3, beta=0.04, output_dir=str(out), quiet=True, save_steps=0)
+    return GRPOConfig(**{**base, **overrides})
+
+
+WALL_CLOCK = ("time", "step_time")
+
+
+def without_wall_clock(record: dict) -> dict:
+    return {k: v for k, v in record.items()
+            if k not in WALL_CLOCK and not k.startswith(("time/", "tokens_per_second", "peak_memory"))}
+
+
+def trainer_state(folder: Path) -> dict:
+    """The checkpoint's trainer_state.json less what the clock decides (times; the logs' sizes, which hold times)."""
+    state = json.loads((folder / TRAINER_STATE).read_text())
+    for key in ("seconds", "config", "file_sizes"):
+        state.pop(key)
+    state["history"] = [without_wall_clock(record) for record in state["history"]]
+    return state
+
+
+def same_files(a: Path, b: Path, names: list[str]) -> bool:
+    manifests = [json.loads((folder / MARKER).read_text())["files"] for folder in (a, b)]
+    return all(manifests[0][name]["sha256"] == manifests[1][name]["sha256"] for name in names)
+
+
+# ---- the Python API --------------------------------------------------------------------------------
+
+def test_a_failure_in_step_3_saves_the_state_at_the_end_of_step_2_exactly(tiny_dir, tmp_path):
+    """The failure checkpoint equals the one a save at step 2 writes: RNG states, data position, logs, weights,
+    optimizer — although step 3 had sampled (moving the generators and the data stream) before it failed."""
+    reference = GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path / "saved", save_steps=2,
+                                                                                max_steps=2))
+    reference.train()
+    failing = RuntimeError("the tool server went away")
+    trainer = GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path / "failed"))
+    score = trainer.score
+
+    def score_then_fail(batch):  # step 3 samples and scores (moving the generators and the stream), then fails
+        score(batch)
+        if trainer.step == 3:
+            raise failing
+    trainer.score = score_then_fail
+    with pytest.raises(RuntimeError) as raised:  # a caller's own `except RuntimeError:` still catches it
+        trainer.train()
+    saved = tmp_path / "failed" / "checkpoint-2"
+    assert raised.value is failing and raised.value.checkpoint == saved
+    assert "checkpoint-2 saved in" in raised.value.__notes__[0] and "resume=True" in raised.value.__notes__[0]
+    assert [p.name for p in list_checkpoints(tmp_path / "failed")] == ["checkpoint-2"]
+    assert check_checkpoint(saved) is None
+    expected = tmp_path / "saved" / "checkpoint-2"
+    state, wanted = trainer_state(saved), trainer_state(expected)
+    assert state["python_random"] == wanted["python_random"] and state["torch_random"] == wanted["torch_random"]
+    assert state["data_order"] == wanted["data_order"] and state["data_rng"] == wanted["data_rng"]
+    assert state == wanted
+    assert same_files(saved, expected, ["model.safetensors", "optimizer.pt", "reference.safetensors"])
+    sizes = json.loads((saved / TRAINER_STATE).read_text())["file_sizes"]
+    for name in ("metrics.jsonl", "completions.jsonl"):  # the logs end where step 2 ended
+        assert sizes[name] == (tmp_path / "failed" / name).stat().st_size
+        assert records(tmp_path / "failed" / name) == records(tmp_path / "saved" / name)
+
+
+def test_a_reward_function_that_raises_is_a_cohort_error_naming_the_checkpoint(tiny_dir, tmp_path):
+    calls = []
+
+    def breaks_in_step_2(completions, **_):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("bad row")
+        return [1.0] * len(completions)
+
+    trainer = GRPOTrainer(tiny_dir, breaks_in_step_2, UPDATE_PROMPTS, args=config(tmp_path))
+    with pytest.raises(TrainingFailed) as raised:
+        trainer.train()
+    message = str(raised.value)
+    assert isinstance(raised.value, CohortError) and "\n" not in message
+    assert message.startswith("reward 'breaks_in_step_2' raised ValueError: bad row")
+    assert message.endswith(f"checkpoint-1 saved in {tmp_path} — continue the run with resume=True")
+    assert raised.value.checkpoint == tmp_path / "checkpoint-1" and raised.value.step == 2
+    assert check_checkpoint(tmp_path / "checkpoint-1") is None
+
+
+def test_a_checkpoint_the_run_saved_already_is_not_written_again(tiny_dir, tmp_path):
+    saves = []
+    trainer = GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path, save_steps=2),
+                          callbacks=[RaisesAt("on_step_begin", 3, KeyError("x"))])
+    trainer.add_callback(type("Saves", (), {"on_save": lambda self, *a, **k: saves.append(trainer.step)})())
+    with pytest.raises(KeyError) as raised:
+        trainer.train()
+    assert saves == [2] and raised.value.checkpoint == tmp_path / "checkpoint-2"
+
+
+def test_a_failure_after_the_weights_changed_writes_nothing_and_names_the_newest_checkpoint(tiny_dir, tmp_path):
+    """on_log runs after step 3's update: a checkpoint-2 of those weights would be wrong."""
+    trainer = GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path, save_steps=1, logging_steps=1),
+                          callbacks=[RaisesAt("on_log", 3, CohortError("a callback refused"))])
+    with pytest.raises(TrainingFailed) as raised:
+        trainer.train()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]
+    assert str(raised.value) == ("a callback refused; no checkpoint of step 2 could be written: the failure came "
+                                 f"after step 3 changed the weights; the newest checkpoint is checkpoint-2 in "
+                                 f"{tmp_path} — continue the run with resume=True")
+    assert raised.value.checkpoint == tmp_path / "checkpoint-2"
+
+
+def test_a_failure_before_any_step_completed_is_raised_as_it_was(tiny_dir, tmp_path):
+    failing = RuntimeError("step 1")
+    trainer = GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path / "run"),
+                          callbacks=[RaisesAt("on_step_begin", 1, failing)])
+    with pytest.raises(RuntimeError) as raised:
+        trainer.train()
+    assert not hasattr(raised.value, "checkpoint") and not (tmp_path / "run").exists()
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("crash")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0, spec=SPEC).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "crashmod.py").write_text(REWARD_MODULE)
+    return root
+
+
+def train(root: Path, out: Path, *extra: str, crash_from_call: int = 0, wait: bool = True):
+    command = [sys.executable, "-m", "cohort", "train", "--model", str(root / "model"), "--task", "arithmetic",
+               "--reward_funcs", "crashmod:digit_share", "--num_generations", "4", "--per_device_train_batch_size", "8",
+               "--max_completion_length", "5", "--max_prompt_length", "64", "--max_steps", "5", "--eval_limit", "4",
+               "--learning_rate", "3e-3", "--beta", "0.05", "--log_completions_steps", "1", "--logging_steps", "1",
+               "--seed", "7", "--device", "cpu", "--quiet", "--output_dir", str(out), *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CI="1", CRASH_FROM_CALL=str(crash_from_call or ""))
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return process.communicate(timeout=300) + (process.returncode,) if wait else process
+
+
+def records(path: Path) -> list[dict]:
+    return [without_wall_clock(json.loads(line)) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_cohort_train_failing_in_step_3_keeps_step_2_and_resume_gives_the_uninterrupted_run(setup):
+    reference = train(setup, setup / "whole", wait=False)
+    out = setup / "failed"
+    stdout, stderr, code = train(setup, out, crash_from_call=3)
+    assert code == 2, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("cohort: ")]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("cohort: error: reward 'digit_share' raised ValueError: the reward service is down")
+    assert lines[0].endswith(f"checkpoint-2 saved in {out} — continue the run with --resume")
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"] and check_checkpoint(out / "checkpoint-2") is None
+    stdout, stderr, code = train(setup, out, "--resume")
+    assert code == 0, stderr[-3000:]
+    assert "resumed from" in stdout + stderr
+    whole_out, whole_err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, whole_err[-3000:]
+    got, expected = records(out / "metrics.jsonl"), records(setup / "whole" / "metrics.jsonl")
+    assert [r["step"] for r in got if "loss" in r] == [1, 2, 3, 4, 5]
+    assert got == expected
+    assert records(out / "completions.jsonl") == records(setup / "whole" / "completions.jsonl")
+    final, wanted = load_file(out / "model.safetensors"), load_file(setup / "whole" / "model.safetensors")
+    assert all(torch.equal(final[k], wanted[k]) for k in wanted)
