@@ -230,3 +230,59 @@ def test_cohort_train_failing_in_step_3_keeps_step_2_and_resume_gives_the_uninte
     assert records(out / "completions.jsonl") == records(setup / "whole" / "completions.jsonl")
     final, wanted = load_file(out / "model.safetensors"), load_file(setup / "whole" / "model.safetensors")
     assert all(torch.equal(final[k], wanted[k]) for k in wanted)
+
+
+# ---- prompts longer than max_prompt_length, found before step 1 --------------------------------------
+
+def rows_file(path: Path) -> tuple[Path, list[dict]]:
+    """Four rows, the third too long, after a blank line (so that its line is not its index + 1)."""
+    rows = [{"prompt": "1+1="}, {"prompt": "2+2="}, {"prompt": "3+3=" * 30}, {"prompt": "4+4="}]
+    path.write_text(json.dumps(rows[0]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[1:]) + "\n")
+    return path, rows
+
+
+def test_a_long_prompt_in_a_data_file_is_named_by_file_and_line_before_step_1(setup, tmp_path, capsys, monkeypatch):
+    from cohort.cli import main
+
+    data, rows = rows_file(tmp_path / "rows.jsonl")
+    out = tmp_path / "out"
+    monkeypatch.syspath_prepend(str(setup))
+    code = main(["train", "--model", str(setup / "model"), "--data_files", str(data), "--reward_funcs",
+                 "crashmod:digit_share", "--num_generations", "4", "--per_device_train_batch_size", "8",
+                 "--max_completion_length", "4", "--max_prompt_length", "32", "--max_steps", "2", "--eval_limit", "0",
+                 "--quiet", "--device", "cpu", "--output_dir", str(out)])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("cohort: error:")]
+    length = len(build_tokenizer()(rows[2]["prompt"], add_special_tokens=False)["input_ids"])
+    assert code == 2 and len(errors) == 1, err
+    assert errors[0] == (f"cohort: error: train_dataset row 2 ({data}:4): the prompt has {length} tokens, more than "
+                         "max_prompt_length=32; raise --max_prompt_length, filter long prompts out of the data, or "
+                         "pass --long_prompts truncate_left to keep each one's last max_prompt_length tokens")
+    assert not out.exists()  # refused before step 1: nothing sampled, nothing written
+
+
+def test_rows_given_to_the_trainer_are_named_by_index(tiny_dir, tmp_path):
+    _, rows = rows_file(tmp_path / "rows.jsonl")
+    with pytest.raises(CohortError, match=r"^train_dataset row 2: the prompt has \d+ tokens, more than "
+                                          r"max_prompt_length=32; .*long_prompts='truncate_left'"):
+        GRPOTrainer(tiny_dir, noisy_reward, rows, args=config(tmp_path / "out", max_prompt_length=32))
+
+
+def test_truncate_left_keeps_the_last_max_prompt_length_tokens(tiny_dir, tmp_path):
+    """TRL up to 0.27 cut a long prompt to its last max_prompt_length tokens; long_prompts=truncate_left does."""
+    _, rows = rows_file(tmp_path / "rows.jsonl")
+    lines = []
+    trainer = GRPOTrainer(tiny_dir, noisy_reward, rows, log=lines.append,
+                          args=config(tmp_path / "out", max_prompt_length=32, long_prompts="truncate_left", max_steps=1))
+    assert any("1 of 4 prompts of train_dataset are longer than max_prompt_length=32" in line for line in lines), lines
+    whole = trainer.tokenizer(rows[2]["prompt"], add_special_tokens=False)["input_ids"]
+    assert len(whole) > 32 and trainer.group_sampler.encode_prompt(rows[2]["prompt"]) == whole[-32:]
+    assert trainer.group_sampler.encode_prompt(rows[0]["prompt"]) == trainer.tokenizer(
+        rows[0]["prompt"], add_special_tokens=False)["input_ids"]
+    trainer.train()  # a step samples the cut prompt
+    assert len(trainer.history) == 1
+
+
+def test_long_prompts_takes_refuse_or_truncate_left():
+    with pytest.raises(CohortError, match="long_prompts"):
+        GRPOConfig(long_prompts="cut").validate()

@@ -39,6 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rm_loss": ("pointwise", "pairwise"),
     "rm_scorer": ("head", "likelihood"),
     "reward_errors": ("raise", "warn"),
+    "long_prompts": ("refuse", "truncate_left"),
     "device": ("auto", "cpu", "cuda", "cuda:N"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "optimizer_state_dtype": ("auto", "float32", "bfloat16"),

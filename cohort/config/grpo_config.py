@@ -239,7 +239,11 @@ class GRPOConfig:
 
     # Sampling.
     max_prompt_length: int = field(default=512, metadata={
-        "help": "Longest prompt in tokens; a longer one is an error naming the fix."})
+        "help": "Longest prompt in tokens (after the chat template); the training rows are checked before step 1, "
+                "and a longer one is an error naming its row and the fix (or see long_prompts)."})
+    long_prompts: str = field(default="refuse", metadata={
+        "help": "A prompt longer than max_prompt_length: refuse stops with one line naming it; truncate_left "
+                "keeps its last max_prompt_length tokens, as TRL did up to 0.27 (TRL 1.16 has no limit)."})
     max_completion_length: int = field(default=256, metadata={
         "help": "New tokens per completion at most; a completion cut there counts as truncated."})
     temperature: float = field(default=1.0, metadata={

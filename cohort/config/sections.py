@@ -60,7 +60,7 @@ SECTIONS: tuple[Section, ...] = (
              "rm_head_learning_rate", "rm_warmup_batches", "rm_warmup_updates")),
     Section("Sampling",
             "",
-            ("max_prompt_length", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
+            ("max_prompt_length", "long_prompts", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
              "chat_template_kwargs")),
     Section("Optimisation",
             "",

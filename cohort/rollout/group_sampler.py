@@ -11,12 +11,18 @@ its own environment (TRL's `environment_factory`), reset on its row before sampl
 
 from __future__ import annotations
 
+from typing import Callable
+
 from cohort.errors import CohortError
+from cohort.rewards.runner import exception_line
 from cohort.tasks import prompt_text
 from cohort.tools.environments import reset_environments, with_addition
 from cohort.tools.toolbox import Toolbox
 from cohort.rollout.batch import Batch
 from cohort.rollout.sampler import Sampler, SamplingParams
+
+LONG_PROMPT_FIX = ("raise --max_prompt_length, filter long prompts out of the data, or pass --long_prompts "
+                   "truncate_left to keep each one's last max_prompt_length tokens")
 
 
 class GroupSampler:
@@ -77,8 +83,37 @@ class GroupSampler:
         # the same rendering as evaluation and SFT
         text = prompt_text(self.tokenizer, prompt, tools, self.args.chat_template_kwargs)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) > self.args.max_prompt_length:
-            raise CohortError(
-                f"a prompt has {len(ids)} tokens, more than max_prompt_length={self.args.max_prompt_length}; "
-                "raise --max_prompt_length or filter long prompts")
+        limit = self.args.max_prompt_length
+        if len(ids) > limit:
+            if self.args.long_prompts == "truncate_left":
+                return ids[-limit:]
+            raise CohortError(f"a prompt has {len(ids)} tokens, more than max_prompt_length={limit}; {LONG_PROMPT_FIX}")
         return ids
+
+    def check_prompt_lengths(self, rows: list[dict], name: str, origin: Callable[[int], str] | None = None,
+                             log: Callable[[str], None] = print) -> None:
+        """Before step 1, one pass over `rows` as sampling encodes them: a prompt its chat template cannot render
+        or one longer than max_prompt_length is refused in one line naming its row (`origin(index)`: where the
+        row comes from, e.g. its file and line; else the row of `name`), not when a later step samples it. With
+        long_prompts=truncate_left the long ones are counted in one line instead. Rows an environment rewrites
+        when it resets are checked as they are sampled."""
+        if self.toolbox is not None and self.toolbox.environment_factory is not None:
+            return
+        limit, cut = self.args.max_prompt_length, 0
+        for index, row in enumerate(rows):
+            where = origin(index) if origin is not None else f"{name} row {index}"
+            try:
+                text = prompt_text(self.tokenizer, row["prompt"], self.schemas, self.args.chat_template_kwargs)
+            except Exception as error:  # noqa: BLE001 - a template's own error, named with its row
+                raise CohortError(f"{where}: the prompt cannot be rendered with the chat template "
+                                  f"({exception_line(error)}); fix or drop that row") from error
+            length = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if length <= limit:
+                continue
+            if self.args.long_prompts != "truncate_left":
+                raise CohortError(f"{where}: the prompt has {length} tokens, more than max_prompt_length={limit}; "
+                                  f"{LONG_PROMPT_FIX}")
+            cut += 1
+        if cut:
+            log(f"long_prompts=truncate_left: {cut} of {len(rows)} prompts of {name} are longer than "
+                f"max_prompt_length={limit}; they keep their last {limit} tokens")

@@ -29,9 +29,7 @@ def load_rows(data_files: str | list[str] | dict[str, str], split: str | None = 
             raise CohortError(f"data_files has splits {sorted(data_files)}, not {split!r}; "
                               "add that split to --data_files or choose one of those")
         data_files = data_files[split]
-    if isinstance(data_files, str) and "," in data_files and not Path(data_files).expanduser().exists():
-        data_files = [part.strip() for part in data_files.split(",") if part.strip()]
-    paths = [data_files] if isinstance(data_files, (str, Path)) else list(data_files)
+    paths = _paths(data_files, split)
     if not paths:
         raise CohortError("data_files is empty; pass at least one .jsonl, .json, .parquet or .csv file (--data_files)")
     rows: list[dict] = []
@@ -241,3 +239,41 @@ def dataset_rows(dataset, name: str) -> list[dict]:
         raise CohortError(f"{name} has no 'prompt' column (columns: {sorted(rows[0])}); rename the prompt column to 'prompt'")
     check_prompt_column(rows, name)  # wrong types fail here, not mid-run
     return rows
+
+
+def row_origins(args, rows: list[dict]):
+    """Where row i of `rows` — the training rows a run loaded from `args.data_files` — comes from ("data.jsonl:12",
+    "data.csv row 3"), for a message about that row; the files are read again only when asked, and a row that is not
+    the file's (rows given to the trainer directly, a subset, a curriculum) is named by its index alone."""
+    def origin(index: int) -> str:
+        where = f"train_dataset row {index}"
+        if args.data_files is None or args.subset is not None or args.curriculum:
+            return where
+        try:
+            for path in _expand(_paths(args.data_files, args.dataset_train_split)):
+                found = _read_file(path)
+                if index < len(found):
+                    if found[index].get(args.prompt_column) != rows[index]["prompt"]:
+                        return where
+                    return f"{where} ({_position(path, index)})"
+                index -= len(found)
+        except (CohortError, OSError):
+            pass
+        return where
+    return origin
+
+
+def _paths(data_files, split: str | None) -> list:
+    if isinstance(data_files, dict):
+        data_files = data_files[split] if split in data_files else next(iter(data_files.values()))
+    if isinstance(data_files, str) and "," in data_files and not Path(data_files).expanduser().exists():
+        return [part.strip() for part in data_files.split(",") if part.strip()]
+    return [data_files] if isinstance(data_files, (str, Path)) else list(data_files)
+
+
+def _position(path: Path, index: int) -> str:
+    """Row `index` of the file: its line in a JSON Lines file (blank lines hold no row), else its row number."""
+    if path.suffix.lower() == ".jsonl":
+        lines = [n for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1) if line.strip()]
+        return f"{path}:{lines[index]}"
+    return f"{path} row {index}"

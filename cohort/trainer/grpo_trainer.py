@@ -41,6 +41,7 @@ from cohort.run.failure import StepEnd, fail_together
 from cohort.run import hub
 from cohort.run.lifecycle import RunLifecycle, claim_output_dir, resuming
 from cohort.telemetry import results
+from cohort.tasks.data import row_origins
 from cohort.telemetry.step_report import StepContext, success_rate
 from cohort.tools.toolbox import make_toolbox
 from cohort.run.determinism import run_determinism
@@ -94,6 +95,9 @@ class GRPOTrainer:
         self.report, self.log = parts.report, parts.report.log
         self.accuracy_before = self.accuracy_after = None
         self.seconds_before = 0.0  # training time of the attempts a resumed run continues
+        if self.group_sampler is not None:  # every training row renders and fits, found before step 1
+            self.group_sampler.check_prompt_lengths(self.prompts.rows, "train_dataset", row_origins(self.args, self.prompts.rows),
+                                                    self.log)
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
