@@ -29,12 +29,13 @@ import random
 calls = 0
 
 def digit_share(prompts, completions, completion_ids=None, **_):
-    """Share of digits plus noise from python's global generator; from call CRASH_FROM_CALL on it raises, after
-    drawing its noise (the failing step moved that generator too)."""
+    """Share of digits plus noise from python's global generator; from call CRASH_FROM_CALL on it raises (on rank
+    CRASH_ON_RANK alone when that is set), after drawing its noise (the failing step moved that generator too)."""
     global calls
     calls += 1
     noise = [1e-2 * random.random() for _ in completions]
-    if calls >= int(os.environ.get("CRASH_FROM_CALL") or 10**9):
+    on_this_rank = os.environ.get("RANK", "0") == os.environ.get("CRASH_ON_RANK", os.environ.get("RANK", "0"))
+    if on_this_rank and calls >= int(os.environ.get("CRASH_FROM_CALL") or 10**9):
         raise ValueError("the reward service is down")
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) + n for c, n in zip(completions, noise)]
 '''
@@ -286,3 +287,37 @@ def test_truncate_left_keeps_the_last_max_prompt_length_tokens(tiny_dir, tmp_pat
 def test_long_prompts_takes_refuse_or_truncate_left():
     with pytest.raises(CohortError, match="long_prompts"):
         GRPOConfig(long_prompts="cut").validate()
+
+
+# ---- several processes -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_reward_failing_on_one_rank_of_two_keeps_the_last_step_on_both(setup):
+    """Rank 1's reward function raises in step 3; rank 0's does not. Scoring fails on every rank alike
+    (`fail_together`), both ranks save checkpoint-2 together, and `--resume` gives the uninterrupted job's steps."""
+    def job(out: Path, *extra: str, crash: bool = False):
+        command = [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2", "--model", str(setup / "model"),
+                   "--task", "arithmetic", "--reward_funcs", "crashmod:digit_share", "--num_generations", "4",
+                   "--per_device_train_batch_size", "4", "--max_completion_length", "5", "--max_prompt_length", "64",
+                   "--max_steps", "4", "--eval_limit", "0", "--learning_rate", "3e-3", "--seed", "7", "--logging_steps",
+                   "1", "--device", "cpu", "--quiet", "--output_dir", str(out), *extra]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(setup), os.environ.get("PYTHONPATH", "")]),
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CI="1",
+                   CRASH_FROM_CALL="3" if crash else "", CRASH_ON_RANK="1")
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    whole = job(setup / "whole-2")
+    out = setup / "failed-2"
+    failed = job(out, crash=True)
+    _, stderr = failed.communicate(timeout=400)
+    lines = [line for line in stderr.splitlines() if line.startswith("cohort: ")]
+    assert failed.returncode != 0 and len(lines) == 1, stderr[-4000:]
+    assert "ValueError: the reward service is down" in lines[0], lines
+    assert lines[0].endswith(f"checkpoint-2 saved in {out} — continue the run with --resume"), lines
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2"] and check_checkpoint(out / "checkpoint-2") is None
+    resumed = job(out, "--resume")
+    _, stderr = resumed.communicate(timeout=400)
+    assert resumed.returncode == 0, stderr[-4000:]
+    _, stderr = whole.communicate(timeout=400)
+    assert whole.returncode == 0, stderr[-4000:]
+    assert records(out / "metrics.jsonl") == records(setup / "whole-2" / "metrics.jsonl")

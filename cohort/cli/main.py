@@ -356,9 +356,11 @@ def _launch(argv: list[str], launcher: list[str], args, processes: str, nodes: d
     failure = job_failure_line(reports, placement) if code != 0 else None
     shutil.rmtree(reports, ignore_errors=True)
     if failure is not None and not stops:
+        from cohort.run.failure import RESUME_HINT
+
         where = f" on node {nodes['node_rank']}" if int(nodes.get("nnodes", "1")) > 1 else ""
-        print(f"cohort: error: {failure}{where}; the job stopped — continue from the newest checkpoint with --resume",
-              file=sys.stderr)
+        ending = "" if RESUME_HINT in failure else "; the job stopped — continue from the newest checkpoint with --resume"
+        print(f"cohort: error: {failure}{where}{ending}", file=sys.stderr)
         return code
     if stops and code != 0:  # the ranks' own lines say what they saved
         print(f"cohort: the {processes} training processes stopped on {signal.Signals(stops[0]).name}; continue "

@@ -93,6 +93,8 @@ def wait_all(works: Sequence, what: str, timeout_s: float, poll: bool) -> None:
             work.wait()
 
 
+# The line of a rank that stopped because another one failed alike (cohort/run/failure.py): that rank's line is the cause.
+RELAYED = "stopped with rank"
 # The line of a collective that failed outside a named wait: a symptom of another rank's fault, whose own
 # line (a named wait, a kill) is the root cause when there is one, even if it was written a moment later.
 LOST_COLLECTIVE = "a collective with the other ranks failed"
@@ -147,7 +149,7 @@ def job_failure_line(folder: Path, placement: Placement) -> str | None:
         if failures[str(rank)]["signal"] == "SIGABRT":
             what += " (an abort: on GPUs, NCCL's watchdog aborts a rank whose collective ran past --ddp_timeout)"
     elif reports:
-        rank = min(reports, key=lambda r: (LOST_COLLECTIVE in reports[r]["line"],
+        rank = min(reports, key=lambda r: (reports[r]["line"].startswith(RELAYED), LOST_COLLECTIVE in reports[r]["line"],
                                            any(m in reports[r]["line"] for m in PEER_CLOSED), reports[r]["time"]))
         what = reports[rank]["line"]
         if what.startswith(f"rank {rank} "):

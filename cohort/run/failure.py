@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from cohort.errors import CohortError, in_front_end_words
+from cohort.parallel.faults import RELAYED
 from cohort.rewards.runner import exception_line
 from cohort.run.checkpoint import RunState, check_checkpoint, list_checkpoints
 
@@ -108,7 +109,7 @@ def fail_together(parallel, what: str) -> Iterator[None]:
         lines = parallel.gather_objects(None if failure is None else exception_line(failure))
         if failure is None:
             rank, line = next((r, line) for r, line in enumerate(lines) if line is not None)
-            failure = CohortError(f"rank {rank} failed {what} ({line}); see its error")
+            failure = CohortError(f"{RELAYED} {rank}, which failed {what} ({line})")
         failure.every_rank = True
     if failure is not None:
         raise failure
