@@ -181,6 +181,40 @@ def test_a_failure_before_any_step_completed_is_raised_as_it_was(tiny_dir, tmp_p
     assert not hasattr(raised.value, "checkpoint") and not (tmp_path / "run").exists()
 
 
+def test_the_command_line_prints_another_exception_as_one_line_naming_the_checkpoint(tmp_path):
+    from cohort.run.failure import failure_line, with_hint
+
+    try:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+    except RuntimeError as error:
+        kept = with_hint(error, f"checkpoint-2 saved in {tmp_path} — continue the run with --resume",
+                         tmp_path / "checkpoint-2", 3)
+    assert isinstance(kept, RuntimeError) and kept.checkpoint == tmp_path / "checkpoint-2" and kept.failed_step == 3
+    line = failure_line(kept)
+    assert "\n" not in line
+    assert line.startswith("step 3 failed: RuntimeError: CUDA error: an illegal memory access was encountered (at "
+                           "test_crash_safe.py:")
+    assert line.endswith(f"checkpoint-2 saved in {tmp_path} — continue the run with --resume; --debug shows the traceback")
+    assert failure_line(ValueError("no run kept")) is None
+
+
+def test_one_rank_failing_alone_among_several_writes_nothing(tmp_path):
+    """The save is a collective the other ranks would not join: the error is left as it is."""
+    from cohort.run.checkpoint import RunState
+    from cohort.run.failure import StepEnd, keep_failed_run
+
+    end = StepEnd(RunState(step=2, prompts={}, history=[]), [], optimizer_steps=2)
+    saves = []
+    kept = keep_failed_run(RuntimeError("one rank"), last=end, now=lambda: end, out=tmp_path, world_size=2,
+                           save_once=lambda step, at: saves.append(step))
+    assert kept is None and saves == []
+    alike = RuntimeError("every rank")
+    alike.every_rank = True
+    kept = keep_failed_run(alike, last=end, now=lambda: end, out=tmp_path, world_size=2,
+                           save_once=lambda step, at: saves.append(step) or tmp_path / "checkpoint-2")
+    assert kept is alike and saves == [2] and alike.checkpoint == tmp_path / "checkpoint-2"
+
+
 # ---- the command line ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from cohort.errors import CohortError, in_front_end_words
-from cohort.parallel.faults import RELAYED
+from cohort.parallel.faults import RELAYED, first_line
 from cohort.rewards.runner import exception_line
 from cohort.run.checkpoint import RunState, check_checkpoint, list_checkpoints
 
@@ -84,7 +84,7 @@ def with_hint(error: Exception, hint: str, checkpoint: Path | None, step: int | 
 
 def failure_line(error: BaseException) -> str | None:
     """The one line the command line prints for an exception `with_hint` kept the run of (None for any other):
-    the exception's type, last line and innermost place, then where the run is."""
+    the exception's type, first line and innermost place, then where the run is."""
     hint = getattr(error, "resume_hint", None)
     if hint is None:
         return None
@@ -92,7 +92,8 @@ def failure_line(error: BaseException) -> str | None:
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
     step = getattr(error, "failed_step", None)
     failed = f"step {step} failed" if step is not None else "training failed"
-    return f"{failed}: {exception_line(error)}{where}; {hint}; --debug shows the traceback"
+    # the first line: a CUDA error's says what failed, its last how to debug it
+    return f"{failed}: {type(error).__name__}: {first_line(error)}{where}; {hint}; --debug shows the traceback"
 
 
 @contextlib.contextmanager
