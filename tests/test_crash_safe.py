@@ -172,6 +172,16 @@ def test_a_failure_after_the_weights_changed_writes_nothing_and_names_the_newest
     assert raised.value.checkpoint == tmp_path / "checkpoint-2"
 
 
+def test_a_failure_in_the_first_step_after_a_resume_names_the_checkpoint_it_resumed_from(tiny_dir, tmp_path):
+    GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path, save_steps=2, max_steps=2)).train()
+    trainer = GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path, max_steps=4, resume=True),
+                          callbacks=[RaisesAt("on_step_begin", 3, KeyError("x"))])
+    with pytest.raises(KeyError) as raised:
+        trainer.train()
+    assert raised.value.checkpoint == tmp_path / "checkpoint-2"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2"]
+
+
 def test_a_failure_before_any_step_completed_is_raised_as_it_was(tiny_dir, tmp_path):
     failing = RuntimeError("step 1")
     trainer = GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path / "run"),
