@@ -5,7 +5,7 @@
 
 Each (algorithm, seed) runs in its own subprocess (one torch thread) so its peak RSS is its own:
 the parent reads it from `os.wait4`. Every run starts from the built-in warm-started tiny model with
-`cohort train`'s defaults for the arithmetic task (level 3), then applies the algorithm's options
+`cohort-grpo train`'s defaults for the arithmetic task (level 3), then applies the algorithm's options
 below. Accuracy is greedy pass@1 on held-out problems every `--eval-every` steps; the time axis is
 training time with the evaluations themselves taken out.
 """
@@ -74,11 +74,11 @@ def worker(algorithm: str, seed: int, steps: int, eval_every: int, eval_problems
     import torch
 
     torch.set_num_threads(1)
-    from cohort.cli import task_rows
-    from cohort.config.grpo_config import GRPOConfig
-    from cohort.trainer.ppo_trainer import PPOConfig, PPOTrainer
-    from cohort.tasks import get_task
-    from cohort.trainer.grpo_trainer import GRPOTrainer
+    from cohort_grpo.cli import task_rows
+    from cohort_grpo.config.grpo_config import GRPOConfig
+    from cohort_grpo.trainer.ppo_trainer import PPOConfig, PPOTrainer
+    from cohort_grpo.tasks import get_task
+    from cohort_grpo.trainer.grpo_trainer import GRPOTrainer
 
     task = get_task("arithmetic")
     options = dict(task.default_config)
@@ -111,8 +111,8 @@ def baseline_worker() -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from cohort.run.policy import load_policy
-    from cohort.tasks import get_task
+    from cohort_grpo.run.policy import load_policy
+    from cohort_grpo.tasks import get_task
 
     load_policy(None, device="cpu", log=lambda *_: None)
     get_task("arithmetic").load("train", levels=(3,))
@@ -191,7 +191,7 @@ SETUP = """\
   one thread per run. Date: 2026-11-26.
 - Command: `{command}` — {n_algorithms} algorithms × seeds {seeds}, each run in its own subprocess (peak
   RSS from `wait4`). Raw results: `results.json` in the runs folder.
-- Setup: `cohort train`'s built-in defaults (the warm-started 313k-parameter tiny Llama; level-3 addition;
+- Setup: `cohort-grpo train`'s built-in defaults (the warm-started 313k-parameter tiny Llama; level-3 addition;
   8 prompts × 8 completions per step; lr 2e-5; at most 8 completion tokens), {steps} steps, greedy accuracy
   on {problems} held-out problems every {every} steps. μ = 2 updates per rollout for every algorithm: at μ = 1
   the importance ratio is ≡ 1, so no clip (DAPO's clip-higher, GSPO's sequence clip, PPO's) would ever act.

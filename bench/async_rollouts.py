@@ -1,7 +1,7 @@
 """Synchronous GRPO against asynchronous rollouts (`async_rollouts=True, max_staleness=L`), same global batch,
 on R1-like completion lengths: throughput of the whole step, and what the stale samples cost.
 
-Both modes run through `cohort.GRPOTrainer.train()` — the trainer's real loop — in one process, on the same
+Both modes run through `cohort_grpo.GRPOTrainer.train()` — the trainer's real loop — in one process, on the same
 random-weight model (rebuilt from the same seed for each mode), the same prompts, the same sampling seeds and
 the same per-completion length draws. A callback stamps the end of every step.
 
@@ -30,7 +30,7 @@ EOS would leave it); one whose draw reached the cap keeps "length" (truncated, a
 An EOS the model does sample first ends the completion earlier, as it would anyway (counted: `eos_stops`).
 The engine is injected through the trainer's `sampler_factory` argument (a sampling rank's: `SamplingRank`'s),
 which makes `DrawnLengthEngine`s (the trainer's sampler and, with async rollouts, the producer's); nothing in
-cohort/ is edited.
+cohort_grpo/ is edited.
 
 Measured per step (the record of the trainer's `StepReport`, plus the callback's clock and the engine's calls):
 - wall: seconds between the ends of consecutive steps (the steady-state period of the loop);
@@ -55,7 +55,7 @@ synchronise the whole device, so on one GPU `time/*` of the async mode include s
 
 Several GPUs (`--processes N --rollout_gpus K`): each mode runs under torchrun on N processes, with the same
 global batch. sync is DDP over all N (each rank samples and trains its share); async samples on K ranks of
-their own (`--rollout_gpus`, cohort/parallel/disaggregation.py) and trains on the other N − K, the weights going to
+their own (`--rollout_gpus`, cohort_grpo/parallel/disaggregation.py) and trains on the other N − K, the weights going to
 the samplers after each update. Rank 0's records give the figures: tokens per step from the global mean
 completion length (the engine columns stay empty: rank 0's engine sees only its share, or nothing).
 
@@ -108,8 +108,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # cohort from this checkout, without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shapes, tokenizer and prompts of grpo_step_worker
 
-from cohort.rollout.engine import Engine  # noqa: E402
-from cohort.rollout.partial import partial_rollout_settings  # noqa: E402
+from cohort_grpo.rollout.engine import Engine  # noqa: E402
+from cohort_grpo.rollout.partial import partial_rollout_settings  # noqa: E402
 
 SAMPLING_KEYS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
@@ -319,7 +319,7 @@ class DrawnLengthEngine(Engine):
 def drawn_length_samplers(lengths: LengthDraws):
     """A `sampler_factory` for the trainer (or a sampling rank) that makes `DrawnLengthEngine`s (the trainer's own
     and, with async rollouts, the producer's), and the list of those it made."""
-    from cohort.models.lora import base_model
+    from cohort_grpo.models.lora import base_model
 
     made: list[DrawnLengthEngine] = []
 
@@ -334,10 +334,10 @@ def drawn_length_samplers(lengths: LengthDraws):
 def precapture(engine: Engine, sequences: int, prompt_len: int, config, pad_id: int) -> tuple[int, float]:
     """Capture every decode graph a call of `sequences` completions of `prompt_len`-token prompts can use
     (every width bucket × KV-length bucket), now, while nothing else runs. (graphs, seconds); 0 off CUDA."""
-    from cohort.rollout.engine import KV_LENGTH_STEP, sampling_mode
-    from cohort.rollout.sampling import sampling_key
-    from cohort.rollout.sampler import SamplingParams
-    from cohort.rollout.scheduler import batch_buckets
+    from cohort_grpo.rollout.engine import KV_LENGTH_STEP, sampling_mode
+    from cohort_grpo.rollout.sampling import sampling_key
+    from cohort_grpo.rollout.sampler import SamplingParams
+    from cohort_grpo.rollout.scheduler import batch_buckets
 
     if not engine.graphs.enabled:
         return 0, 0.0
@@ -400,7 +400,7 @@ def training_ranks(args, mode: str) -> int:
 
 
 def mode_config(args, mode: str, output_dir: str):
-    from cohort import GRPOConfig
+    from cohort_grpo import GRPOConfig
 
     prompts = args.prompts // training_ranks(args, mode)  # per training rank
     batch = prompts * args.num_generations
@@ -428,7 +428,7 @@ def run_mode(args, mode: str, shape: dict, lengths: LengthDraws) -> dict:
     """One mode through GRPOTrainer.train(): per-step records joined with the engine calls that made them."""
     from grpo_step_worker import build_module, make_prompts, make_reward, make_tokenizer, unsaved_trainer
 
-    from cohort import SamplingRank, is_sampling_rank
+    from cohort_grpo import SamplingRank, is_sampling_rank
 
     vocab = shape["vocab_size"]
     tokenizer = make_tokenizer(vocab)
@@ -623,9 +623,9 @@ def markdown(summaries: list[dict], header: str) -> str:
 
 def run_curves(args, out: Path) -> dict:
     """Both modes on the built-in arithmetic task, its default model and options, on the CPU."""
-    from cohort.cli.main import task_rows
-    from cohort.config.command_line import resolve_config
-    from cohort.tasks import get_task
+    from cohort_grpo.cli.main import task_rows
+    from cohort_grpo.config.command_line import resolve_config
+    from cohort_grpo.tasks import get_task
 
     from grpo_step_worker import unsaved_trainer
 

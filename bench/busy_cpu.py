@@ -2,7 +2,7 @@
 
 A laptop has other work open. PyTorch's CPU threads wait for each other at the end of every parallel
 region, so a run whose threads fill every core stalls whenever the scheduler gives one of those cores to
-another program. This runs `cohort train` on a task with each `--cpu_threads` setting, once alone and once
+another program. This runs `cohort-grpo train` on a task with each `--cpu_threads` setting, once alone and once
 beside one busy process (a Python loop), and prints the training seconds (summary.json: the steps, not
 the start-up), the slowdown beside the hog, and whether the two runs logged the same numbers (the thread
 count, not the load, decides the arithmetic).
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(task: str, threads: str, max_steps: int | None, out: Path) -> tuple[float, list[dict], float]:
-    command = [sys.executable, "-m", "cohort", "train", "--task", task, "--output_dir", str(out),
+    command = [sys.executable, "-m", "cohort_grpo", "train", "--task", task, "--output_dir", str(out),
                "--cpu_threads", threads, "--device", "cpu", "--quiet", "true"]
     if max_steps:
         command += ["--max_steps", str(max_steps)]

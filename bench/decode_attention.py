@@ -1,7 +1,7 @@
 """One decode step's attention, per layer: cohort's Triton flash-decoding kernel against SDPA.
 
 The engine's decode step attends one query per sequence to that sequence's cached keys. Before the
-Triton kernel (cohort/kernels/decode_attention.py) it called SDPA (cuDNN's fused attention on H100/H200)
+Triton kernel (cohort_grpo/kernels/decode_attention.py) it called SDPA (cuDNN's fused attention on H100/H200)
 with the query heads of each kv head folded into the query axis and an additive position mask over
 the cache up to the step's KV-length bucket. This times both on the same cache, for the Qwen2.5-0.5B
 (14 heads, 2 kv heads, head dim 64) and 1.5B (12 / 2 / 128) attention shapes. It prints µs per call
@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cohort.kernels import elementwise as kernels# noqa: E402
-from cohort.kernels.decode_attention import decode_attention, default_launch# noqa: E402
-from cohort.models.modeling import grouped_query_attention# noqa: E402
+from cohort_grpo.kernels import elementwise as kernels# noqa: E402
+from cohort_grpo.kernels.decode_attention import decode_attention, default_launch# noqa: E402
+from cohort_grpo.models.modeling import grouped_query_attention# noqa: E402
 
 SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128)}
 

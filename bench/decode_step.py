@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_step_worker import SHAPES, SMOKE, build_module  # noqa: E402
 
-from cohort.rollout import Engine  # noqa: E402
-from cohort.rollout.sampler import SamplingParams  # noqa: E402
+from cohort_grpo.rollout import Engine  # noqa: E402
+from cohort_grpo.rollout.sampler import SamplingParams  # noqa: E402
 
 PROMPT_LEN = 256
 

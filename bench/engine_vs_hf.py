@@ -1,6 +1,6 @@
 """Does the fast engine change what GRPO learns? The same runs with each sampler, side by side.
 
-For each seed, `cohort train` runs twice on the built-in task with identical settings: once with
+For each seed, `cohort-grpo train` runs twice on the built-in task with identical settings: once with
 our own model sampled by the engine (`--model_impl cohort`), once with the transformers model
 sampled by Hugging Face `generate` (`--model_impl hf`). The two samplers draw different random
 numbers, so the runs are not token-identical; what must agree is the learning curve, within the
@@ -26,7 +26,7 @@ import numpy as np
 
 def run(impl: str, seed: int, args, root: Path) -> dict:
     out = root / f"{impl}-seed{seed}"
-    command = [sys.executable, "-m", "cohort", "train", "--model_impl", impl, "--seed", str(seed),
+    command = [sys.executable, "-m", "cohort_grpo", "train", "--model_impl", impl, "--seed", str(seed),
                "--max_steps", str(args.max_steps), "--output_dir", str(out), "--quiet", "true",
                "--logging_steps", "1"]
     started = time.perf_counter()

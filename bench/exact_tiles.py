@@ -1,5 +1,5 @@
 """Which tiles may the exact (batch-invariant) matmul use, and what does each cost? A GPU probe for
-rollout_numerics=exact (cohort/kernels/exact_matmul.py, exact_attention.py).
+rollout_numerics=exact (cohort_grpo/kernels/exact_matmul.py, exact_attention.py).
 
 The exact matmul sums each output's reduction axis K in BLOCK_K steps from zero within chunks of CHUNK_K,
 then adds the chunks in order. Whether the bits then depend on the tile's other sizes (BLOCK_M, BLOCK_N,
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_step_worker import SHAPES, layer_projections  # noqa: E402
 
-from cohort.kernels import exact_attention, exact_matmul  # noqa: E402
-from cohort.kernels.exact_matmul import Tile  # noqa: E402
+from cohort_grpo.kernels import exact_attention, exact_matmul  # noqa: E402
+from cohort_grpo.kernels.exact_matmul import Tile  # noqa: E402
 
 CANDIDATES = [
     Tile(64, 64, 64, 4, 3),  # the default (TILE)
@@ -115,7 +115,7 @@ def probe_matmuls(model: str, device: torch.device) -> list[dict]:
 
 
 def probe_attention(model: str, device: torch.device, batch: int, cache_len: int) -> dict:
-    from cohort.kernels.decode_attention import decode_attention
+    from cohort_grpo.kernels.decode_attention import decode_attention
 
     shape = SHAPES[model]
     heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]

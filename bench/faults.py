@@ -1,7 +1,7 @@
 """Faults in a 2-GPU job (NCCL): each ends within a bounded time with one line, and --resume then equals the
 uninterrupted run.
 
-Three faults, each on `cohort train --nproc_per_node 2` with the built-in tiny model and the arithmetic task:
+Three faults, each on `cohort-grpo train --nproc_per_node 2` with the built-in tiny model and the arithmetic task:
 
 - trainer_killed: DDP over 2 ranks; `kill -9` of rank 1 once step 2 is logged;
 - sampler_killed: `--rollout_gpus 1` (rank 0 trains, rank 1 samples); `kill -9` of rank 1 once step 2 is logged;
@@ -36,7 +36,7 @@ ROOT = HERE.parents[1]
 
 
 def options(out: Path, device: str, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2", "--task", "arithmetic",
+    return [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", "--task", "arithmetic",
             "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "16",
             "--eval_limit", "0", "--learning_rate", "3e-4", "--seed", "3", "--logging_steps", "1", "--quiet",
             "--device", device, "--save_steps", "1", "--save_total_limit", "0", "--max_steps", str(steps),
@@ -125,7 +125,7 @@ def main() -> int:
     # The built-in model is built once per machine (an SFT warm start, about 45 s on an H200): before the
     # timed jobs, so no job's limit is spent on it.
     sys.path.insert(0, str(ROOT))
-    from cohort.sft.builtin import builtin_model_dir
+    from cohort_grpo.sft.builtin import builtin_model_dir
 
     builtin_model_dir("cohort:tiny-arithmetic")
     rollout = ["--async_rollouts", "true", "--rollout_gpus", "1"]

@@ -7,7 +7,7 @@ its two projections (gate and up side by side [E, 2I, H]; down [E, H, I]), whole
 over T GPUs (the tensor-parallel engine's shard: 2I/T output columns, I/T input columns of down):
 
 - `native`: `F.grouped_mm` (CUTLASS), what training and prefill use;
-- `thin`: `cohort.kernels.thin_grouped_mm` at its default tile, and with `--sweep` at each tile of SWEEP;
+- `thin`: `cohort_grpo.kernels.thin_grouped_mm` at its default tile, and with `--sweep` at each tile of SWEEP;
 - the bandwidth each uses: bytes read and written (the weights of the experts with rows, the rows in and out)
   ÷ its time, against the device-to-device copy rate measured in the same run (an H200's HBM3e is rated
   4.8 TB/s).
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode_attention import time_us  # noqa: E402
 from bench.decode_gemm import copy_rate_gbs  # noqa: E402
 from bench.grpo_step_worker import SHAPES  # noqa: E402
-from cohort.kernels.grouped_mm import native_grouped_linear  # noqa: E402
-from cohort.kernels.thin_grouped_mm import SMALL_TILE, ThinTile, thin_grouped_linear  # noqa: E402
+from cohort_grpo.kernels.grouped_mm import native_grouped_linear  # noqa: E402
+from cohort_grpo.kernels.thin_grouped_mm import SMALL_TILE, ThinTile, thin_grouped_linear  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 # (block_m, tile); block_m None: the kernel's rule (rows_per_tile). Measured on an H200 (2026-11-29): TILE

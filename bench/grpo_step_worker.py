@@ -291,8 +291,8 @@ def build_module(shape: dict, device, group=None):
     `group`: a torch.distributed group of T > 1 ranks, of which this rank builds only its tensor-parallel shard."""
     import torch.distributed as dist
 
-    from cohort.models import CausalLM, ModelConfig
-    from cohort.models.tensor_parallel import TensorParallelCausalLM
+    from cohort_grpo.models import CausalLM, ModelConfig
+    from cohort_grpo.models.tensor_parallel import TensorParallelCausalLM
 
     config = ModelConfig.from_hf_dict(config_dict(shape))
     device = torch.device(device)
@@ -313,7 +313,7 @@ def build_module(shape: dict, device, group=None):
 def unsaved_trainer():
     """cohort's GRPOTrainer minus checkpoints and the final save, for benches: a run's optimizer state is GBs of
     disk writes that no measured step includes (a 7B-total MoE's, 40 GB, fills the GPU machine's disk)."""
-    from cohort import GRPOTrainer
+    from cohort_grpo import GRPOTrainer
 
     class UnsavedTrainer(GRPOTrainer):
         def save_checkpoint(self) -> Path:
@@ -327,7 +327,7 @@ def unsaved_trainer():
 
 def cohort_config(spec: dict, rec: Recorder):
     """GRPOConfig for the run; new fields (max_tokens_per_micro_batch, LoRA) only where they exist."""
-    from cohort import GRPOConfig
+    from cohort_grpo import GRPOConfig
 
     run = spec["run"]
     fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
@@ -367,7 +367,7 @@ def cohort_config(spec: dict, rec: Recorder):
 def lora_route(config_fields) -> str:
     """How this cohort takes LoRA: TRL's GRPOTrainer(peft_config=LoraConfig), else the config fields
     (use_peft, lora_r, ...); neither: a RuntimeError, which ends the LoRA part only."""
-    from cohort import GRPOTrainer
+    from cohort_grpo import GRPOTrainer
 
     if "peft_config" in inspect.signature(GRPOTrainer.__init__).parameters:
         return "peft_config argument"

@@ -117,12 +117,12 @@ def _fetch_gguf() -> Path:
 def run(args) -> dict:
     import torch
 
-    from cohort import GRPOConfig, GRPOTrainer
-    from cohort.eval.evaluate import evaluate
-    from cohort.rewards.rules import format_reward
-    from cohort.rollout.sampler import SamplingParams
-    from cohort.sft.sft_trainer import SFTConfig, sft_train
-    from cohort.tasks import get_task
+    from cohort_grpo import GRPOConfig, GRPOTrainer
+    from cohort_grpo.eval.evaluate import evaluate
+    from cohort_grpo.rewards.rules import format_reward
+    from cohort_grpo.rollout.sampler import SamplingParams
+    from cohort_grpo.sft.sft_trainer import SFTConfig, sft_train
+    from cohort_grpo.tasks import get_task
 
     started = time.perf_counter()
     model = args.model or str(_fetch_gguf())

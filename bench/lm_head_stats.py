@@ -1,4 +1,4 @@
-"""One LM-head chunk's (log π, entropy, logsumexp): the one-pass Triton kernel (cohort/kernels/logprobs.py)
+"""One LM-head chunk's (log π, entropy, logsumexp): the one-pass Triton kernel (cohort_grpo/kernels/logprobs.py)
 against torch.compile of the reference `logprobs._chunk_forward`, on a chunk of the benchmark's size
 (862 rows × 151,936 bf16 logits, 262 MB). Prints ms per call (triton.testing.do_bench), the bytes
 read per second, and the largest differences between the two.
@@ -17,8 +17,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cohort.update.logprobs import _chunk_forward, _maybe_compiled# noqa: E402
-from cohort.kernels.logprobs import chunk_logprob_stats# noqa: E402
+from cohort_grpo.update.logprobs import _chunk_forward, _maybe_compiled# noqa: E402
+from cohort_grpo.kernels.logprobs import chunk_logprob_stats# noqa: E402
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ import tempfile
 
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.models.tiny import build_model, build_tokenizer
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.models.tiny import build_model, build_tokenizer
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
 

@@ -70,7 +70,7 @@ def build_model(shape: dict, device):
     """cohort's own CausalLM, random init (seed 0), built directly on `device`: bf16 on CUDA, fp32 on CPU."""
     import torch
 
-    from cohort.models import CausalLM, ModelConfig
+    from cohort_grpo.models import CausalLM, ModelConfig
 
     vocab = shape["vocab_size"]
     config = ModelConfig.from_hf_dict({"model_type": "qwen2", **shape, **COMMON, "eos_token_id": vocab - 1,
@@ -90,7 +90,7 @@ def worker(spec_path: str) -> None:
 
     import torch
 
-    from cohort import GRPOConfig
+    from cohort_grpo import GRPOConfig
     from grpo_step_worker import unsaved_trainer
 
     spec = json.loads(Path(spec_path).read_text())

@@ -20,7 +20,7 @@ while calls remain (2–4 per sequence); then its next turn ends the completion.
 (its calls + 1) model turns, unless the budget cuts it first.
 
 - engine: `Engine.generate(prompt_ids, G, params, turns=handler)`; the handler (a
-  `cohort.rollout.turns.TurnHandler`) returns a Future from a thread pool that sleeps the call's time
+  `cohort_grpo.rollout.turns.TurnHandler`) returns a Future from a thread pool that sleeps the call's time
   and returns the tool turn's token ids, so the engine keeps decoding the other sequences meanwhile.
 - baseline (TRL's GRPOTrainer tool loop without vLLM): `model.generate` over the batch of sequences
   still going (left-padded, sampling at T = 1 with the same end-of-turn id, `max_new_tokens` = the
@@ -65,8 +65,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from cohort.rollout import Engine  # noqa: E402
-from cohort.rollout.sampler import SamplingParams  # noqa: E402
+from cohort_grpo.rollout import Engine  # noqa: E402
+from cohort_grpo.rollout.sampler import SamplingParams  # noqa: E402
 
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
@@ -158,8 +158,8 @@ def build_models(shape: dict, device: str, dtype: torch.dtype, seed: int):
 
 
 def cohort_model(hf_model, config, device: str, dtype: torch.dtype):
-    from cohort.models import ModelConfig
-    from cohort.models.loading import build_model
+    from cohort_grpo.models import ModelConfig
+    from cohort_grpo.models.loading import build_model
 
     return build_model(ModelConfig.from_hf_dict(config.to_dict()), dict(hf_model.state_dict()), dtype,
                        torch.device(device), "qwen2.5-0.5b-shape").eval()

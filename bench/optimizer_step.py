@@ -1,4 +1,4 @@
-"""The fp32-master AdamW step (`cohort/optim/precision.py`) against torch's fused AdamW, on a Qwen2.5 shape.
+"""The fp32-master AdamW step (`cohort_grpo/optim/precision.py`) against torch's fused AdamW, on a Qwen2.5 shape.
 
 `MasterWeightAdamW` walks the parameters in chunks: per chunk it converts the bf16 gradients to fp32,
 rebuilds the fp32 masters from the bf16 weights and their 16 low bits, runs torch's fused AdamW, and
@@ -6,7 +6,7 @@ splits the masters again. The baseline is what that replaces: `torch.optim.AdamW
 whole fp32 masters with whole fp32 gradients (4 + 4 bytes a parameter more), then the bf16 copy-back.
 The step is timed twice: with fp32 moments, and with the bf16 moments that are the default on a GPU
 (widened per chunk, narrowed by stochastic rounding). `--compare FILE` times another version of precision.py as well (say, the previous commit's:
-`git show HEAD~1:cohort/optim/precision.py > /tmp/old_precision.py`), in the same process.
+`git show HEAD~1:cohort_grpo/optim/precision.py > /tmp/old_precision.py`), in the same process.
 
     python bench/optimizer_step.py --models 0.5b,1.5b --steps 10 --compare /tmp/old_precision.py
 
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.grpo_step_worker import SHAPES  # noqa: E402
-from cohort.optim.precision import MasterWeightAdamW  # noqa: E402
+from cohort_grpo.optim.precision import MasterWeightAdamW  # noqa: E402
 
 KWARGS = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999))
 

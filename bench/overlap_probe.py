@@ -36,10 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.rollout import build_models  # noqa: E402
-from cohort.rollout import Engine# noqa: E402
-from cohort.update.logprobs import selected_logprobs# noqa: E402
-from cohort.models.cache import KVCache# noqa: E402
-from cohort.rollout.sampler import SamplingParams# noqa: E402
+from cohort_grpo.rollout import Engine# noqa: E402
+from cohort_grpo.update.logprobs import selected_logprobs# noqa: E402
+from cohort_grpo.models.cache import KVCache# noqa: E402
+from cohort_grpo.rollout.sampler import SamplingParams# noqa: E402
 
 
 def chunked_reference_pass(model, cache: KVCache, tokens: torch.Tensor, prompt_len: int, chunk: int) -> torch.Tensor:

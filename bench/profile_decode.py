@@ -23,8 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.rollout import build_models  # noqa: E402
-from cohort.rollout import Engine# noqa: E402
-from cohort.rollout.sampler import SamplingParams# noqa: E402
+from cohort_grpo.rollout import Engine# noqa: E402
+from cohort_grpo.rollout.sampler import SamplingParams# noqa: E402
 
 
 def main(argv=None) -> None:

@@ -34,8 +34,8 @@ def main(argv=None) -> None:
                         help="also print the update phase's top host (CPU) ops by self time: where a host-bound phase goes")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
-    from cohort import GRPOConfig
-    from cohort.telemetry.metrics import rollout_attention_pairs, update_flops
+    from cohort_grpo import GRPOConfig
+    from cohort_grpo.telemetry.metrics import rollout_attention_pairs, update_flops
 
     setup = diagnosis_setup(args.model, args.smoke)
     device, tokenizer, model = setup.device, setup.tokenizer, setup.model

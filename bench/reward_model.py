@@ -35,12 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cohort import GRPOConfig, GRPOTrainer# noqa: E402
-from cohort.config.settings import RewardModelSettings# noqa: E402
-from cohort.rewards.model import RewardModelReward, task_labeller, warm_up_reward_models# noqa: E402
-from cohort.rewards.scorers import load_scorer# noqa: E402
-from cohort.tasks.arithmetic import ArithmeticTask# noqa: E402
-from cohort.sft.builtin import tiny_model_dir# noqa: E402
+from cohort_grpo import GRPOConfig, GRPOTrainer# noqa: E402
+from cohort_grpo.config.settings import RewardModelSettings# noqa: E402
+from cohort_grpo.rewards.model import RewardModelReward, task_labeller, warm_up_reward_models# noqa: E402
+from cohort_grpo.rewards.scorers import load_scorer# noqa: E402
+from cohort_grpo.tasks.arithmetic import ArithmeticTask# noqa: E402
+from cohort_grpo.sft.builtin import tiny_model_dir# noqa: E402
 
 CONDITIONS = ("replay", "frozen")
 

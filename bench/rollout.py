@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cohort.rollout import Engine# noqa: E402
-from cohort.rollout.sampler import SamplingParams# noqa: E402
+from cohort_grpo.rollout import Engine# noqa: E402
+from cohort_grpo.rollout.sampler import SamplingParams# noqa: E402
 
 SHAPES = {  # Qwen2.5 shapes (their config.json), random weights
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -65,8 +65,8 @@ def build_models(name: str):
     """(transformers Qwen2ForCausalLM, cohort CausalLM) sharing the same bf16 CUDA tensors."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from cohort.models import ModelConfig
-    from cohort.models.loading import build_model
+    from cohort_grpo.models import ModelConfig
+    from cohort_grpo.models.loading import build_model
 
     config = Qwen2Config(**TINY) if name == "tiny" else Qwen2Config(**SHAPES[name], **COMMON)
     torch.manual_seed(0)

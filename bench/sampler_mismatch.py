@@ -2,7 +2,7 @@
 
 GRPO samples completions with the engine (`make_sampler(...).generate`, which returns the log-prob
 of each token it drew, after temperature) and then scores the same tokens with the trainer's forward
-(`cohort.update.logprobs.rollout_logprobs`, log π_old). In exact arithmetic the two are equal; in
+(`cohort_grpo.update.logprobs.rollout_logprobs`, log π_old). In exact arithmetic the two are equal; in
 bfloat16 they are not (KV-cache decode kernels vs one full forward, different GEMM shapes, the
 shared-prompt layout), and TRL corrects vLLM's version of this gap with truncated importance weights.
 This script measures the gap on a real model:
@@ -73,12 +73,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cohort.models.exact_layers import use_exact_numerics  # noqa: E402
-from cohort.run.policy import load_policy  # noqa: E402
-from cohort.rollout import make_sampler  # noqa: E402
-from cohort.rollout.layout import PADDED, Layout  # noqa: E402
-from cohort.rollout.sampler import SamplingParams  # noqa: E402
-from cohort.update.logprobs import rollout_logprobs  # noqa: E402
+from cohort_grpo.models.exact_layers import use_exact_numerics  # noqa: E402
+from cohort_grpo.run.policy import load_policy  # noqa: E402
+from cohort_grpo.rollout import make_sampler  # noqa: E402
+from cohort_grpo.rollout.layout import PADDED, Layout  # noqa: E402
+from cohort_grpo.rollout.sampler import SamplingParams  # noqa: E402
+from cohort_grpo.update.logprobs import rollout_logprobs  # noqa: E402
 
 SHARED = Layout(shared=True)  # each prompt once per group, the trainer's default
 
@@ -171,7 +171,7 @@ def sample_and_score(model, tokenizer, prompts: list[list[int]], args) -> dict:
 
 
 def load_prompts(args, tokenizer) -> list[list[int]]:
-    from cohort.tasks import get_task, prompt_text
+    from cohort_grpo.tasks import get_task, prompt_text
 
     if args.smoke:
         texts = SMOKE_PROMPTS[: args.questions]
@@ -182,8 +182,8 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 
 
 def smoke_model_dir(path: str) -> str:
-    """A freshly initialised tiny Llama (cohort.models.tiny) saved as a Hugging Face folder in `path`."""
-    from cohort.models.tiny import build_model, build_tokenizer
+    """A freshly initialised tiny Llama (cohort_grpo.models.tiny) saved as a Hugging Face folder in `path`."""
+    from cohort_grpo.models.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     build_model(tokenizer, seed=0).save_pretrained(path)
@@ -306,7 +306,7 @@ def measure(args, spec: str) -> dict:
     lengths = mask.sum(dim=1).float()
     results = {
         "config": {
-            "model": spec if not args.smoke else "tiny random Llama (cohort.models.tiny), smoke",
+            "model": spec if not args.smoke else "tiny random Llama (cohort_grpo.models.tiny), smoke",
             "model_name": Path(spec).name if not args.smoke else "tiny random Llama (smoke)",
             "smoke": args.smoke, "device": args.device,
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",

@@ -42,8 +42,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly: is a leak the graphs'?")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
-    from cohort.rollout import make_sampler
-    from cohort.rollout.sampler import SamplingParams
+    from cohort_grpo.rollout import make_sampler
+    from cohort_grpo.rollout.sampler import SamplingParams
 
     setup = diagnosis_setup(args.model, args.smoke)
     device, tokenizer, gens, completion = setup.device, setup.tokenizer, setup.generations, setup.completion_len

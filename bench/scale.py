@@ -9,7 +9,7 @@ routing replay; and `--plan`, the memory plan's capacity rows (nothing measured)
     python bench/scale.py --gpus 4 --models qwen3-30b-a3b --frameworks cohort --sync_options fsdp=true,free_sampling_memory=true,rollout_tensor_parallel_size=4
     python bench/scale.py --smoke                      # CPU: tiny shapes, 2 gloo processes, checks the plumbing
 
-`--plan` prints, for each capacity row of the issue (4,096-token completions), the plan of cohort/memory/
+`--plan` prints, for each capacity row of the issue (4,096-token completions), the plan of cohort_grpo/memory/
 training_plan.py for a ladder of configurations, each adding one change to the one before: cohort's defaults;
 the engine as a tensor-parallel shard over the training ranks (the colocated placement); one completion a
 micro-batch; the KV cache and the engine's weights freed for the update (`--free_sampling_memory`, which
@@ -104,8 +104,8 @@ def ladder():
 def plan_rows(prompt_len: int = 256, completion_len: int = 4096, prompts_per_gpu: int = 2, group: int = 32) -> list:
     from grpo_step_worker import BETA, SHAPES, config_dict
 
-    from cohort.plans.training_plan import GIB, RankShape, StepShape, training_memory_plan
-    from cohort.models import ModelConfig
+    from cohort_grpo.plans.training_plan import GIB, RankShape, StepShape, training_memory_plan
+    from cohort_grpo.models import ModelConfig
 
     rows = []
     for shape, gpus, card, card_gib in CAPACITY_ROWS:

@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     meta = dict(device=args.device, device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 torch=torch.__version__, shape=shape, run=run, warmup=warmup, limits=LIMITS)
 
-    from cohort import GRPOConfig
+    from cohort_grpo import GRPOConfig
 
     vocab = shape["vocab_size"]
     output_dir = tempfile.mkdtemp(prefix="cohort-soak-")

@@ -5,7 +5,7 @@ templates ("A shop sells 347 boxes of 28 pencils each. How many pencils does it 
 as <answer>N</answer>; reward 1 when the last assistant message's answer is exact, else 0. Training and
 held-out problems come from disjoint random streams.
 
-Tool: `cohort.tasks.calculator.calculator(expression: str) -> str` when that module exists, else the
+Tool: `cohort_grpo.tasks.calculator.calculator(expression: str) -> str` when that module exists, else the
 typed, documented calculator defined below. SmolLM2's own chat template renders no tools, so the
 tokenizer gets a ChatML template in Qwen2.5's layout: the tool's JSON schema in the system turn, Hermes
 calls (`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`) in the assistant turn, and the
@@ -18,7 +18,7 @@ has the ChatML tokens).
    compute: it learns the format, not the products). The tool's tokens are out of the loss. Rounds stop
    once sampled completions call the tool sometimes and, when they do, mostly answer right — so the
    greedy policy still answers directly (held-out accuracy before GRPO stays low: reported).
-2. Two GRPO runs through `cohort.GRPOTrainer` from that same warm start, same steps, settings and seed:
+2. Two GRPO runs through `cohort_grpo.GRPOTrainer` from that same warm start, same steps, settings and seed:
    `tools=[calculator]` (the engine runs the calls between turns), and no tools (the same model, the
    prompt without the tool, nothing executed). Each: held-out greedy accuracy before and after (the
    trainer's `accuracy_before/after`: with tools, the judged answer is the last turn), the call
@@ -96,8 +96,8 @@ CHATML_TOOLS_TEMPLATE = r"""{%- if tools %}
 
 # ------------------------------------------------------------------------------------------------ the tool
 
-try:  # the project's calculator (cohort/tasks/calculator.py), when it is there
-    from cohort.tasks.calculator import calculator
+try:  # the project's calculator (cohort_grpo/tasks/calculator.py), when it is there
+    from cohort_grpo.tasks.calculator import calculator
 except ImportError:
     _OPERATIONS = {ast.Add: lambda x, y: x + y, ast.Sub: lambda x, y: x - y, ast.Mult: lambda x, y: x * y,
                    ast.Div: lambda x, y: x / y}
@@ -328,10 +328,10 @@ def prepare() -> None:
 def load_start(args):
     """(model, tokenizer, source): SmolLM2 from the GGUF with the ChatML-tools template; with --smoke, a tiny
     random Llama on the built-in tools tokenizer (characters, tool tags as tokens, its own Hermes template)."""
-    from cohort.run.policy import load_policy
+    from cohort_grpo.run.policy import load_policy
 
     if args.smoke and not args.model:
-        from cohort.models.tiny import build_model, build_tools_tokenizer
+        from cohort_grpo.models.tiny import build_model, build_tools_tokenizer
 
         tokenizer = build_tools_tokenizer()
         spec = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -347,7 +347,7 @@ def load_start(args):
         if not gguf.is_file():
             gguf.parent.mkdir(parents=True, exist_ok=True)
             gguf.write_bytes(HALVES[0].read_bytes() + HALVES[1].read_bytes())
-    from cohort.models.loading import load_tokenizer
+    from cohort_grpo.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(gguf))
     tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
@@ -358,9 +358,9 @@ def load_start(args):
 def probe(sampler, tokenizer, rows: list[dict], args, toolbox) -> dict:
     """Sample 2 completions (T = 1) per row with the tool available: how often a tool turn followed (failed
     calls included), how often the answer was right overall and when a tool turn followed."""
-    from cohort.eval.evaluate import ToolRollout
-    from cohort.rollout.sampler import SamplingParams
-    from cohort.tasks import prompt_text
+    from cohort_grpo.eval.evaluate import ToolRollout
+    from cohort_grpo.rollout.sampler import SamplingParams
+    from cohort_grpo.tasks import prompt_text
 
     encode = lambda prompt, tools=None: tokenizer(prompt_text(tokenizer, prompt, tools),  # noqa: E731
                                                   add_special_tokens=False)["input_ids"]
@@ -381,10 +381,10 @@ def probe(sampler, tokenizer, rows: list[dict], args, toolbox) -> dict:
 def warm_start(model, tokenizer, train_rows: list[dict], args, log) -> dict:
     """SFT in rounds on tool and direct conversations (tool in the system prompt) until sampled completions
     call sometimes and answer right when they do, or the step bound."""
-    from cohort.sft.sft_trainer import SFTConfig, sft_train
-    from cohort.rollout import make_sampler
-    from cohort.tools.schema import tool_schema
-    from cohort.tools.toolbox import Toolbox
+    from cohort_grpo.sft.sft_trainer import SFTConfig, sft_train
+    from cohort_grpo.rollout import make_sampler
+    from cohort_grpo.tools.schema import tool_schema
+    from cohort_grpo.tools.toolbox import Toolbox
 
     toolbox = Toolbox(tools=[calculator], max_iterations=2, timeout_s=10.0)
     schemas = [tool_schema(calculator)]
@@ -415,7 +415,7 @@ def warm_start(model, tokenizer, train_rows: list[dict], args, log) -> dict:
 
 def grpo(folder: str, tokenizer, train_rows, test_rows, args, with_tools: bool, log) -> dict:
     """One GRPO run from the warm start: the trainer's held-out accuracy before/after, the per-step curve."""
-    from cohort import GRPOConfig, GRPOTrainer
+    from cohort_grpo import GRPOConfig, GRPOTrainer
 
     name = "tools" if with_tools else "no_tools"
     P, G = args.prompts_per_step, args.num_generations
@@ -463,7 +463,7 @@ def grpo(folder: str, tokenizer, train_rows, test_rows, args, with_tools: bool, 
 def run(args) -> dict:
     import torch
 
-    from cohort.models.policy import save_policy
+    from cohort_grpo.models.policy import save_policy
 
     started = time.perf_counter()
     log = lambda *a: print(*a, flush=True)  # noqa: E731

@@ -1,6 +1,6 @@
 """Write docs/reference.md from the code: every `GRPOConfig` field (name, type, default, help), grouped
-in the sections of cohort/config/sections.py, with the values of each option that takes a fixed set
-(the table in cohort/config/choices.py), the configs refused (the table in cohort/config/rules.py), and
+in the sections of cohort_grpo/config/sections.py, with the values of each option that takes a fixed set
+(the table in cohort_grpo/config/choices.py), the configs refused (the table in cohort_grpo/config/rules.py), and
 every metric name the step log writes.
 
     python docs/generate_reference.py           # rewrite docs/reference.md
@@ -22,11 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "reference.md"
 
-# (name, when it is logged, meaning). Written by cohort/telemetry/step_report.py (the step record; its warnings
-# come from cohort/telemetry/health.py),
-# cohort/telemetry/metrics.py (throughput_metrics), cohort/update/policy_update.py (the update),
-# cohort/algorithm/objectives.py (PolicyLossStats.as_dict), cohort/rewards/runner.py, cohort/rewards/model.py,
-# cohort/algorithm/{dynamic_sampling,curriculum,ppo}.py and cohort/eval/evaluate.py.
+# (name, when it is logged, meaning). Written by cohort_grpo/telemetry/step_report.py (the step record; its warnings
+# come from cohort_grpo/telemetry/health.py),
+# cohort_grpo/telemetry/metrics.py (throughput_metrics), cohort_grpo/update/policy_update.py (the update),
+# cohort_grpo/algorithm/objectives.py (PolicyLossStats.as_dict), cohort_grpo/rewards/runner.py, cohort_grpo/rewards/model.py,
+# cohort_grpo/algorithm/{dynamic_sampling,curriculum,ppo}.py and cohort_grpo/eval/evaluate.py.
 METRICS: list[tuple[str, str, str]] = [
     ("step", "every line", "the GRPO step the line belongs to"),
     ("time", "every line", "Unix time the line was written"),
@@ -125,12 +125,12 @@ METRICS: list[tuple[str, str, str]] = [
                                                   "once a run: every completion empty or clipped, every group's "
                                                   "rewards equal, a reward function or the tools failing on most "
                                                   "calls, the KL or the clipped share running away, each for 10 "
-                                                  "steps in a row (cohort/telemetry/health.py); a list of strings"),
+                                                  "steps in a row (cohort_grpo/telemetry/health.py); a list of strings"),
     ("eval/accuracy", "evaluations", "greedy held-out accuracy (before training, every eval_steps, after)"),
-    ("eval/greedy_accuracy", "evaluations", "the same greedy accuracy, under the name `cohort eval` uses"),
-    ("eval/pass@k", "cohort eval --num_samples n", "unbiased pass@k from n samples (Chen et al. 2021), k = 1, 2, 4, "
+    ("eval/greedy_accuracy", "evaluations", "the same greedy accuracy, under the name `cohort-grpo eval` uses"),
+    ("eval/pass@k", "cohort-grpo eval --num_samples n", "unbiased pass@k from n samples (Chen et al. 2021), k = 1, 2, 4, "
                                                    "…, n; pass@1 is the mean accuracy of the samples"),
-    ("eval/maj@n", "cohort eval --num_samples n", "majority vote of the n samples' answers"),
+    ("eval/maj@n", "cohort-grpo eval --num_samples n", "majority vote of the n samples' answers"),
     ("eval/format_rate", "evaluations", "fraction of held-out completions in the task's answer format"),
     ("eval/mean_length", "evaluations", "mean held-out completion length in tokens"),
 ]
@@ -156,7 +156,7 @@ def cell(text: str) -> str:
 
 
 def type_cell(f: dataclasses.Field, choices: dict[str, tuple[str, ...]]) -> str:
-    """The field's type, and its values where the one table of them (cohort/config/choices.py) lists them."""
+    """The field's type, and its values where the one table of them (cohort_grpo/config/choices.py) lists them."""
     text = f"`{cell(f.type)}`"
     if f.name in choices:
         values = ", ".join(f"`{value}`" for value in choices[f.name])
@@ -166,36 +166,36 @@ def type_cell(f: dataclasses.Field, choices: dict[str, tuple[str, ...]]) -> str:
 
 def render() -> str:
     sys.path.insert(0, str(ROOT))
-    from cohort.config.choices import CHOICES
-    from cohort.config.grpo_config import GRPOConfig
-    from cohort.config.rules import RULES
-    from cohort.config.sections import SECTIONS
+    from cohort_grpo.config.choices import CHOICES
+    from cohort_grpo.config.grpo_config import GRPOConfig
+    from cohort_grpo.config.rules import RULES
+    from cohort_grpo.config.sections import SECTIONS
 
     fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
     listed = [name for section in SECTIONS for name in section.options]
     missing = [name for name in fields if name not in listed]
     if missing or len(listed) != len(set(listed)) or set(listed) - set(fields):
-        raise SystemExit(f"the sections of cohort/config/sections.py do not cover the fields exactly (missing "
+        raise SystemExit(f"the sections of cohort_grpo/config/sections.py do not cover the fields exactly (missing "
                          f"{missing})")
     lines = [
         "# Reference",
         "",
-        "<!-- Generated by docs/generate_reference.py from cohort/config/grpo_config.py and the metric names it lists. "
+        "<!-- Generated by docs/generate_reference.py from cohort_grpo/config/grpo_config.py and the metric names it lists. "
         "Do not edit by hand: change the code, then run `python docs/generate_reference.py`. -->",
         "",
-        "Every `GRPOConfig` field is a flag of `cohort train` (`--learning_rate 1e-5` or `--learning-rate=1e-5`; a "
+        "Every `GRPOConfig` field is a flag of `cohort-grpo train` (`--learning_rate 1e-5` or `--learning-rate=1e-5`; a "
         "bare `--flag` means true; lists are comma-separated), a key of a YAML file passed with `--config run.yaml` "
-        "(flags override it) and a keyword of `GRPOConfig(...)`. The defaults are `GRPOConfig`'s; `cohort train` "
-        "starts from its task's defaults (`default_config` in cohort/tasks/), then the YAML, then the flags; "
-        "`cohort train --help` shows each default this invocation would use and its source. A value outside an "
-        "option's listed values (the one table of them, cohort/config/choices.py) is a one-line error.",
+        "(flags override it) and a keyword of `GRPOConfig(...)`. The defaults are `GRPOConfig`'s; `cohort-grpo train` "
+        "starts from its task's defaults (`default_config` in cohort_grpo/tasks/), then the YAML, then the flags; "
+        "`cohort-grpo train --help` shows each default this invocation would use and its source. A value outside an "
+        "option's listed values (the one table of them, cohort_grpo/config/choices.py) is a one-line error.",
         "",
-        "A run settles its configuration once, when the device and the model are known (cohort/run/resolve.py): "
+        "A run settles its configuration once, when the device and the model are known (cohort_grpo/run/resolve.py): "
         "every `auto` (and unset `max_staleness`, `importance_sampling_correction`) gets the value the run uses, "
         "and every stage is built from that resolved config. `GRPOTrainer(...).args` is it, read-only (setting a "
         "field raises a one-line `CohortError`; `dataclasses.replace(trainer.args, ...)` gives an editable copy); "
         "the `GRPOConfig` you pass in is never changed, so one config can build several trainers. "
-        "`cohort train ... --print_config` loads the model, resolves, prints that configuration as YAML with each "
+        "`cohort-grpo train ... --print_config` loads the model, resolves, prints that configuration as YAML with each "
         "value's source (`resolved from auto` where resolution chose it) and exits untrained; `--config` reads the "
         "file back to the same run. `gradient_checkpointing_layers: auto` can stay: it is measured in the first "
         "update.",
@@ -217,8 +217,8 @@ def render() -> str:
                          f"{cell(f.metadata.get('help', ''))} |")
     lines += ["", "## Refused configurations", "",
               "Besides a value of the wrong type or outside an option's listed values, `GRPOConfig(...)` itself "
-              "(and so `cohort train`) refuses a configuration in these cases, with a one-line error that names "
-              "the values and the fix (the table of them is cohort/config/rules.py; checks that need the number "
+              "(and so `cohort-grpo train`) refuses a configuration in these cases, with a one-line error that names "
+              "the values and the fix (the table of them is cohort_grpo/config/rules.py; checks that need the number "
               "of processes or the model run when those are known):", ""]
     lines += [f"- {rule.when}" for rule in RULES]
     lines += ["", "## Metrics", "",

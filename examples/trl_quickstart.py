@@ -18,7 +18,7 @@ import os
 import re
 import sys
 
-from cohort import GRPOConfig, GRPOTrainer  # under TRL: from trl import GRPOConfig, GRPOTrainer
+from cohort_grpo import GRPOConfig, GRPOTrainer  # under TRL: from trl import GRPOConfig, GRPOTrainer
 
 SYSTEM_PROMPT = ("A conversation between User and Assistant. The assistant first thinks about the reasoning "
                  "process and then provides the answer, enclosed in <think> </think> and <answer> </answer> "

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers.utils import logging as transformers_logging
 
-from cohort.models.tiny import build_model, build_tokenizer# noqa: E402
+from cohort_grpo.models.tiny import build_model, build_tokenizer# noqa: E402
 
 # transformers binds its log handler to whatever sys.stderr is when its logger is first used. Bind it
 # now, to pytest's session-wide capture, not to one test's capsys stream: that stream is closed when

@@ -6,11 +6,11 @@ would also run its import-time code there, and its tests would be tied to the im
 import torch
 import transformers
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.trainer.grpo_trainer import Batch
-from cohort.kernels import elementwise as kernels
-from cohort.models import CausalLM, KVCache, ModelConfig
-from cohort.rollout.sampler import Rollout
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.trainer.grpo_trainer import Batch
+from cohort_grpo.kernels import elementwise as kernels
+from cohort_grpo.models import CausalLM, KVCache, ModelConfig
+from cohort_grpo.rollout.sampler import Rollout
 
 # ---- the engine's tiny transformers models (test_engine, test_engine_overlap) ---------------------
 

@@ -1,4 +1,4 @@
-"""The one-pass AdamW kernel (cohort/kernels/adamw.py) against AdamW written out in fp32 torch: the same
+"""The one-pass AdamW kernel (cohort_grpo/kernels/adamw.py) against AdamW written out in fp32 torch: the same
 master, moments within one bf16 unit of the exact ones and right on average, the noise keyed by the seed
 alone. On CPU it runs in Triton's interpreter; on a GPU (COHORT_TEST_GPU=1) the optimizer that uses it
 is checked against the chunked torch step."""
@@ -9,9 +9,9 @@ import io
 import pytest
 import torch
 
-from cohort.optim import precision
-from cohort.optim.bf16 import join_master, split_master
-from cohort.optim.precision import MasterWeightAdamW
+from cohort_grpo.optim import precision
+from cohort_grpo.optim.bf16 import join_master, split_master
+from cohort_grpo.optim.precision import MasterWeightAdamW
 from triton_interpreter import ON_CUDA, kernel_module
 
 pytest.importorskip("triton")
@@ -60,7 +60,7 @@ def _bf16_unit(values: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def module():
-    return kernel_module("cohort.kernels.adamw", "_adamw_bf16_kernel")
+    return kernel_module("cohort_grpo.kernels.adamw", "_adamw_bf16_kernel")
 
 
 @pytest.mark.parametrize("clip", [None, 0.25])

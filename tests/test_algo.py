@@ -1,4 +1,4 @@
-"""The advantages (cohort/algorithm/advantages.py) and the policy loss (cohort/algorithm/objectives.py) against
+"""The advantages (cohort_grpo/algorithm/advantages.py) and the policy loss (cohort_grpo/algorithm/objectives.py) against
 independent computations: float64 loops for every advantage scale, KL estimator and loss_type; the docstrings'
 worked examples; k3's mean over samples against the exact KL; the gradient's direction; and which tokens the
 kl, clip and non-finite statistics count."""
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from cohort.algorithm.advantages import group_advantages
-from cohort.algorithm.objectives import BatchShare, LossSpec, aggregate_loss, kl_penalty, policy_loss, policy_loss_stats
+from cohort_grpo.algorithm.advantages import group_advantages
+from cohort_grpo.algorithm.objectives import BatchShare, LossSpec, aggregate_loss, kl_penalty, policy_loss, policy_loss_stats
 
 
 def _std(xs):  # Bessel-corrected
@@ -144,7 +144,7 @@ def test_a_micro_batch_mean_weighs_into_the_steps_row_weighted_mean_over_ranks()
     3 + 1 and 2 + 2 completions. Summed over a rank's micro-batches and averaged over the ranks as DDP averages
     gradients, it is the step's mean over completions, each micro-batch's value standing for its rows, whatever
     the policy loss's type."""
-    from cohort.algorithm.objectives import MICRO_BATCH_MEAN
+    from cohort_grpo.algorithm.objectives import MICRO_BATCH_MEAN
 
     ranks = [[(3, 0.5), (1, 2.0)], [(2, 1.0), (2, 4.0)]]  # (completions, the micro-batch's mean) per rank
     step_rows = sum(rows for rank in ranks for rows, _ in rank)

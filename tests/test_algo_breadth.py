@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from cohort.algorithm.advantages import gae_advantages, overlong_penalty, whiten
-from cohort.algorithm.objectives import LossSpec, policy_loss, sequence_log_ratio, value_loss
-from cohort.errors import CohortError
-from cohort.trainer.dynamic_sampling import fill_informative, informative_groups
-from cohort.update.logprobs import selected_logprobs
-from cohort.rollout.sampler import Rollout
-from cohort.trainer.grpo_trainer import Batch
+from cohort_grpo.algorithm.advantages import gae_advantages, overlong_penalty, whiten
+from cohort_grpo.algorithm.objectives import LossSpec, policy_loss, sequence_log_ratio, value_loss
+from cohort_grpo.errors import CohortError
+from cohort_grpo.trainer.dynamic_sampling import fill_informative, informative_groups
+from cohort_grpo.update.logprobs import selected_logprobs
+from cohort_grpo.rollout.sampler import Rollout
+from cohort_grpo.trainer.grpo_trainer import Batch
 
 
 # ---- overlong penalty (DAPO eq. 13) -------------------------------------------------------------
@@ -307,8 +307,8 @@ def test_fill_informative_needs_no_refill_when_full():
 
 # ---- wiring into the trainer (tiny random model) -------------------------------------------------
 
-from cohort import GRPOConfig, GRPOTrainer# noqa: E402
-from cohort.trainer.dynamic_sampling import select_groups# noqa: E402
+from cohort_grpo import GRPOConfig, GRPOTrainer# noqa: E402
+from cohort_grpo.trainer.dynamic_sampling import select_groups# noqa: E402
 from update_gradients import update_gradient  # noqa: E402
 
 PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n", "a": a} for a in range(10) for b in range(10)]
@@ -388,7 +388,7 @@ def test_gspo_update_equals_grpo_update_on_policy(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_entropy_bonus_raises_entropy(tiny_dir, tmp_path):
     def mean_entropy(trainer, batch):
-        from cohort.update.logprobs import micro_batch_logprobs
+        from cohort_grpo.update.logprobs import micro_batch_logprobs
 
         micro = trainer.policy_update.pack(batch, list(range(len(batch.rows))))
         mask = micro.completion_mask

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINER = ROOT / "cohort" / "trainer" / "grpo_trainer.py"
+TRAINER = ROOT / "cohort_grpo" / "trainer" / "grpo_trainer.py"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
@@ -101,9 +101,9 @@ def test_a_change_to_the_page_alone_is_caught():
 
 
 def documented_rooms(page: str) -> list[str]:
-    """The first column of the table under "Rooms, lowest first": `cohort/<room>/` or `cohort/<module>.py`."""
+    """The first column of the table under "Rooms, lowest first": `cohort_grpo/<room>/` or `cohort_grpo/<module>.py`."""
     section = page.split("## Rooms, lowest first", 1)[1].split("\n## ", 1)[0]
-    return [match.group(1).rstrip("/") for match in re.finditer(r"^\| `cohort/([\w.]+/?)` \|", section, re.M)]
+    return [match.group(1).rstrip("/") for match in re.finditer(r"^\| `cohort_grpo/([\w.]+/?)` \|", section, re.M)]
 
 
 def test_the_documented_rooms_are_the_enforced_order():
@@ -115,6 +115,6 @@ def test_the_documented_rooms_are_the_enforced_order():
 
 def test_a_room_out_of_order_on_the_page_is_caught():
     page = ARCHITECTURE.read_text()
-    swapped = page.replace("| `cohort/kernels/` |", "| `cohort/KERNELS/` |", 1).replace(
-        "| `cohort/config/` |", "| `cohort/kernels/` |", 1).replace("| `cohort/KERNELS/` |", "| `cohort/config/` |", 1)
+    swapped = page.replace("| `cohort_grpo/kernels/` |", "| `cohort_grpo/KERNELS/` |", 1).replace(
+        "| `cohort_grpo/config/` |", "| `cohort_grpo/kernels/` |", 1).replace("| `cohort_grpo/KERNELS/` |", "| `cohort_grpo/config/` |", 1)
     assert swapped != page and documented_rooms(swapped) != documented_rooms(page)

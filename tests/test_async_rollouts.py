@@ -1,4 +1,4 @@
-"""Asynchronous rollouts (cohort/rollout/async_rollouts.py): the rollout of step t is sampled on a producer
+"""Asynchronous rollouts (cohort_grpo/rollout/async_rollouts.py): the rollout of step t is sampled on a producer
 thread from the weights after update t − 1 − max_staleness, while earlier steps update.
 
 Checked against independent computations: the sampling log-probs a step trains on are those the saved
@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.errors import CohortError
-from cohort.models import from_pretrained
-from cohort.update.logprobs import rollout_logprobs
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import from_pretrained
+from cohort_grpo.update.logprobs import rollout_logprobs
 from helpers import UPDATE_PROMPTS
 
 torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Bad input, one clear line each (issue 8; the catalogue is docs/reliability.md).
 
-Every case goes through the command line (`cohort.cli.main`) and must end with exit code 2, exactly one
+Every case goes through the command line (`cohort_grpo.cli.main`) and must end with exit code 2, exactly one
 `cohort: error:` line on stderr naming the input and the fix, and no traceback. Cases the command line
 cannot reach (rows handed to the Python API) check the `CohortError` message instead."""
 
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.run import checkpoint as ckpt
-from cohort.cli import main
-from cohort.errors import CohortError
-from cohort.models.tiny import build_model, build_tokenizer
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.run import checkpoint as ckpt
+from cohort_grpo.cli import main
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models.tiny import build_model, build_tokenizer
 
 SPEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=64)
@@ -283,7 +283,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(files, tmp_path, c
 def test_no_traceback_from_a_real_process(files, tmp_path):
     """The same contract in a real process: stderr is the single line, exit code 2."""
     argv = small_run(files, tmp_path / "out", "--reward_funcs", "nosuch")
-    done = subprocess.run([sys.executable, "-m", "cohort", *argv], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "cohort_grpo", *argv], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "cohort: error: unknown reward 'nosuch'; use one of ['accuracy', 'format', 'lenient_format', 'reasoning_steps', "

@@ -8,10 +8,10 @@ import io
 import pytest
 import torch
 
-from cohort.config.grpo_config import GRPOConfig
-from cohort.errors import CohortError
-from cohort.optim.bf16 import round_stochastic
-from cohort.optim.precision import MasterWeightAdamW, make_optimizer, optimizer_line
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.errors import CohortError
+from cohort_grpo.optim.bf16 import round_stochastic
+from cohort_grpo.optim.precision import MasterWeightAdamW, make_optimizer, optimizer_line
 
 SHAPES = [(64, 32), (32,), (128, 16), (7,)]
 

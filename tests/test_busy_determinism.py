@@ -1,14 +1,14 @@
-"""Same seed, same run on a busy machine too: identical `cohort train` runs started together beside a CPU
+"""Same seed, same run on a busy machine too: identical `cohort-grpo train` runs started together beside a CPU
 hog end bit for bit equal, and so does a run SIGKILLed after a checkpoint and resumed.
 
-Real `python -m cohort train` processes with the built-in job's model, task and batch (the warm-started
+Real `python -m cohort_grpo train` processes with the built-in job's model, task and batch (the warm-started
 tiny model, 64 completions a step), a few steps, no held-out evaluation, and PyTorch's default number of
 intra-op threads (tests/test_resume.py pins one thread; this file must not). That batch is what
 exercised the failure: the update's gather of the completion positions (`hidden[rows, cols]`, where a
 prompt's last position is gathered once for each of its completions) has an accumulating
 `index_put_` as its backward, which with two or more threads and >= 32,768 elements PyTorch runs
 with atomic float adds from all threads, so the duplicates' sum follows thread timing. Beside other work
-the weights drifted by 1e-10..1e-7 within a few steps (cohort/run/determinism.py says how the
+the weights drifted by 1e-10..1e-7 within a few steps (cohort_grpo/run/determinism.py says how the
 trainer fixes the order).
 """
 
@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cohort.run.checkpoint import check_checkpoint, list_checkpoints
+from cohort_grpo.run.checkpoint import check_checkpoint, list_checkpoints
 
 # soak: three whole runs beside a hog and a resumed one, about a minute; CI runs them with -m soak, after the suite
 pytestmark = [pytest.mark.soak, pytest.mark.cpu("the CPU's determinism beside a busy CPU is what it tests")]
@@ -38,14 +38,14 @@ WALL_CLOCK = ("time", "step_time", "mfu")  # and time/*, tokens_per_second/*, th
 @pytest.fixture(scope="module")
 def tiny_cache():
     """The default job's warm-started model, built (into the user cache) once before the concurrent runs."""
-    from cohort.sft.builtin import tiny_model_dir
+    from cohort_grpo.sft.builtin import tiny_model_dir
 
     tiny_model_dir()
 
 
 def start(out: Path, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    return subprocess.Popen([sys.executable, "-m", "cohort", "train", "--output_dir", str(out), *ARGS, *extra],
+    return subprocess.Popen([sys.executable, "-m", "cohort_grpo", "train", "--output_dir", str(out), *ARGS, *extra],
                             env=dict(env, CI="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -8,29 +8,29 @@ import json
 import pytest
 import torch
 
-from cohort.sft.sft_trainer import SFTConfig, sft_train
-from cohort.sft.sft_tools import (
+from cohort_grpo.sft.sft_trainer import SFTConfig, sft_train
+from cohort_grpo.sft.sft_tools import (
     encode_trajectory,
     reproduced_fraction,
     tool_trajectories,
 )
-from cohort.errors import CohortError
-from cohort.models import tiny
-from cohort.sft import builtin
-from cohort.models.tiny import (
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import tiny
+from cohort_grpo.sft import builtin
+from cohort_grpo.models.tiny import (
     TINY_TOOLS_MODEL,
     TINY_TOOLS_SPEC,
     build_model,
     build_tools_tokenizer,
 )
-from cohort.tasks import get_task, prompt_text
-from cohort.tasks.calculator import (
+from cohort_grpo.tasks import get_task, prompt_text
+from cohort_grpo.tasks.calculator import (
     CalculatorTask,
     answer_reward,
     calculator,
     extract_answer,
 )
-from cohort.tools import (
+from cohort_grpo.tools import (
     assistant_message,
     family_of_template,
     make_tools,
@@ -237,7 +237,7 @@ def test_the_builtin_name_loads_a_cached_hugging_face_folder(tmp_path, monkeypat
     ordinary Hugging Face folder, tokenizer and chat template included, and loads it as the policy."""
     from transformers import AutoTokenizer
 
-    from cohort.run.policy import load_policy
+    from cohort_grpo.run.policy import load_policy
 
     monkeypatch.setenv("COHORT_CACHE", str(tmp_path))
     spec = dict(SMALL, hidden_size=16, intermediate_size=32, sft_steps=1, sft_mix_steps=1, sft_batch_size=2)

@@ -1,4 +1,4 @@
-"""`cohort chat` / `cohort generate`: incremental decoding equals full recomputation, the chat format,
+"""`cohort-grpo chat` / `cohort-grpo generate`: incremental decoding equals full recomputation, the chat format,
 history and /reset, streaming, a pipe, and batch generation to JSONL."""
 
 import json
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cohort.cli.chat import (CachedDecoder, ChatSession, TextStream, chat_loop, format_messages, generate_main,
+from cohort_grpo.cli.chat import (CachedDecoder, ChatSession, TextStream, chat_loop, format_messages, generate_main,
                          read_prompts)
-from cohort.errors import CohortError
-from cohort.models import from_pretrained, load_tokenizer
-from cohort.models.tiny import TINY_SPEC, build_model, build_tokenizer
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import from_pretrained, load_tokenizer
+from cohort_grpo.models.tiny import TINY_SPEC, build_model, build_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SIMPLE_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>{% endfor %}"
@@ -177,7 +177,7 @@ def test_chat_from_a_pipe_prints_the_replies_and_exits_zero(tiny_dir, tiny):
     model, tokenizer = tiny
     env = {**os.environ, "PYTHONIOENCODING": "utf-8", "TERM": "xterm-256color"}
     result = subprocess.run(
-        [sys.executable, "-m", "cohort", "chat", tiny_dir, "--temperature", "0", "--max_new_tokens", "10"],
+        [sys.executable, "-m", "cohort_grpo", "chat", tiny_dir, "--temperature", "0", "--max_new_tokens", "10"],
         input=b"hi\n/reset\n\nhello\n/exit\nnever read\n", cwd=REPO_ROOT, env=env, capture_output=True, timeout=300)
     assert result.returncode == 0, result.stderr.decode()
     expected = []
@@ -247,9 +247,9 @@ def test_bad_prompt_files_name_the_file_and_line(tmp_path):
 def test_generate_completes_a_file_of_arithmetic_prompts_as_the_task_does(tmp_path, capsys):
     """The built-in model answers after the prompt's newline: a .txt file of the arithmetic task's prompts
     (one a line) gets exactly the completions of the task's own prompt strings, and they are answers."""
-    from cohort.cli.chat import generate_rows, load_for_inference
-    from cohort.sft.builtin import tiny_model_dir
-    from cohort.tasks import get_task
+    from cohort_grpo.cli.chat import generate_rows, load_for_inference
+    from cohort_grpo.sft.builtin import tiny_model_dir
+    from cohort_grpo.tasks import get_task
 
     rows = get_task("arithmetic").load("test", levels=[2], size=6)
     assert all(r["prompt"].endswith("\n") for r in rows)
@@ -270,7 +270,7 @@ def test_generate_completes_a_file_of_arithmetic_prompts_as_the_task_does(tmp_pa
 def test_chat_with_the_real_smollm2_gguf_from_a_pipe(smollm2_gguf):
     """SmolLM2 as tests/conftest.py's `smollm2_gguf` fetches it (skipped, naming where it looked, without it)."""
     result = subprocess.run(
-        [sys.executable, "-m", "cohort", "chat", smollm2_gguf, "--temperature", "0", "--max_new_tokens", "24"],
+        [sys.executable, "-m", "cohort_grpo", "chat", smollm2_gguf, "--temperature", "0", "--max_new_tokens", "24"],
         input=b"What is the capital of France? Answer in one word.\n", cwd=REPO_ROOT, capture_output=True,
         timeout=600)
     assert result.returncode == 0, result.stderr.decode()

@@ -1,20 +1,20 @@
 """`chat_template_kwargs` reach every rendering of a chat: the tool turns of a rollout (and of an evaluation),
-SFT's prompts and tool trajectories, and `cohort eval` / `cohort sft`'s own option."""
+SFT's prompts and tool trajectories, and `cohort-grpo eval` / `cohort-grpo sft`'s own option."""
 
 import types
 
 import pytest
 
-from cohort import GRPOConfig
-from cohort.sft.sft_trainer import SFTConfig, encode_sft_row
-from cohort.sft.sft_tools import encode_trajectory
-from cohort.cli.eval import EVAL_OPTIONS, run_eval
-from cohort.cli.flags import parse_options
-from cohort.cli.sft import SFT_OPTIONS
-from cohort.errors import CohortError
-from cohort.models.tiny import build_tokenizer
-from cohort.tools import assistant_message, make_tools, run_tool_call, split_turn, tool_result_messages
-from cohort.tools.toolbox import make_toolbox
+from cohort_grpo import GRPOConfig
+from cohort_grpo.sft.sft_trainer import SFTConfig, encode_sft_row
+from cohort_grpo.sft.sft_tools import encode_trajectory
+from cohort_grpo.cli.eval import EVAL_OPTIONS, run_eval
+from cohort_grpo.cli.flags import parse_options
+from cohort_grpo.cli.sft import SFT_OPTIONS
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models.tiny import build_tokenizer
+from cohort_grpo.tools import assistant_message, make_tools, run_tool_call, split_turn, tool_result_messages
+from cohort_grpo.tools.toolbox import make_toolbox
 from helpers import QWEN_STYLE_TEMPLATE
 
 # The Qwen-style template, with a reasoning block opened after the generation prompt when asked.
@@ -80,7 +80,7 @@ def test_sft_renders_prompts_and_trajectories_with_the_kwargs():
 def test_sft_train_encodes_rows_with_its_configs_kwargs(monkeypatch):
     import torch
 
-    import cohort.sft.sft_trainer as sft
+    import cohort_grpo.sft.sft_trainer as sft
 
     seen = []
     monkeypatch.setattr(sft, "encode_sft_row", lambda row, tokenizer, length, kwargs: seen.append(kwargs) or ([1], [2]))
@@ -99,9 +99,9 @@ def test_the_commands_take_a_json_object(options):
 
 
 def test_cohort_eval_encodes_prompts_with_the_kwargs(monkeypatch, tmp_path):
-    import cohort.eval.evaluate
-    import cohort.run.policy
-    import cohort.rollout
+    import cohort_grpo.eval.evaluate
+    import cohort_grpo.run.policy
+    import cohort_grpo.rollout
 
     seen = []
 
@@ -112,10 +112,10 @@ def test_cohort_eval_encodes_prompts_with_the_kwargs(monkeypatch, tmp_path):
         seen.append(tokenizer.decode(encode([{"role": "user", "content": "1+1"}])))
         raise Stop
 
-    monkeypatch.setattr(cohort.run.policy, "load_policy",
+    monkeypatch.setattr(cohort_grpo.run.policy, "load_policy",
                         lambda *a, **k: (types.SimpleNamespace(eval=lambda: None), tokenizer_with_template()))
-    monkeypatch.setattr(cohort.rollout, "make_sampler", lambda model, tokenizer: None)
-    monkeypatch.setattr(cohort.eval.evaluate, "evaluate", fake_evaluate)
+    monkeypatch.setattr(cohort_grpo.rollout, "make_sampler", lambda model, tokenizer: None)
+    monkeypatch.setattr(cohort_grpo.eval.evaluate, "evaluate", fake_evaluate)
     for extra in ([], ["--chat_template_kwargs", '{"thinking": true}']):
         with pytest.raises(Stop):
             run_eval(["--task", "arithmetic", "--limit", "1", "--device", "cpu", "--output_dir", str(tmp_path),

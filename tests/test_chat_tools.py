@@ -1,4 +1,4 @@
-"""Tools by name (`cohort.tools.resolve_tools`, `resolve_environment`, `tool_spec`) and `cohort chat` with
+"""Tools by name (`cohort_grpo.tools.resolve_tools`, `resolve_environment`, `tool_spec`) and `cohort-grpo chat` with
 tools: a call in the reply is run, shown as one line, given back as the template's tool turn, and the model
 goes on in the same reply; a malformed call gives the model its error; a model folder's tools.json is used.
 
@@ -14,11 +14,11 @@ import textwrap
 import pytest
 import torch
 
-from cohort.cli.chat import ChatSession
-from cohort.cli.chat_tools import ChatTools, ToolChatSession, chat_main, visible_text
-from cohort.errors import CohortError, command_line
-from cohort.models import from_pretrained
-from cohort.tools import ToolCall, format_tool_calls, resolve_environment, resolve_tools, run_python, tool_spec
+from cohort_grpo.cli.chat import ChatSession
+from cohort_grpo.cli.chat_tools import ChatTools, ToolChatSession, chat_main, visible_text
+from cohort_grpo.errors import CohortError, command_line
+from cohort_grpo.models import from_pretrained
+from cohort_grpo.tools import ToolCall, format_tool_calls, resolve_environment, resolve_tools, run_python, tool_spec
 from helpers import QWEN_STYLE_TEMPLATE
 
 MODULE = "cohort_chat_tools_testmod"  # written into a temporary folder on sys.path by the `tools_module` fixture
@@ -407,7 +407,7 @@ def test_chat_says_when_the_tools_json_names_no_tools(model_dir, tmp_path, monke
 
 
 def test_bad_tool_flags_and_files_fail_before_the_model_loads(model_dir, tools_module, tmp_path, monkeypatch):
-    import cohort.cli.chat as chat
+    import cohort_grpo.cli.chat as chat
 
     monkeypatch.setattr(chat, "load_for_inference", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(CohortError, match="tool 'cohort_chat_tools_nowhere:f': cannot import module"):

@@ -1,4 +1,4 @@
-"""Checkpoints (cohort/run/checkpoint.py): contents, atomic writes, exact in-process resume, local faults, safe loading.
+"""Checkpoints (cohort_grpo/run/checkpoint.py): contents, atomic writes, exact in-process resume, local faults, safe loading.
 
 Tiny random-init Llama (no warm start), arithmetic prompts, and a dense reward (share of digits in
 the completion) so every step really moves the weights."""
@@ -16,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.run import checkpoint as ckpt
-from cohort.run import lifecycle as run_guard
-from cohort.errors import CohortError
-from cohort.tasks.arithmetic import ArithmeticTask
-from cohort.models.tiny import build_model, build_tokenizer
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.run import checkpoint as ckpt
+from cohort_grpo.run import lifecycle as run_guard
+from cohort_grpo.errors import CohortError
+from cohort_grpo.tasks.arithmetic import ArithmeticTask
+from cohort_grpo.models.tiny import build_model, build_tokenizer
 
 SPEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=64)
@@ -233,7 +233,7 @@ def test_incomplete_and_corrupt_checkpoints_are_skipped_with_a_reason(model_dir,
 
 
 def test_non_finite_updates_are_skipped_counted_and_stop_the_run(model_dir, tmp_path, monkeypatch):
-    import cohort.update.policy_update as update_module
+    import cohort_grpo.update.policy_update as update_module
 
     real_loss = update_module.micro_batch_policy_loss
     bad_steps = {2}
@@ -292,7 +292,7 @@ def test_a_repeat_of_the_signal_at_once_is_the_same_stop_and_a_later_one_stops_a
     signal after `REPEAT_WINDOW_S` is the user insisting: the previous handler takes over."""
     import os
 
-    from cohort.run.lifecycle import StopRequest
+    from cohort_grpo.run.lifecycle import StopRequest
 
     received = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
@@ -360,9 +360,9 @@ def _calls(text: str, name: str) -> list[str]:
 
 
 def test_weights_load_only_from_safetensors_or_weights_only_torch_load():
-    import cohort
+    import cohort_grpo
 
-    sources = {p: p.read_text() for p in Path(cohort.__file__).parent.rglob("*.py")}
+    sources = {p: p.read_text() for p in Path(cohort_grpo.__file__).parent.rglob("*.py")}
     torch_loads = [(p.name, call) for p, text in sources.items() for call in _calls(text, "torch.load")]
     assert torch_loads, "the checkpoint code loads optimizer.pt with torch.load"
     for name, call in torch_loads:

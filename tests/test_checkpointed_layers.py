@@ -1,4 +1,4 @@
-"""gradient_checkpointing_layers=auto (cohort/memory/checkpointed_layers.py): the decision against hand arithmetic, the
+"""gradient_checkpointing_layers=auto (cohort_grpo/memory/checkpointed_layers.py): the decision against hand arithmetic, the
 probe's measurement, the trainer's wiring (measure in the first update, decide before the second,
 recompute everything on running out of memory), its errors, and on a GPU the probe against the
 memory a kept layer really holds."""
@@ -6,10 +6,10 @@ memory a kept layer really holds."""
 import pytest
 import torch
 
-from cohort import GRPOConfig
-from cohort.config.command_line import parse_config
-from cohort.errors import CohortError
-from cohort.memory.checkpointed_layers import ActivationProbe, AutoCheckpointing, layers_to_keep
+from cohort_grpo import GRPOConfig
+from cohort_grpo.config.command_line import parse_config
+from cohort_grpo.errors import CohortError
+from cohort_grpo.memory.checkpointed_layers import ActivationProbe, AutoCheckpointing, layers_to_keep
 from helpers import synthetic_batch, update_trainer
 from update_gradients import update_gradient
 
@@ -110,7 +110,7 @@ def test_auto_measures_in_the_first_update_and_decides_before_the_second(tiny_di
 
 
 def test_out_of_memory_while_keeping_layers_recomputes_them_before_halving(tiny_dir, tmp_path, monkeypatch):
-    import cohort.update.policy_update as update_module
+    import cohort_grpo.update.policy_update as update_module
 
     trainer = _trainer(tiny_dir, tmp_path, gradient_checkpointing_layers="auto")
     model = trainer.model
@@ -137,8 +137,8 @@ def test_out_of_memory_while_keeping_layers_recomputes_them_before_halving(tiny_
 @pytest.mark.parametrize("share", [True, False])
 def test_largest_micro_batch_bounds_every_planned_micro_batch(tiny_dir, tmp_path, share):
     """The bound against the planner itself, on rollouts whose completions all reach the limit."""
-    from cohort.rollout.layout import Layout
-    from cohort.update.packing import pack
+    from cohort_grpo.rollout.layout import Layout
+    from cohort_grpo.update.packing import pack
 
     trainer = _trainer(tiny_dir, tmp_path, share_prompt_prefix=share)
     G, P, C = trainer.args.num_generations, trainer.args.max_prompt_length, trainer.args.max_completion_length
@@ -174,8 +174,8 @@ def test_auto_options_parse_and_errors():
 def test_probe_on_the_gpu_equals_the_memory_a_kept_layer_holds():
     """Independent figure: memory held after a training forward with every layer recomputed, and
     with the last one kept; the difference is what that layer keeps for its backward."""
-    from cohort.models import CausalLM
-    from cohort.models.config import ModelConfig
+    from cohort_grpo.models import CausalLM
+    from cohort_grpo.models.config import ModelConfig
 
     config = ModelConfig(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=1024,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64)

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from cohort.cli import main
-from cohort.config.grpo_config import GRPOConfig
-from cohort.config.command_line import parse_config
-from cohort.errors import CohortError
+from cohort_grpo.cli import main
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.config.command_line import parse_config
+from cohort_grpo.errors import CohortError
 
 
 def _run_cli(capsys, *argv):
@@ -34,7 +34,7 @@ def _run_cli(capsys, *argv):
     ],
 )
 def test_bad_input_is_one_clear_line(capsys, argv, expected, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # not the checkout, where a finished `cohort train` may have left runs/
+    monkeypatch.chdir(tmp_path)  # not the checkout, where a finished `cohort-grpo train` may have left runs/
     code, err = _run_cli(capsys, *argv)
     assert code == 2
     assert expected in err
@@ -43,8 +43,8 @@ def test_bad_input_is_one_clear_line(capsys, argv, expected, tmp_path, monkeypat
 
 
 def test_missing_column_a_reward_needs(tmp_path):
-    from cohort import GRPOTrainer
-    from cohort.models.tiny import build_model, build_tokenizer
+    from cohort_grpo import GRPOTrainer
+    from cohort_grpo.models.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
@@ -73,6 +73,6 @@ def test_cli_flags_override_yaml_and_accept_dashes(tmp_path):
 
 
 def test_no_traceback_from_a_real_process():
-    out = subprocess.run([sys.executable, "-m", "cohort", "train", "--task", "nope"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "cohort_grpo", "train", "--task", "nope"], capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip() == "cohort: error: unknown task 'nope'; choose one of ['arithmetic', 'calculator', 'generic', 'gsm8k'] (--task)"

@@ -1,4 +1,4 @@
-"""`cohort train`'s configuration: one precedence rule for every option (built-in default < the task's
+"""`cohort-grpo train`'s configuration: one precedence rule for every option (built-in default < the task's
 defaults < YAML < command line, the task named by either), `--print_config`, `--help` with the defaults
 this invocation would use, every subcommand's own help, `--version`, greedy sampling refused, and every
 recipe of docs/howto built from flags and from YAML to the same config."""
@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-import cohort
-from cohort.run.determinism import cpu_thread_count
-from cohort.cli import main
-from cohort.config.grpo_config import GRPOConfig
-from cohort.config.command_line import config_help, describe_config, parse_config, resolve_config
-from cohort.errors import CohortError
-from cohort.config.output_dir import COMMAND_LINE_OUTPUT_DIR
-from cohort.tasks import get_task
+import cohort_grpo
+from cohort_grpo.run.determinism import cpu_thread_count
+from cohort_grpo.cli import main
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.config.command_line import config_help, describe_config, parse_config, resolve_config
+from cohort_grpo.errors import CohortError
+from cohort_grpo.config.output_dir import COMMAND_LINE_OUTPUT_DIR
+from cohort_grpo.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[1]
 ARITHMETIC = get_task("arithmetic").default_config
@@ -36,7 +36,7 @@ def write_yaml(path: Path, values: dict) -> str:
 
 
 class Recorder:
-    """Stands in for GRPOTrainer in `cohort train`: records what the command line built, trains nothing."""
+    """Stands in for GRPOTrainer in `cohort-grpo train`: records what the command line built, trains nothing."""
 
     calls: list = []
 
@@ -49,7 +49,7 @@ class Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch):
-    import cohort.trainer.grpo_trainer as trainer_module
+    import cohort_grpo.trainer.grpo_trainer as trainer_module
 
     Recorder.calls = []
     monkeypatch.setattr(trainer_module, "GRPOTrainer", Recorder)
@@ -143,7 +143,7 @@ def test_trl_alias_sets_the_field_and_its_source():
 # ---- --print_config ---------------------------------------------------------------------------
 
 def test_print_config_shows_each_value_and_source_and_does_not_train(tmp_path, tiny_dir, capsys, monkeypatch):
-    import cohort.trainer.grpo_trainer as trainer_module
+    import cohort_grpo.trainer.grpo_trainer as trainer_module
 
     monkeypatch.setattr(trainer_module.GRPOTrainer, "train", lambda self: pytest.fail("--print_config trained"))
     monkeypatch.chdir(tmp_path)  # the task's output_dir, runs/arithmetic, is made and removed here
@@ -195,7 +195,7 @@ def option_line(text: str, name: str) -> str:
 
 def test_train_help_shows_the_defaults_a_bare_run_uses(capsys):
     text = help_of(capsys, "train", "--help")
-    assert text.startswith("usage: cohort train")
+    assert text.startswith("usage: cohort-grpo train")
     assert "default: runs/arithmetic (task:arithmetic)" in option_line(text, "output_dir")
     assert "default: 600 (task:arithmetic)" in option_line(text, "max_steps")
     assert "default: 2e-05 (task:arithmetic)" in option_line(text, "learning_rate")
@@ -232,23 +232,23 @@ def test_train_help_follows_the_task_and_the_yaml_of_the_invocation(tmp_path, ca
 @pytest.mark.parametrize("command", ["eval", "sft", "report", "chat", "generate"])
 def test_each_subcommand_has_its_own_help(capsys, command):
     text = help_of(capsys, command, "--help")
-    assert text.startswith(f"usage: cohort {command}"), text[:200]
-    assert "cohort report RUN_DIR" not in text or command == "report"  # not the global usage
+    assert text.startswith(f"usage: cohort-grpo {command}"), text[:200]
+    assert "cohort-grpo report RUN_DIR" not in text or command == "report"  # not the global usage
     assert help_of(capsys, "help", command) == text
 
 
 def test_help_after_other_options_is_help_not_an_error(capsys):
     text = help_of(capsys, "eval", "--model", "x", "--help")
-    assert text.startswith("usage: cohort eval") and "--num_samples" in text
-    assert help_of(capsys, "chat", "some/model", "-h").startswith("usage: cohort chat")
-    assert help_of(capsys, "generate", "m", "--prompts", "p.txt", "--help").startswith("usage: cohort generate")
+    assert text.startswith("usage: cohort-grpo eval") and "--num_samples" in text
+    assert help_of(capsys, "chat", "some/model", "-h").startswith("usage: cohort-grpo chat")
+    assert help_of(capsys, "generate", "m", "--prompts", "p.txt", "--help").startswith("usage: cohort-grpo generate")
 
 
 def test_global_help_and_version(capsys):
     text = help_of(capsys, "--help")
-    assert text.startswith("usage: cohort [train]") and "cohort eval" in text and "--help" in text
+    assert text.startswith("usage: cohort-grpo [train]") and "cohort-grpo eval" in text and "--help" in text
     assert help_of(capsys, "help") == text
-    assert help_of(capsys, "--version").strip() == f"cohort {cohort.__version__}"
+    assert help_of(capsys, "--version").strip() == f"cohort {cohort_grpo.__version__}"
 
 
 def test_config_help_without_arguments_lists_the_built_in_defaults():
@@ -281,7 +281,7 @@ def test_sampling_that_keeps_groups_diverse_is_accepted():
 
 # ---- 6. every recipe of docs/howto runs from YAML with the same result --------------------------
 
-# The recipes the guide promises; each must be one of the `cohort train` commands found in the pages.
+# The recipes the guide promises; each must be one of the `cohort-grpo train` commands found in the pages.
 RECIPES = {
     "GSM8K": ("gsm8k.md", "--task gsm8k --num_generations 8"),
     "curriculum": ("gsm8k.md", "--curriculum arithmetic:50,gsm8k:200"),
@@ -299,7 +299,7 @@ LIST_FIELDS = {f.name for f in dataclasses.fields(GRPOConfig) if "list[" in str(
 
 
 def train_commands() -> list[tuple[str, str, list[str]]]:
-    """(page, the command as written, its option arguments) for every `cohort train` command in the
+    """(page, the command as written, its option arguments) for every `cohort-grpo train` command in the
     fenced code blocks of docs/howto/*.md. `...` placeholders are dropped, with a flag left without a
     value; the launcher's options (--nproc_per_node, --nnodes, ...) are not config options."""
     found = []
@@ -307,12 +307,12 @@ def train_commands() -> list[tuple[str, str, list[str]]]:
         fenced = re.findall(r"^```([^\n]*)\n(.*?)^```", page.read_text(encoding="utf-8"), re.S | re.M)
         for block in (body for language, body in fenced if language.strip() in ("", "bash", "sh", "shell")):
             for line in block.replace("\\\n", " ").splitlines():
-                if not re.search(r"\bcohort train\b", line):
+                if not re.search(r"\bcohort-grpo train\b", line):
                     continue
                 words = shlex.split(line, comments=True)
-                if "cohort" not in words or "train" not in words[words.index("cohort"):]:
+                if "cohort-grpo" not in words or "train" not in words[words.index("cohort-grpo"):]:
                     continue
-                start = words.index("cohort")
+                start = words.index("cohort-grpo")
                 if words[start + 1:start + 2] != ["train"]:
                     continue
                 argv, rest = [], words[start + 2:]

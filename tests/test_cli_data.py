@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from cohort.cli import main, task_rows
-from cohort.config.command_line import resolve_config
-from cohort.errors import CohortError
-from cohort.tasks import get_task
-from cohort.tasks.data import load_rows
+from cohort_grpo.cli import main, task_rows
+from cohort_grpo.config.command_line import resolve_config
+from cohort_grpo.errors import CohortError
+from cohort_grpo.tasks import get_task
+from cohort_grpo.tasks.data import load_rows
 
 ROWS = [{"question": "1+2=", "target": "3", "level": "easy"},
         {"question": "2+2=", "target": "4", "level": "easy"},
@@ -145,7 +145,7 @@ def test_a_missing_prompt_column_names_the_columns_and_the_option(tmp_path):
 
 
 def test_hub_dataset_by_name(monkeypatch):
-    import cohort.tasks.generic as generic
+    import cohort_grpo.tasks.generic as generic
 
     asked = []
 
@@ -165,7 +165,7 @@ def test_hub_dataset_by_name(monkeypatch):
 
 
 def test_a_task_reads_the_hub_dataset_too(monkeypatch):
-    import cohort.tasks.gsm8k as gsm8k
+    import cohort_grpo.tasks.gsm8k as gsm8k
 
     asked = []
 

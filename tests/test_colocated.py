@@ -1,21 +1,21 @@
 """The colocated placement (`--fsdp`, no `--rollout_gpus`, `rollout_tensor_parallel_size` T > 1): FSDP2 training
-ranks sample in groups of T consecutive ranks, one engine call per group (cohort/rollout/colocated.py,
-cohort/parallel/colocation.py). What runs in one process: the groups, how a group's requests become engine calls and
+ranks sample in groups of T consecutive ranks, one engine call per group (cohort_grpo/rollout/colocated.py,
+cohort_grpo/parallel/colocation.py). What runs in one process: the groups, how a group's requests become engine calls and
 how a rank's block is cut from a merged call, and the settings refused in one line. Real ranks training exactly
 what one process trains, and resuming: tests/test_distributed.py."""
 
 import pytest
 import torch
 
-from cohort import GRPOConfig
-from cohort.errors import CohortError
-from cohort.models import CausalLM, ModelConfig
-from cohort.models.lora import apply_lora, lora_config_from_args
-from cohort.run.resolve import resolve_run_config
-from cohort.rollout.colocated import blocks_of_one_batch
-from cohort.rollout.sampler import SamplingParams
-from cohort.parallel.colocation import SamplingGroup
-from cohort.parallel.placement import Placement
+from cohort_grpo import GRPOConfig
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import CausalLM, ModelConfig
+from cohort_grpo.models.lora import apply_lora, lora_config_from_args
+from cohort_grpo.run.resolve import resolve_run_config
+from cohort_grpo.rollout.colocated import blocks_of_one_batch
+from cohort_grpo.rollout.sampler import SamplingParams
+from cohort_grpo.parallel.colocation import SamplingGroup
+from cohort_grpo.parallel.placement import Placement
 
 CPU = torch.device("cpu")
 
@@ -55,7 +55,7 @@ def test_requests_are_blocks_of_one_batch_only_with_the_same_settings_and_consec
 
 def test_a_ranks_block_of_one_engine_call_is_what_its_own_call_samples():
     """The group's one call over both ranks' prompts, cut to rank 1's rows, against rank 1's own call."""
-    from cohort.rollout import Engine
+    from cohort_grpo.rollout import Engine
 
     engine = Engine(small_model(), max_batch_size=64)
     mine, theirs = [[3, 4, 5], [6, 7]], [[8, 9, 10, 11], [12]]

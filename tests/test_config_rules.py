@@ -1,4 +1,4 @@
-"""The table of refused configs (cohort/config/rules.py): each range row refuses exactly the values its words
+"""The table of refused configs (cohort_grpo/config/rules.py): each range row refuses exactly the values its words
 in docs/reference.md name, `check()` raises the first row that refuses, and a refused value reads one way."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from cohort import GRPOConfig
-from cohort.config.choices import choose
-from cohort.config.rules import RULES, first_refusal, refusal
-from cohort.errors import CohortError
+from cohort_grpo import GRPOConfig
+from cohort_grpo.config.choices import choose
+from cohort_grpo.config.rules import RULES, first_refusal, refusal
+from cohort_grpo.errors import CohortError
 
 DEFAULTS = GRPOConfig().validate()
 RANGE = re.compile(r"^`(?P<name>\w+)` (?:(?P<op>[<≤]) (?P<bound>-?[\d.]+)|outside (?P<interval>[(\[]-?[\d.]+, -?[\d.]+[)\]]))$")

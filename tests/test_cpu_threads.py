@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from cohort.run.determinism import run_determinism, cpu_thread_count
-from cohort.config.grpo_config import GRPOConfig
-from cohort.errors import CohortError
+from cohort_grpo.run.determinism import run_determinism, cpu_thread_count
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.errors import CohortError
 
 
 def test_auto_leaves_one_core_to_other_work(monkeypatch):
@@ -42,7 +42,7 @@ def test_a_count_below_one_is_refused():
 def test_full_determinism_turns_the_ordered_kernels_on_for_a_gpu_run_and_restores_them(monkeypatch):
     """`full_determinism`: a GPU run (here the meta device stands for it) gets PyTorch's deterministic algorithms
     and cuDNN's, and cuBLAS a fixed workspace; the CPU's thread count is not touched; all restored after."""
-    from cohort.run.determinism import prepare_full_determinism
+    from cohort_grpo.run.determinism import prepare_full_determinism
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     prepare_full_determinism()

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.errors import CohortError
-from cohort.models.tiny import build_model, build_tokenizer
-from cohort.run.checkpoint import MARKER, TRAINER_STATE, check_checkpoint, list_checkpoints
-from cohort.run.failure import TrainingFailed
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models.tiny import build_model, build_tokenizer
+from cohort_grpo.run.checkpoint import MARKER, TRAINER_STATE, check_checkpoint, list_checkpoints
+from cohort_grpo.run.failure import TrainingFailed
 from helpers import UPDATE_PROMPTS
 
 SPEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -192,7 +192,7 @@ def test_a_failure_before_any_step_completed_is_raised_as_it_was(tiny_dir, tmp_p
 
 
 def test_the_command_line_prints_another_exception_as_one_line_naming_the_checkpoint(tmp_path):
-    from cohort.run.failure import failure_line, with_hint
+    from cohort_grpo.run.failure import failure_line, with_hint
 
     try:
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
@@ -210,8 +210,8 @@ def test_the_command_line_prints_another_exception_as_one_line_naming_the_checkp
 
 def test_one_rank_failing_alone_among_several_writes_nothing(tmp_path):
     """The save is a collective the other ranks would not join: the error is left as it is."""
-    from cohort.run.checkpoint import RunState
-    from cohort.run.failure import StepEnd, keep_failed_run
+    from cohort_grpo.run.checkpoint import RunState
+    from cohort_grpo.run.failure import StepEnd, keep_failed_run
 
     end = StepEnd(RunState(step=2, prompts={}, history=[]), [], optimizer_steps=2)
     saves = []
@@ -238,7 +238,7 @@ def setup(tmp_path_factory):
 
 
 def train(root: Path, out: Path, *extra: str, crash_from_call: int = 0, wait: bool = True):
-    command = [sys.executable, "-m", "cohort", "train", "--model", str(root / "model"), "--task", "arithmetic",
+    command = [sys.executable, "-m", "cohort_grpo", "train", "--model", str(root / "model"), "--task", "arithmetic",
                "--reward_funcs", "crashmod:digit_share", "--num_generations", "4", "--per_device_train_batch_size", "8",
                "--max_completion_length", "5", "--max_prompt_length", "64", "--max_steps", "5", "--eval_limit", "4",
                "--learning_rate", "3e-3", "--beta", "0.05", "--log_completions_steps", "1", "--logging_steps", "1",
@@ -287,7 +287,7 @@ def rows_file(path: Path) -> tuple[Path, list[dict]]:
 
 
 def test_a_long_prompt_in_a_data_file_is_named_by_file_and_line_before_step_1(setup, tmp_path, capsys, monkeypatch):
-    from cohort.cli import main
+    from cohort_grpo.cli import main
 
     data, rows = rows_file(tmp_path / "rows.jsonl")
     out = tmp_path / "out"
@@ -340,7 +340,7 @@ def test_a_reward_failing_on_one_rank_of_two_keeps_the_last_step_on_both(setup):
     """Rank 1's reward function raises in step 3; rank 0's does not. Scoring fails on every rank alike
     (`fail_together`), both ranks save checkpoint-2 together, and `--resume` gives the uninterrupted job's steps."""
     def job(out: Path, *extra: str, crash: bool = False):
-        command = [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2", "--model", str(setup / "model"),
+        command = [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", "--model", str(setup / "model"),
                    "--task", "arithmetic", "--reward_funcs", "crashmod:digit_share", "--num_generations", "4",
                    "--per_device_train_batch_size", "4", "--max_completion_length", "5", "--max_prompt_length", "64",
                    "--max_steps", "4", "--eval_limit", "0", "--learning_rate", "3e-3", "--seed", "7", "--logging_steps",

@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.config.command_line import parse_config
-from cohort.config.curriculum import parse_curriculum
-from cohort.tasks.curriculum import Curriculum
-from cohort.errors import CohortError
-from cohort.tasks import get_task
-from cohort.models.tiny import TINY_SPEC, build_model, build_tokenizer
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.config.command_line import parse_config
+from cohort_grpo.config.curriculum import parse_curriculum
+from cohort_grpo.tasks.curriculum import Curriculum
+from cohort_grpo.errors import CohortError
+from cohort_grpo.tasks import get_task
+from cohort_grpo.models.tiny import TINY_SPEC, build_model, build_tokenizer
 
 torch.set_num_threads(1)
 

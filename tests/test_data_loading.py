@@ -1,12 +1,12 @@
-"""Loading rows from local files (cohort/tasks/data.py) and its error messages."""
+"""Loading rows from local files (cohort_grpo/tasks/data.py) and its error messages."""
 
 import json
 import sys
 
 import pytest
 
-from cohort.errors import CohortError
-from cohort.tasks.data import load_hub_dataset, load_rows
+from cohort_grpo.errors import CohortError
+from cohort_grpo.tasks.data import load_hub_dataset, load_rows
 
 ROWS = [{"question": "1+1?", "answer": "#### 2"}, {"question": "2+2?", "answer": "#### 4"}]
 

@@ -1,4 +1,4 @@
-"""The flash-decoding kernel (cohort.kernels.decode_attention) against its plain-torch reference.
+"""The flash-decoding kernel (cohort_grpo.kernels.decode_attention) against its plain-torch reference.
 
 On a machine without CUDA the kernel runs through Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is first imported), on float32 tensors; tolerance 1e-4 max abs throughout. Sizes
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from triton_interpreter import DEVICE, kernel_module
 
-decode_module = kernel_module("cohort.kernels.decode_attention", "_decode_split_kernel")
+decode_module = kernel_module("cohort_grpo.kernels.decode_attention", "_decode_split_kernel")
 decode_attention_reference = decode_module.decode_attention_reference
 choose_num_splits = decode_module.choose_num_splits
 

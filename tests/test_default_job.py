@@ -1,4 +1,4 @@
-"""`cohort train` with no arguments: the built-in task, end to end, as a user runs it (one seed in CI)."""
+"""`cohort-grpo train` with no arguments: the built-in task, end to end, as a user runs it (one seed in CI)."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.soak  # the whole default job (about 2 minutes on 2 cores): CI runs it with -m soak, after the suite
 def test_default_job_learns(tmp_path):
     env = dict(os.environ, COHORT_CACHE=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-m", "cohort", "train", "--output_dir", str(tmp_path / "run"), "--quiet"],
+    out = subprocess.run([sys.executable, "-m", "cohort_grpo", "train", "--output_dir", str(tmp_path / "run"), "--quiet"],
                          capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
@@ -41,7 +41,7 @@ def test_default_job_learns_with_asynchronous_rollouts(tmp_path):
     it learning (59.5% -> 92.5% here, against 93.0% synchronously), and every logged step says how stale
     its samples were and how far the sampler's log-probs were from the trainer's."""
     env = dict(os.environ, COHORT_CACHE=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-m", "cohort", "train", "--output_dir", str(tmp_path / "run"), "--quiet",
+    out = subprocess.run([sys.executable, "-m", "cohort_grpo", "train", "--output_dir", str(tmp_path / "run"), "--quiet",
                           "--async_rollouts", "true", "--max_staleness", "1"],
                          capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -59,8 +59,8 @@ def test_the_built_in_models_choose_the_cpu_and_others_keep_their_device(monkeyp
     docs/performance.md), a model of the user's stays `auto` (then CUDA), an explicit device is kept."""
     import torch
 
-    from cohort.models.tiny import run_device
-    from cohort.parallel.distributed import pick_device
+    from cohort_grpo.models.tiny import run_device
+    from cohort_grpo.parallel.distributed import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert run_device("auto", None) == "cpu"

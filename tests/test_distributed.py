@@ -1,7 +1,7 @@
 """Several processes (issue 6): 2 ranks with gloo on the CPU against one process, the launcher, FSDP2,
 resume, a rank that dies; sharding and sampling that does not depend on how a batch is split.
 
-The process tests start real `torchrun` / `cohort train --nproc_per_node 2` jobs on the built-in tiny
+The process tests start real `torchrun` / `cohort-grpo train --nproc_per_node 2` jobs on the built-in tiny
 model (random init) with a dense deterministic reward, so every step moves the weights."""
 
 import json
@@ -19,11 +19,11 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from cohort.parallel.distributed import Parallel, average_records, shard_bounds
-from cohort.rollout import Engine
-from cohort.rollout.sampling import gumbel_noise
-from cohort.models import from_pretrained
-from cohort.rollout.sampler import SamplingParams
+from cohort_grpo.parallel.distributed import Parallel, average_records, shard_bounds
+from cohort_grpo.rollout import Engine
+from cohort_grpo.rollout.sampling import gumbel_noise
+from cohort_grpo.models import from_pretrained
+from cohort_grpo.rollout.sampler import SamplingParams
 
 REWARD_MODULE = '''
 def digit_share(prompts, completions, completion_ids=None, **_):
@@ -78,14 +78,14 @@ def test_one_process_parallel_is_a_no_op():
     (["--nproc_per_node", "0"], "--nproc_per_node '0': give the number of processes, e.g. --nproc_per_node 2"),
 ])
 def test_launcher_bad_process_counts_are_one_line(argv, expected, tiny_dir, capsys, tmp_path):
-    from cohort.cli import main
+    from cohort_grpo.cli import main
 
     assert main(["train", *argv, "--model", tiny_dir, "--output_dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == f"cohort: error: {expected}"
 
 
 def test_launcher_refuses_to_nest_under_torchrun(tiny_dir, capsys, tmp_path, monkeypatch):
-    from cohort.cli import main
+    from cohort_grpo.cli import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["train", "--nproc_per_node", "2", "--model", tiny_dir, "--output_dir", str(tmp_path)]) == 2
@@ -182,7 +182,7 @@ def run(root: Path, command: list[str], timeout: int = 240) -> str:
 
 
 def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "cohort",
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "cohort_grpo",
             "train", *args]
 
 
@@ -209,7 +209,7 @@ def one_process(setup, tiny_dir):
     """The reference: one process, 3 steps, a checkpoint after each (a 2-step run is its checkpoint-2:
     the learning rate is constant)."""
     out = setup / "one"
-    run(setup, [sys.executable, "-m", "cohort", "train",
+    run(setup, [sys.executable, "-m", "cohort_grpo", "train",
                 *train_options(tiny_dir, out, 4, "--max_steps", "3", "--save_steps", "1", "--save_total_limit", "0")])
     initial = load_file(Path(tiny_dir) / "model.safetensors")
     final = load_file(out / "model.safetensors")
@@ -220,10 +220,10 @@ def one_process(setup, tiny_dir):
 
 @pytest.mark.slow
 def test_two_ranks_via_the_launcher_equal_one_process_and_resume(setup, tiny_dir, one_process):
-    """`cohort train --nproc_per_node 2` (DDP, gloo) for 2 steps, then `--resume` to step 3 on 2 ranks:
+    """`cohort-grpo train --nproc_per_node 2` (DDP, gloo) for 2 steps, then `--resume` to step 3 on 2 ranks:
     the loss of every step and the weights equal one process's (≤ 1e-5)."""
     out = setup / "ddp"
-    output = run(setup, [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2",
+    output = run(setup, [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2",
                          *train_options(tiny_dir, out, 2, "--max_steps", "2")])
     assert output.count("Step 2/2") == 1, "rank 0 alone prints"
     assert "eval (step 2): accuracy=" in output and "on 5 problems" in output  # 3 + 2 rows, counts summed
@@ -237,7 +237,7 @@ def test_two_ranks_via_the_launcher_equal_one_process_and_resume(setup, tiny_dir
 
 @pytest.mark.slow
 def test_fsdp2_on_two_ranks_equals_one_process(setup, tiny_dir, one_process):
-    """`torchrun -m cohort train --fsdp` (FSDP2 fully_shard over gloo; fp32 on the CPU): the sharded
+    """`torchrun -m cohort_grpo train --fsdp` (FSDP2 fully_shard over gloo; fp32 on the CPU): the sharded
     update and the full copy the engine samples from give one process's run. With `--free_sampling_memory`
     the copy's memory is freed from each rollout to its refresh (π_old's pass, μ = 2, goes through FSDP2)."""
     out = setup / "fsdp"
@@ -259,7 +259,7 @@ def test_fsdp2_ranks_sampling_as_one_tensor_parallel_group_equal_one_process_and
     weights are one process's (and so `--fsdp` with T = 1's, test above), through a checkpoint and --resume."""
     out = setup / "colocated"
     options = ("--fsdp", "--rollout_tensor_parallel_size", "2", "--save_steps", "1")
-    output = run(setup, [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2",
+    output = run(setup, [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2",
                          *train_options(tiny_dir, out, 2, "--max_steps", "2", *options)])
     assert ("rollouts: sampled on the 2 training ranks in 1 tensor-parallel group(s) of 2, each rank keeping its "
             "shard (rollout_tensor_parallel_size; colocated with FSDP2") in output
@@ -279,7 +279,7 @@ def test_fsdp2_ranks_sampling_as_one_tensor_parallel_group_equal_one_process_and
 def test_a_rank_that_dies_stops_the_job_with_a_message(setup, tiny_dir):
     out = setup / "killed"
     tag = f"cohort-dead-rank-{os.getpid()}"
-    command = [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2",
+    command = [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2",
                *train_options(tiny_dir, out, 1, "--max_steps", "1000", "--eval_limit", "0", "--ddp_timeout", "60")]
     process = subprocess.Popen(command, env=environment(setup, COHORT_TEST_TAG=tag), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)

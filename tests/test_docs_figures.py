@@ -55,7 +55,7 @@ def test_the_sample_output_ends_with_one_of_those_runs():
 def test_the_calculator_jobs_figures_are_the_pages():
     before, after, seconds = re.search(r"([\d.]+)% → ([\d.]+)% held-out accuracy in (\d+) s on 2 CPU cores",
                                        README).groups()
-    [row] = [row for row in table_after("`cohort train --task calculator`: ") if row["machine"].startswith("2-core")]
+    [row] = [row for row in table_after("`cohort-grpo train --task calculator`: ") if row["machine"].startswith("2-core")]
     assert percent_pair(row["accuracy before → after"]) == (float(before), float(after))
     assert row["time"].startswith(f"{seconds} s")
 

@@ -34,9 +34,9 @@ def python_strings(path: Path) -> list[str]:
 
 
 def told_to_users() -> list[tuple[str, str]]:
-    """(where, text) for the user pages, the examples and the strings of cohort/ (its messages)."""
+    """(where, text) for the user pages, the examples and the strings of cohort_grpo/ (its messages)."""
     texts = [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8")) for p in USER_PAGES]
-    for path in [*sorted((ROOT / "examples").glob("*.py")), *sorted((ROOT / "cohort").rglob("*.py"))]:
+    for path in [*sorted((ROOT / "examples").glob("*.py")), *sorted((ROOT / "cohort_grpo").rglob("*.py"))]:
         texts += [(str(path.relative_to(ROOT)), text) for text in python_strings(path)]
     return texts
 
@@ -104,9 +104,9 @@ def test_the_readme_keeps_its_two_set_up_commands_and_they_resolve():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     block = re.search(r"## Quick start\n\n```bash\n(.*?)```", readme, re.S).group(1)
     commands = [line.split("#")[0].strip() for line in block.splitlines()]
-    assert commands == ["pip install -e . && cohort train", 'pip install -e ".[test]" && python -m pytest']
-    assert PYPROJECT["project"]["scripts"]["cohort"] == "cohort.cli:main"
-    from cohort.cli import main
+    assert commands == ["pip install -e . && cohort-grpo train", 'pip install -e ".[test]" && python -m pytest']
+    assert PYPROJECT["project"]["scripts"]["cohort-grpo"] == "cohort_grpo.cli:main"
+    from cohort_grpo.cli import main
 
     assert callable(main)
     assert "pytest" in " ".join(PYPROJECT["project"]["optional-dependencies"]["test"])
@@ -125,7 +125,7 @@ def test_no_user_page_sends_a_user_to_the_developers_shared_folder():
     ("the datasets package; pip install datasets, or pass a local file", [["datasets"]]),
     ("pip install torch --index-url https://x/whl/cpu — then", [["torch", "--index-url", "https://x/whl/cpu"]]),
     ("LoRA needs peft: pip install 'cohort[peft]' (or", [["cohort[peft]"]]),
-    ("pip install -e . && cohort train", [["-e", "."]]),
+    ("pip install -e . && cohort-grpo train", [["-e", "."]]),
 ])
 def test_the_reader_of_pip_commands(text, expected):
     assert pip_install_arguments(text) == expected

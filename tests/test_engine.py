@@ -1,7 +1,7 @@
-"""The fast sampler (cohort/rollout/) against transformers' generate and independent computations.
+"""The fast sampler (cohort_grpo/rollout/) against transformers' generate and independent computations.
 
 Tiny random models of each family are built with transformers, saved, and loaded with
-cohort.models.from_pretrained, so both implementations hold the same weights. CPU, float32.
+cohort_grpo.models.from_pretrained, so both implementations hold the same weights. CPU, float32.
 """
 
 import math
@@ -10,13 +10,13 @@ import pytest
 import torch
 import transformers
 
-from cohort.rollout import Engine, make_sampler
-from cohort.rollout.sampling import gumbel_noise, min_p_filter, sample_from_logits, top_k_filter, top_p_filter
-from cohort.rollout.scheduler import Scheduler
-from cohort.rollout.sequence import Sequence
-from cohort.errors import CohortError
-from cohort.models import from_pretrained
-from cohort.rollout.sampler import HFGenerateSampler, SamplingParams, apply_stop_strings, find_stop_string
+from cohort_grpo.rollout import Engine, make_sampler
+from cohort_grpo.rollout.sampling import gumbel_noise, min_p_filter, sample_from_logits, top_k_filter, top_p_filter
+from cohort_grpo.rollout.scheduler import Scheduler
+from cohort_grpo.rollout.sequence import Sequence
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import from_pretrained
+from cohort_grpo.rollout.sampler import HFGenerateSampler, SamplingParams, apply_stop_strings, find_stop_string
 from helpers import ENGINE_FAMILIES as FAMILIES, ENGINE_TINY as TINY, CharTokenizer
 
 torch.set_num_threads(1)
@@ -252,7 +252,7 @@ def test_a_shared_prompt_is_prefilled_once_and_each_completion_samples_as_if_alo
     assert len({tuple(row) for row in shared.completion_ids[:4].tolist()}) > 1, "one prompt's draws must differ"
 
 def test_kv_cache_prefix_table_follows_shares_rewrites_and_moves():
-    from cohort.models.cache import KVCache
+    from cohort_grpo.models.cache import KVCache
 
     cache = KVCache(2, 6, 1, 8, 4)
     for keys in cache.k_layers:

@@ -1,4 +1,4 @@
-"""Overlapped checks in the engine (cohort/rollout/overlap.py): the next decode chunk is enqueued
+"""Overlapped checks in the engine (cohort_grpo/rollout/overlap.py): the next decode chunk is enqueued
 before the host waits for the last one's progress. That changes when the host learns things, never
 what is sampled.
 
@@ -16,12 +16,12 @@ CPU, float32, the tiny random-init model of tests/test_engine.py (tests/helpers.
 import pytest
 import torch
 
-from cohort.rollout import Engine
-from cohort.rollout import overlap
-from cohort.rollout.overlap import HostProgress
-from cohort.rollout.sequence import Sequence
-from cohort.models import from_pretrained
-from cohort.rollout.sampler import SamplingParams
+from cohort_grpo.rollout import Engine
+from cohort_grpo.rollout import overlap
+from cohort_grpo.rollout.overlap import HostProgress
+from cohort_grpo.rollout.sequence import Sequence
+from cohort_grpo.models import from_pretrained
+from cohort_grpo.rollout.sampler import SamplingParams
 from helpers import ENGINE_FAMILIES as FAMILIES, ENGINE_TINY as TINY, CharTokenizer
 
 torch.set_num_threads(1)  # as tests/test_engine.py, whose models these are

@@ -10,15 +10,15 @@ import re
 import pytest
 import torch
 
-from cohort import GRPOConfig
-from cohort.errors import CohortError
-from cohort.models import CausalLM, ModelConfig
-from cohort.run.resolve import resolve_run_config
-from cohort.rollout import Engine
-from cohort.rollout.sampler import SamplingParams
-from cohort.parallel.placement import Placement
-from cohort.plans.placement_lines import placement_line, slots_line
-from cohort.rollout.setup import capped
+from cohort_grpo import GRPOConfig
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import CausalLM, ModelConfig
+from cohort_grpo.run.resolve import resolve_run_config
+from cohort_grpo.rollout import Engine
+from cohort_grpo.rollout.sampler import SamplingParams
+from cohort_grpo.parallel.placement import Placement
+from cohort_grpo.plans.placement_lines import placement_line, slots_line
+from cohort_grpo.rollout.setup import capped
 
 torch.set_num_threads(1)
 

@@ -1,5 +1,5 @@
 """Errors read in the words of the front end that raised them: from Python, `GRPOConfig`'s keywords
-(`resume=True`); from `cohort train`, its flags (`--resume`). A script's default output_dir is named after
+(`resume=True`); from `cohort-grpo train`, its flags (`--resume`). A script's default output_dir is named after
 the script; the command keeps its own."""
 
 import signal
@@ -9,13 +9,13 @@ import types
 
 import pytest
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.cli.main import main
-from cohort.config.command_line import resolve_config
-from cohort.errors import CohortError, command_line
-from cohort.config.output_dir import script_output_dir
-from cohort.config.spelling import python_spelling
-from cohort.run.lifecycle import TrainingInterrupted
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.cli.main import main
+from cohort_grpo.config.command_line import resolve_config
+from cohort_grpo.errors import CohortError, command_line
+from cohort_grpo.config.output_dir import script_output_dir
+from cohort_grpo.config.spelling import python_spelling
+from cohort_grpo.run.lifecycle import TrainingInterrupted
 
 
 def cli_error(capsys, *argv) -> str:
@@ -100,7 +100,7 @@ def test_known_options_become_keywords(message, python):
 
 @pytest.mark.parametrize("message", [
     "resume with --nproc_per_node 2",               # the launcher's flag, no GRPOConfig option
-    "see `cohort train --help`; --config run.yaml",
+    "see `cohort-grpo train --help`; --config run.yaml",
     "unexpected argument '--resume'; options look like --name value",  # a quoted argument as typed
     "--max-steps 3 and a--resume and ---resume",
     "no option named here at all",
@@ -130,7 +130,7 @@ def test_two_scripts_in_one_folder_write_to_two_runs(tmp_path):
     folders = []
     for name in ("first_port.py", "second_port.py"):
         script = tmp_path / name
-        script.write_text("from cohort import GRPOConfig\nprint(GRPOConfig().output_dir)\n")
+        script.write_text("from cohort_grpo import GRPOConfig\nprint(GRPOConfig().output_dir)\n")
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         folders.append(done.stdout.strip())

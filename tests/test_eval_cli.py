@@ -1,4 +1,4 @@
-"""`cohort eval`: per-question JSONL, the greedy accuracy and (from n samples) pass@k for k = 1, 2, 4, …, n
+"""`cohort-grpo eval`: per-question JSONL, the greedy accuracy and (from n samples) pass@k for k = 1, 2, 4, …, n
 and maj@n consistent with the verdicts, each printed and stored under its own label, verdicts checked
 independently of the code under test, and the in-training eval logging `eval/accuracy`.
 
@@ -16,8 +16,8 @@ from math import comb
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.cli import main
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.cli import main
 
 torch.set_num_threads(1)
 
@@ -46,7 +46,7 @@ def save_answering_model(path, completion: str) -> str:
     in a newline, greedy decoding (and sampling: the margin is ~50 nats) writes exactly `completion`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cohort.models.tiny import build_tokenizer
+    from cohort_grpo.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     chain = tokenizer("\n" + completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -112,7 +112,7 @@ class ScriptedSampler:
         return [f"<answer>{truth if j in right else truth + 1 + j % 2}</answer>" for j in range(n)]
 
     def generate(self, prompt_ids, num_generations, params):
-        from cohort.rollout.sampler import Rollout
+        from cohort_grpo.rollout.sampler import Rollout
 
         texts = [text for ids in prompt_ids
                  for text in self.completions(self.tokenizer.decode(ids).split("=?")[0], num_generations,
@@ -140,9 +140,9 @@ def test_pass_at_k_for_every_k_beside_the_greedy_accuracy(tiny_dir, tmp_path, mo
     """n = 6 samples: pass@1, pass@2, pass@4 and pass@6 (n itself) from subset enumeration over the
     JSONL's own verdicts, maj@6 from an independent vote; printed, in the per-question JSONL and in the
     summary JSON under `eval/...` keys, each labelled as what it is."""
-    import cohort.rollout
+    import cohort_grpo.rollout
 
-    monkeypatch.setattr(cohort.rollout, "make_sampler", lambda model, tokenizer: ScriptedSampler(tokenizer))
+    monkeypatch.setattr(cohort_grpo.rollout, "make_sampler", lambda model, tokenizer: ScriptedSampler(tokenizer))
     out_file = tmp_path / "scripted.jsonl"
     assert main(["eval", "--model", tiny_dir, "--task", "arithmetic", "--limit", "16", "--levels", "1",
                  "--num_samples", "6", "--temperature", "0.7", "--output", str(out_file), "--device", "cpu"]) == 0
@@ -191,9 +191,9 @@ def test_pass_at_k_for_every_k_beside_the_greedy_accuracy(tiny_dir, tmp_path, mo
 
 def test_evaluate_summed_over_ranks_equals_one_rank():
     """`EvalResult.summed` (the in-training eval over several ranks) adds up every pass@k."""
-    from cohort.eval.evaluate import evaluate
-    from cohort.models.tiny import build_tokenizer
-    from cohort.tasks import get_task
+    from cohort_grpo.eval.evaluate import evaluate
+    from cohort_grpo.models.tiny import build_tokenizer
+    from cohort_grpo.tasks import get_task
 
     tokenizer = build_tokenizer()
     task = get_task("arithmetic")
@@ -243,10 +243,10 @@ def test_gsm8k_eval_from_data_files(tmp_path, capsys):
 
 
 def test_no_model_means_the_built_in_model(tiny_dir, tmp_path, monkeypatch, capsys):
-    import cohort.sft.builtin
+    import cohort_grpo.sft.builtin
 
     asked = []
-    monkeypatch.setattr(cohort.sft.builtin, "tiny_model_dir", lambda log=print, **_: asked.append(1) or tiny_dir)
+    monkeypatch.setattr(cohort_grpo.sft.builtin, "tiny_model_dir", lambda log=print, **_: asked.append(1) or tiny_dir)
     out_file = tmp_path / "builtin.jsonl"
     assert main(["eval", "--limit", "3", "--output", str(out_file), "--device", "cpu"]) == 0
     assert asked and len(out_file.read_text().splitlines()) == 3
@@ -267,7 +267,7 @@ def test_bad_input_is_one_line(argv, fragment, capsys):
 
 
 def test_training_logs_eval_accuracy_every_eval_steps(tmp_path):
-    from cohort.tasks import get_task
+    from cohort_grpo.tasks import get_task
 
     task = get_task("arithmetic")
     held_out = task.load("test", levels=[2], size=6)

@@ -1,6 +1,6 @@
 """rollout_numerics="exact": the engine's sampling log-probs equal the trainer's log π_old bit for bit.
 
-The kernels (cohort/kernels/exact_*.py) run in Triton's interpreter on the CPU. The interpreter's
+The kernels (cohort_grpo/kernels/exact_*.py) run in Triton's interpreter on the CPU. The interpreter's
 tl.dot cannot multiply bf16 storage, so there the kernels widen tiles to float32 first (exact for
 bf16 products); the test of each kernel's reduction order is that a row's bits do not change with the
 rows beside it or its place in the batch. End to end, a tiny bf16 model samples with the `Engine`
@@ -21,23 +21,23 @@ pytest.importorskip("triton", reason="exact numerics run Triton kernels")
 
 from triton_interpreter import kernel_module  # noqa: E402
 
-matmul_kernels = kernel_module("cohort.kernels.exact_matmul", "_matmul_kernel")
-attention_kernels = kernel_module("cohort.kernels.exact_attention", "_attention_kernel")
-norm_kernels = kernel_module("cohort.kernels.exact_rms_norm", "_rms_norm_kernel")
-elementwise_kernels = kernel_module("cohort.kernels.exact_elementwise", "_rotate_kernel")
-kernel_module("cohort.kernels.logprobs", "_stats_kernel")
+matmul_kernels = kernel_module("cohort_grpo.kernels.exact_matmul", "_matmul_kernel")
+attention_kernels = kernel_module("cohort_grpo.kernels.exact_attention", "_attention_kernel")
+norm_kernels = kernel_module("cohort_grpo.kernels.exact_rms_norm", "_rms_norm_kernel")
+elementwise_kernels = kernel_module("cohort_grpo.kernels.exact_elementwise", "_rotate_kernel")
+kernel_module("cohort_grpo.kernels.logprobs", "_stats_kernel")
 
-from cohort import GRPOConfig  # noqa: E402
-from cohort.errors import CohortError  # noqa: E402
-from cohort.kernels.elementwise import rms_norm_plain, rotate_plain, swiglu_gate_plain  # noqa: E402
-from cohort.models import CausalLM, ModelConfig  # noqa: E402
-from cohort.models.exact_layers import use_exact_numerics  # noqa: E402
-from cohort.rollout import Engine  # noqa: E402
-from cohort.rollout.sampler import SamplingParams  # noqa: E402
-from cohort.update.fused_head import micro_batch_policy_loss  # noqa: E402
-from cohort.update.logprobs import rollout_logprobs  # noqa: E402
-from cohort.rollout.layout import Layout  # noqa: E402
-from cohort.update.packing import pack  # noqa: E402
+from cohort_grpo import GRPOConfig  # noqa: E402
+from cohort_grpo.errors import CohortError  # noqa: E402
+from cohort_grpo.kernels.elementwise import rms_norm_plain, rotate_plain, swiglu_gate_plain  # noqa: E402
+from cohort_grpo.models import CausalLM, ModelConfig  # noqa: E402
+from cohort_grpo.models.exact_layers import use_exact_numerics  # noqa: E402
+from cohort_grpo.rollout import Engine  # noqa: E402
+from cohort_grpo.rollout.sampler import SamplingParams  # noqa: E402
+from cohort_grpo.update.fused_head import micro_batch_policy_loss  # noqa: E402
+from cohort_grpo.update.logprobs import rollout_logprobs  # noqa: E402
+from cohort_grpo.rollout.layout import Layout  # noqa: E402
+from cohort_grpo.update.packing import pack  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -269,8 +269,8 @@ def test_exact_numerics_refuse_what_they_do_not_cover(monkeypatch):
 def test_a_training_step_under_exact_numerics_reports_no_gap(tmp_path):
     """The run's option reaches the policy and the engine (π_ref's copy, which only the KL term reads, keeps the
     fast kernels); the step record says the gap is 0."""
-    from cohort import GRPOTrainer
-    from cohort.models.tiny import build_model, build_tokenizer
+    from cohort_grpo import GRPOTrainer
+    from cohort_grpo.models.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     build_model(tokenizer, seed=0).save_pretrained(tmp_path / "tiny")

@@ -10,13 +10,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs a GPU: run with COHORT_TEST_GPU=1 on a machine with one", allow_module_level=True)
 pytest.importorskip("triton", reason="exact numerics run Triton kernels")
 
-from cohort.kernels.exact_matmul import matmul  # noqa: E402
-from cohort.kernels.exact_rms_norm import rms_norm  # noqa: E402
-from cohort.models import CausalLM, ModelConfig  # noqa: E402
-from cohort.rollout import Engine  # noqa: E402
-from cohort.rollout.layout import Layout  # noqa: E402
-from cohort.rollout.sampler import SamplingParams  # noqa: E402
-from cohort.update.logprobs import rollout_logprobs  # noqa: E402
+from cohort_grpo.kernels.exact_matmul import matmul  # noqa: E402
+from cohort_grpo.kernels.exact_rms_norm import rms_norm  # noqa: E402
+from cohort_grpo.models import CausalLM, ModelConfig  # noqa: E402
+from cohort_grpo.rollout import Engine  # noqa: E402
+from cohort_grpo.rollout.layout import Layout  # noqa: E402
+from cohort_grpo.rollout.sampler import SamplingParams  # noqa: E402
+from cohort_grpo.update.logprobs import rollout_logprobs  # noqa: E402
 
 CUDA = torch.device("cuda")
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
@@ -49,7 +49,7 @@ def test_gpu_matmul_and_norm_rows_do_not_depend_on_the_batch(rows):
 @pytest.mark.parametrize("k", [896, 4864])
 def test_gpu_every_tile_and_the_split_give_the_same_bits(k):
     """The tiles `plan` picks by the number of rows, and the split by chunk, are speed choices only."""
-    from cohort.kernels import exact_matmul
+    from cohort_grpo.kernels import exact_matmul
 
     generator = torch.Generator(device=CUDA).manual_seed(1)
     x = torch.randn(600, k, generator=generator, device=CUDA).bfloat16()
@@ -62,8 +62,8 @@ def test_gpu_every_tile_and_the_split_give_the_same_bits(k):
 
 
 def test_gpu_rotary_kernel_equals_torch_and_packed_decode_attention_equals_the_full_forward():
-    from cohort.kernels import exact_attention, exact_elementwise
-    from cohort.kernels.elementwise import rotate_plain
+    from cohort_grpo.kernels import exact_attention, exact_elementwise
+    from cohort_grpo.kernels.elementwise import rotate_plain
 
     generator = torch.Generator(device=CUDA).manual_seed(2)
     q = torch.randn(4, 14, 300, 64, generator=generator, device=CUDA).bfloat16()

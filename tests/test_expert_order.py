@@ -1,4 +1,4 @@
-"""The decode step's expert order (cohort.kernels.expert_order) against torch's stable sort and search.
+"""The decode step's expert order (cohort_grpo.kernels.expert_order) against torch's stable sort and search.
 
 Without CUDA the kernel runs in Triton's interpreter. Routings with many ties (few experts), experts without
 copies, more copies than one block holds, and an expert count that is not a power of two."""
@@ -8,7 +8,7 @@ import torch
 from triton_interpreter import DEVICE, kernel_module
 
 pytest.importorskip("triton", reason="triton is not installed; the expert-order kernel cannot run")
-ordering = kernel_module("cohort.kernels.expert_order", "_expert_order_kernel")
+ordering = kernel_module("cohort_grpo.kernels.expert_order", "_expert_order_kernel")
 
 
 @pytest.mark.parametrize("tokens, top_k, experts, used", [
@@ -38,10 +38,10 @@ def test_no_copies_gives_empty_orders_and_zero_ends():
 def test_a_moe_layer_s_sampling_forward_orders_its_copies_by_the_kernel_with_the_same_output(monkeypatch):
     """Under the engine's fused kernels and autograd off, a MoE block's copies take `expert_order` up to
     THIN_ROWS_PER_EXPERT copies an expert and torch's sort above; the block's output is the same bits either way."""
-    from cohort.kernels.elementwise import fused_kernels
-    from cohort.kernels.grouped_mm import THIN_ROWS_PER_EXPERT
-    from cohort.models import moe
-    from cohort.models.config import ModelConfig
+    from cohort_grpo.kernels.elementwise import fused_kernels
+    from cohort_grpo.kernels.grouped_mm import THIN_ROWS_PER_EXPERT
+    from cohort_grpo.models import moe
+    from cohort_grpo.models.config import ModelConfig
 
     config = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from cohort import GRPOConfig
-from cohort.config.command_line import parse_config
-from cohort.errors import CohortError, command_line
-from cohort.plans.training_plan import StepShape, micro_batch_tokens
-from cohort.models import CausalLM, ModelConfig
-from cohort.update.fast_path import MICRO_BATCH_FLOP, fast_path_line, fast_path_settings
+from cohort_grpo import GRPOConfig
+from cohort_grpo.config.command_line import parse_config
+from cohort_grpo.errors import CohortError, command_line
+from cohort_grpo.plans.training_plan import StepShape, micro_batch_tokens
+from cohort_grpo.models import CausalLM, ModelConfig
+from cohort_grpo.update.fast_path import MICRO_BATCH_FLOP, fast_path_line, fast_path_settings
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from cohort.errors import CohortError
-from cohort.parallel.faults import INJECT_ENV, job_failure_line, wait_all, withheld_weights
-from cohort.parallel.placement import Placement
+from cohort_grpo.errors import CohortError
+from cohort_grpo.parallel.faults import INJECT_ENV, job_failure_line, wait_all, withheld_weights
+from cohort_grpo.parallel.placement import Placement
 from test_distributed import REWARD_MODULE, environment, rank_one_pid, run, step_records, train_options
 
 TOLERANCE = 1e-5
@@ -89,7 +89,7 @@ def test_a_teardown_that_never_completes_is_left_after_its_bound(monkeypatch, ca
     import torch
     import torch.distributed as dist
 
-    from cohort.parallel import distributed
+    from cohort_grpo.parallel import distributed
 
     forever = threading.Event()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -106,10 +106,10 @@ def test_a_teardown_that_never_completes_is_left_after_its_bound(monkeypatch, ca
 
 @pytest.mark.parametrize("world_size, teardown", [("2", False), ("1", True)])
 def test_a_rank_of_a_job_ends_without_the_interpreters_teardown(world_size, teardown):
-    """`python -m cohort` ends a torchrun rank (WORLD_SIZE > 1) by os._exit once its streams are flushed, so no
+    """`python -m cohort_grpo` ends a torchrun rank (WORLD_SIZE > 1) by os._exit once its streams are flushed, so no
     gloo worker thread can be caught in the interpreter's finalization; a lone process exits normally."""
     script = ("import atexit, sys; atexit.register(lambda: print('teardown'));"
-              "from cohort.cli.main import exit_process; print('written', end=''); print('told', end='', file=sys.stderr);"
+              "from cohort_grpo.cli.main import exit_process; print('written', end=''); print('told', end='', file=sys.stderr);"
               "exit_process(3)")
     done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, WORLD_SIZE=world_size),
                           capture_output=True, text=True, timeout=120)
@@ -132,9 +132,9 @@ def root(tmp_path_factory):
 
 
 def job(model: str, out: Path, *extra: str) -> list[str]:
-    """`cohort train --nproc_per_node 2 --rollout_gpus 1` (partial rollouts, 2 updates behind), a checkpoint
+    """`cohort-grpo train --nproc_per_node 2 --rollout_gpus 1` (partial rollouts, 2 updates behind), a checkpoint
     after every step."""
-    return [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2",
+    return [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2",
             *train_options(model, out, 4, "--async_rollouts", "true", "--rollout_gpus", "1", "--eval_limit", "0",
                            "--save_steps", "1", "--save_total_limit", "0", *extra)]
 

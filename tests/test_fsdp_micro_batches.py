@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cohort.trainer.grpo_trainer import Batch
-from cohort.models import ModelConfig
-from cohort.rollout.sampler import Rollout
-from cohort.parallel.distributed import Parallel
+from cohort_grpo.trainer.grpo_trainer import Batch
+from cohort_grpo.models import ModelConfig
+from cohort_grpo.rollout.sampler import Rollout
+from cohort_grpo.parallel.distributed import Parallel
 from helpers import random_completions, update_trainer
 from test_tensor_parallel_model import random_model
 

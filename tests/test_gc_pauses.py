@@ -1,4 +1,4 @@
-"""Python's garbage collector in the training loop (cohort/memory/gc_pauses.py): its pauses are measured,
+"""Python's garbage collector in the training loop (cohort_grpo/memory/gc_pauses.py): its pauses are measured,
 the run's long-lived objects are frozen after the first step, and thawed when train() ends."""
 
 import gc
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.memory.gc_pauses import collector_seconds, freeze_long_lived_objects, thaw_frozen_objects
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.memory.gc_pauses import collector_seconds, freeze_long_lived_objects, thaw_frozen_objects
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
 

@@ -1,4 +1,4 @@
-"""Grading answers (cohort/rewards/rules.py: `accuracy_reward`, `extract_answer`, `canonical_answer`)
+"""Grading answers (cohort_grpo/rewards/rules.py: `accuracy_reward`, `extract_answer`, `canonical_answer`)
 against what a careful human grader awards.
 
 Each row of TABLE is (completion, gold, verdict): verdict 1 when a careful grader marks the completion's
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cohort.rewards.rules import accuracy_reward, canonical_answer, extract_answer
-from cohort.tasks.gsm8k import GSM8KTask, gold_number
+from cohort_grpo.rewards.rules import accuracy_reward, canonical_answer, extract_answer
+from cohort_grpo.tasks.gsm8k import GSM8KTask, gold_number
 
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cohort.kernels.grouped_mm import grouped_linear, native_serves, padded_grouped_linear
+from cohort_grpo.kernels.grouped_mm import grouped_linear, native_serves, padded_grouped_linear
 
 torch.set_num_threads(1)
 

@@ -1,13 +1,13 @@
-"""The GSM8K task (cohort/tasks/gsm8k.py): rows, gold answers, filtering, subsets, correctness."""
+"""The GSM8K task (cohort_grpo/tasks/gsm8k.py): rows, gold answers, filtering, subsets, correctness."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from cohort.errors import CohortError
-from cohort.rewards.rules import accuracy_reward, format_reward, tag_count_reward
-from cohort.tasks.gsm8k import GSM8KTask, default_data_files, gold_number
+from cohort_grpo.errors import CohortError
+from cohort_grpo.rewards.rules import accuracy_reward, format_reward, tag_count_reward
+from cohort_grpo.tasks.gsm8k import GSM8KTask, default_data_files, gold_number
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
@@ -122,7 +122,7 @@ def test_is_correct_and_solved_completion(data_file):
 @pytest.mark.parametrize("completion, follows", [
     ("<think>\nadd them\n</think>\n<answer>\n7\n</answer>", True),
     ([{"role": "assistant", "content": "<think>\nadd\n</think>\n<answer>\n7\n</answer><|im_end|>"}], True),
-    ("<think>add</think><answer>7</answer>", False),  # the lenient layout is not the format `cohort eval` counts
+    ("<think>add</think><answer>7</answer>", False),  # the lenient layout is not the format `cohort-grpo eval` counts
     ("The answer is 7.", False),
     ("<think>\nx\n</think>\n<answer>\n7\n</answer>\n<answer>\n8\n</answer>", False),
 ])
@@ -151,7 +151,7 @@ def test_default_files_and_real_test_split():
 
 
 def test_hub_is_the_fallback_source(monkeypatch):
-    import cohort.tasks.gsm8k as gsm8k
+    import cohort_grpo.tasks.gsm8k as gsm8k
 
     calls = []
 
@@ -182,9 +182,9 @@ def _write_rows(path, rows):
 def test_training_file_is_never_the_held_out_split(tmp_path, monkeypatch):
     """`--data_files` is training data; held-out rows come from --eval_data_files, else the task's own
     test split, else none (one line) — never from the training file."""
-    import cohort.tasks.gsm8k as gsm8k
-    from cohort.cli import task_rows
-    from cohort.config.grpo_config import GRPOConfig
+    import cohort_grpo.tasks.gsm8k as gsm8k
+    from cohort_grpo.cli import task_rows
+    from cohort_grpo.config.grpo_config import GRPOConfig
 
     train_file = _write_rows(tmp_path / "train.jsonl", ROWS[:2])
     eval_file = _write_rows(tmp_path / "eval.jsonl", ROWS[3:])
@@ -204,8 +204,8 @@ def test_training_file_is_never_the_held_out_split(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not SHARED.exists(), reason="../shared/data/gsm8k is not present")
 def test_held_out_defaults_to_the_real_test_split_not_the_training_file(tmp_path):
-    from cohort.cli import task_rows
-    from cohort.config.grpo_config import GRPOConfig
+    from cohort_grpo.cli import task_rows
+    from cohort_grpo.config.grpo_config import GRPOConfig
 
     train_file = _write_rows(tmp_path / "train.jsonl", ROWS)
     _, held_out = task_rows(GSM8KTask(), GRPOConfig(task="gsm8k", data_files=train_file, eval_limit=5))

@@ -1,4 +1,4 @@
-"""The LM head fused with the per-token GRPO loss (cohort.update.fused_head) against the plain path,
+"""The LM head fused with the per-token GRPO loss (cohort_grpo.update.fused_head) against the plain path,
 `policy_loss` over `micro_batch_logprobs`: the same loss, statistics and parameter gradients
 (float32, CPU, ≤1e-5), with several chunks per micro-batch, padding, ratios away from 1 (clipped
 both ways), a KL term, an entropy bonus, a row left out of the loss, and each length normalisation;
@@ -10,16 +10,16 @@ import math
 import pytest
 import torch
 
-from cohort.algorithm.objectives import BatchShare, LossSpec, token_weights
-from cohort.update.fused_head import micro_batch_policy_loss
-from cohort.update.logprobs import micro_batch_logprobs
-from cohort.update.packing import pack_micro_batch
+from cohort_grpo.algorithm.objectives import BatchShare, LossSpec, token_weights
+from cohort_grpo.update.fused_head import micro_batch_policy_loss
+from cohort_grpo.update.logprobs import micro_batch_logprobs
+from cohort_grpo.update.packing import pack_micro_batch
 
 ATOL = 1e-5
 
 
 def _model(tiny_dir):
-    from cohort.models import from_pretrained
+    from cohort_grpo.models import from_pretrained
 
     torch.manual_seed(0)
     return from_pretrained(tiny_dir, dtype="float32").train()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cohort.cli import main
-from cohort.models.tiny import BUILTIN_MODELS
-from cohort.tasks import TASKS, get_task
+from cohort_grpo.cli import main
+from cohort_grpo.models.tiny import BUILTIN_MODELS
+from cohort_grpo.tasks import TASKS, get_task
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

@@ -1,4 +1,4 @@
-"""The sampling path's fused pieces (cohort/kernels/elementwise.py) against the unfused forward.
+"""The sampling path's fused pieces (cohort_grpo/kernels/elementwise.py) against the unfused forward.
 
 With fused kernels on and autograd off the model regroups its forward (residual add + RMSNorm,
 q/k norm + rotary + KV-cache write, the additive attention mask built once per step). On plain ops
@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cohort.rollout import Engine
-from cohort.rollout import engine as engine_module
-from cohort.models import KVCache
-from cohort.kernels import elementwise as kernels
-from cohort.models.modeling import RMSNorm, _cache_mask
-from cohort.rollout.sampler import SamplingParams
+from cohort_grpo.rollout import Engine
+from cohort_grpo.rollout import engine as engine_module
+from cohort_grpo.models import KVCache
+from cohort_grpo.kernels import elementwise as kernels
+from cohort_grpo.models.modeling import RMSNorm, _cache_mask
+from cohort_grpo.rollout.sampler import SamplingParams
 from helpers import KERNEL_FAMILIES as FAMILIES, KERNEL_TINY as TINY, build_kernel_model as build, decode_run
 
 torch.set_num_threads(1)

@@ -1,5 +1,5 @@
-"""The step log's learning-health checks (cohort/telemetry/health.py) and what the step line's success column
-counts (cohort/telemetry/step_report.py): each check fires once, at the step that completes its run of bad
+"""The step log's learning-health checks (cohort_grpo/telemetry/health.py) and what the step line's success column
+counts (cohort_grpo/telemetry/step_report.py): each check fires once, at the step that completes its run of bad
 steps, on made-up step records; it stays silent on a healthy run and on runs of bad steps that are broken
 off; a short training on the tiny model whose reward never varies says so exactly once."""
 
@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.rollout.batch import Batch
-from cohort.rollout.sampler import Rollout
-from cohort.telemetry.health import CLIP_LIMIT, KL_LIMIT, MOST, WINDOW, HealthOptions, LearningHealth
-from cohort.telemetry.metrics import MetricsLogger, read_completions, read_metrics
-from cohort.telemetry.report import build_report
-from cohort.telemetry.step_report import empty_ratio, rewarded_rate, success_measure
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.rollout.batch import Batch
+from cohort_grpo.rollout.sampler import Rollout
+from cohort_grpo.telemetry.health import CLIP_LIMIT, KL_LIMIT, MOST, WINDOW, HealthOptions, LearningHealth
+from cohort_grpo.telemetry.metrics import MetricsLogger, read_completions, read_metrics
+from cohort_grpo.telemetry.report import build_report
+from cohort_grpo.telemetry.step_report import empty_ratio, rewarded_rate, success_measure
 
 SAMPLES = 16  # completions per rank per step in the made-up records
 

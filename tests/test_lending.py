@@ -1,17 +1,17 @@
 """Memory one phase of the step leaves idle, used by another: gradients that live in the engine's KV
-cache during the update (cohort/memory/lending.py), π_ref's weights on the host outside its pass
-(cohort/memory/offload.py). Both must leave the training unchanged, bit for bit."""
+cache during the update (cohort_grpo/memory/lending.py), π_ref's weights on the host outside its pass
+(cohort_grpo/memory/offload.py). Both must leave the training unchanged, bit for bit."""
 
 import contextlib
 
 import pytest
 import torch
 
-import cohort.memory.manager as update_module  # where the update borrows its gradients' storage
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.errors import CohortError
-from cohort.memory.lending import lend_gradients
-from cohort.memory.offload import HostOffload
+import cohort_grpo.memory.manager as update_module  # where the update borrows its gradients' storage
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.errors import CohortError
+from cohort_grpo.memory.lending import lend_gradients
+from cohort_grpo.memory.offload import HostOffload
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
 

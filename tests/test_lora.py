@@ -6,12 +6,12 @@ import torch
 
 peft = pytest.importorskip("peft", reason="LoRA needs peft (pip install -e '.[test]' installs it)")
 
-from cohort import GRPOConfig, GRPOTrainer# noqa: E402
-from cohort.errors import CohortError# noqa: E402
-from cohort.models.lora import adapters_disabled# noqa: E402
-from cohort.update.logprobs import rollout_logprobs# noqa: E402
-from cohort.models import from_pretrained# noqa: E402
-from cohort.rollout.sampler import SamplingParams# noqa: E402
+from cohort_grpo import GRPOConfig, GRPOTrainer# noqa: E402
+from cohort_grpo.errors import CohortError# noqa: E402
+from cohort_grpo.models.lora import adapters_disabled# noqa: E402
+from cohort_grpo.update.logprobs import rollout_logprobs# noqa: E402
+from cohort_grpo.models import from_pretrained# noqa: E402
+from cohort_grpo.rollout.sampler import SamplingParams# noqa: E402
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
 

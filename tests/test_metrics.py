@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from cohort.errors import CohortError
-from cohort.telemetry.metrics import MetricsLogger, parse_report_to, read_completions, read_metrics
-from cohort.telemetry.progress import Progress
+from cohort_grpo.errors import CohortError
+from cohort_grpo.telemetry.metrics import MetricsLogger, parse_report_to, read_completions, read_metrics
+from cohort_grpo.telemetry.progress import Progress
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def test_every_line_survives_a_killed_process(tmp_path):
     """The logger is never closed and the process dies without cleanup: all logged steps are on disk."""
     script = textwrap.dedent(f"""
         import os
-        from cohort.telemetry.metrics import MetricsLogger
+        from cohort_grpo.telemetry.metrics import MetricsLogger
         logger = MetricsLogger({str(tmp_path)!r})
         for step in range(1, 6):
             logger.log(step, {{"reward": step / 10}})
@@ -154,7 +154,7 @@ def test_tensorboard_writes_event_files_when_installed(tmp_path):
 
 PROGRESS_SCRIPT = """
 import sys
-from cohort.telemetry.progress import Progress
+from cohort_grpo.telemetry.progress import Progress
 quiet = sys.argv[1] == "quiet"
 with Progress(total_steps=3, quiet=quiet) as progress:
     for step in range(1, 4):
@@ -208,7 +208,7 @@ def test_progress_on_a_terminal_shows_bars_and_lines(monkeypatch):
 
 
 def test_phase_bars_show_measured_rates_and_an_eta_from_the_last_run(monkeypatch):
-    from cohort.telemetry.progress import _EtaColumn, _RateColumn
+    from cohort_grpo.telemetry.progress import _EtaColumn, _RateColumn
 
     monkeypatch.delenv("CI", raising=False)
     with Progress(total_steps=2, file=_FakeTerminal()) as progress:
@@ -239,11 +239,11 @@ def test_progress_in_ci_is_plain_even_on_a_terminal(monkeypatch):
 
 
 def test_progress_survives_a_closed_pipe(tmp_path):
-    """`cohort train | head -1`: the reader leaves, training goes on and exits cleanly."""
+    """`cohort-grpo train | head -1`: the reader leaves, training goes on and exits cleanly."""
     finished = tmp_path / "finished"
     script = textwrap.dedent(f"""
         import sys
-        from cohort.telemetry.progress import Progress
+        from cohort_grpo.telemetry.progress import Progress
         with Progress(total_steps=50) as progress:
             progress.step_done(1, "Step 1/50")
             sys.stdin.readline()  # wait until the reader has closed its end
@@ -320,7 +320,7 @@ def has_space(prompts, completions, completion_ids=None, **_):
 
 
 def held_out_rows() -> list[dict]:
-    from cohort.tasks import get_task
+    from cohort_grpo.tasks import get_task
 
     return get_task("arithmetic").load("test", levels=[2], size=6, seed=0)
 
@@ -350,8 +350,8 @@ def greedy_eval(model_dir, rows: list[dict], max_new_tokens: int) -> tuple[float
 
 def tiny_run(tiny_dir, output_dir, **overrides):
     """Train 3 steps; returns (trainer, history, rollouts captured from the sampler, one per step)."""
-    from cohort import GRPOConfig, GRPOTrainer
-    from cohort.tasks import get_task
+    from cohort_grpo import GRPOConfig, GRPOTrainer
+    from cohort_grpo.tasks import get_task
 
     torch.set_num_threads(1)
     task = get_task("arithmetic")
@@ -529,7 +529,7 @@ def test_peak_memory_is_the_process_maximum_rss_on_cpu(kl_run):
 
 
 def test_mfu_is_six_n_tokens_over_time_and_peak_without_a_head(monkeypatch):
-    from cohort.telemetry import metrics
+    from cohort_grpo.telemetry import metrics
 
     model = torch.nn.Linear(10, 10)  # 110 parameters
     monkeypatch.setattr(metrics, "peak_flops", lambda device: 1e6)
@@ -545,8 +545,8 @@ def test_mfu_is_six_n_tokens_over_time_and_peak_without_a_head(monkeypatch):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_update_flops_count_the_head_on_completion_tokens_only(tied):
-    from cohort.telemetry.metrics import update_flops
-    from cohort.models import CausalLM, ModelConfig
+    from cohort_grpo.telemetry.metrics import update_flops
+    from cohort_grpo.models import CausalLM, ModelConfig
 
     config = ModelConfig(model_type="llama", vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=4, tie_word_embeddings=tied)
@@ -563,7 +563,7 @@ def test_update_flops_count_the_head_on_completion_tokens_only(tied):
 
 
 def test_peak_flops_table_prefers_the_specific_name(monkeypatch):
-    from cohort.telemetry import metrics
+    from cohort_grpo.telemetry import metrics
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name, expected in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
@@ -575,11 +575,11 @@ def test_peak_flops_table_prefers_the_specific_name(monkeypatch):
 
 @pytest.mark.cpu("a CPU run's report has no MFU figure; a GPU run's has")
 def test_report_of_a_tiny_run_draws_every_figure_the_issue_names(kl_run_on_cpu, tmp_path):
-    """`cohort report` on a real run's output: reward per function, accuracy, KL, entropy, length, clip
+    """`cohort-grpo report` on a real run's output: reward per function, accuracy, KL, entropy, length, clip
     fractions, throughput (each phase), memory; non-blank PNGs; the completions table."""
     from matplotlib.image import imread
 
-    from cohort.telemetry.report import main as report_main
+    from cohort_grpo.telemetry.report import main as report_main
 
     trainer, _, _ = kl_run_on_cpu
     assert report_main([trainer.args.output_dir, "--out", str(tmp_path)]) == 0
@@ -605,7 +605,7 @@ def test_attention_pairs_count_the_mask_entries_of_each_layout(window):
     """Against the attention masks themselves: a causal (windowed) mask per [prompt | completion]
     row; with shared prompts, the prompt's rows once per run of at most max_rows completions and
     each completion's rows from the prompt's end on."""
-    from cohort.rollout.layout import PADDED, Layout, causal_pairs
+    from cohort_grpo.rollout.layout import PADDED, Layout, causal_pairs
 
     def mask(length):
         i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
@@ -627,9 +627,9 @@ def test_attention_pairs_count_the_mask_entries_of_each_layout(window):
 def test_update_flops_add_twelve_flops_per_attention_pair_and_head_dim_by_layer_window():
     import transformers
 
-    from cohort.telemetry.metrics import attention_layers, rollout_attention_pairs, update_flops
-    from cohort.models import CausalLM, ModelConfig
-    from cohort.rollout.layout import Layout
+    from cohort_grpo.telemetry.metrics import attention_layers, rollout_attention_pairs, update_flops
+    from cohort_grpo.models import CausalLM, ModelConfig
+    from cohort_grpo.rollout.layout import Layout
 
     config = ModelConfig(model_type="qwen2", vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=6, sliding_window=4,

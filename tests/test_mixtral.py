@@ -1,5 +1,5 @@
 """cohort's Mixtral against transformers' `MixtralForCausalLM` on tiny random configs: logits, the sliding window,
-the checkpoint names saved back, the KV cache's decode and routes, refusals, and `cohort train` on a folder."""
+the checkpoint names saved back, the KV cache's decode and routes, refusals, and `cohort-grpo train` on a folder."""
 
 import json
 
@@ -9,9 +9,9 @@ from reference_models import assert_logits_match, padded_batch, save_perturbed_r
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, MixtralConfig
 
-from cohort.errors import CohortError
-from cohort.models import KVCache, ModelConfig, from_pretrained
-from cohort.models.moe import Routing, fuse_expert_weights, split_expert_weights
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import KVCache, ModelConfig, from_pretrained
+from cohort_grpo.models.moe import Routing, fuse_expert_weights, split_expert_weights
 
 torch.set_num_threads(1)
 TINY = dict(hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -1,4 +1,4 @@
-"""cohort.models against transformers' own implementations, on tiny random-init models of each family."""
+"""cohort_grpo.models against transformers' own implementations, on tiny random-init models of each family."""
 
 import dataclasses
 import json
@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 from reference_models import save_perturbed_references
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from cohort.errors import CohortError
-from cohort.models import CausalLM, KVCache, ModelConfig, from_pretrained, is_supported, load_tokenizer, save_pretrained
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import CausalLM, KVCache, ModelConfig, from_pretrained, is_supported, load_tokenizer, save_pretrained
 
 torch.set_num_threads(1)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -138,7 +138,7 @@ def _reference_gqa(q, k, v, mask):
 
 @pytest.mark.parametrize("native_gqa", [False, True])
 def test_grouped_query_attention_matches_repeated_heads(monkeypatch, native_gqa):
-    from cohort.models import modeling
+    from cohort_grpo.models import modeling
 
     monkeypatch.setattr(modeling, "_native_gqa_is_fast", lambda q: native_gqa)  # CPU math runs enable_gqa too
     generator = torch.Generator().manual_seed(3)

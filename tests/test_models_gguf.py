@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from cohort.errors import CohortError
-from cohort.models import from_pretrained, load_tokenizer
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import from_pretrained, load_tokenizer
 
 gguf = pytest.importorskip("gguf")
 torch.set_num_threads(1)
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rope_theta=50000.0)
-LAYER_NAMES = {  # transformers -> llama.cpp, written out here independently of cohort.models.gguf
+LAYER_NAMES = {  # transformers -> llama.cpp, written out here independently of cohort_grpo.models.gguf
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",

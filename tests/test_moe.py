@@ -8,9 +8,9 @@ from reference_models import assert_logits_match, padded_batch, save_perturbed_r
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
-from cohort.errors import CohortError
-from cohort.models import KVCache, from_pretrained
-from cohort.models.moe import Routing, fuse_expert_weights, split_expert_weights
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import KVCache, from_pretrained
+from cohort_grpo.models.moe import Routing, fuse_expert_weights, split_expert_weights
 
 torch.set_num_threads(1)
 TINY_MOE = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -102,7 +102,7 @@ def test_cached_prefill_and_decode_match_full_forward_and_record_routes(checkpoi
 
 
 def _our_moe(**config):
-    from cohort.models import CausalLM, ModelConfig
+    from cohort_grpo.models import CausalLM, ModelConfig
 
     torch.manual_seed(0)
     return CausalLM(ModelConfig(**{**dict(model_type="qwen3_moe", vocab_size=40, hidden_size=16, intermediate_size=24,
@@ -112,8 +112,8 @@ def _our_moe(**config):
 
 
 def test_config_counts_and_flops_of_a_moe():
-    from cohort.plans.sampling_plan import parameter_count
-    from cohort.telemetry.metrics import update_flops
+    from cohort_grpo.plans.sampling_plan import parameter_count
+    from cohort_grpo.telemetry.metrics import update_flops
 
     model = _our_moe()
     qk_norms = sum(p.numel() for name, p in model.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight")))
@@ -126,7 +126,7 @@ def test_config_counts_and_flops_of_a_moe():
 
 
 def test_load_balancing_loss_matches_switch_formula():
-    from cohort.models.moe import load_balancing_loss
+    from cohort_grpo.models.moe import load_balancing_loss
 
     probs = torch.softmax(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), -1)
     ids = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0], [1, 2], [0, 3]])
@@ -136,8 +136,8 @@ def test_load_balancing_loss_matches_switch_formula():
 
 
 def test_moe_refusals_name_the_option():
-    from cohort import GRPOConfig
-    from cohort.rollout.partial import partial_rollout_settings
+    from cohort_grpo import GRPOConfig
+    from cohort_grpo.rollout.partial import partial_rollout_settings
 
     with pytest.raises(CohortError, match=r"router_aux_loss_coef[= ]-1"):
         GRPOConfig(router_aux_loss_coef=-1).validate()
@@ -161,10 +161,10 @@ SAVED_FAMILIES = {
 
 @pytest.mark.parametrize("family", SAVED_FAMILIES)
 def test_cohort_train_runs_a_transformers_saved_moe_folder(tmp_path, family):
-    """`cohort train --model <a folder transformers wrote>` on the CPU: our model, the engine's routes
+    """`cohort-grpo train --model <a folder transformers wrote>` on the CPU: our model, the engine's routes
     replayed, the routing metrics logged, the final policy a folder transformers loads as the same family."""
-    from cohort.cli import main
-    from cohort.models.tiny import build_tokenizer
+    from cohort_grpo.cli import main
+    from cohort_grpo.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
@@ -216,9 +216,9 @@ def test_compiled_training_layers_equal_eager_with_replay_in_one_graph_for_all_m
 def test_qwen3_30b_a3b_counts_its_experts():
     """The plans count every expert: Qwen3-30B-A3B's config gives the 30.5B weights transformers builds (less the
     q/k norms, which the count leaves out), and the layer FSDP2 gathers is a whole MoE layer."""
-    from cohort.plans.sampling_plan import parameter_count
-    from cohort.plans.training_plan import layer_parameter_count
-    from cohort.models import ModelConfig
+    from cohort_grpo.plans.sampling_plan import parameter_count
+    from cohort_grpo.plans.training_plan import layer_parameter_count
+    from cohort_grpo.models import ModelConfig
 
     fields = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
                   num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from cohort.models import CausalLM, ModelConfig, from_pretrained
-from cohort.models.resharding import full_parameters, update_shard_
-from cohort.models.tiny import build_tokenizer
-from cohort.parallel.sharding import decoder_layers
+from cohort_grpo.models import CausalLM, ModelConfig, from_pretrained
+from cohort_grpo.models.resharding import full_parameters, update_shard_
+from cohort_grpo.models.tiny import build_tokenizer
+from cohort_grpo.parallel.sharding import decoder_layers
 from test_distributed import REWARD_MODULE, run, step_records, train_options
 
 TOLERANCE = 1e-5
@@ -88,7 +88,7 @@ def options(model: str, out: Path, accumulation: int, *extra: str) -> list[str]:
 
 
 def launcher(processes: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "cohort", "train", "--nproc_per_node", str(processes), *args]
+    return [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", str(processes), *args]
 
 
 def assert_same_training(out: Path, reference: Path) -> None:
@@ -111,7 +111,7 @@ def assert_same_training(out: Path, reference: Path) -> None:
 
 def one_process(root: Path, moe_dir: str, name: str, *extra: str) -> Path:
     out = root / name
-    run(root, [sys.executable, "-m", "cohort", "train", *options(moe_dir, out, 4, *extra)])
+    run(root, [sys.executable, "-m", "cohort_grpo", "train", *options(moe_dir, out, 4, *extra)])
     initial, final = load_file(Path(moe_dir) / "model.safetensors"), load_file(out / "model.safetensors")
     moved = max((final[k] - initial[k]).abs().max().item() for k in final if "experts" in k)
     assert moved > 100 * TOLERANCE, "training must move the expert weights"

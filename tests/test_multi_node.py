@@ -1,4 +1,4 @@
-"""Several machines: `cohort train --nproc_per_node N --nnodes M --node_rank R --master_addr HOST ...`
+"""Several machines: `cohort-grpo train --nproc_per_node N --nnodes M --node_rank R --master_addr HOST ...`
 launches torchrun's static rendezvous on each machine; its option errors, the device each rank takes
 (LOCAL_RANK, not RANK), and two "nodes" on one host over gloo against one process, each in its own
 folder as on machines that share no disk: node 1 writes nothing, and `--resume` needs node 0's
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cohort.cli import main
-from cohort.cli.main import _unreachable_checkpoint, torchrun_arguments
-from cohort.config.grpo_config import GRPOConfig
-from cohort.errors import CohortError
-from cohort.parallel.distributed import Parallel
+from cohort_grpo.cli import main
+from cohort_grpo.cli.main import _unreachable_checkpoint, torchrun_arguments
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.errors import CohortError
+from cohort_grpo.parallel.distributed import Parallel
 from test_distributed import REWARD_MODULE, assert_same_training, environment, step_records, train_options
 
 NODE = ["--nnodes", "2", "--master_addr", "10.0.0.1"]
@@ -104,9 +104,9 @@ def test_the_launcher_starts_this_machines_torchrun(code, tiny_dir, capsys, tmp_
     assert main(["train", "--nproc_per_node", "4", "--nnodes", "2", "--node-rank=1", "--master_addr", "10.0.0.1",
                  "--master_port", "29511", "--model", tiny_dir, "--output_dir", out, "--max_steps", "3"]) == code
     [command] = FakeTorchrun.commands
-    assert command[:3] == [sys.executable, "-m", "cohort.parallel.faults"]  # torchrun, its failures kept for one line
+    assert command[:3] == [sys.executable, "-m", "cohort_grpo.parallel.faults"]  # torchrun, its failures kept for one line
     assert command[4:] == ["--nnodes=2", "--node_rank=1",
-                       "--master_addr=10.0.0.1", "--master_port=29511", "--nproc_per_node=4", "-m", "cohort", "train",
+                       "--master_addr=10.0.0.1", "--master_port=29511", "--nproc_per_node=4", "-m", "cohort_grpo", "train",
                        "--model", tiny_dir, "--output_dir", out, "--max_steps", "3"]  # no node option reaches a rank
     err = capsys.readouterr().err
     if code:
@@ -203,14 +203,14 @@ def nodes(root: Path, options: list[str], succeed: bool = True, timeout: int = 2
 
 
 def launch_nodes(root: Path, options: list[str], port: str, timeout: int) -> tuple[list[str], list[int]]:
-    """`cohort train --nproc_per_node 1 --nnodes 2 --node_rank R --master_addr 127.0.0.1 --master_port P ...options`
+    """`cohort-grpo train --nproc_per_node 1 --nnodes 2 --node_rank R --master_addr 127.0.0.1 --master_port P ...options`
     for R = 0 and 1, started together, each in its own folder root/machineR as on machines that share no disk
     (a relative --output_dir is a different folder on each). Their outputs and exit codes, node 0 first."""
     processes = []
     for node in (0, 1):
         (root / f"machine{node}").mkdir(exist_ok=True)
         processes.append(subprocess.Popen(
-            [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "1", "--nnodes", "2",
+            [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "1", "--nnodes", "2",
              "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", port, *options],
             cwd=root / f"machine{node}", env=environment(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True))
@@ -240,7 +240,7 @@ def setup(tmp_path_factory):
 def one_process(setup, tiny_dir):
     """The reference: one process, 3 steps, a checkpoint after each (checkpoint-2 is a 2-step run's end)."""
     out = setup / "one"
-    done = subprocess.run([sys.executable, "-m", "cohort", "train", *train_options(
+    done = subprocess.run([sys.executable, "-m", "cohort_grpo", "train", *train_options(
         tiny_dir, out, 4, "--max_steps", "3", "--save_steps", "1", "--save_total_limit", "0")],
         env=environment(setup), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-4000:]
@@ -289,7 +289,7 @@ def test_resume_needs_the_checkpoint_on_every_node(setup, two_nodes, one_process
 FSDP_SCRIPT = '''
 import torch
 from torch import nn
-from cohort.parallel.distributed import Parallel
+from cohort_grpo.parallel.distributed import Parallel
 
 class Block(nn.Module):
     def __init__(self):

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (cohort/rollout/turns.py): a sequence that ends a turn asks a handler what follows,
+"""Multi-turn rollouts (cohort_grpo/rollout/turns.py): a sequence that ends a turn asks a handler what follows,
 the handler's tokens are appended (tool_mask 0), and the model goes on from the exact ids so far.
 
 Checked against independent computations: greedy multi-turn equals transformers' generate run turn by
@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from cohort.models import from_pretrained
-from cohort.rollout import Engine
-from cohort.rollout.sampler import HFGenerateSampler, SamplingParams
-from cohort.rollout.turns import TURN_NOISE_STRIDE
+from cohort_grpo.models import from_pretrained
+from cohort_grpo.rollout import Engine
+from cohort_grpo.rollout.sampler import HFGenerateSampler, SamplingParams
+from cohort_grpo.rollout.turns import TURN_NOISE_STRIDE
 from helpers import ENGINE_FAMILIES, ENGINE_TINY
 
 torch.set_num_threads(1)

@@ -1,15 +1,15 @@
 """Partial rollouts: the engine stops a call once enough has finished and hands back the rest as they stand
 (`Engine.generate_until`); the pool continues them in later calls and delivers the groups that complete,
-oldest first, never staler than max_staleness (cohort/rollout/partial.py)."""
+oldest first, never staler than max_staleness (cohort_grpo/rollout/partial.py)."""
 
 import pytest
 import torch
 import transformers
 
-from cohort.errors import CohortError
-from cohort.models import from_pretrained
-from cohort.rollout import Engine
-from cohort.rollout.sampler import SamplingParams
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import from_pretrained
+from cohort_grpo.rollout import Engine
+from cohort_grpo.rollout.sampler import SamplingParams
 from helpers import ENGINE_FAMILIES, ENGINE_TINY
 
 torch.set_num_threads(1)
@@ -90,7 +90,7 @@ def test_limits_must_match_the_prompts(model):
 
 
 # ---- the pool ------------------------------------------------------------------------------------------
-from cohort.rollout.partial import GroupPool, PartialRollouts  # noqa: E402
+from cohort_grpo.rollout.partial import GroupPool, PartialRollouts  # noqa: E402
 
 
 def pool_with(*groups):
@@ -167,8 +167,8 @@ def test_steps_get_complete_groups_within_max_staleness_and_carried_tokens_keep_
 
 
 def test_partial_rollouts_are_on_by_default_wherever_they_can_run():
-    from cohort.config.grpo_config import GRPOConfig
-    from cohort.rollout.partial import partial_rollout_settings
+    from cohort_grpo.config.grpo_config import GRPOConfig
+    from cohort_grpo.rollout.partial import partial_rollout_settings
 
     engine_like, hf_like = True, False
 

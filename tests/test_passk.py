@@ -1,12 +1,12 @@
-"""pass@k and maj@k (cohort/eval/passk.py) against brute-force enumeration."""
+"""pass@k and maj@k (cohort_grpo/eval/passk.py) against brute-force enumeration."""
 
 import itertools
 import random
 
 import pytest
 
-from cohort.errors import CohortError
-from cohort.eval.passk import majority_vote, pass_at_k, pass_k_values
+from cohort_grpo.errors import CohortError
+from cohort_grpo.eval.passk import majority_vote, pass_at_k, pass_k_values
 
 
 def brute_force_pass_at_k(n, c, k):

@@ -1,6 +1,6 @@
 """Where models come from and where results go: a mistyped local model path is one line naming the
 folder (never a hub error), a hub that cannot be reached fails at once in one line (models and
-datasets), and `cohort eval` writes beside the model it scored, so two models never overwrite each
+datasets), and `cohort-grpo eval` writes beside the model it scored, so two models never overwrite each
 other's results."""
 
 import http.server
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from cohort.cli import main
-from cohort.errors import CohortError
-from cohort.models import loading
-from cohort.models.loading import from_pretrained, hub_unreachable, is_hub_id, looks_local
+from cohort_grpo.cli import main
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import loading
+from cohort_grpo.models.loading import from_pretrained, hub_unreachable, is_hub_id, looks_local
 
 CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
 
@@ -147,7 +147,7 @@ def test_any_http_answer_means_reachable(monkeypatch):
 # ---- hub datasets --------------------------------------------------------------------------------
 
 def test_hub_dataset_with_an_unreachable_hub_tries_the_cache_once(dead_hub, monkeypatch):
-    from cohort.tasks.data import load_hub_dataset
+    from cohort_grpo.tasks.data import load_hub_dataset
 
     seen = []
 
@@ -170,7 +170,7 @@ def test_hub_dataset_with_an_unreachable_hub_tries_the_cache_once(dead_hub, monk
 
 def test_hub_dataset_with_the_real_datasets_package_fails_fast(dead_hub):
     pytest.importorskip("datasets")
-    from cohort.tasks.data import load_hub_dataset
+    from cohort_grpo.tasks.data import load_hub_dataset
 
     started = time.monotonic()
     with pytest.raises(CohortError, match="cannot be reached.*data_files"):
@@ -178,14 +178,14 @@ def test_hub_dataset_with_the_real_datasets_package_fails_fast(dead_hub):
     assert time.monotonic() - started < 15  # not five retries with back-off (~25 s)
 
 
-# ---- where cohort eval writes --------------------------------------------------------------------
+# ---- where cohort-grpo eval writes --------------------------------------------------------------------
 
 def eval_argv(model, *extra):
     return ["eval", "--model", str(model), "--limit", "3", "--max_completion_length", "4", "--device", "cpu", *extra]
 
 
 def test_two_models_write_beside_themselves(tmp_path, monkeypatch, capsys):
-    from cohort.models.tiny import build_model, build_tokenizer
+    from cohort_grpo.models.tiny import build_model, build_tokenizer
 
     monkeypatch.chdir(tmp_path)
     folders = []
@@ -219,10 +219,10 @@ def test_output_dir_and_output(tiny_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_the_built_in_model_writes_under_runs_eval(tiny_dir, tmp_path, monkeypatch, capsys):
-    import cohort.sft.builtin
+    import cohort_grpo.sft.builtin
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cohort.sft.builtin, "tiny_model_dir", lambda log=print, **_: tiny_dir)
+    monkeypatch.setattr(cohort_grpo.sft.builtin, "tiny_model_dir", lambda log=print, **_: tiny_dir)
     assert main(["eval", "--limit", "2", "--max_completion_length", "4", "--device", "cpu"]) == 0
     expected = Path("runs") / "eval" / "builtin-tiny" / "arithmetic_test.jsonl"
     assert (tmp_path / expected).is_file()
@@ -230,7 +230,7 @@ def test_the_built_in_model_writes_under_runs_eval(tiny_dir, tmp_path, monkeypat
 
 
 def test_default_places_for_hub_ids_gguf_files_and_unwritable_folders(tmp_path, monkeypatch):
-    from cohort.cli.eval import check_writable, default_output_dir
+    from cohort_grpo.cli.eval import check_writable, default_output_dir
 
     monkeypatch.chdir(tmp_path)
     hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -242,7 +242,7 @@ def test_default_places_for_hub_ids_gguf_files_and_unwritable_folders(tmp_path, 
     assert default_output_dir(str(gguf)) == tmp_path / "models" / "eval" / "smol.Q4"
     locked = tmp_path / "locked-model"
     locked.mkdir()
-    monkeypatch.setattr("cohort.cli.eval.os.access", lambda path, mode: Path(path) != locked)
+    monkeypatch.setattr("cohort_grpo.cli.eval.os.access", lambda path, mode: Path(path) != locked)
     assert default_output_dir(str(locked)) == Path("runs/eval/locked-model")  # not writable: under runs/eval
     with pytest.raises(CohortError, match=r"cannot write .*locked-model/x.jsonl \(permission denied\)"):
         check_writable(locked / "x.jsonl")

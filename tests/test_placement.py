@@ -1,4 +1,4 @@
-"""The run's `Placement` (cohort/parallel/placement.py): which ranks train and which sample, in which groups, on
+"""The run's `Placement` (cohort_grpo/parallel/placement.py): which ranks train and which sample, in which groups, on
 which copy of the weights, and every refusal that needs both the config and the process count, against
 expectations worked out by hand."""
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from cohort import GRPOConfig
-from cohort.errors import CohortError
-from cohort.parallel.placement import ASYNC_MODES, Placement
-from cohort.plans.training_plan import RankShape
-from cohort.trainer.ppo_trainer import PPOConfig
+from cohort_grpo import GRPOConfig
+from cohort_grpo.errors import CohortError
+from cohort_grpo.parallel.placement import ASYNC_MODES, Placement
+from cohort_grpo.plans.training_plan import RankShape
+from cohort_grpo.trainer.ppo_trainer import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -197,11 +197,11 @@ def test_ppo_on_several_ranks_is_refused():
 
 
 def test_cohort_train_refuses_a_placement_before_torchrun_starts(tmp_path):
-    """`cohort train --nproc_per_node 2 --fsdp true --rollout_tensor_parallel_size 3`: one line naming the option
+    """`cohort-grpo train --nproc_per_node 2 --fsdp true --rollout_tensor_parallel_size 3`: one line naming the option
     and the fix, exit code 2, and nothing from the launcher (no rank was started, nothing written)."""
     out = tmp_path / "out"
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2", "--fsdp", "true",
+    done = subprocess.run([sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", "--fsdp", "true",
                            "--rollout_tensor_parallel_size", "3", "--output_dir", str(out)],
                           env=dict(os.environ, PYTHONPATH=path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=120, cwd=tmp_path)

@@ -4,9 +4,9 @@ loop, the critic learns its returns, and the trainer reuses GRPO's loop."""
 import pytest
 import torch
 
-from cohort.errors import CohortError
-from cohort.config.grpo_config import GRPOConfig
-from cohort.trainer.ppo_trainer import PPOConfig, PPOTrainer
+from cohort_grpo.errors import CohortError
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.trainer.ppo_trainer import PPOConfig, PPOTrainer
 
 PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n"} for a in range(10) for b in range(10)]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import cohort.optim.precision as precision
-from cohort.errors import CohortError
-from cohort.optim.precision import MasterWeightAdamW, _chunks_by_bytes, clip_grad_norm, join_master, split_master
+import cohort_grpo.optim.precision as precision
+from cohort_grpo.errors import CohortError
+from cohort_grpo.optim.precision import MasterWeightAdamW, _chunks_by_bytes, clip_grad_norm, join_master, split_master
 
 SHAPES = [(64, 32), (32,), (128, 16), (7,), (256, 8), (16, 16)]  # 2,048 + 32 + 2,048 + 7 + 2,048 + 256 elements
 
@@ -324,7 +324,7 @@ def test_out_of_memory_after_tensors_stepped_stops_the_run_rather_than_step_them
 PART_WAY_ALONE = textwrap.dedent("""
     import torch
 
-    import cohort.optim.precision as precision
+    import cohort_grpo.optim.precision as precision
 
     params = [torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16)) for _ in range(3)]
     optimizer = precision.MasterWeightAdamW(params, chunk_bytes=1, lr=1e-2)

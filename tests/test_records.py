@@ -1,4 +1,4 @@
-"""`Rollout` and `Batch` as per-row records (cohort/rollout/records.py): every field survives a selection, a
+"""`Rollout` and `Batch` as per-row records (cohort_grpo/rollout/records.py): every field survives a selection, a
 concatenation and a checkpoint state's round trip.
 
 The records are built from their own field declarations, one distinct value per field, so a field added later is
@@ -12,9 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from cohort.rollout.batch import Batch, select_groups
-from cohort.rollout.records import COMPLETION, PAD_TOKEN, POSITION, ROWS, WHOLE, RowRecord, layout_of
-from cohort.rollout.sampler import Rollout
+from cohort_grpo.rollout.batch import Batch, select_groups
+from cohort_grpo.rollout.records import COMPLETION, PAD_TOKEN, POSITION, ROWS, WHOLE, RowRecord, layout_of
+from cohort_grpo.rollout.sampler import Rollout
 
 PAD_ID = 7
 RECORDS = [Rollout, Batch]

@@ -9,23 +9,23 @@ import re
 import sys
 from pathlib import Path
 
-from cohort.config.grpo_config import GRPOConfig
-from cohort.config.rules import RULES
-from cohort.config.sections import SECTIONS
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.config.rules import RULES
+from cohort_grpo.config.sections import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)}
-# Flags of the other commands and of `cohort train` itself that are not GRPOConfig fields.
+# Flags of the other commands and of `cohort-grpo train` itself that are not GRPOConfig fields.
 OTHER_FLAGS = {
-    "config", "nproc_per_node", "help", "debug", "print_config", "version",  # cohort train; every command
-    "nnodes", "node_rank", "master_addr", "master_port",  # cohort train's launcher, on several machines
+    "config", "nproc_per_node", "help", "debug", "print_config", "version",  # cohort-grpo train; every command
+    "nnodes", "node_rank", "master_addr", "master_port",  # cohort-grpo train's launcher, on several machines
     "standalone", "nodes", "ntasks_per_node", "gpus_per_task",  # torchrun and SLURM's srun, in multi-gpu.md
     "index_url",  # pip, in the README's CPU-only note
-    "limit", "num_samples", "split", "output",  # cohort eval
-    "system", "raw", "max_new_tokens", "tool_timeout",  # cohort chat (and its tools: --tools, --environment)
-    "prompts", "chat",  # cohort generate (with --output)
-    "out",  # cohort report
+    "limit", "num_samples", "split", "output",  # cohort-grpo eval
+    "system", "raw", "max_new_tokens", "tool_timeout",  # cohort-grpo chat (and its tools: --tools, --environment)
+    "prompts", "chat",  # cohort-grpo generate (with --output)
+    "out",  # cohort-grpo report
 }
 USER_PAGES = [ROOT / "README.md", DOCS / "README.md", DOCS / "concepts.md", DOCS / "guide.md",
               DOCS / "reliability.md", *sorted((DOCS / "howto").glob("*.md"))]

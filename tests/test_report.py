@@ -1,4 +1,4 @@
-"""`cohort report`: PNG curves that show the logged data, and a self-contained, escaped HTML page."""
+"""`cohort-grpo report`: PNG curves that show the logged data, and a self-contained, escaped HTML page."""
 
 import base64
 import json
@@ -12,9 +12,9 @@ import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
-from cohort.errors import CohortError
-from cohort.telemetry.metrics import MetricsLogger
-from cohort.telemetry.report import FIGURE_PIXELS, build_report, main, sample_completions
+from cohort_grpo.errors import CohortError
+from cohort_grpo.telemetry.metrics import MetricsLogger
+from cohort_grpo.telemetry.report import FIGURE_PIXELS, build_report, main, sample_completions
 
 STEPS = 40
 EVIL_COMPLETION = "<script>alert('x')</script> & the answer is 4"
@@ -105,7 +105,7 @@ def test_several_runs_share_the_axes(tmp_path):
     left, right = columns < np.percentile(columns, 33), columns > np.percentile(columns, 67)
     assert np.median(rows[left]) + 50 < np.median(rows[right])
     text = page.read_text()
-    assert "cohort report: a, b" in text
+    assert "cohort-grpo report: a, b" in text
 
 
 def test_default_output_dir_for_several_runs_is_cwd_report(tmp_path, monkeypatch):

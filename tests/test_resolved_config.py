@@ -14,14 +14,14 @@ import pytest
 import torch
 import yaml
 
-from cohort.trainer.grpo_trainer import GRPOTrainer
-from cohort.config.choices import AUTO_OPTIONS, CHOICES
-from cohort.cli import main
-from cohort.config.grpo_config import GRPOConfig
-from cohort.config.command_line import config_help, parse_config
-from cohort.errors import CohortError
-from cohort.parallel.placement import Placement
-from cohort.run.resolve import resolve_run_config
+from cohort_grpo.trainer.grpo_trainer import GRPOTrainer
+from cohort_grpo.config.choices import AUTO_OPTIONS, CHOICES
+from cohort_grpo.cli import main
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.config.command_line import config_help, parse_config
+from cohort_grpo.errors import CohortError
+from cohort_grpo.parallel.placement import Placement
+from cohort_grpo.run.resolve import resolve_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"prompt": f"{a}+{b}=?"} for a in range(4) for b in range(4)]

@@ -1,6 +1,6 @@
 """Same seed, same run; SIGKILL (and SIGTERM) at random moments + `--resume` give the uninterrupted run (issue 8).
 
-Real `python -m cohort train` processes on the CPU: the built-in arithmetic task with a tiny
+Real `python -m cohort_grpo train` processes on the CPU: the built-in arithmetic task with a tiny
 random-init model and a dense reward named as `module:function` (so each step moves the weights)."""
 
 import json
@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cohort.run.checkpoint import check_checkpoint, list_checkpoints
-from cohort.models.tiny import build_model, build_tokenizer
+from cohort_grpo.run.checkpoint import check_checkpoint, list_checkpoints
+from cohort_grpo.models.tiny import build_model, build_tokenizer
 
 SPEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=64)
@@ -49,7 +49,7 @@ def setup(tmp_path_factory):
 
 
 def train_command(root: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "cohort", "train", "--model", str(root / "model"), "--task", "arithmetic",
+    return [sys.executable, "-m", "cohort_grpo", "train", "--model", str(root / "model"), "--task", "arithmetic",
             "--reward_funcs", "rewardmod:digit_share", "--num_generations", "4", "--per_device_train_batch_size", "8",
             "--gradient_accumulation_steps", "1", "--max_completion_length", "5", "--max_prompt_length", "64",
             "--max_steps", str(MAX_STEPS), "--save_steps", "2", "--eval_limit", "4", "--eval_steps", "5",

@@ -1,4 +1,4 @@
-"""A reward function that raises (cohort/rewards/runner.py, `--reward_errors`): by default the run stops at
+"""A reward function that raises (cohort_grpo/rewards/runner.py, `--reward_errors`): by default the run stops at
 the first exception with one line naming the function and the exception's last line; with `warn` the
 samples it failed on score None and `rewards/<name>/errors` counts them. A timeout is not an error."""
 
@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.config.command_line import parse_config
-from cohort.errors import CohortError
-from cohort.rewards import runner as runner_module
-from cohort.rewards.runner import RewardRunner, exception_line
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.config.command_line import parse_config
+from cohort_grpo.errors import CohortError
+from cohort_grpo.rewards import runner as runner_module
+from cohort_grpo.rewards.runner import RewardRunner, exception_line
 
 torch.set_num_threads(1)
 
@@ -214,7 +214,7 @@ def cli_run(tiny_dir, tmp_path, *extra):
 
 
 def test_cli_stops_with_one_line_or_goes_on_with_warn(tiny_dir, tmp_path, scoring_module, capsys):
-    from cohort.cli import main
+    from cohort_grpo.cli import main
 
     assert main(cli_run(tiny_dir, tmp_path, "--output_dir", str(tmp_path / "stopped"))) == 2
     err = capsys.readouterr().err.strip().splitlines()

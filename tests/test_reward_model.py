@@ -9,16 +9,16 @@ import torch
 
 import dataclasses
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.config.settings import RewardModelSettings
-from cohort.errors import CohortError
-from cohort.models import CausalLM, ModelConfig
-from cohort.rewards.model import RewardModelReward, prepare_reward_funcs
-from cohort.rewards.replay import MixedBatches, ReplayBuffer, Sample, within_group_pairs
-from cohort.rewards.runner import RewardRunner
-from cohort.rewards.scorers import CausalLMScorer
-from cohort.tasks.arithmetic import ArithmeticTask
-from cohort.models.tiny import build_model, build_tokenizer
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.config.settings import RewardModelSettings
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import CausalLM, ModelConfig
+from cohort_grpo.rewards.model import RewardModelReward, prepare_reward_funcs
+from cohort_grpo.rewards.replay import MixedBatches, ReplayBuffer, Sample, within_group_pairs
+from cohort_grpo.rewards.runner import RewardRunner
+from cohort_grpo.rewards.scorers import CausalLMScorer
+from cohort_grpo.tasks.arithmetic import ArithmeticTask
+from cohort_grpo.models.tiny import build_model, build_tokenizer
 
 torch.set_num_threads(1)
 

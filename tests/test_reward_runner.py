@@ -1,4 +1,4 @@
-"""RewardRunner (cohort/rewards/runner.py): weighting, None/NaN handling, fault isolation, time limits.
+"""RewardRunner (cohort_grpo/rewards/runner.py): weighting, None/NaN handling, fault isolation, time limits.
 A function that raises is isolated only with errors="warn" (the default stops the run: test_reward_errors.py)."""
 
 import math
@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from cohort.errors import CohortError
-from cohort.rewards.rules import accuracy_reward, format_reward
-from cohort.rewards.runner import RewardRunner
+from cohort_grpo.errors import CohortError
+from cohort_grpo.rewards.rules import accuracy_reward, format_reward
+from cohort_grpo.rewards.runner import RewardRunner
 
 torch.set_num_threads(1)
 
@@ -245,7 +245,7 @@ def short_hang_reward(prompts, completions, **_):
 
 
 def test_training_goes_on_past_raising_nan_and_hanging_rewards(tiny_dir, tmp_path, capsys):
-    from cohort import GRPOConfig, GRPOTrainer
+    from cohort_grpo import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
                       max_completion_length=3, max_steps=2, learning_rate=1e-4, reward_timeout=0.5,
@@ -269,7 +269,7 @@ def test_training_goes_on_past_raising_nan_and_hanging_rewards(tiny_dir, tmp_pat
 
 
 def test_wrong_length_stops_the_cli_run_with_one_line_naming_the_function(tiny_dir, tmp_path, monkeypatch, capsys):
-    from cohort.cli import main
+    from cohort_grpo.cli import main
 
     (tmp_path / "cohort_test_short_reward.py").write_text(
         "def one_short(prompts, completions, **_):\n    return [1.0] * (len(completions) - 1)\n")

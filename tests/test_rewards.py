@@ -1,4 +1,4 @@
-"""Rule-based rewards (cohort/rewards/rules.py) against hand-worked expectations."""
+"""Rule-based rewards (cohort_grpo/rewards/rules.py) against hand-worked expectations."""
 
 import json
 from fractions import Fraction
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cohort.errors import CohortError
-from cohort.rewards.rules import (
+from cohort_grpo.errors import CohortError
+from cohort_grpo.rewards.rules import (
     REWARD_FUNCS,
     accuracy_reward,
     canonical_answer,
@@ -186,7 +186,7 @@ def test_resolve_reward_by_name_path_and_callable():
                                  "think_format_reward"}
     for name, func in REWARD_FUNCS.items():
         assert resolve_reward(name) is func
-    assert resolve_reward("cohort.rewards.rules:format_reward") is format_reward
+    assert resolve_reward("cohort_grpo.rewards.rules:format_reward") is format_reward
     assert resolve_reward("json:dumps") is json.dumps  # any importable function, named by the user
     assert resolve_reward(len) is len
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from cohort.config.grpo_config import GRPOConfig
-from cohort.errors import CohortError
-from cohort.parallel.disaggregation import RolloutLink
-from cohort.parallel.placement import Placement
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.errors import CohortError
+from cohort_grpo.parallel.disaggregation import RolloutLink
+from cohort_grpo.parallel.placement import Placement
 from test_distributed import REWARD_MODULE, environment, run, step_records, torchrun, train_options
 
 TOLERANCE = 1e-5
@@ -25,8 +25,8 @@ def test_a_groups_leader_relays_each_request_so_its_ranks_make_the_same_calls_an
     import threading
     from types import SimpleNamespace
 
-    from cohort.rollout import remote
-    from cohort.rollout.remote import RESTORE, ROLLOUT, SAMPLE, STOP, RolloutServer
+    from cohort_grpo.rollout import remote
+    from cohort_grpo.rollout.remote import RESTORE, ROLLOUT, SAMPLE, STOP, RolloutServer
 
     placement = Placement(world_size=4, rollout_gpus=2, split=2)
     wire = {(a, b): queue.Queue() for a in range(4) for b in range(4)}
@@ -87,7 +87,7 @@ def test_settings_that_cannot_work_are_refused():
 
 
 def test_one_process_cannot_sample_on_other_ranks(tiny_dir, tmp_path):
-    from cohort import GRPOTrainer
+    from cohort_grpo import GRPOTrainer
 
     with pytest.raises(CohortError, match="rollout_gpus=1 needs ranks that train besides the ones that sample"):
         GRPOTrainer(tiny_dir, lambda completions, **_: [0.0] * len(completions), [{"prompt": "1+1="}] * 4,
@@ -98,7 +98,7 @@ def test_one_process_cannot_sample_on_other_ranks(tiny_dir, tmp_path):
 def test_the_last_ranks_sample_and_each_side_refuses_the_other_s_rank(tiny_dir, tmp_path, monkeypatch):
     """With rollout_gpus=1 of 3 ranks, rank 2 alone samples: a GRPOTrainer built there, or a SamplingRank built
     on a trainer rank, stops at once with a line that says what to run instead."""
-    from cohort import GRPOTrainer, SamplingRank, is_sampling_rank
+    from cohort_grpo import GRPOTrainer, SamplingRank, is_sampling_rank
 
     args = GRPOConfig(rollout_gpus=1, async_rollouts=True, output_dir=str(tmp_path / "x"), device="cpu", quiet=True)
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -132,7 +132,7 @@ def options(model: str, out: Path, accumulation: int, *extra: str) -> list[str]:
 
 
 def three_ranks(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m", "cohort",
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m", "cohort_grpo",
             "train", *args]
 
 
@@ -152,7 +152,7 @@ def assert_same_training(out: Path, reference: Path, steps: slice = slice(None))
 def reference(root, tiny_dir):
     """One process with asynchronous rollouts: what every placement below must train."""
     out = root / "one"
-    run(root, [sys.executable, "-m", "cohort", "train", *options(tiny_dir, out, 4)], timeout=600)
+    run(root, [sys.executable, "-m", "cohort_grpo", "train", *options(tiny_dir, out, 4)], timeout=600)
     assert [r["async/staleness"] for r in step_records(out)] == [0.0, 1.0, 1.0]
     return out
 
@@ -247,9 +247,9 @@ def test_a_trainer_and_its_sampling_rank_exchange_requests_weights_and_rollouts(
 
     import torch
 
-    from cohort.rollout.batch import Batch
-    from cohort.rollout.remote import RemoteRollouts, RolloutServer
-    from cohort.rollout.sampler import Rollout
+    from cohort_grpo.rollout.batch import Batch
+    from cohort_grpo.rollout.remote import RemoteRollouts, RolloutServer
+    from cohort_grpo.rollout.sampler import Rollout
 
     placement = Placement(world_size=2, rollout_gpus=1)
     wire = {(a, b): queue.Queue() for a in range(2) for b in range(2)}
@@ -297,11 +297,11 @@ def test_one_engine_call_for_a_block_of_trainers_samples_what_their_own_calls_do
     part is what sampling its own rows at its own offset gives, token for token."""
     import torch
 
-    from cohort import GRPOConfig
-    from cohort.run.policy import load_policy
-    from cohort.rollout import make_sampler
-    from cohort.rollout.group_sampler import GroupSampler
-    from cohort.rollout.remote import split_by_blocks
+    from cohort_grpo import GRPOConfig
+    from cohort_grpo.run.policy import load_policy
+    from cohort_grpo.rollout import make_sampler
+    from cohort_grpo.rollout.group_sampler import GroupSampler
+    from cohort_grpo.rollout.remote import split_by_blocks
 
     model, tokenizer = load_policy(tiny_dir, device="cpu", log=lambda line: None)
     args = GRPOConfig(num_generations=4, max_completion_length=12, temperature=1.0)
@@ -317,7 +317,7 @@ def test_one_engine_call_for_a_block_of_trainers_samples_what_their_own_calls_do
         assert part.rollout.finish_reasons == alone.rollout.finish_reasons
     assert merged[0].completions != merged[1].completions  # the blocks' noise differs
 
-    from cohort.rollout.remote import SAMPLE, RolloutServer
+    from cohort_grpo.rollout.remote import SAMPLE, RolloutServer
 
     server = RolloutServer(QueueLink(Placement(3, 1), 2, {}, None), model, sample, group_size=4, merge_requests=True)
     requests = {0: (SAMPLE, 3, 1, first, 7, 8), 1: (SAMPLE, 3, 1, second, 7, 16)}
@@ -383,7 +383,7 @@ def test_partial_rollouts_on_a_sampling_rank_stay_within_max_staleness_and_resum
 
 EARLY_STOP = '''
 import sys
-from cohort import GRPOConfig, GRPOTrainer, SamplingRank, is_sampling_rank
+from cohort_grpo import GRPOConfig, GRPOTrainer, SamplingRank, is_sampling_rank
 
 
 class StopAfterOne:
@@ -425,7 +425,7 @@ def test_a_run_stopped_early_ends_cleanly_on_every_rank(root, tiny_dir, stalenes
 
 @pytest.mark.slow
 def test_sigterm_to_a_job_with_a_sampling_rank_saves_a_checkpoint_and_resumes(root, tiny_dir):
-    """SIGTERM to `cohort train --nproc_per_node 3` with a sampling rank: torchrun passes it on to every rank
+    """SIGTERM to `cohort-grpo train --nproc_per_node 3` with a sampling rank: torchrun passes it on to every rank
     (twice in a row); the trainers finish their step and save, the sampling rank serves them until then, the
     job exits 128 + 15, and --resume goes on from that checkpoint."""
     import json
@@ -434,7 +434,7 @@ def test_sigterm_to_a_job_with_a_sampling_rank_saves_a_checkpoint_and_resumes(ro
     import time
 
     out = root / "sigterm"
-    command = [sys.executable, "-m", "cohort", "train", "--nproc_per_node", "3",
+    command = [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "3",
                *train_options(tiny_dir, out, 2, "--async_rollouts", "true", "--rollout_gpus", "1",
                               "--max_steps", "400", "--logging_steps", "1")]
     process = subprocess.Popen(command, env=environment(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -1,4 +1,4 @@
-"""The rollout source (cohort/rollout/source.py): the one object a trainer takes each step's rollout from.
+"""The rollout source (cohort_grpo/rollout/source.py): the one object a trainer takes each step's rollout from.
 
 Checked in one process, without a model: `SampleNow` samples the rows the prompt stream draws, with its seed, when
 the step takes them, and times no weight refresh where there is no engine copy; `SampledAhead` over a real
@@ -10,11 +10,11 @@ from contextlib import contextmanager
 
 import torch
 
-from cohort.parallel.distributed import Parallel
-from cohort.rollout.async_rollouts import AsyncRollouts
-from cohort.rollout.batch import Batch
-from cohort.rollout.sampler import Rollout
-from cohort.rollout.source import SampledAhead, SampleNow
+from cohort_grpo.parallel.distributed import Parallel
+from cohort_grpo.rollout.async_rollouts import AsyncRollouts
+from cohort_grpo.rollout.batch import Batch
+from cohort_grpo.rollout.sampler import Rollout
+from cohort_grpo.rollout.source import SampledAhead, SampleNow
 
 
 class Phases:

@@ -8,18 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.errors import CohortError
-from cohort.models import CausalLM, ModelConfig
-from cohort.models.moe import LayerRouting, Routing
-from cohort.models.tiny import build_tokenizer
-from cohort.rollout.engine import Engine
-from cohort.rollout.layout import PADDED, Layout
-from cohort.rollout.sampler import SamplingParams
-from cohort.tasks.arithmetic import ArithmeticTask
-from cohort.update.logprobs import forward_hidden, micro_batch_logprobs, rollout_logprobs
-from cohort.update.packing import pack
-from cohort.update.routing import replay_mismatch
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import CausalLM, ModelConfig
+from cohort_grpo.models.moe import LayerRouting, Routing
+from cohort_grpo.models.tiny import build_tokenizer
+from cohort_grpo.rollout.engine import Engine
+from cohort_grpo.rollout.layout import PADDED, Layout
+from cohort_grpo.rollout.sampler import SamplingParams
+from cohort_grpo.tasks.arithmetic import ArithmeticTask
+from cohort_grpo.update.logprobs import forward_hidden, micro_batch_logprobs, rollout_logprobs
+from cohort_grpo.update.packing import pack
+from cohort_grpo.update.routing import replay_mismatch
 
 torch.set_num_threads(1)
 
@@ -267,7 +267,7 @@ def test_the_router_loss_enters_the_update_as_the_steps_mean_over_completions(tm
 
     from helpers import synthetic_batch
 
-    from cohort.update.routing import router_aux_loss
+    from cohort_grpo.update.routing import router_aux_loss
 
     coef = 0.5
     args = GRPOConfig(num_generations=4, per_device_train_batch_size=6, gradient_accumulation_steps=2,

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.algorithm import objectives
-from cohort.algorithm.objectives import (BatchShare, LossSpec, policy_loss, sampler_correction_weights,
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.algorithm import objectives
+from cohort_grpo.algorithm.objectives import (BatchShare, LossSpec, policy_loss, sampler_correction_weights,
                                          sampler_log_ratio)
-from cohort.errors import CohortError
-from cohort.update.fused_head import FusedHead
-from cohort.update.logprobs import micro_batch_logprobs
+from cohort_grpo.errors import CohortError
+from cohort_grpo.update.fused_head import FusedHead
+from cohort_grpo.update.logprobs import micro_batch_logprobs
 from helpers import UPDATE_PROMPTS, variable_batch
 
 
@@ -68,8 +68,8 @@ def test_policy_loss_weighs_the_surrogate_as_an_independent_computation(correcti
 
 @pytest.mark.parametrize("correction", objectives.SAMPLER_CORRECTIONS)
 def test_fused_and_plain_paths_apply_the_same_correction(tiny_dir, correction):
-    from cohort.models import from_pretrained
-    from cohort.update.packing import pack_micro_batch
+    from cohort_grpo.models import from_pretrained
+    from cohort_grpo.update.packing import pack_micro_batch
 
     torch.manual_seed(0)
     model = from_pretrained(tiny_dir, dtype="float32").train()

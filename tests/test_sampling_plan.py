@@ -1,5 +1,5 @@
-"""rollout_tensor_parallel_size=auto and max_concurrent_sequences=auto (cohort/plans/sampling_plan.py,
-cohort/plans/training_slots.py): the smallest sampling group whose ranks keep a useful batch's KV cache beside
+"""rollout_tensor_parallel_size=auto and max_concurrent_sequences=auto (cohort_grpo/plans/sampling_plan.py,
+cohort_grpo/plans/training_slots.py): the smallest sampling group whose ranks keep a useful batch's KV cache beside
 their share of the weights, and the widest CUDA-graph width of slots that fits, counted here by hand."""
 
 import sys
@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cohort import GRPOConfig
-from cohort.errors import CohortError
-from cohort.plans import sampling_plan as plans
-from cohort.plans.sampling_plan import (SamplingPlan, engine_call_rows, kv_cache_bytes, parameter_count, sampling_plan,
+from cohort_grpo import GRPOConfig
+from cohort_grpo.errors import CohortError
+from cohort_grpo.plans import sampling_plan as plans
+from cohort_grpo.plans.sampling_plan import (SamplingPlan, engine_call_rows, kv_cache_bytes, parameter_count, sampling_plan,
                                          sampling_tensor_parallel_size)
-from cohort.models import CausalLM, ModelConfig
-from cohort.parallel.placement import Placement
+from cohort_grpo.models import CausalLM, ModelConfig
+from cohort_grpo.parallel.placement import Placement
 
 GIB = 2**30
 # Llama-3.1-8B's shape (config.json): 8.03 billion weights.
@@ -63,7 +63,7 @@ def card(monkeypatch):
     return state
 
 
-# The engine's decode widths (cohort/rollout/scheduler.py batch_buckets(256)), written out.
+# The engine's decode widths (cohort_grpo/rollout/scheduler.py batch_buckets(256)), written out.
 WIDTHS = [1, 2, 4, 8, 16, 32, 48, 80, 128, 192, 256]
 
 
@@ -178,7 +178,7 @@ def test_auto_is_one_where_a_split_cannot_apply(card):
 
 
 def test_the_cpu_run_settles_auto_to_one():
-    from cohort.run.resolve import resolve_run_config
+    from cohort_grpo.run.resolve import resolve_run_config
 
     config = ModelConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -219,8 +219,8 @@ def test_a_rank_that_trains_keeps_the_slots_its_step_leaves_room_for(card):
     widest width whose plan peaks within 85% of the card (the next width's would not)."""
     from dataclasses import replace
 
-    from cohort.plans.training_plan import RankShape, StepShape, training_memory_plan
-    from cohort.plans.training_slots import training_rank_slots
+    from cohort_grpo.plans.training_plan import RankShape, StepShape, training_memory_plan
+    from cohort_grpo.plans.training_slots import training_rank_slots
 
     cuda = torch.device("cuda", 0)
     args = GRPOConfig(per_device_train_batch_size=16, gradient_accumulation_steps=32, num_generations=8,
@@ -255,8 +255,8 @@ def test_colocated_ranks_keep_the_slots_their_update_leaves_room_for(card):
     the training plan's slots do not. In a tensor-parallel group π_ref is sharded like the policy."""
     from dataclasses import replace
 
-    from cohort.plans.training_plan import RankShape, StepShape, training_memory_plan
-    from cohort.plans.training_slots import training_rank_slots
+    from cohort_grpo.plans.training_plan import RankShape, StepShape, training_memory_plan
+    from cohort_grpo.plans.training_slots import training_rank_slots
 
     cuda = torch.device("cuda", 0)
     card.gib = 140

@@ -24,7 +24,7 @@ def run(tmp_path, *flags):
 
 
 def test_the_plan_rows_are_the_plans(tmp_path):
-    from cohort.plans.training_plan import GIB
+    from cohort_grpo.plans.training_plan import GIB
 
     out = run(tmp_path, "--plan")
     report = json.loads((tmp_path / "scale_plan.json").read_text())
@@ -77,7 +77,7 @@ def test_the_decode_step_bench_times_each_batch_on_the_shapes_model(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     from grpo_step_worker import SMOKE, config_dict
 
-    from cohort.models import CausalLM, ModelConfig
+    from cohort_grpo.models import CausalLM, ModelConfig
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_step.py"), "--smoke", "--out", str(tmp_path)],

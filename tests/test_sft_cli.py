@@ -1,4 +1,4 @@
-"""`cohort sft`: fine-tunes on prompt/completion or messages rows, saves a folder GRPO loads; the
+"""`cohort-grpo sft`: fine-tunes on prompt/completion or messages rows, saves a folder GRPO loads; the
 built-in model's warm start goes through the same `sft_train`."""
 
 import json
@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.cli import main
-from cohort.sft.sft_trainer import SFTConfig, encode_sft_row
-from cohort.models.tiny import build_model, build_tokenizer
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.cli import main
+from cohort_grpo.sft.sft_trainer import SFTConfig, encode_sft_row
+from cohort_grpo.models.tiny import build_model, build_tokenizer
 
 torch.set_num_threads(1)
 
@@ -110,9 +110,9 @@ def test_bad_arguments(argv, fragment, capsys):
 
 
 def test_built_in_warm_start_goes_through_sft_train(tmp_path, monkeypatch):
-    import cohort.sft.sft_trainer
-    import cohort.models.tiny
-    import cohort.sft.builtin
+    import cohort_grpo.sft.sft_trainer
+    import cohort_grpo.models.tiny
+    import cohort_grpo.sft.builtin
 
     calls = []
 
@@ -121,9 +121,9 @@ def test_built_in_warm_start_goes_through_sft_train(tmp_path, monkeypatch):
         return [0.0]
 
     monkeypatch.setenv("COHORT_CACHE", str(tmp_path))
-    monkeypatch.setattr(cohort.sft.sft_trainer, "sft_train", fake_sft_train)
-    spec = dict(cohort.models.tiny.TINY_SPEC, version="test-sft-path", sft_steps=7)
-    path = cohort.sft.builtin.tiny_model_dir(log=lambda *_: None, spec=spec)
+    monkeypatch.setattr(cohort_grpo.sft.sft_trainer, "sft_train", fake_sft_train)
+    spec = dict(cohort_grpo.models.tiny.TINY_SPEC, version="test-sft-path", sft_steps=7)
+    path = cohort_grpo.sft.builtin.tiny_model_dir(log=lambda *_: None, spec=spec)
     assert len(calls) == 1
     rows, config = calls[0]
     assert isinstance(config, SFTConfig) and config.max_steps == 7

@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-import cohort.optim.sharded_adamw as sharded_adamw
-from cohort.config.grpo_config import GRPOConfig
-from cohort.errors import CohortError
-from cohort.optim.bf16 import element_noise, round_with_noise
-from cohort.optim.precision import make_optimizer, optimizer_line
-from cohort.optim.sharded_adamw import ShardedAdamW
+import cohort_grpo.optim.sharded_adamw as sharded_adamw
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.errors import CohortError
+from cohort_grpo.optim.bf16 import element_noise, round_with_noise
+from cohort_grpo.optim.precision import make_optimizer, optimizer_line
+from cohort_grpo.optim.sharded_adamw import ShardedAdamW
 
 HYPER = dict(lr=3e-2, weight_decay=0.1, betas=(0.9, 0.99))
 
@@ -174,10 +174,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import test_sharded_adamw as t
-from cohort.config.grpo_config import GRPOConfig
-from cohort.optim.precision import make_optimizer
-from cohort.optim.sharded_adamw import ShardedAdamW
-from cohort.parallel.distributed import Parallel
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.optim.precision import make_optimizer
+from cohort_grpo.optim.sharded_adamw import ShardedAdamW
+from cohort_grpo.parallel.distributed import Parallel
 
 out = sys.argv[1]
 dist.init_process_group("gloo")
@@ -259,7 +259,7 @@ def test_two_gloo_ranks_equal_one_process_and_resume_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_training_with_bf16_moments_resumes_exactly(tmp_path, tiny_dir):
-    """`cohort train --fsdp --optimizer_state_dtype bfloat16` on 2 gloo ranks: the checkpoint holds the gathered
+    """`cohort-grpo train --fsdp --optimizer_state_dtype bfloat16` on 2 gloo ranks: the checkpoint holds the gathered
     bf16 moments of whole parameters, and a run resumed from step 1 ends with the weights of the run that did not
     stop."""
     from safetensors.torch import load_file
@@ -269,7 +269,7 @@ def test_fsdp_training_with_bf16_moments_resumes_exactly(tmp_path, tiny_dir):
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CI="1")
 
     def train(out: Path, *extra: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "cohort", "train", "--nproc_per_node", "2", "--fsdp", "true",
+        done = subprocess.run([sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", "--fsdp", "true",
                                "--optimizer_state_dtype", "bfloat16", "--model", tiny_dir, "--task", "arithmetic",
                                "--reward_funcs", "rewardmod:digit_share", "--num_generations", "4",
                                "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",

@@ -1,4 +1,4 @@
-"""Shared-prompt packing (cohort/update/packing.py, cohort/models/shared_prefix.py): one flat, unpadded
+"""Shared-prompt packing (cohort_grpo/update/packing.py, cohort_grpo/models/shared_prefix.py): one flat, unpadded
 sequence with each prompt once, then its completions; attention over per-completion index rows.
 Checked against independent computations: the layout against hand-built rows, log-probs against
 transformers' own model run on each (prompt, completion) alone, the update's loss and gradients
@@ -9,14 +9,14 @@ import torch
 from reference_models import save_perturbed_references
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.errors import CohortError
-from cohort.algorithm.loss_spec import BatchShare, LossSpec
-from cohort.update.fused_head import micro_batch_policy_loss
-from cohort.update.logprobs import micro_batch_logprobs, rollout_logprobs
-from cohort.models import from_pretrained
-from cohort.rollout.layout import Layout
-from cohort.update.packing import pack_micro_batch, pack_shared_prompts
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.errors import CohortError
+from cohort_grpo.algorithm.loss_spec import BatchShare, LossSpec
+from cohort_grpo.update.fused_head import micro_batch_policy_loss
+from cohort_grpo.update.logprobs import micro_batch_logprobs, rollout_logprobs
+from cohort_grpo.models import from_pretrained
+from cohort_grpo.rollout.layout import Layout
+from cohort_grpo.update.packing import pack_micro_batch, pack_shared_prompts
 
 torch.set_num_threads(1)
 SHARED = Layout(shared=True, group=4)

@@ -1,5 +1,5 @@
-"""A real pretrained model on CPU: SmolLM2-135M-Instruct (GGUF, Q4_1) — `cohort eval` on 20 GSM8K test
-questions, `cohort sft` from the GGUF, and two GRPO steps on GSM8K train from the SFT output.
+"""A real pretrained model on CPU: SmolLM2-135M-Instruct (GGUF, Q4_1) — `cohort-grpo eval` on 20 GSM8K test
+questions, `cohort-grpo sft` from the GGUF, and two GRPO steps on GSM8K train from the SFT output.
 Needs ../shared (the fetch script and the GSM8K files); skipped with the reason when it is absent or
 the model cannot be fetched."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.cli import main
-from cohort.rewards.rules import accuracy_reward, format_reward
-from cohort.tasks import get_task
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.cli import main
+from cohort_grpo.rewards.rules import accuracy_reward, format_reward
+from cohort_grpo.tasks import get_task
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 GET_SCRIPT = SHARED / "models" / "smollm2-135m-instruct" / "get.sh"
@@ -57,7 +57,7 @@ def test_eval_on_20_gsm8k_test_questions(gguf_file, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def sft_dir(gguf_file, tmp_path_factory):
-    """`cohort sft` from the GGUF: one step on two GSM8K reference solutions, saved as an HF folder."""
+    """`cohort-grpo sft` from the GGUF: one step on two GSM8K reference solutions, saved as an HF folder."""
     out = tmp_path_factory.mktemp("smollm2_sft")
     assert main(["sft", "--model", gguf_file, "--task", "gsm8k", "--subset", "2", "--max_steps", "1",
                  "--batch_size", "2", "--max_completion_length", "64", "--output_dir", str(out), "--device", "cpu"]) == 0
@@ -65,7 +65,7 @@ def sft_dir(gguf_file, tmp_path_factory):
 
 
 def test_sft_from_gguf_saves_a_loadable_changed_model(gguf_file, sft_dir):
-    from cohort.models import from_pretrained
+    from cohort_grpo.models import from_pretrained
 
     losses = json.loads((sft_dir / "sft_losses.json").read_text())["losses"]
     assert len(losses) == 1 and math.isfinite(losses[0]) and losses[0] > 0
@@ -80,7 +80,7 @@ def shorter_is_better(prompts, completions, **_):
 
 
 def test_two_grpo_steps_on_gsm8k_train(sft_dir, tmp_path):
-    """GRPO loads the `cohort sft` output (the warm-start → GRPO path) and takes two real steps."""
+    """GRPO loads the `cohort-grpo sft` output (the warm-start → GRPO path) and takes two real steps."""
     task = get_task("gsm8k")
     rows = task.load("train", subset=16, seed=0)
     args = GRPOConfig(num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
@@ -122,7 +122,7 @@ def test_two_grpo_steps_on_gsm8k_train(sft_dir, tmp_path):
                  "summary.json"):
         assert (tmp_path / name).is_file(), name
     # the saved folder is the trained policy: reloading it gives the updated weights
-    from cohort.models import from_pretrained
+    from cohort_grpo.models import from_pretrained
 
     reloaded = dict(from_pretrained(str(tmp_path)).named_parameters())
     name = changed[0]

@@ -1,4 +1,4 @@
-"""No drift over a long run: the built-in job (`cohort train`'s defaults, 600 steps on CPU) ends with the
+"""No drift over a long run: the built-in job (`cohort-grpo train`'s defaults, 600 steps on CPU) ends with the
 memory it had at step 50, and nothing the trainer keeps grows with the steps but its per-step records.
 
 Minutes long, so marked `soak`: `python -m pytest` leaves it out (pyproject's addopts), `.ci/run` runs it
@@ -51,11 +51,11 @@ def container_sizes(root, depth: int = 4) -> dict[str, int]:
 
 
 def run_job(out: str) -> None:
-    """The default job as `cohort train` runs it (cohort/cli/main.py), with a callback recording each step."""
-    from cohort.trainer.grpo_trainer import GRPOTrainer
-    from cohort.cli.main import task_rows
-    from cohort.config.command_line import resolve_config
-    from cohort.tasks import get_task
+    """The default job as `cohort-grpo train` runs it (cohort_grpo/cli/main.py), with a callback recording each step."""
+    from cohort_grpo.trainer.grpo_trainer import GRPOTrainer
+    from cohort_grpo.cli.main import task_rows
+    from cohort_grpo.config.command_line import resolve_config
+    from cohort_grpo.tasks import get_task
 
     args, _ = resolve_config(["--output_dir", str(Path(out).parent / "run"), "--quiet"])
     task = get_task(args.task)
@@ -70,7 +70,7 @@ def run_job(out: str) -> None:
             record = {"step": step, "rss_mib": rss_mib()}
             if step in (FIRST, args.max_steps):
                 gc.collect()
-                # the trainer freezes its long-lived objects (cohort/memory/gc_pauses.py): count those too
+                # the trainer freezes its long-lived objects (cohort_grpo/memory/gc_pauses.py): count those too
                 record.update(rss_after_gc_mib=rss_mib(), objects=len(gc.get_objects()) + gc.get_freeze_count(),
                               containers=container_sizes(self.trainer))
             records.append(record)

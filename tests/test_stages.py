@@ -8,12 +8,12 @@ import signal
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.algorithm import objectives
-from cohort.tasks.prompts import PromptStream
-from cohort.update import fused_head
-from cohort.update.fused_head import FusedHead
-from cohort.update.logprobs import micro_batch_logprobs
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.algorithm import objectives
+from cohort_grpo.tasks.prompts import PromptStream
+from cohort_grpo.update import fused_head
+from cohort_grpo.update.fused_head import FusedHead
+from cohort_grpo.update.logprobs import micro_batch_logprobs
 from helpers import UPDATE_PROMPTS, always_one, update_trainer, variable_batch
 
 
@@ -66,8 +66,8 @@ def test_the_default_path_computes_its_loss_with_objectives_policy_loss(tiny_dir
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_fused_and_plain_backends_give_one_loss_and_gradient_through_policy_loss(tiny_dir, tmp_path, loss_type):
-    from cohort.models import from_pretrained
-    from cohort.update.packing import pack_micro_batch
+    from cohort_grpo.models import from_pretrained
+    from cohort_grpo.update.packing import pack_micro_batch
 
     torch.manual_seed(0)
     model = from_pretrained(tiny_dir, dtype="float32").train()
@@ -139,7 +139,7 @@ def test_advantage_estimation_is_the_loop_s_step(tiny_dir, tmp_path):
         num_generations=4, per_device_train_batch_size=8, max_completion_length=4, max_steps=1,
         output_dir=str(tmp_path), quiet=True, save_steps=0))
     trainer.train()
-    from cohort.telemetry.metrics import read_completions
+    from cohort_grpo.telemetry.metrics import read_completions
 
     samples = read_completions(tmp_path)
     assert samples and all(s["advantage"] == 0.25 for s in samples)

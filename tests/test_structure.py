@@ -1,22 +1,22 @@
 """The package's shape, checked statically (`ast` and `tokenize` only: nothing is imported, it runs in
 well under a second).
 
-* cohort/ keeps at most a handful of top-level modules; everything else lives in a role folder.
-* The rooms of cohort/ (its folders and top-level modules) stand in one order, `ROOMS`, lowest first: a room
+* cohort_grpo/ keeps at most a handful of top-level modules; everything else lives in a role folder.
+* The rooms of cohort_grpo/ (its folders and top-level modules) stand in one order, `ROOMS`, lowest first: a room
   imports only rooms below it, so no two rooms import each other and a reader can learn them bottom up.
 * No import cycles among cohort's modules. Function-level (lazy) imports count as edges like module-level
   ones: a lazy import hides a cycle from the interpreter, not from the reader, and the aim is a clean
   layering; so do imports under `if TYPE_CHECKING:` (a type a lower layer needs belongs in that layer).
   `from pkg import name` is an edge to the module pkg.name when that is a module, else to pkg's
   __init__; `import pkg` is an edge to pkg's __init__. The implicit import of a module's parent
-  packages is not counted (every module would otherwise reach cohort/__init__.py, and every package
+  packages is not counted (every module would otherwise reach cohort_grpo/__init__.py, and every package
   whose __init__ re-exports its submodules would import itself).
 * No private name (one leading underscore, not a dunder) is imported from another cohort module, either
   as `from m import _name` or as `m._name` after `import m`. Importing a public name under a private
   alias (`import x as _x`) is fine.
 * No issue-tracker references ("issue 7", "(issue 10)", "#12") in code comments, docstrings or strings:
   say what the code does instead.
-* No function or method outside cohort/kernels/ longer than `MAX_FUNCTION_LINES` lines, its docstring included
+* No function or method outside cohort_grpo/kernels/ longer than `MAX_FUNCTION_LINES` lines, its docstring included
   (from its `def` line to its last line): split it into functions that each say what they do.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "cohort"
+PACKAGE = ROOT / "cohort_grpo"
 MAX_TOP_LEVEL_MODULES = 3
 MAX_FUNCTION_LINES = 80
 
@@ -90,7 +90,7 @@ def _imports(module: str):
             for alias in node.names:
                 if alias.name in MODULES:
                     yield alias.name, node, alias.asname, None
-                elif alias.name.split(".")[0] == "cohort":  # `import cohort.x.y` where y is not a file: nearest module
+                elif alias.name.split(".")[0] == "cohort_grpo":  # `import cohort_grpo.x.y` where y is not a file: nearest module
                     parts = alias.name.split(".")
                     while parts and ".".join(parts) not in MODULES:
                         parts.pop()
@@ -98,7 +98,7 @@ def _imports(module: str):
                         yield ".".join(parts), node, None, None
         elif isinstance(node, ast.ImportFrom):
             source = _resolve_from(module, node)
-            if source.split(".")[0] != "cohort":
+            if source.split(".")[0] != "cohort_grpo":
                 continue
             for alias in node.names:
                 submodule = f"{source}.{alias.name}"
@@ -189,7 +189,7 @@ def _a_cycle(graph, component: list[str]) -> list[str]:
 def test_few_top_level_modules():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, (
-        f"cohort/ has {len(top)} top-level modules ({', '.join(top)}); at most {MAX_TOP_LEVEL_MODULES}: "
+        f"cohort_grpo/ has {len(top)} top-level modules ({', '.join(top)}); at most {MAX_TOP_LEVEL_MODULES}: "
         "move the others into a role folder"
     )
 
@@ -224,8 +224,8 @@ def test_rooms_import_only_rooms_below_them():
 
 def test_the_order_check_finds_an_upward_import(monkeypatch):
     """The check above, on a made-up graph: a kernel that imports the trainer is refused."""
-    fake = {"cohort.kernels.k": {"cohort.trainer.grpo_trainer": ["cohort/kernels/k.py:1"]},
-            "cohort.trainer.grpo_trainer": {"cohort.kernels.k": ["cohort/trainer/grpo_trainer.py:1"]}}
+    fake = {"cohort_grpo.kernels.k": {"cohort_grpo.trainer.grpo_trainer": ["cohort_grpo/kernels/k.py:1"]},
+            "cohort_grpo.trainer.grpo_trainer": {"cohort_grpo.kernels.k": ["cohort_grpo/trainer/grpo_trainer.py:1"]}}
     monkeypatch.setattr(sys.modules[__name__], "_graph", lambda: fake)
     with pytest.raises(pytest.fail.Exception, match="kernels imports trainer"):
         test_rooms_import_only_rooms_below_them()
@@ -302,7 +302,7 @@ def test_no_tracker_references():
                 offenders.append(f"  {path.relative_to(ROOT)}:{line + text.count(chr(10), 0, match.start())}: "
                                  f"{match.group(0)!r}")
     if offenders:
-        pytest.fail("issue-tracker references in cohort/ (say what the code does instead):\n" + "\n".join(offenders),
+        pytest.fail("issue-tracker references in cohort_grpo/ (say what the code does instead):\n" + "\n".join(offenders),
                     pytrace=False)
 
 
@@ -327,7 +327,7 @@ def test_no_long_functions():
         for line, name, length in _long_functions(_tree(module), MAX_FUNCTION_LINES):
             offenders.append(f"  {path.relative_to(ROOT)}:{line}: {name} is {length} lines")
     if offenders:
-        pytest.fail(f"functions longer than {MAX_FUNCTION_LINES} lines outside cohort/kernels/ (split them into "
+        pytest.fail(f"functions longer than {MAX_FUNCTION_LINES} lines outside cohort_grpo/kernels/ (split them into "
                     "functions that each say what they do):\n" + "\n".join(sorted(offenders)), pytrace=False)
 
 

@@ -1,4 +1,4 @@
-"""The engine on tensor-parallel shards (cohort/rollout/token_sampler.py): 2 gloo ranks on the CPU, in float32,
+"""The engine on tensor-parallel shards (cohort_grpo/rollout/token_sampler.py): 2 gloo ranks on the CPU, in float32,
 each running `Engine(shard)`, give the rollouts `Engine(full model)` gives in one process (tokens equal,
 log-probs within TOLERANCE), the same on both ranks, sampling over their vocabulary slices.
 
@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cohort.errors import CohortError
-from cohort.models import CausalLM, ModelConfig, from_pretrained
-from cohort.models.tensor_parallel import TensorParallelCausalLM, shard_model
-from cohort.rollout import Engine, SamplingParams
-from cohort.rollout.sampling import sample_from_logits
-from cohort.rollout.token_sampler import graph_capturable, token_sampler
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import CausalLM, ModelConfig, from_pretrained
+from cohort_grpo.models.tensor_parallel import TensorParallelCausalLM, shard_model
+from cohort_grpo.rollout import Engine, SamplingParams
+from cohort_grpo.rollout.sampling import sample_from_logits
+from cohort_grpo.rollout.token_sampler import graph_capturable, token_sampler
 from test_tensor_parallel_model import saved_model
 
 TOLERANCE = 1e-5

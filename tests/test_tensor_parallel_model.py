@@ -1,4 +1,4 @@
-"""Tensor-parallel shards of the decoder (cohort/models/tensor_parallel.py): 2 ranks with gloo on the CPU,
+"""Tensor-parallel shards of the decoder (cohort_grpo/models/tensor_parallel.py): 2 ranks with gloo on the CPU,
 in float32, give the logits of the unsharded model, for a full forward and for a prefill followed by
 decode steps through the KV cache (the calls the engine makes), on the built-in tiny model (tied
 embeddings, a vocabulary of 83 that 2 does not divide) and random Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cohort.errors import CohortError
-from cohort.kernels.elementwise import fused_kernels
-from cohort.models import CausalLM, KVCache, ModelConfig, from_pretrained
-from cohort.models.tensor_parallel import (check_tensor_parallel_size, gather_logits, load_shard, shard_config,
+from cohort_grpo.errors import CohortError
+from cohort_grpo.kernels.elementwise import fused_kernels
+from cohort_grpo.models import CausalLM, KVCache, ModelConfig, from_pretrained
+from cohort_grpo.models.tensor_parallel import (check_tensor_parallel_size, gather_logits, load_shard, shard_config,
                                            shard_model, shard_state_dict)
 
 TOLERANCE = 1e-5

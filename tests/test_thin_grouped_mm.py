@@ -1,4 +1,4 @@
-"""The decode step's grouped expert product (cohort.kernels.thin_grouped_mm) against a loop over experts.
+"""The decode step's grouped expert product (cohort_grpo.kernels.thin_grouped_mm) against a loop over experts.
 
 Without CUDA the kernel runs in Triton's interpreter. The routings cover an expert without rows (its weights
 unread, its output rows absent), an expert with more rows than one tile holds, and shapes that fill no tile
@@ -8,7 +8,7 @@ import pytest
 import torch
 from triton_interpreter import DEVICE, kernel_module
 
-thin = kernel_module("cohort.kernels.thin_grouped_mm", "_thin_grouped_kernel")
+thin = kernel_module("cohort_grpo.kernels.thin_grouped_mm", "_thin_grouped_kernel")
 
 pytest.importorskip("triton", reason="triton is not installed; the thin grouped kernel cannot run")
 
@@ -94,8 +94,8 @@ def test_the_sampling_path_takes_the_thin_product_up_to_thin_rows(monkeypatch):
     """Under the engine's fused kernels and autograd off, `grouped_linear` is the thin kernel at up to
     THIN_ROWS_PER_EXPERT rows an expert and torch's grouped GEMM above; with autograd on (training) always the
     native product."""
-    from cohort.kernels import grouped_mm
-    from cohort.kernels.elementwise import fused_kernels
+    from cohort_grpo.kernels import grouped_mm
+    from cohort_grpo.kernels.elementwise import fused_kernels
 
     taken = []
     monkeypatch.setattr(grouped_mm, "thin_grouped_linear",

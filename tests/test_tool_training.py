@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.sft.sft_tools import encode_trajectory
-from cohort.errors import CohortError
-from cohort.models.tiny import build_model, build_tools_tokenizer
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.sft.sft_tools import encode_trajectory
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models.tiny import build_model, build_tools_tokenizer
 
 torch.set_num_threads(1)
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from cohort.models.tiny import build_tokenizer
-from cohort.tools import (
+from cohort_grpo.models.tiny import build_tokenizer
+from cohort_grpo.tools import (
     ToolCall,
     ToolCallError,
     ToolResult,

@@ -1,5 +1,5 @@
 """docs/howto/tools.md says what the code does: its training script runs as written (every name it uses
-defined), and its chat failure lines are the ones `cohort chat` prints."""
+defined), and its chat failure lines are the ones `cohort-grpo chat` prints."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def test_the_training_script_defines_what_it_uses(monkeypatch):
         def train(self):
             built[-1]["trained"] = True
 
-    fake = types.ModuleType("cohort")
+    fake = types.ModuleType("cohort_grpo")
     fake.GRPOTrainer, fake.GRPOConfig = Trainer, lambda **options: options
-    monkeypatch.setitem(sys.modules, "cohort", fake)
+    monkeypatch.setitem(sys.modules, "cohort_grpo", fake)
     exec(compile(source, str(DOC), "exec"), {"__name__": "__main__"})  # a NameError here: the doc's bug
     (kwargs,) = built
     assert kwargs["trained"] and kwargs["tools"][0](6, 7) == 42
@@ -36,8 +36,8 @@ def test_the_training_script_defines_what_it_uses(monkeypatch):
 
 
 def test_the_documented_failure_lines_are_what_chat_prints():
-    from cohort.cli.chat_tools import call_line
-    from cohort.tools import ToolCall, ToolResult, parse_tool_calls
+    from cohort_grpo.cli.chat_tools import call_line
+    from cohort_grpo.tools import ToolCall, ToolResult, parse_tool_calls
 
     raised = call_line(ToolCall("calculator", {"expression": "1/0"}),
                        ToolResult("{'error': 'ZeroDivisionError: division by zero'}", True, 0.0))

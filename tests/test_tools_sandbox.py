@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from cohort.tools import Sandbox, run_python, sandbox_report, tool_schema
+from cohort_grpo.tools import Sandbox, run_python, sandbox_report, tool_schema
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the sandbox needs POSIX rlimits and process groups")
 
@@ -276,7 +276,7 @@ def test_the_private_tmp_is_empty_when_python_lies_under_tmp(report, copies):
             "assert sys.prefix.startswith('/tmp/'), sys.prefix\n"
             "print(sandbox.run_python('import os, sys; print(sorted(os.listdir(\"/tmp\")), sys.version_info[:2])'), end='')\n"
         )
-        sandbox_py = Path(__file__).resolve().parent.parent / "cohort" / "tools" / "sandbox.py"
+        sandbox_py = Path(__file__).resolve().parent.parent / "cohort_grpo" / "tools" / "sandbox.py"
         done = subprocess.run([python, "-I", "-c", script, str(sandbox_py)], capture_output=True, text=True,
                               timeout=60)
         assert done.returncode == 0, done.stderr

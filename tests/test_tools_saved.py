@@ -26,7 +26,7 @@ def calculator(expression: str) -> str:
 # What the trainer does with its toolbox at the start of a run (GRPOTrainer.build), without a model.
 SAVE = '''
 def save_tools(*tools):
-    from cohort.tools.toolbox import Toolbox
+    from cohort_grpo.tools.toolbox import Toolbox
 
     for line in Toolbox(tools=list(tools), max_iterations=2).save("out"):
         print(line)
@@ -56,8 +56,8 @@ if __name__ == "__main__":
 ''')
     assert done.stdout == ""  # nothing to warn about
     assert saved(tmp_path)["tools"] == ["train:calculator"]
-    # `cohort chat` / `cohort eval` in the same folder: the name imports the script, whose training code stays put
-    check = ("from cohort.tools.toolbox import saved_toolbox; box = saved_toolbox('out'); "
+    # `cohort-grpo chat` / `cohort-grpo eval` in the same folder: the name imports the script, whose training code stays put
+    check = ("from cohort_grpo.tools.toolbox import saved_toolbox; box = saved_toolbox('out'); "
              "print(box.tools[0].__module__, box.tools[0]('6*7'), box.max_iterations)")
     loaded = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
@@ -73,7 +73,7 @@ save_tools(calculator, lambda x: x)
 ''')
     assert saved(tmp_path)["tools"] == []
     first, second = done.stdout.splitlines()
-    assert first.startswith("warning: tool calculator is not saved in out/tools.json: `cohort chat` and `cohort "
+    assert first.startswith("warning: tool calculator is not saved in out/tools.json: `cohort-grpo chat` and `cohort "
                             "eval` on this model will run without it; calculator is defined in train.py, which runs "
                             "code when imported")
     assert 'if __name__ == "__main__":' in first and "move calculator into a module" in first

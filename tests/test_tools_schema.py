@@ -8,8 +8,8 @@ from typing import Literal, Optional, Union
 
 import pytest
 
-from cohort.errors import CohortError
-from cohort.tools import Tool, environment_tools, make_tool, make_tools, tool_schema
+from cohort_grpo.errors import CohortError
+from cohort_grpo.tools import Tool, environment_tools, make_tool, make_tools, tool_schema
 
 
 def multiply(a: int, b: int) -> int:
@@ -232,7 +232,7 @@ def test_an_environment_without_reset_or_with_an_undocumented_tool_is_refused():
 def test_unexpressible_hints_are_found_whatever_transformers_does():
     """cohort judges the hints itself: transformers 5.17 writes {"type": "object"} for a custom class
     instead of refusing it, so a tool with such an argument would reach the model with no schema."""
-    from cohort.tools.schema import unexpressible_hint
+    from cohort_grpo.tools.schema import unexpressible_hint
 
     def ok(a: int, b: Optional[str], c: Literal["x", "y"], d: Colour, e: dict[str, list[float]],
            f: tuple[int, ...], g: Union[int, str], h: bool | None) -> Point:

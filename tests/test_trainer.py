@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
+from cohort_grpo import GRPOConfig, GRPOTrainer
 
 PROMPTS = [{"prompt": f"{a}+{b}=? Reply <answer>N</answer>\n"} for a in range(10) for b in range(10)]
 

@@ -19,8 +19,8 @@ from transformers.trainer_pt_utils import log_metrics as transformers_log_metric
 from transformers.trainer_pt_utils import save_metrics as transformers_save_metrics
 from transformers.trainer_utils import TrainOutput
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.errors import CohortError
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.errors import CohortError
 
 PROMPTS = [{"prompt": f"{a}+{b}="} for a in range(1, 5) for b in range(1, 3)]
 EVAL_PROMPTS = [{"prompt": f"{a}*2="} for a in range(1, 4)]

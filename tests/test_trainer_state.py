@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.errors import CohortError
-from cohort.tasks.arithmetic import ArithmeticTask
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.errors import CohortError
+from cohort_grpo.tasks.arithmetic import ArithmeticTask
 from helpers import UPDATE_PROMPTS
 
 TASK = ArithmeticTask()

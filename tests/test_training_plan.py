@@ -1,5 +1,5 @@
-"""The training memory plan (cohort/plans/training_plan.py) against the tensors cohort really makes, and the
-refusal before loading (cohort/plans/capacity.py) on a GPU whose capacity the test sets."""
+"""The training memory plan (cohort_grpo/plans/training_plan.py) against the tensors cohort really makes, and the
+refusal before loading (cohort_grpo/plans/capacity.py) on a GPU whose capacity the test sets."""
 
 import json
 import re
@@ -9,19 +9,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cohort import GRPOConfig
-from cohort.errors import CohortError
-from cohort.plans import capacity
-from cohort.parallel.placement import Placement
-from cohort.plans.capacity import check_capacity, config_before_loading
-from cohort.optim.precision import make_optimizer
-from cohort.optim.sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT, ShardedAdamW
-from cohort.plans.training_plan import (GIB, RankShape, StepShape, activation_bytes_per_token, engine_kv_bytes,
+from cohort_grpo import GRPOConfig
+from cohort_grpo.errors import CohortError
+from cohort_grpo.plans import capacity
+from cohort_grpo.parallel.placement import Placement
+from cohort_grpo.plans.capacity import check_capacity, config_before_loading
+from cohort_grpo.optim.precision import make_optimizer
+from cohort_grpo.optim.sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT, ShardedAdamW
+from cohort_grpo.plans.training_plan import (GIB, RankShape, StepShape, activation_bytes_per_token, engine_kv_bytes,
                                          lora_parameter_count, micro_batch_tokens, training_memory_plan)
-from cohort.models import CausalLM, ModelConfig
-from cohort.rollout.engine import Engine
-from cohort.rollout.sampler import SamplingParams
-from cohort.rollout.layout import Layout
+from cohort_grpo.models import CausalLM, ModelConfig
+from cohort_grpo.rollout.engine import Engine
+from cohort_grpo.rollout.sampler import SamplingParams
+from cohort_grpo.rollout.layout import Layout
 
 TINY = ModelConfig(model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -104,7 +104,7 @@ def test_a_ddp_rank_holds_its_gradients_and_buckets_beside_the_kv_cache(ranks):
 
 
 def test_lora_adapters_are_peft_s():
-    from cohort.models.lora import apply_lora, lora_config_from_args
+    from cohort_grpo.models.lora import apply_lora, lora_config_from_args
 
     model = CausalLM(TINY)
     apply_lora(model, lora_config_from_args(GRPOConfig(use_peft=True, lora_r=4).validate()))
@@ -278,9 +278,9 @@ def test_nothing_is_planned_off_cuda_or_without_a_config(gpu, llama_8b_folder, t
 
 def test_cohort_train_stops_before_loading(gpu, llama_8b_folder, tmp_path, monkeypatch):
     """Through the trainer: the refusal comes before the loader is called; a fitting run reaches the loader."""
-    from cohort import GRPOTrainer
-    from cohort.run import start
-    from cohort.parallel.distributed import Parallel
+    from cohort_grpo import GRPOTrainer
+    from cohort_grpo.run import start
+    from cohort_grpo.parallel.distributed import Parallel
 
     monkeypatch.setattr(Parallel, "from_env", classmethod(lambda cls, *a, **k: Parallel(device=CUDA)))
     loads = []

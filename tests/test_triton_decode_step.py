@@ -21,14 +21,14 @@ from helpers import KERNEL_FAMILIES as FAMILIES, KERNEL_TINY as TINY, build_kern
 
 from triton_interpreter import kernel_module  # noqa: E402
 
-from cohort.rollout import sampling# noqa: E402
-from cohort.models import CausalLM, ModelConfig, modeling
-from cohort.kernels import elementwise as kernels# noqa: E402
+from cohort_grpo.rollout import sampling# noqa: E402
+from cohort_grpo.models import CausalLM, ModelConfig, modeling
+from cohort_grpo.kernels import elementwise as kernels# noqa: E402
 
 torch.set_num_threads(1)  # as tests/test_kernels.py, whose models these are
 
-decode_module = kernel_module("cohort.kernels.decode_attention", "_decode_split_kernel")
-triton_sampling = kernel_module("cohort.kernels.sampling", "_partial_kernel")
+decode_module = kernel_module("cohort_grpo.kernels.decode_attention", "_decode_split_kernel")
+triton_sampling = kernel_module("cohort_grpo.kernels.sampling", "_partial_kernel")
 
 
 def on_any_device(tensor: torch.Tensor) -> bool:
@@ -119,9 +119,9 @@ def test_engine_with_shared_prompts_samples_through_the_kernel_as_each_row_alone
     two lengths in one prefill chunk: the shorter one's table entry must stop at its own length."""
     import contextlib
 
-    from cohort.rollout import engine as engine_module
-    from cohort.rollout import Engine
-    from cohort.rollout.sampler import SamplingParams
+    from cohort_grpo.rollout import engine as engine_module
+    from cohort_grpo.rollout import Engine
+    from cohort_grpo.rollout.sampler import SamplingParams
 
     @contextlib.contextmanager
     def plain_sampling_mode(model, fused=False):  # the fused pieces uncompiled: no torch.compile on CPU

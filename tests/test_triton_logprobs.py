@@ -1,4 +1,4 @@
-"""The one-pass LM-head statistics kernel (cohort.kernels.logprobs) against the torch reference
+"""The one-pass LM-head statistics kernel (cohort_grpo.kernels.logprobs) against the torch reference
 `logprobs._chunk_forward` and a float64 log-softmax: log π(token), entropy and log-sum-exp per row,
 across vocabularies that are not a multiple of the kernel's block, temperatures, dtypes, strided
 rows, a far-from-zero logit scale and -inf logits. Without CUDA the kernel runs in Triton's
@@ -11,9 +11,9 @@ pytest.importorskip("triton", reason="triton is not installed: the LM-head stati
 
 from triton_interpreter import DEVICE, kernel_module  # noqa: E402
 
-from cohort.update.logprobs import _chunk_forward# noqa: E402
+from cohort_grpo.update.logprobs import _chunk_forward# noqa: E402
 
-triton_logprobs = kernel_module("cohort.kernels.logprobs", "_stats_kernel")
+triton_logprobs = kernel_module("cohort_grpo.kernels.logprobs", "_stats_kernel")
 
 
 def float64_stats(logits, tokens, inv_temperature):

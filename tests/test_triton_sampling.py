@@ -1,4 +1,4 @@
-"""The Triton sampling kernel (cohort.kernels.sampling) against the torch reference
+"""The Triton sampling kernel (cohort_grpo.kernels.sampling) against the torch reference
 `sampling.sample_from_logits`: the same tokens for the same (seed, draw, rows), log-probs within
 1e-5, and token frequencies that follow the softmax. Without CUDA the kernels run in Triton's CPU
 interpreter; without triton the module is skipped."""
@@ -12,9 +12,9 @@ pytest.importorskip("triton", reason="triton is not installed: the fused samplin
 
 from triton_interpreter import DEVICE, kernel_module  # noqa: E402
 
-from cohort.rollout.sampling import gumbel_noise, sample_from_logits# noqa: E402
+from cohort_grpo.rollout.sampling import gumbel_noise, sample_from_logits# noqa: E402
 
-triton_sampling = kernel_module("cohort.kernels.sampling", "_partial_kernel")
+triton_sampling = kernel_module("cohort_grpo.kernels.sampling", "_partial_kernel")
 
 # numpy warns where the interpreter takes log(0) = -inf on purpose: rows of nothing but -inf.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")

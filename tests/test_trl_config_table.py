@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cohort.config.grpo_config import GRPOConfig
+from cohort_grpo.config.grpo_config import GRPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "howto" / "from-trl.md"

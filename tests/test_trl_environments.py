@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.errors import CohortError
-from cohort.sft import builtin
-from cohort.models.tiny import TINY_TOOLS_MODEL, TINY_TOOLS_SPEC
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.errors import CohortError
+from cohort_grpo.sft import builtin
+from cohort_grpo.models.tiny import TINY_TOOLS_MODEL, TINY_TOOLS_SPEC
 
 torch.set_num_threads(1)
 
@@ -86,7 +86,7 @@ def test_completions_jsonl_logs_the_prompt_the_environment_wrote(tmp_path):
     """The rows' own prompt is an empty user turn; what the model saw (and the log shows) is reset()'s text."""
     import json
 
-    from cohort.telemetry.report import build_report
+    from cohort_grpo.telemetry.report import build_report
 
     trainer = GRPOTrainer(model=TINY_TOOLS_MODEL, args=small(tmp_path, max_steps=1), environment_factory=IncrementEnv)
     IncrementEnv.made.clear()

@@ -27,7 +27,7 @@ def tiny_qwen2(tmp_path_factory):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from cohort.models.tiny import build_tokenizer
+    from cohort_grpo.models.tiny import build_tokenizer
 
     path = tmp_path_factory.mktemp("tiny_qwen2")
     tokenizer = build_tokenizer()
@@ -58,10 +58,10 @@ def test_the_import_is_the_only_cohort_line():
     imports = [node for node in ast.walk(body) if isinstance(node, (ast.Import, ast.ImportFrom))]
     modules = {alias.name for node in imports if isinstance(node, ast.Import) for alias in node.names}
     modules |= {node.module for node in imports if isinstance(node, ast.ImportFrom)}
-    assert modules == {"os", "re", "sys", "cohort", "datasets"}
-    [cohort_import] = [node for node in imports if isinstance(node, ast.ImportFrom) and node.module == "cohort"]
+    assert modules == {"os", "re", "sys", "cohort_grpo", "datasets"}
+    [cohort_import] = [node for node in imports if isinstance(node, ast.ImportFrom) and node.module == "cohort_grpo"]
     assert source.splitlines()[cohort_import.lineno - 1] == (
-        "from cohort import GRPOConfig, GRPOTrainer  # under TRL: from trl import GRPOConfig, GRPOTrainer")
+        "from cohort_grpo import GRPOConfig, GRPOTrainer  # under TRL: from trl import GRPOConfig, GRPOTrainer")
     identifiers = {node.id for node in ast.walk(body) if isinstance(node, ast.Name)}
     identifiers |= {node.attr for node in ast.walk(body) if isinstance(node, ast.Attribute)}
     assert {"GRPOConfig", "GRPOTrainer"} <= identifiers

@@ -12,11 +12,11 @@ import json
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.config.grpo_config import ALIASES
-from cohort.errors import CohortError
-from cohort.config.epochs import with_epoch_steps
-from cohort.tasks import prompt_text
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.config.grpo_config import ALIASES
+from cohort_grpo.errors import CohortError
+from cohort_grpo.config.epochs import with_epoch_steps
+from cohort_grpo.tasks import prompt_text
 from test_trl_config_table import TRL_FIELDS, TRL_OVERRIDES
 
 
@@ -110,7 +110,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_dir):
     prompt = [{"role": "user", "content": "2+2="}]
     assert prompt_text(tokenizer, prompt, template_kwargs={"enable_thinking": True}) == "2+2=<think>"
     assert prompt_text(tokenizer, prompt, template_kwargs={"enable_thinking": False}) == "2+2="
-    from cohort.config.command_line import parse_config
+    from cohort_grpo.config.command_line import parse_config
 
     parsed = parse_config(["--chat_template_kwargs", json.dumps({"enable_thinking": False})])
     assert parsed.chat_template_kwargs == {"enable_thinking": False}

@@ -30,8 +30,8 @@ import math
 import pytest
 import torch
 
-from cohort.algorithm.advantages import group_advantages
-from cohort.algorithm.objectives import BatchShare, LossSpec, policy_loss
+from cohort_grpo.algorithm.advantages import group_advantages
+from cohort_grpo.algorithm.objectives import BatchShare, LossSpec, policy_loss
 
 torch.set_num_threads(1)
 

@@ -11,8 +11,8 @@ import pickle
 
 import pytest
 
-from cohort.errors import CohortError
-from cohort.rewards import (
+from cohort_grpo.errors import CohortError
+from cohort_grpo.rewards import (
     REWARD_FUNCS,
     accuracy_reward,
     get_soft_overlong_punishment,
@@ -81,7 +81,7 @@ def test_think_format_reward_keyword_call_and_registry():
 
 
 def test_think_format_reward_through_the_runner():
-    from cohort.rewards import RewardRunner
+    from cohort_grpo.rewards import RewardRunner
 
     runner = RewardRunner(["think_format_reward"], timeout_s=10.0, sample_workers=1)
     try:
@@ -125,7 +125,7 @@ def test_accuracy_reward_unparseable_gold_is_none():
 def test_accuracy_reward_contract():
     """`solution` is the dataset column the trainer passes by keyword; other columns and TRL's
     `log_extra` are accepted and ignored; the runner sees `solution` as a required column."""
-    from cohort.rewards import RewardRunner
+    from cohort_grpo.rewards import RewardRunner
 
     rewards = accuracy_reward(prompts=[msg("q")], completions=[msg(r"\boxed{4}")], completion_ids=[[1, 2]],
                               solution=["4"], log_extra=None, difficulty=["easy"])
@@ -213,7 +213,7 @@ def test_soft_overlong_punishment_matches_the_trainers_overlong_penalty():
     """One formula: the reward function gives what `--overlong_buffer_length` adds in the trainer."""
     import torch
 
-    from cohort.algorithm.advantages import overlong_penalty
+    from cohort_grpo.algorithm.advantages import overlong_penalty
 
     lengths = list(range(0, 140, 3))
     f = get_soft_overlong_punishment(max_completion_len=128, soft_punish_cache=32)
@@ -229,7 +229,7 @@ def test_soft_overlong_punishment_is_picklable_and_named_like_trl():
 
 
 def test_soft_overlong_punishment_through_the_runner():
-    from cohort.rewards import RewardRunner
+    from cohort_grpo.rewards import RewardRunner
 
     runner = RewardRunner([get_soft_overlong_punishment(100, 20)], timeout_s=10.0, sample_workers=1)
     try:

@@ -1,6 +1,6 @@
 """TRL's config values with TRL's meanings: a list `report_to`, `save_strategy` and `eval_strategy`, `warmup_ratio`
 and fractions of the run for the step counts, settled into whole step counts once the run's length is known
-(cohort/config/step_counts.py); every value cohort has no counterpart for refused by `GRPOConfig()` itself, in one
+(cohort_grpo/config/step_counts.py); every value cohort has no counterpart for refused by `GRPOConfig()` itself, in one
 line; a re-run into a finished run's output_dir runs, as under TRL; bf16 on a CPU says what it costs.
 
 The expected step counts are transformers' rules written out by hand: a fraction f of a run of N steps is
@@ -19,13 +19,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.config.command_line import resolve_config
-from cohort.config.step_counts import epoch_options, with_step_counts
-from cohort.errors import CohortError
-from cohort.optim.precision import cpu_precision_line
-from cohort.run.lifecycle import RunLifecycle, TrainingInterrupted
-from cohort.tasks import get_task
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.config.command_line import resolve_config
+from cohort_grpo.config.step_counts import epoch_options, with_step_counts
+from cohort_grpo.errors import CohortError
+from cohort_grpo.optim.precision import cpu_precision_line
+from cohort_grpo.run.lifecycle import RunLifecycle, TrainingInterrupted
+from cohort_grpo.tasks import get_task
 
 ACCEPTANCE = dict(report_to=["tensorboard"], save_strategy="no", eval_strategy="steps", eval_steps=5, warmup_ratio=0.1,
                   logging_steps=0.1)

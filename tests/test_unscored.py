@@ -11,14 +11,14 @@ import types
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.trainer.dynamic_sampling import select_groups
-from cohort.algorithm.advantages import group_advantages
-from cohort.config.command_line import parse_config
-from cohort.errors import CohortError
-from cohort.rewards.runner import RewardOutput, RewardRunner
-from cohort.rollout.batch import Batch
-from cohort.rollout.sampler import Rollout
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.trainer.dynamic_sampling import select_groups
+from cohort_grpo.algorithm.advantages import group_advantages
+from cohort_grpo.config.command_line import parse_config
+from cohort_grpo.errors import CohortError
+from cohort_grpo.rewards.runner import RewardOutput, RewardRunner
+from cohort_grpo.rollout.batch import Batch
+from cohort_grpo.rollout.sampler import Rollout
 
 torch.set_num_threads(1)
 

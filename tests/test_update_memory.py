@@ -5,12 +5,12 @@ out-of-memory retry, fp32 master weights, and activation checkpointing."""
 import pytest
 import torch
 
-from cohort import GRPOConfig
-from cohort.errors import CohortError
-from cohort.update.logprobs import lm_head_logprobs, micro_batch_logprobs, rollout_logprobs, selected_logprobs
-from cohort.rollout.layout import plan_micro_batches
-from cohort.update.packing import pack_micro_batch
-from cohort.optim.precision import MasterWeightAdamW, make_optimizer
+from cohort_grpo import GRPOConfig
+from cohort_grpo.errors import CohortError
+from cohort_grpo.update.logprobs import lm_head_logprobs, micro_batch_logprobs, rollout_logprobs, selected_logprobs
+from cohort_grpo.rollout.layout import plan_micro_batches
+from cohort_grpo.update.packing import pack_micro_batch
+from cohort_grpo.optim.precision import MasterWeightAdamW, make_optimizer
 from helpers import synthetic_batch as _synthetic_batch, update_trainer as _trainer, variable_batch as _variable_batch
 from update_gradients import update_gradient
 
@@ -82,7 +82,7 @@ def _row_logprobs_unpadded(model, prompt, completion):
 
 
 def test_packed_chunked_logprobs_equal_unpadded_per_row_computation(tiny_dir):
-    from cohort.models import from_pretrained
+    from cohort_grpo.models import from_pretrained
 
     model = from_pretrained(tiny_dir, dtype="float32").eval()
     prompt_ids, completion, mask = _variable_batch(model.config.vocab_size)
@@ -170,7 +170,7 @@ def test_update_frees_the_gradients_after_its_step(tiny_dir, tmp_path, dtype):
 
 @pytest.mark.cpu("the CPU's micro-batch plan (a GPU cuts micro-batches by FLOPs) and float32 updates")
 def test_out_of_memory_halves_the_micro_batch_and_matches_that_size_from_the_start(tiny_dir, tmp_path, monkeypatch):
-    import cohort.update.policy_update as update_module
+    import cohort_grpo.update.policy_update as update_module
 
     real = update_module.micro_batch_policy_loss
     seen = []
@@ -205,7 +205,7 @@ def test_out_of_memory_in_the_optimizer_step_halves_its_chunks_and_the_update_is
     """bf16 weights (fp32 masters) on the CPU, one tensor's fp32 bytes a chunk at most 64 KiB: the
     second chunk's master cannot be rebuilt once. The trainer logs the halving, counts it as a retry,
     and ends the update with the weights of a run that never ran out of memory."""
-    import cohort.optim.precision as precision
+    import cohort_grpo.optim.precision as precision
 
     lines = []
     retried = _trainer(tiny_dir, tmp_path / "retry", dtype="bfloat16")
@@ -305,7 +305,7 @@ def test_compiled_training_layers_give_the_same_gradient(tiny_dir, tmp_path):
 def test_compiled_lm_head_chunk_math_equals_plain():
     """The fused (torch.compile) forward and backward of one LM-head chunk against the plain ops;
     on a GPU the compiled ones run, so they are checked here with inductor's CPU backend."""
-    from cohort.update.logprobs import _chunk_backward, _chunk_forward
+    from cohort_grpo.update.logprobs import _chunk_backward, _chunk_forward
 
     g = torch.Generator().manual_seed(3)
     logits, tokens = torch.randn(7, 50, generator=g), torch.randint(0, 50, (7,), generator=g)

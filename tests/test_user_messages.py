@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cohort import GRPOConfig, GRPOTrainer
-from cohort.errors import CohortError
-from cohort.rewards.runner import RewardRunner
-from cohort.run import checkpoint as ckpt
-from cohort.run.lifecycle import prepare_output_dir
+from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.errors import CohortError
+from cohort_grpo.rewards.runner import RewardRunner
+from cohort_grpo.run import checkpoint as ckpt
+from cohort_grpo.run.lifecycle import prepare_output_dir
 
 torch.set_num_threads(1)
 
@@ -99,7 +99,7 @@ def test_an_output_dir_that_is_a_file_is_called_a_file(tmp_path):
 
 CTRL_C_SCRIPT = """
 import os, signal, sys
-from cohort import GRPOConfig, GRPOTrainer
+from cohort_grpo import GRPOConfig, GRPOTrainer
 
 def reward(prompts, completions, **_):
     if trainer.step == 2:
@@ -142,7 +142,7 @@ def test_the_console_obeys_logging_steps_shows_the_time_left_and_where_the_run_i
     assert [bool(re.search(r", eta \d+:\d\d:\d\d$", line)) for line in steps] == [False, True, True, False], steps
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [2, 4, 5]
     assert lines[-1] == (f"run saved in {out}: the trained policy (a Hugging Face folder), metrics.jsonl, "
-                         f"completions.jsonl; `cohort report {out}` draws it")
+                         f"completions.jsonl; `cohort-grpo report {out}` draws it")
 
 
 # ---- saved weights ---------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def umask():
 def test_a_transformers_model_saves_without_a_progress_bar(tmp_path, capfd, umask):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from cohort.models.policy import save_policy
+    from cohort_grpo.models.policy import save_policy
 
     config = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)
@@ -170,9 +170,9 @@ def test_a_transformers_model_saves_without_a_progress_bar(tmp_path, capfd, umas
 
 @pytest.mark.parametrize("mask", [0o022, 0o002])
 def test_saved_weights_get_the_mode_of_the_other_files(tiny_dir, tmp_path, umask, mask):
-    from cohort.models import from_pretrained
-    from cohort.models.policy import save_policy
-    from cohort.models.tiny import build_tokenizer
+    from cohort_grpo.models import from_pretrained
+    from cohort_grpo.models.policy import save_policy
+    from cohort_grpo.models.tiny import build_tokenizer
 
     umask(mask)
     out = save_policy(from_pretrained(tiny_dir), build_tokenizer(), tmp_path / "policy")
@@ -184,8 +184,8 @@ def test_saved_weights_get_the_mode_of_the_other_files(tiny_dir, tmp_path, umask
 # ---- the report ------------------------------------------------------------------------------------
 
 def test_the_report_says_which_figure_is_greedy_and_which_sampled(tmp_path):
-    from cohort.telemetry.metrics import MetricsLogger
-    from cohort.telemetry.report import build_report
+    from cohort_grpo.telemetry.metrics import MetricsLogger
+    from cohort_grpo.telemetry.report import build_report
 
     with MetricsLogger(tmp_path / "run") as logger:
         for step in (1, 2):

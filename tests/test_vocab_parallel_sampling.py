@@ -1,4 +1,4 @@
-"""Vocabulary-parallel sampling (cohort/rollout/vocab_parallel.py) against one process.
+"""Vocabulary-parallel sampling (cohort_grpo/rollout/vocab_parallel.py) against one process.
 
 Two processes (gloo, CPU) each hold one slice of every case's logits and call
 `sample_vocab_parallel`; this process calls `sample_from_logits` on the whole logits. Tokens must
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cohort.rollout.sampling import filter_logits, gumbel_noise, sample_from_logits, scale_by_temperature
+from cohort_grpo.rollout.sampling import filter_logits, gumbel_noise, sample_from_logits, scale_by_temperature
 
 LOGPROB_ATOL = 1e-6
 WORLD = 2
@@ -132,7 +132,7 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
     """One rank: every case's slice through sample_vocab_parallel; results to out_dir/rank{rank}.json."""
     import torch.distributed as dist
 
-    from cohort.rollout import vocab_parallel
+    from cohort_grpo.rollout import vocab_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -244,7 +244,7 @@ def test_noise_of_a_slice_is_the_whole_vocabulary_noise_of_those_columns():
 
 
 def test_top_p_keeps_the_lowest_indices_of_a_run_of_equal_logits():
-    from cohort.rollout.sampling import top_p_filter
+    from cohort_grpo.rollout.sampling import top_p_filter
 
     kept = top_p_filter(torch.zeros(1, 50), 0.51) > -math.inf  # each token 0.02: 26 make 0.52
     assert kept[0].nonzero().flatten().tolist() == list(range(26))

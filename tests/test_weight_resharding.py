@@ -1,4 +1,4 @@
-"""The trainer's new weights into tensor-parallel shards in place (cohort/models/resharding.py): 2 ranks with
+"""The trainer's new weights into tensor-parallel shards in place (cohort_grpo/models/resharding.py): 2 ranks with
 gloo on the CPU, in float32.
 
 The two ranks are started once for the module (torch.multiprocessing spawn, a FileStore). Each shards
@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from cohort.errors import CohortError
-from cohort.models import CausalLM, ModelConfig
-from cohort.models.resharding import full_parameters, plain_parameter_name, update_shard_
-from cohort.models.tensor_parallel import TensorParallelCausalLM, gather_logits, shard_model, shard_state_dict
-from cohort.parallel.distributed import Parallel
-from cohort.parallel.engine_copy import EngineCopy
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import CausalLM, ModelConfig
+from cohort_grpo.models.resharding import full_parameters, plain_parameter_name, update_shard_
+from cohort_grpo.models.tensor_parallel import TensorParallelCausalLM, gather_logits, shard_model, shard_state_dict
+from cohort_grpo.parallel.distributed import Parallel
+from cohort_grpo.parallel.engine_copy import EngineCopy
 from test_tensor_parallel_model import random_model
 
 TOLERANCE = 1e-5

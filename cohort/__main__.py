@@ -1,3 +1,0 @@
-from cohort.cli.main import exit_process, main
-
-exit_process(main())

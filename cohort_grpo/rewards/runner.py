@@ -1,0 +1,535 @@
+"""Calls reward functions safely and combines them by weight (TRL's `GRPOTrainer._calculate_rewards`).
+
+The combined reward of sample i is Σ_f w_f · r_f(i), where a function's None ("does not score this
+sample") counts as 0 — TRL's `nansum` over the `[B, F]` table. A sample that no function scores is
+*unscored* (`RewardOutput.unscored`, the all-NaN rows of the table): as in TRL 1.16 it is left out of
+its group's baseline and gets advantage 0 (`advantages.group_advantages(scored=...)`), and out of the
+`reward` / `reward_std` metrics; `rewards/unscored_frac` counts it.
+
+Faults. A reward function that *raises* is a bug the user should hear about at once: by default
+(`errors="raise"`, `--reward_errors raise`) the first exception stops the run with one line naming the
+function, the exception's last line and the completion it failed on (`CohortError`). With `errors="warn"`
+the samples it failed on get None (NaN in the table; unscored if no other function scores them), one
+notice per function says so, and `rewards/<name>/errors` counts them in every call's metrics. A function
+that hangs past `timeout_s` or returns NaN / inf is not an error by this rule: those samples get None and
+a notice, once per function and kind of fault, under either setting. A contract breach that would make
+every step wrong — the wrong number of values, a non-numeric value, a missing dataset column — always
+raises `CohortError`. A notice is one line on stderr (`cohort: ...`) naming the function, the sample and
+what becomes of it. To quote the completion a whole-batch function failed on, the function is called
+again on one sample at a time (within `timeout_s` in all) until one of them raises alone.
+
+Time limits. A whole-batch call runs in a daemon thread and is abandoned after `timeout_s` (Python
+cannot kill a thread; the abandoned one runs on in the background). A function that carries a
+`score_sample` attribute (`accuracy_reward` does) is instead scored one sample at a time in worker
+*processes*: a sample that exceeds `timeout_s` gets None and its process is killed and replaced, so a
+pathological expression (math-verify on `9^{9^{9^9}}`) costs one sample, not the batch, and leaves no
+runaway computation behind. The workers are plain `python -c` subprocesses talking JSON lines, so they
+re-import neither torch nor the user's `__main__` script.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from cohort_grpo.config.choices import CHOICES
+from cohort_grpo.errors import CohortError
+from cohort_grpo.rewards.completions import completion_text
+from cohort_grpo.rewards.rules import resolve_reward
+
+
+ERROR_POLICIES = CHOICES["reward_errors"]  # what a reward function that raises does: stop the run, or score None
+
+
+@dataclass
+class RewardOutput:
+    rewards: torch.Tensor  # [B] float32: Σ_f w_f · r_f, a function's None counting as 0 (TRL's nansum); 0 if unscored
+    per_function: torch.Tensor  # [B, F] float32, NaN where a function returned None / failed
+    # rewards/<name>/mean, rewards/<name>/std (over non-NaN); reward, reward_std (over the scored samples);
+    # rewards/unscored_frac (the fraction of samples no function scored); with errors="warn" also
+    # rewards/<name>/errors (how many samples the function raised on in this call)
+    metrics: dict[str, float]
+
+    @property
+    def unscored(self) -> torch.Tensor:
+        """[B] bool: True where no reward function scored the sample (every one returned None or failed)."""
+        return unscored_rows(self.per_function)
+
+
+def unscored_rows(per_function: torch.Tensor) -> torch.Tensor:
+    """[B] bool from a [B, F] table of scores: True where every function's entry is NaN (not scored)."""
+    return torch.isnan(per_function).all(dim=1)
+
+
+_FIXED_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def _function_name(func: Callable) -> str:
+    target = getattr(func, "func", func)  # functools.partial
+    return getattr(target, "__name__", None) or type(target).__name__
+
+
+class RewardRunner:
+    """Runs a list of reward functions on a batch and combines them by weight.
+
+    `reward_funcs` are callables or names `resolve_reward` understands; `reward_weights` default to 1.0
+    each; `timeout_s` limits each whole-batch call, and each sample of a per-sample function; `errors`
+    is what a function that raises does: "raise" (a `CohortError` naming it) or "warn" (its samples
+    get None, counted in `rewards/<name>/errors`)."""
+
+    def __init__(self, reward_funcs: list[Callable | str], reward_weights: list[float] | None = None,
+                 timeout_s: float = 10.0, sample_workers: int = 2, errors: str = "raise"):
+        if errors not in ERROR_POLICIES:
+            raise CohortError(f"reward_errors={errors!r}: choose raise (stop at a reward function's first "
+                              "exception) or warn (score its failed samples None) (--reward_errors)")
+        self.errors = errors
+        if not reward_funcs:
+            raise CohortError("no reward functions given; name at least one (--reward_funcs)")
+        self.funcs = [resolve_reward(f) for f in reward_funcs]
+        if reward_weights is None:
+            reward_weights = [1.0] * len(self.funcs)
+        if len(reward_weights) != len(self.funcs):
+            raise CohortError(f"{len(reward_weights)} reward weights for {len(self.funcs)} reward functions; "
+                              "give one weight per function (--reward_weights)")
+        self.weights = torch.tensor([float(w) for w in reward_weights], dtype=torch.float32)
+        if not bool(torch.isfinite(self.weights).all()):
+            raise CohortError(f"reward weights must be finite numbers, got {list(reward_weights)} (--reward_weights)")
+        if timeout_s is None or not timeout_s > 0:
+            raise CohortError(f"reward timeout must be a positive number of seconds, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.names = _unique([_function_name(f) for f in self.funcs])
+        self._warned: set[tuple[str, str]] = set()
+        self._error_counts: dict[str, int] = {}
+        self._pool = _SampleWorkerPool(max(1, sample_workers), self.timeout_s, self._warn, self._raised)
+
+    # ------------------------------------------------------------------------------------ checking
+
+    def required_columns(self, func: Callable) -> list[str]:
+        """Keyword arguments without default that the function needs beyond prompts/completions/ids."""
+        try:
+            params = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):  # builtins without a signature: nothing to check
+            return []
+        return [p.name for p in params
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+                and p.name not in _FIXED_ARGUMENTS]
+
+    def check_columns(self, columns) -> None:
+        """Raise `CohortError` when a reward function needs a dataset column that is missing. The trainer
+        can call this with the dataset's column names before the first (expensive) generation."""
+        available = sorted(columns)
+        for name, func in zip(self.names, self.funcs):
+            for column in self.required_columns(func):
+                if column not in columns:
+                    raise CohortError(f"reward {name!r} needs dataset column {column!r}; the dataset has "
+                                      f"columns {available}; add that column to the data or drop the reward")
+
+    # ------------------------------------------------------------------------------------- calling
+
+    def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]] | None,
+                 columns: dict[str, list]) -> RewardOutput:
+        # TRL passes every dataset column but these; a column with one of their names would collide.
+        columns = {k: v for k, v in (columns or {}).items() if k not in _FIXED_ARGUMENTS + ("prompt",)}
+        self.check_columns(columns)
+        batch = len(completions)
+        for column, values in columns.items():
+            if len(values) != batch:
+                raise ValueError(f"column {column!r} has {len(values)} values for {batch} completions")
+        table = torch.full((batch, len(self.funcs)), float("nan"), dtype=torch.float32)
+        nonfinite: dict[str, dict[int, float]] = {}  # each function's NaN / inf values, by sample
+        self._error_counts = {name: 0 for name in self.names}
+        for j, (name, func) in enumerate(zip(self.names, self.funcs)):
+            if _importable_elsewhere(getattr(func, "score_sample", None)) and self._pool.available:
+                values = self._pool.score(name, func.score_sample, completions, columns)
+            else:
+                kwargs = accepted_kwargs(func, dict(prompts=prompts, completions=completions,
+                                                     completion_ids=completion_ids, **columns))
+                values = self._call_with_timeout(name, func, kwargs, completions)
+            scores, nonfinite[name] = self._check_values(name, values, batch)
+            table[:, j] = torch.tensor(scores, dtype=torch.float32)
+        unscored = unscored_rows(table)
+        self._report_nonfinite(nonfinite, unscored, completions)
+        unexplained = unscored.clone()  # a non-finite value's notice says what becomes of its sample
+        unexplained[[i for samples in nonfinite.values() for i in samples]] = False
+        if batch and bool(unexplained.any()):
+            first = int(unexplained.nonzero()[0])
+            self._warn("*", "unscored", f"no reward function scored {int(unscored.sum())} of {batch} samples; "
+                       "they are left out of their group's baseline and get advantage 0", completions[first])
+        rewards = (table * self.weights).nansum(dim=1)
+        return RewardOutput(rewards=rewards, per_function=table, metrics=self._metrics(table, rewards, unscored))
+
+    def _call_with_timeout(self, name, func, kwargs, completions) -> list:
+        """Call `func(**kwargs)` in a daemon thread; all-None if it raises or outlives `timeout_s`."""
+        box = _call_in_thread(func, kwargs, self.timeout_s, f"reward-{name}")
+        if box is None:
+            self._warn(name, "timeout", f"reward {name!r} took longer than {self.timeout_s:g}s on a batch of "
+                       f"{len(completions)}; the batch gets None for it (its thread is left running)")
+            return [None] * len(completions)
+        if "error" in box:
+            culprit = None
+            if self.errors == "raise" or (name, "raised") not in self._warned:  # only for a message shown
+                culprit = self._failing_sample(func, kwargs, len(completions), box["error"])
+            self._raised(name, exception_line(box["error"]), completions, culprit=culprit)
+            return [None] * len(completions)
+        return box["values"]
+
+    def _failing_sample(self, func, kwargs: dict, batch: int, error: BaseException) -> int | None:
+        """The first sample on which `func`, called on that sample alone, raises `error`'s type again; None
+        when none does within `timeout_s` in all (the batch as a whole is what fails)."""
+        deadline = time.monotonic() + self.timeout_s
+        for i in range(batch):
+            one = {key: [value[i]] if isinstance(value, (list, tuple)) and len(value) == batch else value
+                   for key, value in kwargs.items()}
+            box = _call_in_thread(func, one, deadline - time.monotonic(), "reward-culprit")
+            if box is None:
+                return None
+            if type(box.get("error")) is type(error):
+                return i
+        return None
+
+    def _raised(self, name: str, error: str, completions: list, sample: int | None = None,
+                culprit: int | None = None) -> None:
+        """Function `name` raised `error` ("Type: last line") on one sample (`sample`), or on the whole batch
+        (`culprit`: the sample that alone raises it too, if one does): a `CohortError` under errors="raise";
+        else a notice (once) and the samples counted."""
+        if sample is not None:
+            quoted, where = sample, f"on sample {sample}"
+        elif culprit is not None:
+            quoted, where = culprit, f"on a batch of {len(completions)} completions, and on sample {culprit} alone"
+        else:
+            quoted, where = None, f"on a batch of {len(completions)} completions (no one sample raises it alone)"
+        shown = f" ({_shown(completions[quoted], 80)!r})" if quoted is not None else ""
+        if self.errors == "raise":
+            raise CohortError(f"reward {name!r} raised {error} {where}{shown}; fix the function, or pass "
+                              "--reward_errors warn to score the samples it fails on None and go on")
+        self._error_counts[name] = self._error_counts.get(name, 0) + (1 if sample is not None else len(completions))
+        what = "that sample gets" if sample is not None else "the batch gets"
+        self._warn(name, "raised", f"reward {name!r} raised {error} {where}{shown}; {what} None for it (counted "
+                   f"in rewards/{name}/errors)")
+
+    def _report_nonfinite(self, nonfinite: dict[str, dict[int, float]], unscored: torch.Tensor,
+                          completions: list) -> None:
+        """One notice per function that returned NaN / inf: its first such sample, and what becomes of it."""
+        for name, samples in nonfinite.items():
+            if not samples:
+                continue
+            i = min(samples)
+            fate = ("no reward function scores that sample, so it gets advantage 0 and stays out of its group's "
+                    "baseline (counted in rewards/unscored_frac)" if bool(unscored[i])
+                    else f"{name!r} does not score that sample, the other reward functions do")
+            self._warn(name, "nan", f"reward {name!r} returned {samples[i]} for sample {i} of {len(completions)} "
+                       f"({_shown(completions[i], 80)!r}): {fate}")
+
+    def _check_values(self, name, values, batch) -> tuple[list[float], dict[int, float]]:
+        """`values` as floats, NaN where None or not finite, after checking the function's contract; and the
+        NaN / inf values by sample (scored None, with a notice of their own)."""
+        try:
+            values = list(values.tolist() if hasattr(values, "tolist") else values)
+        except TypeError:
+            raise CohortError(f"reward {name!r} returned a {type(values).__name__}, not a list of floats; "
+                              "return one float or None per completion") from None
+        if len(values) != batch:
+            raise CohortError(f"reward {name!r} returned {len(values)} values for {batch} completions; "
+                              "return one float or None per completion")
+        out, nonfinite = [], {}
+        for i, value in enumerate(values):
+            if value is None:
+                out.append(math.nan)
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                try:
+                    value = float(value)  # numpy / torch scalars
+                except (TypeError, ValueError):
+                    raise CohortError(f"reward {name!r} returned {value!r} ({type(value).__name__}) for sample "
+                                      f"{i}; return a float or None per completion") from None
+            if not math.isfinite(value):
+                nonfinite[i] = float(value)
+            out.append(float(value) if math.isfinite(value) else math.nan)
+        return out, nonfinite
+
+    def _metrics(self, table: torch.Tensor, rewards: torch.Tensor, unscored: torch.Tensor) -> dict[str, float]:
+        metrics = {}
+        for j, name in enumerate(self.names):
+            mean, std = _nan_mean_std(table[:, j])
+            metrics[f"rewards/{name}/mean"] = mean
+            metrics[f"rewards/{name}/std"] = std
+            if self.errors == "warn":
+                metrics[f"rewards/{name}/errors"] = float(self._error_counts.get(name, 0))
+        # As TRL: the combined reward's statistics leave the unscored samples out.
+        metrics["reward"], metrics["reward_std"] = _nan_mean_std(rewards.masked_fill(unscored, math.nan))
+        metrics["rewards/unscored_frac"] = float(unscored.float().mean()) if len(unscored) else 0.0
+        return metrics
+
+    def _warn(self, name: str, kind: str, message: str, completion=None) -> None:
+        """One line on stderr per function and kind of fault, showing the offending completion (truncated)."""
+        if (name, kind) in self._warned:
+            return
+        self._warned.add((name, kind))
+        if completion is not None:
+            message += f"; completion: {_shown(completion, 200)!r}"
+        print(f"cohort: {message} (reported once; later ones are handled alike)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Stop the per-sample worker processes (also done at garbage collection and exit)."""
+        self._pool.close()
+
+    def __del__(self):
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close()
+
+
+def _call_in_thread(func: Callable, kwargs: dict, timeout_s: float, name: str) -> dict | None:
+    """`func(**kwargs)` in a daemon thread: {"values": ...} or {"error": exception}; None if it is still
+    running after `timeout_s` (Python cannot stop it: it runs on in the background)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["values"] = func(**kwargs)
+        except BaseException as e:  # noqa: BLE001 — any failure of user code is reported, not raised here
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join(max(0.0, timeout_s))
+    return None if thread.is_alive() else box
+
+
+def _shown(completion, limit: int) -> str:
+    text = completion_text(completion)
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} chars)"
+
+
+def exception_line(error: BaseException | str) -> str:
+    """`Type: message`, the message cut to its last line (as a traceback's last line): one line.
+    Also takes the "Type: message" text a worker process reports."""
+    if isinstance(error, BaseException):
+        kind, message = type(error).__name__, str(error)
+    else:
+        kind, _, message = str(error).partition(":")
+        kind, message = (kind.strip(), message) if message else ("Exception", kind)
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    text = f"{kind}: {lines[-1]}" if lines else kind
+    return text if len(text) <= 300 else text[:300] + "…"
+
+
+def _unique(names: list[str]) -> list[str]:
+    """Duplicates get a suffix: [f, f, g] → [f, f_2, g]."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        candidate = name if seen[name] == 1 else f"{name}_{seen[name]}"
+        while candidate in out or (candidate != name and candidate in names):
+            seen[name] += 1
+            candidate = f"{name}_{seen[name]}"
+        out.append(candidate)
+    return out
+
+
+def accepted_kwargs(func: Callable, kwargs: dict) -> dict:
+    """All of `kwargs` for a function with **kwargs (TRL's convention); else only the names it takes."""
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _importable_elsewhere(score_sample) -> bool:
+    """A per-sample function a worker process can import by name (not one defined in `__main__`)."""
+    module = getattr(score_sample, "__module__", None)
+    qualname = getattr(score_sample, "__qualname__", "")
+    return callable(score_sample) and module not in (None, "__main__") and "<" not in qualname
+
+
+def _nan_mean_std(values: torch.Tensor) -> tuple[float, float]:
+    """Mean and unbiased std over the non-NaN entries (std 0 for one value; NaN, NaN for none)."""
+    kept = values[~torch.isnan(values)].double()
+    if kept.numel() == 0:
+        return math.nan, math.nan
+    std = kept.std(unbiased=True).item() if kept.numel() > 1 else 0.0
+    return kept.mean().item(), std
+
+
+# ------------------------------------------------------------------------------ per-sample workers
+
+_WORKER_STARTUP_S = 120.0  # starting python and importing the scoring code; never charged to a sample
+_WORKER_COMMAND = ("import os, sys; replies = os.fdopen(os.dup(1), 'w'); os.dup2(2, 1); "
+                   "from cohort_grpo.rewards.rules import serve_sample_scoring; "
+                   "serve_sample_scoring(sys.stdin, replies)")
+
+
+class _Worker:
+    """One scoring subprocess; a reader thread forwards its reply lines into the pool's queue.
+
+    `job` is what it is doing: None (idle), ("load", fn) or ("sample", i); `deadline` bounds the job,
+    or the start-up while not `ready`."""
+
+    def __init__(self, replies: queue.Queue):
+        env = dict(os.environ)
+        # The child imports what the parent can: cohort itself and the module of a user's score_sample.
+        package_root = str(Path(__file__).resolve().parents[2])
+        paths = [package_root] + [p for p in sys.path if p and os.path.isdir(p)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env["OMP_NUM_THREADS"] = "1"
+        self.process = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
+        self.ready = False
+        self.loaded: set[str] = set()
+        self.job: tuple[str, object] | None = None
+        self.deadline = time.monotonic() + _WORKER_STARTUP_S
+        threading.Thread(target=self._forward, args=(self.process.stdout, replies), daemon=True).start()
+
+    def _forward(self, stream, replies: queue.Queue) -> None:
+        try:
+            for line in stream:
+                replies.put((self, line))
+        except (OSError, ValueError):  # the stream was closed under us by kill()
+            pass
+        replies.put((self, None))  # EOF: the process ended
+
+    def send(self, job: tuple[str, object], request: dict, timeout_s: float) -> None:
+        self.job, self.deadline = job, time.monotonic() + timeout_s
+        self.process.stdin.write(json.dumps(request, default=str) + "\n")
+        self.process.stdin.flush()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is self.process.stdout and sys.is_finalizing():
+                # At interpreter exit the reader thread may hold this stream's lock while blocked in a
+                # read; closing it then aborts Python. The killed process gives that read EOF anyway.
+                continue
+            try:
+                stream.close()
+            except (OSError, ValueError):
+                pass
+
+
+class _GiveUp(Exception):
+    """The workers cannot do the job (cannot start, cannot import the function)."""
+
+
+class _SampleWorkerPool:
+    """Scores a per-sample function over a batch in a few subprocesses, one sample per request, killing
+    and replacing a worker whose sample exceeds the time limit. If the workers cannot be used at all,
+    it scores in this process instead (with a warning) for the rest of the run."""
+
+    def __init__(self, size: int, timeout_s: float, warn: Callable, raised: Callable):
+        self.size, self.timeout_s, self.warn = size, timeout_s, warn
+        self.raised = raised  # (name, "Type: message", completions, sample): warns and counts, or raises CohortError
+        self.replies: queue.Queue = queue.Queue()
+        self.workers: list[_Worker] = []
+        self.available = True
+
+    def score(self, name: str, score_sample: Callable, completions: list, columns: dict) -> list:
+        fn = f"{score_sample.__module__}:{score_sample.__qualname__}"
+        params = list(inspect.signature(score_sample).parameters)[1:]  # the first one takes the completion
+        requests = [{"fn": fn, "args": [completion_text(c)],
+                     "kwargs": {p: columns[p][i] for p in params if p in columns}}
+                    for i, c in enumerate(completions)]
+        values: list = [None] * len(completions)
+        pending = list(range(len(completions)))[::-1]  # a stack: pop() gives samples in order
+        try:
+            while len(self.workers) < self.size:
+                self.workers.append(_Worker(self.replies))
+            self._run(name, fn, requests, values, pending, completions)
+        except CohortError:  # reward_errors=raise: the run stops; no worker is left busy with this batch
+            self.close()
+            raise
+        except (_GiveUp, OSError) as e:
+            left = sorted(set(pending) | {w.job[1] for w in self.workers if w.job and w.job[0] == "sample"})
+            self.available = False
+            self.close()
+            self.warn(name, "workers", f"reward worker processes failed ({e}); scoring {name!r} in this "
+                      "process without a per-sample time limit from now on")
+            for i in left:
+                try:
+                    values[i] = score_sample(requests[i]["args"][0], **requests[i]["kwargs"])
+                except Exception as error:  # noqa: BLE001 — user code: as in the workers
+                    values[i] = None
+                    self.raised(name, exception_line(error), completions, i)
+        return values
+
+    def _run(self, name, fn, requests, values, pending, completions) -> None:
+        while pending or any(w.job for w in self.workers):
+            for w in self.workers:  # hand work to idle, ready workers; load the function first
+                if w.ready and w.job is None:
+                    if fn not in w.loaded:
+                        w.send(("load", fn), {"load": fn}, _WORKER_STARTUP_S)
+                    elif pending:
+                        i = pending.pop()
+                        w.send(("sample", i), requests[i], self.timeout_s)
+            waiting = [w.deadline for w in self.workers if w.job or not w.ready]
+            try:
+                worker, line = self.replies.get(timeout=max(0.0, min(waiting, default=60.0) - time.monotonic()))
+            except queue.Empty:
+                self._expire(name, fn, values, completions)
+                continue
+            if worker not in self.workers:  # a late line from a worker already replaced
+                continue
+            if line is None:  # the process ended
+                if not worker.ready or (worker.job and worker.job[0] == "load"):
+                    raise _GiveUp(f"a worker exited while starting or importing {fn}")
+                self._replace(worker, name, values, completions, "died", "lost its worker process")
+                continue
+            reply = json.loads(line)
+            job, worker.job = worker.job, None
+            if reply.get("ready"):
+                worker.ready = True
+            elif job and job[0] == "load":
+                if "error" in reply:
+                    raise _GiveUp(f"cannot import {fn} in a worker: {reply['error']}")
+                worker.loaded.add(fn)
+            elif job and job[0] == "sample":
+                i = job[1]
+                if "error" in reply:
+                    self.raised(name, exception_line(reply["error"]), completions, i)
+                else:
+                    values[i] = reply["value"]
+
+    def _expire(self, name, fn, values, completions) -> None:
+        now = time.monotonic()
+        for w in list(self.workers):
+            if now < w.deadline:
+                continue
+            if not w.ready or (w.job and w.job[0] == "load"):
+                raise _GiveUp(f"a worker did not start or import {fn} within {_WORKER_STARTUP_S:g}s")
+            if w.job and w.job[0] == "sample":
+                self._replace(w, name, values, completions, "timeout",
+                              f"took longer than {self.timeout_s:g}s on one sample")
+
+    def _replace(self, worker: _Worker, name, values, completions, kind: str, what: str) -> None:
+        i = worker.job[1] if worker.job and worker.job[0] == "sample" else None
+        worker.kill()
+        self.workers[self.workers.index(worker)] = _Worker(self.replies)
+        if i is not None:
+            values[i] = None
+            self.warn(name, kind, f"reward {name!r} {what} (sample {i}); that sample gets None for it",
+                      completions[i])
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+        self.workers = []

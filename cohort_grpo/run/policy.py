@@ -1,0 +1,106 @@
+"""The policy the user named, as (model, tokenizer).
+
+`load_policy` takes whatever `--model` / `GRPOTrainer(model=...)` was given: nothing (the built-in
+tiny model, `cohort_grpo.sft.builtin`), a model object, a local folder, a .gguf file or a hub id. Order of preference:
+our own implementation (`CausalLM`, which the fast engine samples from) for the families it
+supports, read by `cohort_grpo.models.loading`; otherwise Hugging Face's `AutoModelForCausalLM`, sampled through
+`generate`. `load_run_policy` loads a rank's policy as the run's config says. Saving is
+`cohort_grpo.models.policy.save_policy`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models import tiny
+from cohort_grpo.models.config import is_supported
+from cohort_grpo.models.exact_layers import use_exact_numerics
+from cohort_grpo.models.loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
+                                   missing_path_error, one_line)
+from cohort_grpo.models.lora import apply_lora, lora_config_from_args
+from cohort_grpo.optim.precision import resolve_dtype
+from cohort_grpo.sft import builtin
+
+
+def _hf_model_type(path: Path) -> str | None:
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            return json.loads(config.read_text()).get("model_type")
+        except json.JSONDecodeError:
+            raise CohortError(f"{config} is not valid JSON; the model folder is damaged") from None
+    return None
+
+
+def load_run_policy(model, processing_class, args, device: torch.device, *, peft_config=None, log=print):
+    """A rank's policy for a run, the same on trainer and sampling ranks: (model, tokenizer, pad id), loaded as
+    `args` says (dtype, implementation, remote code), with LoRA adapters injected in place when asked (`peft_config`,
+    else the config's lora options). Padding uses EOS where the tokenizer has no pad token; a tokenizer without
+    EOS is refused, since completions could never end."""
+    model, tokenizer = load_policy(model, processing_class, device=device, log=log,
+                                   dtype=resolve_dtype(args.dtype, device), trust_remote_code=args.trust_remote_code,
+                                   impl=args.model_impl)
+    peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
+    if peft_config is not None:  # π_ref is then the base model (adapters off)
+        apply_lora(model, peft_config)
+    if args.rollout_numerics == "exact":
+        use_exact_numerics(model, device)
+    if tokenizer.eos_token_id is None:
+        raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return model, tokenizer, pad_id
+
+
+def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl: str = "auto", log=print,
+                trust_remote_code: bool = False):
+    """(model, tokenizer) on `device`. `model`: None, an nn.Module, a folder, a .gguf file or a hub id.
+    Python code shipped with a model repo runs only when the user asks for it (--trust_remote_code)."""
+    device = torch.device(device or "cpu")
+    if isinstance(model, torch.nn.Module):
+        if processing_class is None:
+            raise CohortError("a model object needs its tokenizer: pass processing_class=tokenizer")
+        return model.to(device), processing_class
+    if model is None:
+        model = str(builtin.tiny_model_dir(log=log))
+    elif tiny.is_builtin_model(model):  # "cohort:tiny-tools": a built-in model, built on first use
+        model = str(builtin.builtin_model_dir(model, log=log))
+    spec = str(model)
+    path = Path(spec).expanduser()
+    if not path.exists() and looks_local(spec):  # a mistyped path: one line naming it, never a hub error
+        raise missing_path_error(spec)
+    tokenizer = processing_class or load_tokenizer(spec, trust_remote_code=trust_remote_code)
+    torch_dtype = None if dtype == "auto" else dtype
+    model_type = _hf_model_type(path) if path.is_dir() else None
+    use_own = impl == "cohort" or (impl == "auto" and (path.suffix == ".gguf" or model_type is None
+                                                      or is_supported({"model_type": model_type})))
+    if use_own:
+        policy = from_pretrained(spec, dtype=torch_dtype or "float32", device=device)
+    else:
+        policy = _load_hf(spec, torch_dtype, device, trust_remote_code)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return policy, tokenizer
+
+
+def _load_hf(spec: str, dtype, device, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    # A hub id while the hub is offline or unreachable: the cache only (transformers would retry for long).
+    cache_only = not Path(spec).expanduser().exists() and is_hub_id(spec) and (hub_offline() or bool(hub_unreachable()))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=getattr(torch, dtype) if dtype else torch.float32,
+                                                     trust_remote_code=trust_remote_code,
+                                                     **({"local_files_only": True} if cache_only else {}))
+    except ValueError as error:  # custom code refused, or a model_type transformers does not know
+        if "trust_remote_code" in str(error):
+            raise CohortError(f"{spec!r} needs its own Python code to load; cohort runs it only with "
+                              "--trust_remote_code (pass it only for a model repo you trust)") from None
+        raise CohortError(f"cannot load a model from {spec!r}: {str(error).splitlines()[0]}") from None
+    except OSError as error:
+        where = " (the Hugging Face hub cannot be reached and it is not in the cache)" if cache_only else ""
+        raise CohortError(f"cannot load a model from {spec!r}{where}: {one_line(error)}") from None
+    return model.to(device)

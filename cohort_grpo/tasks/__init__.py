@@ -1,0 +1,29 @@
+"""Built-in tasks, looked up by name (`--task`)."""
+
+from __future__ import annotations
+
+import importlib
+
+from cohort_grpo.config.choices import TASKS
+from cohort_grpo.errors import CohortError
+
+
+def get_task(name: str):
+    if name not in TASKS:
+        raise CohortError(f"unknown task {name!r}; choose one of {sorted(TASKS)} (--task)")
+    module, attr = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), attr)()
+
+
+def prompt_text(tokenizer, prompt, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+    """The text a model sees for a prompt: a string as is; chat messages through the tokenizer's chat
+    template (with the assistant turn opened, the `tools` schemas where the template shows them, and
+    `template_kwargs`, the run's chat_template_kwargs), or, for a tokenizer without one, the message
+    contents one per line. Training, evaluation and SFT all encode prompts with this, so they see the
+    same text."""
+    if not isinstance(prompt, list):
+        return prompt
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}))
+    return "\n".join(m["content"] for m in prompt) + "\n"

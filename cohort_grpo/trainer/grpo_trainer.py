@@ -1,0 +1,508 @@
+"""`GRPOTrainer`: DeepSeekMath Algorithm 1, with the loop in `train()` on one screen.
+
+    for step in 1..max_steps:
+        every M steps:        π_ref ← π_θ                            (outer iteration)
+        sample a prompt batch
+        π_old ← π_θ;  sample G completions per prompt from π_old    (cohort_grpo/rollout/)
+        score each completion with the reward functions r_φ          (cohort_grpo/rewards/)
+        A_i = (r_i − mean(group)) / (std(group) + eps)               (advantages.group_advantages)
+        μ times: update π_θ on the clipped surrogate − β·KL          (cohort_grpo/update/, objectives.policy_loss)
+        update r_φ by continuous training with replay                (learned reward models only)
+
+The trainer keeps the stages that cohort_grpo/run/assembly.py builds, and calls them; each stage takes its
+inputs and returns its result: `PromptStream` (the data order), `RolloutSource` (the rollout: sampled now
+or ahead, on this rank or on sampling ranks, cohort_grpo/rollout/source.py), `RewardRunner` (the rewards),
+`PolicyUpdate` (the update), `MemoryManager` (everything memory), `StepReport` (metrics and display) and
+`RunLifecycle` (resume, signals, checkpoints). Last come the methods of transformers' `Trainer` a TRL
+script calls around `train()` (`save_state`, `log_metrics`, `push_to_hub`, ...), each a delegation to the room
+that does the work: they make the file longer than most, and a ported script's only change its import.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from transformers.trainer_utils import TrainOutput
+
+from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.eval.evaluate import evaluate
+from cohort_grpo.eval.rewarded import combined_metrics, metric_names, reward_metrics, sample_and_score
+from cohort_grpo.models.lora import adapters_disabled, has_lora, merge_into_base
+from cohort_grpo.rewards.model import warm_up_reward_models
+from cohort_grpo.rollout.batch import Batch
+from cohort_grpo.run.assembly import assemble_run
+from cohort_grpo.run.callbacks import CallbackHandler
+from cohort_grpo.run.checkpoint import RunParts, RunState, log_sizes, random_state, save_checkpoint
+from cohort_grpo.run.ending import release_run, save_policy_folder, train_output, write_summary
+from cohort_grpo.run.failure import StepEnd, fail_together
+from cohort_grpo.run import hub
+from cohort_grpo.run.lifecycle import RunLifecycle, claim_output_dir, resuming
+from cohort_grpo.telemetry import results
+from cohort_grpo.tasks.data import row_origins
+from cohort_grpo.telemetry.step_report import StepContext, success_rate
+from cohort_grpo.tools.toolbox import make_toolbox
+from cohort_grpo.run.determinism import run_determinism
+from cohort_grpo.trainer.dynamic_sampling import fill_informative
+from cohort_grpo.algorithm.advantages import group_advantages, overlong_penalty
+
+
+class GRPOTrainer:
+    def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
+                 processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
+                 tools=None, environment_factory=None, sampler_factory=None):
+        # The raw values checked before anything loads, on a copy: the caller's config is never changed.
+        self.args = args = (args or GRPOConfig()).validate()
+        # A benchmark or test samples with its own engine through this; None: cohort_grpo.rollout.make_sampler.
+        self.sampler_factory = sampler_factory
+        # A run that fails before its first step leaves no folder behind (when it made the folder).
+        self.new_output_dir = not Path(args.output_dir).exists()
+        self.step = 0
+        try:
+            # Tools the model may call while sampling (TRL's `tools` / `environment_factory`).
+            self.toolbox = make_toolbox(tools, environment_factory, args, task)
+            self.build(model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
+                       peft_config)
+        except BaseException:
+            self.discard_unused_output_dir()
+            raise
+        # transformers' TrainerState and TrainerCallbacks (cohort_grpo/run/callbacks.py).
+        self.callback_handler = CallbackHandler(callbacks, self.args, dict(
+            model=self.model, processing_class=self.tokenizer, optimizer=self.optimizer,
+            lr_scheduler=self.scheduler))
+        self.callback_handler.event("on_init_end")
+
+    def build(self, model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
+              peft_config) -> None:
+        """The stages of the run, each given what it needs (cohort_grpo/run/assembly.py), kept here."""
+        self.task = task
+        parts = assemble_run(model, args, reward_funcs=reward_funcs, train_dataset=train_dataset,
+                             eval_dataset=eval_dataset, processing_class=processing_class, task=task,
+                             toolbox=self.toolbox, peft_config=peft_config, sampler_factory=self.sampler_factory,
+                             next_prompts=self.next_prompts, log=log, stage_log=self.log_line)
+        self.args, self.parallel, self.device = parts.args, parts.parallel, parts.device
+        self.model, self.tokenizer, self.pad_id = parts.model, parts.tokenizer, parts.pad_id
+        self.eval_rows, self.prompts = parts.eval_rows, parts.prompts  # prompts.rows: the training rows in use
+        self.curriculum, self.rewards = parts.curriculum, parts.rewards
+        self.train_model, self.optimizer, self.scheduler = parts.train_model, parts.optimizer, parts.scheduler
+        self.uses_reference, self.ref_model, self.loss_spec = parts.uses_reference, parts.ref_model, parts.loss_spec
+        self.layout, self.sampler_correction = parts.layout, parts.sampler_correction
+        self.sampler, self.group_sampler, self.rollouts = parts.sampler, parts.group_sampler, parts.rollouts
+        self.engine_copy = parts.engine_copy
+        self.memory, self.policy_update = parts.memory, parts.policy_update
+        self.report, self.log = parts.report, parts.report.log
+        self.accuracy_before = self.accuracy_after = None
+        self.seconds_before = 0.0  # training time of the attempts a resumed run continues
+        if self.group_sampler is not None:  # every training row renders and fits, found before step 1
+            self.group_sampler.check_prompt_lengths(self.prompts.rows, "train_dataset", row_origins(self.args, self.prompts.rows),
+                                                    self.log)
+
+    # ---- Algorithm 1 -------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
+        """Run Algorithm 1 for max_steps steps. resume_from_checkpoint as in transformers: True continues the newest
+        checkpoint in output_dir, a path that checkpoint, None what args say (--resume). Returns transformers'
+        `TrainOutput`; the per-step records are `trainer.history`."""
+        args = self.claim_output_dir(resume_from_checkpoint)  # an earlier run there: resumed, replaced or refused
+        self.started = time.perf_counter()
+        with self.lifecycle() as run, run_determinism(self.device, args.cpu_threads, args.full_determinism):  # same sums, busy or not
+            try:
+                self.resume(run)  # --resume: continue from the newest complete checkpoint, exactly
+                self.callback_handler.event("on_train_begin")
+                if self.step == 0:
+                    self.accuracy_before = self.evaluate_held_out()
+                    self.warm_up_reward_models()  # r_φ: offline training on the initial policy's labelled samples
+                for step in self.steps():
+                    if self.new_iteration(step):
+                        self.reset_reference()  # π_ref ← π_θ
+                    batch = self.rollouts.take(step)  # π_old ← π_θ (async: max_staleness ago); G per prompt
+                    self.score(batch)  # rewards r_φ(q, o_i)
+                    batch = self.refill_uninformative(batch)  # DAPO dynamic sampling (off by default)
+                    batch.old_logp, batch.ref_logp = self.reference_logprobs(batch)  # log π_old (μ > 1), log π_ref (β > 0)
+                    batch.advantages = self.estimate_advantages(batch)  # A_i = (r_i − mean) / (std + eps)
+                    losses = [self.update(batch) for _ in range(args.num_iterations)]  # μ policy updates
+                    self.update_reward_models(batch)  # r_φ: continuous training with replay (learned r_φ only)
+                    self.end_step(run, batch, losses)  # rollouts.after_update, the record, evaluation, checkpoint
+                self.finish()
+            except BaseException:
+                self.discard_unused_output_dir()
+                raise
+            finally:
+                self.rollouts.close()  # a producer thread, and what it was sampling; the sampling ranks
+                self.memory.close()  # a later run in this process can reclaim this run's objects
+        return self.train_output()
+
+    def claim_output_dir(self, resume_from_checkpoint: bool | str | None) -> GRPOConfig:
+        """args with transformers' `resume_from_checkpoint` folded in; an earlier run in output_dir is then resumed,
+        replaced (a finished one, as TRL) or refused (an unfinished one) before anything trains."""
+        self.args = self.callback_handler.args = resuming(self.args, resume_from_checkpoint)
+        claim_output_dir(self.args, self.log)
+        return self.args
+
+    def train_output(self) -> TrainOutput:
+        """transformers' `TrainOutput` of this call of train(): steps, mean loss, runtime and throughputs."""
+        args, ranks = self.args, self.parallel.world_size
+        return train_output(self.history, steps_run=self.step - self.first_step + 1,
+                            seconds=time.perf_counter() - self.started,
+                            completions_per_step=args.generation_batch_size * ranks,
+                            steps_per_epoch=len(self.prompts.rows) / (args.prompts_per_step * ranks))
+
+    # ---- the steps of the loop ---------------------------------------------------------------
+    def steps(self):
+        """The steps still to run (after a checkpoint's, on resume); each starts the step's clock. A
+        callback that sets `control.should_training_stop` ends the loop after its step."""
+        for step in range(self.step + 1, self.args.max_steps + 1):
+            if self.callback_handler.control.should_training_stop:
+                return
+            self.step, self.step_started = step, time.perf_counter()
+            self.callback_handler.event("on_step_begin")
+            yield step
+
+    def new_iteration(self, step: int) -> bool:
+        """An outer iteration of Algorithm 1 starts every ref_reset_steps (M) steps."""
+        every = self.args.ref_reset_steps
+        return bool(every) and step > 1 and (step - 1) % every == 0
+
+    def reset_reference(self) -> None:
+        """π_ref ← π_θ: copy the weights, or with LoRA fold the adapters into the base (models/lora.py)."""
+        if self.ref_model is not None:
+            with self.memory.reference_pass(modified=True):
+                self.ref_model.load_state_dict(self.model.state_dict())
+        elif has_lora(self.model) and self.uses_reference:
+            for param in merge_into_base(self.model):
+                self.optimizer.state.pop(param, None)  # B restarts at 0: its AdamW moments start over too
+        self.report.log_iteration_summary(self.step)
+
+    def next_prompts(self) -> list[dict]:
+        """This rank's block of the next prompt batch (a curriculum switches the source at its stages)."""
+        self.enter_curriculum_stage(self.step)
+        return self.parallel.shard(self.prompts.next_rows())
+
+    def sample(self, rows: list[dict]) -> Batch:
+        """`rows` sampled now from the current policy on this rank's engine, G completions each (dynamic
+        sampling's extra rounds, the reward models' warm-up); a step's own rollout is `self.rollouts.take`'s."""
+        return self.rollouts.sample(rows)
+
+    def score(self, batch: Batch) -> None:
+        """Each completion's reward (weighted sum of the reward functions; DAPO's overlong penalty added)."""
+        with self.report.phase("rewards"), fail_together(self.parallel, f"scoring step {self.step}"):
+            self.add_rewards(batch)  # every rank fails alike, so that they save the last step together
+
+    def add_rewards(self, batch: Batch) -> None:
+        out = self.rewards(batch.prompts, batch.completions, batch.completion_token_ids(), batch.columns)
+        batch.rewards, batch.per_function, batch.reward_metrics = out.rewards, out.per_function, out.metrics
+        if self.args.overlong_buffer_length:  # DAPO soft overlong punishment, part of the reward
+            penalty = overlong_penalty(batch.rollout.completion_mask.sum(dim=1), self.args.max_completion_length,
+                                       self.args.overlong_buffer_length, self.args.overlong_penalty_factor)
+            batch.rewards = batch.rewards + penalty.to(batch.rewards.dtype)
+            batch.reward_metrics = {**batch.reward_metrics, "rewards/overlong_penalty": float(penalty.mean())}
+
+    def refill_uninformative(self, batch: Batch) -> Batch:
+        """DAPO dynamic sampling: swap all-equal-reward groups for freshly sampled informative ones."""
+        if not self.args.dynamic_sampling:
+            return batch
+
+        def sample_more() -> Batch:
+            more = self.sample(self.next_prompts())
+            self.add_rewards(more)
+            return more
+
+        with self.report.phase("resampling"):
+            batch, stats = fill_informative(batch, sample_more, prompts_needed=self.args.prompts_per_step,
+                                            group_size=self.args.num_generations,
+                                            max_resample_tries=self.args.max_resample_tries, pad_id=self.pad_id)
+        batch.reward_metrics = {**(batch.reward_metrics or {}), **stats}
+        return batch
+
+    def reference_logprobs(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(log π_old, log π_ref), each [B, T] or None: π_old's only when μ > 1 (at μ = 1, π_old = π_θ
+        and ρ ≡ 1) or when a sequence-level sampler correction needs it up front, π_ref's only when β > 0."""
+        old = ref = None
+        with self.report.phase("logprobs"):
+            if self.args.num_iterations > 1 or self.loss_spec.sequence_correction:
+                old = self.policy_update.logprobs(self.model, batch)
+            if self.ref_model is not None:
+                with self.memory.reference_pass():
+                    ref = self.policy_update.logprobs(self.ref_model, batch)
+            elif self.uses_reference:  # LoRA: the reference is this very model with its adapters switched off
+                with adapters_disabled(self.model):
+                    ref = self.policy_update.logprobs(self.model, batch)
+        return old, ref
+
+    def estimate_advantages(self, batch: Batch) -> torch.Tensor:
+        """GRPO's group-relative advantages, [B] (PPO's trainer supplies GAE's per-token ones instead).
+        A completion that no reward function scored (its row of `batch.per_function` all NaN) is left out
+        of its group's mean and std and gets 0, as in TRL 1.16."""
+        scored = None if batch.per_function is None else ~torch.isnan(batch.per_function).all(dim=1)
+        return group_advantages(batch.rewards, self.args.num_generations, self.args.scale_rewards, scored=scored)
+
+    def update(self, batch: Batch) -> dict:
+        """One policy update (μ of these per rollout); its statistics."""
+        with self.report.phase("update"):
+            return self.update_step(batch)
+
+    def update_step(self, batch: Batch) -> dict:
+        return self.policy_update(batch, self.step)
+
+    def update_reward_models(self, batch: Batch) -> None:
+        """Algorithm 1, last line: each learned reward model r_φ (a reward function with `on_step_end`)
+        trains on this step's samples with replay; its rm/* metrics join the step's record."""
+        hooks = [f for f in self.rewards.funcs if hasattr(f, "on_step_end")]
+        if not hooks:
+            return
+        with self.report.phase("reward_model"):
+            ids, columns = batch.completion_token_ids(), batch.columns
+            for func in hooks:
+                metrics = func.on_step_end(batch.prompts, batch.completions, ids,
+                                           group_size=self.args.num_generations, step=self.step, **columns)
+                for key, value in metrics.items():
+                    batch.reward_metrics[key if key not in batch.reward_metrics else f"{func.__name__}/{key}"] = value
+
+    def end_step(self, run: RunLifecycle, batch: Batch, losses: list[dict]) -> None:
+        """After the algorithm's lines: the engine's weights, the record, evaluation, the checkpoint."""
+        self.rollouts.after_update(self.model)  # the engine's copy refreshed (FSDP2); what is sampled ahead started
+        self.log_step(batch, losses, time.perf_counter() - self.step_started)
+        if self.step == self.first_step:  # the run's long-lived objects exist now
+            self.memory.after_first_step()  # full collections stop walking them (cohort_grpo/memory/gc_pauses.py)
+            self.report.restart_gc_clock()
+        state, control = self.state, self.callback_handler.control
+        state.global_step = self.step
+        self.callback_handler.event("on_step_end")
+        due = self.args.eval_steps and self.step % self.args.eval_steps == 0 and (
+            self.step < self.args.max_steps or self.task is None)  # a task's last evaluation is finish()'s
+        if due or control.should_evaluate:
+            control.should_evaluate = False
+            self.evaluate()
+        if control.should_save:
+            control.should_save = False
+            run.save_once(self.step)
+        run.end_of_step(self.step, self.policy_update.counters.nonfinite_in_a_row)
+
+    def log_step(self, batch: Batch, losses: list[dict], seconds: float) -> dict:
+        """The step's metrics record (cohort_grpo/telemetry/step_report.py)."""
+        task = self.curriculum.task if self.curriculum is not None else self.task  # the rows' own task
+        context = StepContext(
+            success=success_rate(batch, task), learning_rate=self.scheduler.get_last_lr()[0],
+            uses_reference=self.uses_reference, micro_rows=self.memory.micro_rows, layout=self.layout,
+            reward_names=self.rewards.names,
+            counters={"skipped_steps": self.policy_update.counters.skipped_steps,
+                      "oom_retries": self.memory.oom_retries},
+            extra=self.curriculum.metrics() if self.curriculum is not None else {})
+        record = self.report.record(self.step, batch, losses, seconds, context)
+        self.state.log_history.append(record)
+        if self.step % self.args.logging_steps == 0 or self.step == self.args.max_steps:
+            self.callback_handler.event("on_log", logs=record)
+        return record
+
+    # ---- around the loop ---------------------------------------------------------------------
+    def lifecycle(self) -> RunLifecycle:
+        """The run around the loop: signals, resume, checkpoints (cohort_grpo/run/lifecycle.py)."""
+        return RunLifecycle(self.args, self.parallel, self.log, self.save_checkpoint, self.close_logs, self.step_end)
+
+    def resume(self, run: RunLifecycle | None = None) -> None:
+        """Load the checkpoint --resume / resume_from_checkpoint names into this trainer (`train()`
+        does; call it yourself to inspect a checkpoint's state without training)."""
+        state = (run or self.lifecycle()).resume(self.run_parts, self.enter_curriculum_stage)
+        if state is not None:  # the objects are restored in place; the plain values are the trainer's
+            self.step, self.accuracy_before, self.seconds_before = state.step, state.accuracy_before, state.seconds
+            self.report.history, self.state.log_history = state.history, [dict(r) for r in state.history]
+            self.prompts.load_state_dict(state.prompts)
+            counters = self.policy_update.counters
+            counters.skipped_steps, counters.nonfinite_in_a_row = state.skipped_steps, state.nonfinite_in_a_row
+            self.state.global_step = self.step
+        self.first_step = self.step + 1
+
+    def save_checkpoint(self, step_end: StepEnd | None = None) -> Path:
+        """checkpoint-<step> of the run as it is now, or with `step_end`: of the step it noted, with the weights
+        as they are now (a failure in the next step, before its update: cohort_grpo/run/failure.py)."""
+        parts = self.run_parts()
+        saved = self.extra_checkpoint_state()  # on every rank: with rollouts sampled ahead, every rank hands over its
+        parts.extra_state = lambda: saved  # own (a collective) and rank 0 writes them
+        if step_end is not None:
+            parts.reward_funcs = step_end.reward_funcs
+        folder = save_checkpoint(parts, self.run_state() if step_end is None else step_end.state)
+        self.callback_handler.event("on_save")
+        return folder
+
+    def run_state(self) -> RunState:
+        """The run's plain values now (`RunState`)."""
+        counters = self.policy_update.counters
+        return RunState(step=self.step, prompts=self.prompts.state_dict(), history=list(self.history),
+                        accuracy_before=self.accuracy_before, skipped_steps=counters.skipped_steps,
+                        nonfinite_in_a_row=counters.nonfinite_in_a_row, seconds=self.training_seconds())
+
+    def step_end(self) -> StepEnd:
+        """The run at the end of a step, noted in memory (RNG states and logs' sizes too) for a checkpoint that a
+        failure in the next step writes; rollouts sampled ahead cannot be put back to it."""
+        state = self.run_state()
+        state.random, state.file_sizes = random_state(), log_sizes(Path(self.args.output_dir))
+        inexact = "the rollouts sampled ahead (--async_rollouts) have moved past it" if self.args.async_rollouts else None
+        return StepEnd(state, list(self.rewards.funcs), self.policy_update.optimizer_steps(), inexact)
+
+    def run_parts(self) -> RunParts:  # what a checkpoint saves and loads
+        return RunParts(args=self.args, model=self.model, tokenizer=self.tokenizer, train_model=self.train_model,
+                        optimizer=self.optimizer, scheduler=self.scheduler, ref_model=self.ref_model,
+                        reference_pass=self.memory.reference_pass, reward_funcs=self.rewards.funcs,
+                        parallel=self.parallel, extra_state=self.extra_checkpoint_state,
+                        load_extra_state=self.load_extra_checkpoint_state, engine_copy=self.engine_copy)
+
+    def extra_checkpoint_state(self) -> dict | None:
+        """State beyond the model, optimizer and data order: the rollouts sampled ahead (asynchronous
+        rollouts: `RolloutSource.state_dict`, a collective), a subclass's own (PPO's critic); None: nothing to add."""
+        return self.rollouts.state_dict()
+
+    def load_extra_checkpoint_state(self, state: dict) -> None:
+        """Restore what `extra_checkpoint_state` saved."""
+        self.rollouts.load_state_dict(state)
+
+    def enter_curriculum_stage(self, step: int) -> None:
+        """At a stage boundary: that stage's rows (and reward functions)."""
+        if self.curriculum is None:
+            return
+        switch = self.curriculum.enter(step, self.tokenizer)
+        if switch is None:
+            return
+        self.prompts.switch_rows(switch.rows)
+        if switch.rewards is not None:
+            self.rewards = switch.rewards
+        self.rewards.check_columns(set(switch.rows[0]))
+        self.log(switch.message)
+
+    def warm_up_reward_models(self) -> None:
+        """r_φ's offline warm-up on the initial policy's samples; the run's data order and seeds are kept."""
+        with self.prompts.unchanged():
+            warm_up_reward_models(self.rewards.funcs, self.args, self.prompts.rows, self.sample, self.log)
+
+    def evaluate(self) -> dict[str, float]:
+        """On eval_dataset: with the task's verifier, greedy accuracy, format rate and mean length (`eval/*`); with
+        the run's own reward functions, their scores of G completions per prompt sampled as in training (`eval_*`,
+        cohort_grpo/eval/rewarded.py), as TRL. Logged and passed to the callbacks' `on_evaluate`; empty without rows."""
+        if not self.eval_rows:
+            return {}
+        self.rollouts.wait_for_engine()  # a rollout sampled ahead on this rank's engine finishes first
+        with self.report.phase("eval"):  # each rank (or sampling group) evaluates its block; the counts are summed
+            metrics, line = self.verified_evaluation() if self.task is not None else self.rewarded_evaluation()
+        self.report.metrics.log(self.step, metrics)
+        self.state.log_history.append({**metrics, "step": self.step})
+        self.callback_handler.event("on_evaluate", metrics=metrics)
+        self.log(line)
+        return metrics
+
+    def verified_evaluation(self) -> tuple[dict[str, float], str]:
+        result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.evaluation_rows(self.eval_rows),
+                          self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length,
+                          toolbox=self.toolbox).summed(self.parallel.evaluation_sums)
+        return result.metrics(), (f"eval (step {self.step}): accuracy={100 * result.accuracy:.1f}% on "
+                                  f"{result.num_questions} problems")
+
+    def rewarded_evaluation(self) -> tuple[dict[str, float], str]:
+        with self.prompts.unchanged():  # the run's data order and sampling seeds stay as they were
+            batch = sample_and_score(self.parallel.evaluation_rows(self.eval_rows), self.sample, self.add_rewards,
+                                     self.args.prompts_per_step, self.pad_id)
+        metrics = combined_metrics(reward_metrics(batch, self.args.num_generations), metric_names(self.rewards.names),
+                                   self.parallel.evaluation_sums)
+        return metrics, (f"eval (step {self.step}): reward={metrics.get('eval_reward', float('nan')):.4f} on "
+                         f"{len(self.eval_rows)} prompts")
+
+    def evaluate_held_out(self) -> float | None:
+        """Before and after training: the task's greedy held-out accuracy (None without a task: as TRL)."""
+        return self.evaluate().get("eval/accuracy") if self.task is not None else None
+
+    def finish(self) -> None:
+        """The last iteration's summary, the final held-out accuracy, the policy as a Hugging Face
+        folder, summary.json (its seconds summed over the attempts of a resumed run): cohort_grpo/run/ending.py."""
+        self.report.log_iteration_summary(self.step, final=True)
+        self.accuracy_after = self.evaluate_held_out()
+        out = self.save_model(self.args.output_dir)
+        release_run(self.rollouts, self.sampler, self.parallel, self.memory)
+        self.callback_handler.event("on_train_end")
+        if not self.parallel.is_main:  # rank 0 alone writes the summary and prints
+            self.report.progress.close()
+            return
+        write_summary(out, accuracy_before=self.accuracy_before, accuracy_after=self.accuracy_after,
+                      seconds=self.training_seconds(), steps=self.step, history=self.history,
+                      warnings=self.report.health.lines)
+        self.close_logs()
+        if self.args.push_to_hub:  # as transformers: the trained policy and the run's files, at the end
+            self.log(f"pushed {out} to the Hub: {hub.push_to_hub(self.args).commit_url}")
+        if self.accuracy_before is not None:
+            self.log(f"held-out accuracy: {100 * self.accuracy_before:.1f}% -> {100 * self.accuracy_after:.1f}% "
+                     f"({len(self.eval_rows)} problems)")
+
+    def training_seconds(self) -> float:
+        """Seconds spent in train() so far, the earlier attempts of a resumed run included."""
+        return self.seconds_before + time.perf_counter() - self.started
+
+    def close_logs(self) -> None:
+        self.report.metrics.close()
+        self.report.progress.close()
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """The policy and its tokenizer as a Hugging Face folder (TRL's), written by rank 0 (the others wait for it)."""
+        out = Path(output_dir or self.args.output_dir)
+        return save_policy_folder(self.model, self.tokenizer, out, self.parallel, self.args.dtype)
+
+    def discard_unused_output_dir(self) -> None:
+        """Remove the output folder this run made, if it failed before finishing a step."""
+        report = getattr(self, "report", None)
+        if not self.new_output_dir or (report is not None and self.history):
+            return
+        if report is not None:
+            self.close_logs()
+        shutil.rmtree(self.args.output_dir, ignore_errors=True)
+
+    def log_line(self, line: str) -> None:
+        """What the stages built before the display exists log through (the display's, once it does)."""
+        self.log(line)
+
+    # ---- transformers' Trainer methods a TRL script calls ------------------------------------
+    @property
+    def history(self) -> list[dict]:
+        """Every step's metrics record so far."""
+        return self.report.history
+
+    @property
+    def state(self):
+        """transformers' `TrainerState`: global_step, max_steps, log_history (step records and evaluations)."""
+        return self.callback_handler.state
+
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.pop(callback)
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this process is the first of the job (the one that writes files and prints)."""
+        return self.parallel.is_main
+
+    def log_metrics(self, split: str, metrics: dict) -> None:
+        """`metrics` printed as one block under `***** <split> metrics *****`, by the first process."""
+        if self.parallel.is_main:
+            results.log_metrics(split, metrics)
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """`<split>_results.json` in output_dir, and with `combined` the metrics merged into all_results.json."""
+        if self.parallel.is_main:
+            results.save_metrics(self.args.output_dir, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """`trainer.state` as trainer_state.json in output_dir."""
+        if self.parallel.is_main:
+            results.save_state(self.state, self.args.output_dir)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
+        """The policy saved to output_dir, then output_dir uploaded to the Hub repository `args.hub_model_id` (else
+        the folder's name), created if missing (cohort_grpo/run/hub.py); the commit's `CommitInfo` (a `Future` of it
+        with `blocking=False`), None on the other processes. transformers' model-card keywords (`kwargs`) are
+        taken and unused: no model card is written."""
+        self.save_model()
+        if not self.parallel.is_main:
+            return None
+        return hub.push_to_hub(self.args, commit_message=commit_message, blocking=blocking, token=token,
+                               revision=revision, private=private)
