@@ -3,13 +3,15 @@
 The policy is written as a Hugging Face folder by rank 0 (gathered first, a collective, where no rank
 holds a whole copy); the parts that hold threads, process groups, CUDA graphs and host copies are
 released in the one order that keeps each collective's partners alive; rank 0 writes summary.json,
-which `cohort-grpo report` reads beside metrics.jsonl; `train()` returns transformers' `TrainOutput`.
+which `cohort-grpo report` reads beside metrics.jsonl, and with --push_to_hub uploads the run; `train()` returns
+transformers' `TrainOutput`.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers.trainer_utils import TrainOutput
@@ -18,6 +20,7 @@ from cohort_grpo.models.policy import save_policy
 from cohort_grpo.parallel.colocation import gathered_state, holds_shards
 from cohort_grpo.parallel.distributed import Parallel
 from cohort_grpo.rollout.source import RolloutSource
+from cohort_grpo.run import hub
 
 SUMMARY_FILE = "summary.json"
 
@@ -55,6 +58,25 @@ def write_summary(out: Path, *, accuracy_before: float | None, accuracy_after: f
                "warnings": list(dict.fromkeys(warnings))}
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def report_end(out: Path, args, *, parallel: Parallel, accuracy_before: float | None, accuracy_after: float | None,
+               seconds: float, steps: int, history: list[dict], warnings: list[str], held_out_rows: list | None,
+               close_logs: Callable[[], None], close_display: Callable[[], None], log: Callable[[str], None]) -> None:
+    """What a run that trained to its end leaves and says once its policy is saved in `out`: on rank 0, summary.json
+    (`write_summary`), the logs closed, with --push_to_hub the upload, and the held-out accuracy before and after
+    (over `held_out_rows`); on the other ranks, their display closed."""
+    if not parallel.is_main:  # rank 0 alone writes the summary and prints
+        close_display()
+        return
+    write_summary(out, accuracy_before=accuracy_before, accuracy_after=accuracy_after, seconds=seconds, steps=steps,
+                  history=history, warnings=warnings)
+    close_logs()
+    if args.push_to_hub:  # as transformers: the trained policy and the run's files, at the end
+        log(f"pushed {out} to the Hub: {hub.push_to_hub(args).commit_url}")
+    if accuracy_before is not None:
+        log(f"held-out accuracy: {100 * accuracy_before:.1f}% -> {100 * accuracy_after:.1f}% "
+            f"({len(held_out_rows)} problems)")
 
 
 def train_output(history: list[dict], *, steps_run: int, seconds: float, completions_per_step: int,

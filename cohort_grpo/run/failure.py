@@ -16,6 +16,7 @@ nothing, and the job ends as it did before (docs/howto/resume.md).
 from __future__ import annotations
 
 import contextlib
+import shutil
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Callable, Iterator
 from cohort_grpo.errors import CohortError, in_front_end_words
 from cohort_grpo.parallel.faults import RELAYED, first_line
 from cohort_grpo.rewards.runner import exception_line
-from cohort_grpo.run.checkpoint import RunState, check_checkpoint, list_checkpoints
+from cohort_grpo.run.checkpoint import RunState, check_checkpoint, list_checkpoints, log_sizes, random_state
 
 RESUME_HINT = "continue the run with --resume"
 
@@ -50,6 +51,27 @@ class TrainingFailed(CohortError):
     def __init__(self, message: str, checkpoint: Path | None, step: int | None):
         super().__init__(message)
         self.checkpoint, self.step = checkpoint, step
+
+
+def note_step_end(state: RunState, out: Path, reward_funcs: list, optimizer_steps: int,
+                  async_rollouts: bool) -> StepEnd:
+    """The run at the end of a step (its plain values `state`), noted in memory with the RNG states and the logs'
+    sizes in `out` for a checkpoint that a failure in the next step writes; rollouts sampled ahead
+    (`async_rollouts`) cannot be put back to it."""
+    state.random, state.file_sizes = random_state(), log_sizes(out)
+    inexact = "the rollouts sampled ahead (--async_rollouts) have moved past it" if async_rollouts else None
+    return StepEnd(state, list(reward_funcs), optimizer_steps, inexact)
+
+
+def discard_unused_output_dir(out: Path, *, made_by_run: bool, step_done: bool,
+                              close_logs: Callable[[], None] | None) -> None:
+    """Remove `out` when this run made it (`made_by_run`) and failed before finishing a step, its logs closed
+    first (`close_logs`, None before they are open)."""
+    if not made_by_run or step_done:
+        return
+    if close_logs is not None:
+        close_logs()
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def saved_line(folder: Path) -> str:

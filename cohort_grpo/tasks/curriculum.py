@@ -22,6 +22,7 @@ keeps those for every stage instead. Load options not given in a stage come from
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from cohort_grpo.config.curriculum import Stage, stages_of
 from cohort_grpo.errors import CohortError
@@ -85,6 +86,20 @@ class Curriculum:
         self.index = index
         return StageSwitch(rows, rewards, f"curriculum: stage {index + 1}/{len(self.stages)} ({stage.task}, "
                                           f"{stage.steps} steps) from step {max(1, step)}")
+
+    def switch(self, step: int, tokenizer, prompts, rewards, log: Callable[[str], None]):
+        """At a stage boundary (`enter`): the stage's rows into `prompts` (the run's `PromptStream`), its message
+        logged; the reward runner from `step` on (`rewards` itself unless the stage brings its own), checked
+        against the rows' columns."""
+        switch = self.enter(step, tokenizer)
+        if switch is None:
+            return rewards
+        prompts.switch_rows(switch.rows)
+        if switch.rewards is not None:
+            rewards = switch.rewards
+        rewards.check_columns(set(switch.rows[0]))
+        log(switch.message)
+        return rewards
 
     def metrics(self) -> dict[str, float]:
         return {"curriculum/stage": float(self.index if self.index is not None else 0)}

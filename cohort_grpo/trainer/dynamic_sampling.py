@@ -68,3 +68,12 @@ def fill_informative(first, sample_more: Callable[[], object], *, prompts_needed
         merged = select_groups(merged, list(range(prompts_needed)), group_size)
     stats["dynamic_sampling/informative_groups"] = float(min(have, prompts_needed))
     return merged, stats
+
+
+def refill_informative(batch, sample_more: Callable[[], object], args, pad_id: int):
+    """`fill_informative` with the run's settings (`args`); its statistics join the batch's reward metrics."""
+    batch, stats = fill_informative(batch, sample_more, prompts_needed=args.prompts_per_step,
+                                    group_size=args.num_generations, max_resample_tries=args.max_resample_tries,
+                                    pad_id=pad_id)
+    batch.reward_metrics = {**(batch.reward_metrics or {}), **stats}
+    return batch

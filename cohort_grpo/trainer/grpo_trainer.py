@@ -20,7 +20,6 @@ that does the work: they make the file longer than most, and a ported script's o
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -28,25 +27,25 @@ import torch
 from transformers.trainer_utils import TrainOutput
 
 from cohort_grpo.config.grpo_config import GRPOConfig
-from cohort_grpo.eval.evaluate import evaluate
-from cohort_grpo.eval.rewarded import combined_metrics, metric_names, reward_metrics, sample_and_score
-from cohort_grpo.models.lora import adapters_disabled, has_lora, merge_into_base
+from cohort_grpo.eval.held_out import HeldOutEvaluation
+from cohort_grpo.rewards.batch_rewards import add_rewards, learned_reward_models, train_reward_models
 from cohort_grpo.rewards.model import warm_up_reward_models
 from cohort_grpo.rollout.batch import Batch
 from cohort_grpo.run.assembly import assemble_run
 from cohort_grpo.run.callbacks import CallbackHandler
-from cohort_grpo.run.checkpoint import RunParts, RunState, log_sizes, random_state, save_checkpoint
-from cohort_grpo.run.ending import release_run, save_policy_folder, train_output, write_summary
-from cohort_grpo.run.failure import StepEnd, fail_together
+from cohort_grpo.run.checkpoint import RunParts, RunState, save_checkpoint
+from cohort_grpo.run.ending import release_run, report_end, save_policy_folder, train_output
+from cohort_grpo.run.failure import StepEnd, discard_unused_output_dir, fail_together, note_step_end
 from cohort_grpo.run import hub
 from cohort_grpo.run.lifecycle import RunLifecycle, claim_output_dir, resuming
 from cohort_grpo.telemetry import results
 from cohort_grpo.tasks.data import row_origins
 from cohort_grpo.telemetry.step_report import StepContext, success_rate
 from cohort_grpo.tools.toolbox import make_toolbox
+from cohort_grpo.update.reference import ReferencePolicy
 from cohort_grpo.run.determinism import run_determinism
-from cohort_grpo.trainer.dynamic_sampling import fill_informative
-from cohort_grpo.algorithm.advantages import group_advantages, overlong_penalty
+from cohort_grpo.trainer.dynamic_sampling import refill_informative
+from cohort_grpo.algorithm.advantages import group_advantages
 
 
 class GRPOTrainer:
@@ -92,7 +91,14 @@ class GRPOTrainer:
         self.sampler, self.group_sampler, self.rollouts = parts.sampler, parts.group_sampler, parts.rollouts
         self.engine_copy = parts.engine_copy
         self.memory, self.policy_update = parts.memory, parts.policy_update
+        self.reference = ReferencePolicy(self.model, self.ref_model, self.uses_reference, self.memory.reference_pass,
+                                         self.policy_update.logprobs)
         self.report, self.log = parts.report, parts.report.log
+        self.evaluation = HeldOutEvaluation(
+            self.eval_rows, task, self.parallel, self.sampler, self.tokenizer,
+            getattr(self.group_sampler, "encode_prompt", None), self.toolbox, self.sample, self.add_rewards,
+            self.prompts.unchanged, max_new_tokens=self.args.max_completion_length,
+            prompts_per_call=self.args.prompts_per_step, group_size=self.args.num_generations, pad_id=self.pad_id)
         self.accuracy_before = self.accuracy_after = None
         self.seconds_before = 0.0  # training time of the attempts a resumed run continues
         if self.group_sampler is not None:  # every training row renders and fits, found before step 1
@@ -165,13 +171,8 @@ class GRPOTrainer:
         return bool(every) and step > 1 and (step - 1) % every == 0
 
     def reset_reference(self) -> None:
-        """π_ref ← π_θ: copy the weights, or with LoRA fold the adapters into the base (models/lora.py)."""
-        if self.ref_model is not None:
-            with self.memory.reference_pass(modified=True):
-                self.ref_model.load_state_dict(self.model.state_dict())
-        elif has_lora(self.model) and self.uses_reference:
-            for param in merge_into_base(self.model):
-                self.optimizer.state.pop(param, None)  # B restarts at 0: its AdamW moments start over too
+        """π_ref ← π_θ (cohort_grpo/update/reference.py)."""
+        self.reference.reset(self.optimizer)
         self.report.log_iteration_summary(self.step)
 
     def next_prompts(self) -> list[dict]:
@@ -190,45 +191,28 @@ class GRPOTrainer:
             self.add_rewards(batch)  # every rank fails alike, so that they save the last step together
 
     def add_rewards(self, batch: Batch) -> None:
-        out = self.rewards(batch.prompts, batch.completions, batch.completion_token_ids(), batch.columns)
-        batch.rewards, batch.per_function, batch.reward_metrics = out.rewards, out.per_function, out.metrics
-        if self.args.overlong_buffer_length:  # DAPO soft overlong punishment, part of the reward
-            penalty = overlong_penalty(batch.rollout.completion_mask.sum(dim=1), self.args.max_completion_length,
-                                       self.args.overlong_buffer_length, self.args.overlong_penalty_factor)
-            batch.rewards = batch.rewards + penalty.to(batch.rewards.dtype)
-            batch.reward_metrics = {**batch.reward_metrics, "rewards/overlong_penalty": float(penalty.mean())}
+        """The batch's rewards from the run's reward functions (cohort_grpo/rewards/batch_rewards.py)."""
+        add_rewards(self.rewards, batch, self.args)
 
     def refill_uninformative(self, batch: Batch) -> Batch:
         """DAPO dynamic sampling: swap all-equal-reward groups for freshly sampled informative ones."""
         if not self.args.dynamic_sampling:
             return batch
-
-        def sample_more() -> Batch:
-            more = self.sample(self.next_prompts())
-            self.add_rewards(more)
-            return more
-
         with self.report.phase("resampling"):
-            batch, stats = fill_informative(batch, sample_more, prompts_needed=self.args.prompts_per_step,
-                                            group_size=self.args.num_generations,
-                                            max_resample_tries=self.args.max_resample_tries, pad_id=self.pad_id)
-        batch.reward_metrics = {**(batch.reward_metrics or {}), **stats}
+            return refill_informative(batch, lambda: self.sample_and_score(self.next_prompts()), self.args, self.pad_id)
+
+    def sample_and_score(self, rows: list[dict]) -> Batch:
+        batch = self.sample(rows)
+        self.add_rewards(batch)
         return batch
 
     def reference_logprobs(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(log π_old, log π_ref), each [B, T] or None: π_old's only when μ > 1 (at μ = 1, π_old = π_θ
         and ρ ≡ 1) or when a sequence-level sampler correction needs it up front, π_ref's only when β > 0."""
-        old = ref = None
         with self.report.phase("logprobs"):
-            if self.args.num_iterations > 1 or self.loss_spec.sequence_correction:
-                old = self.policy_update.logprobs(self.model, batch)
-            if self.ref_model is not None:
-                with self.memory.reference_pass():
-                    ref = self.policy_update.logprobs(self.ref_model, batch)
-            elif self.uses_reference:  # LoRA: the reference is this very model with its adapters switched off
-                with adapters_disabled(self.model):
-                    ref = self.policy_update.logprobs(self.model, batch)
-        return old, ref
+            needs_old = self.args.num_iterations > 1 or self.loss_spec.sequence_correction
+            old = self.policy_update.logprobs(self.model, batch) if needs_old else None
+            return old, self.reference.logprobs(batch)
 
     def estimate_advantages(self, batch: Batch) -> torch.Tensor:
         """GRPO's group-relative advantages, [B] (PPO's trainer supplies GAE's per-token ones instead).
@@ -248,16 +232,9 @@ class GRPOTrainer:
     def update_reward_models(self, batch: Batch) -> None:
         """Algorithm 1, last line: each learned reward model r_φ (a reward function with `on_step_end`)
         trains on this step's samples with replay; its rm/* metrics join the step's record."""
-        hooks = [f for f in self.rewards.funcs if hasattr(f, "on_step_end")]
-        if not hooks:
-            return
-        with self.report.phase("reward_model"):
-            ids, columns = batch.completion_token_ids(), batch.columns
-            for func in hooks:
-                metrics = func.on_step_end(batch.prompts, batch.completions, ids,
-                                           group_size=self.args.num_generations, step=self.step, **columns)
-                for key, value in metrics.items():
-                    batch.reward_metrics[key if key not in batch.reward_metrics else f"{func.__name__}/{key}"] = value
+        if learned_reward_models(self.rewards.funcs):
+            with self.report.phase("reward_model"):
+                train_reward_models(self.rewards.funcs, batch, self.args.num_generations, self.step)
 
     def end_step(self, run: RunLifecycle, batch: Batch, losses: list[dict]) -> None:
         """After the algorithm's lines: the engine's weights, the record, evaluation, the checkpoint."""
@@ -335,10 +312,8 @@ class GRPOTrainer:
     def step_end(self) -> StepEnd:
         """The run at the end of a step, noted in memory (RNG states and logs' sizes too) for a checkpoint that a
         failure in the next step writes; rollouts sampled ahead cannot be put back to it."""
-        state = self.run_state()
-        state.random, state.file_sizes = random_state(), log_sizes(Path(self.args.output_dir))
-        inexact = "the rollouts sampled ahead (--async_rollouts) have moved past it" if self.args.async_rollouts else None
-        return StepEnd(state, list(self.rewards.funcs), self.policy_update.optimizer_steps(), inexact)
+        return note_step_end(self.run_state(), Path(self.args.output_dir), self.rewards.funcs,
+                             self.policy_update.optimizer_steps(), self.args.async_rollouts)
 
     def run_parts(self) -> RunParts:  # what a checkpoint saves and loads
         return RunParts(args=self.args, model=self.model, tokenizer=self.tokenizer, train_model=self.train_model,
@@ -357,17 +332,9 @@ class GRPOTrainer:
         self.rollouts.load_state_dict(state)
 
     def enter_curriculum_stage(self, step: int) -> None:
-        """At a stage boundary: that stage's rows (and reward functions)."""
-        if self.curriculum is None:
-            return
-        switch = self.curriculum.enter(step, self.tokenizer)
-        if switch is None:
-            return
-        self.prompts.switch_rows(switch.rows)
-        if switch.rewards is not None:
-            self.rewards = switch.rewards
-        self.rewards.check_columns(set(switch.rows[0]))
-        self.log(switch.message)
+        """At a stage boundary: that stage's rows (and reward functions): cohort_grpo/tasks/curriculum.py."""
+        if self.curriculum is not None:
+            self.rewards = self.curriculum.switch(step, self.tokenizer, self.prompts, self.rewards, self.log)
 
     def warm_up_reward_models(self) -> None:
         """r_φ's offline warm-up on the initial policy's samples; the run's data order and seeds are kept."""
@@ -375,35 +342,18 @@ class GRPOTrainer:
             warm_up_reward_models(self.rewards.funcs, self.args, self.prompts.rows, self.sample, self.log)
 
     def evaluate(self) -> dict[str, float]:
-        """On eval_dataset: with the task's verifier, greedy accuracy, format rate and mean length (`eval/*`); with
-        the run's own reward functions, their scores of G completions per prompt sampled as in training (`eval_*`,
-        cohort_grpo/eval/rewarded.py), as TRL. Logged and passed to the callbacks' `on_evaluate`; empty without rows."""
+        """On eval_dataset, as TRL: the task's verifier's `eval/*` or the run's reward functions' `eval_*`
+        (cohort_grpo/eval/held_out.py); logged and passed to the callbacks' `on_evaluate`; empty without rows."""
         if not self.eval_rows:
             return {}
         self.rollouts.wait_for_engine()  # a rollout sampled ahead on this rank's engine finishes first
-        with self.report.phase("eval"):  # each rank (or sampling group) evaluates its block; the counts are summed
-            metrics, line = self.verified_evaluation() if self.task is not None else self.rewarded_evaluation()
+        with self.report.phase("eval"):
+            metrics, line = self.evaluation(self.step, self.rewards.names)
         self.report.metrics.log(self.step, metrics)
         self.state.log_history.append({**metrics, "step": self.step})
         self.callback_handler.event("on_evaluate", metrics=metrics)
         self.log(line)
         return metrics
-
-    def verified_evaluation(self) -> tuple[dict[str, float], str]:
-        result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.evaluation_rows(self.eval_rows),
-                          self.group_sampler.encode_prompt, max_new_tokens=self.args.max_completion_length,
-                          toolbox=self.toolbox).summed(self.parallel.evaluation_sums)
-        return result.metrics(), (f"eval (step {self.step}): accuracy={100 * result.accuracy:.1f}% on "
-                                  f"{result.num_questions} problems")
-
-    def rewarded_evaluation(self) -> tuple[dict[str, float], str]:
-        with self.prompts.unchanged():  # the run's data order and sampling seeds stay as they were
-            batch = sample_and_score(self.parallel.evaluation_rows(self.eval_rows), self.sample, self.add_rewards,
-                                     self.args.prompts_per_step, self.pad_id)
-        metrics = combined_metrics(reward_metrics(batch, self.args.num_generations), metric_names(self.rewards.names),
-                                   self.parallel.evaluation_sums)
-        return metrics, (f"eval (step {self.step}): reward={metrics.get('eval_reward', float('nan')):.4f} on "
-                         f"{len(self.eval_rows)} prompts")
 
     def evaluate_held_out(self) -> float | None:
         """Before and after training: the task's greedy held-out accuracy (None without a task: as TRL)."""
@@ -417,18 +367,10 @@ class GRPOTrainer:
         out = self.save_model(self.args.output_dir)
         release_run(self.rollouts, self.sampler, self.parallel, self.memory)
         self.callback_handler.event("on_train_end")
-        if not self.parallel.is_main:  # rank 0 alone writes the summary and prints
-            self.report.progress.close()
-            return
-        write_summary(out, accuracy_before=self.accuracy_before, accuracy_after=self.accuracy_after,
-                      seconds=self.training_seconds(), steps=self.step, history=self.history,
-                      warnings=self.report.health.lines)
-        self.close_logs()
-        if self.args.push_to_hub:  # as transformers: the trained policy and the run's files, at the end
-            self.log(f"pushed {out} to the Hub: {hub.push_to_hub(self.args).commit_url}")
-        if self.accuracy_before is not None:
-            self.log(f"held-out accuracy: {100 * self.accuracy_before:.1f}% -> {100 * self.accuracy_after:.1f}% "
-                     f"({len(self.eval_rows)} problems)")
+        report_end(out, self.args, parallel=self.parallel, accuracy_before=self.accuracy_before,
+                   accuracy_after=self.accuracy_after, seconds=self.training_seconds(), steps=self.step,
+                   history=self.history, warnings=self.report.health.lines, held_out_rows=self.eval_rows,
+                   close_logs=self.close_logs, close_display=self.report.progress.close, log=self.log)
 
     def training_seconds(self) -> float:
         """Seconds spent in train() so far, the earlier attempts of a resumed run included."""
@@ -446,11 +388,9 @@ class GRPOTrainer:
     def discard_unused_output_dir(self) -> None:
         """Remove the output folder this run made, if it failed before finishing a step."""
         report = getattr(self, "report", None)
-        if not self.new_output_dir or (report is not None and self.history):
-            return
-        if report is not None:
-            self.close_logs()
-        shutil.rmtree(self.args.output_dir, ignore_errors=True)
+        discard_unused_output_dir(self.args.output_dir, made_by_run=self.new_output_dir,
+                                  step_done=report is not None and bool(self.history),
+                                  close_logs=None if report is None else self.close_logs)
 
     def log_line(self, line: str) -> None:
         """What the stages built before the display exists log through (the display's, once it does)."""
@@ -497,10 +437,7 @@ class GRPOTrainer:
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
                     token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
-        """The policy saved to output_dir, then output_dir uploaded to the Hub repository `args.hub_model_id` (else
-        the folder's name), created if missing (cohort_grpo/run/hub.py); the commit's `CommitInfo` (a `Future` of it
-        with `blocking=False`), None on the other processes. transformers' model-card keywords (`kwargs`) are
-        taken and unused: no model card is written."""
+        """The policy saved, then output_dir uploaded to the Hub (cohort_grpo/run/hub.py); `kwargs` taken, unused."""
         self.save_model()
         if not self.parallel.is_main:
             return None
