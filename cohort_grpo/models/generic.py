@@ -22,8 +22,8 @@ from torch import nn
 
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
-from cohort_grpo.models.generic_attention import (ATTENTION, STEP_KEYWORD, AttentionStep, GenericPathRefused,
-                                                  LogitHead, attention_implementation, refusal, register_attention)
+from cohort_grpo.models.generic_attention import (ATTENTION, AttentionStep, GenericPathRefused, LogitHead,
+                                                  active_step, attention_implementation, refusal, register_attention)
 from cohort_grpo.models.shared_prefix import PackedRows
 
 PROBE_TOKENS = 6
@@ -54,8 +54,14 @@ class TransformersCausalLM(nn.Module):
         if reason is not None:
             raise GenericPathRefused(reason)
         register_attention()
+        own_attention = causal_lm.config._attn_implementation
+        causal_lm.config._attn_implementation = ATTENTION  # every forward's attention is cache_attention from now on
         model = cls(causal_lm)
-        model.kv_cache_geometry = model.probe()
+        try:
+            model.kv_cache_geometry = model.probe(own_attention)
+        except GenericPathRefused:
+            causal_lm.config._attn_implementation = own_attention  # it stays transformers' model, as it was
+            raise
         return model
 
     # ---- what cohort reads of a model --------------------------------------------------------------------
@@ -157,18 +163,20 @@ class TransformersCausalLM(nn.Module):
 
     def decoder_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                        attention_mask: torch.Tensor | None, step: AttentionStep | None) -> torch.Tensor:
-        """The decoder's final normed hidden states: through cohort's attention when there is a `step`, else
-        through the model's own (with its mask of `attention_mask`)."""
+        """The decoder's final normed hidden states: attention served by `step` (cache or attention rows), or,
+        without one, causal by index under transformers' mask of `attention_mask` (the one-row-per-completion
+        forwards of the update)."""
         arguments = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         if step is None:
             return self.decoder(**arguments, attention_mask=attention_mask).last_hidden_state
-        with attention_implementation(self.config, ATTENTION):
-            return self.decoder(**arguments, **{STEP_KEYWORD: step}).last_hidden_state
+        with active_step(step):
+            return self.decoder(**arguments).last_hidden_state
 
     # ---- the wrap-time check -----------------------------------------------------------------------------
-    def probe(self) -> tuple[int, int, int]:
-        """Run a few tokens through cohort's attention and through the model's own; refuse (GenericPathRefused)
-        what this path would serve wrong. Returns the KV cache's geometry (layers, kv heads, head dim)."""
+    def probe(self, own_attention: str) -> tuple[int, int, int]:
+        """Run a few tokens through cohort's attention and through the model's own (`own_attention`, the
+        implementation it was loaded with); refuse (GenericPathRefused) what this path would serve wrong. Returns
+        the KV cache's geometry (layers, kv heads, head dim)."""
         vocab = self.transformers_model.get_input_embeddings().weight.shape[0]
         input_ids = (torch.arange(1, PROBE_TOKENS + 1, device=self.device) % vocab)[None]
         positions = torch.arange(PROBE_TOKENS, device=self.device)[None]
@@ -178,8 +186,10 @@ class TransformersCausalLM(nn.Module):
         try:
             with torch.no_grad():
                 probed = self.decoder_hidden(input_ids, positions, None, step)
-                own = self.decoder_hidden(input_ids, positions, None, None)
-                logits = self.transformers_model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+                with attention_implementation(self.config, own_attention):
+                    own = self.decoder_hidden(input_ids, positions, None, None)
+                    logits = self.transformers_model(input_ids=input_ids, position_ids=positions,
+                                                     use_cache=False).logits
                 head = self.lm_head(own)
         finally:
             self.train(was_training)

@@ -1,25 +1,19 @@
 """Attention for `TransformersCausalLM` (generic.py): cohort's KV cache behind transformers' attention interface.
 
-cohort's engine and update call a model as `model(input_ids, position_ids, kv_cache=..., cache_rows=...,
-cache_len=..., return_hidden=...)` (docs/architecture.md, "Model"). The six families of `modeling.py` implement
-that themselves; every other decoder-only model of transformers gets it here, from its own modules: its
-embedding, decoder layers (rotary, QK-norm, soft-capping, partial rotary, whatever they do), final norm and head
-run unchanged. Only attention is cohort's: during a cached or shared-prompt forward the model's config names
-`ATTENTION`, a function registered in transformers' attention interface, which each attention module calls with
-its queries, keys and values; it writes the keys and values into cohort's `KVCache` (layer `module.layer_idx`,
-the engine's rows and positions) and attends over the row's cached prefix, or over shared-prompt attention rows
-(shared_prefix.py). A training forward with neither runs the model's own attention (eager, SDPA, ...).
-
-Wrapping checks what it cannot see from the config: every layer's attention must come through the interface,
-once, with keys and values of one shape, and the model's own logits must equal the head applied to the decoder's
-hidden states (`lm_head` below knows soft-capping and the two logit scales); a model that fails is refused by
-name (`GenericPathRefused`), never served wrong.
+A wrapped model's config names `ATTENTION`, so each of its attention modules calls `cache_attention` with its
+queries, keys and values (after its own rotary, QK-norm, ...). During one of the wrapper's cached or shared-prompt
+forwards `ACTIVE_STEP` holds that forward's `AttentionStep`: the keys and values go into cohort's `KVCache` (layer
+`module.layer_idx`, the engine's rows and positions) and the queries attend over the row's cached prefix, or over
+shared-prompt attention rows (shared_prefix.py); transformers builds no mask for it (`cache_mask`). Any other forward
+(training, transformers' own `generate`) attends as transformers' SDPA would, with transformers' mask: a context
+variable rather than a keyword, so models whose modules do not pass keywords through are served too, and a
+forward in another thread is untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -31,8 +25,7 @@ from cohort_grpo.kernels.elementwise import cache_keys_visible
 from cohort_grpo.models import shared_prefix
 from cohort_grpo.models.cache import KVCache
 
-ATTENTION = "cohort_kv_cache"  # the attention implementation's name in transformers' interface
-STEP_KEYWORD = "cohort_step"  # the keyword that carries a forward's `AttentionStep` down to the attention modules
+ATTENTION = "cohort_kv_cache"  # the attention implementation's name in transformers' interfaces
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Layers that keep a recurrent state (state-space, linear attention, RWKV, ...) instead of keys and values, or
 # encoder-decoders: the engine's cache holds neither, so these take transformers' generate.
@@ -76,6 +69,19 @@ class AttentionStep:
     served: list = field(default_factory=list)
 
 
+ACTIVE_STEP: ContextVar[AttentionStep | None] = ContextVar("cohort_attention_step", default=None)
+
+
+@contextlib.contextmanager
+def active_step(step: AttentionStep):
+    """`step` is what every `cache_attention` call inside the block serves."""
+    token = ACTIVE_STEP.set(step)
+    try:
+        yield
+    finally:
+        ACTIVE_STEP.reset(token)
+
+
 def layer_window(module, config, given: dict) -> int | None:
     """The sliding window of `module`'s layer: what the module passed, else its own attribute, else the config's
     layer type (transformers' windows: a query at p sees keys at positions > p - window)."""
@@ -89,16 +95,16 @@ def layer_window(module, config, given: dict) -> int | None:
     return None
 
 
-def attend(query, key, value, mask, scaling, softcap=None, sinks=None) -> torch.Tensor:
+def attend(query, key, value, mask, scaling, softcap=None, sinks=None, dropout: float = 0.0) -> torch.Tensor:
     """Attention of q [B, H, T, D] over k/v [B, H_kv, S, D] (query head h on kv head h // (H / H_kv)) with a bool
-    mask [B or 1, 1, T, S] (None: causal by index), optional tanh soft-capping of the scores and per-head sink
-    logits (a column every query attends to, whose value is zero). Returns [B, H, T, D]."""
+    mask [B or 1, 1, T, S] (None: causal by index), optional tanh soft-capping of the scores, per-head sink
+    logits (a column every query attends to, whose value is zero) and dropout. Returns [B, H, T, D]."""
     group = query.shape[1] // key.shape[1]
     if group > 1:
         key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
-                                              scale=scaling)
+                                              dropout_p=dropout, scale=scaling)
     scores = (query @ key.transpose(-1, -2)).float() * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -111,7 +117,7 @@ def attend(query, key, value, mask, scaling, softcap=None, sinks=None) -> torch.
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         weights = torch.softmax(scores, dim=-1)
-    return weights.to(value.dtype) @ value
+    return F.dropout(weights, dropout, training=dropout > 0).to(value.dtype) @ value
 
 
 def window_mask(length: int, window: int | None, device) -> torch.Tensor | None:
@@ -127,14 +133,16 @@ def cache_attention(module, query, key, value, attention_mask, scaling=None, dro
     """transformers' attention-function signature (registered as `ATTENTION`): this layer's keys and values into
     the step's cache, then attention over the row's visible cached keys; or over the step's shared-prompt rows;
     or, probing, over this call's own keys. Returns ([B, T, H, D], None) as transformers' functions do."""
-    step: AttentionStep | None = kwargs.get(STEP_KEYWORD)
-    if step is None:
-        raise CohortError(f"attention implementation {ATTENTION!r} needs cohort's {STEP_KEYWORD}; it serves "
-                          "TransformersCausalLM's forwards only")
-    layer = module.layer_idx
-    window = layer_window(module, module.config, kwargs)
+    step = ACTIVE_STEP.get()
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     extras = dict(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+    if step is None:  # transformers' own forward: its mask (SDPA's form: bool, or None for causal)
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask == 0  # an additive mask: 0 where a key is seen
+        out = attend(query, key, value, attention_mask, scaling, **extras, dropout=dropout)
+        return out.transpose(1, 2).contiguous(), None
+    layer = module.layer_idx
+    window = layer_window(module, module.config, kwargs)
     if step.packed is not None:
         mask = window_mask(step.packed.rows.shape[1], window, query.device)
         packed = step.packed._replace(mask=mask)
@@ -152,12 +160,23 @@ def cache_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.transpose(1, 2).contiguous(), None
 
 
+def cache_mask(*args, **kwargs):
+    """transformers' mask function for `ATTENTION`: none during a cohort step (the cache's positions or the
+    attention rows are the mask), else SDPA's."""
+    if ACTIVE_STEP.get() is not None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
 def register_attention() -> None:
-    """Register `cache_attention` in transformers' attention interface (idempotent). No mask function is
-    registered under its name, so transformers builds no mask for these forwards: the cache's positions are the mask."""
+    """Register `cache_attention` and `cache_mask` in transformers' interfaces (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION, cache_attention)
+    AttentionMaskInterface.register(ATTENTION, cache_mask)
 
 
 @contextlib.contextmanager
