@@ -7,6 +7,7 @@ teacher-forced log-probs of the engine's samples; then a two-step `cohort-grpo t
 import copy
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,7 +202,10 @@ def test_recurrent_and_encoder_decoder_models_are_refused_by_name(tmp_path):
     auto takes transformers' generate and says why; model_impl cohort is a one-line error."""
     assert "encoder-decoder" in refusal(transformers.T5Config())
     assert "recurrent" in refusal(transformers.MambaConfig())
-    assert "linear_attention" in refusal(transformers.Qwen3NextConfig())
+    assert "qwen3_next has recurrent" in refusal(transformers.Qwen3NextConfig())
+    unknown_hybrid = SimpleNamespace(model_type="some_hybrid", layer_types=["full_attention", "linear_attention"])
+    assert "some_hybrid has layers of type linear_attention" in refusal(unknown_hybrid)
+    assert refusal(transformers.Gemma3TextConfig()) is None
     config = transformers.Qwen3NextConfig(**dict(GQA, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
                                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                  shared_expert_intermediate_size=32))
