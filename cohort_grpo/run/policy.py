@@ -5,8 +5,8 @@ tiny model, `cohort_grpo.sft.builtin`), a model object, a local folder, a .gguf 
 our own implementation (`CausalLM`, which the fast engine samples from) for the families it
 supports, read by `cohort_grpo.models.loading`; otherwise Hugging Face's `AutoModelForCausalLM`, wrapped in
 `TransformersCausalLM` so that the engine samples it too (`generic_policy`; `--model_impl hf` or a model the
-generic path refuses keeps it bare, sampled through `generate`). `load_run_policy` loads a rank's policy as the run's config says. Saving is
-`cohort_grpo.models.policy.save_policy`.
+generic path refuses keeps it bare, sampled through `generate`). `load_run_policy` loads a rank's policy as the
+run's config says. Saving is `cohort_grpo.models.policy.save_policy`.
 """
 
 from __future__ import annotations
