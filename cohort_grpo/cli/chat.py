@@ -108,9 +108,10 @@ class CachedDecoder:
 
     def __init__(self, model):
         from cohort_grpo.models import CausalLM, KVCache
+        from cohort_grpo.models.generic import TransformersCausalLM
 
         base = base_model(model)  # PEFT: LoRA lives inside
-        self.own = isinstance(base, CausalLM)
+        self.own = isinstance(base, (CausalLM, TransformersCausalLM))
         self.model = base if self.own else model
         self.tokens: list[int] = []
         self._kv_cache_type = KVCache

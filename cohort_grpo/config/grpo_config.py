@@ -419,7 +419,8 @@ class GRPOConfig:
     trust_remote_code: bool = field(default=False, metadata={
         "help": "Let transformers run Python code shipped with a model repository."})
     model_impl: str = field(default="auto", metadata={
-        "help": "auto, cohort (our models and the KV-cache engine) or hf (transformers and HF generate)."})
+        "help": "auto, cohort (our models, or transformers' modules for other decoder-only types, and the KV-cache "
+                "engine) or hf (transformers and HF generate)."})
 
     # Curriculum.
     curriculum: list[dict] | None = field(default=None, metadata={

@@ -49,8 +49,13 @@ class KVCache:
     @classmethod
     def for_model(cls, model, num_rows: int, max_len: int, dtype: torch.dtype | None = None,
                   record_routes: bool = True) -> "KVCache":
-        """A cache shaped for `model` (a `CausalLM`), on its device and in its dtype unless given; for a
-        mixture-of-experts model it records the routes too unless `record_routes` is False."""
+        """A cache shaped for `model` (a `CausalLM`, or a `TransformersCausalLM`: its probed geometry), on its
+        device and in its dtype unless given; for a mixture-of-experts `CausalLM` it records the routes too unless
+        `record_routes` is False."""
+        geometry = getattr(model, "kv_cache_geometry", None)  # a TransformersCausalLM's, from its probe (generic.py)
+        if geometry is not None:
+            layers, kv_heads, head_dim = geometry
+            return cls(layers, num_rows, kv_heads, max_len, head_dim, dtype=dtype or model.dtype, device=model.device)
         config = model.config
         sparse = len(config.sparse_layers) if getattr(config, "num_experts", 0) else 0
         route_shape = (sparse, config.num_experts_per_tok) if sparse and record_routes else None

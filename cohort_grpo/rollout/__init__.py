@@ -10,7 +10,8 @@ What a rollout is, once sampled: `Rollout` and the step's `Batch` (`batch.py`), 
 declare their layout (`records.py`), and the `Layout` of the passes over it (`layout.py`).
 
 `make_sampler(model, tokenizer)` makes a sampler for any model: our own `CausalLM` gets the
-`Engine`; any other model gets Hugging Face `generate` (`HFGenerateSampler`). `setup.py` builds a
+`Engine`, and so does a transformers model wrapped in `TransformersCausalLM` (cohort_grpo/models/generic.py; its
+decode steps run eagerly, without CUDA graphs); any other model gets Hugging Face `generate` (`HFGenerateSampler`). `setup.py` builds a
 run's whole rollout side for the trainer (`build_rollouts`: the sampler, the `GroupSampler` stage,
 asynchronous rollouts) or a sampling rank's server (`build_rollout_server`), which `sampling_rank.py`
 (`SamplingRank`) runs on the ranks that only sample.
@@ -26,10 +27,12 @@ __all__ = ["Engine", "HFGenerateSampler", "Rollout", "Sampler", "SamplingParams"
 
 
 def engine_samples(model) -> bool:
-    """Whether `make_sampler` gives `model` cohort's engine: it is our `CausalLM` (also inside a PEFT wrapper)."""
+    """Whether `make_sampler` gives `model` cohort's engine: it is our `CausalLM` or a transformers model behind
+    its interface (`TransformersCausalLM`), also inside a PEFT wrapper."""
+    from cohort_grpo.models.generic import TransformersCausalLM
     from cohort_grpo.models.modeling import CausalLM
 
-    return isinstance(base_model(model), CausalLM)
+    return isinstance(base_model(model), (CausalLM, TransformersCausalLM))
 
 
 def make_sampler(model, tokenizer=None, **engine_options) -> Sampler:
@@ -38,7 +41,11 @@ def make_sampler(model, tokenizer=None, **engine_options) -> Sampler:
     `engine_options` go to `Engine` (max_batch_size, max_seq_len, use_cuda_graph, ...) and are
     ignored by the fallback, which prints one notice line saying it is in use.
     """
+    from cohort_grpo.models.generic import TransformersCausalLM
+
     base = base_model(model)
+    if isinstance(base, TransformersCausalLM):  # transformers' modules: eager decode steps, no CUDA graphs yet
+        engine_options = {**engine_options, "use_cuda_graph": False, "compile_kernels": False}
     if engine_samples(model):
         # A PEFT model's LoRA layers live inside the base modules, so sampling the base samples the adapter too.
         return Engine(base, tokenizer, **engine_options)

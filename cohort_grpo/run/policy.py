@@ -3,9 +3,10 @@
 `load_policy` takes whatever `--model` / `GRPOTrainer(model=...)` was given: nothing (the built-in
 tiny model, `cohort_grpo.sft.builtin`), a model object, a local folder, a .gguf file or a hub id. Order of preference:
 our own implementation (`CausalLM`, which the fast engine samples from) for the families it
-supports, read by `cohort_grpo.models.loading`; otherwise Hugging Face's `AutoModelForCausalLM`, sampled through
-`generate`. `load_run_policy` loads a rank's policy as the run's config says. Saving is
-`cohort_grpo.models.policy.save_policy`.
+supports, read by `cohort_grpo.models.loading`; otherwise Hugging Face's `AutoModelForCausalLM`, wrapped in
+`TransformersCausalLM` so that the engine samples it too (`generic_policy`; `--model_impl hf` or a model the
+generic path refuses keeps it bare, sampled through `generate`). `load_run_policy` loads a rank's policy as the
+run's config says. Saving is `cohort_grpo.models.policy.save_policy`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from cohort_grpo.errors import CohortError
 from cohort_grpo.models import tiny
 from cohort_grpo.models.config import is_supported
 from cohort_grpo.models.exact_layers import use_exact_numerics
+from cohort_grpo.models.generic import GenericPathRefused, TransformersCausalLM
 from cohort_grpo.models.loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
                                    missing_path_error, one_line)
 from cohort_grpo.models.lora import apply_lora, lora_config_from_args
@@ -75,15 +77,33 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
     tokenizer = processing_class or load_tokenizer(spec, trust_remote_code=trust_remote_code)
     torch_dtype = None if dtype == "auto" else dtype
     model_type = _hf_model_type(path) if path.is_dir() else None
-    use_own = impl == "cohort" or (impl == "auto" and (path.suffix == ".gguf" or model_type is None
-                                                      or is_supported({"model_type": model_type})))
-    if use_own:
+    native = path.suffix == ".gguf" or model_type is None or is_supported({"model_type": model_type})
+    if impl != "hf" and native:
         policy = from_pretrained(spec, dtype=torch_dtype or "float32", device=device)
     else:
         policy = _load_hf(spec, torch_dtype, device, trust_remote_code)
+        if impl != "hf":
+            policy = generic_policy(policy, model_type, impl, log)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return policy, tokenizer
+
+
+def generic_policy(model, model_type: str, impl: str, log=print):
+    """A transformers model of a type cohort does not implement itself, behind the engine's interface
+    (`TransformersCausalLM`: its own modules, cohort's attention and KV cache), with one line saying so. One the
+    generic path cannot serve stays transformers' (sampled with generate) under `impl` auto, with one line saying
+    why; under `impl` cohort it is refused."""
+    try:
+        wrapped = TransformersCausalLM.wrap(model)
+    except GenericPathRefused as refused:
+        if impl == "cohort":
+            raise CohortError(f"model_impl=cohort cannot serve this model: {refused}; use --model_impl hf") from None
+        log(f"cohort: {model_type} takes transformers' generate (model_impl hf): {refused}")
+        return model
+    log(f"cohort: {model_type} is not one of cohort's own implementations; it samples in cohort's engine through "
+        "transformers' own modules (the generic path: eager decode steps, no CUDA graphs yet)")
+    return wrapped
 
 
 def _load_hf(spec: str, dtype, device, trust_remote_code: bool = False):

@@ -36,6 +36,7 @@ from cohort_grpo.optim.precision import optimizer_state_dtype, resolve_dtype
 from cohort_grpo.parallel.placement import Placement
 from cohort_grpo.plans.sampling_plan import sampling_plan
 from cohort_grpo.plans.training_slots import training_rank_slots
+from cohort_grpo.models.config import ModelConfig
 from cohort_grpo.models.lora import has_lora
 from cohort_grpo.models.tensor_parallel import check_splittable, check_tensor_parallel_size
 from cohort_grpo.rollout import base_model, engine_samples
@@ -63,10 +64,12 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, placeme
     changes["optimizer_state_dtype"] = optimizer_state_dtype(config, model)
     if config.importance_sampling_correction is None:
         changes["importance_sampling_correction"] = sampler_correction_mode(config, model, device) is not None
-    replay = config.routing_replay and engine and bool(getattr(base_model(model).config, "num_experts", 0))
+    # our own implementation (a transformers model behind the engine's interface has no ModelConfig, records no routes)
+    native = engine and isinstance(base_model(model).config, ModelConfig)
+    replay = config.routing_replay and native and bool(getattr(base_model(model).config, "num_experts", 0))
     changes.update(partial_rollout_settings(config, engine=engine, tools=tools, routing_replay=replay))
     settled = dataclasses.replace(config, **changes)
-    model_config = base_model(model).config if engine else None
+    model_config = base_model(model).config if native else None
     plan = sampling_plan(settled, placement, model_config, device, getattr(torch, changes["dtype"]).itemsize,
                          splittable=not tools and not has_lora(model), sampling_rank=sampling_rank)
     changes["rollout_tensor_parallel_size"] = plan.size

@@ -217,10 +217,13 @@ def is_fully_sharded(model) -> bool:
 
 
 def supports_hidden(model) -> bool:
-    """Our CausalLM can return its final hidden states instead of logits."""
+    """Our CausalLM can return its final hidden states instead of logits, and so can a `TransformersCausalLM` whose
+    logits are its head's GEMM alone (no soft-capping or logit scale for the chunked head to miss)."""
     from cohort_grpo.models import CausalLM
+    from cohort_grpo.models.generic import TransformersCausalLM
 
-    return isinstance(model, CausalLM) or isinstance(getattr(model, "module", None), CausalLM)
+    inner = getattr(model, "module", model)
+    return isinstance(inner, CausalLM) or (isinstance(inner, TransformersCausalLM) and inner.plain_head)
 
 
 def forward_hidden(model, micro: MicroBatch) -> Tensor:

@@ -11,9 +11,13 @@ from cohort_grpo.update.packing import MicroBatch
 
 def num_experts(model) -> int:
     """The experts per MoE layer of our model (inside a DDP/FSDP or PEFT wrapper); 0 for a dense model."""
+    from cohort_grpo.models.generic import TransformersCausalLM
     from cohort_grpo.models.lora import base_model
 
-    return int(getattr(base_model(getattr(model, "module", model)).config, "num_experts", 0) or 0)
+    base = base_model(getattr(model, "module", model))
+    if isinstance(base, TransformersCausalLM):  # transformers' MoE blocks record no routes to replay or report
+        return 0
+    return int(getattr(base.config, "num_experts", 0) or 0)
 
 
 def replay_mismatch(micro: MicroBatch) -> torch.Tensor | None:

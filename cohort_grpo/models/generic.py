@@ -1,0 +1,214 @@
+"""`TransformersCausalLM`: any transformers decoder-only LM behind the call interface of cohort's own `CausalLM`.
+
+cohort's engine and update call a model as `model(input_ids, position_ids, kv_cache=..., cache_rows=...,
+cache_len=..., return_hidden=...)` (docs/architecture.md, "Model"). The six families of `modeling.py` implement it
+themselves; any other decoder-only model of transformers gets it here from its own modules: its embedding,
+decoder layers (rotary, QK-norm, soft-capping, sliding windows, partial rotary, whatever they do), final norm and
+head run unchanged, and only attention is cohort's (generic_attention.py). The wrapper holds the transformers
+model's own top-level modules under their own names, so parameter names, state dicts and saved folders are
+transformers' own.
+
+`TransformersCausalLM.wrap` refuses, by name, what it cannot serve: recurrent or linear-attention layers and
+encoder-decoders from the config (`generic_attention.refusal`); then, on a few probe tokens, a model whose
+attention modules do not all come through transformers' attention interface once each, whose keys and values
+differ in shape (a cache row holds one shape), whose attention through cohort's path differs from its own, or
+whose logits are not its head (`LogitHead`) on its decoder's output. Such a model takes transformers' generate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models.cache import KVCache
+from cohort_grpo.models.generic_attention import (ATTENTION, AttentionStep, GenericPathRefused, LogitHead,
+                                                  active_step, attention_implementation, refusal, register_attention)
+from cohort_grpo.models.shared_prefix import PackedRows
+
+PROBE_TOKENS = 6
+# Largest relative (L2) difference between the probe's hidden states through cohort's attention and through the
+# model's own, and between its logits and the head's: float rounding passes, a wrong mask or scale does not.
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
+HALF_PROBE_TOLERANCE = 3e-2
+
+
+class TransformersCausalLM(nn.Module):
+    """A transformers `PreTrainedModel` (decoder-only, causal LM) with `CausalLM`'s forward (see `forward`)."""
+
+    numerics = "fast"
+
+    def __init__(self, causal_lm: nn.Module):
+        super().__init__()
+        self.__dict__["transformers_model"] = causal_lm  # not a submodule: its children are ours, by their names
+        # Straight into _modules: a child named lm_head (most heads) stays under that name in the state dict, while
+        # the attribute `lm_head` is the property below (the head as the model's forward applies it).
+        self._modules.update(causal_lm.named_children())
+        self.kv_cache_geometry: tuple[int, int, int] | None = None  # (layers, kv heads, head dim), from the probe
+
+    @classmethod
+    def wrap(cls, causal_lm: nn.Module) -> "TransformersCausalLM":
+        """`causal_lm` behind cohort's model interface, checked on a few probe tokens; `GenericPathRefused` (its
+        message says why) for a model this path cannot serve."""
+        reason = refusal(causal_lm.config)
+        if reason is not None:
+            raise GenericPathRefused(reason)
+        register_attention()
+        own_attention = causal_lm.config._attn_implementation
+        causal_lm.config._attn_implementation = ATTENTION  # every forward's attention is cache_attention from now on
+        model = cls(causal_lm)
+        try:
+            model.kv_cache_geometry = model.probe(own_attention)
+        except GenericPathRefused:
+            causal_lm.config._attn_implementation = own_attention  # it stays transformers' model, as it was
+            raise
+        return model
+
+    # ---- what cohort reads of a model --------------------------------------------------------------------
+    @property
+    def config(self):
+        return self.transformers_model.config
+
+    @property
+    def model_type(self) -> str:
+        return getattr(self.config, "model_type", type(self.transformers_model).__name__)
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The base model: embedding, layers, final norm (transformers' `get_decoder`)."""
+        return self.transformers_model.get_decoder()
+
+    @property
+    def lm_head(self) -> LogitHead:
+        """The head as the model's own forward applies it; `.weight` is the output embedding."""
+        return LogitHead(self.transformers_model.get_output_embeddings(), self.config)
+
+    @property
+    def plain_head(self) -> bool:
+        """Whether logits are hidden @ lm_head.weightᵀ alone, so the update may take the chunked LM-head path."""
+        return self.lm_head.plain
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformers_model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformers_model.get_input_embeddings().weight.dtype
+
+    @property
+    def name_or_path(self) -> str:
+        return self.transformers_model.name_or_path
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def train(self, mode: bool = True) -> "TransformersCausalLM":
+        super().train(mode)
+        self.transformers_model.training = mode
+        return self
+
+    def set_numerics(self, numerics: str) -> None:
+        if numerics != "fast":
+            raise CohortError(f"rollout_numerics={numerics} needs cohort's own model implementation; "
+                              f"{self.model_type} runs through transformers' modules: use --rollout_numerics fast")
+
+    def gradient_checkpointing_enable(self, checkpointed_layers: int | None = None, activation_probe=None,
+                                      **_ignored) -> None:
+        """Recompute every decoder layer in the backward (transformers' own checkpointing)."""
+        if checkpointed_layers is not None:
+            raise CohortError(f"gradient_checkpointing_layers={checkpointed_layers} needs cohort's own model "
+                              f"implementation; {self.model_type} recomputes every layer: unset it")
+        self.transformers_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.transformers_model.gradient_checkpointing_disable()
+
+    def save_pretrained(self, out_dir, **options):
+        """transformers' `save_pretrained` of the wrapped model (the names of our state dict are its own)."""
+        return self.transformers_model.save_pretrained(out_dir, **options)
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, *, kv_cache: KVCache | None = None,
+                cache_rows: torch.Tensor | None = None, return_hidden: bool = False, cache_len: int | None = None,
+                attention_rows: torch.Tensor | None = None, attention_slots: torch.Tensor | None = None,
+                routing=None) -> torch.Tensor:
+        """Logits [B, T, V] (or the final normed hidden states with `return_hidden`), with the arguments of
+        `CausalLM.forward`: without `kv_cache` or `attention_rows` the model's own forward (its own attention,
+        `attention_mask` hiding pad keys); with `kv_cache` each token is written at row `cache_rows[b]` (default b),
+        position `position_ids[b, t]` (pad tokens, `attention_mask` 0, write nothing) and attends to its row's keys
+        at positions <= its own (within a sliding layer's window), over the first `cache_len` positions; with
+        `attention_rows`/`attention_slots` one flat row of shared-prompt tokens (shared_prefix.py)."""
+        if routing is not None:
+            raise CohortError(f"routing replay needs cohort's own mixture-of-experts models; {self.model_type} runs "
+                              "through transformers' modules: use --routing_replay false")
+        batch, length = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
+        step = None
+        if attention_rows is not None:
+            if kv_cache is not None or attention_mask is not None or batch != 1 or attention_slots is None:
+                raise CohortError("attention_rows (shared-prompt packing) need one flat row of tokens, "
+                                  "attention_slots, and no kv_cache or attention_mask")
+            step = AttentionStep(position_ids, packed=PackedRows(attention_rows, attention_slots, None))
+        elif kv_cache is not None:
+            if cache_rows is None and batch > kv_cache.num_rows:
+                raise CohortError(f"batch of {batch} rows does not fit a KVCache of {kv_cache.num_rows} rows: "
+                                  "pass cache_rows or allocate more rows")
+            step = AttentionStep(position_ids, kv_cache, cache_rows, attention_mask,
+                                 kv_cache.max_len if cache_len is None else cache_len)
+        hidden = self.decoder_hidden(input_ids, position_ids, attention_mask, step)
+        return hidden if return_hidden else self.lm_head(hidden)
+
+    def decoder_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                       attention_mask: torch.Tensor | None, step: AttentionStep | None) -> torch.Tensor:
+        """The decoder's final normed hidden states: attention served by `step` (cache or attention rows), or,
+        without one, causal by index under transformers' mask of `attention_mask` (the one-row-per-completion
+        forwards of the update)."""
+        arguments = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        if step is None:
+            return self.decoder(**arguments, attention_mask=attention_mask).last_hidden_state
+        with active_step(step):
+            return self.decoder(**arguments).last_hidden_state
+
+    # ---- the wrap-time check -----------------------------------------------------------------------------
+    def probe(self, own_attention: str) -> tuple[int, int, int]:
+        """Run a few tokens through cohort's attention and through the model's own (`own_attention`, the
+        implementation it was loaded with); refuse (GenericPathRefused) what this path would serve wrong. Returns
+        the KV cache's geometry (layers, kv heads, head dim)."""
+        vocab = self.transformers_model.get_input_embeddings().weight.shape[0]
+        input_ids = (torch.arange(1, PROBE_TOKENS + 1, device=self.device) % vocab)[None]
+        positions = torch.arange(PROBE_TOKENS, device=self.device)[None]
+        step = AttentionStep(positions)
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                probed = self.decoder_hidden(input_ids, positions, None, step)
+                with attention_implementation(self.config, own_attention):
+                    own = self.decoder_hidden(input_ids, positions, None, None)
+                    logits = self.transformers_model(input_ids=input_ids, position_ids=positions,
+                                                     use_cache=False).logits
+                head = self.lm_head(own)
+        finally:
+            self.train(was_training)
+        layers = getattr(self.config, "num_hidden_layers", None)
+        served = sorted(layer for layer, _, _ in step.served)
+        if served != list(range(layers or len(served))):
+            raise GenericPathRefused(f"{self.model_type}'s attention does not come through transformers' attention "
+                                     f"interface once per layer (layers served: {served}, of {layers})")
+        shapes = {shape for _, key, value in step.served for shape in (key, value)}
+        if len(shapes) != 1:
+            raise GenericPathRefused(f"{self.model_type}'s keys and values differ in shape (kv heads, head dim): "
+                                     f"{sorted(shapes)}; a cache row holds one shape")
+        self.check_close(probed, own, "its hidden states through cohort's attention differ from its own")
+        self.check_close(head, logits, "its logits are not its head applied to its decoder's output")
+        (kv_heads, head_dim), = shapes
+        return len(served), kv_heads, head_dim
+
+    def check_close(self, value: torch.Tensor, reference: torch.Tensor, what: str) -> None:
+        tolerance = PROBE_TOLERANCE.get(reference.dtype, HALF_PROBE_TOLERANCE)
+        error = float((value.float() - reference.float()).norm() / reference.float().norm().clamp_min(1e-30))
+        if not error <= tolerance:
+            raise GenericPathRefused(f"{self.model_type}: {what} (relative error {error:.2g} > {tolerance:g})")

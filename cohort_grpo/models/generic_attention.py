@@ -1,0 +1,221 @@
+"""Attention for `TransformersCausalLM` (generic.py): cohort's KV cache behind transformers' attention interface.
+
+A wrapped model's config names `ATTENTION`, so each of its attention modules calls `cache_attention` with its
+queries, keys and values (after its own rotary, QK-norm, ...). During one of the wrapper's cached or shared-prompt
+forwards `ACTIVE_STEP` holds that forward's `AttentionStep`: the keys and values go into cohort's `KVCache` (layer
+`module.layer_idx`, the engine's rows and positions) and the queries attend over the row's cached prefix, or over
+shared-prompt attention rows (shared_prefix.py); transformers builds no mask for it (`cache_mask`). Any other forward
+(training, transformers' own `generate`) attends as transformers' SDPA would, with transformers' mask: a context
+variable rather than a keyword, so models whose modules do not pass keywords through are served too, and a
+forward in another thread is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cohort_grpo.errors import CohortError
+from cohort_grpo.kernels.elementwise import cache_keys_visible
+from cohort_grpo.models import shared_prefix
+from cohort_grpo.models.cache import KVCache
+
+ATTENTION = "cohort_kv_cache"  # the attention implementation's name in transformers' interfaces
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Layers that keep a recurrent state (state-space, linear attention, RWKV, ...) instead of keys and values, or
+# encoder-decoders: the engine's cache holds neither, so these take transformers' generate.
+RECURRENT_MODEL_TYPES = {
+    "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe",
+    "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+    "qwen3_5_moe_text", "qwen3_next", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2",
+}
+
+
+class GenericPathRefused(CohortError):
+    """A model the generic path cannot serve (the message says why); it takes transformers' generate instead."""
+
+
+def refusal(config) -> str | None:
+    """Why the generic path cannot serve a model of `config` (a transformers config), from the config alone;
+    None when it may (the wrap-time check still runs)."""
+    model_type = getattr(config, "model_type", "")
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{model_type} is an encoder-decoder"
+    if model_type in RECURRENT_MODEL_TYPES:
+        return f"{model_type} has recurrent (state-space or linear-attention) layers, which keep no keys and values"
+    other = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYER_TYPES)
+    if other:
+        return f"{model_type} has layers of type {', '.join(other)}, which cohort's KV cache does not hold"
+    return None
+
+
+@dataclass
+class AttentionStep:
+    """What the attention modules of one forward need besides their queries, keys and values: the engine's cache
+    (`cache`, rows, positions, pad tokens that must not write, the attended length), or shared-prompt attention
+    rows (`packed`), or neither for the wrap-time probe, which records what each layer gives (`served`)."""
+
+    positions: torch.Tensor
+    cache: KVCache | None = None
+    cache_rows: torch.Tensor | None = None
+    write_mask: torch.Tensor | None = None
+    cache_len: int = 0
+    packed: shared_prefix.PackedRows | None = None
+    served: list = field(default_factory=list)
+
+
+ACTIVE_STEP: ContextVar[AttentionStep | None] = ContextVar("cohort_attention_step", default=None)
+
+
+@contextlib.contextmanager
+def active_step(step: AttentionStep):
+    """`step` is what every `cache_attention` call inside the block serves."""
+    token = ACTIVE_STEP.set(step)
+    try:
+        yield
+    finally:
+        ACTIVE_STEP.reset(token)
+
+
+def layer_window(module, config, given: dict) -> int | None:
+    """The sliding window of `module`'s layer: what the module passed, else its own attribute, else the config's
+    layer type (transformers' windows: a query at p sees keys at positions > p - window)."""
+    if "sliding_window" in given:
+        return given["sliding_window"]
+    if getattr(module, "sliding_window", None) is not None:
+        return module.sliding_window
+    types = getattr(config, "layer_types", None)
+    if types and types[module.layer_idx] == "sliding_attention":
+        return getattr(config, "sliding_window", None)
+    return None
+
+
+def attend(query, key, value, mask, scaling, softcap=None, sinks=None, dropout: float = 0.0) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over k/v [B, H_kv, S, D] (query head h on kv head h // (H / H_kv)) with a bool
+    mask [B or 1, 1, T, S] (None: causal by index), optional tanh soft-capping of the scores, per-head sink
+    logits (a column every query attends to, whose value is zero) and dropout. Returns [B, H, T, D]."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1:
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
+                                              dropout_p=dropout, scale=scaling)
+    scores = (query @ key.transpose(-1, -2)).float() * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        length, keys = scores.shape[-2:]
+        mask = torch.ones(length, keys, dtype=torch.bool, device=scores.device).tril(keys - length)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    return F.dropout(weights, dropout, training=dropout > 0).to(value.dtype) @ value
+
+
+def window_mask(length: int, window: int | None, device) -> torch.Tensor | None:
+    """Bool [1, 1, L, L] causal mask within `window` (None when plain causal attention is the same)."""
+    if window is None or length <= window:
+        return None
+    index = torch.arange(length, device=device)
+    allowed = (index[None, :] <= index[:, None]) & (index[None, :] > index[:, None] - window)
+    return allowed[None, None]
+
+
+def cache_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function signature (registered as `ATTENTION`): this layer's keys and values into
+    the step's cache, then attention over the row's visible cached keys; or over the step's shared-prompt rows;
+    or, probing, over this call's own keys. Returns ([B, T, H, D], None) as transformers' functions do."""
+    step = ACTIVE_STEP.get()
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    extras = dict(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+    if step is None:  # transformers' own forward: its mask (SDPA's form: bool, or None for causal)
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask == 0  # an additive mask: 0 where a key is seen
+        out = attend(query, key, value, attention_mask, scaling, **extras, dropout=dropout)
+        return out.transpose(1, 2).contiguous(), None
+    layer = module.layer_idx
+    window = layer_window(module, module.config, kwargs)
+    if step.packed is not None:
+        mask = window_mask(step.packed.rows.shape[1], window, query.device)
+        packed = step.packed._replace(mask=mask)
+        out = shared_prefix.packed_attention(query, key, value, packed,
+                                             lambda q, k, v, m: attend(q, k, v, m, scaling, **extras))
+    elif step.cache is None:  # the probe: causal over this call's tokens
+        step.served.append((layer, tuple(key.shape[1:2] + key.shape[3:]), tuple(value.shape[1:2] + value.shape[3:])))
+        out = attend(query, key, value, window_mask(query.shape[2], window, query.device), scaling, **extras)
+    else:
+        batch = query.shape[0]
+        step.cache.write(layer, step.cache_rows, step.positions, key, value, step.write_mask)
+        keys, values = step.cache.keys_values(layer, step.cache_rows, batch, step.cache_len)
+        mask = cache_keys_visible(step.positions, step.cache_len, window)[:, None]
+        out = attend(query, keys, values, mask, scaling, **extras)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def cache_mask(*args, **kwargs):
+    """transformers' mask function for `ATTENTION`: none during a cohort step (the cache's positions or the
+    attention rows are the mask), else SDPA's."""
+    if ACTIVE_STEP.get() is not None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_attention() -> None:
+    """Register `cache_attention` and `cache_mask` in transformers' interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, cache_attention)
+    AttentionMaskInterface.register(ATTENTION, cache_mask)
+
+
+@contextlib.contextmanager
+def attention_implementation(config, name: str):
+    """`config`'s attention implementation is `name` inside the block (each attention module reads it per call)."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+class LogitHead:
+    """The model's head as its own forward applies it: the output embedding, then (as the config says) a logit
+    scale (Cohere multiplies, Granite divides) and final soft-capping (Gemma). `weight` is the embedding's."""
+
+    def __init__(self, linear: nn.Module, config):
+        self.linear = linear
+        self.multiply = getattr(config, "logit_scale", None)
+        self.divide = getattr(config, "logits_scaling", None)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def plain(self) -> bool:
+        """Whether the logits are hidden @ weightᵀ alone (the update's chunked LM-head path needs that)."""
+        transforms = (self.multiply not in (None, 1), self.divide not in (None, 1), self.softcap is not None)
+        return not any(transforms) and getattr(self.linear, "bias", None) is None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(hidden)
+        if self.multiply not in (None, 1):
+            logits = logits * self.multiply
+        if self.divide not in (None, 1):
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

@@ -1,0 +1,235 @@
+"""The generic path: transformers' own modules behind cohort's model interface (cohort_grpo/models/generic.py).
+
+Each family is a tiny random model built here from transformers' own config class (float32, CPU, no network),
+checked against transformers itself: the logits of its own forward, the tokens of its own greedy `generate`, its
+teacher-forced log-probs of the engine's samples; then a two-step `cohort-grpo train` of its saved folder."""
+
+import copy
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models.cache import KVCache
+from cohort_grpo.models.generic import TransformersCausalLM
+from cohort_grpo.models.generic_attention import GenericPathRefused, refusal
+from cohort_grpo.models.tiny import build_tokenizer
+from cohort_grpo.rollout import engine_samples, make_sampler
+from cohort_grpo.rollout.engine import Engine
+from cohort_grpo.rollout.layout import PADDED, Layout
+from cohort_grpo.rollout.sampler import SamplingParams
+from cohort_grpo.run.policy import load_policy
+from cohort_grpo.update.logprobs import rollout_logprobs, supports_hidden
+
+pytestmark = pytest.mark.cpu("float32 tolerances of CPU forwards")
+
+VOCAB = len(build_tokenizer())  # the built-in character tokenizer's, so a saved folder trains with it
+WINDOW = 4  # sliding windows, shorter than the prompts below
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB,
+             max_position_embeddings=256, pad_token_id=0, bos_token_id=2, eos_token_id=1)
+GQA = dict(SHAPE, num_key_value_heads=2)
+SLIDING_GLOBAL = ["sliding_attention", "full_attention"] * 2
+
+# model type: (config class, causal LM class, its config's arguments)
+FAMILIES = {
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                    dict(GQA, head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_GLOBAL,
+                         final_logit_softcapping=30.0, query_pre_attn_scalar=16)),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(GQA, sliding_window=WINDOW)),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, GQA),
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, GQA),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(GQA, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM,
+                dict(GQA, logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
+                     attention_multiplier=0.2)),
+    "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM, dict(GQA, logit_scale=0.5)),
+    "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM,
+                 dict(GQA, partial_rotary_factor=0.25, use_qkv_bias=True)),
+    "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM,
+                 dict(SHAPE, rotary_pct=0.25, use_parallel_residual=True)),
+    "starcoder2": (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM,
+                   dict(GQA, sliding_window=WINDOW, use_bias=True)),
+    "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM,
+                dict(GQA, sliding_window=WINDOW, layer_types=SLIDING_GLOBAL)),
+}
+# No prompt token is the pad id 0 (generate would take it for padding); the longest exceed the window.
+PROMPTS = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [7, 3], [11, 4, 8, 15, 16, 23, 42, 6, 10, 12, 14, 19], [20, 21, 22],
+           [30, 31, 32, 33, 34, 35]]
+
+
+def reference_model(model_type: str, seed: int = 0):
+    """transformers' own model of `model_type`, tiny and random, in eval mode, generating up to its limit."""
+    config_class, model_class, arguments = FAMILIES[model_type]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**arguments)).eval()
+    model.generation_config.eos_token_id = None  # both samplers run to max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def wrapped(reference):
+    return TransformersCausalLM.wrap(copy.deepcopy(reference)).eval()
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    reference = reference_model(request.param)
+    return request.param, reference, wrapped(reference)
+
+
+def test_logits_equal_transformers_forward(family):
+    """Full-sequence forwards, with and without padding, and a cached prefill equal transformers' logits."""
+    _, reference, model = family
+    torch.manual_seed(1)
+    input_ids = torch.randint(1, VOCAB, (3, 11))
+    mask = torch.ones_like(input_ids)
+    mask[1, 7:] = 0  # right padding, as cohort's rows are laid out
+    cache = KVCache.for_model(model, 3, 16)
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+        assert (model(input_ids) - expected).abs().max() < 1e-4
+        padded = reference(input_ids, attention_mask=mask).logits
+        assert (model(input_ids, attention_mask=mask) - padded).abs()[mask.bool()].max() < 1e-4
+        positions = torch.arange(11).expand(3, 11)
+        assert (model(input_ids, positions, kv_cache=cache, cache_len=11) - expected).abs().max() < 1e-4
+
+
+def test_engine_greedy_tokens_equal_generate(family):
+    """Continuous batching (more prompts than rows) of prompts longer than the sliding window: the engine's
+    greedy tokens are transformers' greedy `generate`'s, prompt by prompt."""
+    _, reference, model = family
+    new_tokens = 10
+    rollout = Engine(model, max_batch_size=2, check_interval=3).generate(
+        PROMPTS, 1, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, pad_token_id=0))
+    for row, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([prompt])
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      do_sample=False)[0, len(prompt):]
+        assert rollout.completion_ids[row].tolist() == expected.tolist(), (row, prompt)
+
+
+def test_sampling_logprobs_equal_teacher_forced(family):
+    """The engine's log-probs of its sampled tokens (temperature 1) equal transformers' teacher-forced forward."""
+    _, reference, model = family
+    rollout = Engine(model, max_batch_size=3, check_interval=4).generate(
+        PROMPTS[:3], 2, SamplingParams(max_new_tokens=8, temperature=1.0, pad_token_id=0, seed=3))
+    worst = 0.0
+    for row in range(rollout.completion_ids.shape[0]):
+        prompt = PROMPTS[row // 2]
+        completion = rollout.completion_ids[row]
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + completion.tolist()])).logits[0]
+        logp = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1).gather(1, completion[:, None])[:, 0]
+        worst = max(worst, float((logp - rollout.logprobs[row]).abs().max()))
+    assert worst < 1e-4
+
+
+def test_shared_prompt_layout_equals_padded_rows(family):
+    """The update's shared-prompt forward (attention rows through cohort's attention) gives the log-probs of
+    one padded row per completion (transformers' own attention); a head with soft-capping or a logit scale
+    takes the logits path instead of the chunked LM head."""
+    model_type, _, model = family
+    assert supports_hidden(model) == (model_type not in ("gemma3_text", "granite", "cohere"))
+    if not supports_hidden(model):
+        return
+    torch.manual_seed(2)
+    prompts = [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
+    completions = torch.randint(1, VOCAB, (4, 5))
+    mask = torch.ones_like(completions)
+    mask[1, 3:] = 0
+    padded = rollout_logprobs(model, prompts, completions, mask, pad_id=0, max_rows=4, layout=PADDED)
+    shared = rollout_logprobs(model, prompts, completions, mask, pad_id=0, max_rows=4,
+                              layout=Layout(shared=True, group=2))
+    assert (padded - shared).abs().max() < 1e-4
+
+
+def test_qwen2_matches_the_native_implementation(tmp_path):
+    """Qwen2 (sliding window on its upper layers) through the generic path and through cohort's own `CausalLM`:
+    the same logits and the same greedy tokens."""
+    from cohort_grpo.models.loading import from_pretrained
+
+    reference = reference_model("qwen2")
+    reference.save_pretrained(tmp_path)
+    native, generic = from_pretrained(str(tmp_path)), wrapped(reference)
+    input_ids = torch.randint(1, VOCAB, (2, 12))
+    with torch.no_grad():
+        assert (native(input_ids) - generic(input_ids)).abs().max() < 1e-4
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, pad_token_id=0)
+    tokens = [Engine(m, max_batch_size=2).generate(PROMPTS, 1, params).completion_ids for m in (native, generic)]
+    assert torch.equal(*tokens)
+
+
+def save_folder(model_type: str, path):
+    reference_model(model_type).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2"])
+def test_two_training_steps_from_the_command_line(model_type, tmp_path):
+    """`cohort-grpo train --model_impl cohort` on a saved folder of a type cohort does not implement: it samples
+    in the engine (the log line says the generic path) and trains two steps."""
+    folder = save_folder(model_type, tmp_path / "model")
+    out = subprocess.run([sys.executable, "-m", "cohort_grpo", "train", "--model", folder, "--model_impl", "cohort",
+                          "--max_steps", "2", "--output_dir", str(tmp_path / "run"), "--max_completion_length", "8",
+                          "--num_generations", "2", "--per_device_train_batch_size", "4",
+                          "--gradient_accumulation_steps", "1", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"{model_type} is not one of cohort's own implementations" in out.stdout + out.stderr
+    assert (tmp_path / "run").is_dir()
+
+
+def test_load_policy_wraps_other_types_and_keeps_native_and_hf(tmp_path):
+    """auto: a type cohort does not implement gets the generic path (and the engine), one line saying so; hf keeps
+    transformers' model; a native type stays native."""
+    folder = save_folder("olmo2", tmp_path / "olmo2")
+    lines = []
+    model, _ = load_policy(folder, log=lines.append)
+    assert isinstance(model, TransformersCausalLM) and engine_samples(model)
+    assert isinstance(make_sampler(model), Engine) and len(lines) == 1 and "generic path" in lines[0]
+    model, _ = load_policy(folder, impl="hf", log=lines.append)
+    assert type(model).__name__ == "Olmo2ForCausalLM" and not engine_samples(model)
+
+
+def test_recurrent_and_encoder_decoder_models_are_refused_by_name(tmp_path):
+    """Layers without keys and values (state-space, linear attention) and encoder-decoders are refused by name:
+    auto takes transformers' generate and says why; model_impl cohort is a one-line error."""
+    assert "encoder-decoder" in refusal(transformers.T5Config())
+    assert "recurrent" in refusal(transformers.MambaConfig())
+    assert "qwen3_next has recurrent" in refusal(transformers.Qwen3NextConfig())
+    unknown_hybrid = SimpleNamespace(model_type="some_hybrid", layer_types=["full_attention", "linear_attention"])
+    assert "some_hybrid has layers of type linear_attention" in refusal(unknown_hybrid)
+    assert refusal(transformers.Gemma3TextConfig()) is None
+    config = transformers.Qwen3NextConfig(**dict(GQA, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+                                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=32))
+    model = transformers.Qwen3NextForCausalLM(config)
+    with pytest.raises(GenericPathRefused, match="qwen3_next"):
+        TransformersCausalLM.wrap(model)
+    model.save_pretrained(tmp_path / "next")
+    build_tokenizer().save_pretrained(tmp_path / "next")
+    lines = []
+    kept, _ = load_policy(str(tmp_path / "next"), log=lines.append)
+    assert isinstance(kept, transformers.Qwen3NextForCausalLM) and "qwen3_next takes transformers' generate" in lines[0]
+    with pytest.raises(CohortError, match="model_impl=cohort cannot serve this model: qwen3_next"):
+        load_policy(str(tmp_path / "next"), impl="cohort")
+
+
+def test_frozen_copy_and_state_dict_keep_transformers_names(family):
+    """The wrapper's parameters carry transformers' names (checkpoints and saved folders are transformers'), and a
+    deep copy (π_ref) is a separate model that computes the same logits."""
+    from cohort_grpo.models.policy import frozen_copy
+
+    _, reference, model = family
+    assert list(model.state_dict()) == list(reference.state_dict())
+    ref = frozen_copy(model)
+    input_ids = torch.randint(1, VOCAB, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids), model(input_ids))
+    assert ref.transformers_model.get_input_embeddings() is not model.transformers_model.get_input_embeddings()
