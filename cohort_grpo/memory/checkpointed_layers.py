@@ -20,7 +20,7 @@ measures instead of asking:
 3. An update that still runs out of memory checkpoints every layer again before the micro-batch
    halves (`MemoryManager.run`, cohort_grpo/memory/manager.py).
 
-Cohort's own models on a GPU only; elsewhere (CPU, or no allocator to ask) every layer is recomputed.
+Cohort's own models and the generic path's (`TransformersCausalLM`) on a GPU only; elsewhere (CPU, or no allocator to ask) every layer is recomputed.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.lora import base_model
 from cohort_grpo.models import CausalLM
+from cohort_grpo.models.generic import TransformersCausalLM
 
 BUDGET_SHARE = 0.9  # of the card's memory, when --max_memory_gib is 0
 
@@ -79,10 +80,14 @@ class ActivationProbe:
     def around(self, forward: Callable[[], torch.Tensor], tokens: int) -> torch.Tensor:
         before = self.allocated()
         out = forward()
-        kept = self.allocated() - before - out.numel() * out.element_size()
+        self.record(self.allocated() - before, out, tokens)
+        return out
+
+    def record(self, allocated: int, out: torch.Tensor, tokens: int) -> None:
+        """One forward of the layer left `allocated` more bytes in use, `out` (its output) among them."""
+        kept = allocated - out.numel() * out.element_size()
         self.bytes_per_token = max(self.bytes_per_token, kept / max(tokens, 1))
         self.tokens = max(self.tokens, tokens)
-        return out
 
 
 class AutoCheckpointing:
@@ -106,9 +111,9 @@ class AutoCheckpointing:
         """Turn on checkpointing as `args` ask; an `AutoCheckpointing` when `auto` can measure, else None."""
         layers = args.gradient_checkpointing_layers
         base = base_model(model)
-        if layers is not None and not isinstance(base, CausalLM):
-            raise CohortError(f"gradient_checkpointing_layers={layers} needs cohort's own model implementation; "
-                              f"{type(base).__name__} recomputes every layer: unset it, or pass model_impl=cohort")
+        if layers is not None and not isinstance(base, (CausalLM, TransformersCausalLM)):
+            raise CohortError(f"gradient_checkpointing_layers={layers} needs cohort's engine (model_impl auto or "
+                              f"cohort); {type(base).__name__} recomputes every layer: unset it, or pass model_impl=cohort")
         if layers != "auto":
             model.gradient_checkpointing_enable(**({} if layers is None else {"checkpointed_layers": layers}))
             return None
@@ -117,7 +122,8 @@ class AutoCheckpointing:
             return None
         total = torch.cuda.get_device_properties(device).total_memory
         budget = args.max_memory_gib * 2**30 if args.max_memory_gib else BUDGET_SHARE * total
-        return cls(base, len(base.model.layers), budget, lambda: torch.cuda.memory_allocated(device),
+        num_layers = len(base.decoder_layers() if isinstance(base, TransformersCausalLM) else base.model.layers)
+        return cls(base, num_layers, budget, lambda: torch.cuda.memory_allocated(device),
                    lambda: torch.cuda.max_memory_allocated(device), lambda: torch.cuda.reset_peak_memory_stats(device))
 
     @property

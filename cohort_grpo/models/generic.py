@@ -24,6 +24,7 @@ from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
 from cohort_grpo.models.generic_attention import (ATTENTION, AttentionStep, GenericPathRefused, LogitHead,
                                                   active_step, attention_implementation, refusal, register_attention)
+from cohort_grpo.models.generic_training import checkpoint_first_layers, decoder_layer_list
 from cohort_grpo.models.shared_prefix import PackedRows
 
 PROBE_TOKENS = 6
@@ -115,11 +116,22 @@ class TransformersCausalLM(nn.Module):
 
     def gradient_checkpointing_enable(self, checkpointed_layers: int | None = None, activation_probe=None,
                                       **_ignored) -> None:
-        """Recompute every decoder layer in the backward (transformers' own checkpointing)."""
-        if checkpointed_layers is not None:
-            raise CohortError(f"gradient_checkpointing_layers={checkpointed_layers} needs cohort's own model "
-                              f"implementation; {self.model_type} recomputes every layer: unset it")
-        self.transformers_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        """Recompute decoder layers in the backward through transformers' own checkpointing: every layer, or the
+        first `checkpointed_layers` (generic_training.py); `activation_probe` measures the first kept one."""
+        model = self.transformers_model
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name for it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_first_layers(self.decoder_layers(), checkpointed_layers, activation_probe)
+
+    @property
+    def checkpointed_layers(self) -> int:
+        return sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in self.decoder_layers())
+
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder's repeated layers, found without naming the family (`decoder_layer_list`)."""
+        return decoder_layer_list(self.decoder)
 
     def gradient_checkpointing_disable(self) -> None:
         self.transformers_model.gradient_checkpointing_disable()
