@@ -54,3 +54,152 @@ def test_checkpointing_the_first_layers_leaves_gradients_unchanged(model_type):
     assert recomputed[:3] == [0, 1, 3] and recomputed[3] == len(layers)
     with pytest.raises(CohortError, match="not between 0"):
         model.gradient_checkpointing_enable(checkpointed_layers=len(layers) + 1)
+
+
+def first_char_digit(completions, **kwargs):
+    return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return (out if isinstance(out, torch.Tensor) else out.logits).float()
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2"])
+def test_lora_on_the_generic_path(model_type, tmp_path):
+    """LoRA adapters on a transformers model's own projections: only they train; π_ref is the model with them off
+    (the untouched base, from its folder); the engine samples with them; the saved folder loads in transformers
+    (merged) and in peft (base + adapter) with the trained policy's logits."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from cohort_grpo import GRPOConfig, GRPOTrainer
+    from cohort_grpo.models.lora import adapters_disabled
+    from cohort_grpo.rollout.sampler import SamplingParams
+
+    folder = save_folder(model_type, tmp_path / "base")
+    args = GRPOConfig(num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                      max_completion_length=5, max_steps=2, learning_rate=5e-2, output_dir=str(tmp_path / "run"),
+                      quiet=True, seed=0, beta=0.04, use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0)
+    prompts = [{"prompt": f"{a}+{b}="} for a in range(1, 9) for b in range(1, 4)]
+    trainer = GRPOTrainer(folder, first_char_digit, prompts, args=args)
+    assert isinstance(trainer.model, TransformersCausalLM) and trainer.ref_model is None
+    adapted = {n.split(".")[-4] for n, _ in trainer.model.named_parameters() if "lora_A" in n}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    assert all(torch.equal(after[n], t) for n, t in base_before.items())
+    assert any(p.abs().sum() > 0 for n, p in after.items() if "lora_B" in n)
+
+    ids = torch.tensor([[3, 5, 7, 9, 11, 4]])
+    original = AutoModelForCausalLM.from_pretrained(folder).eval()
+    policy = logits_of(trainer.model, ids)
+    with adapters_disabled(trainer.model):
+        assert torch.allclose(logits_of(trainer.model, ids), logits_of(original, ids), atol=1e-5)
+    assert not torch.allclose(policy, logits_of(original, ids), atol=1e-3)
+
+    prompt = [3, 5, 7]
+    rollout = trainer.sampler.generate([prompt], 1, SamplingParams(max_new_tokens=4, temperature=0.0, pad_token_id=0))
+    sequence = list(prompt)
+    for _ in range(4):
+        sequence.append(int(logits_of(trainer.model, torch.tensor([sequence]))[0, -1].argmax()))
+    assert rollout.completion_ids[0].tolist() == sequence[3:]
+
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run")).eval()
+    assert torch.allclose(logits_of(merged, ids), policy, atol=1e-5)
+    with_adapter = peft.PeftModel.from_pretrained(original, str(tmp_path / "run" / "adapter")).eval()
+    assert torch.allclose(logits_of(with_adapter, ids), policy, atol=1e-5)
+
+
+def hub_cache_entry(cache, repo_id: str, model_type: str) -> None:
+    """`repo_id` in a Hugging Face hub cache at `cache`, laid out as huggingface_hub lays it out (refs/main names
+    the snapshot), holding a tiny saved model of `model_type` and the built-in tokenizer."""
+    commit = "0" * 40
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    save_folder(model_type, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_hub_ids_of_other_types_take_the_generic_path(tmp_path):
+    """A hub id resolves to its model type from its cached config.json (offline: the cache only, no network): a
+    type cohort does not implement takes the generic path, a native one cohort's own loader, one not in the cache
+    the native loader's one-line error."""
+    hub_cache_entry(tmp_path / "hub", "tiny-org/olmo2", "olmo2")
+    hub_cache_entry(tmp_path / "hub", "tiny-org/qwen2", "qwen2")
+    script = (
+        "from cohort_grpo.run.policy import load_policy\n"
+        "from cohort_grpo.errors import CohortError\n"
+        "for repo in ('tiny-org/olmo2', 'tiny-org/qwen2'):\n"
+        "    model, tokenizer = load_policy(repo, log=lambda line: print('line:', line))\n"
+        "    print(repo, type(model).__name__, model.config.model_type, tokenizer.eos_token_id is not None)\n"
+        "try:\n"
+        "    load_policy('tiny-org/absent')\n"
+        "except CohortError as error:\n"
+        "    print('refused:', error)\n")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.getcwd())
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "tiny-org/olmo2 TransformersCausalLM olmo2 True" in lines
+    assert "tiny-org/qwen2 CausalLM qwen2 True" in lines
+    assert any(line.startswith("line: cohort: olmo2 is not one of cohort's own") for line in lines)
+    refused = [line for line in lines if line.startswith("refused:")]
+    assert len(refused) == 1 and "'tiny-org/absent'" in refused[0] and "HF_HUB_OFFLINE" in refused[0]
+
+
+def test_lora_targets_a_family_of_other_names():
+    """Without lora_target_modules, a family whose projections are not q_proj/.../down_proj (GPT-NeoX) gets adapters
+    on every linear layer of its decoder layers, not on its embedding or head; names matching nothing are refused."""
+    pytest.importorskip("peft")
+    from types import SimpleNamespace
+
+    from cohort_grpo.models.lora import apply_lora, lora_config_from_args
+
+    options = SimpleNamespace(use_peft=True, lora_r=2, lora_alpha=4, lora_dropout=0.0, lora_target_modules=None)
+    model = apply_lora(TransformersCausalLM.wrap(reference_model("gpt_neox")), lora_config_from_args(options))
+    adapted = {n.split(".")[-4] for n, _ in model.named_parameters() if "lora_A" in n}
+    assert adapted == {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}
+    assert sum("lora_A" in n for n, _ in model.named_parameters()) == 4 * 4  # four per layer, four layers
+    options.lora_target_modules = ["q_proj"]
+    with pytest.raises(CohortError, match="match no module"):
+        apply_lora(TransformersCausalLM.wrap(reference_model("gpt_neox")), lora_config_from_args(options))
+
+
+def test_what_only_cohorts_own_models_do_is_refused_by_name(tmp_path):
+    """routing replay (a mixture of experts), rollout_numerics=exact and tensor-parallel sampling are refused in one
+    line naming the option when the policy takes the generic path, as it loads; a native model is not refused."""
+    import transformers
+
+    from cohort_grpo import GRPOConfig
+    from cohort_grpo.run.policy import generic_path_refusal, load_run_policy
+
+    def args(**options):
+        return GRPOConfig(output_dir=str(tmp_path / "run"), **options)
+
+    folder = save_folder("olmo2", tmp_path / "olmo2")
+    cpu = torch.device("cpu")
+    for options, named in [(dict(rollout_numerics="exact"), "rollout_numerics=exact"),
+                           (dict(rollout_tensor_parallel_size=2, fsdp=True), "rollout_tensor_parallel_size=2")]:
+        with pytest.raises(CohortError, match=named) as refused:
+            load_run_policy(folder, None, args(**options), cpu)
+        assert "olmo2 runs through transformers' modules" in str(refused.value) and "\n" not in str(refused.value)
+    model, _, _ = load_run_policy(folder, None, args(rollout_tensor_parallel_size="auto"), cpu)
+    assert isinstance(model, TransformersCausalLM)
+
+    config = transformers.OlmoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2)
+    moe = TransformersCausalLM.wrap(transformers.OlmoeForCausalLM(config).eval())
+    assert is_mixture_of_experts(moe.config) and not is_mixture_of_experts(model.config)
+    refused = generic_path_refusal(moe, args())
+    assert refused.startswith("routing_replay needs cohort's own mixture-of-experts models; olmoe runs")
+    assert "--routing_replay false" in refused
+    assert generic_path_refusal(moe, args(routing_replay=False)) is None
+
+    native_folder = save_folder("qwen2", tmp_path / "qwen2")
+    native, _, _ = load_run_policy(native_folder, None, args(rollout_tensor_parallel_size=2, fsdp=True), cpu)
+    assert generic_path_refusal(native, args(rollout_numerics="exact")) is None

@@ -17,6 +17,7 @@ adapters a second time on top of the merged weights.)
 
 from __future__ import annotations
 
+import copy
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,6 +59,13 @@ def apply_lora(model: torch.nn.Module, peft_config) -> torch.nn.Module:
                           "other peft methods are not supported")
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     targets = peft_config.target_modules
+    if isinstance(targets, (set, list, tuple)) and set(targets) == set(DEFAULT_TARGETS) and not set(targets) & names:
+        # a family of other names (GPT-NeoX's query_key_value, dense, ...): every linear layer of its decoder layers
+        layer_linears = sorted(layer_linear_names(model))
+        if layer_linears:
+            peft_config = copy.copy(peft_config)
+            peft_config.target_modules = set(layer_linears)
+            targets = peft_config.target_modules
     if isinstance(targets, (set, list, tuple)) and not set(targets) & names:
         raise CohortError(f"lora_target_modules {sorted(targets)} match no module of this model; "
                           f"its linear layers are named like {sorted(n for n in names if n.endswith('proj'))[:8]}")
@@ -70,6 +78,13 @@ def apply_lora(model: torch.nn.Module, peft_config) -> torch.nn.Module:
             p.requires_grad_(True)
     model.peft_config = {"default": peft_config}  # peft's own layout: adapter name → config
     return model
+
+
+def layer_linear_names(model: torch.nn.Module) -> set[str]:
+    """The names of the linear layers inside the model's repeated layers (a numbered module on their path): the
+    projections, not the embedding's or the head's."""
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and any(part.isdigit() for part in name.split(".")[:-1])}
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -21,6 +21,7 @@ from cohort_grpo.models import tiny
 from cohort_grpo.models.config import is_supported
 from cohort_grpo.models.exact_layers import use_exact_numerics
 from cohort_grpo.models.generic import GenericPathRefused, TransformersCausalLM
+from cohort_grpo.models.generic_training import is_mixture_of_experts
 from cohort_grpo.models.loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
                                    missing_path_error, one_line)
 from cohort_grpo.models.lora import apply_lora, lora_config_from_args
@@ -29,13 +30,27 @@ from cohort_grpo.sft import builtin
 
 
 def _hf_model_type(path: Path) -> str | None:
-    config = path / "config.json"
+    config = path if path.name == "config.json" else path / "config.json"
     if config.is_file():
         try:
             return json.loads(config.read_text()).get("model_type")
         except json.JSONDecodeError:
             raise CohortError(f"{config} is not valid JSON; the model folder is damaged") from None
     return None
+
+
+def hub_model_type(repo_id: str) -> str | None:
+    """The model type of hub repository `repo_id` from its config.json alone (fetched, or from the cache when the hub
+    is offline or unreachable, as `_load_hf` loads); None where there is none to read, and the native loader then
+    fetches (or fails) in its own words."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        cache_only = hub_offline() or bool(hub_unreachable())
+        config = hf_hub_download(repo_id, "config.json", local_files_only=cache_only)
+    except Exception:  # noqa: BLE001 — not in the cache, no such repo, no config.json (a GGUF-only repo)
+        return None
+    return _hf_model_type(Path(config))
 
 
 def load_run_policy(model, processing_class, args, device: torch.device, *, peft_config=None, log=print):
@@ -46,6 +61,9 @@ def load_run_policy(model, processing_class, args, device: torch.device, *, peft
     model, tokenizer = load_policy(model, processing_class, device=device, log=log,
                                    dtype=resolve_dtype(args.dtype, device), trust_remote_code=args.trust_remote_code,
                                    impl=args.model_impl)
+    refused = generic_path_refusal(model, args)
+    if refused is not None:
+        raise CohortError(refused)
     peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
     if peft_config is not None:  # π_ref is then the base model (adapters off)
         apply_lora(model, peft_config)
@@ -55,6 +73,24 @@ def load_run_policy(model, processing_class, args, device: torch.device, *, peft
         raise CohortError("the tokenizer has no EOS token; completions could never end — set tokenizer.eos_token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return model, tokenizer, pad_id
+
+
+def generic_path_refusal(model, args) -> str | None:
+    """Why the run `args` asks the generic path (`TransformersCausalLM`) for what only cohort's own models do, in
+    one line naming the option and the fix; None for a native or bare transformers model, or nothing refused."""
+    if not isinstance(model, TransformersCausalLM):
+        return None
+    where = f"{model.model_type} runs through transformers' modules (the generic path)"
+    if args.routing_replay and is_mixture_of_experts(model.config):
+        return (f"routing_replay needs cohort's own mixture-of-experts models; {where}, whose expert blocks record "
+                "no routes: pass --routing_replay false")
+    if args.rollout_numerics == "exact":
+        return f"rollout_numerics=exact needs cohort's own models; {where}: use --rollout_numerics fast"
+    size = args.rollout_tensor_parallel_size
+    if size != "auto" and int(size) > 1:
+        return (f"rollout_tensor_parallel_size={size} needs cohort's own models (Llama, Mistral, Qwen2, Qwen3, "
+                f"Qwen3-MoE, Mixtral); {where}: use --rollout_tensor_parallel_size 1")
+    return None
 
 
 def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl: str = "auto", log=print,
@@ -76,7 +112,7 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
         raise missing_path_error(spec)
     tokenizer = processing_class or load_tokenizer(spec, trust_remote_code=trust_remote_code)
     torch_dtype = None if dtype == "auto" else dtype
-    model_type = _hf_model_type(path) if path.is_dir() else None
+    model_type = _hf_model_type(path) if path.is_dir() else hub_model_type(spec) if is_hub_id(spec) else None
     native = path.suffix == ".gguf" or model_type is None or is_supported({"model_type": model_type})
     if impl != "hf" and native:
         policy = from_pretrained(spec, dtype=torch_dtype or "float32", device=device)
