@@ -203,3 +203,65 @@ def test_what_only_cohorts_own_models_do_is_refused_by_name(tmp_path):
     native_folder = save_folder("qwen2", tmp_path / "qwen2")
     native, _, _ = load_run_policy(native_folder, None, args(rollout_tensor_parallel_size=2, fsdp=True), cpu)
     assert generic_path_refusal(native, args(rollout_numerics="exact")) is None
+
+
+def test_fsdp_units_are_the_models_own_decoder_layers():
+    """FSDP2's units on the generic path are the decoder's repeated layers whatever their class is called
+    (GPT-NeoX's `GPTNeoXLayer` is neither *DecoderLayer nor *Block), in a shape-only copy as sharding makes."""
+    from cohort_grpo.parallel.sharding import decoder_layers, meta_copy
+
+    for model_type, layer_class in [("gpt_neox", "GPTNeoXLayer"), ("gemma3_text", "Gemma3DecoderLayer")]:
+        copy_ = meta_copy(TransformersCausalLM.wrap(reference_model(model_type)))
+        layers = decoder_layers(copy_)
+        assert [type(layer).__name__ for layer in layers] == [layer_class] * 4
+        assert layers[0] is copy_.decoder_layers()[0] and next(layers[0].parameters()).is_meta
+
+
+REWARD_MODULE = '''
+def digit_share(prompts, completions, completion_ids=None, **_):
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) + 0.01 * len(c) for c in completions]
+'''
+
+
+@pytest.mark.slow
+def test_olmo2_on_two_ranks_with_fsdp_and_ddp_equals_one_process(tmp_path):
+    """`--nproc_per_node 2` (gloo, CPU) with `--fsdp` (FSDP2 by OLMo-2's decoder layers) and without (DDP) trains
+    the generic path's OLMo-2 two steps with one process's loss, reward and gradient norm at every step and its
+    final weights (float32: ≤ 1e-5, as test_distributed.py asserts for cohort's own models)."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "rewardmod.py").write_text(REWARD_MODULE)
+    folder = save_folder("olmo2", tmp_path / "olmo2")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.getcwd()]), OMP_NUM_THREADS="1",
+               MKL_NUM_THREADS="1", CI="1")
+    options = ["--model", folder, "--task", "arithmetic", "--reward_funcs", "rewardmod:digit_share",
+               "--num_generations", "4", "--per_device_train_batch_size", "4", "--max_completion_length", "8",
+               "--max_prompt_length", "64", "--eval_limit", "5", "--learning_rate", "3e-4", "--beta", "0.04",
+               "--num_iterations", "2", "--seed", "3", "--logging_steps", "1", "--device", "cpu", "--quiet",
+               "--max_steps", "2"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    runs = {"one": ([sys.executable], ["--gradient_accumulation_steps", "4"]),
+            "fsdp": (launch, ["--gradient_accumulation_steps", "2", "--fsdp"]),
+            "ddp": (launch, ["--gradient_accumulation_steps", "2"])}
+    for name, (start, extra) in runs.items():
+        done = subprocess.run([*start, "-m", "cohort_grpo", "train", *options, *extra, "--output_dir",
+                               str(tmp_path / name)], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (name, done.stdout[-2000:], done.stderr[-3000:])
+        assert "olmo2 is not one of cohort's own implementations" in done.stdout + done.stderr
+
+    def steps(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [record for record in map(json.loads, lines) if "loss" in record]
+
+    expected, weights = steps("one"), load_file(tmp_path / "one" / "model.safetensors")
+    initial = load_file(tmp_path / "olmo2" / "model.safetensors")
+    assert max(float((weights[k] - initial[k]).abs().max()) for k in weights) > 1e-3  # training moved them
+    for name in ("fsdp", "ddp"):
+        got = steps(name)
+        assert [r["step"] for r in got] == [1, 2]
+        for mine, theirs in zip(got, expected):
+            assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 and abs(mine["reward"] - theirs["reward"]) <= 1e-5
+            assert abs(mine["grad_norm"] - theirs["grad_norm"]) <= 1e-4 * max(1.0, theirs["grad_norm"])
+        saved = load_file(tmp_path / name / "model.safetensors")
+        assert saved.keys() == weights.keys()
+        assert max(float((saved[k] - weights[k]).abs().max()) for k in weights) <= 1e-5, name

@@ -15,12 +15,16 @@ import torch
 from torch import nn
 
 from cohort_grpo.errors import CohortError
+from cohort_grpo.models.generic import TransformersCausalLM
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 shards one by one: our `DecoderLayer`s, Hugging Face's
     `*DecoderLayer` / `*Block` modules, outermost only: a mixture of experts' `SparseMoeBlock` inside a
-    layer is part of its layer's unit (FSDP2 cannot shard a parameter its layer's unit already sharded)."""
+    layer is part of its layer's unit (FSDP2 cannot shard a parameter its layer's unit already sharded). A model on
+    the generic path names its own: its decoder's list of repeated layers, whatever their class is called."""
+    if isinstance(model, TransformersCausalLM):
+        return list(model.decoder_layers())
     layers, prefixes = [], []
     for name, module in model.named_modules():
         if type(module).__name__.endswith(("DecoderLayer", "Block")) and not any(
