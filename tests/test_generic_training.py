@@ -176,7 +176,7 @@ def test_what_only_cohorts_own_models_do_is_refused_by_name(tmp_path):
     import transformers
 
     from cohort_grpo import GRPOConfig
-    from cohort_grpo.run.policy import generic_path_refusal, load_run_policy
+    from cohort_grpo.run.policy import generic_path_notice, generic_path_refusal, load_run_policy
 
     def args(**options):
         return GRPOConfig(output_dir=str(tmp_path / "run"), **options)
@@ -195,10 +195,11 @@ def test_what_only_cohorts_own_models_do_is_refused_by_name(tmp_path):
                                       num_key_value_heads=2, vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2)
     moe = TransformersCausalLM.wrap(transformers.OlmoeForCausalLM(config).eval())
     assert is_mixture_of_experts(moe.config) and not is_mixture_of_experts(model.config)
-    refused = generic_path_refusal(moe, args())
-    assert refused.startswith("routing_replay needs cohort's own mixture-of-experts models; olmoe runs")
-    assert "--routing_replay false" in refused
-    assert generic_path_refusal(moe, args(routing_replay=False)) is None
+    # Routing replay is on by default: on the generic path a mixture of experts trains without it, saying so.
+    assert generic_path_refusal(moe, args()) is None
+    notice = generic_path_notice(moe, args())
+    assert notice.startswith("cohort: olmoe runs through transformers' modules") and "without routing replay" in notice
+    assert generic_path_notice(moe, args(routing_replay=False)) is None and generic_path_notice(model, args()) is None
 
     native_folder = save_folder("qwen2", tmp_path / "qwen2")
     native, _, _ = load_run_policy(native_folder, None, args(rollout_tensor_parallel_size=2, fsdp=True), cpu)

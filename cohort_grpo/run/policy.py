@@ -61,9 +61,11 @@ def load_run_policy(model, processing_class, args, device: torch.device, *, peft
     model, tokenizer = load_policy(model, processing_class, device=device, log=log,
                                    dtype=resolve_dtype(args.dtype, device), trust_remote_code=args.trust_remote_code,
                                    impl=args.model_impl)
-    refused = generic_path_refusal(model, args)
+    refused, notice = generic_path_refusal(model, args), generic_path_notice(model, args)
     if refused is not None:
         raise CohortError(refused)
+    if notice is not None:
+        log(notice)
     peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
     if peft_config is not None:  # π_ref is then the base model (adapters off)
         apply_lora(model, peft_config)
@@ -75,15 +77,22 @@ def load_run_policy(model, processing_class, args, device: torch.device, *, peft
     return model, tokenizer, pad_id
 
 
+def generic_path_notice(model, args) -> str | None:
+    """The one line a run on the generic path gets where a default it keeps cannot apply: routing replay (on by
+    default) on a mixture-of-experts model, whose transformers expert blocks record no routes. A notice, not a
+    refusal: replay narrows the gap between π_old's and π_θ's routes, the run learns without it."""
+    if isinstance(model, TransformersCausalLM) and args.routing_replay and is_mixture_of_experts(model.config):
+        return (f"cohort: {model.model_type} runs through transformers' modules (the generic path), whose expert "
+                "blocks record no routes: it trains without routing replay (--routing_replay false says so)")
+    return None
+
+
 def generic_path_refusal(model, args) -> str | None:
     """Why the run `args` asks the generic path (`TransformersCausalLM`) for what only cohort's own models do, in
     one line naming the option and the fix; None for a native or bare transformers model, or nothing refused."""
     if not isinstance(model, TransformersCausalLM):
         return None
     where = f"{model.model_type} runs through transformers' modules (the generic path)"
-    if args.routing_replay and is_mixture_of_experts(model.config):
-        return (f"routing_replay needs cohort's own mixture-of-experts models; {where}, whose expert blocks record "
-                "no routes: pass --routing_replay false")
     if args.rollout_numerics == "exact":
         return f"rollout_numerics=exact needs cohort's own models; {where}: use --rollout_numerics fast"
     size = args.rollout_tensor_parallel_size
