@@ -10,8 +10,9 @@ __all__ = ["TASKS", "get_task", "task_class", "prompt_text"]
 
 
 def task_class(name: str):
-    """The class of task `name` (`reasoning_gym:leg_counting`: the reasoning_gym family's), not built."""
-    module, attr = task_path(name)[0].split(":")
+    """The class of task `name` or of a family of tasks (`reasoning_gym:leg_counting` and `reasoning_gym` alike:
+    the reasoning_gym family's), not built."""
+    module, attr = (TASKS[name] if name in TASKS else task_path(name)[0]).split(":")
     return getattr(importlib.import_module(module), attr)
 
 
