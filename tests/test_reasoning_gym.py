@@ -181,3 +181,35 @@ def test_eval_cli_greedy_accuracy_and_pass_at_k(tiny_dir, tmp_path, monkeypatch,
     assert metrics["eval/greedy_accuracy"] == pytest.approx(0.5)
     for k, value in expected.items():
         assert metrics[f"eval/pass@{k}"] == pytest.approx(value, abs=1e-12), k
+
+
+def test_the_python_api_trains_on_the_helpers_rows_and_reward(tiny_dir, tmp_path):
+    from cohort_grpo import GRPOConfig, GRPOTrainer
+    from cohort_grpo.tasks.reasoning_gym import rows_and_reward
+
+    dataset = reasoning_gym.create_dataset("basic_arithmetic", seed=1, size=16)
+    rows, reward = rows_and_reward(dataset, system_prompt="")  # the tiny model's context: the question alone
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=2, per_device_train_batch_size=4,
+                      gradient_accumulation_steps=1, max_completion_length=8, max_prompt_length=64, save_steps=0,
+                      logging_steps=1, device="cpu", quiet=True, report_to="none")
+    trainer = GRPOTrainer(tiny_dir, reward_funcs=[reward], train_dataset=rows, args=args)
+    trainer.train()
+    assert [r["step"] for r in trainer.history] == [1, 2]
+    assert all(0.0 <= r["rewards/reasoning_gym_reward/mean"] <= 1.0 for r in trainer.history)
+
+
+def test_a_curriculum_stage_can_be_a_reasoning_gym_task(capsys):
+    from cohort_grpo import GRPOConfig
+    from cohort_grpo.config.curriculum import parse_curriculum
+    from cohort_grpo.tasks.curriculum import Curriculum
+
+    args = GRPOConfig(curriculum=parse_curriculum("arithmetic:2,reasoning_gym:chain_sum:3")).validate()
+    assert args.curriculum == [{"task": "arithmetic", "steps": 2}, {"task": "reasoning_gym:chain_sum", "steps": 3}]
+    curriculum = Curriculum.from_config(args)
+    switch = curriculum.enter(3, tokenizer=None)
+    assert switch is not None and curriculum.task.name == "reasoning_gym:chain_sum"
+    assert {r["source_dataset"] for r in switch.rows} == {"chain_sum"}
+    # a misspelt stage stops the command before anything loads, not at its first step
+    assert main(["train", "--curriculum", "arithmetic:2,reasoning_gym:chain_sums:3", "--max_steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown reasoning-gym task 'chain_sums' (close names: chain_sum" in err, err

@@ -220,7 +220,7 @@ def check_task_data(args) -> None:
     if args.prompt_column != "prompt" and task.name != "generic":
         raise CohortError(f"--prompt_column {args.prompt_column} applies to your own rows (the generic task); task "
                           f"{task.name} builds its prompts itself")
-    stages = [task.name] + [stage["task"] for stage in args.curriculum or []]
+    stages = [task.name] + [get_task(stage["task"]).name for stage in args.curriculum or []]  # a stage's bad name now
     if "generic" in stages and not args.reward_funcs:
         raise CohortError("your rows come with no reward functions: pass --reward_funcs NAME or module:function "
                           "(e.g. --reward_funcs my_rewards:correct), or --task NAME for a task's own")
