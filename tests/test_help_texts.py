@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cohort_grpo.cli import main
 from cohort_grpo.models.tiny import BUILTIN_MODELS
-from cohort_grpo.tasks import TASKS, get_task
+from cohort_grpo.tasks import TASKS, task_class
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -34,7 +34,7 @@ def test_eval_help_gives_each_default_once_and_every_gradable_task(capsys):
         [line for line in options if line.lower().count("default") != 1]
     task_line = next(line for line in options if line.startswith("  --task "))
     for name in TASKS:
-        assert (re.search(rf"\b{name}\b", task_line) is not None) == hasattr(get_task(name), "is_correct"), name
+        assert (re.search(rf"\b{name}\b", task_line) is not None) == hasattr(task_class(name), "is_correct"), name
 
 
 def test_every_built_in_model_is_in_a_doc():

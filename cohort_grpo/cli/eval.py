@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -30,11 +31,11 @@ from cohort_grpo.cli.flags import Option, mapping, options_help, parse_options, 
 
 EVAL_OPTIONS = {
     "model": Option(str, None, "HF folder, .gguf file or hub id; none: the built-in tiny model"),
-    "task": Option(str, "arithmetic", "arithmetic, calculator or gsm8k"),
+    "task": Option(str, "arithmetic", "arithmetic, calculator, gsm8k or reasoning_gym:NAME[,NAME...]"),
     "split": Option(str, "test", "the split to score"),
     "data_files": Option(str, None, "local .jsonl/.json/.parquet file(s) for the split (comma-separated)"),
-    "limit": Option(int, None, "score the first N questions (arithmetic generates N)",
-                    "all of the split; arithmetic: 200"),
+    "limit": Option(int, None, "score the first N questions (arithmetic and reasoning_gym generate N)",
+                    "all of the split; arithmetic and reasoning_gym: 200"),
     "levels": Option(str, None, "arithmetic difficulty levels, e.g. 3 or 1,2"),
     "num_samples": Option(int, 1, "n > 1: also sample n completions per question for pass@k "
                                   "(k = 1, 2, 4, …, n) and maj@n"),
@@ -60,7 +61,7 @@ def eval_rows(task, split: str, data_files=None, limit: int | None = None, level
     options: dict = {"seed": seed}
     if data_files is not None:
         options["data_files"] = data_files.split(",") if isinstance(data_files, str) and "," in data_files else data_files
-    if task.name == "arithmetic":
+    if task.name == "arithmetic" or task.name.startswith("reasoning_gym:"):
         options["size"] = limit or 200
         if levels is not None:
             options["levels"] = levels
@@ -131,7 +132,8 @@ def output_path(options: dict, task_name: str) -> Path:
     if options["output"]:
         return Path(options["output"])
     folder = Path(options["output_dir"]).expanduser() if options["output_dir"] else default_output_dir(options["model"])
-    return folder / f"{task_name}_{options['split']}.jsonl"
+    file_stem = re.sub(r"[^\w.-]+", "-", task_name)  # reasoning_gym:a:2,b -> reasoning_gym-a-2-b
+    return folder / f"{file_stem}_{options['split']}.jsonl"
 
 
 def summary_path(output: Path) -> Path:
@@ -195,7 +197,7 @@ def run_eval(argv: list[str], log=print):
     task = get_task(o["task"])
     if not hasattr(task, "is_correct"):
         raise CohortError(f"cohort-grpo eval: task {o['task']!r} has no verifier to grade answers with; evaluate with "
-                          "--task arithmetic, calculator or gsm8k")
+                          "--task arithmetic, calculator, gsm8k or reasoning_gym:NAME")
     output = output_path(o, task.name)  # decided, and checked writable, before the model is loaded
     check_writable(output)
     rows = eval_rows(task, o["split"], o["data_files"], o["limit"], o["levels"], o["seed"])

@@ -108,9 +108,10 @@ Options: --name value, --name=value, dashes or underscores; a bare --flag is tru
 comma-separated; none clears an optional value.
 
 Tasks: arithmetic (built in, the default), calculator (built in: tool calls, with the cohort:tiny-tools
-model), gsm8k, generic. Data without --task (--data_files or --dataset_name) is the generic task: prompts
-from --prompt_column, the other columns passed to --reward_funcs (built-in names or module:function; a
-module in the current directory works), no held-out evaluation.
+model), gsm8k, generic, reasoning_gym:NAME (reasoning-gym's generators; a mixture: reasoning_gym:A:2,B:1;
+pip install "cohort-grpo[envs]"). Data without --task (--data_files or --dataset_name) is the generic task:
+prompts from --prompt_column, the other columns passed to --reward_funcs (built-in names or module:function;
+a module in the current directory works), no held-out evaluation.
 
 command options:
   --config FILE.yaml        options from a YAML file (option: value); flags override it
@@ -219,7 +220,7 @@ def check_task_data(args) -> None:
     if args.prompt_column != "prompt" and task.name != "generic":
         raise CohortError(f"--prompt_column {args.prompt_column} applies to your own rows (the generic task); task "
                           f"{task.name} builds its prompts itself")
-    stages = [task.name] + [stage["task"] for stage in args.curriculum or []]
+    stages = [task.name] + [get_task(stage["task"]).name for stage in args.curriculum or []]  # a stage's bad name now
     if "generic" in stages and not args.reward_funcs:
         raise CohortError("your rows come with no reward functions: pass --reward_funcs NAME or module:function "
                           "(e.g. --reward_funcs my_rewards:correct), or --task NAME for a task's own")

@@ -22,13 +22,17 @@ TASKS = {
     "calculator": "cohort_grpo.tasks.calculator:CalculatorTask",  # tool use: the tiny tools model and a calculator
     "gsm8k": "cohort_grpo.tasks.gsm8k:GSM8KTask",
     "generic": "cohort_grpo.tasks.generic:GenericTask",  # your rows and reward functions, no verifier
+    # reasoning-gym's generators (the envs extra), named with an argument: reasoning_gym:NAME[:WEIGHT],...
+    "reasoning_gym": "cohort_grpo.tasks.reasoning_gym:ReasoningGymTask",
 }
+# The tasks named `family:argument` (`reasoning_gym:leg_counting`): the class is built with the argument.
+TASK_FAMILIES = ("reasoning_gym",)
 
 # The options whose values `choose` splits at commas: each item must be a value of the option.
 LISTS = ("report_to",)
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "task": tuple(TASKS),
+    "task": tuple(name for name in TASKS if name not in TASK_FAMILIES) + tuple(f"{f}:NAME" for f in TASK_FAMILIES),
     "loss_type": ("grpo", "bnpo", "dapo", "dr_grpo"),
     "scale_rewards": ("group", "batch", "none"),
     "importance_sampling_level": ("token", "sequence"),
@@ -91,6 +95,9 @@ def allowed_one(name: str, value) -> bool:
         return False
     if value in values:
         return True
+    family, colon, argument = value.partition(":")
+    if colon and argument.strip() and f"{family}:NAME" in values:
+        return True
     return "cuda:N" in values and re.fullmatch(r"cuda:\d+", value) is not None
 
 
@@ -110,6 +117,17 @@ def choose(name: str, value) -> None:
             problem = f": {wrong[0]!r} is not one of its values"
         fix = f"pass {values_text(name)}, or several of them as a list or comma-separated (--{name})"
     raise CohortError(refusal(name, value, problem, fix))
+
+
+def task_path(name: str) -> tuple[str, str | None]:
+    """The "module:attribute" of a task's class and the argument it is built with (None for a plain task);
+    an unknown task is a one-line `CohortError` naming the choices."""
+    family, colon, argument = str(name).partition(":")
+    if family in TASK_FAMILIES and colon:
+        return TASKS[family], argument
+    if name not in TASKS or name in TASK_FAMILIES:
+        raise CohortError(f"unknown task {name!r}; choose one of {values_text('task')} (--task)")
+    return TASKS[name], None
 
 
 def values_text(name: str) -> str:

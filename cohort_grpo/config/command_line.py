@@ -16,7 +16,7 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 
-from cohort_grpo.config.choices import AUTO_OPTIONS, CHOICES, TASKS, values_text
+from cohort_grpo.config.choices import AUTO_OPTIONS, CHOICES, task_path, values_text
 from cohort_grpo.config.grpo_config import ALIASES, GRPOConfig, default_task, unchecked
 from cohort_grpo.errors import CohortError
 from cohort_grpo.config.output_dir import COMMAND_LINE_OUTPUT_DIR
@@ -125,9 +125,7 @@ def task_defaults(name: str) -> dict:
     """The task's `default_config` (an unknown task is a one-line `CohortError` naming the choices). The task's
     class is found through the registry of built-in tasks (`choices.TASKS`, "module:attribute"), as a plugin
     entry point is: the config never imports the tasks' code, which sits above it."""
-    if name not in TASKS:
-        raise CohortError(f"unknown task {name!r}; choose one of {sorted(TASKS)} (--task)")
-    module, attribute = TASKS[name].split(":")
+    module, attribute = task_path(name)[0].split(":")
     return dict(getattr(getattr(importlib.import_module(module), attribute), "default_config", {}) or {})
 
 

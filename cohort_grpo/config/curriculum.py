@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cohort_grpo.config.choices import TASKS
+from cohort_grpo.config.choices import task_path
 from cohort_grpo.errors import CohortError
 
 LOAD_OPTIONS = ("levels", "data_files", "subset", "seed", "size", "max_prompt_tokens", "max_answer_tokens")
@@ -30,7 +30,7 @@ def parse_curriculum(raw) -> list[dict] | None:
     if isinstance(raw, str):
         stages = []
         for part in (p.strip() for p in raw.split(",")):
-            task, sep, steps = part.partition(":")
+            task, sep, steps = part.rpartition(":")  # reasoning_gym:leg_counting:50
             if not part or not sep or not task.strip():
                 raise CohortError(f"curriculum stage {part!r} is not TASK:STEPS; write e.g. "
                                   "--curriculum arithmetic:50,gsm8k:200")
@@ -50,8 +50,10 @@ def stages_of(raw: list) -> list[Stage]:
             raise CohortError(f"curriculum stage {i + 1} ({item!r}) needs 'task' and 'steps', "
                               "e.g. {task: arithmetic, steps: 50}")
         task = str(item["task"])
-        if task not in TASKS:
-            raise CohortError(f"curriculum stage {i + 1}: unknown task {task!r}; choose one of {sorted(TASKS)}")
+        try:
+            task_path(task)
+        except CohortError as error:
+            raise CohortError(f"curriculum stage {i + 1}: {error}") from None
         try:
             steps = int(item["steps"])
         except (TypeError, ValueError):

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import importlib
 
-from cohort_grpo.config.choices import TASKS
-from cohort_grpo.errors import CohortError
+from cohort_grpo.config.choices import TASKS, task_path
+
+__all__ = ["TASKS", "get_task", "task_class", "prompt_text"]
+
+
+def task_class(name: str):
+    """The class of task `name` or of a family of tasks (`reasoning_gym:leg_counting` and `reasoning_gym` alike:
+    the reasoning_gym family's), not built."""
+    module, attr = (TASKS[name] if name in TASKS else task_path(name)[0]).split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def get_task(name: str):
-    if name not in TASKS:
-        raise CohortError(f"unknown task {name!r}; choose one of {sorted(TASKS)} (--task)")
-    module, attr = TASKS[name].split(":")
-    return getattr(importlib.import_module(module), attr)()
+    """Task `name` built: `arithmetic`, or a family's with its argument (`reasoning_gym:leg_counting`)."""
+    argument = task_path(name)[1]
+    return task_class(name)() if argument is None else task_class(name)(argument)
 
 
 def prompt_text(tokenizer, prompt, tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
