@@ -20,6 +20,7 @@ import contextlib
 import copy
 import inspect
 import io
+import multiprocessing
 import os
 import re
 import sys
@@ -61,11 +62,31 @@ SIZES = {
     # MLA at DeepSeek's proportions: keys (nope + rope) wider than values.
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
     "qk_head_dim": 24,
+    **dict.fromkeys(["decoder_layers", "encoder_layers"], 2),
+    **dict.fromkeys(["encoder_attention_heads"], 4),
+    **dict.fromkeys(["encoder_ffn_dim"], 128),
+    **dict.fromkeys(["embedding_size", "input_embedding_size", "output_embedding_size"], 64),
+    "rotary_dim": 8, "is_decoder": True,
     "vocab_size": VOCAB, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
     "tie_word_embeddings": False,
 }
-# A few types whose own fields the names above do not reach, or reach wrongly.
-OVERRIDES: dict[str, dict] = {}
+# Other integer fields above SMALL, by what their names contain (the first pattern that matches).
+PATTERNS = [("vocab_size", VOCAB), ("head_dim", 16), ("dim_head", 16), ("window", WINDOW), ("max_position", 64),
+            ("moe_intermediate", 32), ("shared_intermediate", 32), ("intermediate", 128), ("dim_ff", 128),
+            ("ffn", 128), ("embed_dim", 64), ("hidden_size", 64), ("lora_rank", 16), ("experts", 4),
+            ("topk", 4)]
+SMALL = 64
+# A few types whose own fields the names above do not reach, or reach wrongly (their validation's demands).
+OVERRIDES: dict[str, dict] = {
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    "mamba2": dict(expand=1),
+    "zaya": dict(num_experts_per_tok=1),
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    "dots3_note_text": dict(num_key_value_heads=4),
+    "kolibri1_1": dict(index_num_heads=2),
+}
+# Multimodal types whose configs hold no vision or audio sub-config.
+NOT_TEXT_TYPES = {"fuyu": "image patches", "emu3": "image tokens of its VQ model"}
 NOT_TEXT_KEYS = ("vision", "audio", "image", "speech", "visual", "encoder", "depth", "codec")
 PASS = "passes"
 MAX_PARAMETERS = 4_000_000
@@ -108,8 +129,13 @@ def tiny_config(model_type: str):
     default = config_class()
     fields = accepted_fields(config_class, default)
     arguments = {name: value for name, value in SIZES.items() if name in fields}
-    if "qk_rope_head_dim" in fields:  # MLA: the config's head_dim is the rotary part's, derived
+    for name, value in default.to_dict().items():
+        small = next((small for pattern, small in PATTERNS if pattern in name), None)
+        if name not in arguments and type(value) is int and value > SMALL and small is not None:
+            arguments[name] = small
+    if "qk_rope_head_dim" in fields:  # MLA: head_dim is the rotary part's (derived), keys expand to every head
         arguments.pop("head_dim", None)
+        arguments["num_key_value_heads"] = arguments.get("num_attention_heads", 4)
     prefix = layer_kinds_prefix(default)
     if prefix is not None:
         arguments["layer_types"] = prefix
@@ -167,6 +193,8 @@ def walk(model_type: str) -> dict:
     except Exception as error:  # noqa: BLE001 - the reason is the row's
         return dict(row, path="skipped", result=f"no tiny config: {one_line(error)}")
     reason = not_text(config)
+    if model_type in NOT_TEXT_TYPES:
+        reason = f"not a text model ({NOT_TEXT_TYPES[model_type]})"
     if reason is not None:
         return dict(row, path="skipped", result=reason)
     try:
@@ -261,7 +289,9 @@ def coverage_rows(model_types: list[str] | None = None, workers: int | None = No
     if workers == 0:  # one by one, each named on stderr first (finding a type that crashes the process)
         return [print(model_type, file=sys.stderr, flush=True) or coverage_row(model_type)
                 for model_type in model_types]
-    with ProcessPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    # Spawned, not forked: a fork of a process whose torch has started its threads can hang or crash.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=torch.set_num_threads, initargs=(1,)) as pool:
         return list(pool.map(coverage_row, model_types, chunksize=1))
 
 

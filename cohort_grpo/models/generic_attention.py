@@ -141,6 +141,9 @@ def cache_attention(module, query, key, value, attention_mask, scaling=None, dro
             attention_mask = attention_mask == 0  # an additive mask: 0 where a key is seen
         out = attend(query, key, value, attention_mask, scaling, **extras, dropout=dropout)
         return out.transpose(1, 2).contiguous(), None
+    width = value.shape[-1]
+    if width < key.shape[-1]:  # values narrower than keys (MLA): padded with zeros, so a cache row holds one shape
+        value = F.pad(value, (0, key.shape[-1] - width))
     layer = module.layer_idx
     window = layer_window(module, module.config, kwargs)
     if step.packed is not None:
@@ -157,7 +160,7 @@ def cache_attention(module, query, key, value, attention_mask, scaling=None, dro
         keys, values = step.cache.keys_values(layer, step.cache_rows, batch, step.cache_len)
         mask = cache_keys_visible(step.positions, step.cache_len, window)[:, None]
         out = attend(query, keys, values, mask, scaling, **extras)
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :width].transpose(1, 2).contiguous(), None
 
 
 def cache_mask(*args, **kwargs):
