@@ -84,6 +84,10 @@ OVERRIDES: dict[str, dict] = {
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
     "dots3_note_text": dict(num_key_value_heads=4),
     "kolibri1_1": dict(index_num_heads=2),
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
+    "gemma3n_text": dict(num_kv_shared_layers=0),
+    "reformer": dict(axial_pos_shape=[8, 8], axial_pos_embds_dim=[32, 32]),
 }
 # Multimodal types whose configs hold no vision or audio sub-config.
 NOT_TEXT_TYPES = {"fuyu": "image patches", "emu3": "image tokens of its VQ model"}
@@ -154,7 +158,8 @@ def tiny_config(model_type: str):
 
 def one_line(error: BaseException) -> str:
     """An exception as one short line: its type and the first line of its message, numbers of float errors cut."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines or [""])[0]
     text = re.sub(r"\s*\(relative error [^)]*\)", "", text)
     text = re.sub(r"0x[0-9a-f]+", "0x…", text)
     return f"{type(error).__name__}: {text[:160]}"
@@ -185,7 +190,7 @@ def quiet():
 
 def walk(model_type: str) -> dict:
     from cohort_grpo.models.generic import TransformersCausalLM
-    from cohort_grpo.models.generic_attention import GenericPathRefused
+    from cohort_grpo.models.generic_attention import GenericPathRefused, refusal
 
     row = dict(type=model_type)
     try:
@@ -201,6 +206,8 @@ def walk(model_type: str) -> dict:
         with torch.device("meta"):
             size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     except Exception as error:  # noqa: BLE001
+        if refusal(config) is not None:  # refused from the config alone, whether or not the tiny model loads
+            return dict(row, path="hf", result=f"refused: {refusal(config)}")
         return dict(row, path="skipped", result=f"does not load: {one_line(error)}")
     if size > MAX_PARAMETERS:
         return dict(row, path="skipped", result=f"the tiny config still has {size:,} parameters (a size field "

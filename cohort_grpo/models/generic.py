@@ -61,9 +61,15 @@ class TransformersCausalLM(nn.Module):
         model = cls(causal_lm)
         try:
             model.kv_cache_geometry = model.probe(own_attention)
-        except GenericPathRefused:
+        except Exception as error:
             causal_lm.config._attn_implementation = own_attention  # it stays transformers' model, as it was
-            raise
+            if isinstance(error, GenericPathRefused):
+                raise
+            # A probe forward that fails (under cohort's attention: a mask the model builds for itself, ...):
+            # transformers' generate serves the model, as for any refusal.
+            failure = (str(error).strip().splitlines() or [""])[0][:120]
+            raise GenericPathRefused(f"{model.model_type}'s probe forward fails ({type(error).__name__}: "
+                                     f"{failure})") from error
         return model
 
     # ---- what cohort reads of a model --------------------------------------------------------------------
