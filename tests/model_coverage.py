@@ -87,6 +87,7 @@ OVERRIDES: dict[str, dict] = {
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
     "gemma3n_text": dict(num_kv_shared_layers=0),
+    "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
     "reformer": dict(axial_pos_shape=[8, 8], axial_pos_embds_dim=[32, 32]),
 }
 # Multimodal types whose configs hold no vision or audio sub-config.
@@ -313,7 +314,8 @@ def render(rows: list[dict]) -> str:
         "`PYTHONPATH=$PWD python tests/model_coverage.py --write docs/models.md`; `tests/test_model_coverage.py` "
         "fails when this page is out of date.",
         "",
-        "Path: `native` — cohort's own implementation (`cohort_grpo/models/modeling.py`); `generic` — transformers' "
+        "Path: `native` — cohort's own implementation (`cohort_grpo/models/modeling.py`); `generic` — "
+        "transformers' "
         "own modules with cohort's attention and KV cache ([speed.md](howto/speed.md#other-decoder-only-models-the-"
         "generic-path)), sampled by cohort's engine; `hf` — transformers' model and `generate` (`--model_impl auto` "
         "says why; `--model_impl cohort` refuses it); `skipped` — not walked.",

@@ -208,8 +208,8 @@ class TransformersCausalLM(nn.Module):
                                      f"interface once per layer (layers served: {served}, of {layers})")
         shapes = {shape for _, key, value in step.served for shape in (key, value)}
         if len(shapes) != 1:
-            raise GenericPathRefused(f"{self.model_type}'s keys and values differ in shape (kv heads, head dim): "
-                                     f"{sorted(shapes)}; a cache row holds one shape")
+            raise GenericPathRefused(f"{self.model_type}'s layers' keys and values differ in shape (kv heads, head "
+                                     f"dim): {sorted(shapes)}; a cache row holds one shape")
         self.check_close(probed, own, "its hidden states through cohort's attention differ from its own")
         self.check_close(head, logits, "its logits are not its head applied to its decoder's output")
         (kv_heads, head_dim), = shapes
