@@ -84,13 +84,16 @@ def active_step(step: AttentionStep):
 
 def layer_window(module, config, given: dict) -> int | None:
     """The sliding window of `module`'s layer: what the module passed, else its own attribute, else the config's
-    layer type (transformers' windows: a query at p sees keys at positions > p - window)."""
+    layer type, else the config's one window (transformers' windows: a query at p sees keys at positions
+    > p - window)."""
     if "sliding_window" in given:
         return given["sliding_window"]
     if getattr(module, "sliding_window", None) is not None:
         return module.sliding_window
     types = getattr(config, "layer_types", None)
-    if types and types[module.layer_idx] == "sliding_attention":
+    if types:
+        return getattr(config, "sliding_window", None) if types[module.layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True):  # one window for every layer, in the model's mask (PhiMoE)
         return getattr(config, "sliding_window", None)
     return None
 
