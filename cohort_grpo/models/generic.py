@@ -10,9 +10,11 @@ transformers' own.
 
 `TransformersCausalLM.wrap` refuses, by name, what it cannot serve: recurrent or linear-attention layers and
 encoder-decoders from the config (`generic_attention.refusal`); then, on a few probe tokens, a model whose
-attention modules do not all come through transformers' attention interface once each, whose keys and values
-differ in shape (a cache row holds one shape), whose attention through cohort's path differs from its own, or
-whose logits are not its head (`LogitHead`) on its decoder's output. Such a model takes transformers' generate.
+attention modules do not all come through transformers' attention interface once each, whose keys differ in
+shape between layers (a cache row holds one shape; values narrower than keys, as in MLA, are padded to the keys'
+width), whose attention through cohort's path differs from its own, whose logits are not its head (`LogitHead`) on
+its decoder's output, or whose decoding over the cache differs from its full forward (positions that come from
+its own cache's length rather than `position_ids`). Such a model takes transformers' generate.
 """
 
 from __future__ import annotations
@@ -60,9 +62,15 @@ class TransformersCausalLM(nn.Module):
         model = cls(causal_lm)
         try:
             model.kv_cache_geometry = model.probe(own_attention)
-        except GenericPathRefused:
+        except Exception as error:
             causal_lm.config._attn_implementation = own_attention  # it stays transformers' model, as it was
-            raise
+            if isinstance(error, GenericPathRefused):
+                raise
+            # A probe forward that fails (under cohort's attention: a mask the model builds for itself, ...):
+            # transformers' generate serves the model, as for any refusal.
+            failure = (str(error).strip().splitlines() or [""])[0][:120]
+            raise GenericPathRefused(f"{model.model_type}'s probe forward fails ({type(error).__name__}: "
+                                     f"{failure})") from error
         return model
 
     # ---- what cohort reads of a model --------------------------------------------------------------------
@@ -212,12 +220,31 @@ class TransformersCausalLM(nn.Module):
                                      f"interface once per layer (layers served: {served}, of {layers})")
         shapes = {shape for _, key, value in step.served for shape in (key, value)}
         if len(shapes) != 1:
-            raise GenericPathRefused(f"{self.model_type}'s keys and values differ in shape (kv heads, head dim): "
-                                     f"{sorted(shapes)}; a cache row holds one shape")
+            raise GenericPathRefused(f"{self.model_type}'s layers' keys and values differ in shape (kv heads, head "
+                                     f"dim): {sorted(shapes)}; a cache row holds one shape")
         self.check_close(probed, own, "its hidden states through cohort's attention differ from its own")
         self.check_close(head, logits, "its logits are not its head applied to its decoder's output")
         (kv_heads, head_dim), = shapes
-        return len(served), kv_heads, head_dim
+        geometry = (len(served), kv_heads, head_dim)
+        self.check_close(self.cached_probe(input_ids, positions, geometry), probed,
+                         "decoding from cohort's cache differs from its full forward (positions not its position_ids?)")
+        return geometry
+
+    def cached_probe(self, input_ids: torch.Tensor, positions: torch.Tensor, geometry) -> torch.Tensor:
+        """The probe's hidden states as the engine computes them: the first half prefilled into a cache, the rest
+        decoded over it (a model whose positions come from its own cache's length, not `position_ids`, differs)."""
+        layers, kv_heads, head_dim = geometry
+        cache = KVCache(layers, 1, kv_heads, PROBE_TOKENS, head_dim, dtype=self.dtype, device=self.device)
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                return torch.cat([self.decoder_hidden(input_ids[:, part], positions[:, part], None,
+                                                      AttentionStep(positions[:, part], cache, None, None,
+                                                                    PROBE_TOKENS))
+                                  for part in (slice(0, PROBE_TOKENS // 2), slice(PROBE_TOKENS // 2, None))], dim=1)
+        finally:
+            self.train(was_training)
 
     def check_close(self, value: torch.Tensor, reference: torch.Tensor, what: str) -> None:
         tolerance = PROBE_TOLERANCE.get(reference.dtype, HALF_PROBE_TOLERANCE)

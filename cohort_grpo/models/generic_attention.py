@@ -84,13 +84,16 @@ def active_step(step: AttentionStep):
 
 def layer_window(module, config, given: dict) -> int | None:
     """The sliding window of `module`'s layer: what the module passed, else its own attribute, else the config's
-    layer type (transformers' windows: a query at p sees keys at positions > p - window)."""
+    layer type, else the config's one window (transformers' windows: a query at p sees keys at positions
+    > p - window)."""
     if "sliding_window" in given:
         return given["sliding_window"]
     if getattr(module, "sliding_window", None) is not None:
         return module.sliding_window
     types = getattr(config, "layer_types", None)
-    if types and types[module.layer_idx] == "sliding_attention":
+    if types:
+        return getattr(config, "sliding_window", None) if types[module.layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True):  # one window for every layer, in the model's mask (PhiMoE)
         return getattr(config, "sliding_window", None)
     return None
 
@@ -141,6 +144,9 @@ def cache_attention(module, query, key, value, attention_mask, scaling=None, dro
             attention_mask = attention_mask == 0  # an additive mask: 0 where a key is seen
         out = attend(query, key, value, attention_mask, scaling, **extras, dropout=dropout)
         return out.transpose(1, 2).contiguous(), None
+    width = value.shape[-1]
+    if width < key.shape[-1]:  # values narrower than keys (MLA): padded with zeros, so a cache row holds one shape
+        value = F.pad(value, (0, key.shape[-1] - width))
     layer = module.layer_idx
     window = layer_window(module, module.config, kwargs)
     if step.packed is not None:
@@ -157,7 +163,7 @@ def cache_attention(module, query, key, value, attention_mask, scaling=None, dro
         keys, values = step.cache.keys_values(layer, step.cache_rows, batch, step.cache_len)
         mask = cache_keys_visible(step.positions, step.cache_len, window)[:, None]
         out = attend(query, keys, values, mask, scaling, **extras)
-    return out.transpose(1, 2).contiguous(), None
+    return out[..., :width].transpose(1, 2).contiguous(), None
 
 
 def cache_mask(*args, **kwargs):
