@@ -31,7 +31,15 @@ def test_types_the_page_marks_passing_still_pass(rows):
 
 
 def test_page_is_up_to_date(rows):
-    assert PAGE.read_text() == render(rows), (
+    import re
+    import transformers
+
+    page = PAGE.read_text()
+    generated_for = re.search(r"Generated for transformers (\S+) ", page).group(1)
+    if generated_for != transformers.__version__:  # another release has other types: the page is its version's
+        pytest.skip(f"docs/models.md was generated for transformers {generated_for}, {transformers.__version__} is "
+                    "installed: regenerate it with that version to compare")
+    assert page == render(rows), (
         "docs/models.md is out of date: PYTHONPATH=$PWD python tests/model_coverage.py --write docs/models.md")
 
 
