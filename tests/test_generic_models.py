@@ -206,6 +206,8 @@ def test_recurrent_and_encoder_decoder_models_are_refused_by_name(tmp_path):
     unknown_hybrid = SimpleNamespace(model_type="some_hybrid", layer_types=["full_attention", "linear_attention"])
     assert "some_hybrid has layers of type linear_attention" in refusal(unknown_hybrid)
     assert refusal(transformers.Gemma3TextConfig()) is None
+    # Doge's mask holds learned values: wrapped, its logits differed from its own forward's (docs/models.md).
+    assert "doge's attention mask carries learned values" in refusal(transformers.DogeConfig())
     config = transformers.Qwen3NextConfig(**dict(GQA, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
                                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                  shared_expert_intermediate_size=32))

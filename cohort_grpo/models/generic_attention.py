@@ -35,6 +35,10 @@ RECURRENT_MODEL_TYPES = {
     "qwen3_5_moe_text", "qwen3_next", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2",
 }
 
+# Attention whose mask carries learned values (Doge's dynamic mask): cohort's cached attention applies only the
+# causal and window structure, so its logits would differ from the model's own.
+MASK_VALUED_MODEL_TYPES = {"doge"}
+
 
 class GenericPathRefused(CohortError):
     """A model the generic path cannot serve (the message says why); it takes transformers' generate instead."""
@@ -48,6 +52,8 @@ def refusal(config) -> str | None:
         return f"{model_type} is an encoder-decoder"
     if model_type in RECURRENT_MODEL_TYPES:
         return f"{model_type} has recurrent (state-space or linear-attention) layers, which keep no keys and values"
+    if model_type in MASK_VALUED_MODEL_TYPES:
+        return f"{model_type}'s attention mask carries learned values, which cohort's cached attention does not apply"
     other = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYER_TYPES)
     if other:
         return f"{model_type} has layers of type {', '.join(other)}, which cohort's KV cache does not hold"
