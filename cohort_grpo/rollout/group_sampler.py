@@ -79,10 +79,13 @@ class GroupSampler:
                  for ids, m in zip(rollout.completion_ids, rollout.completion_mask)]
         return [[{"role": "assistant", "content": t}] for t in texts] if isinstance(rows[0]["prompt"], list) else texts
 
-    def encode_prompt(self, prompt, tools: list[dict] | None = None) -> list[int]:
-        # the same rendering as evaluation and SFT
+    def prompt_ids(self, prompt, tools: list[dict] | None = None) -> list[int]:
+        """The prompt's tokens, whole: the same rendering as evaluation and SFT."""
         text = prompt_text(self.tokenizer, prompt, tools, self.args.chat_template_kwargs)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_prompt(self, prompt, tools: list[dict] | None = None) -> list[int]:
+        ids = self.prompt_ids(prompt, tools)
         limit = self.args.max_prompt_length
         if len(ids) > limit:
             if self.args.long_prompts == "truncate_left":
@@ -100,18 +103,19 @@ class GroupSampler:
         if self.toolbox is not None and self.toolbox.environment_factory is not None:
             return
         limit, cut = self.args.max_prompt_length, 0
+        def where(index: int) -> str:
+            return origin(index) if origin is not None else f"{name} row {index}"
+
         for index, row in enumerate(rows):
-            where = origin(index) if origin is not None else f"{name} row {index}"
             try:
-                text = prompt_text(self.tokenizer, row["prompt"], self.schemas, self.args.chat_template_kwargs)
+                length = len(self.prompt_ids(row["prompt"], self.schemas))
             except Exception as error:  # noqa: BLE001 - a template's own error, named with its row
-                raise CohortError(f"{where}: the prompt cannot be rendered with the chat template "
+                raise CohortError(f"{where(index)}: the prompt cannot be rendered with the chat template "
                                   f"({exception_line(error)}); fix or drop that row") from error
-            length = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             if length <= limit:
                 continue
             if self.args.long_prompts != "truncate_left":
-                raise CohortError(f"{where}: the prompt has {length} tokens, more than max_prompt_length={limit}; "
+                raise CohortError(f"{where(index)}: the prompt has {length} tokens, more than max_prompt_length={limit}; "
                                   f"{LONG_PROMPT_FIX}")
             cut += 1
         if cut:

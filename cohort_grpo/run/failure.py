@@ -78,11 +78,11 @@ def saved_line(folder: Path) -> str:
     return f"{folder.name} saved in {folder.parent} — {RESUME_HINT}"
 
 
-def newest_line(out: Path, why: str) -> str:
-    """No checkpoint of the last step (`why`): the newest there is, or that there is none."""
-    complete = [f for f in list_checkpoints(out) if check_checkpoint(f, hashes=False) is None]
-    if complete:
-        return f"{why}; the newest checkpoint is {complete[-1].name} in {out} — {RESUME_HINT}"
+def newest_line(out: Path, why: str, newest: Path | None) -> str:
+    """No checkpoint of the last step (`why`): the newest there is (`newest`, from `newest_checkpoint`), or that
+    there is none."""
+    if newest is not None:
+        return f"{why}; the newest checkpoint is {newest.name} in {out} — {RESUME_HINT}"
     return f"{why}; no checkpoint exists, the run starts again from step 0"
 
 
@@ -150,20 +150,21 @@ def keep_failed_run(error: Exception, *, last: StepEnd | None, now: Callable[[],
         if resumed_from is None:
             return None
         hint = saved_line(resumed_from) if resumed_from.parent.resolve() == out.resolve() else newest_line(
-            out, f"the run resumed from {resumed_from}")
+            out, f"the run resumed from {resumed_from}", newest_checkpoint(out))
         return with_hint(error, hint, resumed_from, None)
     step = last.state.step
-    current = now()
-    if current.optimizer_steps != last.optimizer_steps:
-        hint = newest_line(out, f"no checkpoint of step {step} could be written: the failure came after step "
-                                f"{step + 1} changed the weights")
-        return with_hint(error, hint, newest_checkpoint(out), step + 1)
+
+    def kept_elsewhere(why: str) -> Exception:
+        newest = newest_checkpoint(out)
+        return with_hint(error, newest_line(out, why, newest), newest, step + 1)
+
+    if now().optimizer_steps != last.optimizer_steps:
+        return kept_elsewhere(f"no checkpoint of step {step} could be written: the failure came after step "
+                              f"{step + 1} changed the weights")
     if last.inexact is not None:
-        hint = newest_line(out, f"no checkpoint of step {step} could be written: {last.inexact}")
-        return with_hint(error, hint, newest_checkpoint(out), step + 1)
+        return kept_elsewhere(f"no checkpoint of step {step} could be written: {last.inexact}")
     try:
         folder = save_once(step, last)
     except Exception as save_error:  # noqa: BLE001 - the training error stays the one raised
-        hint = newest_line(out, f"writing checkpoint-{step} failed too ({exception_line(save_error)})")
-        return with_hint(error, hint, newest_checkpoint(out), step + 1)
+        return kept_elsewhere(f"writing checkpoint-{step} failed too ({exception_line(save_error)})")
     return with_hint(error, saved_line(folder), folder, step + 1)
