@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +108,19 @@ def test_known_options_become_keywords(message, python):
 ])
 def test_other_text_is_left_alone(message):
     assert python_spelling(message) == message
+
+
+@pytest.mark.parametrize("module", ["cohort_grpo.errors", "cohort_grpo.kernels", "cohort_grpo.optim.precision"])
+def test_a_message_reads_as_python_in_an_interpreter_that_imported_one_module_alone(module):
+    """What a caller imported first, or which test ran before, does not change a message: a fresh interpreter
+    that imports one module (the errors themselves, a room below the config, one above it) and nothing else
+    of cohort's shows a message in keywords."""
+    code = (f"import {module}\nfrom cohort_grpo.errors import CohortError\n"
+            "print(CohortError('pass --resume to continue it, or give --max_staleness 1 or more'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "pass resume=True to continue it, or give max_staleness=1 or more"
 
 
 # ---- the default output_dir ------------------------------------------------------------------------
