@@ -100,7 +100,7 @@ def test_fixed_seed_reproduces_and_seeds_differ(qwen_pair):
     assert len({tuple(row) for row in a.completion_ids.tolist()}) > 1, "samples of one prompt should differ"
 
 
-def test_sampling_logprobs_equal_full_forward(qwen_pair):
+def test_sampling_logprobs_equal_the_full_forwards_truncated_distribution(qwen_pair):
     _, model = qwen_pair
     temperature = 0.7
     rollout = Engine(model, max_batch_size=3, check_interval=4).generate(
@@ -111,8 +111,9 @@ def test_sampling_logprobs_equal_full_forward(qwen_pair):
         completion = rollout.completion_ids[row, :count]
         with torch.no_grad():
             logits = model(torch.tensor([prompt + completion.tolist()]))[0].float()
-        # logits at position t predict token t + 1: the completion's tokens are predicted from len(prompt) - 1 on
-        expected = torch.log_softmax(logits[len(prompt) - 1: -1] / temperature, dim=-1)
+        # logits at position t predict token t + 1: the completion's tokens are predicted from len(prompt) - 1 on;
+        # the log-prob is of the distribution drawn from, renormalised over the top-p set
+        expected = torch.log_softmax(top_p_filter(logits[len(prompt) - 1: -1] / temperature, 0.9), dim=-1)
         expected = expected.gather(-1, completion[:, None]).squeeze(-1)
         torch.testing.assert_close(rollout.logprobs[row, :count], expected, atol=1e-4, rtol=0)
         assert (rollout.logprobs[row, count:] == 0).all()
@@ -337,8 +338,8 @@ def test_sample_frequencies_follow_the_filtered_distribution():
     counts = torch.bincount(tokens, minlength=6).double() / tokens.numel()
     assert counts[4:].sum() == 0, "tokens outside the top-k must never be sampled"
     assert torch.allclose(counts[:4], expected, atol=0.01)
-    # log-probs are of the temperature-scaled distribution before filtering
-    assert torch.allclose(logprobs, torch.log_softmax(base / 0.8, -1)[tokens], atol=1e-6)
+    # log-probs are of the distribution drawn from: temperature-scaled, renormalised over the top-k
+    assert torch.allclose(logprobs.double(), expected.log()[tokens], atol=1e-6)
 
 
 def test_counter_based_noise_is_gumbel_and_keyed_by_seed_draw_and_row():

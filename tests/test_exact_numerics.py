@@ -34,6 +34,7 @@ from cohort_grpo.models import CausalLM, ModelConfig  # noqa: E402
 from cohort_grpo.models.exact_layers import use_exact_numerics  # noqa: E402
 from cohort_grpo.rollout import Engine  # noqa: E402
 from cohort_grpo.rollout.sampler import SamplingParams  # noqa: E402
+from cohort_grpo.rollout.sampling import Truncation  # noqa: E402
 from cohort_grpo.update.fused_head import micro_batch_policy_loss  # noqa: E402
 from cohort_grpo.update.logprobs import rollout_logprobs  # noqa: E402
 from cohort_grpo.rollout.layout import Layout  # noqa: E402
@@ -208,9 +209,9 @@ def test_fused_projections_give_the_separate_projections_bits(family, monkeypatc
 
 
 # ---- (c) the engine against the trainer ------------------------------------------------------------
-def sample(model: CausalLM, max_batch_size: int):
+def sample(model: CausalLM, max_batch_size: int, **truncation):
     engine = Engine(model, max_batch_size=max_batch_size, check_interval=4)
-    params = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, pad_token_id=0, eos_token_ids=[5])
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, pad_token_id=0, eos_token_ids=[5], **truncation)
     return engine.generate(PROMPTS, GENERATIONS, params)
 
 
@@ -226,6 +227,34 @@ def test_engine_logprobs_equal_the_trainers_bitwise():
         old_logp = rollout_logprobs(model, rows, rollout.completion_ids, rollout.completion_mask, pad_id=0,
                                     max_rows=max_rows, temperature=0.8, layout=Layout(shared=shared))
         assert torch.equal(old_logp[mask], rollout.logprobs.float()[mask]), (shared, max_rows)
+
+
+@pytest.mark.parametrize("cut", [dict(top_k=5), dict(top_p=0.8), dict(min_p=0.2),
+                                 dict(top_k=12, top_p=0.9, min_p=0.05)])
+def test_under_truncation_the_engine_the_no_grad_pass_and_the_trained_forward_agree_bitwise(cut):
+    """Top-k, top-p, min-p: the engine records the truncated distribution's log-prob (its kept set by
+    `kept_logits` over the head's logits), π_old's pass and π_θ's fused head compute the same bits."""
+    model = build("llama")
+    model.set_numerics("exact")
+    rollout = sample(model, max_batch_size=4, **cut)
+    truncation = Truncation(**cut)
+    mask = rollout.completion_mask.bool()
+    rows = [p for p in PROMPTS for _ in range(GENERATIONS)]
+    for shared, max_rows in ((True, 8), (False, 3)):
+        old_logp = rollout_logprobs(model, rows, rollout.completion_ids, rollout.completion_mask, pad_id=0,
+                                    max_rows=max_rows, temperature=0.8, layout=Layout(shared=shared),
+                                    truncation=truncation)
+        assert torch.equal(old_logp[mask], rollout.logprobs.float()[mask]), (shared, max_rows)
+    full = rollout_logprobs(model, rows, rollout.completion_ids, rollout.completion_mask, pad_id=0, max_rows=8,
+                            temperature=0.8, layout=Layout(shared=True))
+    assert (old_logp[mask] - full[mask]).max() > 1e-3  # the kept mass: not the full softmax's log-prob
+    model.train()
+    micro = pack(rows, rollout.completion_ids, rollout.completion_mask, list(range(len(rows))), 0, Layout(shared=True))
+    out = micro_batch_policy_loss(model, micro, old_logp=None, ref_logp=None,
+                                  advantages=torch.linspace(-1, 1, len(rows)), loss_mask=micro.completion_mask,
+                                  temperature=0.8, truncation=truncation)
+    trained_mask = micro.completion_mask.bool()
+    assert torch.equal(out.logp[trained_mask], rollout.logprobs.float()[micro.row_index][trained_mask])
 
 
 def test_the_trained_forward_equals_pi_old_bitwise_and_its_gradient_is_the_fast_paths():

@@ -17,6 +17,9 @@ from cohort_grpo.models import CausalLM, ModelConfig  # noqa: E402
 from cohort_grpo.rollout import Engine  # noqa: E402
 from cohort_grpo.rollout.layout import Layout  # noqa: E402
 from cohort_grpo.rollout.sampler import SamplingParams  # noqa: E402
+from cohort_grpo.rollout.sampling import Truncation  # noqa: E402
+from cohort_grpo.update.fused_head import micro_batch_policy_loss  # noqa: E402
+from cohort_grpo.update.packing import pack  # noqa: E402
 from cohort_grpo.update.logprobs import rollout_logprobs  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -107,6 +110,35 @@ def test_gpu_engine_logprobs_equal_the_trainers_bitwise(family):
                                     max_rows=max_rows, temperature=0.9, layout=Layout(shared=shared))
         difference = (old_logp[mask] - rollout.logprobs.float()[mask]).abs().max().item()
         assert difference == 0.0, (family, shared, max_rows, difference)
+
+
+@pytest.mark.parametrize("cut", [dict(top_k=20), dict(top_p=0.8), dict(min_p=0.1),
+                                 dict(top_k=50, top_p=0.9, min_p=0.02)])
+def test_gpu_engine_logprobs_equal_the_trainers_bitwise_under_truncation(cut):
+    """Top-k, top-p, min-p through CUDA-graph decode: the engine records the truncated distribution's log-prob;
+    π_old's pass (three layouts) and π_θ's fused head compute the same bits."""
+    model = random_model("qwen3")
+    prompts = [[1 + (7 * i + j) % 500 for j in range(5 + 3 * i)] for i in range(12)]
+    generations = 4
+    params = SamplingParams(max_new_tokens=48, temperature=0.9, seed=3, pad_token_id=0, eos_token_ids=[5], **cut)
+    rollout = Engine(model, max_batch_size=16).generate(prompts, generations, params)
+    mask = rollout.completion_mask.bool()
+    assert mask.sum() > 1000
+    rows = [p for p in prompts for _ in range(generations)]
+    for shared, max_rows in ((True, 48), (False, 7), (True, 5)):
+        old_logp = rollout_logprobs(model, rows, rollout.completion_ids, rollout.completion_mask, pad_id=0,
+                                    max_rows=max_rows, temperature=0.9, layout=Layout(shared=shared),
+                                    truncation=Truncation.of(params))
+        difference = (old_logp[mask] - rollout.logprobs.float()[mask]).abs().max().item()
+        assert difference == 0.0, (cut, shared, max_rows, difference)
+    model.train()
+    micro = pack(rows[:16], rollout.completion_ids[:16], rollout.completion_mask[:16], list(range(16)), 0,
+                 Layout(shared=True)).to(CUDA)
+    out = micro_batch_policy_loss(model, micro, old_logp=None, ref_logp=None, advantages=torch.linspace(-1, 1, 16,
+                                  device=CUDA), loss_mask=micro.completion_mask, temperature=0.9,
+                                  truncation=Truncation.of(params))
+    trained = micro.completion_mask.bool()
+    assert torch.equal(out.logp[trained].cpu(), rollout.logprobs.float()[micro.row_index.cpu()][trained.cpu()])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -208,10 +208,10 @@ def test_gathers_per_step_are_as_documented(ranks, name):
     if temperature == 0 or (top_k == 0 and top_p == 1.0 and min_p == 0):
         assert shapes == [[batch, 5]]
     elif top_k > 0:
-        assert shapes == [[batch, top_k + 3], [batch, 3]]
+        assert shapes == [[batch, top_k + 3], [batch, 5]]  # the last: best draw, kept log-sum-exp
     elif top_p < 1.0:
         vocab, first = SPLITS[split]
-        assert shapes[0] == [batch, min(64, vocab) + 3] and shapes[-1] == [batch, 3]
+        assert shapes[0] == [batch, min(64, vocab) + 3] and shapes[-1] == [batch, 5]
         counts = [shape[1] - 1 for shape in shapes[1:-1]]  # each round doubles, until the lists are whole slices
         assert counts == [min(64 * 2**i, vocab) for i in range(1, len(counts) + 1)]
         if len(counts) >= 2:  # no round after the lists were whole slices
@@ -219,7 +219,7 @@ def test_gathers_per_step_are_as_documented(ranks, name):
         if kind in ("flat", "plateaus"):  # the rounds are exercised
             assert len(counts) >= (2 if vocab >= 1000 else 1)
     else:
-        assert shapes == [[batch, 2], [batch, 3]]
+        assert shapes == [[batch, 2], [batch, 5]]
 
 
 

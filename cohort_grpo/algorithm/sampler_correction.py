@@ -3,6 +3,11 @@ whose arithmetic is not the trainer's (bf16 kernels, another engine, an older po
 `sampling/*` metrics of how far apart the two are. Yao et al. 2025, "Your Efficient RL Framework
 Secretly Brings You Off-Policy RL Training" (truncated importance sampling); TRL 1.16's masked and
 sequence variants. `objectives.policy_loss` weighs its surrogate term by these weights.
+
+Under top-k, top-p or min-p both log-probs are of the truncated, renormalised distribution each side's logits
+give (the sampler's is the one it drew from; the trainer's π_old is cut the same way, rollout/sampling.py's
+`kept_logits`), so a weight is the arithmetic or staleness gap and never the kept mass (docs/concepts.md,
+"Truncated sampling").
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from torch import Tensor
 
 
 def sampler_log_ratio(trainer_logp: Tensor, sampling_logp: Tensor, mask: Tensor, correction: str) -> Tensor:
-    """log(π_trainer / π_sampler) of the sampled tokens: `[B, T]` for the token-level corrections,
-    `[B, 1]` (summed over each completion) for the sequence-level ones; 0 off the mask."""
+    """log(π_trainer / π_sampler) of the sampled tokens (both truncated alike when the sampling is): `[B, T]`
+    for the token-level corrections, `[B, 1]` (summed over each completion) for the sequence-level ones; 0 off
+    the mask."""
     diff = torch.nan_to_num((trainer_logp - sampling_logp) * mask.to(trainer_logp.dtype), nan=0.0)
     return diff.sum(dim=1, keepdim=True) if correction.startswith("sequence") else diff
 

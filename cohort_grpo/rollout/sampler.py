@@ -44,7 +44,8 @@ class Rollout(RowRecord):
     completion_ids: torch.Tensor = record_field(COMPLETION, pad=PAD_TOKEN)
     # [B, T] long, 1 on generated tokens up to and including the first EOS
     completion_mask: torch.Tensor = record_field(COMPLETION)
-    # [B, T] float32 sampling log-probs (after temperature), or None
+    # [B, T] float32 log-probs of the distribution each token was drawn from (temperature, then top-k / top-p /
+    # min-p renormalised: rollout/sampling.py), or None
     logprobs: torch.Tensor | None = record_field(COMPLETION)
     finish_reasons: list[str] = record_field()  # "stop" (EOS or stop string) or "length"
     # Multi-turn rollouts (cohort_grpo/rollout/turns.py): [B, T] long, 1 on tokens the model sampled, 0 on

@@ -2,9 +2,11 @@
 
 Small pure functions over a `[B, V]` float logits tensor. Filters return new logits with the
 removed tokens set to -inf; the order of application follows Hugging Face's logits warpers
-(temperature, top-k, top-p, min-p). The recorded log-prob of a sampled token is taken from the
-temperature-scaled distribution *before* filtering, as the `Rollout` contract in
-docs/architecture.md specifies (it is the distribution the GRPO importance ratio refers to).
+(temperature, top-k, top-p, min-p). The recorded log-prob of a sampled token is that of the
+distribution it was drawn from: softmax at the temperature over the tokens the filters keep,
+renormalised (`Truncation`; the full softmax when no filter is on). The trainer computes its log π_old
+and log π_θ in the same family (`kept_logits`), so the GRPO ratio and the sampler correction compare
+like with like (docs/concepts.md, "Truncated sampling").
 
 References: top-k (Fan et al. 2018, "Hierarchical Neural Story Generation"), top-p / nucleus
 (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration"), min-p (Nguyen et al.
@@ -14,6 +16,7 @@ References: top-k (Fan et al. 2018, "Hierarchical Neural Story Generation"), top
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -71,6 +74,43 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
     """Apply top-k, then top-p, then min-p (Hugging Face's warper order)."""
     return min_p_filter(top_p_filter(top_k_filter(logits, top_k), top_p), min_p)
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """Which tokens a sampled distribution keeps: top-k, then top-p, then min-p over softmax at the temperature;
+    the others get probability 0 and the kept ones are renormalised. The engine draws from it, and every log-prob
+    the loss compares (the sampler's, π_old's, π_θ's, π_ref's) is of it."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @classmethod
+    def of(cls, settings) -> "Truncation | None":
+        """The truncation of `settings` (a `GRPOConfig` or `SamplingParams`: temperature, top_k, top_p, min_p), or
+        None where nothing is cut: no filter on, or greedy (temperature 0) decoding, which filters nothing."""
+        truncation = cls(settings.top_k or 0, settings.top_p, settings.min_p or 0.0)
+        greedy = settings.temperature is not None and settings.temperature <= 0.0
+        return None if greedy or not truncation.cuts else truncation
+
+    @property
+    def cuts(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def kept_logits(logits: torch.Tensor, tokens: torch.Tensor, inv_temperature: float,
+                truncation: Truncation) -> torch.Tensor:
+    """`logits` [n, V] (their dtype) with -inf in place of each token `truncation` drops from
+    softmax(logits · inv_temperature), each row's `tokens` [n] always kept: the log-softmax of the result at
+    that temperature is the truncated distribution's. The sampled token is in its row's kept set wherever the
+    row's logits are those it was drawn from; kept regardless, a token the trainer's logits (rounded
+    differently) would have cut still gets a finite log-prob for the sampler correction to weigh. The engine's
+    exact-numerics sampler and the trainer run this one function, so equal logits give equal bits."""
+    scaled = logits.float() * inv_temperature
+    dropped = torch.isneginf(filter_logits(scaled, truncation.top_k, truncation.top_p, truncation.min_p))
+    dropped[torch.arange(len(tokens), device=tokens.device), tokens] = False
+    return logits.masked_fill(dropped, NEG_INF)
 
 
 def _int32(constant: int) -> int:
@@ -139,9 +179,11 @@ def sample_from_logits(
     draw: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; return `(tokens [B] long, logprobs [B] float32)`.
+    """Draw one token per row; return `(tokens [B] long, logprobs [B] float32)`: each token's log-prob in
+    the distribution it was drawn from, softmax(logits / temperature) over the tokens top-k, top-p and
+    min-p keep, renormalised (`Truncation`).
 
-    Temperature 0 means greedy (argmax); its log-prob is then taken at temperature 1. Sampling
+    Temperature 0 means greedy (argmax); its log-prob is then taken at temperature 1, unfiltered. Sampling
     uses the Gumbel-max trick (Gumbel 1954; Maddison et al. 2014): argmax(l_i + g_i) with g_i ~
     Gumbel(0, 1) picks token i with probability softmax(l)_i, so no softmax or cumulative sum of
     the filtered logits is needed. The noise is `gumbel_noise(seed, draw, rows)`: the same
@@ -163,10 +205,14 @@ def sample_with_head_logprobs(logits: torch.Tensor, temperature: float = 1.0, to
                               min_p: float = 0.0, seed: torch.Tensor | None = None, draw: torch.Tensor | None = None,
                               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_from_logits`'s tokens, each with the log-prob the trainer's LM head computes from the same
-    logits (`kernels/logprobs.py`, at 1 / temperature, 1 when greedy): the engine's sampler under exact
-    numerics, where the two must be the same bits (cohort_grpo/models/exact_layers.py)."""
+    logits (`kernels/logprobs.py`, at 1 / temperature, 1 when greedy; over `kept_logits` when top-k, top-p
+    or min-p cut): the engine's sampler under exact numerics, where the two must be the same bits
+    (cohort_grpo/models/exact_layers.py)."""
     tokens, _ = sample_from_logits(logits, temperature, top_k, top_p, min_p, seed=seed, draw=draw, rows=rows)
     inv_temperature = 1.0 / temperature if temperature > 0.0 else 1.0
+    truncation = Truncation(top_k, top_p, min_p)
+    if temperature > 0.0 and truncation.cuts:
+        logits = kept_logits(logits, tokens, inv_temperature, truncation)
     return tokens, head_kernels.chunk_logprob_stats(logits, tokens, inv_temperature)[0]
 
 
@@ -182,7 +228,7 @@ def _sample(logits, temperature: float, top_k: int, top_p: float, min_p: float, 
     scaled = scale_by_temperature(logits, temperature)
     filtered = filter_logits(scaled, top_k, top_p, min_p)
     tokens = (filtered + noise).argmax(dim=-1)
-    return tokens, _token_logprobs(scaled, tokens)
+    return tokens, _token_logprobs(filtered, tokens)  # the distribution drawn from: renormalised over the kept
 
 
 def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,11 @@ slice, and only the reductions travel.
   (`sampling.gumbel_noise`), so a rank computes its columns' perturbed scores bit for bit as one
   process does. The token is the best (score, index) pair over ranks, a tie going to the lowest
   index as torch.argmax's does.
-- Log-prob (of the temperature-scaled distribution before filtering, as `sample_from_logits`):
-  the row's log-sum-exp from each rank's (max, sum of exp relative to it), merged as the online
-  softmax normaliser merges chunks (Milakov & Gimelshein 2018, "Online normalizer calculation for
-  softmax").
+- Log-prob (of the distribution drawn from, the temperature-scaled softmax renormalised over the
+  tokens the filters keep, as `sample_from_logits`): the log-sum-exp of the row's kept tokens from
+  each rank's (max, sum of exp relative to it), merged as the online softmax normaliser merges
+  chunks (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"); it travels in the
+  gather of the ranks' best draws.
 - top-k: the k-th largest logit of the row is among the union of the ranks' own k largest, so
   the ranks gather k values each (and, for ties at their k-th value, how many equal it).
 - top-p: the cut needs the mass of the most probable tokens in order. With top-k on, the top-k
@@ -40,9 +41,9 @@ one process's within float32 rounding of the log-sum-exp (the last step, logit -
 the same float32 subtraction).
 
 Collectives per call, all-gathers of float64 tensors of B rows (B = batch) from each rank:
-greedy or plain temperature: one [B, 5]; min-p alone: [B, 2] then [B, 3]; top-k (with or without
-top-p and min-p): [B, k + 3] then [B, 3]; top-p without top-k: [B, 64 + 3], then [B, c + 1] for each
-doubling c (up to the vocabulary size) while some row's cut is not found, then [B, 3]. Only that
+greedy or plain temperature: one [B, 5]; min-p alone: [B, 2] then [B, 5]; top-k (with or without
+top-p and min-p): [B, k + 3] then [B, 5]; top-p without top-k: [B, 64 + 3], then [B, c + 1] for each
+doubling c (up to the vocabulary size) while some row's cut is not found, then [B, 5]. Only that
 last mode reads anything on the host (whether to gather again), so the others can be captured in
 a CUDA graph. The slices are checked once, at set-up, by `check_vocab_slices`.
 """
@@ -96,10 +97,13 @@ def sample_vocab_parallel(
     top_k = top_k if 0 < top_k < vocab_size else 0
     if top_k == 0 and top_p >= 1.0 and min_p <= 0.0:
         return draw_unfiltered(scaled, perturbed, vocab_start, group)
-    keep, logsumexp = filtered_tokens(scaled, top_k, top_p, min_p, vocab_size, group)
+    keep, _ = filtered_tokens(scaled, top_k, top_p, min_p, vocab_size, group)
     filtered = perturbed.masked_fill(~keep, NEG_INF)
-    tokens, chosen = merge_draws(gather_from_ranks(best_draw(filtered, scaled, vocab_start), group))
-    return tokens, chosen.float() - logsumexp.float()
+    local = torch.cat([best_draw(filtered, scaled, vocab_start), max_and_sumexp(scaled.masked_fill(~keep, NEG_INF))],
+                      dim=1)
+    gathered = gather_from_ranks(local, group)
+    tokens, chosen = merge_draws(gathered[..., :3])
+    return tokens, chosen.float() - merged_logsumexp(gathered[..., 3], gathered[..., 4]).float()
 
 
 def reads_host(temperature: float, top_k: int, top_p: float, min_p: float, vocab_size: int) -> bool:

@@ -27,8 +27,9 @@ from torch import Tensor
 
 from cohort_grpo.algorithm.loss_spec import BatchShare, LossSpec
 from cohort_grpo.algorithm.objectives import DEFAULT_SPEC, PolicyLossOutput, policy_loss
+from cohort_grpo.rollout.sampling import Truncation
 from cohort_grpo.update.logprobs import (accumulate_chunk_grads, chunk_rows_for, completion_hidden, head_functions,
-                       micro_batch_logprobs, model_numerics, scatter_to_rows, supports_hidden)
+                       micro_batch_logprobs, model_numerics, scatter_to_rows, supports_hidden, truncated_stats)
 from cohort_grpo.update.packing import MicroBatch
 
 # ℓ(log π, entropy, token rows, token cols) for the tokens of one chunk, in the micro-batch's [b, T] layout
@@ -41,7 +42,7 @@ class _HeadWithTokenLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, weights: Tensor, token_loss: Callable,
-                temperature: float, chunk: int, numerics: str):
+                temperature: float, chunk: int, numerics: str, truncation: Truncation | None):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp)
@@ -53,7 +54,8 @@ class _HeadWithTokenLoss(torch.autograd.Function):
         for start in range(0, n, chunk):
             part = slice(start, start + chunk)
             logits = logits_of(hidden[part], weight)
-            chunk_logp, chunk_entropy, lse = stats(logits, tokens[part], inv_temperature)
+            chunk_logp, chunk_entropy, lse, kept_lse = truncated_stats(stats, logits, tokens[part], inv_temperature,
+                                                                       truncation)
             logp[part], entropy[part] = chunk_logp, chunk_entropy
             with torch.enable_grad():
                 logp_leaf = chunk_logp.detach().requires_grad_()
@@ -65,7 +67,8 @@ class _HeadWithTokenLoss(torch.autograd.Function):
             if grad_hidden is not None or grad_weight is not None:
                 grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
                 accumulate_chunk_grads(logits, hidden, weight, tokens[part], lse, chunk_entropy, grad_logp,
-                                       grad_entropy, inv_temperature, part, grad_hidden, grad_weight)
+                                       grad_entropy, inv_temperature, part, grad_hidden, grad_weight, truncation,
+                                       kept_lse)
         ctx.grads = grad_hidden, grad_weight
         ctx.mark_non_differentiable(logp, entropy)
         return loss, logp, entropy
@@ -79,24 +82,28 @@ class _HeadWithTokenLoss(torch.autograd.Function):
             grad_hidden.mul_(scale.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight.mul_(scale.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def head_with_token_loss(hidden: Tensor, weight: Tensor, tokens: Tensor, weights: Tensor,
                          token_loss: Callable[[Tensor, Tensor, slice], Tensor], temperature: float = 1.0,
-                         chunk_rows: int | None = None, numerics: str = "fast") -> tuple[Tensor, Tensor, Tensor]:
+                         chunk_rows: int | None = None, numerics: str = "fast",
+                         truncation: Truncation | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, log π [N], entropy [N]) with loss = Σ_t weights_t · token_loss(log π, H, chunk)_t over the
-    head's softmax(hidden W^T / temperature); log π and H carry no gradient, the loss does."""
+    head's softmax(hidden W^T / temperature) (log π over the tokens `truncation` keeps, when given); log π
+    and H carry no gradient, the loss does."""
     chunk = chunk_rows or chunk_rows_for(weight.shape[0])
     return _HeadWithTokenLoss.apply(hidden, weight, tokens, weights, token_loss, float(temperature), int(chunk),
-                                    numerics)
+                                    numerics, truncation)
 
 
 class FusedHead:
     """`model`'s LM head over `micro`'s completion tokens as a `objectives.FusedTokenLossHead`."""
 
-    def __init__(self, model, micro: MicroBatch, temperature: float = 1.0, chunk_rows: int | None = None):
+    def __init__(self, model, micro: MicroBatch, temperature: float = 1.0, chunk_rows: int | None = None,
+                 truncation: Truncation | None = None):
         self.model, self.micro, self.temperature, self.chunk_rows = model, micro, temperature, chunk_rows
+        self.truncation = truncation
 
     def weighted_token_loss(self, token_loss: TokenLoss, weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(Σ_t w_t ℓ_t, log π [b, T], entropy [b, T]) over the micro-batch's completion tokens."""
@@ -109,7 +116,7 @@ class FusedHead:
         hidden, weight, tokens = completion_hidden(self.model, micro)
         loss, token_logp, token_entropy = head_with_token_loss(hidden, weight, tokens, weights[rows, cols], chunk_loss,
                                                                self.temperature, self.chunk_rows,
-                                                               model_numerics(self.model))
+                                                               model_numerics(self.model), self.truncation)
         return loss, scatter_to_rows(token_logp, micro), scatter_to_rows(token_entropy, micro)
 
 
@@ -117,7 +124,7 @@ def micro_batch_policy_loss(model, micro: MicroBatch, *, old_logp: Tensor | None
                             advantages: Tensor, loss_mask: Tensor, spec: LossSpec = DEFAULT_SPEC,
                             share: BatchShare | None = None, sampling_logp: Tensor | None = None,
                             temperature: float = 1.0, fused: bool = True,
-                            chunk_rows: int | None = None) -> PolicyLossOutput:
+                            chunk_rows: int | None = None, truncation: Truncation | None = None) -> PolicyLossOutput:
     """`objectives.policy_loss` of `micro`'s completions under `model`, with the log-probs from the
     fused head where it applies (`fused`, token-level ratios, a model that gives hidden states), else
     from `micro_batch_logprobs`. Same value and gradient either way.
@@ -125,14 +132,16 @@ def micro_batch_policy_loss(model, micro: MicroBatch, *, old_logp: Tensor | None
     old_logp: [b, T] log π_old, or None for μ = 1, where π_old is π_θ itself (ratio 1, gradient of
     log π); ref_logp: [b, T] or None; advantages: [b] or [b, T]; loss_mask: [b, T], the completion
     mask with any row left out of the loss zeroed; sampling_logp: [b, T], the sampler's log-probs.
-    `spec` and `share` go to `policy_loss` as they are.
+    `spec` and `share` go to `policy_loss` as they are. `truncation`: the sampler's top-k / top-p / min-p;
+    log π_θ is then of the truncated distribution, as π_old's and the sampler's are.
     """
     # A sequence-level sampler correction needs each completion's whole ratio before the head runs.
     sequence_weights_unknown = sampling_logp is not None and old_logp is None and spec.sequence_correction
     if fused and spec.importance_sampling_level == "token" and supports_hidden(model) and not sequence_weights_unknown:
-        head = FusedHead(model, micro, temperature, chunk_rows)
+        head = FusedHead(model, micro, temperature, chunk_rows, truncation)
         return policy_loss(head, old_logp, advantages, loss_mask, spec, ref_logp=ref_logp, sampling_logp=sampling_logp,
                            share=share)
-    out = micro_batch_logprobs(model, micro, temperature=temperature, with_entropy=True, chunk_rows=chunk_rows)
+    out = micro_batch_logprobs(model, micro, temperature=temperature, with_entropy=True, chunk_rows=chunk_rows,
+                               truncation=truncation)
     return policy_loss(out.logp, old_logp, advantages, loss_mask, spec, ref_logp=ref_logp, entropy=out.entropy,
                        sampling_logp=sampling_logp, share=share)

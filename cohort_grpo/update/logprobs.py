@@ -15,6 +15,11 @@ memory and time proportional to the tokens that matter:
 
 Our own models give their final hidden states (`return_hidden=True`); other Hugging Face models
 fall back to their logits, cut to the completion positions before any float32 copy.
+
+Under top-k, top-p or min-p (a `Truncation`), log π(token) is that of the truncated distribution the
+engine drew from, renormalised over the tokens it keeps (`rollout.sampling.kept_logits`), and its
+gradient is that distribution's; the entropy stays the full softmax's (docs/concepts.md, "Truncated
+sampling").
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from torch import Tensor
 
 from cohort_grpo.rollout.layout import PADDED, Layout
+from cohort_grpo.rollout.sampling import Truncation, kept_logits
 from cohort_grpo.update.packing import MicroBatch, filler_micro_batches, pack
 
 CHUNK_BYTES = 512 * 2**20  # float32 logits per LM-head chunk: 512 MiB (≈880 rows at a 152k vocabulary)
@@ -38,11 +44,17 @@ class TokenLogprobs:
     entropy: Tensor | None  # [B, T] entropy of π(· | prefix), float32, when asked for
 
 
-def selected_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, with_entropy: bool = False):
-    """log softmax(logits / temperature)[token] for each position, in float32 (and the entropy).
+def selected_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                      truncation: Truncation | None = None):
+    """log softmax(logits / temperature)[token] for each position, in float32 (and the entropy), over the
+    tokens `truncation` keeps when given (the entropy stays the full softmax's).
 
     The plain computation: `logits` `[..., V]`, `tokens` `[...]`. Reference for the chunked path,
     and the path for models that only give logits."""
+    if truncation is not None:
+        flat, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
+        logp, entropy, _, _ = truncated_stats(_chunk_forward, flat, flat_tokens, 1.0 / temperature, truncation)
+        return logp.view(tokens.shape), entropy.view(tokens.shape) if with_entropy else None
     if with_entropy:
         logp, entropy, _ = _chunk_forward(logits, tokens, 1.0 / temperature)
         return logp, entropy
@@ -61,6 +73,18 @@ def _chunk_forward(logits: Tensor, tokens: Tensor, inv_temperature: float):
     logp = z.gather(-1, tokens[:, None]).squeeze(-1) - lse
     entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
     return logp, entropy, lse
+
+
+def truncated_stats(stats, logits: Tensor, tokens: Tensor, inv_temperature: float, truncation: Truncation | None):
+    """A chunk's (log π(token), entropy, logsumexp, logsumexp over the kept tokens) from `stats` (one of
+    `head_functions`'): with `truncation`, log π over `kept_logits` by the same `stats` (as the engine's
+    exact sampler computes it), the entropy and first logsumexp of the full softmax; without, the last is
+    the first."""
+    logp, entropy, lse = stats(logits, tokens, inv_temperature)
+    if truncation is None:
+        return logp, entropy, lse, lse
+    kept_logp, _, kept_lse = stats(kept_logits(logits, tokens, inv_temperature, truncation), tokens, inv_temperature)
+    return kept_logp, entropy, lse, kept_lse
 
 
 def _chunk_backward(logits: Tensor, tokens: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor,
@@ -153,24 +177,24 @@ class _ChunkedLMHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, chunk: int,
-                with_entropy: bool, numerics: str):
+                with_entropy: bool, numerics: str, truncation: Truncation | None):
         ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) gets None, not zeros
         logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
+        entropy, lse, kept_lse = torch.empty_like(logp), torch.empty_like(logp), torch.empty_like(logp)
         logits_of, stats = head_functions(numerics, hidden)
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
-            logp[part], entropy[part], lse[part] = stats(logits_of(hidden[part], weight), tokens[part],
-                                                         1.0 / temperature)
+            logp[part], entropy[part], lse[part], kept_lse[part] = truncated_stats(
+                stats, logits_of(hidden[part], weight), tokens[part], 1.0 / temperature, truncation)
         if not with_entropy:
             entropy.zero_()
-        ctx.save_for_backward(hidden, weight, tokens, entropy, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.save_for_backward(hidden, weight, tokens, entropy, lse, kept_lse)
+        ctx.temperature, ctx.chunk, ctx.truncation = temperature, chunk, truncation
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
-        hidden, weight, tokens, entropy, lse = ctx.saved_tensors
+        hidden, weight, tokens, entropy, lse, kept_lse = ctx.saved_tensors
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
@@ -178,17 +202,27 @@ class _ChunkedLMHead(torch.autograd.Function):
             part = slice(start, start + ctx.chunk)
             accumulate_chunk_grads(hidden[part] @ weight.T, hidden, weight, tokens[part], lse[part], entropy[part],
                                    grad_logp[part], None if grad_entropy is None else grad_entropy[part],
-                                   1.0 / ctx.temperature, part, grad_hidden, grad_weight)
-        return grad_hidden, grad_weight, None, None, None, None, None
+                                   1.0 / ctx.temperature, part, grad_hidden, grad_weight,
+                                   ctx.truncation, kept_lse[part])
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def accumulate_chunk_grads(logits: Tensor, hidden: Tensor, weight: Tensor, tokens: Tensor, lse: Tensor,
                            entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor | None, inv_temperature: float,
-                           part: slice, grad_hidden: Tensor | None, grad_weight: Tensor | None) -> None:
+                           part: slice, grad_hidden: Tensor | None, grad_weight: Tensor | None,
+                           truncation: Truncation | None = None, kept_lse: Tensor | None = None) -> None:
     """One chunk's share of ∂loss/∂hidden (written to `grad_hidden[part]`) and of ∂loss/∂W (added to
     `grad_weight`), from its logits [n, V] = hidden[part] Wᵀ and the chunk's tokens, logsumexps,
-    entropies and ∂loss/∂log π, ∂loss/∂H (None when the entropy is only logged), each [n]."""
-    if grad_entropy is None:  # one term less
+    entropies and ∂loss/∂log π, ∂loss/∂H (None when the entropy is only logged), each [n]. With a
+    `truncation`, log π's term is the truncated distribution's (over `kept_logits`, normalised by `kept_lse`)."""
+    if truncation is not None:  # ∂log π/∂z = onehot − the kept tokens' renormalised probabilities
+        kept = kept_logits(logits, tokens, inv_temperature, truncation)
+        grad_logits = _maybe_compiled("backward_logp", _chunk_backward_logp_only, kept)(
+            kept, tokens, kept_lse, grad_logp, inv_temperature)
+        if grad_entropy is not None:
+            grad_logits = grad_logits + _maybe_compiled("backward", _chunk_backward, logits)(
+                logits, tokens, lse, entropy, torch.zeros_like(grad_logp), grad_entropy.float(), inv_temperature)
+    elif grad_entropy is None:  # one term less
         grad_logits = _maybe_compiled("backward_logp", _chunk_backward_logp_only, logits)(
             logits, tokens, lse, grad_logp, inv_temperature)
     else:
@@ -202,11 +236,13 @@ def accumulate_chunk_grads(logits: Tensor, hidden: Tensor, weight: Tensor, token
 
 def lm_head_logprobs(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float = 1.0,
                      chunk_rows: int | None = None, with_entropy: bool = True,
-                     numerics: str = "fast") -> tuple[Tensor, Tensor]:
+                     numerics: str = "fast", truncation: Truncation | None = None) -> tuple[Tensor, Tensor]:
     """Chunked (log π(token), entropy), each [N] float32, for hidden states [N, H] and tokens [N]
-    (the entropy is zeros unless `with_entropy`; `numerics` as in `head_functions`)."""
+    (the entropy is zeros unless `with_entropy`; `numerics` as in `head_functions`; log π over the tokens
+    `truncation` keeps when given)."""
     chunk = chunk_rows or chunk_rows_for(weight.shape[0])
-    return _ChunkedLMHead.apply(hidden, weight, tokens, float(temperature), int(chunk), bool(with_entropy), numerics)
+    return _ChunkedLMHead.apply(hidden, weight, tokens, float(temperature), int(chunk), bool(with_entropy), numerics,
+                                truncation)
 
 
 def is_fully_sharded(model) -> bool:
@@ -254,15 +290,16 @@ def scatter_to_rows(values: Tensor, micro: MicroBatch) -> Tensor:
 
 
 def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, with_entropy: bool = False,
-                         chunk_rows: int | None = None) -> TokenLogprobs:
-    """Log-probs (and entropies) of `micro`'s completion tokens under `model`, [b, T] float32.
+                         chunk_rows: int | None = None, truncation: Truncation | None = None) -> TokenLogprobs:
+    """Log-probs (and entropies) of `micro`'s completion tokens under `model`, [b, T] float32 (of the
+    distribution `truncation` cuts, when given).
 
     `model` may be a DDP/FSDP wrapper: its forward is what is called (the gradient hooks live
     there); the LM head weight is read from the wrapped module."""
     if supports_hidden(model):
         hidden, weight, tokens = completion_hidden(model, micro)
         token_logp, token_entropy = lm_head_logprobs(hidden, weight, tokens, temperature, chunk_rows, with_entropy,
-                                                     model_numerics(model))
+                                                     model_numerics(model), truncation)
     else:
         if micro.attention_rows is not None:
             raise ValueError("a shared-prompt micro-batch needs our CausalLM (attention rows); pack it one row per completion")
@@ -271,7 +308,7 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
         rows, cols = micro.token_rows, micro.token_cols
         token_logp, token_entropy = selected_logprobs(logits[micro.source_rows, micro.source_cols],
                                                       micro.completion_ids[rows, cols],
-                                                      temperature, with_entropy)
+                                                      temperature, with_entropy, truncation)
     logp = scatter_to_rows(token_logp, micro)
     entropy = scatter_to_rows(token_entropy, micro) if with_entropy else None
     return TokenLogprobs(logp, entropy)
@@ -280,14 +317,15 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
 def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, *,
                      pad_id: int, max_rows: int, max_tokens: int = 0, temperature: float = 1.0,
                      layout: Layout = PADDED, routes: Tensor | None = None, replay: bool = True,
-                     agree: Callable[[int], int] | None = None) -> Tensor:
+                     agree: Callable[[int], int] | None = None, truncation: Truncation | None = None) -> Tensor:
     """[B, T] float32 log-probs of a whole rollout's completions, no gradient (log π_old, log π_ref):
     length-bucketed micro-batches under inference mode, scattered back to rollout order on the
     model's device and copied to the CPU once, at the end (one host sync per pass), laid out and planned as
     `layout` says (default: one padded row per completion, which any model runs). `routes`: a
     mixture-of-experts rollout's recorded experts, routed by with `replay` (packing.pack). `agree`: given the
     number of micro-batches this rank planned, how many forwards to run (as many as the other FSDP2 ranks run;
-    the extra ones discarded, `packing.filler_micro_batches`)."""
+    the extra ones discarded, `packing.filler_micro_batches`). `truncation`: the sampler's top-k / top-p / min-p, whose
+distribution the log-probs are of."""
     device = next(model.parameters()).device
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
     plans = layout.plan(prompt_ids, completion_mask, max_rows, max_tokens)
@@ -297,7 +335,7 @@ def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor,
         for i, rows in enumerate(plans + filler_micro_batches(plans, forwards)):
             micro = pack(prompt_ids, completion_ids, completion_mask, rows, pad_id, layout,
                          routes=routes, replay=replay).to(device)
-            logp = micro_batch_logprobs(model, micro, temperature=temperature).logp
+            logp = micro_batch_logprobs(model, micro, temperature=temperature, truncation=truncation).logp
             if i < len(plans):
                 full[micro.row_index, : logp.shape[1]] = logp
     return full.cpu()

@@ -27,6 +27,7 @@ from cohort_grpo.memory.manager import MemoryManager
 from cohort_grpo.optim.precision import clip_grad_norm
 from cohort_grpo.rollout.batch import Batch, to_device
 from cohort_grpo.rollout.layout import Layout
+from cohort_grpo.rollout.sampling import Truncation
 from cohort_grpo.update.fused_head import micro_batch_policy_loss
 from cohort_grpo.update.logprobs import is_fully_sharded, rollout_logprobs
 from cohort_grpo.update.packing import MicroBatch, filler_micro_batches, pack
@@ -109,7 +110,7 @@ class PolicyUpdate:
                     loss_mask=mask * keep_all[index].unsqueeze(1),  # truncated rows out, when asked
                     spec=self.loss, share=batch_share,
                     sampling_logp=None if sampling_all is None else sampling_all[index, :width],
-                    temperature=args.temperature or 1.0, fused=args.fused_head_loss,
+                    temperature=args.temperature or 1.0, fused=args.fused_head_loss, truncation=Truncation.of(args),
                 )  # None for π_old: at μ = 1 it is π_θ itself
                 stats, objective = dict(out.stats), out.loss
                 if micro.routing is not None:  # a mixture of experts: its routing statistics and load-balancing loss
@@ -233,7 +234,7 @@ class PolicyUpdate:
             return rollout_logprobs(model, batch.prompt_ids, batch.rollout.completion_ids,
                                     batch.rollout.completion_mask, pad_id=self.pad_id, max_rows=rows,
                                     max_tokens=tokens, temperature=self.args.temperature or 1.0,
-                                    layout=self.layout,
+                                    truncation=Truncation.of(self.args), layout=self.layout,
                                     agree=lambda planned: self.agreed_forwards(model, planned),
                                     **self.routing_options(batch, train=False))
         return self.memory.run(attempt)
