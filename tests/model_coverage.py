@@ -86,7 +86,9 @@ OVERRIDES: dict[str, dict] = {
     "kolibri1_1": dict(index_num_heads=2),
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
-    "gemma3n_text": dict(num_kv_shared_layers=0),
+    # the last layers reuse the keys and values of the last layer of their type before them
+    **dict.fromkeys(["gemma3n_text", "gemma4_text"], dict(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2)),
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0)}),
     "reformer": dict(axial_pos_shape=[8, 8], axial_pos_embds_dim=[32, 32]),
 }

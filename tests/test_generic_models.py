@@ -54,6 +54,11 @@ FAMILIES = {
                  dict(SHAPE, rotary_pct=0.25, use_parallel_residual=True)),
     "starcoder2": (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM,
                    dict(GQA, sliding_window=WINDOW, use_bias=True)),
+    # wider global heads, fewer of them with keys as values, and the last two layers reusing earlier keys
+    "gemma4_text": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM,
+                    dict(GQA, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                         sliding_window=WINDOW, layer_types=SLIDING_GLOBAL, num_kv_shared_layers=2,
+                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)),
     "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM,
                 dict(GQA, sliding_window=WINDOW, layer_types=SLIDING_GLOBAL)),
 }
@@ -235,3 +240,50 @@ def test_frozen_copy_and_state_dict_keep_transformers_names(family):
     with torch.no_grad():
         assert torch.equal(ref(input_ids), model(input_ids))
     assert ref.transformers_model.get_input_embeddings() is not model.transformers_model.get_input_embeddings()
+
+
+def test_each_layer_caches_keys_of_its_own_shape():
+    """Gemma 4's global layers have other head counts and widths than its local ones: the engine's cache gives each
+    layer the shape its attention module computes (kv heads, head dim), and its size is theirs summed."""
+    model = wrapped(reference_model("gemma4_text"))
+    attention = [layer.self_attn for layer in model.transformers_model.model.layers]
+    expected = [(module.config.get_text_config().per_layer_config[index].num_key_value_heads, module.head_dim)
+                for index, module in enumerate(attention)]
+    assert expected == [(2, 16), (1, 32), (2, 16), (1, 32)]
+    cache = KVCache.for_model(model, num_rows=3, max_len=10)
+    assert [tuple(keys.shape) for keys in cache.k_layers] == [(3, heads, 10, width) for heads, width in expected]
+    assert [tuple(values.shape) for values in cache.v_layers] == [(3, heads, 10, width) for heads, width in expected]
+    assert cache.nbytes() == 2 * sum(3 * heads * 10 * width for heads, width in expected) * 4
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "exaone4"])
+def test_decode_steps_through_the_flash_decoding_kernel(model_type, monkeypatch):
+    """On CUDA a decode step's attention reads the cache through cohort's flash-decoding kernel (here Triton's
+    interpreter on the CPU): the engine's greedy tokens stay transformers' own, sliding windows included, and every
+    decode step of every layer went through the kernel."""
+    pytest.importorskip("triton", reason="triton is not installed; the decode kernel cannot run")
+    from triton_interpreter import kernel_module
+
+    from cohort_grpo.models import generic_attention
+
+    kernel = kernel_module("cohort_grpo.kernels.decode_attention", "_decode_split_kernel").decode_attention
+    calls = []
+
+    def counted(query, *args, **kwargs):
+        calls.append(query.shape)
+        return kernel(query, *args, **kwargs)
+
+    monkeypatch.setattr(generic_attention, "decode_attention", counted)
+    monkeypatch.setattr(generic_attention, "triton_allowed", lambda tensor: True)
+    reference = reference_model(model_type)
+    model, new_tokens = wrapped(reference), 6
+    rollout = Engine(model, max_batch_size=2, check_interval=3).generate(
+        PROMPTS[:3], 1, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, pad_token_id=0))
+    for row, prompt in enumerate(PROMPTS[:3]):
+        ids = torch.tensor([prompt])
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      do_sample=False)[0, len(prompt):]
+        assert rollout.completion_ids[row].tolist() == expected.tolist(), (row, prompt)
+    layers = reference.config.num_hidden_layers
+    assert calls and len(calls) % layers == 0 and all(shape[2] == 1 for shape in calls)
+    assert len(calls) // layers >= new_tokens - 1  # at least one sequence's decode steps, each layer once

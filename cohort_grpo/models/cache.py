@@ -16,17 +16,24 @@ import torch
 
 
 class KVCache:
-    """Keys and values of every layer, `k`/`v` shaped `[layers, rows, kv_heads, max_len, head_dim]`."""
+    """Keys and values of every layer, layer l's `k_layers[l]`/`v_layers[l]` shaped `[rows, kv_heads, max_len,
+    head_dim]`: one (kv_heads, head_dim) for every layer, or each layer's own where `layer_shapes` gives them (models
+    whose local and global layers differ, e.g. Gemma 4's wider global heads)."""
 
     def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 route_shape: tuple[int, int] | None = None):
+                 route_shape: tuple[int, int] | None = None,
+                 layer_shapes: tuple[tuple[int, int], ...] | None = None):
         # One allocation per layer rather than one 5-D tensor: a layer's cache is then a base
         # tensor, not a view, so torch.compile can write it in place (an in-place write into a
         # view of a graph input is functionalised into a copy of the whole base).
-        shape = (num_rows, num_kv_heads, max_len, head_dim)
-        self.k_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if layer_shapes is None:
+            layer_shapes = ((num_kv_heads, head_dim),) * num_layers
+        if len(layer_shapes) != num_layers:
+            raise ValueError(f"layer_shapes has {len(layer_shapes)} entries for {num_layers} layers")
+        shapes = [(num_rows, heads, max_len, width) for heads, width in layer_shapes]
+        self.k_layers = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.v_layers = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         # Row r's keys and values below position prefix_lens[r] are also in row prefix_rows[r]
         # (a prompt shared by several sequences, see share_prefix); the decode kernel reads them
         # there, so the rows of one prompt read one copy. Every row also keeps its own copy.
@@ -39,7 +46,8 @@ class KVCache:
 
     @property
     def k(self) -> torch.Tensor:
-        """All keys `[layers, rows, kv_heads, max_len, head_dim]` (a stacked copy, for inspection)."""
+        """All keys `[layers, rows, kv_heads, max_len, head_dim]` (a stacked copy, for inspection; layers of one
+        shape only)."""
         return torch.stack(self.k_layers)
 
     @property
@@ -52,10 +60,11 @@ class KVCache:
         """A cache shaped for `model` (a `CausalLM`, or a `TransformersCausalLM`: its probed geometry), on its
         device and in its dtype unless given; for a mixture-of-experts `CausalLM` it records the routes too unless
         `record_routes` is False."""
-        geometry = getattr(model, "kv_cache_geometry", None)  # a TransformersCausalLM's, from its probe (generic.py)
-        if geometry is not None:
-            layers, kv_heads, head_dim = geometry
-            return cls(layers, num_rows, kv_heads, max_len, head_dim, dtype=dtype or model.dtype, device=model.device)
+        layer_shapes = getattr(model, "kv_cache_layer_shapes", None)  # a TransformersCausalLM's, probed (generic.py)
+        if layer_shapes is not None:
+            (kv_heads, head_dim), layers = layer_shapes[0], len(layer_shapes)
+            return cls(layers, num_rows, kv_heads, max_len, head_dim, dtype=dtype or model.dtype, device=model.device,
+                       layer_shapes=layer_shapes)
         config = model.config
         sparse = len(config.sparse_layers) if getattr(config, "num_experts", 0) else 0
         route_shape = (sparse, config.num_experts_per_tok) if sparse and record_routes else None
@@ -83,7 +92,7 @@ class KVCache:
         return self.k_layers[0].device
 
     def nbytes(self) -> int:
-        return 2 * self.num_layers * self.k_layers[0].numel() * self.k_layers[0].element_size()
+        return 2 * sum(keys.numel() for keys in self.k_layers) * self.k_layers[0].element_size()
 
     def move_rows(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy cache rows `source` to rows `target` in every layer (the sampler's compaction).

@@ -47,7 +47,8 @@ class TransformersCausalLM(nn.Module):
         # Straight into _modules: a child named lm_head (most heads) stays under that name in the state dict, while
         # the attribute `lm_head` is the property below (the head as the model's forward applies it).
         self._modules.update(causal_lm.named_children())
-        self.kv_cache_geometry: tuple[int, int, int] | None = None  # (layers, kv heads, head dim), from the probe
+        # Each layer's (kv heads, head dim) in the engine's cache, from the probe
+        self.kv_cache_layer_shapes: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def wrap(cls, causal_lm: nn.Module) -> "TransformersCausalLM":
@@ -61,7 +62,7 @@ class TransformersCausalLM(nn.Module):
         causal_lm.config._attn_implementation = ATTENTION  # every forward's attention is cache_attention from now on
         model = cls(causal_lm)
         try:
-            model.kv_cache_geometry = model.probe(own_attention)
+            model.kv_cache_layer_shapes = model.probe(own_attention)
         except Exception as error:
             causal_lm.config._attn_implementation = own_attention  # it stays transformers' model, as it was
             if isinstance(error, GenericPathRefused):
@@ -193,10 +194,10 @@ class TransformersCausalLM(nn.Module):
             return self.decoder(**arguments).last_hidden_state
 
     # ---- the wrap-time check -----------------------------------------------------------------------------
-    def probe(self, own_attention: str) -> tuple[int, int, int]:
+    def probe(self, own_attention: str) -> tuple[tuple[int, int], ...]:
         """Run a few tokens through cohort's attention and through the model's own (`own_attention`, the
         implementation it was loaded with); refuse (GenericPathRefused) what this path would serve wrong. Returns
-        the KV cache's geometry (layers, kv heads, head dim)."""
+        each layer's (kv heads, head dim) in the KV cache."""
         vocab = self.transformers_model.get_input_embeddings().weight.shape[0]
         input_ids = (torch.arange(1, PROBE_TOKENS + 1, device=self.device) % vocab)[None]
         positions = torch.arange(PROBE_TOKENS, device=self.device)[None]
@@ -213,28 +214,38 @@ class TransformersCausalLM(nn.Module):
                 head = self.lm_head(own)
         finally:
             self.train(was_training)
-        layers = getattr(self.config, "num_hidden_layers", None)
-        served = sorted(layer for layer, _, _ in step.served)
-        if served != list(range(layers or len(served))):
-            raise GenericPathRefused(f"{self.model_type}'s attention does not come through transformers' attention "
-                                     f"interface once per layer (layers served: {served}, of {layers})")
-        shapes = {shape for _, key, value in step.served for shape in (key, value)}
-        if len(shapes) != 1:
-            raise GenericPathRefused(f"{self.model_type}'s layers' keys and values differ in shape (kv heads, head "
-                                     f"dim): {sorted(shapes)}; a cache row holds one shape")
+        layer_shapes = self.served_layer_shapes(step.served)
         self.check_close(probed, own, "its hidden states through cohort's attention differ from its own")
         self.check_close(head, logits, "its logits are not its head applied to its decoder's output")
-        (kv_heads, head_dim), = shapes
-        geometry = (len(served), kv_heads, head_dim)
-        self.check_close(self.cached_probe(input_ids, positions, geometry), probed,
+        self.check_close(self.cached_probe(input_ids, positions, layer_shapes), probed,
                          "decoding from cohort's cache differs from its full forward (positions not its position_ids?)")
-        return geometry
+        return layer_shapes
 
-    def cached_probe(self, input_ids: torch.Tensor, positions: torch.Tensor, geometry) -> torch.Tensor:
+    def served_layer_shapes(self, served: list) -> tuple[tuple[int, int], ...]:
+        """Each layer's cache shape (kv heads, head dim) from what the probe's attention calls recorded (layer, key
+        shape, value shape): every layer served once, its values as many heads as its keys and no wider (narrower
+        values are padded to the keys' width)."""
+        layers = getattr(self.config, "num_hidden_layers", None)
+        order = sorted(layer for layer, _, _ in served)
+        if order != list(range(layers or len(order))):
+            raise GenericPathRefused(f"{self.model_type}'s attention does not come through transformers' attention "
+                                     f"interface once per layer (layers served: {order}, of {layers})")
+        shapes = dict.fromkeys(range(len(order)))
+        for layer, (key_heads, key_width), (value_heads, value_width) in served:
+            if value_heads != key_heads or value_width > key_width:
+                raise GenericPathRefused(f"{self.model_type}'s layer {layer} has values of {value_heads} heads of "
+                                         f"{value_width} against keys of {key_heads} heads of {key_width}; a cache "
+                                         "layer holds keys and values of one shape")
+            shapes[layer] = (key_heads, key_width)
+        return tuple(shapes[layer] for layer in range(len(order)))
+
+    def cached_probe(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     layer_shapes: tuple[tuple[int, int], ...]) -> torch.Tensor:
         """The probe's hidden states as the engine computes them: the first half prefilled into a cache, the rest
         decoded over it (a model whose positions come from its own cache's length, not `position_ids`, differs)."""
-        layers, kv_heads, head_dim = geometry
-        cache = KVCache(layers, 1, kv_heads, PROBE_TOKENS, head_dim, dtype=self.dtype, device=self.device)
+        (kv_heads, head_dim), layers = layer_shapes[0], len(layer_shapes)
+        cache = KVCache(layers, 1, kv_heads, PROBE_TOKENS, head_dim, dtype=self.dtype, device=self.device,
+                        layer_shapes=layer_shapes)
         was_training = self.training
         self.eval()
         try:

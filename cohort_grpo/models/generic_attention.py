@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cohort_grpo.errors import CohortError
-from cohort_grpo.kernels.elementwise import cache_keys_visible
+from cohort_grpo.kernels.decode_attention import SUPPORTED_HEAD_DIMS as DECODE_KERNEL_HEAD_DIMS
+from cohort_grpo.kernels.decode_attention import decode_attention
+from cohort_grpo.kernels.elementwise import cache_keys_visible, triton_allowed
 from cohort_grpo.models import shared_prefix
 from cohort_grpo.models.cache import KVCache
 
@@ -164,12 +166,28 @@ def cache_attention(module, query, key, value, attention_mask, scaling=None, dro
         step.served.append((layer, tuple(key.shape[1:2] + key.shape[3:]), tuple(value.shape[1:2] + value.shape[3:])))
         out = attend(query, key, value, window_mask(query.shape[2], window, query.device), scaling, **extras)
     else:
-        batch = query.shape[0]
-        step.cache.write(layer, step.cache_rows, step.positions, key, value, step.write_mask)
-        keys, values = step.cache.keys_values(layer, step.cache_rows, batch, step.cache_len)
-        mask = cache_keys_visible(step.positions, step.cache_len, window)[:, None]
-        out = attend(query, keys, values, mask, scaling, **extras)
+        batch, cache = query.shape[0], step.cache
+        cache.write(layer, step.cache_rows, step.positions, key, value, step.write_mask)
+        if decode_kernel_serves(step, query, extras, dropout):
+            # one query per row, straight from the cache: each cached key read once per kv head, no mask built
+            out = decode_attention(query, cache.k_layers[layer], cache.v_layers[layer], step.positions,
+                                   step.cache_len, window, scaling, prefix_rows=cache.prefix_rows[:batch],
+                                   prefix_lens=cache.prefix_lens[:batch])
+        else:
+            keys, values = cache.keys_values(layer, step.cache_rows, batch, step.cache_len)
+            mask = cache_keys_visible(step.positions, step.cache_len, window)[:, None]
+            out = attend(query, keys, values, mask, scaling, **extras)
     return out[..., :width].transpose(1, 2).contiguous(), None
+
+
+def decode_kernel_serves(step: AttentionStep, query: torch.Tensor, extras: dict, dropout: float) -> bool:
+    """Whether a cached step's attention takes the flash-decoding kernel (kernels/decode_attention.py): one query
+    per engine row (a decode step: rows 0..B-1, no pad tokens), on CUDA with triton, without autograd, soft-capping,
+    sinks or dropout, at a head width the kernel takes, in the cache's dtype."""
+    return (query.shape[2] == 1 and step.cache_rows is None and step.write_mask is None
+            and not torch.is_grad_enabled() and not dropout and extras["softcap"] is None and extras["sinks"] is None
+            and query.shape[-1] in DECODE_KERNEL_HEAD_DIMS and query.dtype == step.cache.dtype
+            and triton_allowed(query))
 
 
 def cache_mask(*args, **kwargs):

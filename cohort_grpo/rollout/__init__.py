@@ -44,8 +44,8 @@ def make_sampler(model, tokenizer=None, **engine_options) -> Sampler:
     from cohort_grpo.models.generic import TransformersCausalLM
 
     base = base_model(model)
-    if isinstance(base, TransformersCausalLM):  # transformers' modules: eager decode steps, no CUDA graphs yet
-        engine_options = {**engine_options, "use_cuda_graph": False, "compile_kernels": False}
+    if isinstance(base, TransformersCausalLM):  # transformers' modules: graphs checked against an eager step
+        engine_options = {"check_graphs": True, **engine_options}
     if engine_samples(model):
         # A PEFT model's LoRA layers live inside the base modules, so sampling the base samples the adapter too.
         return Engine(base, tokenizer, **engine_options)

@@ -29,17 +29,19 @@ class DecodeGraphs:
     `state` returns the tensors a step writes besides the KV cache (whose rewrites are
     idempotent); they are restored after warm-up and capture.
     `verify=True` compares each freshly captured graph's first replay with an eager run of the
-    same step and raises on a mismatch (the self-check the benchmark's --check mode turns on).
+    same step and raises on a mismatch (the self-check the benchmark's --check mode turns on);
+    `check=True` makes the same comparison and treats a mismatch as a failed capture.
     When capture itself fails (a model that syncs with the host, say), one notice is printed
     and the step runs eagerly from then on, so sampling still works, only slower.
     """
 
     def __init__(self, step: DecodeStep, enabled: bool, state: Callable[[], list[torch.Tensor]],
-                 verify: bool = False, warmup_runs: int = 2):
+                 verify: bool = False, warmup_runs: int = 2, check: bool = False):
         self.step = step
         self.state = state
         self.enabled = enabled
         self.verify = verify
+        self.check = check
         self.warmup_runs = warmup_runs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.pool = None
@@ -99,7 +101,7 @@ class DecodeGraphs:
             outputs = self.step(*key)
         restore()
         self.captures += 1
-        if self.verify:
+        if self.verify or self.check:
             graph.replay()
             for got, expected in zip(outputs, eager):
                 if not got.is_floating_point():  # sampled tokens: the replay must draw the same ones

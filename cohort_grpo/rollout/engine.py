@@ -66,6 +66,9 @@ class Engine:
         way; so are the log-probs, up to float rounding where early stops change batch shapes.
     prefill_tokens: most (padded) prompt tokens per prefill forward.
     verify_graphs: compare each captured CUDA graph with an eager step (a self-check; slower).
+    check_graphs: compare each captured graph's first replay with an eager step and decode without graphs from then
+        on where they differ, with one notice (for modules cohort did not write, e.g. `TransformersCausalLM`'s: a
+        value they take from the host during capture would be baked into the graph unseen).
     compile_kernels: use torch.compile'd fused kernels for norms, rotary, SwiGLU and sampling (None =
         on with CUDA graphs when triton is importable). If compilation fails, one notice is
         printed and the plain ops are used.
@@ -73,7 +76,8 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, max_batch_size: int = ENGINE_SLOTS, max_seq_len: int | None = None,
                  use_cuda_graph: bool | None = None, check_interval: int = 16, prefill_tokens: int = 16384,
-                 verify_graphs: bool = False, compile_kernels: bool | None = None, overlap_checks: bool = True):
+                 verify_graphs: bool = False, compile_kernels: bool | None = None, overlap_checks: bool = True,
+                 check_graphs: bool = False):
         if max_batch_size < 1:
             raise CohortError(f"max_batch_size={max_batch_size}: it must be at least 1")
         if check_interval < 1:
@@ -100,7 +104,8 @@ class Engine:
             compile_kernels = use_cuda_graph and triton_available()
         self.compile_kernels = compile_kernels
         self.graphs = DecodeGraphs(self._decode_step, enabled=use_cuda_graph,
-                                   state=lambda: self.state.step_tensors(), verify=verify_graphs)
+                                   state=lambda: self.state.step_tensors(), verify=verify_graphs,
+                                   check=check_graphs)
         self._weights_key = None
         self.stats: dict[str, float] = {}
         self._progress, self._retired = HostProgress(), []  # per generate() call (see _run)

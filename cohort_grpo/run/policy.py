@@ -147,7 +147,7 @@ def generic_policy(model, model_type: str, impl: str, log=print):
         log(f"cohort: {model_type} takes transformers' generate (model_impl hf): {refused}")
         return model
     log(f"cohort: {model_type} is not one of cohort's own implementations; it samples in cohort's engine through "
-        "transformers' own modules (the generic path: eager decode steps, no CUDA graphs yet)")
+        "transformers' own modules (the generic path)")
     return wrapped
 
 
