@@ -23,7 +23,7 @@ USAGE = """usage: cohort-grpo [train] [--option value ...]   GRPO training (no o
        cohort-grpo report RUN_DIR [RUN_DIR ...] [--out DIR]
        cohort-grpo chat MODEL_DIR            cohort-grpo generate [MODEL_DIR] --prompts FILE
        cohort-grpo --version
-`cohort COMMAND --help` lists a command's options (`cohort-grpo train --task gsm8k --help`: with the defaults that
+`cohort-grpo COMMAND --help` lists a command's options (`cohort-grpo train --task gsm8k --help`: with the defaults that
 run would use); add --debug to any command for a full traceback on errors"""
 
 HELP_FLAGS = ("-h", "--help")
