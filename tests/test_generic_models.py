@@ -23,7 +23,7 @@ from cohort_grpo.rollout.engine import Engine
 from cohort_grpo.rollout.layout import PADDED, Layout
 from cohort_grpo.rollout.sampler import SamplingParams
 from cohort_grpo.run.policy import load_policy
-from cohort_grpo.update.logprobs import rollout_logprobs, supports_hidden
+from cohort_grpo.update.logprobs import rollout_logprobs, supports_hidden, takes_attention_rows
 
 pytestmark = pytest.mark.cpu("float32 tolerances of CPU forwards")
 
@@ -61,7 +61,19 @@ FAMILIES = {
                          hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)),
     "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM,
                 dict(GQA, sliding_window=WINDOW, layer_types=SLIDING_GLOBAL)),
+    # Gated DeltaNet layers keep a recurrent state per row (models/recurrent_state.py); weights large enough that
+    # a state run through pad tokens, or not carried to a completion's row, changes the tokens
+    "qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM,
+                     dict(GQA, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
+                          initializer_range=0.2)),
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+                   dict(GQA, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32, initializer_range=0.2)),
 }
+RECURRENT_FAMILIES = {"qwen3_5_text", "qwen3_next"}
 # No prompt token is the pad id 0 (generate would take it for padding); the longest exceed the window.
 PROMPTS = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [7, 3], [11, 4, 8, 15, 16, 23, 42, 6, 10, 12, 14, 19], [20, 21, 22],
            [30, 31, 32, 33, 34, 35]]
@@ -140,7 +152,12 @@ def test_shared_prompt_layout_equals_padded_rows(family):
     takes the logits path instead of the chunked LM head."""
     model_type, _, model = family
     assert supports_hidden(model) == (model_type not in ("gemma3_text", "granite", "cohere"))
-    if not supports_hidden(model):
+    assert takes_attention_rows(model) == (supports_hidden(model) and model_type not in RECURRENT_FAMILIES)
+    if model_type in RECURRENT_FAMILIES:  # one flat row of several sequences would run through one state
+        with pytest.raises(CohortError, match="linear-attention layers"):
+            model(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]]), attention_rows=torch.tensor([[0, 1, 2]]),
+                  attention_slots=torch.tensor([0, 1, 2]))
+    if not takes_attention_rows(model):
         return
     torch.manual_seed(2)
     prompts = [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
@@ -175,7 +192,7 @@ def save_folder(model_type: str, path):
     return str(path)
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2", "qwen3_5_text"])
 def test_two_training_steps_from_the_command_line(model_type, tmp_path):
     """`cohort-grpo train --model_impl cohort` on a saved folder of a type cohort does not implement: it samples
     in the engine (the log line says the generic path) and trains two steps."""
@@ -206,26 +223,49 @@ def test_recurrent_and_encoder_decoder_models_are_refused_by_name(tmp_path):
     """Layers without keys and values (state-space, linear attention) and encoder-decoders are refused by name:
     auto takes transformers' generate and says why; model_impl cohort is a one-line error."""
     assert "encoder-decoder" in refusal(transformers.T5Config())
-    assert "recurrent" in refusal(transformers.MambaConfig())
-    assert "qwen3_next has recurrent" in refusal(transformers.Qwen3NextConfig())
-    unknown_hybrid = SimpleNamespace(model_type="some_hybrid", layer_types=["full_attention", "linear_attention"])
-    assert "some_hybrid has layers of type linear_attention" in refusal(unknown_hybrid)
+    assert "mamba has recurrent" in refusal(transformers.MambaConfig())
+    assert "falcon_h1 has recurrent" in refusal(transformers.FalconH1Config())
+    unknown_hybrid = SimpleNamespace(model_type="some_hybrid", layer_types=["full_attention", "mamba"])
+    assert "some_hybrid has layers of type mamba" in refusal(unknown_hybrid)
     assert refusal(transformers.Gemma3TextConfig()) is None
     # Doge's mask holds learned values: wrapped, its logits differed from its own forward's (docs/models.md).
     assert "doge's attention mask carries learned values" in refusal(transformers.DogeConfig())
-    config = transformers.Qwen3NextConfig(**dict(GQA, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
-                                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                                 shared_expert_intermediate_size=32))
-    model = transformers.Qwen3NextForCausalLM(config)
-    with pytest.raises(GenericPathRefused, match="qwen3_next"):
+    model = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4,
+                                                                   num_hidden_layers=2))
+    with pytest.raises(GenericPathRefused, match="mamba"):
         TransformersCausalLM.wrap(model)
-    model.save_pretrained(tmp_path / "next")
-    build_tokenizer().save_pretrained(tmp_path / "next")
+    model.save_pretrained(tmp_path / "mamba")
+    build_tokenizer().save_pretrained(tmp_path / "mamba")
     lines = []
-    kept, _ = load_policy(str(tmp_path / "next"), log=lines.append)
-    assert isinstance(kept, transformers.Qwen3NextForCausalLM) and "qwen3_next takes transformers' generate" in lines[0]
-    with pytest.raises(CohortError, match="model_impl=cohort cannot serve this model: qwen3_next"):
-        load_policy(str(tmp_path / "next"), impl="cohort")
+    kept, _ = load_policy(str(tmp_path / "mamba"), log=lines.append)
+    assert isinstance(kept, transformers.MambaForCausalLM) and "mamba takes transformers' generate" in lines[0]
+    with pytest.raises(CohortError, match="model_impl=cohort cannot serve this model: mamba"):
+        load_policy(str(tmp_path / "mamba"), impl="cohort")
+
+
+@pytest.mark.parametrize("model_type", sorted(RECURRENT_FAMILIES))
+def test_linear_attention_prompts_prefill_unpadded(model_type):
+    """A model whose linear-attention layers keep a recurrent state prefills prompts of one length per forward (a
+    pad token after a shorter prompt would run into its state), and its rows' states are the engine's: a cached
+    prefill then single-token steps over rows in another order give transformers' logits of each sequence."""
+    model = wrapped(reference_model(model_type))
+    engine = Engine(model, max_batch_size=4)
+    engine.generate([[5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [16, 17]], 1,
+                    SamplingParams(max_new_tokens=2, temperature=0.0, pad_token_id=0))
+    assert engine.stats["prefill_forwards"] == 3 and engine.stats["prefill_tokens"] == 3 + 3 + 5 + 2
+    cache = KVCache.for_model(model, num_rows=3, max_len=8)
+    layer_types = model.config.layer_types
+    assert {layer for layer, _, _ in cache.recurrent.tensors} == {
+        index for index, kind in enumerate(layer_types) if kind == "linear_attention"}
+    torch.manual_seed(4)
+    tokens = torch.randint(1, VOCAB, (2, 8))
+    with torch.no_grad():
+        expected = model.transformers_model(tokens).logits
+        model(tokens[:, :5], torch.arange(5).expand(2, 5), kv_cache=cache, cache_rows=torch.tensor([2, 0]))
+        cache.move_rows(torch.tensor([2]), torch.tensor([1]))  # sequence 0 now in row 1, sequence 1 in row 0
+        for position in range(5, 8):
+            logits = model(tokens[[1, 0], position:position + 1], torch.full((2, 1), position), kv_cache=cache)
+            assert (logits[:, 0] - expected[[1, 0], position]).abs().max() < 1e-4
 
 
 def test_frozen_copy_and_state_dict_keep_transformers_names(family):

@@ -128,8 +128,9 @@ class CachedDecoder:
         self.tokens = self.tokens[:length]
         # Our cache masks keys by position and the next tokens overwrite positions ≥ length before
         # anything reads them, so nothing needs clearing. HF's cache can only be cut with an API that
-        # changed between transformers versions: drop it, and the next extend runs the kept tokens again.
-        if not self.own:
+        # changed between transformers versions, and a linear-attention layer's recurrent state cannot be
+        # rewound: drop the cache, and the next extend runs the kept tokens again.
+        if not self.own or getattr(self.model, "keeps_recurrent_state", False):
             self.cache = None
 
     @torch.inference_mode()

@@ -8,11 +8,17 @@ sequence slot; the sampler decides which sequence lives in which row (`cache_row
 A mixture-of-experts model's cache may also keep each position's chosen experts (`routes`), written
 and moved with the keys, so the sampler can hand the trainer the routing it sampled with
 (routing replay, `cohort_grpo/models/moe.py`).
+
+A model with linear-attention layers (Qwen3.5's Gated DeltaNet) keeps their recurrent states per row too
+(`recurrent`, recurrent_state.py): a compaction moves them with the keys, and the completions of a prompt take its
+state after the prompt.
 """
 
 from __future__ import annotations
 
 import torch
+
+from cohort_grpo.models.recurrent_state import RecurrentStates, StateShapes
 
 
 class KVCache:
@@ -23,7 +29,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  route_shape: tuple[int, int] | None = None,
-                 layer_shapes: tuple[tuple[int, int], ...] | None = None):
+                 layer_shapes: tuple[tuple[int, int], ...] | None = None, state_shapes: StateShapes | None = None):
         # One allocation per layer rather than one 5-D tensor: a layer's cache is then a base
         # tensor, not a view, so torch.compile can write it in place (an in-place write into a
         # view of a graph input is functionalised into a copy of the whole base).
@@ -43,6 +49,8 @@ class KVCache:
         # route_shape (MoE layers, k): the expert ids of each row's token at each position, int16
         self.routes = None if route_shape is None else torch.zeros(
             (num_rows, max_len, *route_shape), dtype=torch.int16, device=device)
+        # state_shapes (linear-attention layers, whose keys and values are empty here): each row's recurrent states
+        self.recurrent = None if not state_shapes else RecurrentStates(state_shapes, num_rows, dtype, device)
 
     @property
     def k(self) -> torch.Tensor:
@@ -64,7 +72,7 @@ class KVCache:
         if layer_shapes is not None:
             (kv_heads, head_dim), layers = layer_shapes[0], len(layer_shapes)
             return cls(layers, num_rows, kv_heads, max_len, head_dim, dtype=dtype or model.dtype, device=model.device,
-                       layer_shapes=layer_shapes)
+                       layer_shapes=layer_shapes, state_shapes=getattr(model, "recurrent_state_shapes", None))
         config = model.config
         sparse = len(config.sparse_layers) if getattr(config, "num_experts", 0) else 0
         route_shape = (sparse, config.num_experts_per_tok) if sparse and record_routes else None
@@ -92,7 +100,13 @@ class KVCache:
         return self.k_layers[0].device
 
     def nbytes(self) -> int:
-        return 2 * sum(keys.numel() for keys in self.k_layers) * self.k_layers[0].element_size()
+        states = 0 if self.recurrent is None else self.recurrent.nbytes()
+        return 2 * sum(keys.numel() for keys in self.k_layers) * self.k_layers[0].element_size() + states
+
+    def step_states(self) -> list[torch.Tensor]:
+        """What a decode step advances rather than rewrites (the rows' recurrent states): a CUDA graph's warm-up and
+        check runs must put them back (rollout/cuda_graphs.py)."""
+        return [] if self.recurrent is None else list(self.recurrent.tensors.values())
 
     def move_rows(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy cache rows `source` to rows `target` in every layer (the sampler's compaction).
@@ -102,6 +116,8 @@ class KVCache:
             values[target] = values[source]
         if self.routes is not None:
             self.routes[target] = self.routes[source]
+        if self.recurrent is not None:
+            self.recurrent.copy_rows(source, target)
         self.prefix_rows.copy_(self.own_row_ids)
         self.prefix_lens.zero_()
 
@@ -117,12 +133,15 @@ class KVCache:
                      prefix_lens: torch.Tensor) -> None:
         """Rows `target` hold the same prompt as rows `source`: copy positions [0, copy_length) of
         each source row to its target in every layer, and let the targets read their first
-        `prefix_lens` keys from the source row (positions the completion never rewrites)."""
+        `prefix_lens` keys from the source row (positions the completion never rewrites). Recurrent states are
+        copied whole: a source row's is its state after the prompt (the source was prefilled alone, unpadded)."""
         for keys, values in zip(self.k_layers, self.v_layers):
             keys[target, :, :copy_length] = keys[source, :, :copy_length]
             values[target, :, :copy_length] = values[source, :, :copy_length]
         if self.routes is not None:
             self.routes[target, :copy_length] = self.routes[source, :copy_length]
+        if self.recurrent is not None:
+            self.recurrent.copy_rows(source, target)
         self.prefix_rows[target] = source.to(self.prefix_rows.dtype)
         self.prefix_lens[target] = prefix_lens.to(self.prefix_lens.dtype)
 

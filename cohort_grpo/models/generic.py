@@ -15,6 +15,10 @@ shape between layers (a cache row holds one shape; values narrower than keys, as
 width), whose attention through cohort's path differs from its own, whose logits are not its head (`LogitHead`) on
 its decoder's output, or whose decoding over the cache differs from its full forward (positions that come from
 its own cache's length rather than `position_ids`). Such a model takes transformers' generate.
+
+Linear-attention layers (Qwen3.5's Gated DeltaNet) keep a recurrent state instead of keys and values: during a
+cached forward the model gets a `StateCache` as its transformers cache, which keeps each row's state in the
+engine's `KVCache` (recurrent_state.py); the probe records each state's shape.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from torch import nn
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
 from cohort_grpo.models.generic_attention import (ATTENTION, AttentionStep, GenericPathRefused, LogitHead,
-                                                  active_step, attention_implementation, refusal, register_attention)
+                                                  active_step, attention_implementation, keeps_recurrent_state,
+                                                  refusal, register_attention)
 from cohort_grpo.models.generic_training import checkpoint_first_layers, decoder_layer_list
+from cohort_grpo.models.recurrent_state import StateCache, StateShapes
 from cohort_grpo.models.shared_prefix import PackedRows
 
 PROBE_TOKENS = 6
@@ -47,8 +53,10 @@ class TransformersCausalLM(nn.Module):
         # Straight into _modules: a child named lm_head (most heads) stays under that name in the state dict, while
         # the attribute `lm_head` is the property below (the head as the model's forward applies it).
         self._modules.update(causal_lm.named_children())
-        # Each layer's (kv heads, head dim) in the engine's cache, from the probe
+        # Each layer's (kv heads, head dim) in the engine's cache, from the probe ((0, 0) for a linear-attention layer)
         self.kv_cache_layer_shapes: tuple[tuple[int, int], ...] | None = None
+        # The recurrent states of its linear-attention layers, from the probe (None without such layers)
+        self.recurrent_state_shapes: StateShapes | None = None
 
     @classmethod
     def wrap(cls, causal_lm: nn.Module) -> "TransformersCausalLM":
@@ -62,7 +70,7 @@ class TransformersCausalLM(nn.Module):
         causal_lm.config._attn_implementation = ATTENTION  # every forward's attention is cache_attention from now on
         model = cls(causal_lm)
         try:
-            model.kv_cache_layer_shapes = model.probe(own_attention)
+            model.kv_cache_layer_shapes, model.recurrent_state_shapes = model.probe(own_attention)
         except Exception as error:
             causal_lm.config._attn_implementation = own_attention  # it stays transformers' model, as it was
             if isinstance(error, GenericPathRefused):
@@ -92,6 +100,12 @@ class TransformersCausalLM(nn.Module):
     def lm_head(self) -> LogitHead:
         """The head as the model's own forward applies it; `.weight` is the output embedding."""
         return LogitHead(self.transformers_model.get_output_embeddings(), self.config)
+
+    @property
+    def keeps_recurrent_state(self) -> bool:
+        """Whether some layers keep a recurrent state (linear attention): a cached forward's rows must then be
+        unpadded, and shared-prompt attention rows (one flat row of several sequences) cannot serve it."""
+        return keeps_recurrent_state(self.config)
 
     @property
     def plain_head(self) -> bool:
@@ -160,14 +174,20 @@ class TransformersCausalLM(nn.Module):
         `attention_mask` hiding pad keys); with `kv_cache` each token is written at row `cache_rows[b]` (default b),
         position `position_ids[b, t]` (pad tokens, `attention_mask` 0, write nothing) and attends to its row's keys
         at positions <= its own (within a sliding layer's window), over the first `cache_len` positions; with
-        `attention_rows`/`attention_slots` one flat row of shared-prompt tokens (shared_prefix.py)."""
+        `attention_rows`/`attention_slots` one flat row of shared-prompt tokens (shared_prefix.py). A model with
+        linear-attention layers keeps each row's recurrent state in `kv_cache` (a row whose first token here is at
+        position 0 starts afresh) and takes neither pad tokens in a cached forward nor attention rows."""
         if routing is not None:
             raise CohortError(f"routing replay needs cohort's own mixture-of-experts models; {self.model_type} runs "
                               "through transformers' modules: use --routing_replay false")
         batch, length = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
-        step = None
+        step = states = None
+        if self.keeps_recurrent_state and (attention_rows is not None or (kv_cache is not None
+                                                                          and attention_mask is not None)):
+            raise CohortError(f"{self.model_type} has linear-attention layers, whose recurrent state would run "
+                              "through other sequences' or pad tokens: pass unpadded rows and no attention_rows")
         if attention_rows is not None:
             if kv_cache is not None or attention_mask is not None or batch != 1 or attention_slots is None:
                 raise CohortError("attention_rows (shared-prompt packing) need one flat row of tokens, "
@@ -179,34 +199,47 @@ class TransformersCausalLM(nn.Module):
                                   "pass cache_rows or allocate more rows")
             step = AttentionStep(position_ids, kv_cache, cache_rows, attention_mask,
                                  kv_cache.max_len if cache_len is None else cache_len)
-        hidden = self.decoder_hidden(input_ids, position_ids, attention_mask, step)
+            if self.keeps_recurrent_state:
+                if kv_cache.recurrent is None:
+                    raise CohortError(f"{self.model_type}'s linear-attention layers keep their state in the KVCache: "
+                                      "build it with KVCache.for_model(model, ...)")
+                states = StateCache(kv_cache.recurrent, cache_rows, position_ids)
+        hidden = self.decoder_hidden(input_ids, position_ids, attention_mask, step, states)
         return hidden if return_hidden else self.lm_head(hidden)
 
     def decoder_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                       attention_mask: torch.Tensor | None, step: AttentionStep | None) -> torch.Tensor:
-        """The decoder's final normed hidden states: attention served by `step` (cache or attention rows), or,
-        without one, causal by index under transformers' mask of `attention_mask` (the one-row-per-completion
-        forwards of the update)."""
+                       attention_mask: torch.Tensor | None, step: AttentionStep | None,
+                       states: StateCache | None = None) -> torch.Tensor:
+        """The decoder's final normed hidden states: attention served by `step` (cache or attention rows) and
+        linear-attention layers' states by `states`, or, without a step, causal by index under transformers' mask
+        of `attention_mask` (the one-row-per-completion forwards of the update)."""
         arguments = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         if step is None:
             return self.decoder(**arguments, attention_mask=attention_mask).last_hidden_state
+        if states is not None:
+            arguments["cache"] = states
         with active_step(step):
-            return self.decoder(**arguments).last_hidden_state
+            hidden = self.decoder(**arguments).last_hidden_state
+        if states is not None:
+            states.finish()
+        return hidden
 
     # ---- the wrap-time check -----------------------------------------------------------------------------
-    def probe(self, own_attention: str) -> tuple[tuple[int, int], ...]:
+    def probe(self, own_attention: str) -> tuple[tuple[tuple[int, int], ...], StateShapes | None]:
         """Run a few tokens through cohort's attention and through the model's own (`own_attention`, the
         implementation it was loaded with); refuse (GenericPathRefused) what this path would serve wrong. Returns
-        each layer's (kv heads, head dim) in the KV cache."""
+        each layer's (kv heads, head dim) in the KV cache, and the recurrent states of its linear-attention layers
+        (None without such layers)."""
         vocab = self.transformers_model.get_input_embeddings().weight.shape[0]
         input_ids = (torch.arange(1, PROBE_TOKENS + 1, device=self.device) % vocab)[None]
         positions = torch.arange(PROBE_TOKENS, device=self.device)[None]
         step = AttentionStep(positions)
+        states = StateCache(None, None, positions) if self.keeps_recurrent_state else None
         was_training = self.training
         self.eval()
         try:
             with torch.no_grad():
-                probed = self.decoder_hidden(input_ids, positions, None, step)
+                probed = self.decoder_hidden(input_ids, positions, None, step, states)
                 with attention_implementation(self.config, own_attention):
                     own = self.decoder_hidden(input_ids, positions, None, None)
                     logits = self.transformers_model(input_ids=input_ids, position_ids=positions,
@@ -214,23 +247,25 @@ class TransformersCausalLM(nn.Module):
                 head = self.lm_head(own)
         finally:
             self.train(was_training)
-        layer_shapes = self.served_layer_shapes(step.served)
+        state_shapes = None if states is None else states.recorded
+        layer_shapes = self.served_layer_shapes(step.served, set() if states is None else states.state_layers())
         self.check_close(probed, own, "its hidden states through cohort's attention differ from its own")
         self.check_close(head, logits, "its logits are not its head applied to its decoder's output")
-        self.check_close(self.cached_probe(input_ids, positions, layer_shapes), probed,
+        self.check_close(self.cached_probe(input_ids, positions, layer_shapes, state_shapes), probed,
                          "decoding from cohort's cache differs from its full forward (positions not its position_ids?)")
-        return layer_shapes
+        return layer_shapes, state_shapes
 
-    def served_layer_shapes(self, served: list) -> tuple[tuple[int, int], ...]:
+    def served_layer_shapes(self, served: list, state_layers: set[int]) -> tuple[tuple[int, int], ...]:
         """Each layer's cache shape (kv heads, head dim) from what the probe's attention calls recorded (layer, key
-        shape, value shape): every layer served once, its values as many heads as its keys and no wider (narrower
-        values are padded to the keys' width)."""
+        shape, value shape): every layer served once, by attention or as a recurrent state (`state_layers`, which
+        hold no keys: (0, 0)), its values as many heads as its keys and no wider (narrower values are padded to the
+        keys' width)."""
         layers = getattr(self.config, "num_hidden_layers", None)
-        order = sorted(layer for layer, _, _ in served)
+        order = sorted([layer for layer, _, _ in served] + list(state_layers))
         if order != list(range(layers or len(order))):
             raise GenericPathRefused(f"{self.model_type}'s attention does not come through transformers' attention "
                                      f"interface once per layer (layers served: {order}, of {layers})")
-        shapes = dict.fromkeys(range(len(order)))
+        shapes = dict.fromkeys(range(len(order)), (0, 0))
         for layer, (key_heads, key_width), (value_heads, value_width) in served:
             if value_heads != key_heads or value_width > key_width:
                 raise GenericPathRefused(f"{self.model_type}'s layer {layer} has values of {value_heads} heads of "
@@ -239,21 +274,24 @@ class TransformersCausalLM(nn.Module):
             shapes[layer] = (key_heads, key_width)
         return tuple(shapes[layer] for layer in range(len(order)))
 
-    def cached_probe(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                     layer_shapes: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    def cached_probe(self, input_ids: torch.Tensor, positions: torch.Tensor, layer_shapes: tuple[tuple[int, int], ...],
+                     state_shapes: StateShapes | None) -> torch.Tensor:
         """The probe's hidden states as the engine computes them: the first half prefilled into a cache, the rest
-        decoded over it (a model whose positions come from its own cache's length, not `position_ids`, differs)."""
+        decoded over it (a model whose positions come from its own cache's length, not `position_ids`, differs). A
+        model with linear-attention layers decodes one token alone first (their single-token path is other code),
+        and its recurrent state must carry from one forward to the next."""
         (kv_heads, head_dim), layers = layer_shapes[0], len(layer_shapes)
         cache = KVCache(layers, 1, kv_heads, PROBE_TOKENS, head_dim, dtype=self.dtype, device=self.device,
-                        layer_shapes=layer_shapes)
+                        layer_shapes=layer_shapes, state_shapes=state_shapes)
+        half = PROBE_TOKENS // 2
+        cuts = (0, half, half + 1, PROBE_TOKENS) if state_shapes else (0, half, PROBE_TOKENS)
         was_training = self.training
         self.eval()
         try:
             with torch.no_grad():
-                return torch.cat([self.decoder_hidden(input_ids[:, part], positions[:, part], None,
-                                                      AttentionStep(positions[:, part], cache, None, None,
-                                                                    PROBE_TOKENS))
-                                  for part in (slice(0, PROBE_TOKENS // 2), slice(PROBE_TOKENS // 2, None))], dim=1)
+                return torch.cat([self(input_ids[:, part], positions[:, part], kv_cache=cache, cache_len=PROBE_TOKENS,
+                                       return_hidden=True)
+                                  for part in map(slice, cuts[:-1], cuts[1:])], dim=1)
         finally:
             self.train(was_training)
 

@@ -29,12 +29,15 @@ from cohort_grpo.models.cache import KVCache
 
 ATTENTION = "cohort_kv_cache"  # the attention implementation's name in transformers' interfaces
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
-# Layers that keep a recurrent state (state-space, linear attention, RWKV, ...) instead of keys and values, or
+# Layers whose recurrent state (a convolution's last inputs and a state matrix, through transformers' cache
+# interface) the engine keeps per row beside the KV cache (recurrent_state.py): Gated DeltaNet linear attention.
+RECURRENT_LAYER_TYPES = {"linear_attention"}
+# Layers that keep a recurrent state (state-space, linear attention, RWKV, ...) the engine does not keep, or
 # encoder-decoders: the engine's cache holds neither, so these take transformers' generate.
 RECURRENT_MODEL_TYPES = {
     "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe",
-    "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
-    "qwen3_5_moe_text", "qwen3_next", "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2",
+    "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
+    "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2",
 }
 
 # Attention whose mask carries learned values (Doge's dynamic mask): cohort's cached attention applies only the
@@ -56,10 +59,15 @@ def refusal(config) -> str | None:
         return f"{model_type} has recurrent (state-space or linear-attention) layers, which keep no keys and values"
     if model_type in MASK_VALUED_MODEL_TYPES:
         return f"{model_type}'s attention mask carries learned values, which cohort's cached attention does not apply"
-    other = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYER_TYPES)
+    other = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYER_TYPES - RECURRENT_LAYER_TYPES)
     if other:
         return f"{model_type} has layers of type {', '.join(other)}, which cohort's KV cache does not hold"
     return None
+
+
+def keeps_recurrent_state(config) -> bool:
+    """Whether a model of `config` has layers whose recurrent state the engine keeps (`RECURRENT_LAYER_TYPES`)."""
+    return bool(set(getattr(config, "layer_types", None) or []) & RECURRENT_LAYER_TYPES)
 
 
 @dataclass

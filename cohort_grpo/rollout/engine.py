@@ -104,7 +104,8 @@ class Engine:
             compile_kernels = use_cuda_graph and triton_available()
         self.compile_kernels = compile_kernels
         self.graphs = DecodeGraphs(self._decode_step, enabled=use_cuda_graph,
-                                   state=lambda: self.state.step_tensors(), verify=verify_graphs,
+                                   state=lambda: self.state.step_tensors() + self.cache.step_states(),
+                                   verify=verify_graphs,
                                    check=check_graphs)
         self._weights_key = None
         self.stats: dict[str, float] = {}

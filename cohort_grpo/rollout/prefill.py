@@ -3,7 +3,9 @@
 Each distinct prompt runs once, into the row of its first sequence; its keys and values are then copied to the
 rows of the other sequences with that prompt (GRPO's G completions of a prompt share it). Every sequence's first
 token is sampled from its prompt's last position, under its own noise key. Prompts go in chunks of at most
-`prefill_tokens` padded tokens, sorted by length so a chunk pads little. Host data goes to the device without
+`prefill_tokens` padded tokens, sorted by length so a chunk pads little; for a model with linear-attention layers
+(`keeps_recurrent_state`) a chunk holds prompts of one length, as pad tokens after a prompt would run into its
+recurrent state. Host data goes to the device without
 syncing (`to_device`): the engine may have a decode chunk in flight meanwhile.
 """
 
@@ -31,10 +33,12 @@ def prefill(model, cache: KVCache, state: SlotState, admitted: list[Sequence], p
               for group in prompt_groups([seq.prompt for seq in admitted], max_rows=len(admitted))]
     groups.sort(key=lambda group: len(group[0].prompt))  # similar lengths pad less
     counts = dict(prefill_forwards=0, prefill_tokens=0, prefill_shared_rows=0)
+    unpadded = getattr(model, "keeps_recurrent_state", False)
     start = 0
     while start < len(groups):
         end = start + 1
-        while end < len(groups) and (end + 1 - start) * len(groups[end][0].prompt) <= prefill_tokens:
+        while end < len(groups) and (end + 1 - start) * len(groups[end][0].prompt) <= prefill_tokens and not (
+                unpadded and len(groups[end][0].prompt) != len(groups[start][0].prompt)):
             end += 1
         tokens, shared = prefill_chunk(model, cache, state, groups[start:end], params, sample)
         counts["prefill_forwards"] += 1

@@ -45,7 +45,7 @@ from cohort_grpo.telemetry.step_report import StepReport, open_step_report
 from cohort_grpo.tools.environments import environment_reward
 from cohort_grpo.tools.toolbox import Toolbox
 from cohort_grpo.update.fast_path import fast_path_line
-from cohort_grpo.update.logprobs import supports_hidden
+from cohort_grpo.update.logprobs import takes_attention_rows
 from cohort_grpo.update.policy_update import PolicyUpdate, sampler_correction_mode
 from cohort_grpo.update.schedule import lr_scheduler
 from cohort_grpo.parallel.colocation import colocate
@@ -139,7 +139,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     model, sampling_model, ref_model = place_policy(start, train_model, engine_copy)
     # The G completions of a prompt share its forward in the log-prob passes and the update: our
     # models only (they take attention rows), and only where a prompt has several completions.
-    layout = Layout.choose(args.share_prompt_prefix, args.num_generations, supports_hidden(model))
+    layout = Layout.choose(args.share_prompt_prefix, args.num_generations, takes_attention_rows(model))
     group = parallel.sampling_group
     rollouts = build_rollouts(args, sampling_model, tokenizer, start.pad_id, toolbox, placement=start.placement,
                               link=parallel.link, rank=parallel.rank, sampler_factory=sampler_factory,

@@ -262,6 +262,14 @@ def supports_hidden(model) -> bool:
     return isinstance(inner, CausalLM) or (isinstance(inner, TransformersCausalLM) and inner.plain_head)
 
 
+def takes_attention_rows(model) -> bool:
+    """Whether `model` runs the shared-prompt layout (one flat row of a prompt and its completions, attention rows
+    saying what each token sees): `supports_hidden`, and no layer whose recurrent state would run through the other
+    completions' tokens (linear attention)."""
+    inner = getattr(model, "module", model)
+    return supports_hidden(model) and not getattr(inner, "keeps_recurrent_state", False)
+
+
 def forward_hidden(model, micro: MicroBatch) -> Tensor:
     """Final normed hidden states [r, L, H] of `micro`'s forward rows: our CausalLM in either layout, or
     any model whose forward takes `return_hidden` in the one-row-per-completion layout."""
