@@ -268,6 +268,27 @@ def test_linear_attention_prompts_prefill_unpadded(model_type):
             assert (logits[:, 0] - expected[[1, 0], position]).abs().max() < 1e-4
 
 
+def test_chat_decoding_of_a_linear_attention_model_through_a_rewind():
+    """`cohort-grpo chat`'s cached decoding (several tokens, then one at a time, over a row's recurrent state) gives
+    transformers' logits; a rewind, which cannot undo a recurrent state, runs the kept history again."""
+    from cohort_grpo.cli.chat import CachedDecoder
+
+    model = wrapped(reference_model("qwen3_5_text"))
+    torch.manual_seed(5)
+    ids = torch.randint(1, VOCAB, (20,)).tolist()
+
+    def logits_after(tokens):
+        with torch.no_grad():
+            return model.transformers_model(torch.tensor([tokens])).logits[0, -1]
+
+    decoder = CachedDecoder(model)
+    assert (decoder.extend(ids[:6]) - logits_after(ids[:6])).abs().max() < 1e-4
+    for n in range(7, 10):
+        assert (decoder.extend([ids[n - 1]]) - logits_after(ids[:n])).abs().max() < 1e-4
+    decoder.rewind(4)
+    assert (decoder.extend(ids[12:16]) - logits_after(ids[:4] + ids[12:16])).abs().max() < 1e-4
+
+
 def test_frozen_copy_and_state_dict_keep_transformers_names(family):
     """The wrapper's parameters carry transformers' names (checkpoints and saved folders are transformers'), and a
     deep copy (π_ref) is a separate model that computes the same logits."""

@@ -134,7 +134,7 @@ class KVCache:
         """Rows `target` hold the same prompt as rows `source`: copy positions [0, copy_length) of
         each source row to its target in every layer, and let the targets read their first
         `prefix_lens` keys from the source row (positions the completion never rewrites). Recurrent states are
-        copied whole: a source row's is its state after the prompt (the source was prefilled alone, unpadded)."""
+        copied whole: a source row's is its state after the prompt (prefill.py runs such prompts unpadded)."""
         for keys, values in zip(self.k_layers, self.v_layers):
             keys[target, :, :copy_length] = keys[source, :, :copy_length]
             values[target, :, :copy_length] = values[source, :, :copy_length]
