@@ -4,6 +4,7 @@ moves towards its teacher."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -146,22 +147,39 @@ def test_teacher_logprobs_are_a_plain_forwards(models, tmp_path):
     torch.testing.assert_close(advantages[mask].double(), teacher_logp - student_logp, atol=1e-5, rtol=0)
 
 
-def test_cli_train_with_a_teacher_logs_the_reverse_kl(models, tmp_path):
-    out = tmp_path / "run"
+def cli_train(models: Path, out: Path, cwd: Path, *extra: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "cohort_grpo", "train", "--model", str(models / "student"), "--teacher_model",
-         str(models / "teacher"), "--distillation_coef", "1", "--max_steps", "3", "--num_generations", "4",
+         str(models / "teacher"), "--distillation_coef", "1", "--num_generations", "4",
          "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1", "--max_completion_length", "6",
          "--max_prompt_length", "64", "--eval_limit", "2", "--logging_steps", "1", "--device", "cpu", "--quiet",
-         "--output_dir", str(out)], capture_output=True, text=True, cwd=tmp_path,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO)}, timeout=300)
+         "--output_dir", str(out), *extra], capture_output=True, text=True, cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_cli_train_with_a_teacher_logs_the_reverse_kl_and_resumes(models, tmp_path):
+    """`cohort-grpo train --teacher_model ... --max_steps 3`, stopped after step 2 and resumed: the teacher is in no
+    checkpoint, and the resumed run loads it again from the config."""
+    out = tmp_path / "run"
+    cli_train(models, out, tmp_path, "--max_steps", "2", "--save_steps", "1")
+    assert (out / "checkpoint-2").is_dir()
+    saved = {path.name for path in (out / "checkpoint-2").rglob("*")}
+    assert not any("teacher" in name for name in saved), saved
+    cli_train(models, out, tmp_path, "--max_steps", "3", "--resume")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for record in steps:
         assert math.isfinite(record["distillation/reverse_kl"]) and record["distillation/teacher_logp"] < 0
-    assert not (out / "checkpoint-3" / "teacher").exists()  # the teacher is never checkpointed
+
+
+def test_asynchronous_rollouts_are_distilled_too(models, tmp_path):
+    trainer = GRPOTrainer(str(models / "student"), [], rows(), processing_class=build_tokenizer(),
+                          args=small_args(tmp_path / "run", distillation_coef=1.0, teacher_model=str(models / "teacher"),
+                                          async_rollouts=True, max_steps=2), log=lambda *_: None)
+    trainer.train()
+    assert [math.isfinite(r["distillation/reverse_kl"]) for r in trainer.history] == [True, True]
 
 
 # ---- refusals, one line each -----------------------------------------------------------------------------------
