@@ -1,13 +1,14 @@
 """On-policy distillation against GRPO alone on the built-in arithmetic task, on the CPU: held-out accuracy by step.
 
-    python bench/distillation_gain.py                 # the table of docs/howto/distillation.md (about 12 minutes, 2 cores)
-    python bench/distillation_gain.py --steps 10      # a quick look
+    python bench/distillation_gain.py                 # the table of docs/howto/distillation.md (about 9 minutes, 2 cores)
+    python bench/distillation_gain.py --steps 100 --eval-every 20   # a quick look
 
-A teacher (the built-in tiny model's shape, 96 hidden, 3 layers) is trained longer: the supervised warm start the
-built-in model gets, continued for `--teacher-sft-steps` steps. A fresh, smaller student (64 hidden, 2 layers,
-another seed) gets a short warm start of `--student-sft-steps` steps (the answer format, few right answers). The
+A teacher (the built-in tiny model's shape, 96 hidden, 3 layers) is trained longer: the built-in model's supervised
+warm start (solved level-2 and level-3 problems), run for `--teacher-sft-steps` steps where the built-in one stops
+once it reaches 50% on level 3. A fresh, smaller student (64 hidden, 2 layers, another seed) gets the same warm
+start for only `--student-sft-steps` steps (the answer format, few right answers). The
 student then trains `--steps` GRPO steps three ways, each from the same weights with the same rollouts' size,
-learning rate and seed (the arithmetic task's `cohort-grpo train` defaults otherwise):
+learning rate (3e-4) and seed, β = 0 (the arithmetic task's `cohort-grpo train` defaults otherwise):
 
 - distillation: no reward functions (`--reward_funcs ''`), `--teacher_model` with `--distillation_coef 1`;
 - GRPO: the task's reward, no teacher;
@@ -70,7 +71,7 @@ def build_models(folder: Path, teacher_steps: int, student_steps: int) -> tuple[
 
 
 def train(arm: str, student: Path, teacher: Path, out: Path, args) -> dict[int, float]:
-    """`cohort-grpo train` of one arm; {step: held-out accuracy}."""
+    """`cohort-grpo train` of one arm; {step: held-out accuracy} (its metrics.jsonl has the rest: `training_lines`)."""
     extra = [a.replace("{teacher}", str(teacher)) for a in ARMS[arm]]
     command = [sys.executable, "-m", "cohort_grpo", "train", "--model", str(student), "--max_steps", str(args.steps),
                "--eval_steps", str(args.eval_every), "--eval_limit", str(args.eval_limit), "--learning_rate",
@@ -86,6 +87,27 @@ def train(arm: str, student: Path, teacher: Path, out: Path, args) -> dict[int, 
     return accuracy
 
 
+def training_lines(folder: Path) -> list[str]:
+    """Each arm's sampled success (temperature 1) and reverse KL to the teacher, over the first and the last fifth
+    of its logged steps."""
+    lines = []
+    for arm in ARMS:
+        records = [json.loads(line) for line in (folder / arm / "metrics.jsonl").read_text().splitlines()]
+        records = [r for r in records if "loss" in r]
+        fifth = max(1, len(records) // 5)
+
+        def mean(key, part):
+            values = [r[key] for r in part if key in r]
+            return sum(values) / len(values) if values else float("nan")
+
+        first, last = records[:fifth], records[-fifth:]
+        kl = (f"; reverse KL {mean('distillation/reverse_kl', first):.2f} → {mean('distillation/reverse_kl', last):.2f}"
+              if "distillation/reverse_kl" in records[0] else "")
+        lines.append(f"- {arm}: sampled success {100 * mean('success', first):.1f}% → {100 * mean('success', last):.1f}%"
+                     f"{kl}")
+    return lines
+
+
 def table(results: dict[str, dict[int, float]]) -> str:
     steps = sorted(next(iter(results.values())))
     lines = ["| step | " + " | ".join(results) + " |", "| ---: |" + " ---: |" * len(results)]
@@ -96,13 +118,13 @@ def table(results: dict[str, dict[int, float]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--eval-limit", type=int, default=200)
     parser.add_argument("--completions", type=int, default=64, help="completions per step (8 per prompt)")
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--teacher-sft-steps", type=int, default=1500)
-    parser.add_argument("--student-sft-steps", type=int, default=150)
+    parser.add_argument("--student-sft-steps", type=int, default=300)
     parser.add_argument("--folder", default="runs/distillation_gain")
     args = parser.parse_args()
     folder = Path(args.folder)
@@ -118,6 +140,8 @@ def main() -> None:
     print(f"\n{datetime.date.today()}: python bench/distillation_gain.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"teacher's held-out accuracy: {100 * teacher_accuracy:.1f}%; total {time.perf_counter() - started:.0f} s\n")
     print(table(results))
+    print("\nfirst fifth → last fifth of the logged steps:")
+    print("\n".join(training_lines(folder)))
 
 
 def train_free_accuracy(model: Path, out: Path, args) -> float:
