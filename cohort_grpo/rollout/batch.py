@@ -52,6 +52,8 @@ class Batch(RowRecord):
     sampled_prompts: list | None = record_field(default=None, absent=lambda part: part.prompts)
     # tools/* of a tool-calling rollout, async/* of one sampled ahead (joined: the first part's)
     rollout_metrics: dict | None = record_field(WHOLE, default=None)
+    # distillation/* of a step with a teacher (cohort_grpo/update/teacher.py)
+    teacher_metrics: dict | None = record_field(WHOLE, default=None, state=False, merge=mean_per_key)
 
     @property
     def prompts(self) -> list:
