@@ -30,7 +30,11 @@ class Toolbox:
         return [tool.schema for tool in table.values()] or None
 
     def turns(self, tokenizer, num_rows: int, environments=None) -> ToolTurns:
-        """The turn handler of one rollout of `num_rows` completions."""
+        """The turn handler of one rollout of `num_rows` completions: tool turns, or the environment's own
+        episodes where its factory has `episode_turns` (cohort_grpo/tools/episodes.py)."""
+        episode_turns = getattr(self.environment_factory, "episode_turns", None)
+        if callable(episode_turns) and environments is not None:
+            return episode_turns(tokenizer, environments, self.template_kwargs)
         return ToolTurns(tokenizer, self.tools, environments=environments, max_iterations=self.max_iterations,
                          timeout_s=self.timeout_s, num_rows=num_rows, template_kwargs=self.template_kwargs)
 
@@ -61,6 +65,8 @@ def make_toolbox(tools, environment_factory, args, task) -> Toolbox | None:
     tools = resolve_tools(tools) if tools else []
     if environment_factory is None and args.environment:
         environment_factory = resolve_environment(args.environment)
+    if environment_factory is None and task is not None:  # a task whose environment speaks between turns
+        environment_factory = getattr(task, "environment_factory", None)
     if not tools and environment_factory is None:
         if args.max_tool_calling_iterations is not None:
             raise CohortError(f"max_tool_calling_iterations={args.max_tool_calling_iterations} but the run has no "
