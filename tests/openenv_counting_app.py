@@ -1,10 +1,12 @@
 """An OpenEnv environment for tests/test_openenv_environments.py, served by the test's own server process:
 each step's reward is 1 when the action holds a digit, the episode is done after `STEPS` steps.
-COUNTING_MODE=slow makes every step sleep; COUNTING_MODE=malformed serves a WebSocket that answers a step
-with a reply that is no observation."""
+COUNTING_MODE=slow makes every step sleep; COUNTING_MODE=chatty makes every step write 64 KiB to the
+server's stderr (more than a pipe holds); COUNTING_SESSIONS=N serves N sessions at once (64 by default);
+COUNTING_MODE=malformed serves a WebSocket that answers a step with a reply that is no observation."""
 
 import json
 import os
+import sys
 import time
 
 from openenv.core.env_server.http_server import create_app
@@ -38,6 +40,9 @@ class CountingEnvironment(Environment):
     def step(self, action: SayAction, **kwargs) -> HeardObservation:
         if MODE == "slow":
             time.sleep(3)
+        if MODE == "chatty":
+            sys.stderr.write(("x" * 1023 + "\n") * 64)
+            sys.stderr.flush()
         self._state.step_count += 1
         reward = 1.0 if any(c.isdigit() for c in action.message) else 0.0
         return HeardObservation(heard=f"heard {len(action.message)}", done=self._state.step_count >= STEPS,
@@ -48,7 +53,7 @@ class CountingEnvironment(Environment):
         return self._state
 
 
-app = create_app(CountingEnvironment, SayAction, HeardObservation, env_name="counting", max_concurrent_envs=64)
+app = create_app(CountingEnvironment, SayAction, HeardObservation, env_name="counting", max_concurrent_envs=int(os.environ.get("COUNTING_SESSIONS", "64")))
 
 if MODE == "malformed":
     from fastapi import FastAPI, WebSocket

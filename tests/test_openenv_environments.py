@@ -1,7 +1,8 @@
 """OpenEnv environments through `environment_factory`: a server (tests/openenv_counting_app.py) started on
 127.0.0.1 by the run and stopped after it; three steps of training where the reward is the environment's
 (the sum of its step rewards, checked against the actions the model took), its observations appended
-between turns and out of the loss; and each fault (the server gone, a step too slow, a malformed reply)
+between turns and out of the loss; a server that logs more than a pipe holds still answers; episodes
+beyond the server's sessions are faults while the others play; and each fault (the server gone, a step too slow, a malformed reply)
 ends its episodes with reward 0, counted in `env/faults`, while the step completes."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.errors import CohortError
 from cohort_grpo.models.tiny import TINY_TOOLS_TEMPLATE, build_model, build_tokenizer
 
 torch.set_num_threads(1)
@@ -68,7 +70,7 @@ def expected_reward(conversation) -> float:
     return float(sum(any(c.isdigit() for c in text) for text in said))
 
 
-def test_three_steps_with_the_environments_reward_then_the_server_is_stopped(chat_dir, tmp_path):
+def test_three_steps_with_the_environments_reward_then_the_server_is_stopped(chat_dir, tmp_path, capsys):
     with OpenEnvServer(APP, pythonpath=[HERE]) as server:
         process = server.process
         source = Recorded(server.environments())
@@ -87,6 +89,9 @@ def test_three_steps_with_the_environments_reward_then_the_server_is_stopped(cha
         assert torch.equal(batch.rollout.loss_mask, batch.rollout.completion_mask * batch.rollout.tool_mask)
         trainer.train()
     assert process.poll() is not None, "the server outlived its with block"
+    # not a tool set: tools.json holds no environment, and one line says a resumed run must be given it again
+    assert json.loads((tmp_path / "tools.json").read_text())["environment"] is None
+    assert "note: environment Recorded plays episodes" in capsys.readouterr().out
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -128,3 +133,31 @@ def test_a_malformed_reply_ends_its_episode(chat_dir, tmp_path):
     with OpenEnvServer(APP, pythonpath=[HERE], env={"COUNTING_MODE": "malformed"}) as server:
         source, trainer = faulty_step(chat_dir, tmp_path, server)
         check_all_faulted(source, trainer, trainer.sample(trainer.next_prompts()))
+
+
+def test_a_server_that_logs_more_than_a_pipe_holds_still_answers(chat_dir, tmp_path):
+    # Each step writes 64 KiB to the server's stderr: unread, the pipe fills and the server stops answering.
+    with OpenEnvServer(APP, pythonpath=[HERE], env={"COUNTING_MODE": "chatty"}) as server:
+        source, trainer = faulty_step(chat_dir, tmp_path, server, step_timeout_s=10.0)
+        batch = trainer.sample(trainer.next_prompts())
+        assert batch.rollout_metrics["env/faults"] == 0
+        assert sum(episode.steps for episode in source.made) >= len(batch.completions)  # 64 KiB each, > 64 KiB
+
+
+def test_episodes_beyond_the_servers_sessions_are_faults_and_the_rest_play(chat_dir, tmp_path):
+    # 4 completions, 2 sessions: the first two resets hold the server's sessions, the last two are refused.
+    with OpenEnvServer(APP, pythonpath=[HERE], env={"COUNTING_SESSIONS": "2"}) as server:
+        source, trainer = faulty_step(chat_dir, tmp_path, server)
+        batch = trainer.sample(trainer.next_prompts())
+        played = [episode for episode in source.made if episode.prompt is not None]
+        assert [episode.failed for episode in played] == [False, False, True, True]
+        assert batch.rollout_metrics["env/faults"] == 2
+        trainer.score(batch)
+        assert [e.get_reward() for e in played[:2]] == [expected_reward(c) for c in batch.completions[:2]]
+
+
+def test_an_app_that_does_not_import_is_refused_with_the_servers_last_line():
+    server = OpenEnvServer("openenv_no_such_app:app", pythonpath=[HERE])
+    with pytest.raises(CohortError, match=r"stopped as it started \(.*openenv_no_such_app"):
+        server.start()
+    assert server.process is None

@@ -28,8 +28,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections import deque
 
 from cohort_grpo.errors import CohortError
 from cohort_grpo.tools.environments import with_addition
@@ -39,6 +41,7 @@ from cohort_grpo.tools.turns import tool_loop
 INSTALL = 'pip install "cohort-grpo[openenv]" (or pip install openenv-core)'
 HOST = "127.0.0.1"
 FIELDS_NOT_SHOWN = ("done", "reward", "metadata")  # an observation's fields that are not its text
+LOG_LINES_KEPT = 20  # the server's last log lines, kept to say why it stopped
 
 
 def import_openenv_client():
@@ -66,6 +69,8 @@ class OpenEnvServer:
         self.app, self.port, self.pythonpath = app, port, list(pythonpath or [])
         self.startup_timeout_s, self.extra_env = startup_timeout_s, dict(env or {})
         self.process: subprocess.Popen | None = None
+        self.log: deque[str] = deque(maxlen=LOG_LINES_KEPT)
+        self.log_reader: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -74,19 +79,24 @@ class OpenEnvServer:
     def start(self) -> "OpenEnvServer":
         import_openenv_client()
         self.port = self.port or free_port()
+        self.log.clear()
         paths = self.pythonpath + [p for p in [os.environ.get("PYTHONPATH")] if p]
         env = {**os.environ, **self.extra_env, "PYTHONPATH": os.pathsep.join(paths)}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", self.app, "--host", HOST, "--port", str(self.port), "--log-level",
              "warning"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # The server's log is read as it is written: an unread pipe fills (OpenEnv logs a traceback for each
+        # session a client closes) and the server then blocks on its next write, answering nothing.
+        self.log_reader = threading.Thread(target=self.read_log, args=(self.process.stderr, self.log),
+                                           name="openenv-server-log", daemon=True)
+        self.log_reader.start()
         atexit.register(self.stop)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                lines = self.process.stderr.read().decode(errors="replace").strip().splitlines()
-                last = lines[-1] if lines else "no output"
                 module = self.app.split(":")[0]
                 self.stop()
+                last = self.log[-1] if self.log else "no output"
                 raise CohortError(f"the OpenEnv server {self.app} stopped as it started ({last}); check that the app "
                                   f"imports (python -c \"import {module}\")")
             try:
@@ -98,6 +108,15 @@ class OpenEnvServer:
         self.stop()
         raise CohortError(f"the OpenEnv server {self.app} did not answer /health within {self.startup_timeout_s:g} s "
                           "(raise startup_timeout_s for a slow app)")
+
+    @staticmethod
+    def read_log(stream, kept: deque) -> None:
+        """Reads the server's log until it closes, keeping its last non-blank lines."""
+        with stream:
+            for line in iter(stream.readline, b""):
+                text = line.decode(errors="replace").strip()
+                if text:
+                    kept.append(text)
 
     def stop(self) -> None:
         process, self.process = self.process, None
@@ -111,8 +130,9 @@ class OpenEnvServer:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
+        reader, self.log_reader = self.log_reader, None
+        if reader is not None:
+            reader.join(timeout=5)  # the log's end: what the server said last
 
     def __enter__(self) -> "OpenEnvServer":
         return self.start() if self.process is None else self
@@ -168,10 +188,11 @@ class OpenEnvEpisode:
     def reset(self, **row) -> str:
         """Opens the session and resets it; the first observation is the text appended to the prompt."""
         text = ""
+        opening = asyncio.run_coroutine_threadsafe(self.source.open(self), tool_loop())
         try:
-            text = asyncio.run_coroutine_threadsafe(self.source.open(self), tool_loop()).result(
-                timeout=self.source.step_timeout_s + self.source.connect_timeout_s)
+            text = opening.result(timeout=self.source.connect_timeout_s + self.source.step_timeout_s)
         except Exception as error:  # noqa: BLE001 - a server that cannot start the episode is that episode's fault
+            opening.cancel()  # a session that opens late is closed, not left holding one of the server's slots
             self.failed, self.fault = True, f"{type(error).__name__}: {error}"
         self.prompt = with_addition(row["prompt"], text)
         return text
@@ -197,9 +218,15 @@ class OpenEnvEnvironment:
         return OpenEnvEpisode(self)
 
     async def open(self, episode: OpenEnvEpisode) -> str:
-        episode.client = self.client_class(self.url, connect_timeout_s=self.connect_timeout_s,
-                                           message_timeout_s=self.step_timeout_s)
-        observation, _, _ = checked_result(await episode.client.reset())
+        """The episode's session, reset: its first observation's text (on a failure the session is closed)."""
+        client = self.client_class(self.url, connect_timeout_s=self.connect_timeout_s,
+                                   message_timeout_s=self.step_timeout_s)
+        try:
+            observation, _, _ = checked_result(await client.reset())
+        except BaseException:
+            await client.disconnect()
+            raise
+        episode.client = client
         return self.observation(observation)
 
     def episode_turns(self, tokenizer, environments: list, template_kwargs: dict | None = None) -> EpisodeTurns:
