@@ -1,0 +1,83 @@
+"""A tiny random Qwen2.5-VL with its processor, built with no download (tests, the vision task's first run).
+
+The processor is transformers' own `Qwen2_5_VLProcessor`: its image processor resizes an image to a few patches, and
+its tokenizer is cohort's character tokenizer (models/tiny.py) with Qwen-VL's vision tags as single tokens and a chat
+template that renders a `{"type": "image"}` part as `<|vision_start|><|image_pad|><|vision_end|>` (the processor
+expands the pad to one token per merged patch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cohort_grpo.models.tiny import CHARS, build_tokenizer
+
+VISION_TAGS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# A user turn renders its parts in order, then a newline; an assistant turn its text and EOS. The assistant turn
+# needs no opening text, so add_generation_prompt adds nothing.
+TINY_VISION_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{%- for part in message.content %}"
+    "{%- if part.type == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{%- if message.role == 'assistant' %}{{- eos_token }}{%- else %}{{- '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+)
+PATCH = 14  # Qwen2.5-VL's patch side; 2 × 2 patches merge into one image token
+# Images are resized to between 2 × 2 and 4 × 4 merged tokens: a few tokens each, on a CPU.
+MIN_PIXELS, MAX_PIXELS = (2 * 2 * PATCH) ** 2, (4 * 2 * PATCH) ** 2
+
+
+def build_vision_processor(chars=CHARS):
+    """`Qwen2_5_VLProcessor` over the character tokenizer of `chars` plus the vision tags, images only."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+
+    class ImageOnlyProcessor(Qwen2_5_VLProcessor):
+        """No video processor: transformers' needs torchvision, which images do not."""
+
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument is not None:
+                return super().check_argument_for_proper_class(argument_name, argument)
+
+    tokenizer = build_tokenizer(chars, tags=["<answer>", "</answer>", *VISION_TAGS])
+    tokenizer.chat_template = TINY_VISION_TEMPLATE
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH,
+                                            merge_size=2, temporal_patch_size=2)
+    return ImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                               chat_template=TINY_VISION_TEMPLATE)
+
+
+def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2):
+    """A random `Qwen2_5_VLForConditionalGeneration` for `tokenizer` (its vision tags' ids), float32."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in VISION_TAGS}
+    heads = 4
+    config = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=2, vocab_size=len(tokenizer),
+                         max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                         rope_scaling={"type": "mrope", "mrope_section": mrope_sections(hidden_size // heads)}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
+                           patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2, window_size=4 * PATCH,
+                           fullatt_block_indexes=[1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def mrope_sections(head_dim: int) -> list[int]:
+    """The rotary frequency pairs of a head split over (time, height, width), as Qwen2.5-VL's 16/24/24 of 64."""
+    pairs = head_dim // 2
+    time = pairs // 4
+    height = (pairs - time) // 2
+    return [time, height, pairs - time - height]
