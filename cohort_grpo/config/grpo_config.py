@@ -329,6 +329,11 @@ class GRPOConfig:
         "help": "Weight of the Switch Transformer load-balancing loss added to the policy loss; 0 leaves it out, "
                 "as RL frameworks do."})
 
+    # Vision-language models.
+    freeze_vision_tower: bool = field(default=True, metadata={
+        "help": "A vision-language model's vision tower keeps its weights (only the language tower trains); false "
+                "trains it too (full fine-tuning; LoRA adapts the language tower only)."})
+
     # LoRA through peft, with TRL's ModelConfig names.
     use_peft: bool = field(default=False, metadata={
         "help": "Train LoRA adapters (peft) instead of every weight."})

@@ -114,6 +114,11 @@ class TransformersCausalLM(nn.Module):
         return self.transformers_model.get_input_embeddings().weight.dtype
 
     @property
+    def base_model_prefix(self) -> str:
+        """transformers' name of the base model's attribute (peft reads it to scope weight conversions)."""
+        return self.transformers_model.base_model_prefix
+
+    @property
     def name_or_path(self) -> str:
         return self.transformers_model.name_or_path
 

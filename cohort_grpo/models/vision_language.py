@@ -18,6 +18,8 @@ The vision tower keeps its own attention implementation; only the language tower
 
 from __future__ import annotations
 
+import copy
+import re
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +98,17 @@ class VisionLanguageModel(TransformersCausalLM):
         """Keep the vision tower's weights out of training (`frozen`) or in it."""
         for parameter in self.vision_tower.parameters():
             parameter.requires_grad_(not frozen)
+
+    def language_lora_config(self, peft_config):
+        """`peft_config` with its target modules narrowed to the language tower's (the vision tower's MLP shares
+        their names): a list of names becomes a pattern over the language model's layers; a pattern stays."""
+        targets = peft_config.target_modules
+        if not isinstance(targets, (list, tuple, set)):
+            return peft_config
+        narrowed = copy.copy(peft_config)
+        names = "|".join(sorted(re.escape(name) for name in targets))
+        narrowed.target_modules = rf".*language_model\..*\.({names})"
+        return narrowed
 
     def image_token_count(self, images: ImageInputs) -> int:
         """How many image tokens of the prompt `images` fill: each image's patches over the merge window."""
