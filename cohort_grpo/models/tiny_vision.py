@@ -12,6 +12,7 @@ import torch
 
 from cohort_grpo.models.tiny import CHARS, build_tokenizer
 
+TINY_VISION_MODEL = "cohort:tiny-vision"  # built in memory on each use: random weights, nothing to cache
 VISION_TAGS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # A user turn renders its parts in order, then a newline; an assistant turn its text and EOS. The assistant turn
 # needs no opening text, so add_generation_prompt adds nothing.

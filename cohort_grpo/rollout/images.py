@@ -95,3 +95,17 @@ class ImagePrompts:
                                                   **self.template_kwargs)
         encoded = self.processor(text=[text], images=images, return_tensors="pt")
         return encoded["input_ids"][0].tolist(), ImageInputs(encoded["pixel_values"], encoded["image_grid_thw"])
+
+
+def encode_rows(rows: list[dict], encode_prompt, images: "ImagePrompts | None") -> tuple[list[list[int]], dict]:
+    """Each row's prompt ids, and the `generate` keywords that carry their images (none for a text model or rows
+    without images): what evaluation samples from, rendered as training renders it."""
+    if images is None or all(row_images(row) is None for row in rows):
+        return [encode_prompt(row["prompt"]) for row in rows], {}
+    ids, inputs = [], []
+    for row in rows:
+        loaded = row_images(row)
+        encoded = (encode_prompt(row["prompt"]), None) if loaded is None else images.encode(row["prompt"], loaded)
+        ids.append(encoded[0])
+        inputs.append(encoded[1])
+    return ids, {"images": inputs}

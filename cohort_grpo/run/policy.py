@@ -25,6 +25,7 @@ from cohort_grpo.models.generic_training import is_mixture_of_experts
 from cohort_grpo.models.loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
                                    missing_path_error, one_line)
 from cohort_grpo.models.lora import apply_lora, lora_config_from_args
+from cohort_grpo.models.tiny_vision import TINY_VISION_MODEL, build_vision_model, build_vision_processor
 from cohort_grpo.models.vision_language import VisionLanguageModel, is_vision_language
 from cohort_grpo.optim.precision import resolve_dtype
 from cohort_grpo.sft import builtin
@@ -124,6 +125,9 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
         if processing_class is None:
             raise CohortError("a model object needs its tokenizer: pass processing_class=tokenizer")
         return model.to(device), processing_class
+    if model == TINY_VISION_MODEL:
+        processor = processing_class or build_vision_processor()
+        return vision_policy(build_vision_model(processor.tokenizer).to(device), processor, impl, log)
     if model is None:
         model = str(builtin.tiny_model_dir(log=log))
     elif tiny.is_builtin_model(model):  # "cohort:tiny-tools": a built-in model, built on first use
