@@ -1,8 +1,10 @@
-"""Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL and its processor, built
-here with no download (float32, CPU), checked against transformers itself: the logits of its own forward with the
-same images, the tokens of its own greedy `generate`, the teacher-forced log-probs of the engine's samples."""
+"""Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL and Qwen2-VL and their
+processor, built here with no download (float32, CPU), checked against transformers itself: the logits of its own
+forward with the same images, the tokens of its own greedy `generate`, the teacher-forced log-probs of the engine's
+samples."""
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,10 +32,10 @@ def random_image(height, width, seed):
     return Image.fromarray(pixels)
 
 
-@pytest.fixture(scope="module")
-def vision():
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+def vision(request):
     processor = build_vision_processor()
-    reference = build_vision_model(processor.tokenizer).eval()
+    reference = build_vision_model(processor.tokenizer, family=request.param).eval()
     model = VisionLanguageModel.wrap(copy.deepcopy(reference)).eval()
     prompts = []
     for (height, width, seed), question in zip(IMAGES, QUESTIONS):
@@ -127,13 +129,9 @@ def test_refusals_name_what_is_not_supported(vision):
         Engine(model).generate([ids[0].tolist()], 1, params, turns=object(), images=[image_inputs(prompts[0])])
     with pytest.raises(CohortError, match="image tokens where its images fill"):
         model(ids[:, 4:], images=[image_inputs(prompts[0])])
-    import transformers
-
-    config = transformers.Qwen2VLConfig(text_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                                         num_key_value_heads=1, intermediate_size=32, vocab_size=64),
-                                        vision_config=dict(depth=1, embed_dim=16, num_heads=2, hidden_size=32))
-    with pytest.raises(CohortError, match="qwen2_vl is a vision-language family cohort does not serve yet"):
-        VisionLanguageModel.wrap(transformers.Qwen2VLForConditionalGeneration(config))
+    other = SimpleNamespace(config=SimpleNamespace(model_type="qwen3_vl", vision_config={}))
+    with pytest.raises(CohortError, match="qwen3_vl is a vision-language family cohort does not serve yet"):
+        VisionLanguageModel.wrap(other)
 
 
 def test_update_logprobs_equal_transformers_with_the_images(vision):
@@ -176,3 +174,22 @@ def test_update_logprobs_equal_transformers_with_the_images(vision):
     trained(ids, images=[image_inputs(chosen[0])]).logsumexp(-1).sum().backward()
     assert all(p.grad is None for p in trained.vision_tower.parameters())
     assert trained.transformers_model.lm_head.weight.grad is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: decode steps as captured CUDA graphs")
+def test_cuda_graph_decode_reads_each_rows_rope_delta(vision):
+    """On a GPU the decode steps are captured CUDA graphs (checked against an eager step) that read each row's rope
+    delta from the cache: the greedy tokens stay transformers' own, prompt by prompt, with continuous batching."""
+    processor, reference, model, prompts = vision
+    reference, model = copy.deepcopy(reference).cuda(), copy.deepcopy(model).cuda()
+    new_tokens = 12
+    engine = Engine(model, max_batch_size=2, check_interval=4, verify_graphs=True)
+    rollout = engine.generate([p["input_ids"][0].tolist() for p in prompts], 1,
+                              SamplingParams(max_new_tokens=new_tokens, temperature=0.0,
+                                             pad_token_id=processor.tokenizer.pad_token_id),
+                              images=[image_inputs(p).to("cuda") for p in prompts])
+    for row, encoded in enumerate(prompts):
+        with torch.no_grad():
+            out = reference.generate(**{k: v.cuda() for k, v in encoded.items()}, max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False)
+        assert rollout.completion_ids[row].tolist() == out[0, encoded["input_ids"].shape[1]:].tolist(), row

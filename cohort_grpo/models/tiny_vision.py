@@ -1,4 +1,4 @@
-"""A tiny random Qwen2.5-VL with its processor, built with no download (tests, the vision task's first run).
+"""A tiny random Qwen2.5-VL (or Qwen2-VL) and its processor, built with no download (tests, the vision task).
 
 The processor is transformers' own `Qwen2_5_VLProcessor`: its image processor resizes an image to a few patches, and
 its tokenizer is cohort's character tokenizer (models/tiny.py) with Qwen-VL's vision tags as single tokens and a chat
@@ -50,27 +50,37 @@ def build_vision_processor(chars=CHARS):
                                chat_template=TINY_VISION_TEMPLATE)
 
 
-def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2):
-    """A random `Qwen2_5_VLForConditionalGeneration` for `tokenizer` (its vision tags' ids), float32."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2,
+                       family: str = "qwen2_5_vl"):
+    """A random Qwen2.5-VL (or, `family` "qwen2_vl", Qwen2-VL) `...ForConditionalGeneration` for `tokenizer` (its
+    vision tags' ids), float32."""
+    import transformers
 
     ids = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in VISION_TAGS}
     heads = 4
-    config = Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=2, vocab_size=len(tokenizer),
-                         max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-                         rope_scaling={"type": "mrope", "mrope_section": mrope_sections(hidden_size // heads)}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
-                           patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2, window_size=4 * PATCH,
-                           fullatt_block_indexes=[1]),
+    text = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=2, vocab_size=len(tokenizer),
+                max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=None,
+                rope_scaling={"type": "mrope", "mrope_section": mrope_sections(hidden_size // heads)})
+    vision = dict(depth=2, num_heads=2, patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_5_vl":
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size, window_size=4 * PATCH,
+                      fullatt_block_indexes=[1])
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    elif family == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=hidden_size, mlp_ratio=2)
+        config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    else:
+        raise ValueError(f"family={family!r}: qwen2_5_vl or qwen2_vl")
+    config = config_class(
+        text_config=text, vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
+    model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model

@@ -1,4 +1,4 @@
-"""`VisionLanguageModel`: a transformers vision-language model (Qwen2.5-VL) behind cohort's model interface.
+"""`VisionLanguageModel`: a transformers vision-language model (Qwen2.5-VL, Qwen2-VL) behind cohort's model interface.
 
 The language tower is served as the generic path serves any decoder (generic.py): its own modules, cohort's
 attention and KV cache. What the images add lives here:
@@ -30,8 +30,8 @@ from cohort_grpo.models.cache import KVCache
 from cohort_grpo.models.generic import TransformersCausalLM
 
 # The vision-language families this wrapper serves (their model type): the multimodal rotary positions and the
-# image-feature call are Qwen-VL's.
-VISION_LANGUAGE_TYPES = ("qwen2_5_vl",)
+# image-feature call are Qwen-VL's (Qwen3-VL's deepstack features, added inside the language tower, are not).
+VISION_LANGUAGE_TYPES = ("qwen2_5_vl", "qwen2_vl")
 IMAGE_TOKEN_TYPE = 1  # get_rope_index's mm_token_type_ids: text 0, image 1, video 2
 
 
@@ -62,7 +62,7 @@ def vision_language_refusal(config) -> str | None:
 
 
 class VisionLanguageModel(TransformersCausalLM):
-    """A Qwen2.5-VL `...ForConditionalGeneration` with `CausalLM`'s forward plus `images` (see `forward`)."""
+    """A Qwen2.5-VL or Qwen2-VL `...ForConditionalGeneration`: `CausalLM`'s forward plus `images` (see `forward`)."""
 
     takes_images = True
 
@@ -70,7 +70,7 @@ class VisionLanguageModel(TransformersCausalLM):
     def wrap(cls, model: nn.Module) -> "VisionLanguageModel":
         reason = vision_language_refusal(model.config)
         if reason is not None:
-            raise CohortError(f"{reason}: use a Qwen2.5-VL model")
+            raise CohortError(f"{reason}: use a Qwen2.5-VL or Qwen2-VL model")
         return super().wrap(model)
 
     @staticmethod
@@ -170,7 +170,8 @@ class VisionLanguageModel(TransformersCausalLM):
             if row_images is None or id(row_images) in features:
                 continue
             pixels = row_images.pixel_values.to(self.device)
-            outputs = self.transformers_model.model.get_image_features(pixels, row_images.image_grid_thw.to(self.device))
+            grid = row_images.image_grid_thw.to(self.device)
+            outputs = self.transformers_model.model.get_image_features(pixels, grid)
             features[id(row_images)] = torch.cat(list(outputs.pooler_output), dim=0).to(self.dtype)
         return features
 

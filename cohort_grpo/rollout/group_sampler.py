@@ -85,7 +85,8 @@ class GroupSampler:
             images.append(inputs)
         rollout = self.sampler.generate(distinct, G, params, images=images)
         return Batch(rows=[r for r in rows for _ in range(G)], prompt_ids=[p for p in distinct for _ in range(G)],
-                     rollout=rollout, completions=self.decode(rows, rollout), images=[i for i in images for _ in range(G)])
+                     rollout=rollout, completions=self.decode(rows, rollout),
+                     images=[inputs for inputs in images for _ in range(G)])
 
     def sampling_params(self, seed: int, sequence_offset: int = 0) -> SamplingParams:
         """The run's sampling settings for one call (`seed` and `sequence_offset` key its noise)."""
