@@ -11,7 +11,9 @@ import torch
 from cohort_grpo import GRPOConfig, GRPOTrainer
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.tiny_vision import build_vision_model, build_vision_processor
+from cohort_grpo.models.vision_language import VisionLanguageModel
 from cohort_grpo.rollout.images import load_image, row_images, with_image_parts
+from cohort_grpo.run.policy import load_policy
 
 pytestmark = pytest.mark.cpu("two training steps of a tiny vision-language model")
 
@@ -65,6 +67,13 @@ def test_two_steps_train_the_language_tower_with_the_vision_tower_frozen(tmp_pat
     assert trainer.history[1]["kl"] > 0
     assert changed(trainer, initial, "model.language_model.")
     assert not changed(trainer, initial, "model.visual.")
+    # The saved folder (model, tokenizer, processor files) loads back as the vision-language policy it was.
+    folder = tmp_path / "run"
+    assert (folder / "processor_config.json").is_file()
+    reloaded, _ = load_policy(str(folder), processing_class=build_vision_processor(), log=lambda line: None)
+    assert isinstance(reloaded, VisionLanguageModel)
+    state = reloaded.transformers_model.state_dict()
+    assert all(torch.equal(state[name], value) for name, value in trainer.model.transformers_model.state_dict().items())
 
 
 def test_vision_tower_trains_when_asked_and_lora_adapts_the_language_tower_only(tmp_path):

@@ -36,11 +36,11 @@ def build_vision_processor(chars=CHARS):
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
 
     class ImageOnlyProcessor(Qwen2_5_VLProcessor):
-        """No video processor: transformers' needs torchvision, which images do not."""
+        """No video processor (transformers' needs torchvision, which images do not): its sub-processors, which
+        transformers reads from this signature, are the image processor and the tokenizer."""
 
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument is not None:
-                return super().check_argument_for_proper_class(argument_name, argument)
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     tokenizer = build_tokenizer(chars, tags=["<answer>", "</answer>", *VISION_TAGS])
     tokenizer.chat_template = TINY_VISION_TEMPLATE
