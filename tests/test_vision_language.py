@@ -1,7 +1,7 @@
-"""Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL and Qwen2-VL and their
-processor, built here with no download (float32, CPU), checked against transformers itself: the logits of its own
-forward with the same images, the tokens of its own greedy `generate`, the teacher-forced log-probs of the engine's
-samples."""
+"""Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL, Qwen2-VL and Qwen3-VL
+and their processor, built here with no download (float32, CPU), checked against transformers itself: the logits of
+its own forward with the same images, the tokens of its own greedy `generate`, the teacher-forced log-probs of the
+engine's samples."""
 
 import copy
 from types import SimpleNamespace
@@ -12,7 +12,7 @@ import torch
 
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
-from cohort_grpo.models.tiny_vision import build_vision_model, build_vision_processor
+from cohort_grpo.models.tiny_vision import PATCHES, build_vision_model, build_vision_processor
 from cohort_grpo.models.vision_language import ImageInputs, VisionLanguageModel
 from cohort_grpo.rollout.engine import Engine
 from cohort_grpo.rollout.sampler import SamplingParams
@@ -32,9 +32,9 @@ def random_image(height, width, seed):
     return Image.fromarray(pixels)
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+@pytest.fixture(scope="module", params=sorted(PATCHES))
 def vision(request):
-    processor = build_vision_processor()
+    processor = build_vision_processor(patch=PATCHES[request.param])
     reference = build_vision_model(processor.tokenizer, family=request.param).eval()
     model = VisionLanguageModel.wrap(copy.deepcopy(reference)).eval()
     prompts = []
@@ -129,8 +129,8 @@ def test_refusals_name_what_is_not_supported(vision):
         Engine(model).generate([ids[0].tolist()], 1, params, turns=object(), images=[image_inputs(prompts[0])])
     with pytest.raises(CohortError, match="image tokens where its images fill"):
         model(ids[:, 4:], images=[image_inputs(prompts[0])])
-    other = SimpleNamespace(config=SimpleNamespace(model_type="qwen3_vl", vision_config={}))
-    with pytest.raises(CohortError, match="qwen3_vl is a vision-language family cohort does not serve yet"):
+    other = SimpleNamespace(config=SimpleNamespace(model_type="gemma3", vision_config={}))
+    with pytest.raises(CohortError, match="gemma3 is a vision-language family cohort does not serve yet"):
         VisionLanguageModel.wrap(other)
 
 

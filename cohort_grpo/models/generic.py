@@ -204,13 +204,14 @@ class TransformersCausalLM(nn.Module):
 
     def decoder_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                        attention_mask: torch.Tensor | None, step: AttentionStep | None,
-                       inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                       inputs_embeds: torch.Tensor | None = None, **decoder_inputs) -> torch.Tensor:
         """The decoder's final normed hidden states: attention served by `step` (cache or attention rows), or,
         without one, causal by index under transformers' mask of `attention_mask` (the one-row-per-completion
         forwards of the update). `inputs_embeds`, when given, stand in for the embedded `input_ids` (a
-        vision-language model's, images merged)."""
+        vision-language model's, images merged); `decoder_inputs` go to the decoder too (Qwen3-VL's deepstack
+        features)."""
         tokens = dict(input_ids=input_ids) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
-        arguments = dict(tokens, position_ids=position_ids, use_cache=False)
+        arguments = dict(tokens, position_ids=position_ids, use_cache=False, **decoder_inputs)
         if step is None:
             return self.decoder(**arguments, attention_mask=attention_mask).last_hidden_state
         with active_step(step):

@@ -1,4 +1,4 @@
-"""A tiny random Qwen2.5-VL (or Qwen2-VL) and its processor, built with no download (tests, the vision task).
+"""A tiny random Qwen-VL (Qwen2.5-VL by default) and its processor, built with no download (tests, the vision task).
 
 The processor is transformers' own `Qwen2_5_VLProcessor`: its image processor resizes an image to a few patches, and
 its tokenizer is cohort's character tokenizer (models/tiny.py) with Qwen-VL's vision tags as single tokens and a chat
@@ -26,13 +26,13 @@ TINY_VISION_TEMPLATE = (
     "{%- if message.role == 'assistant' %}{{- eos_token }}{%- else %}{{- '\\n' }}{%- endif %}"
     "{%- endfor %}"
 )
-PATCH = 14  # Qwen2.5-VL's patch side; 2 × 2 patches merge into one image token
-# Images are resized to between 2 × 2 and 4 × 4 merged tokens: a few tokens each, on a CPU.
-MIN_PIXELS, MAX_PIXELS = (2 * 2 * PATCH) ** 2, (4 * 2 * PATCH) ** 2
+PATCH = 14  # Qwen2(.5)-VL's patch side (Qwen3-VL's is 16); 2 × 2 patches merge into one image token
+PATCHES = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16}
 
 
-def build_vision_processor(chars=CHARS):
-    """`Qwen2_5_VLProcessor` over the character tokenizer of `chars` plus the vision tags, images only."""
+def build_vision_processor(chars=CHARS, patch: int = PATCH):
+    """`Qwen2_5_VLProcessor` over the character tokenizer of `chars` plus the vision tags, images only, each image
+    resized to between 2 × 2 and 4 × 4 merged tokens of `patch`-pixel patches (a few tokens, on a CPU)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
 
     class ImageOnlyProcessor(Qwen2_5_VLProcessor):
@@ -44,16 +44,16 @@ def build_vision_processor(chars=CHARS):
 
     tokenizer = build_tokenizer(chars, tags=["<answer>", "</answer>", *VISION_TAGS])
     tokenizer.chat_template = TINY_VISION_TEMPLATE
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH,
-                                            merge_size=2, temporal_patch_size=2)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=(4 * patch) ** 2, max_pixels=(8 * patch) ** 2,
+                                            patch_size=patch, merge_size=2, temporal_patch_size=2)
     return ImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                chat_template=TINY_VISION_TEMPLATE)
 
 
 def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2,
                        family: str = "qwen2_5_vl"):
-    """A random Qwen2.5-VL (or, `family` "qwen2_vl", Qwen2-VL) `...ForConditionalGeneration` for `tokenizer` (its
-    vision tags' ids), float32."""
+    """A random Qwen-VL `...ForConditionalGeneration` of `family` (a key of PATCHES; its processor's patch side is
+    PATCHES[family]) for `tokenizer` (its vision tags' ids), float32."""
     import transformers
 
     ids = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in VISION_TAGS}
@@ -71,8 +71,16 @@ def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: 
     elif family == "qwen2_vl":
         vision.update(embed_dim=32, hidden_size=hidden_size, mlp_ratio=2)
         config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    elif family == "qwen3_vl":  # interleaved multimodal rotary sections, deepstack features into decoder layer 0
+        text.pop("rope_scaling")
+        text.update(head_dim=hidden_size // heads, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+            "mrope_section": mrope_sections(hidden_size // heads)})
+        vision.update(patch_size=PATCHES[family], hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])
+        config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
     else:
-        raise ValueError(f"family={family!r}: qwen2_5_vl or qwen2_vl")
+        raise ValueError(f"family={family!r}: one of {sorted(PATCHES)}")
     config = config_class(
         text_config=text, vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],

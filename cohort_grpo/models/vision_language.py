@@ -1,4 +1,4 @@
-"""`VisionLanguageModel`: a transformers vision-language model (Qwen2.5-VL, Qwen2-VL) behind cohort's model interface.
+"""`VisionLanguageModel`: a Qwen-VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) behind cohort's model interface.
 
 The language tower is served as the generic path serves any decoder (generic.py): its own modules, cohort's
 attention and KV cache. What the images add lives here:
@@ -30,8 +30,8 @@ from cohort_grpo.models.cache import KVCache
 from cohort_grpo.models.generic import TransformersCausalLM
 
 # The vision-language families this wrapper serves (their model type): the multimodal rotary positions and the
-# image-feature call are Qwen-VL's (Qwen3-VL's deepstack features, added inside the language tower, are not).
-VISION_LANGUAGE_TYPES = ("qwen2_5_vl", "qwen2_vl")
+# image-feature call are Qwen-VL's (Qwen3-VL's deepstack features go into the language tower's first layers).
+VISION_LANGUAGE_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 IMAGE_TOKEN_TYPE = 1  # get_rope_index's mm_token_type_ids: text 0, image 1, video 2
 
 
@@ -62,7 +62,7 @@ def vision_language_refusal(config) -> str | None:
 
 
 class VisionLanguageModel(TransformersCausalLM):
-    """A Qwen2.5-VL or Qwen2-VL `...ForConditionalGeneration`: `CausalLM`'s forward plus `images` (see `forward`)."""
+    """A Qwen-VL `...ForConditionalGeneration`: `CausalLM`'s forward plus `images` (see `forward`)."""
 
     takes_images = True
 
@@ -70,7 +70,7 @@ class VisionLanguageModel(TransformersCausalLM):
     def wrap(cls, model: nn.Module) -> "VisionLanguageModel":
         reason = vision_language_refusal(model.config)
         if reason is not None:
-            raise CohortError(f"{reason}: use a Qwen2.5-VL or Qwen2-VL model")
+            raise CohortError(f"{reason}: use a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model")
         return super().wrap(model)
 
     @staticmethod
@@ -142,8 +142,8 @@ class VisionLanguageModel(TransformersCausalLM):
             rotary, deltas = self.multimodal_positions(input_ids, position_ids, attention_mask, images, image_slots)
             if kv_cache is not None:
                 kv_cache.rotary_offsets[rows] = deltas
-        embeds = self.merged_embeddings(input_ids, images, image_slots)
-        hidden = self.decoder_hidden(input_ids, rotary, attention_mask, step, inputs_embeds=embeds)
+        embeds, deepstack = self.merged_embeddings(input_ids, images, image_slots)
+        hidden = self.decoder_hidden(input_ids, rotary, attention_mask, step, inputs_embeds=embeds, **deepstack)
         return hidden if return_hidden else self.lm_head(hidden)
 
     def image_slots(self, input_ids: torch.Tensor, images: list[ImageInputs | None]) -> list[torch.Tensor | None]:
@@ -162,9 +162,10 @@ class VisionLanguageModel(TransformersCausalLM):
             slots.append(found[:wanted])
         return slots
 
-    def image_features(self, images: list[ImageInputs | None]) -> dict[int, torch.Tensor]:
-        """Each distinct `ImageInputs` of `images` through the vision tower once: its embeddings [tokens, hidden],
-        by the object's id."""
+    def image_features(self, images: list[ImageInputs | None]) -> dict[int, tuple]:
+        """Each distinct `ImageInputs` of `images` through the vision tower once, by the object's id: its embeddings
+        [tokens, hidden], and Qwen3-VL's deepstack features (one [tokens, hidden] per early decoder layer; else
+        an empty list)."""
         features = {}
         for row_images in images:
             if row_images is None or id(row_images) in features:
@@ -172,20 +173,30 @@ class VisionLanguageModel(TransformersCausalLM):
             pixels = row_images.pixel_values.to(self.device)
             grid = row_images.image_grid_thw.to(self.device)
             outputs = self.transformers_model.model.get_image_features(pixels, grid)
-            features[id(row_images)] = torch.cat(list(outputs.pooler_output), dim=0).to(self.dtype)
+            deepstack = [torch.cat(list(layer), dim=0).to(self.dtype)
+                         for layer in getattr(outputs, "deepstack_features", None) or []]
+            features[id(row_images)] = (torch.cat(list(outputs.pooler_output), dim=0).to(self.dtype), deepstack)
         return features
 
     def merged_embeddings(self, input_ids: torch.Tensor, images: list[ImageInputs | None] | None,
-                          image_slots: list[torch.Tensor | None] | None) -> torch.Tensor:
-        """The token embeddings [B, T, H] with each row's image embeddings at its image slots."""
+                          image_slots: list[torch.Tensor | None] | None) -> tuple[torch.Tensor, dict]:
+        """The token embeddings [B, T, H] with each row's image embeddings at its image slots, and the decoder's
+        deepstack inputs where the model has them (the image slots as a mask, each layer's features in the same
+        row-major order)."""
         embeds = self.transformers_model.get_input_embeddings()(input_ids)
         if images is None:
-            return embeds
+            return embeds, {}
         features = self.image_features(images)
-        rows = [torch.full_like(slots, row) for row, slots in enumerate(image_slots) if slots is not None]
-        columns = [slots for slots in image_slots if slots is not None]
-        values = torch.cat([features[id(row_images)] for row_images in images if row_images is not None])
-        return embeds.index_put((torch.cat(rows), torch.cat(columns)), values.to(embeds.dtype))
+        rows = torch.cat([torch.full_like(slots, row) for row, slots in enumerate(image_slots) if slots is not None])
+        columns = torch.cat([slots for slots in image_slots if slots is not None])
+        parts = [features[id(row_images)] for row_images in images if row_images is not None]
+        merged = embeds.index_put((rows, columns), torch.cat([part[0] for part in parts]).to(embeds.dtype))
+        if not parts[0][1]:
+            return merged, {}
+        mask = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        mask[rows, columns] = True
+        layers = [torch.cat([part[1][layer] for part in parts]) for layer in range(len(parts[0][1]))]
+        return merged, {"visual_pos_masks": mask, "deepstack_visual_embeds": layers}
 
     def multimodal_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                              attention_mask: torch.Tensor | None, images: list[ImageInputs | None],
