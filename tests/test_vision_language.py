@@ -193,3 +193,33 @@ def test_cuda_graph_decode_reads_each_rows_rope_delta(vision):
             out = reference.generate(**{k: v.cuda() for k, v in encoded.items()}, max_new_tokens=new_tokens,
                                      min_new_tokens=new_tokens, do_sample=False)
         assert rollout.completion_ids[row].tolist() == out[0, encoded["input_ids"].shape[1]:].tolist(), row
+
+
+def test_a_frozen_tower_runs_once_per_prompt_across_sampling_and_the_update(vision):
+    """With the vision tower frozen, a prompt's image features are computed at its prefill and kept with its images:
+    the log-prob pass after sampling reuses them (same log-probs as a fresh computation); a trainable tower
+    computes them afresh in every forward."""
+    from cohort_grpo.update.logprobs import rollout_logprobs
+
+    processor, _, model, prompts = vision
+    frozen = copy.deepcopy(model)
+    frozen.freeze_vision_tower()
+    calls = []
+    hook = frozen.vision_tower.register_forward_hook(lambda *args: calls.append(1))
+    images = [image_inputs(p) for p in prompts[:2]]
+    ids = [p["input_ids"][0].tolist() for p in prompts[:2]]
+    try:
+        rollout = Engine(frozen, max_batch_size=4).generate(
+            ids, 2, SamplingParams(max_new_tokens=5, temperature=1.0, seed=1,
+                                   pad_token_id=processor.tokenizer.pad_token_id), images=images)
+        rows = [i for i in images for _ in range(2)]
+        reused = rollout_logprobs(frozen, [p for p in ids for _ in range(2)], rollout.completion_ids,
+                                  rollout.completion_mask, pad_id=0, max_rows=4, images=rows)
+    finally:
+        hook.remove()
+    assert len(calls) == 2
+    fresh = rollout_logprobs(model, [p for p in ids for _ in range(2)], rollout.completion_ids,
+                             rollout.completion_mask, pad_id=0, max_rows=4,
+                             images=[image_inputs(p) for p in prompts[:2] for _ in range(2)])
+    assert (reused - fresh).abs().max() < 1e-5
+    assert (reused - rollout.logprobs).abs().max() < 1e-4

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -38,10 +38,13 @@ IMAGE_TOKEN_TYPE = 1  # get_rope_index's mm_token_type_ids: text 0, image 1, vid
 @dataclass(eq=False)  # hashed by identity: the rows of one prompt share one object, so its images run once
 class ImageInputs:
     """One prompt's images as the model's processor gives them: `pixel_values` [patches, features] and
-    `image_grid_thw` [images, 3] (each image's patch grid: time, height, width)."""
+    `image_grid_thw` [images, 3] (each image's patch grid: time, height, width). `features`: what a frozen vision
+    tower made of them, by the tower's weights (`VisionLanguageModel.frozen_tower_key`), so the sampler's prefill
+    and the update's passes of one step run the tower once."""
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
+    features: dict = field(default_factory=dict, repr=False)
 
     def to(self, device) -> "ImageInputs":
         return ImageInputs(self.pixel_values.to(device), self.image_grid_thw.to(device))
@@ -166,17 +169,36 @@ class VisionLanguageModel(TransformersCausalLM):
         """Each distinct `ImageInputs` of `images` through the vision tower once, by the object's id: its embeddings
         [tokens, hidden], and Qwen3-VL's deepstack features (one [tokens, hidden] per early decoder layer; else
         an empty list)."""
-        features = {}
+        features, key = {}, self.frozen_tower_key()
         for row_images in images:
             if row_images is None or id(row_images) in features:
                 continue
-            pixels = row_images.pixel_values.to(self.device)
-            grid = row_images.image_grid_thw.to(self.device)
-            outputs = self.transformers_model.model.get_image_features(pixels, grid)
-            deepstack = [torch.cat(list(layer), dim=0).to(self.dtype)
-                         for layer in getattr(outputs, "deepstack_features", None) or []]
-            features[id(row_images)] = (torch.cat(list(outputs.pooler_output), dim=0).to(self.dtype), deepstack)
+            computed = row_images.features.get(key) if key is not None else None
+            if computed is None:
+                computed = self.encode_images(row_images)
+                if key is not None:
+                    row_images.features[key] = computed
+            if not torch.is_inference_mode_enabled() and computed[0].is_inference():
+                # made while sampling (inference mode): a training forward needs ordinary tensors
+                computed = (computed[0].clone(), [layer.clone() for layer in computed[1]])
+            features[id(row_images)] = computed
         return features
+
+    def encode_images(self, images: ImageInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One prompt's images through the vision tower: (embeddings, deepstack features by layer)."""
+        pixels, grid = images.pixel_values.to(self.device), images.image_grid_thw.to(self.device)
+        outputs = self.transformers_model.model.get_image_features(pixels, grid)
+        deepstack = [torch.cat(list(layer), dim=0).to(self.dtype)
+                     for layer in getattr(outputs, "deepstack_features", None) or []]
+        return torch.cat(list(outputs.pooler_output), dim=0).to(self.dtype), deepstack
+
+    def frozen_tower_key(self) -> tuple | None:
+        """Which weights a frozen vision tower computes with (where its first weight lives, and its dtype): the
+        key its features are kept under; None while the tower trains (each forward computes them afresh)."""
+        parameters = list(self.vision_tower.parameters())
+        if any(parameter.requires_grad for parameter in parameters):
+            return None
+        return parameters[0].data_ptr(), parameters[0].dtype, str(parameters[0].device)
 
     def merged_embeddings(self, input_ids: torch.Tensor, images: list[ImageInputs | None] | None,
                           image_slots: list[torch.Tensor | None] | None) -> tuple[torch.Tensor, dict]:
