@@ -105,3 +105,27 @@ def test_images_as_data_holds_them():
         with_image_parts(dataset(1)[0]["prompt"], 2)
     with pytest.raises(CohortError, match="is not a file"):
         load_image("/no/such/image.png")
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+@pytest.mark.parametrize("options, trainer_options, refused", [
+    (dict(async_rollouts=True), {}, "async_rollouts with a vision-language model is not supported yet"),
+    (dict(rollout_numerics="exact"), {}, "rollout_numerics=exact needs cohort's own models"),
+    ({}, dict(tools=[add]), "tool turns with images are not supported yet"),
+])
+def test_what_images_cannot_do_yet_is_refused_by_name(tmp_path, options, trainer_options, refused):
+    processor = build_vision_processor()
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=1, num_generations=2, per_device_train_batch_size=4,
+                      gradient_accumulation_steps=1, max_completion_length=4, device="cpu", report_to="none", **options)
+    with pytest.raises(CohortError, match=refused):
+        GRPOTrainer(model=build_vision_model(processor.tokenizer), reward_funcs=[reward_length], args=args,
+                    train_dataset=dataset(), processing_class=processor, **trainer_options)
