@@ -46,6 +46,7 @@ class GRPOConfig:
     task: str | None = field(default=None, metadata={
         "help": "The task that supplies prompts, reward functions and the held-out verifier: arithmetic, "
                 "calculator (tool calls: the built-in cohort:tiny-tools model learns to use a calculator), gsm8k, "
+                "shapes (vision: count one colour's shapes in a drawn picture, on cohort:tiny-vision), "
                 "reasoning_gym:NAME (reasoning-gym's generators; a mixture reasoning_gym:A:2,B:1) "
                 "or generic (your rows and --reward_funcs, no verifier); None is generic when data_files or "
                 "dataset_name is given, else arithmetic."})
@@ -348,6 +349,11 @@ class GRPOConfig:
     router_aux_loss_coef: float = field(default=0.0, metadata={
         "help": "Weight of the Switch Transformer load-balancing loss added to the policy loss; 0 leaves it out, "
                 "as RL frameworks do."})
+
+    # Vision-language models.
+    freeze_vision_tower: bool = field(default=True, metadata={
+        "help": "A vision-language model's vision tower keeps its weights (only the language tower trains); false "
+                "trains it too (full fine-tuning; LoRA adapts the language tower only)."})
 
     # LoRA through peft, with TRL's ModelConfig names.
     use_peft: bool = field(default=False, metadata={

@@ -81,6 +81,10 @@ SECTIONS: tuple[Section, ...] = (
             "Mixture-of-experts models (Qwen3-MoE and Mixtral, cohort_grpo/models/moe.py); ignored for dense "
             "models.",
             ("routing_replay", "router_aux_loss_coef")),
+    Section("Vision-language models",
+            "Vision-language models (Qwen2.5-VL, cohort_grpo/models/vision_language.py; docs/howto/vision.md); "
+            "ignored for text models.",
+            ("freeze_vision_tower",)),
     Section("LoRA through peft, with TRL's ModelConfig names",
             "LoRA through peft, with TRL's ModelConfig names; π_ref is then the same model with the adapters "
             "off.",

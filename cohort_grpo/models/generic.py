@@ -54,17 +54,18 @@ class TransformersCausalLM(nn.Module):
     def wrap(cls, causal_lm: nn.Module) -> "TransformersCausalLM":
         """`causal_lm` behind cohort's model interface, checked on a few probe tokens; `GenericPathRefused` (its
         message says why) for a model this path cannot serve."""
-        reason = refusal(causal_lm.config)
+        config = cls.language_config(causal_lm)
+        reason = refusal(config)
         if reason is not None:
             raise GenericPathRefused(reason)
         register_attention()
-        own_attention = causal_lm.config._attn_implementation
-        causal_lm.config._attn_implementation = ATTENTION  # every forward's attention is cache_attention from now on
+        own_attention = config._attn_implementation
+        config._attn_implementation = ATTENTION  # every forward's attention is cache_attention from now on
         model = cls(causal_lm)
         try:
             model.kv_cache_layer_shapes = model.probe(own_attention)
         except Exception as error:
-            causal_lm.config._attn_implementation = own_attention  # it stays transformers' model, as it was
+            config._attn_implementation = own_attention  # it stays transformers' model, as it was
             if isinstance(error, GenericPathRefused):
                 raise
             # A probe forward that fails (under cohort's attention: a mask the model builds for itself, ...):
@@ -73,6 +74,12 @@ class TransformersCausalLM(nn.Module):
             raise GenericPathRefused(f"{model.model_type}'s probe forward fails ({type(error).__name__}: "
                                      f"{failure})") from error
         return model
+
+    @staticmethod
+    def language_config(causal_lm: nn.Module):
+        """The config whose attention implementation becomes cohort's (a vision-language model keeps its vision
+        tower's own: vision_language.py)."""
+        return causal_lm.config
 
     # ---- what cohort reads of a model --------------------------------------------------------------------
     @property
@@ -105,6 +112,11 @@ class TransformersCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.transformers_model.get_input_embeddings().weight.dtype
+
+    @property
+    def base_model_prefix(self) -> str:
+        """transformers' name of the base model's attribute (peft reads it to scope weight conversions)."""
+        return self.transformers_model.base_model_prefix
 
     @property
     def name_or_path(self) -> str:
@@ -161,6 +173,15 @@ class TransformersCausalLM(nn.Module):
         position `position_ids[b, t]` (pad tokens, `attention_mask` 0, write nothing) and attends to its row's keys
         at positions <= its own (within a sliding layer's window), over the first `cache_len` positions; with
         `attention_rows`/`attention_slots` one flat row of shared-prompt tokens (shared_prefix.py)."""
+        position_ids, step = self.attention_step(input_ids, position_ids, attention_mask, kv_cache, cache_rows,
+                                                 cache_len, attention_rows, attention_slots, routing)
+        hidden = self.decoder_hidden(input_ids, position_ids, attention_mask, step)
+        return hidden if return_hidden else self.lm_head(hidden)
+
+    def attention_step(self, input_ids, position_ids, attention_mask, kv_cache, cache_rows, cache_len,
+                       attention_rows, attention_slots, routing) -> tuple[torch.Tensor, AttentionStep | None]:
+        """`forward`'s position ids (0..T-1 when None) and the `AttentionStep` its arguments ask for (None: the
+        model's own attention under `attention_mask`)."""
         if routing is not None:
             raise CohortError(f"routing replay needs cohort's own mixture-of-experts models; {self.model_type} runs "
                               "through transformers' modules: use --routing_replay false")
@@ -179,15 +200,18 @@ class TransformersCausalLM(nn.Module):
                                   "pass cache_rows or allocate more rows")
             step = AttentionStep(position_ids, kv_cache, cache_rows, attention_mask,
                                  kv_cache.max_len if cache_len is None else cache_len)
-        hidden = self.decoder_hidden(input_ids, position_ids, attention_mask, step)
-        return hidden if return_hidden else self.lm_head(hidden)
+        return position_ids, step
 
     def decoder_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                       attention_mask: torch.Tensor | None, step: AttentionStep | None) -> torch.Tensor:
+                       attention_mask: torch.Tensor | None, step: AttentionStep | None,
+                       inputs_embeds: torch.Tensor | None = None, **decoder_inputs) -> torch.Tensor:
         """The decoder's final normed hidden states: attention served by `step` (cache or attention rows), or,
         without one, causal by index under transformers' mask of `attention_mask` (the one-row-per-completion
-        forwards of the update)."""
-        arguments = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        forwards of the update). `inputs_embeds`, when given, stand in for the embedded `input_ids` (a
+        vision-language model's, images merged); `decoder_inputs` go to the decoder too (Qwen3-VL's deepstack
+        features)."""
+        tokens = dict(input_ids=input_ids) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
+        arguments = dict(tokens, position_ids=position_ids, use_cache=False, **decoder_inputs)
         if step is None:
             return self.decoder(**arguments, attention_mask=attention_mask).last_hidden_state
         with active_step(step):

@@ -143,8 +143,10 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     train_model, optimizer, scheduler, auto_checkpointing, engine_copy = build_training(start)
     model, sampling_model, ref_model = place_policy(start, train_model, engine_copy)
     # The G completions of a prompt share its forward in the log-prob passes and the update: our
-    # models only (they take attention rows), and only where a prompt has several completions.
-    layout = Layout.choose(args.share_prompt_prefix, args.num_generations, supports_hidden(model))
+    # models only (they take attention rows; a vision-language model's images do not travel in them yet), and only
+    # where a prompt has several completions.
+    takes_rows = supports_hidden(model) and not getattr(model, "takes_images", False)
+    layout = Layout.choose(args.share_prompt_prefix, args.num_generations, takes_rows)
     group = parallel.sampling_group
     rollouts = build_rollouts(args, sampling_model, tokenizer, start.pad_id, toolbox, placement=start.placement,
                               link=parallel.link, rank=parallel.rank, sampler_factory=sampler_factory,

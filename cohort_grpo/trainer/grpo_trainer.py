@@ -101,7 +101,8 @@ class GRPOTrainer:
             self.eval_rows, task, self.parallel, self.sampler, self.tokenizer,
             getattr(self.group_sampler, "encode_prompt", None), self.toolbox, self.sample, self.add_rewards,
             self.prompts.unchanged, max_new_tokens=self.args.max_completion_length,
-            prompts_per_call=self.args.prompts_per_step, group_size=self.args.num_generations, pad_id=self.pad_id)
+            prompts_per_call=self.args.prompts_per_step, group_size=self.args.num_generations, pad_id=self.pad_id,
+            images=getattr(self.group_sampler, "images", None))
         self.accuracy_before = self.accuracy_after = None
         self.seconds_before = 0.0  # training time of the attempts a resumed run continues
         if self.group_sampler is not None:  # every training row renders and fits, found before step 1

@@ -215,7 +215,7 @@ class PolicyUpdate:
         """Rows `rows` packed for one forward (each prompt once, or one padded row per completion), on the
         training device."""
         return pack(batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask, rows, self.pad_id,
-                    self.layout, **self.routing_options(batch, train=True)).to(self.device)
+                    self.layout, **self.routing_options(batch, train=True), images=batch.images).to(self.device)
 
     def routing_options(self, batch: Batch, train: bool) -> dict:
         """`pack`'s routing options for a mixture-of-experts model: the sampler's routes (to replay, or only to
@@ -238,7 +238,8 @@ class PolicyUpdate:
                                     batch.rollout.completion_mask, pad_id=self.pad_id, max_rows=rows,
                                     max_tokens=tokens, temperature=self.args.temperature or 1.0,
                                     truncation=Truncation.of(self.args), layout=layout or self.layout,
-                                    agree=lambda planned: self.agreed_forwards(model, planned), **routing)
+                                    agree=lambda planned: self.agreed_forwards(model, planned), **routing,
+                                    images=batch.images)
         return self.memory.run(attempt)
 
 
