@@ -47,7 +47,8 @@ class GRPOConfig:
         "help": "The task that supplies prompts, reward functions and the held-out verifier: arithmetic, "
                 "calculator (tool calls: the built-in cohort:tiny-tools model learns to use a calculator), gsm8k, "
                 "shapes (vision: count one colour's shapes in a drawn picture, on cohort:tiny-vision), "
-                "reasoning_gym:NAME (reasoning-gym's generators; a mixture reasoning_gym:A:2,B:1) "
+                "reasoning_gym:NAME (reasoning-gym's generators; a mixture reasoning_gym:A:2,B:1), "
+                "verifiers:ENV_ID (an installed verifiers environment, its rubric the rewards) "
                 "or generic (your rows and --reward_funcs, no verifier); None is generic when data_files or "
                 "dataset_name is given, else arithmetic."})
     data_files: str | None = field(default=None, metadata={
