@@ -75,7 +75,7 @@ def test_the_documented_loop_is_train():
     # what the comparison sees: Algorithm 1's stages, in order
     assert documented[documented.index("self.steps"):documented.index("self.end_step") + 1] == [
         "self.steps", "self.new_iteration", "self.reset_reference", "self.rollouts.take", "self.score",
-        "self.refill_uninformative", "self.reference_logprobs", "self.estimate_advantages", "self.update",
+        "self.refill_uninformative", "self.reference_logprobs", "self.estimate_advantages", "self.distil", "self.update",
         "self.update_reward_models", "self.end_step"]
 
 

@@ -210,7 +210,7 @@ def test_train_help_shows_the_defaults_a_bare_run_uses(capsys):
     assert "{group,batch,none}" in option_line(text, "scale_rewards")
     assert "{token_truncate,token_mask,sequence_truncate,sequence_mask}" in option_line(text, "importance_sampling_mode")
     assert "{constant,cosine,linear}" in option_line(text, "lr_scheduler_type")
-    assert "{arithmetic,calculator,gsm8k,generic,reasoning_gym:NAME}" in option_line(text, "task")
+    assert "{arithmetic,calculator,gsm8k,generic,shapes,reasoning_gym:NAME,verifiers:NAME}" in option_line(text, "task")
     assert " FLOAT " in option_line(text, "epsilon") and " INT " in option_line(text, "num_generations")
     assert "{true,false}" in option_line(text, "use_peft")
     assert "--print_config" in text and "--config FILE.yaml" in text and "--nproc_per_node N" in text
@@ -365,8 +365,8 @@ def as_yaml(argv: list[str]) -> dict:
         i += 1
         if key == "curriculum":
             values[key] = [{"task": t, "steps": int(s)} for t, s in (part.split(":") for part in raw.split(","))]
-        elif key in LIST_FIELDS:
-            values[key] = [yaml.safe_load(part) for part in raw.split(",")]
+        elif key in LIST_FIELDS:  # an empty flag ('') is an empty list, as a user writes it in YAML: []
+            values[key] = [yaml.safe_load(part) for part in raw.split(",")] if raw else []
         else:
             values[key] = yaml.safe_load(raw)
     return values

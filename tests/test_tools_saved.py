@@ -100,3 +100,25 @@ def test_a_script_named_like_a_standard_module_is_not_saved(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((script / "out" / "tools.json").read_text())["tools"] == []  # `calendar` is the stdlib's
     assert done.stdout.startswith("warning: tool calculator is not saved") and "rename the script" in done.stdout
+
+
+class EpisodeEnvironment:
+    """An environment that plays episodes (as verifiers' and OpenEnv's do): no tools to save."""
+
+    def __call__(self):
+        return self
+
+    def episode_turns(self, tokenizer, environments, template_kwargs=None):
+        raise AssertionError("not sampled here")
+
+
+def test_an_environment_that_plays_episodes_is_not_written_and_one_line_says_to_pass_it_again(tmp_path):
+    from cohort_grpo.tools.toolbox import Toolbox
+
+    given = Toolbox(tools=[], environment_factory=EpisodeEnvironment()).save(tmp_path)
+    assert len(given) == 1 and given[0].startswith("note: environment EpisodeEnvironment plays episodes")
+    assert "environment_factory=" in given[0] and "warning" not in given[0]
+    assert json.loads((tmp_path / "tools.json").read_text())["environment"] is None
+    # made by the task (e.g. --task verifiers:ENV_ID): the task makes it again, nothing to say
+    assert Toolbox(tools=[], environment_factory=EpisodeEnvironment(), environment_from_task=True).save(tmp_path) == []
+    assert json.loads((tmp_path / "tools.json").read_text())["environment"] is None

@@ -31,7 +31,7 @@ from cohort_grpo.cli.flags import Option, mapping, options_help, parse_options, 
 
 EVAL_OPTIONS = {
     "model": Option(str, None, "HF folder, .gguf file or hub id; none: the built-in tiny model"),
-    "task": Option(str, "arithmetic", "arithmetic, calculator, gsm8k or reasoning_gym:NAME[,NAME...]"),
+    "task": Option(str, "arithmetic", "arithmetic, calculator, shapes, gsm8k or reasoning_gym:NAME[,NAME...]"),
     "split": Option(str, "test", "the split to score"),
     "data_files": Option(str, None, "local .jsonl/.json/.parquet file(s) for the split (comma-separated)"),
     "limit": Option(int, None, "score the first N questions (arithmetic and reasoning_gym generate N)",
@@ -189,6 +189,7 @@ def run_eval(argv: list[str], log=print):
     import torch
 
     from cohort_grpo.rollout import make_sampler
+    from cohort_grpo.rollout.images import ImagePrompts
     from cohort_grpo.eval.evaluate import evaluate
     from cohort_grpo.run.policy import load_policy
     from cohort_grpo.tools.loading import resolve_tools
@@ -197,7 +198,7 @@ def run_eval(argv: list[str], log=print):
     task = get_task(o["task"])
     if not hasattr(task, "is_correct"):
         raise CohortError(f"cohort-grpo eval: task {o['task']!r} has no verifier to grade answers with; evaluate with "
-                          "--task arithmetic, calculator, gsm8k or reasoning_gym:NAME")
+                          "--task arithmetic, calculator, shapes, gsm8k or reasoning_gym:NAME")
     output = output_path(o, task.name)  # decided, and checked writable, before the model is loaded
     check_writable(output)
     rows = eval_rows(task, o["split"], o["data_files"], o["limit"], o["levels"], o["seed"])
@@ -224,7 +225,7 @@ def run_eval(argv: list[str], log=print):
     with torch.no_grad():
         result = evaluate(sampler, tokenizer, task, rows, encode, max_new_tokens=max_new,
                           num_samples=o["num_samples"], temperature=o["temperature"], batch_size=o["batch_size"],
-                          seed=o["seed"], toolbox=toolbox)
+                          seed=o["seed"], toolbox=toolbox, images=ImagePrompts.of(model, o["chat_template_kwargs"]))
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "w") as f:
         for i, (row, record) in enumerate(zip(rows, result.records)):

@@ -108,8 +108,10 @@ Options: --name value, --name=value, dashes or underscores; a bare --flag is tru
 comma-separated; none clears an optional value.
 
 Tasks: arithmetic (built in, the default), calculator (built in: tool calls, with the cohort:tiny-tools
-model), gsm8k, generic, reasoning_gym:NAME (reasoning-gym's generators; a mixture: reasoning_gym:A:2,B:1;
-pip install "cohort-grpo[envs]"). Data without --task (--data_files or --dataset_name) is the generic task:
+model), shapes (built in: images, with the cohort:tiny-vision model), gsm8k, generic, reasoning_gym:NAME
+(reasoning-gym's generators; a mixture: reasoning_gym:A:2,B:1; pip install "cohort-grpo[envs]"),
+verifiers:ENV_ID[:key=value,...] (an installed verifiers environment; pip install "cohort-grpo[verifiers]").
+Data without --task (--data_files or --dataset_name) is the generic task:
 prompts from --prompt_column, the other columns passed to --reward_funcs (built-in names or module:function;
 a module in the current directory works), no held-out evaluation.
 

@@ -22,11 +22,14 @@ TASKS = {
     "calculator": "cohort_grpo.tasks.calculator:CalculatorTask",  # tool use: the tiny tools model and a calculator
     "gsm8k": "cohort_grpo.tasks.gsm8k:GSM8KTask",
     "generic": "cohort_grpo.tasks.generic:GenericTask",  # your rows and reward functions, no verifier
+    "shapes": "cohort_grpo.tasks.shapes:ShapesTask",  # vision: count one colour's shapes in a drawn image
     # reasoning-gym's generators (the envs extra), named with an argument: reasoning_gym:NAME[:WEIGHT],...
     "reasoning_gym": "cohort_grpo.tasks.reasoning_gym:ReasoningGymTask",
+    # an installed verifiers environment (the verifiers extra): verifiers:ENV_ID[:key=value,...]
+    "verifiers": "cohort_grpo.tasks.verifiers:VerifiersTask",
 }
 # The tasks named `family:argument` (`reasoning_gym:leg_counting`): the class is built with the argument.
-TASK_FAMILIES = ("reasoning_gym",)
+TASK_FAMILIES = ("reasoning_gym", "verifiers")
 
 # The options whose values `choose` splits at commas: each item must be a value of the option.
 LISTS = ("report_to",)

@@ -46,7 +46,9 @@ class GRPOConfig:
     task: str | None = field(default=None, metadata={
         "help": "The task that supplies prompts, reward functions and the held-out verifier: arithmetic, "
                 "calculator (tool calls: the built-in cohort:tiny-tools model learns to use a calculator), gsm8k, "
-                "reasoning_gym:NAME (reasoning-gym's generators; a mixture reasoning_gym:A:2,B:1) "
+                "shapes (vision: count one colour's shapes in a drawn picture, on cohort:tiny-vision), "
+                "reasoning_gym:NAME (reasoning-gym's generators; a mixture reasoning_gym:A:2,B:1), "
+                "verifiers:ENV_ID (an installed verifiers environment, its rubric the rewards) "
                 "or generic (your rows and --reward_funcs, no verifier); None is generic when data_files or "
                 "dataset_name is given, else arithmetic."})
     data_files: str | None = field(default=None, metadata={
@@ -177,6 +179,26 @@ class GRPOConfig:
     use_bias_correction_kl: bool = field(default=False, metadata={
         "help": "Weigh each token's KL term by the importance ratio (DeepSeek-V3.2's unbiased KL gradient); off "
                 "keeps DeepSeekMath's β·KL (TRL 1.16 defaults to on)."})
+
+    # On-policy distillation.
+    teacher_model: str | None = field(default=None, metadata={
+        "help": "A teacher that scores every token the policy samples (on-policy distillation): a local folder, a hub "
+                "id or a built-in name such as cohort:tiny-arithmetic, of the policy's vocabulary; loaded frozen on "
+                "the policy's device, never checkpointed. From Python also a loaded model "
+                "(GRPOTrainer(teacher_model=...)). Needs distillation_coef > 0."})
+    teacher_model_init_kwargs: dict | None = field(default=None, metadata={
+        "help": "TRL's: how the named teacher loads; cohort takes only dtype (or torch_dtype) there: float32, "
+                "bfloat16 or auto (the policy's weights' dtype, the default)."})
+    distillation_coef: float = field(default=0.0, metadata={
+        "help": "c: each sampled token's advantage gains c × (log π_teacher − log π_old) of that token (Thinking "
+                "Machines' on-policy distillation); 0 is off. With no reward functions (reward_funcs=[]; "
+                "--reward_funcs '') and 1 it is pure on-policy distillation."})
+    distillation_discount: float = field(default=0.0, metadata={
+        "help": "γ in [0, 1]: a token's distillation advantage is its own term plus γ × the next sampled token's "
+                "advantage (a discounted sum to the end of the completion); 0, the recipe's, credits each token "
+                "with its own term only."})
+    teacher_model_name_or_path: str | None = field(default=None, metadata={
+        "help": "TRL's (GKDConfig) name for teacher_model."})
 
     # The sampler computes in other kernels than the trainer.
     importance_sampling_correction: bool | None = field(default=None, metadata={
@@ -328,6 +350,11 @@ class GRPOConfig:
     router_aux_loss_coef: float = field(default=0.0, metadata={
         "help": "Weight of the Switch Transformer load-balancing loss added to the policy loss; 0 leaves it out, "
                 "as RL frameworks do."})
+
+    # Vision-language models.
+    freeze_vision_tower: bool = field(default=True, metadata={
+        "help": "A vision-language model's vision tower keeps its weights (only the language tower trains); false "
+                "trains it too (full fine-tuning; LoRA adapts the language tower only)."})
 
     # LoRA through peft, with TRL's ModelConfig names.
     use_peft: bool = field(default=False, metadata={
@@ -561,7 +588,8 @@ ALIASES = (("vllm_importance_sampling_correction", "importance_sampling_correcti
            ("vllm_importance_sampling_mode", "importance_sampling_mode"),
            ("vllm_importance_sampling_clip_min", "importance_sampling_clip_min"),
            ("vllm_importance_sampling_clip_max", "importance_sampling_clip_max"),
-           ("vllm_importance_sampling_cap", "importance_sampling_clip_max"))
+           ("vllm_importance_sampling_cap", "importance_sampling_clip_max"),
+           ("teacher_model_name_or_path", "teacher_model"))
 
 def default_task(data_files, dataset_name) -> str:
     """The task when none is named: your rows (generic) when data is given, else the built-in arithmetic."""

@@ -128,6 +128,13 @@ def clip_bounds_wrong(config) -> bool:
         low is not None and high is not None and low >= high)
 
 
+def unused_teacher(coef) -> str:
+    """The refusal of a teacher that a coefficient of 0 would load and never use."""
+    return refusal("distillation_coef", coef, ": a teacher_model is given and would never be used",
+                   "set --distillation_coef (1 with no reward functions is pure on-policy distillation) or drop the "
+                   "teacher")
+
+
 def bad_top_k(config) -> str:
     return ("sampling only the most likely token makes every group identical" if config.top_k == 1
             else "a negative count means nothing")
@@ -254,6 +261,12 @@ RULES: tuple[Rule, ...] = (
                            "does nothing without gradient_checkpointing", "pass --gradient_checkpointing true as "
                            "well")),
     not_negative("beta", "the KL coefficient must be ≥ 0", problem="is negative"),
+    not_negative("distillation_coef", "0 is off; 1 with no reward functions is pure on-policy distillation",
+                 problem="is negative"),
+    within("distillation_discount", "[0, 1]"),
+    Rule("`teacher_model` with `distillation_coef` 0",
+         lambda c: c.teacher_model is not None and not c.distillation_coef,
+         lambda c: unused_teacher(c.distillation_coef)),
     within("epsilon", "(0, 1)"),
     Rule("`epsilon_high` < `epsilon`",
          lambda c: c.epsilon_high is not None and c.epsilon_high < c.epsilon,

@@ -44,6 +44,11 @@ SECTIONS: tuple[Section, ...] = (
             ("dynamic_sampling", "max_resample_tries", "overlong_buffer_length", "overlong_penalty_factor",
              "mask_truncated_completions", "importance_sampling_level", "entropy_coef", "delta",
              "use_bias_correction_kl")),
+    Section("On-policy distillation",
+            "On-policy distillation: a frozen teacher scores every token the policy samples, and its per-token "
+            "log-probs join the advantages (cohort_grpo/update/teacher.py, docs/howto/distillation.md).",
+            ("teacher_model", "teacher_model_init_kwargs", "distillation_coef", "distillation_discount",
+             "teacher_model_name_or_path")),
     Section("The sampler computes in other kernels than the trainer",
             "The sampler computes in other kernels than the trainer (bf16 on a GPU): its samples' "
             "probabilities under the trainer differ. Measured every step (sampling/*); corrected by "
@@ -76,6 +81,10 @@ SECTIONS: tuple[Section, ...] = (
             "Mixture-of-experts models (Qwen3-MoE and Mixtral, cohort_grpo/models/moe.py); ignored for dense "
             "models.",
             ("routing_replay", "router_aux_loss_coef")),
+    Section("Vision-language models",
+            "Vision-language models (Qwen2.5-VL, cohort_grpo/models/vision_language.py; docs/howto/vision.md); "
+            "ignored for text models.",
+            ("freeze_vision_tower",)),
     Section("LoRA through peft, with TRL's ModelConfig names",
             "LoRA through peft, with TRL's ModelConfig names; π_ref is then the same model with the adapters "
             "off.",

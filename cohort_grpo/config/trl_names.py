@@ -66,7 +66,7 @@ FIXED: dict[str, tuple] = {
     "entropy_coef_min": (ANY, "adaptive entropy"), "entropy_coef_max": (ANY, "adaptive entropy"),
     "entropy_coef_delta": (ANY, "adaptive entropy"), "entropy_target": (ANY, "adaptive entropy"),
     "off_policy_mask_threshold": ((None,), "cohort has no off-policy sequence masking"),
-    "log_multimodal": (ANY, "text only"),
+    "log_multimodal": (ANY, "images are not logged (completions.jsonl holds the text)"),
     "num_completions_to_print": (ANY, "cohort prints no completions; completions.jsonl holds them"),
     "log_unique_prompts": (ANY, "completions.jsonl holds every logged prompt"),
     "log_completions_hub_repo": ((None,), "cohort uploads nothing to the Hub; completions.jsonl is in output_dir"),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cohort_grpo.eval.passk import majority_vote, pass_at_k, pass_k_values
 from cohort_grpo.rollout.sampler import SamplingParams
+from cohort_grpo.rollout.images import encode_rows
 from cohort_grpo.tools.environments import reset_environments, with_addition
 
 @dataclass
@@ -140,9 +141,10 @@ class ToolRollout:
 
 def evaluate(sampler, tokenizer, task, rows: list[dict], encode_prompt, *, max_new_tokens: int = 256,
              num_samples: int = 1, temperature: float = 1.0, batch_size: int = 256, seed: int = 0,
-             records_path: str | Path | None = None, toolbox=None) -> EvalResult:
+             records_path: str | Path | None = None, toolbox=None, images=None) -> EvalResult:
     """Score `rows` with `task.is_correct`; `encode_prompt(prompt[, tools]) -> ids` applies the chat
-    template. With a `toolbox` the model may call its tools, and the answer judged is its last turn."""
+    template. With a `toolbox` the model may call its tools, and the answer judged is its last turn. `images`: a
+    vision-language model's prompt renderer (rollout/images.py), for rows with images."""
     eos = [tokenizer.eos_token_id]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     records = []
@@ -159,9 +161,9 @@ def evaluate(sampler, tokenizer, task, rows: list[dict], encode_prompt, *, max_n
             greedy = tool_greedy.generate(chunk, 1, greedy_params)
             samples = tool_samples.generate(chunk, num_samples, sample_params) if num_samples > 1 else None
         else:
-            ids = [encode_prompt(r["prompt"]) for r in chunk]
-            greedy = sampler.generate(ids, 1, greedy_params)
-            samples = sampler.generate(ids, num_samples, sample_params) if num_samples > 1 else None
+            ids, pictures = encode_rows(chunk, encode_prompt, images)
+            greedy = sampler.generate(ids, 1, greedy_params, **pictures)
+            samples = sampler.generate(ids, num_samples, sample_params, **pictures) if num_samples > 1 else None
         for i, row in enumerate(chunk):
             text = _decode(tokenizer, greedy, i) if tool_greedy is None else tool_greedy.text(i)
             record = {"prompt": row["prompt"], "solution": row.get("solution"), "completion": text,

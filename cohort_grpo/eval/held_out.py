@@ -40,6 +40,7 @@ class HeldOutEvaluation:
     prompts_per_call: int
     group_size: int
     pad_id: int
+    images: object | None = None  # a vision-language model's prompt renderer (rollout/images.py)
 
     def __call__(self, step: int, reward_names: list[str]) -> tuple[dict[str, float], str]:
         """The metrics at `step` and the line that says them; the reward functions' `reward_names` name the
@@ -51,7 +52,7 @@ class HeldOutEvaluation:
     def verified(self, step: int) -> tuple[dict[str, float], str]:
         result = evaluate(self.sampler, self.tokenizer, self.task, self.parallel.evaluation_rows(self.rows),
                           self.encode_prompt, max_new_tokens=self.max_new_tokens,
-                          toolbox=self.toolbox).summed(self.parallel.evaluation_sums)
+                          toolbox=self.toolbox, images=self.images).summed(self.parallel.evaluation_sums)
         return result.metrics(), (f"eval (step {step}): accuracy={100 * result.accuracy:.1f}% on "
                                   f"{result.num_questions} problems")
 

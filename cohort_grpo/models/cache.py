@@ -46,6 +46,9 @@ class KVCache:
         self.own_row_ids = torch.arange(num_rows, dtype=torch.int32, device=device)
         self.prefix_rows = self.own_row_ids.clone()
         self.prefix_lens = torch.zeros(num_rows, dtype=torch.int32, device=device)
+        # A row's rotary position at cache position p is p + rotary_offsets[row]: 0 but for a vision-language
+        # prompt whose image tokens take fewer positions than tokens (Qwen-VL's multimodal rotary positions)
+        self.rotary_offsets = torch.zeros(num_rows, dtype=torch.long, device=device)
         # route_shape (MoE layers, k): the expert ids of each row's token at each position, int16
         self.routes = None if route_shape is None else torch.zeros(
             (num_rows, max_len, *route_shape), dtype=torch.int16, device=device)
@@ -118,6 +121,7 @@ class KVCache:
             self.routes[target] = self.routes[source]
         if self.recurrent is not None:
             self.recurrent.copy_rows(source, target)
+        self.rotary_offsets[target] = self.rotary_offsets[source]
         self.prefix_rows.copy_(self.own_row_ids)
         self.prefix_lens.zero_()
 
@@ -126,6 +130,7 @@ class KVCache:
         from one of them, read their own keys again."""
         stale = torch.isin(self.prefix_rows, rows.to(self.prefix_rows.dtype))
         stale[rows] = True
+        self.rotary_offsets[rows] = 0  # a vision-language prefill sets its rows' own
         self.prefix_rows.copy_(torch.where(stale, self.own_row_ids, self.prefix_rows))
         self.prefix_lens.masked_fill_(stale, 0)
 
@@ -142,6 +147,7 @@ class KVCache:
             self.routes[target, :copy_length] = self.routes[source, :copy_length]
         if self.recurrent is not None:
             self.recurrent.copy_rows(source, target)
+        self.rotary_offsets[target] = self.rotary_offsets[source]
         self.prefix_rows[target] = source.to(self.prefix_rows.dtype)
         self.prefix_lens[target] = prefix_lens.to(self.prefix_lens.dtype)
 

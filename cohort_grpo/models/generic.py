@@ -62,17 +62,18 @@ class TransformersCausalLM(nn.Module):
     def wrap(cls, causal_lm: nn.Module) -> "TransformersCausalLM":
         """`causal_lm` behind cohort's model interface, checked on a few probe tokens; `GenericPathRefused` (its
         message says why) for a model this path cannot serve."""
-        reason = refusal(causal_lm.config)
+        config = cls.language_config(causal_lm)
+        reason = refusal(config)
         if reason is not None:
             raise GenericPathRefused(reason)
         register_attention()
-        own_attention = causal_lm.config._attn_implementation
-        causal_lm.config._attn_implementation = ATTENTION  # every forward's attention is cache_attention from now on
+        own_attention = config._attn_implementation
+        config._attn_implementation = ATTENTION  # every forward's attention is cache_attention from now on
         model = cls(causal_lm)
         try:
             model.kv_cache_layer_shapes, model.recurrent_state_shapes = model.probe(own_attention)
         except Exception as error:
-            causal_lm.config._attn_implementation = own_attention  # it stays transformers' model, as it was
+            config._attn_implementation = own_attention  # it stays transformers' model, as it was
             if isinstance(error, GenericPathRefused):
                 raise
             # A probe forward that fails (under cohort's attention: a mask the model builds for itself, ...):
@@ -81,6 +82,12 @@ class TransformersCausalLM(nn.Module):
             raise GenericPathRefused(f"{model.model_type}'s probe forward fails ({type(error).__name__}: "
                                      f"{failure})") from error
         return model
+
+    @staticmethod
+    def language_config(causal_lm: nn.Module):
+        """The config whose attention implementation becomes cohort's (a vision-language model keeps its vision
+        tower's own: vision_language.py)."""
+        return causal_lm.config
 
     # ---- what cohort reads of a model --------------------------------------------------------------------
     @property
@@ -119,6 +126,11 @@ class TransformersCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.transformers_model.get_input_embeddings().weight.dtype
+
+    @property
+    def base_model_prefix(self) -> str:
+        """transformers' name of the base model's attribute (peft reads it to scope weight conversions)."""
+        return self.transformers_model.base_model_prefix
 
     @property
     def name_or_path(self) -> str:
@@ -177,13 +189,22 @@ class TransformersCausalLM(nn.Module):
         `attention_rows`/`attention_slots` one flat row of shared-prompt tokens (shared_prefix.py). A model with
         linear-attention layers keeps each row's recurrent state in `kv_cache` (a row whose first token here is at
         position 0 starts afresh) and takes neither pad tokens in a cached forward nor attention rows."""
+        position_ids, step = self.attention_step(input_ids, position_ids, attention_mask, kv_cache, cache_rows,
+                                                 cache_len, attention_rows, attention_slots, routing)
+        hidden = self.decoder_hidden(input_ids, position_ids, attention_mask, step)
+        return hidden if return_hidden else self.lm_head(hidden)
+
+    def attention_step(self, input_ids, position_ids, attention_mask, kv_cache, cache_rows, cache_len,
+                       attention_rows, attention_slots, routing) -> tuple[torch.Tensor, AttentionStep | None]:
+        """`forward`'s position ids (0..T-1 when None) and the `AttentionStep` its arguments ask for (None: the
+        model's own attention under `attention_mask`), with the rows' recurrent states for linear-attention layers."""
         if routing is not None:
             raise CohortError(f"routing replay needs cohort's own mixture-of-experts models; {self.model_type} runs "
                               "through transformers' modules: use --routing_replay false")
         batch, length = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
-        step = states = None
+        step = None
         if self.keeps_recurrent_state and (attention_rows is not None or (kv_cache is not None
                                                                           and attention_mask is not None)):
             raise CohortError(f"{self.model_type} has linear-attention layers, whose recurrent state would run "
@@ -203,25 +224,27 @@ class TransformersCausalLM(nn.Module):
                 if kv_cache.recurrent is None:
                     raise CohortError(f"{self.model_type}'s linear-attention layers keep their state in the KVCache: "
                                       "build it with KVCache.for_model(model, ...)")
-                states = StateCache(kv_cache.recurrent, cache_rows, position_ids)
-        hidden = self.decoder_hidden(input_ids, position_ids, attention_mask, step, states)
-        return hidden if return_hidden else self.lm_head(hidden)
+                step.states = StateCache(kv_cache.recurrent, cache_rows, position_ids)
+        return position_ids, step
 
     def decoder_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                        attention_mask: torch.Tensor | None, step: AttentionStep | None,
-                       states: StateCache | None = None) -> torch.Tensor:
-        """The decoder's final normed hidden states: attention served by `step` (cache or attention rows) and
-        linear-attention layers' states by `states`, or, without a step, causal by index under transformers' mask
-        of `attention_mask` (the one-row-per-completion forwards of the update)."""
-        arguments = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+                       inputs_embeds: torch.Tensor | None = None, **decoder_inputs) -> torch.Tensor:
+        """The decoder's final normed hidden states: attention served by `step` (cache or attention rows, and the
+        linear-attention layers' states), or, without one, causal by index under transformers' mask of
+        `attention_mask` (the one-row-per-completion forwards of the update). `inputs_embeds`, when given, stand in
+        for the embedded `input_ids` (a vision-language model's, images merged); `decoder_inputs` go to the decoder
+        too (Qwen3-VL's deepstack features)."""
+        tokens = dict(input_ids=input_ids) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
+        arguments = dict(tokens, position_ids=position_ids, use_cache=False, **decoder_inputs)
         if step is None:
             return self.decoder(**arguments, attention_mask=attention_mask).last_hidden_state
-        if states is not None:
-            arguments["cache"] = states
+        if step.states is not None:
+            arguments["cache"] = step.states
         with active_step(step):
             hidden = self.decoder(**arguments).last_hidden_state
-        if states is not None:
-            states.finish()
+        if step.states is not None:
+            step.states.finish()
         return hidden
 
     # ---- the wrap-time check -----------------------------------------------------------------------------
@@ -233,13 +256,13 @@ class TransformersCausalLM(nn.Module):
         vocab = self.transformers_model.get_input_embeddings().weight.shape[0]
         input_ids = (torch.arange(1, PROBE_TOKENS + 1, device=self.device) % vocab)[None]
         positions = torch.arange(PROBE_TOKENS, device=self.device)[None]
-        step = AttentionStep(positions)
         states = StateCache(None, None, positions) if self.keeps_recurrent_state else None
+        step = AttentionStep(positions, states=states)
         was_training = self.training
         self.eval()
         try:
             with torch.no_grad():
-                probed = self.decoder_hidden(input_ids, positions, None, step, states)
+                probed = self.decoder_hidden(input_ids, positions, None, step)
                 with attention_implementation(self.config, own_attention):
                     own = self.decoder_hidden(input_ids, positions, None, None)
                     logits = self.transformers_model(input_ids=input_ids, position_ids=positions,

@@ -74,7 +74,8 @@ def keeps_recurrent_state(config) -> bool:
 class AttentionStep:
     """What the attention modules of one forward need besides their queries, keys and values: the engine's cache
     (`cache`, rows, positions, pad tokens that must not write, the attended length), or shared-prompt attention
-    rows (`packed`), or neither for the wrap-time probe, which records what each layer gives (`served`)."""
+    rows (`packed`), or neither for the wrap-time probe, which records what each layer gives (`served`); for a model
+    with linear-attention layers, their rows' recurrent states (`states`, passed to the decoder as its cache)."""
 
     positions: torch.Tensor
     cache: KVCache | None = None
@@ -83,6 +84,7 @@ class AttentionStep:
     cache_len: int = 0
     packed: shared_prefix.PackedRows | None = None
     served: list = field(default_factory=list)
+    states: object | None = None  # linear-attention layers' recurrent states (recurrent_state.StateCache)
 
 
 ACTIVE_STEP: ContextVar[AttentionStep | None] = ContextVar("cohort_attention_step", default=None)

@@ -27,6 +27,9 @@ def save_policy(model, tokenizer, out_dir: Path, state: dict | None = None) -> P
         save_adapter(model, out_dir, base_model=getattr(model, "name_or_path", None))
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    processor = getattr(model, "processor", None)  # a vision-language model's: its image processor and template too
+    if processor is not None:
+        processor.save_pretrained(out_dir)
     return out_dir
 
 

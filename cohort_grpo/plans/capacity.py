@@ -24,6 +24,7 @@ from cohort_grpo.errors import CohortError
 from cohort_grpo.models.config import ModelConfig, is_supported
 from cohort_grpo.models.loading import hub_offline, is_hub_id
 from cohort_grpo.parallel.placement import Placement
+from cohort_grpo.plans.sampling_plan import parameter_count
 from cohort_grpo.plans.training_plan import GIB, MemoryPlan, RankShape, StepShape, training_memory_plan
 
 MOST_GPUS = 64  # the largest FSDP2 group the refusal suggests
@@ -136,6 +137,18 @@ def smaller_step(config: ModelConfig, step: StepShape, rank: RankShape, free: in
     return None
 
 
+def teacher_bytes(args) -> int:
+    """The weights of the distillation teacher `args` names, in the dtype it loads in (teacher_model_init_kwargs',
+    else the run's weights': 2 bytes a parameter on a GPU, 4 in float32); 0 without one, or where its shape cannot
+    be read before loading."""
+    teacher = config_before_loading(args.teacher_model) if args.teacher_model is not None else None
+    if teacher is None:
+        return 0
+    kwargs = args.teacher_model_init_kwargs or {}
+    dtype = str(kwargs.get("dtype") or kwargs.get("torch_dtype") or "auto").removeprefix("torch.")
+    return parameter_count(teacher) * (4 if (args.dtype if dtype == "auto" else dtype) == "float32" else 2)
+
+
 def check_capacity(model, args, placement: Placement, device: torch.device) -> MemoryPlan | None:
     """Refuse, before loading, a run of `model` with `args` (validated) placed by `placement` whose step cannot
     fit the free memory of `device`; the plan where it fits, None where there is nothing to plan."""
@@ -144,7 +157,7 @@ def check_capacity(model, args, placement: Placement, device: torch.device) -> M
     config = config_before_loading(model)
     if config is None:
         return None
-    step = StepShape.from_config(args, placement)
+    step = replace(StepShape.from_config(args, placement), teacher_bytes=teacher_bytes(args))
     if args.max_concurrent_sequences == "auto":  # sized after loading to what the step leaves: one slot will do
         step = replace(step, engine_slots=1)
     rank = RankShape.of(placement)

@@ -48,6 +48,7 @@ The backward (`backward`) adds the gradients and the largest micro-batch's activ
   made in the forward and held to the backward, one chunk of logits (`logprobs.CHUNK_BYTES` in fp32, and the
   bf16 logits it came from).
 
+A distillation teacher's weights (`teacher_bytes`, from its own config) stay on the GPU through every phase.
 The log-prob pass (`logprobs`) holds π_ref's weights (when β > 0) and one layer's activations of a no-grad
 micro-batch twice the update's (`manager.NO_GRAD_FACTOR`). FSDP2's set-up (`setup`) holds, besides the loaded
 bf16 model, the fp32 shards `Parallel.sharded_copy` allocates and fills slice by slice (it shards a copy on the
@@ -102,6 +103,7 @@ class StepShape:
     moment_bytes: int = 4  # AdamW's two moments, one GPU or FSDP2's shard: bf16 (8 for fp32)
     lora_rank: int = 0  # 0: full parameters
     reference: bool = False  # β > 0 and no LoRA: a π_ref copy
+    teacher_bytes: int = 0  # on-policy distillation: the teacher's weights, on the GPU all step (0: no teacher)
     offload_reference: bool = True
     async_copy: bool = False  # asynchronous rollouts in this process: the producer's copy of the policy
     lend_kv_cache: bool = True
@@ -326,6 +328,8 @@ def training_memory_plan(config: ModelConfig, step: StepShape, rank: RankShape =
         resident["π_ref"] = reference
     if step.async_copy:
         resident["sampler copy"] = copy
+    if step.teacher_bytes:
+        resident["π_teacher"] = step.teacher_bytes
     kv = engine_kv_bytes(config, step, rank.sampling_split) if rank.samples else 0
     resident["KV cache"] = kv
     after_sampling = dict(resident)

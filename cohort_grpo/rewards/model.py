@@ -373,8 +373,8 @@ def resolve_reward_funcs(reward_funcs, args, task, tokenizer, device) -> tuple[l
     (with its weights, unless reward_weights are set); model folders and objects become r_φ
     (`prepare_reward_funcs`). `args` is read, never changed."""
     weights = args.reward_weights
-    if reward_funcs is None and args.reward_funcs:
-        reward_funcs = list(args.reward_funcs)  # --reward_funcs: names, module:function, reward-model folders
+    if reward_funcs is None and args.reward_funcs is not None:
+        reward_funcs = list(args.reward_funcs)  # --reward_funcs: names, module:function, reward-model folders; [] none
     if reward_funcs is None:
         if task is None:
             raise CohortError("no reward functions: pass reward_funcs=[...], a task, or an environment_factory "

@@ -87,16 +87,18 @@ class RewardRunner:
     `reward_funcs` are callables or names `resolve_reward` understands; `reward_weights` default to 1.0
     each; `timeout_s` limits each whole-batch call, and each sample of a per-sample function; `errors`
     is what a function that raises does: "raise" (a `CohortError` naming it) or "warn" (its samples
-    get None, counted in `rewards/<name>/errors`)."""
+    get None, counted in `rewards/<name>/errors`). `none_ok`: no functions at all is a run whose only signal is
+    elsewhere (a distillation teacher's): every reward is then 0, and no sample counts as scored."""
 
     def __init__(self, reward_funcs: list[Callable | str], reward_weights: list[float] | None = None,
-                 timeout_s: float = 10.0, sample_workers: int = 2, errors: str = "raise"):
+                 timeout_s: float = 10.0, sample_workers: int = 2, errors: str = "raise", none_ok: bool = False):
         if errors not in ERROR_POLICIES:
             raise CohortError(f"reward_errors={errors!r}: choose raise (stop at a reward function's first "
                               "exception) or warn (score its failed samples None) (--reward_errors)")
         self.errors = errors
-        if not reward_funcs:
-            raise CohortError("no reward functions given; name at least one (--reward_funcs)")
+        if not reward_funcs and not none_ok:
+            raise CohortError("no reward functions given; name at least one (--reward_funcs), or distil from a teacher "
+                              "(--teacher_model with --distillation_coef)")
         self.funcs = [resolve_reward(f) for f in reward_funcs]
         if reward_weights is None:
             reward_weights = [1.0] * len(self.funcs)
@@ -148,6 +150,8 @@ class RewardRunner:
             if len(values) != batch:
                 raise ValueError(f"column {column!r} has {len(values)} values for {batch} completions")
         table = torch.full((batch, len(self.funcs)), float("nan"), dtype=torch.float32)
+        if not self.funcs:  # nothing scores: rewards 0, every sample unscored (its advantage from the rewards 0)
+            return RewardOutput(rewards=torch.zeros(batch), per_function=table, metrics={})
         nonfinite: dict[str, dict[int, float]] = {}  # each function's NaN / inf values, by sample
         self._error_counts = {name: 0 for name in self.names}
         for j, (name, func) in enumerate(zip(self.names, self.funcs)):

@@ -50,8 +50,12 @@ class Batch(RowRecord):
     # [B] each completion's prompt as the model saw it, where that is not the row's own (an environment's reset()
     # text appended); None when every one is its row's
     sampled_prompts: list | None = record_field(default=None, absent=lambda part: part.prompts)
+    # a vision-language model's prompt images, one `ImageInputs` per row (shared by a prompt's G rows)
+    images: list | None = record_field(default=None, state=False)
     # tools/* of a tool-calling rollout, async/* of one sampled ahead (joined: the first part's)
     rollout_metrics: dict | None = record_field(WHOLE, default=None)
+    # distillation/* of a step with a teacher (cohort_grpo/update/teacher.py)
+    teacher_metrics: dict | None = record_field(WHOLE, default=None, state=False, merge=mean_per_key)
 
     @property
     def prompts(self) -> list:

@@ -118,10 +118,13 @@ class Engine:
 
     # ---- public ------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
-                 turns: TurnHandler | None = None) -> Rollout:
+                 turns: TurnHandler | None = None, images: list | None = None) -> Rollout:
         """G = num_generations completions per prompt, rows group-contiguous (see `Sampler`). With
         `turns`, a sequence that ends a turn with budget left asks it what follows (turns.py): a tool's
-        result is appended and the sequence rejoins the batch, while the others keep decoding."""
+        result is appended and the sequence rejoins the batch, while the others keep decoding. `images`: a
+        vision-language model's images of each prompt (models/vision_language.py's `ImageInputs`, None for a
+        text prompt), encoded once per prompt at its prefill."""
+        self._check_images(images, len(prompt_ids), turns)
         # On a shard every rank would run each tool call itself, and when an answer is taken up depends on
         # timing, so the ranks could schedule apart and their collectives stop matching.
         if turns is not None and tensor_parallel_size(self.model) > 1:
@@ -132,7 +135,7 @@ class Engine:
         max_len = self._sequence_capacity(longest, longest + params.max_new_tokens)
         sequences = [
             Sequence(index=i * num_generations + g, prompt=list(prompt),
-                     limit=min(params.max_new_tokens, max_len - len(prompt)))
+                     limit=min(params.max_new_tokens, max_len - len(prompt)), images=images[i] if images else None)
             for i, prompt in enumerate(prompt_ids) for g in range(num_generations)
         ]
         self._sample(sequences, max_len, params, turns=turns)
@@ -229,6 +232,21 @@ class Engine:
         for i, prompt in enumerate(prompt_ids):
             if len(prompt) == 0:
                 raise CohortError(f"prompt {i} is empty; every prompt needs at least one token")
+
+    def _check_images(self, images: list | None, prompts: int, turns: TurnHandler | None) -> None:
+        if images is None:
+            return
+        if not getattr(self.model, "takes_images", False):
+            raise CohortError(f"images were given to a model without a vision tower ({type(self.model).__name__}): "
+                              "load a vision-language model or drop the images")
+        if len(images) != prompts:
+            raise CohortError(f"images has {len(images)} entries for {prompts} prompts: pass one per prompt "
+                              "(None for a text prompt)")
+        if turns is not None:
+            raise CohortError("tool turns with images are not supported yet: drop the tools for a vision-language run")
+        if tensor_parallel_size(self.model) > 1:
+            raise CohortError("a vision-language model does not sample on a tensor-parallel shard yet: use "
+                              "--rollout_tensor_parallel_size 1")
 
     def _sequence_capacity(self, longest_prompt: int, needed: int) -> int:
         """KV length per row for prompts of up to `longest_prompt` tokens that need `needed` in all."""

@@ -19,6 +19,7 @@ from cohort_grpo.tasks import prompt_text
 from cohort_grpo.tools.environments import reset_environments, with_addition
 from cohort_grpo.tools.toolbox import Toolbox
 from cohort_grpo.rollout.batch import Batch
+from cohort_grpo.rollout.images import ImagePrompts, row_images
 from cohort_grpo.rollout.sampler import Sampler, SamplingParams
 
 LONG_PROMPT_FIX = ("raise --max_prompt_length, filter long prompts out of the data, or pass --long_prompts "
@@ -26,9 +27,10 @@ LONG_PROMPT_FIX = ("raise --max_prompt_length, filter long prompts out of the da
 
 
 class GroupSampler:
-    def __init__(self, sampler: Sampler, tokenizer, args, pad_id: int, toolbox: Toolbox | None = None):
+    def __init__(self, sampler: Sampler, tokenizer, args, pad_id: int, toolbox: Toolbox | None = None,
+                 images: ImagePrompts | None = None):
         self.sampler, self.tokenizer, self.args, self.pad_id = sampler, tokenizer, args, pad_id
-        self.toolbox = toolbox
+        self.toolbox, self.images = toolbox, images  # images: a vision-language model's prompt renderer
         self.schemas = toolbox.schemas() if toolbox is not None and toolbox.environment_factory is None else None
 
     def __call__(self, rows: list[dict], seed: int, sequence_offset: int = 0) -> Batch:
@@ -38,6 +40,8 @@ class GroupSampler:
         params = self.sampling_params(seed, sequence_offset)
         completion_rows = [r for r in rows for _ in range(G)]
         environments = turns = sampled_prompts = None
+        if self.images is not None:
+            return self.sample_with_images(rows, params)
         if self.toolbox is not None and self.toolbox.environment_factory is not None:
             # One environment per completion: the G completions of a prompt must not share state.
             environments, additions = reset_environments(self.toolbox.environment_factory, completion_rows)
@@ -65,6 +69,25 @@ class GroupSampler:
                      environments=environments, sampled_prompts=sampled_prompts,
                      rollout_metrics=None if turns is None else turns.metrics(len(completion_rows)))
 
+    def sample_with_images(self, rows: list[dict], params: SamplingParams) -> Batch:
+        """G completions for each of `rows` of a vision-language model: each prompt rendered with its images by the
+        processor, its images encoded once at its prefill (a text row samples as text)."""
+        G = self.args.num_generations
+        distinct, images = [], []
+        for row in rows:
+            loaded = row_images(row)
+            if loaded is None:
+                ids, inputs = self.encode_prompt(row["prompt"]), None
+            else:
+                ids, inputs = self.images.encode(row["prompt"], loaded)
+                self.check_length(len(ids))
+            distinct.append(ids)
+            images.append(inputs)
+        rollout = self.sampler.generate(distinct, G, params, images=images)
+        return Batch(rows=[r for r in rows for _ in range(G)], prompt_ids=[p for p in distinct for _ in range(G)],
+                     rollout=rollout, completions=self.decode(rows, rollout),
+                     images=[inputs for inputs in images for _ in range(G)])
+
     def sampling_params(self, seed: int, sequence_offset: int = 0) -> SamplingParams:
         """The run's sampling settings for one call (`seed` and `sequence_offset` key its noise)."""
         args = self.args
@@ -86,12 +109,17 @@ class GroupSampler:
 
     def encode_prompt(self, prompt, tools: list[dict] | None = None) -> list[int]:
         ids = self.prompt_ids(prompt, tools)
-        limit = self.args.max_prompt_length
-        if len(ids) > limit:
-            if self.args.long_prompts == "truncate_left":
-                return ids[-limit:]
-            raise CohortError(f"a prompt has {len(ids)} tokens, more than max_prompt_length={limit}; {LONG_PROMPT_FIX}")
+        if len(ids) > self.args.max_prompt_length and self.args.long_prompts == "truncate_left":
+            return ids[-self.args.max_prompt_length:]
+        self.check_length(len(ids))
         return ids
+
+    def check_length(self, length: int) -> None:
+        limit = self.args.max_prompt_length
+        if length > limit:
+            fix = ("raise --max_prompt_length or use smaller images (a prompt's images cannot be cut)"
+                   if self.images is not None else LONG_PROMPT_FIX)
+            raise CohortError(f"a prompt has {length} tokens, more than max_prompt_length={limit}; {fix}")
 
     def check_prompt_lengths(self, rows: list[dict], name: str, origin: Callable[[int], str] | None = None,
                              log: Callable[[str], None] = print) -> None:
@@ -107,6 +135,8 @@ class GroupSampler:
             return origin(index) if origin is not None else f"{name} row {index}"
 
         for index, row in enumerate(rows):
+            if self.images is not None and row_images(row) is not None:
+                continue  # its length depends on its images, measured when it is sampled
             try:
                 length = len(self.prompt_ids(row["prompt"], self.schemas))
             except Exception as error:  # noqa: BLE001 - a template's own error, named with its row

@@ -1,7 +1,8 @@
 """Prefill: admitted prompts into their KV-cache rows, and each sequence's first token.
 
-Each distinct prompt runs once, into the row of its first sequence; its keys and values are then copied to the
-rows of the other sequences with that prompt (GRPO's G completions of a prompt share it). Every sequence's first
+Each distinct prompt (its tokens and, for a vision-language model, its images) runs once, into the row of its first
+sequence; its keys and values are then copied to the rows of the other sequences with that prompt (GRPO's G
+completions of a prompt share it). Every sequence's first
 token is sampled from its prompt's last position, under its own noise key. Prompts go in chunks of at most
 `prefill_tokens` padded tokens, sorted by length so a chunk pads little; for a model with linear-attention layers
 (`keeps_recurrent_state`) a chunk holds prompts of one length, as pad tokens after a prompt would run into its
@@ -30,7 +31,7 @@ def prefill(model, cache: KVCache, state: SlotState, admitted: list[Sequence], p
     tokens drawn by `sample` (the engine's `token_sampler(model)`). Returns the counts the engine reports:
     forwards, padded tokens, rows that copied a shared prompt."""
     groups = [[admitted[i] for i in group]
-              for group in prompt_groups([seq.prompt for seq in admitted], max_rows=len(admitted))]
+              for group in prompt_groups([seq.prompt_key for seq in admitted], max_rows=len(admitted))]
     groups.sort(key=lambda group: len(group[0].prompt))  # similar lengths pad less
     counts = dict(prefill_forwards=0, prefill_tokens=0, prefill_shared_rows=0)
     unpadded = getattr(model, "keeps_recurrent_state", False)
@@ -65,10 +66,12 @@ def prefill_chunk(model, cache: KVCache, state: SlotState, groups: list[list[Seq
     chunk = [seq for group in groups for seq in group]
     slots = to_device([seq.slot for seq in chunk], device)
     cache.own_rows(slots)  # these rows are rewritten
+    # A vision-language prompt's images run through the vision tower here, once per prompt (vision_language.py).
+    images = {"images": [seq.images for seq in firsts]} if any(seq.images is not None for seq in firsts) else {}
     # Plain ops here: a prefill runs once per prompt, not worth compiled variants for every length.
     with fused_kernels(False):
         hidden = model(input_ids, positions, kv_cache=cache, cache_rows=to_device([seq.slot for seq in firsts], device),
-                       return_hidden=True, cache_len=width)
+                       return_hidden=True, cache_len=width, **images)
     copies = [(group[0].slot, seq.slot, len(seq.prompt)) for group in groups for seq in group[1:]]
     if copies:
         source, target, length = zip(*copies)

@@ -39,10 +39,17 @@ class Sequence:
     earlier_sampled: list[int] | None = None
     budget: int = 0  # the first turn's limit: the whole completion's (set when a turn first ends)
     prompt_length: int = 0  # the first turn's prompt length (later turns' `prompt` holds the completion so far)
+    images: object | None = None  # a vision-language prompt's images (models/vision_language.py's ImageInputs)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prompt_key(self) -> tuple:
+        """What makes two sequences' prompts one: the tokens, and the images object where there is one (equal
+        tokens may stand for different images)."""
+        return tuple(self.prompt) if self.images is None else (self.images, *self.prompt)
 
     def noise_key(self, offset: int) -> int:
         """The `rows` key of this turn's sampling noise: the sequence's global index, shifted per turn."""

@@ -25,6 +25,7 @@ from cohort_grpo.rollout.async_rollouts import AsyncRollouts
 from cohort_grpo.rollout.colocated import ColocatedSampler
 from cohort_grpo.rollout.engine import Engine
 from cohort_grpo.rollout.group_sampler import GroupSampler
+from cohort_grpo.rollout.images import ImagePrompts
 from cohort_grpo.rollout.partial import partial_rollouts
 from cohort_grpo.rollout.remote import RemoteRollouts, RolloutServer
 from cohort_grpo.rollout.sampler import Sampler
@@ -64,7 +65,10 @@ def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None 
     sampler = sampler_factory(model, tokenizer)
     if sampling_group is not None:  # the group's requests become engine calls every rank of it makes
         sampler = ColocatedSampler(sampler, sampling_group)
-    group_sampler = GroupSampler(sampler, tokenizer, args, pad_id, toolbox)
+    images = ImagePrompts.of(model, args.chat_template_kwargs)  # a vision-language model's prompt renderer
+    if images is not None:
+        refuse_with_images(args, toolbox, link, sampling_group)
+    group_sampler = GroupSampler(sampler, tokenizer, args, pad_id, toolbox, images=images)
     ahead = ahead_sampler = None
     if args.async_rollouts:
         if toolbox is not None and toolbox.environment_factory is not None:
@@ -84,6 +88,18 @@ def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None 
                                   args.max_staleness)
     return Rollouts(sampler, group_sampler, ahead=ahead, ahead_sampler=ahead_sampler,
                     sequence_offset=args.prompts_per_step * rank * args.num_generations)
+
+
+def refuse_with_images(args, toolbox: Toolbox | None, link, sampling_group) -> None:
+    """What a vision-language run cannot do yet, refused by name in one line."""
+    if toolbox is not None:
+        raise CohortError("tool turns with images are not supported yet: drop tools / environment_factory for a "
+                          "vision-language model")
+    if args.async_rollouts:
+        raise CohortError("async_rollouts with a vision-language model is not supported yet: use --async_rollouts false")
+    if link is not None or sampling_group is not None:
+        raise CohortError("a vision-language model samples on the training ranks only for now: drop --rollout_gpus "
+                          "and the colocated sampling placement")
 
 
 def rollout_source(rollouts: Rollouts, *, memory, phases, next_rows, next_seed, engine_copy, policy, parallel,

@@ -53,6 +53,8 @@ from cohort_grpo.parallel.distributed import Parallel
 from cohort_grpo.parallel.engine_copy import EngineCopy
 from cohort_grpo.run.lifecycle import check_output_dir
 from cohort_grpo.run.start import RankStart, start_rank
+from cohort_grpo.run.teacher import teacher_given, teacher_policy
+from cohort_grpo.update.teacher import TeacherPolicy
 
 
 @dataclass
@@ -69,7 +71,7 @@ class RunAssembly:
     policy being trained, None when off. sampler, group_sampler: this rank's engine over the policy and
     Algorithm 1's sampling stage over it (held-out evaluation samples with them); rollouts: where each step's
     rollout comes from; engine_copy: under FSDP2, the engine's copy of the weights (a checkpoint's load
-    refreshes it), else None."""
+    refreshes it), else None. teacher: on-policy distillation's π_teacher stage, None without a teacher."""
 
     args: GRPOConfig
     parallel: Parallel
@@ -98,17 +100,19 @@ class RunAssembly:
     loss_spec: LossSpec
     policy_update: PolicyUpdate
     report: StepReport
+    teacher: TeacherPolicy | None = None
 
 
 def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_dataset, processing_class, task,
                  toolbox: Toolbox | None, peft_config, sampler_factory, next_prompts: Callable[[], list[dict]],
-                 log: Callable[[str], None], stage_log: Callable[[str], None]) -> RunAssembly:
+                 log: Callable[[str], None], stage_log: Callable[[str], None], teacher_model=None) -> RunAssembly:
     """The run `args` (validated, not yet resolved) describes, from `GRPOTrainer`'s arguments (TRL's names).
 
     next_prompts(): this rank's block of the next prompt batch, which the rollouts draw (the trainer's own: a
     curriculum switches its stages there). log: where lines go until the display exists (the returned report's
     `log` after). stage_log: what the memory manager and the policy update log through for the whole run; the
-    trainer passes its own, which reaches the display once the trainer has it."""
+    trainer passes its own, which reaches the display once the trainer has it. teacher_model: a distillation
+    teacher given as an argument (a model object, or a name) rather than in the config."""
     # Which ranks train and sample, and on which copy: decided once, before anything starts (parallel/placement.py).
     placement = Placement.from_config(args, launched_world_size())
     if placement.samples_here(launched_rank()):
@@ -116,6 +120,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
                           "ranks): run cohort_grpo.SamplingRank(model, args).serve() there instead "
                           "(cohort_grpo.is_sampling_rank(args) tells the ranks apart)")
     check_output_dir(args)  # a writable folder (an earlier run there is train()'s to continue or replace)
+    teacher = teacher_given(teacher_model, args)  # with distillation_coef, before anything loads
     asked_split = args.rollout_tensor_parallel_size  # the log says whether auto chose it
     train_rows: list[dict] = []
 
@@ -138,7 +143,8 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     train_model, optimizer, scheduler, auto_checkpointing, engine_copy = build_training(start)
     model, sampling_model, ref_model = place_policy(start, train_model, engine_copy)
     # The G completions of a prompt share its forward in the log-prob passes and the update: our
-    # models only (they take attention rows), and only where a prompt has several completions.
+    # models only (they take attention rows: no linear-attention state, no images), and only where a prompt has
+    # several completions.
     layout = Layout.choose(args.share_prompt_prefix, args.num_generations, takes_attention_rows(model))
     group = parallel.sampling_group
     rollouts = build_rollouts(args, sampling_model, tokenizer, start.pad_id, toolbox, placement=start.placement,
@@ -154,6 +160,8 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     policy_update = PolicyUpdate(args, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
                                  memory=memory, parallel=parallel, device=device, pad_id=start.pad_id,
                                  layout=layout, loss=loss_spec, log=stage_log)
+    distillation = teacher_policy(teacher, args, tokenizer=tokenizer, device=device, policy=model,
+                                  logprobs=policy_update.logprobs, log=stage_log)
     report = open_report(args, model, optimizer, toolbox, parallel, start.placement, asked_split, log)
     source = rollout_source(rollouts, memory=memory, phases=report, next_rows=next_prompts,
                             next_seed=prompts.next_seed, engine_copy=engine_copy, policy=model, parallel=parallel,
@@ -164,7 +172,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
                        uses_reference=args.beta > 0, ref_model=ref_model, layout=layout,
                        sampler=rollouts.sampler, group_sampler=rollouts.group_sampler, rollouts=source,
                        engine_copy=engine_copy, memory=memory, prompts=prompts, sampler_correction=sampler_correction,
-                       loss_spec=loss_spec, policy_update=policy_update, report=report)
+                       loss_spec=loss_spec, policy_update=policy_update, report=report, teacher=distillation)
 
 
 def build_rewards(args: GRPOConfig, reward_funcs, task, tokenizer, device: torch.device,
@@ -179,7 +187,8 @@ def build_rewards(args: GRPOConfig, reward_funcs, task, tokenizer, device: torch
         funcs, weights = resolve_reward_funcs(reward_funcs, args, task, tokenizer, device)
     if env_reward is not None:  # the environment's get_reward(): one more reward, weight 1 (TRL)
         funcs, weights = funcs + [env_reward], None if weights is None else list(weights) + [1.0]
-    return curriculum, RewardRunner(funcs, weights, timeout_s=args.reward_timeout, errors=args.reward_errors)
+    return curriculum, RewardRunner(funcs, weights, timeout_s=args.reward_timeout, errors=args.reward_errors,
+                                    none_ok=args.distillation_coef > 0)  # a teacher's signal alone: pure distillation
 
 
 def build_training(start: RankStart):

@@ -25,6 +25,8 @@ from cohort_grpo.models.generic_training import is_mixture_of_experts
 from cohort_grpo.models.loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
                                    missing_path_error, one_line)
 from cohort_grpo.models.lora import apply_lora, lora_config_from_args
+from cohort_grpo.models.tiny_vision import TINY_VISION_MODEL, build_vision_model, build_vision_processor
+from cohort_grpo.models.vision_language import VisionLanguageModel, is_vision_language
 from cohort_grpo.optim.precision import resolve_dtype
 from cohort_grpo.sft import builtin
 
@@ -37,6 +39,12 @@ def _hf_model_type(path: Path) -> str | None:
         except json.JSONDecodeError:
             raise CohortError(f"{config} is not valid JSON; the model folder is damaged") from None
     return None
+
+
+def _has_vision_tower(path: Path) -> bool:
+    """Whether the model folder's config.json describes a vision tower (a vision-language model)."""
+    config = path / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
 def hub_model_type(repo_id: str) -> str | None:
@@ -67,6 +75,10 @@ def load_run_policy(model, processing_class, args, device: torch.device, *, peft
     if notice is not None:
         log(notice)
     peft_config = peft_config if peft_config is not None else lora_config_from_args(args)
+    if isinstance(model, VisionLanguageModel):
+        model.freeze_vision_tower(args.freeze_vision_tower)
+        if peft_config is not None:
+            peft_config = model.language_lora_config(peft_config)
     if peft_config is not None:  # π_ref is then the base model (adapters off)
         apply_lora(model, peft_config)
     if args.rollout_numerics == "exact":
@@ -107,10 +119,15 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
     """(model, tokenizer) on `device`. `model`: None, an nn.Module, a folder, a .gguf file or a hub id.
     Python code shipped with a model repo runs only when the user asks for it (--trust_remote_code)."""
     device = torch.device(device or "cpu")
+    if isinstance(model, torch.nn.Module) and is_vision_language(getattr(model, "config", None)):
+        return vision_policy(model.to(device), processing_class, impl, log)
     if isinstance(model, torch.nn.Module):
         if processing_class is None:
             raise CohortError("a model object needs its tokenizer: pass processing_class=tokenizer")
         return model.to(device), processing_class
+    if model == TINY_VISION_MODEL:
+        processor = processing_class or build_vision_processor()
+        return vision_policy(build_vision_model(processor.tokenizer).to(device), processor, impl, log)
     if model is None:
         model = str(builtin.tiny_model_dir(log=log))
     elif tiny.is_builtin_model(model):  # "cohort:tiny-tools": a built-in model, built on first use
@@ -119,8 +136,11 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
     path = Path(spec).expanduser()
     if not path.exists() and looks_local(spec):  # a mistyped path: one line naming it, never a hub error
         raise missing_path_error(spec)
-    tokenizer = processing_class or load_tokenizer(spec, trust_remote_code=trust_remote_code)
     torch_dtype = None if dtype == "auto" else dtype
+    if path.is_dir() and _has_vision_tower(path):
+        loaded = _load_hf(spec, torch_dtype, device, trust_remote_code, vision=True)
+        return vision_policy(loaded, processing_class or load_processor(spec, trust_remote_code), impl, log)
+    tokenizer = processing_class or load_tokenizer(spec, trust_remote_code=trust_remote_code)
     model_type = _hf_model_type(path) if path.is_dir() else hub_model_type(spec) if is_hub_id(spec) else None
     native = path.suffix == ".gguf" or model_type is None or is_supported({"model_type": model_type})
     if impl != "hf" and native:
@@ -151,13 +171,43 @@ def generic_policy(model, model_type: str, impl: str, log=print):
     return wrapped
 
 
-def _load_hf(spec: str, dtype, device, trust_remote_code: bool = False):
-    from transformers import AutoModelForCausalLM
+def vision_policy(model, processor, impl: str, log=print):
+    """A vision-language model as the engine samples it (`VisionLanguageModel`, its processor kept on it) and the
+    processor's tokenizer; one line saying so. Other families, and `impl` hf, are refused by name."""
+    if impl == "hf":
+        raise CohortError(f"{model.config.model_type} with model_impl=hf: transformers' generate does not take the "
+                          "images here; use --model_impl auto")
+    if processor is None or getattr(processor, "tokenizer", None) is None:
+        raise CohortError("a vision-language model needs its processor: pass processing_class=AutoProcessor."
+                          "from_pretrained(model)")
+    wrapped = VisionLanguageModel.wrap(model)
+    wrapped.processor = processor
+    log(f"cohort: {wrapped.model_type} samples in cohort's engine, its images through its vision tower once per "
+        "prompt (vision-language path)")
+    tokenizer = processor.tokenizer
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return wrapped, tokenizer
+
+
+def load_processor(spec: str, trust_remote_code: bool = False):
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    except Exception as error:  # noqa: BLE001 - transformers' own reasons, in one line
+        raise CohortError(f"cannot load the processor of {spec!r} ({one_line(error)}): pass "
+                          "processing_class=the model's processor") from None
+
+
+def _load_hf(spec: str, dtype, device, trust_remote_code: bool = False, vision: bool = False):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     # A hub id while the hub is offline or unreachable: the cache only (transformers would retry for long).
     cache_only = not Path(spec).expanduser().exists() and is_hub_id(spec) and (hub_offline() or bool(hub_unreachable()))
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=getattr(torch, dtype) if dtype else torch.float32,
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(spec, dtype=getattr(torch, dtype) if dtype else torch.float32,
                                                      trust_remote_code=trust_remote_code,
                                                      **({"local_files_only": True} if cache_only else {}))
     except ValueError as error:  # custom code refused, or a model_type transformers does not know

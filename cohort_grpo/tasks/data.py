@@ -208,9 +208,16 @@ class _hub_offline:
         return False
 
 
+def is_message_content(content) -> bool:
+    """A chat message's content: a string, or a list of typed parts ({"type": "text", "text": ...}, {"type": "image"})."""
+    return isinstance(content, str) or (isinstance(content, list) and all(
+        isinstance(part, dict) and isinstance(part.get("type"), str) for part in content))
+
+
 def check_prompt_column(rows: list[dict], source: str) -> None:
-    """Every row has a `prompt` that is a string or a list of {"role", "content"} chat messages;
-    otherwise a `CohortError` naming the first bad row and what it holds."""
+    """Every row has a `prompt` that is a string or a list of {"role", "content"} chat messages (a content a string,
+    or a list of typed parts such as a vision-language prompt's {"type": "image"}); otherwise a `CohortError`
+    naming the first bad row and what it holds."""
     for index, row in enumerate(rows):
         if "prompt" not in row:
             raise CohortError(f"{source} row {index} has no 'prompt' column (columns: {sorted(row)}); "
@@ -219,7 +226,7 @@ def check_prompt_column(rows: list[dict], source: str) -> None:
         if isinstance(prompt, str):
             continue
         if isinstance(prompt, list) and prompt and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                isinstance(m, dict) and isinstance(m.get("role"), str) and is_message_content(m.get("content"))
                 for m in prompt):
             continue
         shown = repr(prompt)

@@ -138,7 +138,7 @@ class LearningHealth:
         if clipped is not None:
             yield Reading("clipped", clipped >= 1.0, clipped)
         equal, reward = number(record, "frac_reward_zero_std"), number(record, "reward")
-        if equal is not None:
+        if equal is not None and "distillation/reverse_kl" not in record:  # a teacher's signal is learnt from still
             yield Reading("equal_rewards", equal >= 1.0 and (empty or 0.0) < 1.0, reward or 0.0)
         for key in record:
             errors = number(record, key) if key.startswith("rewards/") and key.endswith("/errors") else None

@@ -139,6 +139,7 @@ class StepReport:
             record.pop("kl", None)  # β = 0: no reference model, no KL to report (as TRL)
         record.update(batch.reward_metrics)
         record.update(batch.rollout_metrics or {})
+        record.update(batch.teacher_metrics or {})
         record.update(context.extra)
         scored = None if batch.per_function is None else ~torch.isnan(batch.per_function).all(dim=1)
         if scored is None or bool(scored.all()):

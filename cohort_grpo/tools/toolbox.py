@@ -23,6 +23,12 @@ class Toolbox:
     max_iterations: int | None = None
     timeout_s: float | None = 30.0
     template_kwargs: dict | None = None  # the run's chat_template_kwargs, for the tool turns
+    environment_from_task: bool = False  # the task made the environment (and makes it again from its name)
+
+    @property
+    def plays_episodes(self) -> bool:
+        """The environment speaks between the model's turns (verifiers, OpenEnv) rather than offering tools."""
+        return callable(getattr(self.environment_factory, "episode_turns", None))
 
     def schemas(self, environment=None) -> list[dict] | None:
         """The tool schemas the chat template renders into the prompt (an environment's methods too)."""
@@ -30,24 +36,34 @@ class Toolbox:
         return [tool.schema for tool in table.values()] or None
 
     def turns(self, tokenizer, num_rows: int, environments=None) -> ToolTurns:
-        """The turn handler of one rollout of `num_rows` completions."""
+        """The turn handler of one rollout of `num_rows` completions: tool turns, or the environment's own
+        episodes where its factory has `episode_turns` (cohort_grpo/tools/episodes.py)."""
+        if self.plays_episodes and environments is not None:
+            return self.environment_factory.episode_turns(tokenizer, environments, self.template_kwargs)
         return ToolTurns(tokenizer, self.tools, environments=environments, max_iterations=self.max_iterations,
                          timeout_s=self.timeout_s, num_rows=num_rows, template_kwargs=self.template_kwargs)
 
     def save(self, folder: str | Path) -> list[str]:
         """tools.json beside the model, so `cohort-grpo chat` and `cohort-grpo eval` offer the same tools (by import
-        name); returns one warning line for each tool or environment that has no such name."""
+        name); returns one warning line for each tool or environment that has no such name. An environment
+        that plays episodes is no tool set and is not written: where the task made it, the task makes it again;
+        else one line says that a resumed run or an evaluation must be given it again."""
         specs = [tool_spec(t) for t in self.tools]
-        environment = tool_spec(self.environment_factory) if self.environment_factory is not None else None
+        offers_tools = self.environment_factory is not None and not self.plays_episodes
+        environment = tool_spec(self.environment_factory) if offers_tools else None
         path = Path(folder, TOOLS_FILE)
         path.write_text(json.dumps(
             {"tools": [s for s in specs if s], "environment": environment,
              "max_tool_calling_iterations": self.max_iterations}, indent=1) + "\n")
         lost = [(t, "tool") for t, s in zip(self.tools, specs) if s is None]
-        if self.environment_factory is not None and environment is None:
+        if offers_tools and environment is None:
             lost.append((self.environment_factory, "environment"))
-        return [f"warning: {what} {getattr(t, '__name__', t)!s} is not saved in {path}: `cohort-grpo chat` and `cohort "
-                f"eval` on this model will run without it; {unsaved_reason(t)}" for t, what in lost]
+        lines = [f"warning: {what} {getattr(t, '__name__', t)!s} is not saved in {path}: `cohort-grpo chat` and `cohort "
+                 f"eval` on this model will run without it; {unsaved_reason(t)}" for t, what in lost]
+        if self.plays_episodes and not self.environment_from_task:
+            lines.append(f"note: environment {type(self.environment_factory).__name__} plays episodes and is not saved "
+                         f"in {path}: a run that resumes, and an evaluation, must be given it again (environment_factory=)")
+        return lines
 
 
 def make_toolbox(tools, environment_factory, args, task) -> Toolbox | None:
@@ -61,6 +77,9 @@ def make_toolbox(tools, environment_factory, args, task) -> Toolbox | None:
     tools = resolve_tools(tools) if tools else []
     if environment_factory is None and args.environment:
         environment_factory = resolve_environment(args.environment)
+    from_task = environment_factory is None and getattr(task, "environment_factory", None) is not None
+    if from_task:  # a task whose environment speaks between turns
+        environment_factory = task.environment_factory
     if not tools and environment_factory is None:
         if args.max_tool_calling_iterations is not None:
             raise CohortError(f"max_tool_calling_iterations={args.max_tool_calling_iterations} but the run has no "
@@ -71,7 +90,7 @@ def make_toolbox(tools, environment_factory, args, task) -> Toolbox | None:
                           "(or None for no limit)")
     return Toolbox(tools=tools, environment_factory=environment_factory,
                    max_iterations=args.max_tool_calling_iterations, timeout_s=args.tool_timeout,
-                   template_kwargs=args.chat_template_kwargs)
+                   template_kwargs=args.chat_template_kwargs, environment_from_task=from_task)
 
 
 def read_tools_file(path: Path) -> dict:

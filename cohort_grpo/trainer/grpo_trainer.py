@@ -6,6 +6,7 @@
         π_old ← π_θ;  sample G completions per prompt from π_old    (cohort_grpo/rollout/)
         score each completion with the reward functions r_φ          (cohort_grpo/rewards/)
         A_i = (r_i − mean(group)) / (std(group) + eps)               (advantages.group_advantages)
+        with a teacher: A_t += c·(log π_teacher − log π_old) per token  (on-policy distillation, update/teacher.py)
         μ times: update π_θ on the clipped surrogate − β·KL          (cohort_grpo/update/, objectives.policy_loss)
         update r_φ by continuous training with replay                (learned reward models only)
 
@@ -51,7 +52,7 @@ from cohort_grpo.algorithm.advantages import group_advantages
 class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
                  processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
-                 tools=None, environment_factory=None, sampler_factory=None):
+                 tools=None, environment_factory=None, sampler_factory=None, teacher_model=None):
         # The raw values checked before anything loads, on a copy: the caller's config is never changed.
         self.args = args = (args or GRPOConfig()).validate()
         # A benchmark or test samples with its own engine through this; None: cohort_grpo.rollout.make_sampler.
@@ -63,7 +64,7 @@ class GRPOTrainer:
             # Tools the model may call while sampling (TRL's `tools` / `environment_factory`).
             self.toolbox = make_toolbox(tools, environment_factory, args, task)
             self.build(model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
-                       peft_config)
+                       peft_config, teacher_model)
         except BaseException:
             self.discard_unused_output_dir()
             raise
@@ -74,13 +75,14 @@ class GRPOTrainer:
         self.callback_handler.event("on_init_end")
 
     def build(self, model, reward_funcs, train_dataset, args, processing_class, eval_dataset, task, log,
-              peft_config) -> None:
+              peft_config, teacher_model=None) -> None:
         """The stages of the run, each given what it needs (cohort_grpo/run/assembly.py), kept here."""
         self.task = task
         parts = assemble_run(model, args, reward_funcs=reward_funcs, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, task=task,
                              toolbox=self.toolbox, peft_config=peft_config, sampler_factory=self.sampler_factory,
-                             next_prompts=self.next_prompts, log=log, stage_log=self.log_line)
+                             next_prompts=self.next_prompts, log=log, stage_log=self.log_line,
+                             teacher_model=teacher_model)
         self.args, self.parallel, self.device = parts.args, parts.parallel, parts.device
         self.model, self.tokenizer, self.pad_id = parts.model, parts.tokenizer, parts.pad_id
         self.eval_rows, self.prompts = parts.eval_rows, parts.prompts  # prompts.rows: the training rows in use
@@ -91,6 +93,7 @@ class GRPOTrainer:
         self.sampler, self.group_sampler, self.rollouts = parts.sampler, parts.group_sampler, parts.rollouts
         self.engine_copy = parts.engine_copy
         self.memory, self.policy_update = parts.memory, parts.policy_update
+        self.teacher = parts.teacher  # on-policy distillation's π_teacher (cohort_grpo/update/teacher.py), or None
         self.reference = ReferencePolicy(self.model, self.ref_model, self.uses_reference, self.memory.reference_pass,
                                          self.policy_update.logprobs)
         self.report, self.log = parts.report, parts.report.log
@@ -98,7 +101,8 @@ class GRPOTrainer:
             self.eval_rows, task, self.parallel, self.sampler, self.tokenizer,
             getattr(self.group_sampler, "encode_prompt", None), self.toolbox, self.sample, self.add_rewards,
             self.prompts.unchanged, max_new_tokens=self.args.max_completion_length,
-            prompts_per_call=self.args.prompts_per_step, group_size=self.args.num_generations, pad_id=self.pad_id)
+            prompts_per_call=self.args.prompts_per_step, group_size=self.args.num_generations, pad_id=self.pad_id,
+            images=getattr(self.group_sampler, "images", None))
         self.accuracy_before = self.accuracy_after = None
         self.seconds_before = 0.0  # training time of the attempts a resumed run continues
         if self.group_sampler is not None:  # every training row renders and fits, found before step 1
@@ -127,6 +131,7 @@ class GRPOTrainer:
                     batch = self.refill_uninformative(batch)  # DAPO dynamic sampling (off by default)
                     batch.old_logp, batch.ref_logp = self.reference_logprobs(batch)  # log π_old (μ > 1), log π_ref (β > 0)
                     batch.advantages = self.estimate_advantages(batch)  # A_i = (r_i − mean) / (std + eps)
+                    batch.advantages, batch.teacher_metrics = self.distil(batch)  # A_t += c·(log π_teacher − log π_old)
                     losses = [self.update(batch) for _ in range(args.num_iterations)]  # μ policy updates
                     self.update_reward_models(batch)  # r_φ: continuous training with replay (learned r_φ only)
                     self.end_step(run, batch, losses)  # rollouts.after_update, the record, evaluation, checkpoint
@@ -220,6 +225,14 @@ class GRPOTrainer:
         of its group's mean and std and gets 0, as in TRL 1.16."""
         scored = None if batch.per_function is None else ~torch.isnan(batch.per_function).all(dim=1)
         return group_advantages(batch.rewards, self.args.num_generations, self.args.scale_rewards, scored=scored)
+
+    def distil(self, batch: Batch) -> tuple[torch.Tensor, dict | None]:
+        """On-policy distillation (teacher_model): the advantages with each sampled token's
+        c·(log π_teacher − log π_old) added, [B, T], and the distillation/* metrics; as they were without a teacher."""
+        if self.teacher is None:
+            return batch.advantages, None
+        with self.report.phase("logprobs"):
+            return self.teacher(batch)
 
     def update(self, batch: Batch) -> dict:
         """One policy update (μ of these per rollout); its statistics."""

@@ -264,10 +264,11 @@ def supports_hidden(model) -> bool:
 
 def takes_attention_rows(model) -> bool:
     """Whether `model` runs the shared-prompt layout (one flat row of a prompt and its completions, attention rows
-    saying what each token sees): `supports_hidden`, and no layer whose recurrent state would run through the other
-    completions' tokens (linear attention)."""
+    saying what each token sees): `supports_hidden`, no layer whose recurrent state would run through the other
+    completions' tokens (linear attention), and no images (a vision-language model's do not travel in the rows yet)."""
     inner = getattr(model, "module", model)
-    return supports_hidden(model) and not getattr(inner, "keeps_recurrent_state", False)
+    return (supports_hidden(model) and not getattr(inner, "keeps_recurrent_state", False)
+            and not getattr(inner, "takes_images", False))
 
 
 def forward_hidden(model, micro: MicroBatch) -> Tensor:
@@ -275,7 +276,8 @@ def forward_hidden(model, micro: MicroBatch) -> Tensor:
     any model whose forward takes `return_hidden` in the one-row-per-completion layout."""
     routing = {} if micro.routing is None else {"routing": micro.routing}  # a MoE model's replay (models/moe.py)
     if micro.attention_rows is None:
-        return model(micro.input_ids, return_hidden=True, **routing)
+        images = {} if micro.images is None else {"images": micro.images}  # a vision-language model's
+        return model(micro.input_ids, return_hidden=True, **routing, **images)
     return model(micro.input_ids, position_ids=micro.position_ids, attention_rows=micro.attention_rows,
                  attention_slots=micro.attention_slots, return_hidden=True, **routing)
 
@@ -325,7 +327,8 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
 def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, *,
                      pad_id: int, max_rows: int, max_tokens: int = 0, temperature: float = 1.0,
                      layout: Layout = PADDED, routes: Tensor | None = None, replay: bool = True,
-                     agree: Callable[[int], int] | None = None, truncation: Truncation | None = None) -> Tensor:
+                     agree: Callable[[int], int] | None = None, truncation: Truncation | None = None,
+                     images: list | None = None) -> Tensor:
     """[B, T] float32 log-probs of a whole rollout's completions, no gradient (log π_old, log π_ref):
     length-bucketed micro-batches under inference mode, scattered back to rollout order on the
     model's device and copied to the CPU once, at the end (one host sync per pass), laid out and planned as
@@ -333,7 +336,7 @@ def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor,
     mixture-of-experts rollout's recorded experts, routed by with `replay` (packing.pack). `agree`: given the
     number of micro-batches this rank planned, how many forwards to run (as many as the other FSDP2 ranks run;
     the extra ones discarded, `packing.filler_micro_batches`). `truncation`: the sampler's top-k / top-p / min-p, whose
-distribution the log-probs are of."""
+distribution the log-probs are of. `images`: each row's prompt images, for a vision-language model."""
     device = next(model.parameters()).device
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
     plans = layout.plan(prompt_ids, completion_mask, max_rows, max_tokens)
@@ -342,7 +345,7 @@ distribution the log-probs are of."""
         forwards = agree(len(plans)) if agree is not None else len(plans)
         for i, rows in enumerate(plans + filler_micro_batches(plans, forwards)):
             micro = pack(prompt_ids, completion_ids, completion_mask, rows, pad_id, layout,
-                         routes=routes, replay=replay).to(device)
+                         routes=routes, replay=replay, images=images).to(device)
             logp = micro_batch_logprobs(model, micro, temperature=temperature, truncation=truncation).logp
             if i < len(plans):
                 full[micro.row_index, : logp.shape[1]] = logp

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cohort_grpo.errors import CohortError
 from cohort_grpo.models.moe import Routing
 from cohort_grpo.rollout.batch import to_device
 from cohort_grpo.rollout.layout import PADDED, Layout, prompt_groups
@@ -54,6 +55,8 @@ class MicroBatch:
     # a mixture-of-experts rollout's recorded experts, laid out as input_ids ([r, L, MoE layers, k] in
     # `routing.recorded`), and what the forward reports about its routing
     routing: Routing | None = None
+    # a vision-language rollout's prompt images, one per input row (models/vision_language.py; padded layout only)
+    images: list | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +70,7 @@ class MicroBatch:
         return MicroBatch(self.rows, *(None if t is None else to_device(t, device) for t in (
             self.input_ids, self.completion_ids, self.completion_mask, self.row_index, self.token_rows,
             self.token_cols, self.source_rows, self.source_cols, self.position_ids, self.attention_rows,
-            self.attention_slots)), None if self.routing is None else self.routing.to(device))
+            self.attention_slots)), None if self.routing is None else self.routing.to(device), self.images)
 
 
 # ---- planning ----------------------------------------------------------------------------------
@@ -163,12 +166,18 @@ def pack_shared_prompts(prompt_ids: list[list[int]], completion_ids: Tensor, com
 
 def pack(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor, rows: list[int],
          pad_id: int, layout: Layout = PADDED, routes: Tensor | None = None, replay: bool = True,
-         keep_router: bool = False) -> MicroBatch:
+         keep_router: bool = False, images: list | None = None) -> MicroBatch:
     """Rows `rows` as `layout` lays them out: `pack_shared_prompts` or `pack_micro_batch`; with `routes`
     (`Rollout.routed_experts`, [B, S, layers, k] by row and position) the micro-batch's `routing` holds them in
-    the same layout as its input_ids, to route by (`replay`) or compare with."""
+    the same layout as its input_ids, to route by (`replay`) or compare with. `images`: each rollout row's prompt
+    images (a vision-language model's), given to the forward with its rows."""
+    if images is not None and layout.shared:
+        raise CohortError("shared-prompt packing does not carry images yet: a vision-language run uses one padded "
+                          "row per completion (--padding_free false)")
     packer = pack_shared_prompts if layout.shared else pack_micro_batch
     micro = packer(prompt_ids, completion_ids, completion_mask, rows, pad_id)
+    if images is not None:
+        micro.images = [images[row] for row in rows]
     if routes is not None or keep_router:
         micro.routing = Routing(None if routes is None else routes_like_inputs(micro, routes), replay, keep_router)
     return micro

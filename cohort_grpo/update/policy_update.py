@@ -215,7 +215,7 @@ class PolicyUpdate:
         """Rows `rows` packed for one forward (each prompt once, or one padded row per completion), on the
         training device."""
         return pack(batch.prompt_ids, batch.rollout.completion_ids, batch.rollout.completion_mask, rows, self.pad_id,
-                    self.layout, **self.routing_options(batch, train=True)).to(self.device)
+                    self.layout, **self.routing_options(batch, train=True), images=batch.images).to(self.device)
 
     def routing_options(self, batch: Batch, train: bool) -> dict:
         """`pack`'s routing options for a mixture-of-experts model: the sampler's routes (to replay, or only to
@@ -225,18 +225,21 @@ class PolicyUpdate:
         options = {"routes": batch.rollout.routed_experts, "replay": self.args.routing_replay}
         return {**options, "keep_router": self.args.router_aux_loss_coef > 0} if train else options
 
-    def logprobs(self, model, batch: Batch) -> torch.Tensor:
+    def logprobs(self, model, batch: Batch, layout: Layout | None = None) -> torch.Tensor:
         """[B, T] log-probs of the rollout under `model`, in inference mode (log π_old, log π_ref), with
-        the memory manager's no-grad micro-batch sizes and its out-of-memory retry."""
+        the memory manager's no-grad micro-batch sizes and its out-of-memory retry. `layout`: another model's
+        (a teacher that is not the policy: its own layout, and no routes of the policy's experts replayed)."""
+        routing = self.routing_options(batch, train=False) if layout is None else {}
+
         def attempt() -> torch.Tensor:
             model.eval()
             rows, tokens = self.memory.no_grad_sizes()
             return rollout_logprobs(model, batch.prompt_ids, batch.rollout.completion_ids,
                                     batch.rollout.completion_mask, pad_id=self.pad_id, max_rows=rows,
                                     max_tokens=tokens, temperature=self.args.temperature or 1.0,
-                                    truncation=Truncation.of(self.args), layout=self.layout,
-                                    agree=lambda planned: self.agreed_forwards(model, planned),
-                                    **self.routing_options(batch, train=False))
+                                    truncation=Truncation.of(self.args), layout=layout or self.layout,
+                                    agree=lambda planned: self.agreed_forwards(model, planned), **routing,
+                                    images=batch.images)
         return self.memory.run(attempt)
 
 

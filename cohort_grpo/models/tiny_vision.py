@@ -1,0 +1,102 @@
+"""A tiny random Qwen-VL (Qwen2.5-VL by default) and its processor, built with no download (tests, the vision task).
+
+The processor is transformers' own `Qwen2_5_VLProcessor`: its image processor resizes an image to a few patches, and
+its tokenizer is cohort's character tokenizer (models/tiny.py) with Qwen-VL's vision tags as single tokens and a chat
+template that renders a `{"type": "image"}` part as `<|vision_start|><|image_pad|><|vision_end|>` (the processor
+expands the pad to one token per merged patch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cohort_grpo.models.tiny import CHARS, build_tokenizer
+
+TINY_VISION_MODEL = "cohort:tiny-vision"  # built in memory on each use: random weights, nothing to cache
+VISION_TAGS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# A user turn renders its parts in order, then a newline; an assistant turn its text and EOS. The assistant turn
+# needs no opening text, so add_generation_prompt adds nothing.
+TINY_VISION_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{%- for part in message.content %}"
+    "{%- if part.type == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{%- if message.role == 'assistant' %}{{- eos_token }}{%- else %}{{- '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+)
+PATCH = 14  # Qwen2(.5)-VL's patch side (Qwen3-VL's is 16); 2 × 2 patches merge into one image token
+PATCHES = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16}
+
+
+def build_vision_processor(chars=CHARS, patch: int = PATCH):
+    """`Qwen2_5_VLProcessor` over the character tokenizer of `chars` plus the vision tags, images only, each image
+    resized to between 2 × 2 and 4 × 4 merged tokens of `patch`-pixel patches (a few tokens, on a CPU)."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+
+    class ImageOnlyProcessor(Qwen2_5_VLProcessor):
+        """No video processor (transformers' needs torchvision, which images do not): its sub-processors, which
+        transformers reads from this signature, are the image processor and the tokenizer."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    tokenizer = build_tokenizer(chars, tags=["<answer>", "</answer>", *VISION_TAGS])
+    tokenizer.chat_template = TINY_VISION_TEMPLATE
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=(4 * patch) ** 2, max_pixels=(8 * patch) ** 2,
+                                            patch_size=patch, merge_size=2, temporal_patch_size=2)
+    return ImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                               chat_template=TINY_VISION_TEMPLATE)
+
+
+def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2,
+                       family: str = "qwen2_5_vl"):
+    """A random Qwen-VL `...ForConditionalGeneration` of `family` (a key of PATCHES; its processor's patch side is
+    PATCHES[family]) for `tokenizer` (its vision tags' ids), float32."""
+    import transformers
+
+    ids = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in VISION_TAGS}
+    heads = 4
+    text = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=2, vocab_size=len(tokenizer),
+                max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=None,
+                rope_scaling={"type": "mrope", "mrope_section": mrope_sections(hidden_size // heads)})
+    vision = dict(depth=2, num_heads=2, patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_5_vl":
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size, window_size=4 * PATCH,
+                      fullatt_block_indexes=[1])
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    elif family == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=hidden_size, mlp_ratio=2)
+        config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    elif family == "qwen3_vl":  # interleaved multimodal rotary sections, deepstack features into decoder layer 0
+        text.pop("rope_scaling")
+        text.update(head_dim=hidden_size // heads, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+            "mrope_section": mrope_sections(hidden_size // heads)})
+        vision.update(patch_size=PATCHES[family], hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])
+        config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+    else:
+        raise ValueError(f"family={family!r}: one of {sorted(PATCHES)}")
+    config = config_class(
+        text_config=text, vision_config=vision,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def mrope_sections(head_dim: int) -> list[int]:
+    """The rotary frequency pairs of a head split over (time, height, width), as Qwen2.5-VL's 16/24/24 of 64."""
+    pairs = head_dim // 2
+    time = pairs // 4
+    height = (pairs - time) // 2
+    return [time, height, pairs - time - height]

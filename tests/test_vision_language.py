@@ -1,0 +1,225 @@
+"""Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL, Qwen2-VL and Qwen3-VL
+and their processor, built here with no download (float32, CPU), checked against transformers itself: the logits of
+its own forward with the same images, the tokens of its own greedy `generate`, the teacher-forced log-probs of the
+engine's samples."""
+
+import copy
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from cohort_grpo.errors import CohortError
+from cohort_grpo.models.cache import KVCache
+from cohort_grpo.models.tiny_vision import PATCHES, build_vision_model, build_vision_processor
+from cohort_grpo.models.vision_language import ImageInputs, VisionLanguageModel
+from cohort_grpo.rollout.engine import Engine
+from cohort_grpo.rollout.sampler import SamplingParams
+
+pytestmark = pytest.mark.cpu("float32 tolerances of CPU forwards")
+
+# (height, width, seed) of each prompt's random image, and its question; two prompts share a size (the same image
+# tokens) and their question, so only their images tell them apart.
+IMAGES = [(60, 90, 0), (56, 56, 1), (56, 56, 2), (100, 40, 3)]
+QUESTIONS = ["how many? ", "what colour? ", "what colour? ", "count: "]
+
+
+def random_image(height, width, seed):
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3)).astype("uint8")
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module", params=sorted(PATCHES))
+def vision(request):
+    processor = build_vision_processor(patch=PATCHES[request.param])
+    reference = build_vision_model(processor.tokenizer, family=request.param).eval()
+    model = VisionLanguageModel.wrap(copy.deepcopy(reference)).eval()
+    prompts = []
+    for (height, width, seed), question in zip(IMAGES, QUESTIONS):
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(processor(text=[text], images=[random_image(height, width, seed)], return_tensors="pt"))
+    return processor, reference, model, prompts
+
+
+def image_inputs(encoded) -> ImageInputs:
+    return ImageInputs(encoded["pixel_values"], encoded["image_grid_thw"])
+
+
+def test_logits_equal_transformers_forward(vision):
+    """A prompt with its image through the wrapper (no cache, and prefilled into a cache) equals transformers'
+    forward with the same pixels; a decode step over the cache equals the full forward's next position."""
+    _, reference, model, prompts = vision
+    for encoded in prompts:
+        ids = encoded["input_ids"]
+        with torch.no_grad():
+            expected = reference(**encoded).logits
+            assert (model(ids, images=[image_inputs(encoded)]) - expected).abs().max() < 1e-4
+            cache = KVCache.for_model(model, 1, 64)
+            positions = torch.arange(ids.shape[1])[None]
+            prefilled = model(ids[:, :-1], positions[:, :-1], kv_cache=cache, images=[image_inputs(encoded)],
+                              cache_len=ids.shape[1] - 1)
+            assert (prefilled - expected[:, :-1]).abs().max() < 1e-4
+            step = model(ids[:, -1:], positions[:, -1:], kv_cache=cache, cache_len=ids.shape[1])
+            assert (step[:, 0] - expected[:, -1]).abs().max() < 1e-4
+
+
+def test_engine_greedy_tokens_equal_generate(vision):
+    """Continuous batching (more prompts than rows, compaction): each prompt's greedy completion in the engine is
+    transformers' `generate`'s with the same image, including the two prompts whose tokens are the same."""
+    processor, reference, model, prompts = vision
+    assert prompts[1]["input_ids"].tolist() == prompts[2]["input_ids"].tolist()
+    new_tokens = 12
+    pad = processor.tokenizer.pad_token_id
+    rollout = Engine(model, max_batch_size=3, check_interval=4).generate(
+        [p["input_ids"][0].tolist() for p in prompts], 1,
+        SamplingParams(max_new_tokens=new_tokens, temperature=0.0, pad_token_id=pad),
+        images=[image_inputs(p) for p in prompts])
+    generated = []
+    for row, encoded in enumerate(prompts):
+        with torch.no_grad():
+            out = reference.generate(**encoded, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                     do_sample=False)
+        expected = out[0, encoded["input_ids"].shape[1]:].tolist()
+        assert rollout.completion_ids[row].tolist() == expected, row
+        generated.append(expected)
+    assert generated[1] != generated[2]  # the images, not the tokens, made them differ
+
+
+def test_group_shares_one_prefill_and_logprobs_are_teacher_forced(vision):
+    """G completions of a prompt share its prefill (the vision tower runs once per prompt), and their sampled
+    log-probs equal transformers' teacher-forced forward over prompt + completion with the image."""
+    processor, reference, model, prompts = vision
+    calls = []
+    hook = model.vision_tower.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        engine = Engine(model, max_batch_size=8, check_interval=3)
+        rollout = engine.generate([p["input_ids"][0].tolist() for p in prompts[:2]], 3,
+                                  SamplingParams(max_new_tokens=6, temperature=1.0, seed=5,
+                                                 pad_token_id=processor.tokenizer.pad_token_id),
+                                  images=[image_inputs(p) for p in prompts[:2]])
+    finally:
+        hook.remove()
+    assert len(calls) == 2 and engine.stats["prefill_shared_rows"] == 4
+    worst = 0.0
+    for row in range(6):
+        encoded = dict(prompts[row // 3])
+        prompt_length = encoded["input_ids"].shape[1]
+        completion = rollout.completion_ids[row]
+        encoded["input_ids"] = torch.cat([encoded["input_ids"], completion[None]], dim=1)
+        encoded["attention_mask"] = torch.ones_like(encoded["input_ids"])
+        encoded["mm_token_type_ids"] = torch.cat([encoded["mm_token_type_ids"], torch.zeros_like(completion)[None]], 1)
+        with torch.no_grad():
+            logits = reference(**encoded).logits[0, prompt_length - 1: -1]
+        logp = torch.log_softmax(logits, dim=-1).gather(1, completion[:, None])[:, 0]
+        worst = max(worst, float((logp - rollout.logprobs[row]).abs().max()))
+    assert worst < 1e-4
+
+
+def test_refusals_name_what_is_not_supported(vision):
+    """Images with tool turns, images for a text model, a prompt short of image tokens, and other vision-language
+    families are one-line errors that say what to do."""
+    processor, _, model, prompts = vision
+    ids = prompts[0]["input_ids"]
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, pad_token_id=0)
+    with pytest.raises(CohortError, match="tool turns with images"):
+        Engine(model).generate([ids[0].tolist()], 1, params, turns=object(), images=[image_inputs(prompts[0])])
+    with pytest.raises(CohortError, match="image tokens where its images fill"):
+        model(ids[:, 4:], images=[image_inputs(prompts[0])])
+    other = SimpleNamespace(config=SimpleNamespace(model_type="gemma3", vision_config={}))
+    with pytest.raises(CohortError, match="gemma3 is a vision-language family cohort does not serve yet"):
+        VisionLanguageModel.wrap(other)
+
+
+def test_update_logprobs_equal_transformers_with_the_images(vision):
+    """The update's log-probs (one padded row per completion, the images given with their rows) equal transformers'
+    teacher-forced forward with the same pixels; the vision tower runs once per distinct prompt in a forward; with the
+    tower frozen its weights get no gradient while the language tower's do."""
+    from cohort_grpo.rollout.layout import PADDED, Layout
+    from cohort_grpo.update.logprobs import rollout_logprobs
+
+    processor, reference, model, prompts = vision
+    torch.manual_seed(4)
+    chosen = [prompts[0], prompts[0], prompts[3], prompts[3]]
+    images = [image_inputs(prompts[0])] * 2 + [image_inputs(prompts[3])] * 2
+    completions = torch.randint(5, 60, (4, 5))
+    mask = torch.ones_like(completions)
+    mask[1, 3:] = 0
+    prompt_ids = [p["input_ids"][0].tolist() for p in chosen]
+    calls = []
+    hook = model.vision_tower.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        logp = rollout_logprobs(model, prompt_ids, completions, mask, pad_id=0, max_rows=4, layout=PADDED,
+                                images=images)
+    finally:
+        hook.remove()
+    assert len(calls) == 2
+    for row, encoded in enumerate(chosen):
+        ids = torch.cat([encoded["input_ids"], completions[row: row + 1]], dim=1)
+        types = torch.cat([encoded["mm_token_type_ids"], torch.zeros_like(completions[row: row + 1])], dim=1)
+        with torch.no_grad():
+            logits = reference(input_ids=ids, pixel_values=encoded["pixel_values"], mm_token_type_ids=types,
+                               image_grid_thw=encoded["image_grid_thw"]).logits[0, len(prompt_ids[row]) - 1: -1]
+        expected = torch.log_softmax(logits, -1).gather(1, completions[row][:, None])[:, 0] * mask[row]
+        assert (logp[row] - expected).abs().max() < 1e-4
+    with pytest.raises(CohortError, match="shared-prompt packing does not carry images"):
+        rollout_logprobs(model, prompt_ids, completions, mask, pad_id=0, max_rows=4,
+                         layout=Layout(shared=True, group=2), images=images)
+    trained = copy.deepcopy(model)
+    trained.freeze_vision_tower()
+    ids = torch.cat([chosen[0]["input_ids"], completions[:1]], dim=1)
+    trained(ids, images=[image_inputs(chosen[0])]).logsumexp(-1).sum().backward()
+    assert all(p.grad is None for p in trained.vision_tower.parameters())
+    assert trained.transformers_model.lm_head.weight.grad is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: decode steps as captured CUDA graphs")
+def test_cuda_graph_decode_reads_each_rows_rope_delta(vision):
+    """On a GPU the decode steps are captured CUDA graphs (checked against an eager step) that read each row's rope
+    delta from the cache: the greedy tokens stay transformers' own, prompt by prompt, with continuous batching."""
+    processor, reference, model, prompts = vision
+    reference, model = copy.deepcopy(reference).cuda(), copy.deepcopy(model).cuda()
+    new_tokens = 12
+    engine = Engine(model, max_batch_size=2, check_interval=4, verify_graphs=True)
+    rollout = engine.generate([p["input_ids"][0].tolist() for p in prompts], 1,
+                              SamplingParams(max_new_tokens=new_tokens, temperature=0.0,
+                                             pad_token_id=processor.tokenizer.pad_token_id),
+                              images=[image_inputs(p).to("cuda") for p in prompts])
+    for row, encoded in enumerate(prompts):
+        with torch.no_grad():
+            out = reference.generate(**{k: v.cuda() for k, v in encoded.items()}, max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False)
+        assert rollout.completion_ids[row].tolist() == out[0, encoded["input_ids"].shape[1]:].tolist(), row
+
+
+def test_a_frozen_tower_runs_once_per_prompt_across_sampling_and_the_update(vision):
+    """With the vision tower frozen, a prompt's image features are computed at its prefill and kept with its images:
+    the log-prob pass after sampling reuses them (same log-probs as a fresh computation); a trainable tower
+    computes them afresh in every forward."""
+    from cohort_grpo.update.logprobs import rollout_logprobs
+
+    processor, _, model, prompts = vision
+    frozen = copy.deepcopy(model)
+    frozen.freeze_vision_tower()
+    calls = []
+    hook = frozen.vision_tower.register_forward_hook(lambda *args: calls.append(1))
+    images = [image_inputs(p) for p in prompts[:2]]
+    ids = [p["input_ids"][0].tolist() for p in prompts[:2]]
+    try:
+        rollout = Engine(frozen, max_batch_size=4).generate(
+            ids, 2, SamplingParams(max_new_tokens=5, temperature=1.0, seed=1,
+                                   pad_token_id=processor.tokenizer.pad_token_id), images=images)
+        rows = [i for i in images for _ in range(2)]
+        reused = rollout_logprobs(frozen, [p for p in ids for _ in range(2)], rollout.completion_ids,
+                                  rollout.completion_mask, pad_id=0, max_rows=4, images=rows)
+    finally:
+        hook.remove()
+    assert len(calls) == 2
+    fresh = rollout_logprobs(model, [p for p in ids for _ in range(2)], rollout.completion_ids,
+                             rollout.completion_mask, pad_id=0, max_rows=4,
+                             images=[image_inputs(p) for p in prompts[:2] for _ in range(2)])
+    assert (reused - fresh).abs().max() < 1e-5
+    assert (reused - rollout.logprobs).abs().max() < 1e-4
