@@ -145,3 +145,30 @@ QWEN_STYLE_TEMPLATE = (
     "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+
+# ---- a tiny chat model that ends its turns early (environments' tests) ------------------------------------------
+
+def save_chat_tiny(path, first_message: str) -> str:
+    """The built-in tiny model with the tools chat template, saved to `path`, its end-of-turn embedding pointed at
+    the mean hidden state of `first_message` so that turns end early. Returns the folder."""
+    from cohort_grpo.models.tiny import TINY_TOOLS_TEMPLATE, build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = TINY_TOOLS_TEMPLATE
+    model = build_model(tokenizer, seed=0)
+    with torch.no_grad():
+        ids = torch.tensor([tokenizer(first_message)["input_ids"]])
+        hidden = model.model(ids).last_hidden_state[0].mean(0)
+        model.model.embed_tokens.weight[tokenizer.eos_token_id] = 3.0 * hidden / hidden.norm()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def episode_config(tmp_path, **overrides) -> GRPOConfig:
+    """Three short CPU steps of 2 prompts × 2 completions (environments' tests)."""
+    return GRPOConfig(**dict(num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                             max_completion_length=24, max_prompt_length=32, output_dir=str(tmp_path), quiet=True,
+                             seed=0, device="cpu", eval_limit=0, logging_steps=1, save_steps=0, max_steps=3,
+                             learning_rate=1e-4), **overrides)

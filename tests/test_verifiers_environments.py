@@ -12,7 +12,7 @@ import torch
 
 from cohort_grpo import GRPOConfig, GRPOTrainer
 from cohort_grpo.errors import CohortError
-from cohort_grpo.models.tiny import TINY_TOOLS_TEMPLATE, build_model, build_tokenizer
+from helpers import episode_config, save_chat_tiny
 
 torch.set_num_threads(1)
 
@@ -72,24 +72,10 @@ class Recorded(VerifiersEnvironment):
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
     """The tiny model with a chat template, its end-of-turn token made likely (so turns end early)."""
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = TINY_TOOLS_TEMPLATE
-    model = build_model(tokenizer, seed=0)
-    with torch.no_grad():
-        ids = torch.tensor([tokenizer("add\n1+2\n")["input_ids"]])
-        hidden = model.model(ids).last_hidden_state[0].mean(0)
-        model.model.embed_tokens.weight[tokenizer.eos_token_id] = 3.0 * hidden / hidden.norm()
-    path = tmp_path_factory.mktemp("chat-tiny")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_chat_tiny(tmp_path_factory.mktemp("chat-tiny"), "add\n1+2\n")
 
 
-def config(tmp_path, **overrides):
-    return GRPOConfig(**dict(num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                             max_completion_length=24, max_prompt_length=32, output_dir=str(tmp_path), quiet=True,
-                             seed=0, device="cpu", eval_limit=0, logging_steps=1, save_steps=0, max_steps=3,
-                             learning_rate=1e-4), **overrides)
+config = episode_config
 
 
 def trainer_for(env, chat_dir, tmp_path):
