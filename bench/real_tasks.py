@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts_per_step", type=int, default=16)
     p.add_argument("--num_generations", type=int, default=8)
     p.add_argument("--max_completion_length", type=int, default=256)
-    p.add_argument("--learning_rate", type=float, default=5e-6)
+    p.add_argument("--learning_rate", type=float, default=1e-5)
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--max_steps", type=int, default=1000, help="GRPO steps at most (the time bound usually ends it)")
     p.add_argument("--time_budget", type=float, default=360.0, help="GRPO seconds at most per arm (≤ 900)")
@@ -71,10 +71,11 @@ def parse_args(argv=None):
     p.add_argument("--sft_until", type=float, default=0.5, help="warm start until this sampled format rate")
     p.add_argument("--sft_round", type=int, default=10, help="SFT steps per warm-start round")
     p.add_argument("--sft_max_steps", type=int, default=60, help="warm-start steps at most")
-    p.add_argument("--sft_learning_rate", type=float, default=1e-5)
+    p.add_argument("--sft_learning_rate", type=float, default=2e-5)
     p.add_argument("--sft_batch_size", type=int, default=16)
     p.add_argument("--eval_batch_size", type=int, default=256)
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", help="float32 (samples and training agree), bfloat16 or auto")
     p.add_argument("--cpu_threads", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="CPU, the built-in tiny model, tiny sizes: checks the script")
@@ -162,9 +163,9 @@ def make_trainer(name: str, args, out: Path, max_steps: int, callbacks=()):
         gradient_accumulation_steps=max(1, generations // 64), max_steps=max_steps,
         max_completion_length=args.max_completion_length, max_prompt_length=96 if tiny else 512,
         long_prompts="truncate_left" if tiny else "refuse", learning_rate=args.learning_rate, beta=args.beta,
-        temperature=1.0, seed=args.seed, device=args.device, cpu_threads=args.cpu_threads, output_dir=str(out),
-        logging_steps=1, log_completions_steps=10, eval_steps=args.eval_steps, eval_limit=len(held_out),
-        save_strategy="no", quiet=True, overwrite_output_dir=True)
+        temperature=1.0, seed=args.seed, device=args.device, dtype=args.dtype, cpu_threads=args.cpu_threads,
+        output_dir=str(out), logging_steps=1, log_completions_steps=10, eval_steps=args.eval_steps,
+        eval_limit=len(held_out), save_strategy="no", quiet=True, overwrite_output_dir=True)
     trainer = GRPOTrainer(model_path(args), None, train, args=config, eval_dataset=held_out, task=task,
                           log=lambda *a: print(*a, flush=True), callbacks=list(callbacks))
     return trainer, task, train, held_out
@@ -189,7 +190,8 @@ def sampled_format_rate(trainer, task, train, args) -> float:
 
     rows = train[: max(2, args.format_probe)]
     tokenizer = trainer.tokenizer
-    rollout = trainer.sampler.generate([trainer.group_sampler.encode_prompt(r["prompt"]) for r in rows], 1, SamplingParams(
+    prompts = [trainer.group_sampler.encode_prompt(r["prompt"]) for r in rows]
+    rollout = trainer.sampler.generate(prompts, 1, SamplingParams(
         max_new_tokens=args.max_completion_length, temperature=1.0, eos_token_ids=[tokenizer.eos_token_id],
         pad_token_id=trainer.pad_id, seed=args.seed))
     texts = [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
@@ -269,9 +271,11 @@ def probe(args) -> list[dict]:
           f"in {100 * WINDOW[0]:.0f}–{100 * WINDOW[1]:.0f}% |\n| --- | --- | --- | --- | --- | --- |")
     for r in found:
         print(f"| {r['task']} | {r['n']} | {r['format_base']:.2f} → {r['format_sampled']:.2f} ({r['sft_steps']}) | "
-              f"{accuracy_cell(r['start'], r['n'])} | {100 * r['start_format']:.0f}% | {'yes' if r['in_window'] else 'no'} |")
+              f"{accuracy_cell(r['start'], r['n'])} | {100 * r['start_format']:.0f}% | "
+              f"{'yes' if r['in_window'] else 'no'} |")
     chosen = [r["task"] for r in found if r["in_window"]]
-    print(f"\nin the window: {','.join(chosen) or 'none'}  ({device_name(args)}, {datetime.date.today()}; {args.command})")
+    print(f"\nin the window: {','.join(chosen) or 'none'}  ({device_name(args)}, {datetime.date.today()}; "
+          f"{args.command})")
     return found
 
 
@@ -296,7 +300,8 @@ def run_arm(name: str, arm: str, args) -> dict:
         "model": Path(model_path(args) or "builtin tiny").name, "n": len(rows), "train_rows": len(train),
         "before": before, "start": trainer.accuracy_before, "after": trainer.accuracy_after,
         "sft_steps": sft_steps, "format_base": rates[0], "format_warm": rates[1], "grpo_steps": len(history),
-        "grpo_seconds": round(sum(step_seconds), 1), "seconds_per_step": round(sum(step_seconds) / max(1, len(step_seconds)), 2),
+        "grpo_seconds": round(sum(step_seconds), 1),
+        "seconds_per_step": round(sum(step_seconds) / max(1, len(step_seconds)), 2),
         "stop": watch.stop_reason or f"max_steps {args.max_steps}",
         "curve": [{k: e.get(k) for k in ("step", "eval/accuracy", "eval/format_rate")} for e in watch.evaluations],
         "threads": torch_threads(), "total_seconds": round(time.perf_counter() - started), "command": args.command,
@@ -330,7 +335,8 @@ def arms_of(name: str, args) -> list[str]:
 
 
 def run(args) -> list[dict]:
-    results = [run_arm(name.strip(), arm, args) for name in args.tasks.split(",") for arm in arms_of(name.strip(), args)]
+    names = [name.strip() for name in args.tasks.split(",")]
+    results = [run_arm(name, arm, args) for name in names for arm in arms_of(name, args)]
     print("\n" + table(results))
     return results
 

@@ -43,7 +43,8 @@ def fetch_wheels(folder: Path) -> list[Path]:
 
 def python312() -> str:
     """A Python 3.12 interpreter that runs (a pyenv shim of a version not selected does not)."""
-    candidates = [shutil.which("python3.12"), *map(str, sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12")))]
+    pyenv = sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))
+    candidates = [shutil.which("python3.12"), *map(str, pyenv)]
     for candidate in filter(None, candidates):
         if subprocess.run([candidate, "-c", "import sys"], capture_output=True).returncode == 0:
             return candidate

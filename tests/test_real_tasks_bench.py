@@ -51,7 +51,8 @@ def test_smoke_trains_each_arm_and_reports_what_its_run_logged(smoke):
         evaluations = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                        if "eval/accuracy" in line]
         # the trainer's own held-out evaluations before the first step and after the last
-        assert result["start"] == evaluations[0]["eval/accuracy"] and result["after"] == evaluations[-1]["eval/accuracy"]
+        assert result["start"] == evaluations[0]["eval/accuracy"]
+        assert result["after"] == evaluations[-1]["eval/accuracy"]
         assert result["grpo_steps"] == 2 and result["n"] == 4 and (run / "report" / "index.html").is_file()
         assert result["sft_steps"] == (1 if result["arm"] == "sft" else 0)
         if result["arm"] == "plain":
