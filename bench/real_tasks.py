@@ -28,6 +28,7 @@ import os
 import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--sft_learning_rate", type=float, default=2e-5)
     p.add_argument("--sft_batch_size", type=int, default=16)
     p.add_argument("--eval_batch_size", type=int, default=256)
+    p.add_argument("--skip_base", action="store_true", help="arm sft: no held-out evaluation of the base model")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="float32", help="float32 (samples and training agree), bfloat16 or auto")
     p.add_argument("--cpu_threads", default="auto")
@@ -96,8 +98,9 @@ def laptop_defaults(args, argv) -> None:
     """Point 5's sizes on 2 CPU cores, for the options not given on the command line."""
     given = {a.split("=")[0][2:] for a in argv if a.startswith("--")}
     sizes = dict(device="cpu", eval_limit=48, eval_steps=0, train_size=400, prompts_per_step=4, num_generations=4,
-                 max_completion_length=64, max_steps=10, time_budget=1200.0, format_probe=16, sft_round=10,
-                 sft_max_steps=40, sft_batch_size=8, eval_batch_size=48, arms="sft")
+                 max_completion_length=64, max_steps=6, time_budget=1200.0, format_probe=16, sft_round=5,
+                 sft_max_steps=40, sft_batch_size=8, sft_learning_rate=4e-5, eval_batch_size=48, arms="sft",
+                 skip_base=True)
     for name, value in sizes.items():
         if name not in given:
             setattr(args, name, value)
@@ -184,6 +187,13 @@ def held_out(trainer, task, rows, args, label: str):
     return result
 
 
+def constant_answer_share(rows) -> float:
+    """The held-out accuracy of always giving the commonest reference answer: a start at this share may be
+    a model that answers one thing to every question (SFT on the training answers teaches their bias)."""
+    counts = Counter(str(r["solution"]).strip() for r in rows)
+    return max(counts.values()) / len(rows)
+
+
 def sampled_format_rate(trainer, task, train, args) -> float:
     """The share of temperature-1 completions of `--format_probe` training prompts in the task's format."""
     from cohort_grpo.rollout.sampler import SamplingParams
@@ -226,7 +236,7 @@ class StepWatch:
     --time_budget seconds of GRPO steps have passed (the step that crosses it finishes)."""
 
     def __init__(self, seconds: float):
-        self.seconds, self.started, self.stop_reason = seconds, None, None
+        self.seconds, self.started, self.stop_reason, self.threads = seconds, None, None, None
         self.evaluations: list[dict] = []
 
     def on_step_begin(self, args, state, control, **_):
@@ -234,6 +244,7 @@ class StepWatch:
             self.started = time.perf_counter()
 
     def on_step_end(self, args, state, control, **_):
+        self.threads = torch_threads()  # the count the run trains with (cpu_threads)
         if time.perf_counter() - self.started > self.seconds:
             control.should_training_stop = True
             self.stop_reason = f"time budget {self.seconds:g}s"
@@ -258,7 +269,7 @@ def probe_task(name: str, args) -> dict:
     start = held_out(trainer, task, rows, args, f"{name}: start after {sft_steps} SFT steps")
     trainer.rewards.close()
     return {"task": name, "n": len(rows), "format_base": base_rate, "sft_steps": sft_steps, "format_sampled": rate,
-            "start": start.accuracy, "start_format": start.format_rate,
+            "start": start.accuracy, "start_format": start.format_rate, "constant": constant_answer_share(rows),
             "in_window": WINDOW[0] <= start.accuracy <= WINDOW[1], "seconds": round(time.perf_counter() - started)}
 
 
@@ -268,10 +279,11 @@ def probe(args) -> list[dict]:
         found.append(probe_task(name.strip(), args))
         print(json.dumps(found[-1]), flush=True)
     print(f"\n| task | held-out n | sampled format, base → warm start (SFT steps) | start [95% CI] | format | "
-          f"in {100 * WINDOW[0]:.0f}–{100 * WINDOW[1]:.0f}% |\n| --- | --- | --- | --- | --- | --- |")
+          f"commonest answer's share | in {100 * WINDOW[0]:.0f}–{100 * WINDOW[1]:.0f}% |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
     for r in found:
         print(f"| {r['task']} | {r['n']} | {r['format_base']:.2f} → {r['format_sampled']:.2f} ({r['sft_steps']}) | "
-              f"{accuracy_cell(r['start'], r['n'])} | {100 * r['start_format']:.0f}% | "
+              f"{accuracy_cell(r['start'], r['n'])} | {100 * r['start_format']:.0f}% | {100 * r['constant']:.1f}% | "
               f"{'yes' if r['in_window'] else 'no'} |")
     chosen = [r["task"] for r in found if r["in_window"]]
     print(f"\nin the window: {','.join(chosen) or 'none'}  ({device_name(args)}, {datetime.date.today()}; "
@@ -287,24 +299,26 @@ def run_arm(name: str, arm: str, args) -> dict:
     watch = StepWatch(args.time_budget)
     trainer, task, train, rows = make_trainer(name, args, out, args.max_steps, callbacks=[watch])
     base, sft_steps, rates = None, 0, (None, None)
-    if arm == "sft":
+    if arm == "sft" and not args.skip_base:
         base = held_out(trainer, task, rows, args, f"{name}: base model").accuracy
+    if arm == "sft":
         sft_steps, *rates = warm_start(trainer, task, train, args)
     trainer.train()
     trainer.rewards.close()  # the per-sample scoring processes
     history = trainer.history
     step_seconds = [r["step_time"] for r in history if r.get("step_time") is not None]
-    before = trainer.accuracy_before if base is None else base
+    before = trainer.accuracy_before if arm == "plain" else base
     result = {
         "task": name, "arm": arm, "date": datetime.date.today().isoformat(), "device": device_name(args),
         "model": Path(model_path(args) or "builtin tiny").name, "n": len(rows), "train_rows": len(train),
         "before": before, "start": trainer.accuracy_before, "after": trainer.accuracy_after,
+        "constant": constant_answer_share(rows),
         "sft_steps": sft_steps, "format_base": rates[0], "format_warm": rates[1], "grpo_steps": len(history),
         "grpo_seconds": round(sum(step_seconds), 1),
         "seconds_per_step": round(sum(step_seconds) / max(1, len(step_seconds)), 2),
         "stop": watch.stop_reason or f"max_steps {args.max_steps}",
         "curve": [{k: e.get(k) for k in ("step", "eval/accuracy", "eval/format_rate")} for e in watch.evaluations],
-        "threads": torch_threads(), "total_seconds": round(time.perf_counter() - started), "command": args.command,
+        "threads": watch.threads, "total_seconds": round(time.perf_counter() - started), "command": args.command,
         "run_dir": str(out),
     }
     result["report"] = write_report(out)
@@ -343,12 +357,14 @@ def run(args) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     """The markdown table of arms' results: held-out accuracy before → start of GRPO → after, 95% intervals."""
-    lines = ["| date | card | task | arm | held-out n | base | after warm start (SFT steps) | after GRPO | gain "
-             "| GRPO steps (s, s/step) | stop |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| date | card | task | arm | held-out n | commonest answer | base | after warm start (SFT steps) "
+             "| after GRPO | gain | GRPO steps (s, s/step) | stop |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         gain = 100 * (r["after"] - r["start"]) if r["after"] is not None and r["start"] is not None else math.nan
         warm = f"{accuracy_cell(r['start'], r['n'])} ({r['sft_steps']})" if r["arm"] == "sft" else "–"
         lines.append(f"| {r['date']} | {r['device']} | {r['task']} | {r['arm']} | {r['n']} | "
+                     f"{100 * r['constant']:.1f}% | "
                      f"{accuracy_cell(r['before'], r['n'])} | {warm} | {accuracy_cell(r['after'], r['n'])} | "
                      f"{gain:+.1f} | {r['grpo_steps']} ({r['grpo_seconds']:.0f}, {r['seconds_per_step']:.1f}) | "
                      f"{r['stop']} |")

@@ -57,7 +57,7 @@ def test_smoke_trains_each_arm_and_reports_what_its_run_logged(smoke):
         assert result["sft_steps"] == (1 if result["arm"] == "sft" else 0)
         if result["arm"] == "plain":
             assert result["before"] == result["start"]
-    row = f"| {results['leg_counting', 'sft']['task']} | sft | 4 |"
+    row = f"| {results['leg_counting', 'sft']['task']} | sft | 4 | "
     assert row in printed
 
 
