@@ -94,3 +94,18 @@ def test_printed_device_calls_fit_a_command(capsys):
     commands = [line.strip() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
     assert len(commands) == 4 and all(len(c) <= 2000 for c in commands)
     assert "sha256sum -c" in commands[2] and "probe" in commands[2] and "--arms ARM" in commands[3]
+
+
+def test_the_time_bound_stops_after_the_step_that_crosses_it():
+    from transformers import TrainerControl, TrainerState
+
+    real_tasks = bench_module("real_tasks")
+    watch, state = real_tasks.StepWatch(seconds=3600.0), TrainerState()
+    control = TrainerControl()
+    watch.on_step_begin(None, state, control)
+    watch.on_step_end(None, state, control)
+    assert not control.should_training_stop and watch.stop_reason is None
+    watch.started -= 3601.0  # the first step began an hour and a second ago
+    watch.on_step_begin(None, state, control)  # later steps keep the first step's start
+    watch.on_step_end(None, state, control)
+    assert control.should_training_stop and watch.stop_reason == "time budget 3600s"
