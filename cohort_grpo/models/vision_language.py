@@ -32,8 +32,7 @@ from torch import nn
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
 from cohort_grpo.models.generic import TransformersCausalLM
-from cohort_grpo.models.vision_families import (FAMILIES, SERVED, ImageInputs, image_blocks,  # noqa: F401
-                                                image_token_types)
+from cohort_grpo.models.vision_families import FAMILIES, SERVED, ImageInputs, image_blocks, image_token_types
 
 # The vision-language families this wrapper serves (their model type).
 VISION_LANGUAGE_TYPES = tuple(FAMILIES)
@@ -103,7 +102,7 @@ class VisionLanguageModel(TransformersCausalLM):
             parameter.requires_grad_(not frozen)
 
     def language_lora_config(self, peft_config):
-        """`peft_config` with its target modules narrowed to the language tower's (the vision tower's MLP shares
+        """`peft_config` with its target modules narrowed to the language tower's (the vision tower's layers share
         their names): a list of names becomes a pattern over the language model's layers; a pattern stays."""
         targets = peft_config.target_modules
         if not isinstance(targets, (list, tuple, set)):
