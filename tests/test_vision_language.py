@@ -1,6 +1,6 @@
-"""Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL, Qwen2-VL and Qwen3-VL
-and their processor, built here with no download (float32, CPU), checked against transformers itself: the logits of
-its own forward with the same images, the tokens of its own greedy `generate`, the teacher-forced log-probs of the
+"""Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL, Qwen2-VL, Qwen3-VL and
+Gemma 3 and their processor, built with no download (float32, CPU), checked against transformers itself: the logits
+of its own forward with the same images, the tokens of its own greedy `generate`, the teacher-forced log-probs of the
 engine's samples."""
 
 import copy
@@ -34,7 +34,7 @@ def random_image(height, width, seed):
 
 @pytest.fixture(scope="module", params=sorted(PATCHES))
 def vision(request):
-    processor = build_vision_processor(patch=PATCHES[request.param])
+    processor = build_vision_processor(family=request.param)
     reference = build_vision_model(processor.tokenizer, family=request.param).eval()
     model = VisionLanguageModel.wrap(copy.deepcopy(reference)).eval()
     prompts = []
@@ -46,7 +46,17 @@ def vision(request):
 
 
 def image_inputs(encoded) -> ImageInputs:
-    return ImageInputs(encoded["pixel_values"], encoded["image_grid_thw"])
+    return ImageInputs(encoded["pixel_values"], encoded.get("image_grid_thw"))
+
+
+def with_completion(encoded, completion: torch.Tensor) -> dict:
+    """The processor's inputs of a prompt followed by `completion` [1, n] (text tokens), for transformers' forward."""
+    extended = dict(encoded, input_ids=torch.cat([encoded["input_ids"], completion], dim=1))
+    extended["attention_mask"] = torch.ones_like(extended["input_ids"])
+    for types in ("mm_token_type_ids", "token_type_ids"):  # Qwen-VL's name, Gemma 3's
+        if types in encoded:
+            extended[types] = torch.cat([encoded[types], torch.zeros_like(completion)], dim=1)
+    return extended
 
 
 def test_logits_equal_transformers_forward(vision):
@@ -106,14 +116,10 @@ def test_group_shares_one_prefill_and_logprobs_are_teacher_forced(vision):
     assert len(calls) == 2 and engine.stats["prefill_shared_rows"] == 4
     worst = 0.0
     for row in range(6):
-        encoded = dict(prompts[row // 3])
-        prompt_length = encoded["input_ids"].shape[1]
+        prompt_length = prompts[row // 3]["input_ids"].shape[1]
         completion = rollout.completion_ids[row]
-        encoded["input_ids"] = torch.cat([encoded["input_ids"], completion[None]], dim=1)
-        encoded["attention_mask"] = torch.ones_like(encoded["input_ids"])
-        encoded["mm_token_type_ids"] = torch.cat([encoded["mm_token_type_ids"], torch.zeros_like(completion)[None]], 1)
         with torch.no_grad():
-            logits = reference(**encoded).logits[0, prompt_length - 1: -1]
+            logits = reference(**with_completion(prompts[row // 3], completion[None])).logits[0, prompt_length - 1: -1]
         logp = torch.log_softmax(logits, dim=-1).gather(1, completion[:, None])[:, 0]
         worst = max(worst, float((logp - rollout.logprobs[row]).abs().max()))
     assert worst < 1e-4
@@ -129,8 +135,8 @@ def test_refusals_name_what_is_not_supported(vision):
         Engine(model).generate([ids[0].tolist()], 1, params, turns=object(), images=[image_inputs(prompts[0])])
     with pytest.raises(CohortError, match="image tokens where its images fill"):
         model(ids[:, 4:], images=[image_inputs(prompts[0])])
-    other = SimpleNamespace(config=SimpleNamespace(model_type="gemma3", vision_config={}))
-    with pytest.raises(CohortError, match="gemma3 is a vision-language family cohort does not serve yet"):
+    other = SimpleNamespace(config=SimpleNamespace(model_type="idefics3", vision_config={}))
+    with pytest.raises(CohortError, match="idefics3 is a vision-language family cohort does not serve yet"):
         VisionLanguageModel.wrap(other)
 
 
@@ -158,11 +164,9 @@ def test_update_logprobs_equal_transformers_with_the_images(vision):
         hook.remove()
     assert len(calls) == 2
     for row, encoded in enumerate(chosen):
-        ids = torch.cat([encoded["input_ids"], completions[row: row + 1]], dim=1)
-        types = torch.cat([encoded["mm_token_type_ids"], torch.zeros_like(completions[row: row + 1])], dim=1)
         with torch.no_grad():
-            logits = reference(input_ids=ids, pixel_values=encoded["pixel_values"], mm_token_type_ids=types,
-                               image_grid_thw=encoded["image_grid_thw"]).logits[0, len(prompt_ids[row]) - 1: -1]
+            logits = reference(**with_completion(encoded, completions[row: row + 1])).logits
+        logits = logits[0, len(prompt_ids[row]) - 1: -1]
         expected = torch.log_softmax(logits, -1).gather(1, completions[row][:, None])[:, 0] * mask[row]
         assert (logp[row] - expected).abs().max() < 1e-4
     with pytest.raises(CohortError, match="shared-prompt packing does not carry images"):
@@ -172,7 +176,7 @@ def test_update_logprobs_equal_transformers_with_the_images(vision):
     trained.freeze_vision_tower()
     ids = torch.cat([chosen[0]["input_ids"], completions[:1]], dim=1)
     trained(ids, images=[image_inputs(chosen[0])]).logsumexp(-1).sum().backward()
-    assert all(p.grad is None for p in trained.vision_tower.parameters())
+    assert all(p.grad is None for p in trained.vision_parameters())
     assert trained.transformers_model.lm_head.weight.grad is not None
 
 
@@ -223,3 +227,34 @@ def test_a_frozen_tower_runs_once_per_prompt_across_sampling_and_the_update(visi
                              images=[image_inputs(p) for p in prompts[:2] for _ in range(2)])
     assert (reused - fresh).abs().max() < 1e-5
     assert (reused - rollout.logprobs).abs().max() < 1e-4
+
+
+def test_gemma3_image_tokens_see_their_whole_image():
+    """Gemma 3's image tokens attend to every token of their own image in both directions, and causally to the rest
+    (within a sliding layer's window, shorter here than an image): a prompt with two images equals transformers'
+    forward with its token types, without the cache and prefilled into it, and the engine's greedy tokens equal
+    `generate`'s. transformers' causal forward over the same tokens differs, so the mask is what is tested."""
+    processor = build_vision_processor(family="gemma3")
+    reference = build_vision_model(processor.tokenizer, family="gemma3").eval()
+    model = VisionLanguageModel.wrap(copy.deepcopy(reference)).eval()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and "}, {"type": "image"},
+                                             {"type": "text", "text": "same? "}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    encoded = processor(text=[text], images=[random_image(60, 90, 7), random_image(40, 40, 8)], return_tensors="pt")
+    ids, images = encoded["input_ids"], [image_inputs(encoded)]
+    assert encoded["token_type_ids"].sum() == 2 * model.transformers_model.config.mm_tokens_per_image
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        expected = reference(**encoded).logits
+        causal = reference(**{k: v for k, v in encoded.items() if k != "token_type_ids"}).logits
+        assert (causal - expected).abs().max() > 1e-2
+        assert (model(ids, images=images) - expected).abs().max() < 1e-4
+        cache = KVCache.for_model(model, 1, 64)
+        prefilled = model(ids, positions, kv_cache=cache, images=images, cache_len=ids.shape[1])
+        assert (prefilled - expected).abs().max() < 1e-4
+        out = reference.generate(**encoded, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    rollout = Engine(model, max_batch_size=2).generate(
+        [ids[0].tolist()], 2, SamplingParams(max_new_tokens=10, temperature=0.0,
+                                             pad_token_id=processor.tokenizer.pad_token_id), images=images)
+    for row in range(2):
+        assert rollout.completion_ids[row].tolist() == out[0, ids.shape[1]:].tolist()

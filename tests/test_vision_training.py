@@ -1,4 +1,4 @@
-"""A TRL-style vision-language GRPO script on a CPU: a tiny random Qwen2.5-VL and its processor built here, a dataset
+"""A TRL-style vision-language GRPO script on a CPU: a tiny random Qwen2.5-VL or Gemma 3 and its processor, a dataset
 with an `image` column and conversational prompts holding an image part, a reward that reads another column, and
 `from cohort_grpo import GRPOConfig, GRPOTrainer` as the script would import TRL's."""
 
@@ -38,9 +38,13 @@ def reward_length(completions, **kwargs):
     return [-len(completion[0]["content"]) / 10 for completion in completions]
 
 
-def train(tmp_path, **options):
-    processor = build_vision_processor()
-    model = build_vision_model(processor.tokenizer)
+# Where each family keeps the weights that turn pixels into image embeddings (frozen by default).
+VISION_PREFIXES = {"qwen2_5_vl": ("model.visual.",), "gemma3": ("model.vision_tower.", "model.multi_modal_projector.")}
+
+
+def train(tmp_path, family: str = "qwen2_5_vl", **options):
+    processor = build_vision_processor(family=family)
+    model = build_vision_model(processor.tokenizer, family=family)
     initial = copy.deepcopy(model.state_dict())
     args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=2, per_device_train_batch_size=4,
                       gradient_accumulation_steps=1, max_completion_length=6, device="cpu", learning_rate=1e-3,
@@ -51,37 +55,42 @@ def train(tmp_path, **options):
     return trainer, initial
 
 
-def changed(trainer, initial, prefix: str) -> set[str]:
+def changed(trainer, initial, prefix) -> set[str]:
+    """The weights whose names start with `prefix` (a string or a tuple of them) that training moved."""
     state = trainer.model.transformers_model.state_dict()
     return {name for name, value in initial.items() if name.startswith(prefix) and not torch.equal(state[name], value)}
 
 
-def test_two_steps_train_the_language_tower_with_the_vision_tower_frozen(tmp_path):
+@pytest.mark.parametrize("family", sorted(VISION_PREFIXES))
+def test_two_steps_train_the_language_tower_with_the_vision_tower_frozen(tmp_path, family):
     """Two steps: the sampler's log-probs are the update's (the same images in both), the rewards read the answer
-    column, the language tower's weights move and the vision tower's do not (freeze_vision_tower's default)."""
-    trainer, initial = train(tmp_path)
+    column, the language tower's weights move and the vision tower's (and its projector's) do not
+    (freeze_vision_tower's default)."""
+    trainer, initial = train(tmp_path, family)
     assert len(trainer.history) == 2
     for record in trainer.history:
         assert record["sampling/sampling_logp_difference/max"] < 1e-4
         assert "rewards/reward_answer/mean" in record
     assert trainer.history[1]["kl"] > 0
     assert changed(trainer, initial, "model.language_model.")
-    assert not changed(trainer, initial, "model.visual.")
+    assert not changed(trainer, initial, VISION_PREFIXES[family])
     # The saved folder (model, tokenizer, processor files) loads back as the vision-language policy it was.
     folder = tmp_path / "run"
     assert (folder / "processor_config.json").is_file()
-    reloaded, _ = load_policy(str(folder), processing_class=build_vision_processor(), log=lambda line: None)
-    assert isinstance(reloaded, VisionLanguageModel)
+    reloaded, _ = load_policy(str(folder), processing_class=build_vision_processor(family=family),
+                              log=lambda line: None)
+    assert isinstance(reloaded, VisionLanguageModel) and reloaded.model_type == family
     state = reloaded.transformers_model.state_dict()
     assert all(torch.equal(state[name], value) for name, value in trainer.model.transformers_model.state_dict().items())
 
 
-def test_vision_tower_trains_when_asked_and_lora_adapts_the_language_tower_only(tmp_path):
-    """freeze_vision_tower=False moves the vision tower's weights too; with LoRA the adapters sit in the language
-    tower's projections only (the vision tower's MLP shares their names)."""
-    trainer, initial = train(tmp_path / "full", freeze_vision_tower=False)
-    assert changed(trainer, initial, "model.visual.")
-    trainer, _ = train(tmp_path / "lora", use_peft=True, lora_r=4)
+@pytest.mark.parametrize("family", sorted(VISION_PREFIXES))
+def test_vision_tower_trains_when_asked_and_lora_adapts_the_language_tower_only(tmp_path, family):
+    """freeze_vision_tower=False moves the vision tower's weights (and its projector's) too; with LoRA the adapters
+    sit in the language tower's projections only (the vision tower's share their names)."""
+    trainer, initial = train(tmp_path / "full", family, freeze_vision_tower=False)
+    assert all(changed(trainer, initial, prefix) for prefix in VISION_PREFIXES[family])
+    trainer, _ = train(tmp_path / "lora", family, use_peft=True, lora_r=4)
     adapted = [name for name, _ in trainer.model.named_parameters() if "lora_" in name]
     assert adapted and all(".language_model." in name for name in adapted)
     assert len(trainer.history) == 2

@@ -82,7 +82,7 @@ SECTIONS: tuple[Section, ...] = (
             "models.",
             ("routing_replay", "router_aux_loss_coef")),
     Section("Vision-language models",
-            "Vision-language models (Qwen2.5-VL, cohort_grpo/models/vision_language.py; docs/howto/vision.md); "
+            "Vision-language models (Qwen-VL, Gemma 3: cohort_grpo/models/vision_language.py; docs/howto/vision.md); "
             "ignored for text models.",
             ("freeze_vision_tower",)),
     Section("LoRA through peft, with TRL's ModelConfig names",

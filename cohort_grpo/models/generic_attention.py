@@ -75,7 +75,9 @@ class AttentionStep:
     """What the attention modules of one forward need besides their queries, keys and values: the engine's cache
     (`cache`, rows, positions, pad tokens that must not write, the attended length), or shared-prompt attention
     rows (`packed`), or neither for the wrap-time probe, which records what each layer gives (`served`); for a model
-    with linear-attention layers, their rows' recurrent states (`states`, passed to the decoder as its cache)."""
+    with linear-attention layers, their rows' recurrent states (`states`, passed to the decoder as its cache); for a
+    cached forward of prompts whose image tokens see their whole image (Gemma 3), each token's image block
+    (`image_blocks` [B, T], -1 for a text token: vision_families.py)."""
 
     positions: torch.Tensor
     cache: KVCache | None = None
@@ -85,6 +87,7 @@ class AttentionStep:
     packed: shared_prefix.PackedRows | None = None
     served: list = field(default_factory=list)
     states: object | None = None  # linear-attention layers' recurrent states (recurrent_state.StateCache)
+    image_blocks: torch.Tensor | None = None
 
 
 ACTIVE_STEP: ContextVar[AttentionStep | None] = ContextVar("cohort_attention_step", default=None)
@@ -185,9 +188,25 @@ def cache_attention(module, query, key, value, attention_mask, scaling=None, dro
                                    prefix_lens=cache.prefix_lens[:batch])
         else:
             keys, values = cache.keys_values(layer, step.cache_rows, batch, step.cache_len)
-            mask = cache_keys_visible(step.positions, step.cache_len, window)[:, None]
-            out = attend(query, keys, values, mask, scaling, **extras)
+            mask = cache_keys_visible(step.positions, step.cache_len, window)
+            if step.image_blocks is not None:
+                mask = mask | same_image_visible(step, window)
+            out = attend(query, keys, values, mask[:, None], scaling, **extras)
     return out[..., :width].transpose(1, 2).contiguous(), None
+
+
+def same_image_visible(step: AttentionStep, window: int | None) -> torch.Tensor:
+    """Bool [B, T, cache_len]: whether the query sees the key at each cache position as a token of its own image
+    (this forward writes the whole image's keys), within a sliding layer's window below its position (transformers'
+    mask: the window AND (causal OR same image))."""
+    blocks, positions = step.image_blocks, step.positions
+    key_blocks = torch.full((blocks.shape[0], step.cache_len), -1, dtype=blocks.dtype, device=blocks.device)
+    key_blocks.scatter_(1, positions, blocks)
+    same = (blocks[:, :, None] == key_blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    if window is not None:
+        key_positions = torch.arange(step.cache_len, device=blocks.device)
+        same = same & (key_positions > positions[:, :, None] - window)
+    return same
 
 
 def decode_kernel_serves(step: AttentionStep, query: torch.Tensor, extras: dict, dropout: float) -> bool:

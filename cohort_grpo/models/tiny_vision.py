@@ -1,9 +1,11 @@
-"""A tiny random Qwen-VL (Qwen2.5-VL by default) and its processor, built with no download (tests, the vision task).
+"""A tiny random Qwen-VL (Qwen2.5-VL by default) or Gemma 3 and its processor, built with no download (tests, the
+vision task).
 
 The processor is transformers' own `Qwen2_5_VLProcessor`: its image processor resizes an image to a few patches, and
 its tokenizer is cohort's character tokenizer (models/tiny.py) with Qwen-VL's vision tags as single tokens and a chat
 template that renders a `{"type": "image"}` part as `<|vision_start|><|image_pad|><|vision_end|>` (the processor
-expands the pad to one token per merged patch).
+expands the pad to one token per merged patch). Gemma 3's is transformers' `Gemma3Processor` over the same
+characters with Gemma's image tags, its images resized to one small square of a few tokens.
 """
 
 from __future__ import annotations
@@ -27,13 +29,22 @@ TINY_VISION_TEMPLATE = (
     "{%- endfor %}"
 )
 PATCH = 14  # Qwen2(.5)-VL's patch side (Qwen3-VL's is 16); 2 × 2 patches merge into one image token
-PATCHES = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16}
+PATCHES = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16, "gemma3": 7}
+GEMMA_TAGS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+# Gemma 3's tiny image: a 6 × 6 grid of 7-pixel patches, pooled 2 × 2 into 3 × 3 = 9 image tokens; its sliding
+# layers' window (4) is shorter than an image, so the window cuts into the image's two-way attention.
+GEMMA_IMAGE, GEMMA_TOKENS, GEMMA_WINDOW = 42, 9, 4
 
 
-def build_vision_processor(chars=CHARS, patch: int = PATCH):
+def build_vision_processor(chars=CHARS, patch: int | None = None, family: str = "qwen2_5_vl"):
     """`Qwen2_5_VLProcessor` over the character tokenizer of `chars` plus the vision tags, images only, each image
-    resized to between 2 × 2 and 4 × 4 merged tokens of `patch`-pixel patches (a few tokens, on a CPU)."""
+    resized to between 2 × 2 and 4 × 4 merged tokens of `patch`-pixel patches (PATCHES[family] by default: a few
+    tokens, on a CPU); for `family` gemma3, `Gemma3Processor` (`build_gemma3_processor`)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+
+    if family == "gemma3":
+        return build_gemma3_processor(chars)
+    patch = patch or PATCHES[family]
 
     class ImageOnlyProcessor(Qwen2_5_VLProcessor):
         """No video processor (transformers' needs torchvision, which images do not): its sub-processors, which
@@ -50,11 +61,58 @@ def build_vision_processor(chars=CHARS, patch: int = PATCH):
                                chat_template=TINY_VISION_TEMPLATE)
 
 
+def build_gemma3_processor(chars=CHARS):
+    """`Gemma3Processor` over the character tokenizer of `chars` plus Gemma's image tags, images only: an image
+    part renders as `<start_of_image>`, which the processor expands to the image's `GEMMA_TOKENS` soft tokens."""
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
+
+    characters = build_tokenizer(chars, tags=["<answer>", "</answer>", *GEMMA_TAGS.values()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=characters.backend_tokenizer, pad_token="<pad>",
+                                        eos_token="<eos>", unk_token="<unk>", extra_special_tokens=GEMMA_TAGS)
+    template = TINY_VISION_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", GEMMA_TAGS["boi_token"])
+    tokenizer.chat_template = template
+    image_processor = Gemma3ImageProcessorPil(size={"height": GEMMA_IMAGE, "width": GEMMA_IMAGE})
+    return Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template,
+                           image_seq_length=GEMMA_TOKENS)
+
+
+def build_gemma3_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 3):
+    """A random `Gemma3ForConditionalGeneration` for `build_gemma3_processor`'s tokenizer, float32: a SigLIP tower,
+    the projector (its weight drawn: transformers starts it at zero, which would blank every image) and a Gemma 3
+    language tower whose sliding and full layers alternate."""
+    import transformers
+
+    heads = 4
+    text = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=2, head_dim=hidden_size // heads,
+                query_pre_attn_scalar=hidden_size // heads, sliding_window=GEMMA_WINDOW,
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                vocab_size=len(tokenizer), max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=GEMMA_IMAGE, patch_size=PATCHES["gemma3"])
+    ids = {name: tokenizer.convert_tokens_to_ids(tag) for name, tag in GEMMA_TAGS.items()}
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA_TOKENS, image_token_id=ids["image_token"],
+        boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"], pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
 def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2,
                        family: str = "qwen2_5_vl"):
     """A random Qwen-VL `...ForConditionalGeneration` of `family` (a key of PATCHES; its processor's patch side is
-    PATCHES[family]) for `tokenizer` (its vision tags' ids), float32."""
+    PATCHES[family]) for `tokenizer` (its vision tags' ids), float32; for gemma3, `build_gemma3_model`."""
     import transformers
+
+    if family == "gemma3":
+        return build_gemma3_model(tokenizer, seed, hidden_size)
 
     ids = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in VISION_TAGS}
     heads = 4

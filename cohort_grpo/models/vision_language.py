@@ -1,17 +1,22 @@
-"""`VisionLanguageModel`: a Qwen-VL model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) behind cohort's model interface.
+"""`VisionLanguageModel`: a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3) behind cohort's model
+interface.
 
 The language tower is served as the generic path serves any decoder (generic.py): its own modules, cohort's
-attention and KV cache. What the images add lives here:
+attention and KV cache. What the images add lives here, and what differs between families in vision_families.py
+(the vision tower's call, the image token count, the positions, how image tokens attend):
 
-- A prompt's images come as `ImageInputs` (the processor's `pixel_values` and `image_grid_thw`), one object per
-  prompt, shared by the rows of its completions. A forward given `images` (one per row, None for a text row) runs
-  the vision tower once per distinct `ImageInputs` object and writes the image embeddings where the prompt's image
-  tokens stand (the first ones of the row: a completion that samples an image token keeps it a text token, as
-  transformers' `generate` does).
+- A prompt's images come as `ImageInputs` (the processor's `pixel_values`, and Qwen-VL's `image_grid_thw`), one
+  object per prompt, shared by the rows of its completions. A forward given `images` (one per row, None for a text
+  row) runs the vision tower once per distinct `ImageInputs` object and writes the image embeddings where the
+  prompt's image tokens stand (the first ones of the row: a completion that samples an image token keeps it a text
+  token, as transformers' `generate` does).
 - Qwen-VL's multimodal rotary positions: an image's tokens take (time, height, width) positions, so the prompt's
   positions come from the model's own `get_rope_index`, and every later token's rotary position is its index plus
   the prompt's rope delta. The KV cache stores keys by index (`position_ids`, as for a text model) and keeps each
   row's delta (`KVCache.rotary_offsets`, moved and shared with the row), so decode steps need nothing else.
+- Gemma 3's image tokens attend to their whole image (both directions): a cached forward with images (the prefill,
+  which holds each prompt whole) tells cohort's attention each token's image block (`AttentionStep.image_blocks`);
+  a forward without the cache takes transformers' own masks of the token types.
 
 The vision tower keeps its own attention implementation; only the language tower's becomes cohort's.
 """
@@ -20,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -28,26 +32,10 @@ from torch import nn
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
 from cohort_grpo.models.generic import TransformersCausalLM
+from cohort_grpo.models.vision_families import FAMILIES, SERVED, ImageInputs, image_blocks, image_token_types
 
-# The vision-language families this wrapper serves (their model type): the multimodal rotary positions and the
-# image-feature call are Qwen-VL's (Qwen3-VL's deepstack features go into the language tower's first layers).
-VISION_LANGUAGE_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
-IMAGE_TOKEN_TYPE = 1  # get_rope_index's mm_token_type_ids: text 0, image 1, video 2
-
-
-@dataclass(eq=False)  # hashed by identity: the rows of one prompt share one object, so its images run once
-class ImageInputs:
-    """One prompt's images as the model's processor gives them: `pixel_values` [patches, features] and
-    `image_grid_thw` [images, 3] (each image's patch grid: time, height, width). `features`: what a frozen vision
-    tower made of them, by the tower's weights (`VisionLanguageModel.frozen_tower_key`), so the sampler's prefill
-    and the update's passes of one step run the tower once."""
-
-    pixel_values: torch.Tensor
-    image_grid_thw: torch.Tensor
-    features: dict = field(default_factory=dict, repr=False)
-
-    def to(self, device) -> "ImageInputs":
-        return ImageInputs(self.pixel_values.to(device), self.image_grid_thw.to(device))
+# The vision-language families this wrapper serves (their model type).
+VISION_LANGUAGE_TYPES = tuple(FAMILIES)
 
 
 def is_vision_language(config) -> bool:
@@ -58,14 +46,15 @@ def is_vision_language(config) -> bool:
 def vision_language_refusal(config) -> str | None:
     """Why cohort cannot serve this vision-language model, from its config (None when it can)."""
     model_type = getattr(config, "model_type", "")
-    if model_type not in VISION_LANGUAGE_TYPES:
+    if model_type not in FAMILIES:
         return (f"{model_type} is a vision-language family cohort does not serve yet (it serves "
                 f"{', '.join(VISION_LANGUAGE_TYPES)})")
     return None
 
 
 class VisionLanguageModel(TransformersCausalLM):
-    """A Qwen-VL `...ForConditionalGeneration`: `CausalLM`'s forward plus `images` (see `forward`)."""
+    """A vision-language `...ForConditionalGeneration` of a served family: `CausalLM`'s forward plus `images` (see
+    `forward`)."""
 
     takes_images = True
 
@@ -73,7 +62,8 @@ class VisionLanguageModel(TransformersCausalLM):
     def wrap(cls, model: nn.Module) -> "VisionLanguageModel":
         reason = vision_language_refusal(model.config)
         if reason is not None:
-            raise CohortError(f"{reason}: use a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model")
+            names = [name for family in SERVED for name in family.names]
+            raise CohortError(f"{reason}: use a {', '.join(names[:-1])} or {names[-1]} model")
         return super().wrap(model)
 
     @staticmethod
@@ -90,8 +80,17 @@ class VisionLanguageModel(TransformersCausalLM):
         return self.transformers_model.config.model_type
 
     @property
+    def family(self):
+        """What this model's family does its own way (vision_families.py)."""
+        return FAMILIES[self.model_type]
+
+    @property
     def vision_tower(self) -> nn.Module:
-        return self.transformers_model.model.visual
+        return self.family.vision_modules(self.transformers_model)[0]
+
+    def vision_parameters(self) -> list[nn.Parameter]:
+        """The weights that turn pixels into image embeddings: the vision tower's and its projector's."""
+        return [p for module in self.family.vision_modules(self.transformers_model) for p in module.parameters()]
 
     @property
     def image_token_id(self) -> int:
@@ -99,11 +98,11 @@ class VisionLanguageModel(TransformersCausalLM):
 
     def freeze_vision_tower(self, frozen: bool = True) -> None:
         """Keep the vision tower's weights out of training (`frozen`) or in it."""
-        for parameter in self.vision_tower.parameters():
+        for parameter in self.vision_parameters():
             parameter.requires_grad_(not frozen)
 
     def language_lora_config(self, peft_config):
-        """`peft_config` with its target modules narrowed to the language tower's (the vision tower's MLP shares
+        """`peft_config` with its target modules narrowed to the language tower's (the vision tower's layers share
         their names): a list of names becomes a pattern over the language model's layers; a pattern stays."""
         targets = peft_config.target_modules
         if not isinstance(targets, (list, tuple, set)):
@@ -114,9 +113,8 @@ class VisionLanguageModel(TransformersCausalLM):
         return narrowed
 
     def image_token_count(self, images: ImageInputs) -> int:
-        """How many image tokens of the prompt `images` fill: each image's patches over the merge window."""
-        merge = self.vision_tower.spatial_merge_size
-        return int(images.image_grid_thw.prod(-1).sum()) // merge ** 2
+        """How many image tokens of the prompt `images` fill."""
+        return self.family.image_token_count(self.transformers_model, images)
 
     # ---- forward -----------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -126,7 +124,7 @@ class VisionLanguageModel(TransformersCausalLM):
                 attention_slots: torch.Tensor | None = None, routing=None) -> torch.Tensor:
         """`TransformersCausalLM.forward` with `images`: row b's prompt images (None for a text row), whose
         tokens start at position 0 of the row. A cached forward with images (a prefill) records each row's rope
-        delta in the cache; one without (a decode step) reads it."""
+        delta in the cache (Qwen-VL); one without (a decode step) reads it."""
         if attention_rows is not None:
             raise CohortError(f"shared-prompt packing does not run {self.model_type} yet (its images and "
                               "multimodal positions): use --padding_free false")
@@ -138,14 +136,19 @@ class VisionLanguageModel(TransformersCausalLM):
                                                  cache_len, None, None, routing)
         rows = cache_rows if cache_rows is not None else torch.arange(input_ids.shape[0], device=input_ids.device)
         image_slots = None if images is None else self.image_slots(input_ids, images)
-        if images is None:
-            offsets = 0 if kv_cache is None else kv_cache.rotary_offsets[rows][:, None]
-            rotary = (position_ids + offsets)[None].expand(3, *position_ids.shape)
-        else:
-            rotary, deltas = self.multimodal_positions(input_ids, position_ids, attention_mask, images, image_slots)
-            if kv_cache is not None:
-                kv_cache.rotary_offsets[rows] = deltas
+        offsets = 0 if kv_cache is None else kv_cache.rotary_offsets[rows][:, None]
+        rotary, deltas = self.family.positions(self.transformers_model, input_ids, position_ids, attention_mask,
+                                               images, image_slots, offsets)
+        if kv_cache is not None and deltas is not None:
+            kv_cache.rotary_offsets[rows] = deltas
         embeds, deepstack = self.merged_embeddings(input_ids, images, image_slots)
+        if images is not None and self.family.bidirectional_images:
+            token_types = image_token_types(input_ids, image_slots)
+            if step is not None:
+                step.image_blocks = image_blocks(token_types)
+            else:
+                attention_mask = self.family.attention_masks(self.transformers_model, embeds, attention_mask,
+                                                             position_ids, token_types)
         hidden = self.decoder_hidden(input_ids, rotary, attention_mask, step, inputs_embeds=embeds, **deepstack)
         return hidden if return_hidden else self.lm_head(hidden)
 
@@ -186,8 +189,7 @@ class VisionLanguageModel(TransformersCausalLM):
 
     def encode_images(self, images: ImageInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One prompt's images through the vision tower: (embeddings, deepstack features by layer)."""
-        pixels, grid = images.pixel_values.to(self.device), images.image_grid_thw.to(self.device)
-        outputs = self.transformers_model.model.get_image_features(pixels, grid)
+        outputs = self.family.image_features(self.transformers_model, images, self.device)
         deepstack = [torch.cat(list(layer), dim=0).to(self.dtype)
                      for layer in getattr(outputs, "deepstack_features", None) or []]
         return torch.cat(list(outputs.pooler_output), dim=0).to(self.dtype), deepstack
@@ -195,7 +197,7 @@ class VisionLanguageModel(TransformersCausalLM):
     def frozen_tower_key(self) -> tuple | None:
         """Which weights a frozen vision tower computes with (where its first weight lives, and its dtype): the
         key its features are kept under; None while the tower trains (each forward computes them afresh)."""
-        parameters = list(self.vision_tower.parameters())
+        parameters = self.vision_parameters()
         if any(parameter.requires_grad for parameter in parameters):
             return None
         return parameters[0].data_ptr(), parameters[0].dtype, str(parameters[0].device)
@@ -219,23 +221,3 @@ class VisionLanguageModel(TransformersCausalLM):
         mask[rows, columns] = True
         layers = [torch.cat([part[1][layer] for part in parts]) for layer in range(len(parts[0][1]))]
         return merged, {"visual_pos_masks": mask, "deepstack_visual_embeds": layers}
-
-    def multimodal_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                             attention_mask: torch.Tensor | None, images: list[ImageInputs | None],
-                             image_slots: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary positions [3, B, T] and each row's rope delta [B]: the model's own `get_rope_index` for a row
-        with images (its tokens from index 0), the position ids on all three axes for a text row (delta 0)."""
-        rotary = position_ids[None].expand(3, *position_ids.shape).clone()
-        deltas = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-        for row, row_images in enumerate(images):
-            if row_images is None:
-                continue
-            token_types = torch.zeros_like(input_ids[row: row + 1], dtype=torch.int)
-            token_types[0, image_slots[row]] = IMAGE_TOKEN_TYPE
-            mask = None if attention_mask is None else attention_mask[row: row + 1]
-            positions, delta = self.transformers_model.model.get_rope_index(
-                input_ids[row: row + 1], token_types, image_grid_thw=row_images.image_grid_thw.to(input_ids.device),
-                attention_mask=mask)
-            rotary[:, row] = positions[:, 0]
-            deltas[row] = delta.reshape(-1)[0]
-        return rotary, deltas

@@ -94,7 +94,7 @@ class ImagePrompts:
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                   **self.template_kwargs)
         encoded = self.processor(text=[text], images=images, return_tensors="pt")
-        return encoded["input_ids"][0].tolist(), ImageInputs(encoded["pixel_values"], encoded["image_grid_thw"])
+        return encoded["input_ids"][0].tolist(), ImageInputs(encoded["pixel_values"], encoded.get("image_grid_thw"))
 
 
 def encode_rows(rows: list[dict], encode_prompt, images: "ImagePrompts | None") -> tuple[list[list[int]], dict]:

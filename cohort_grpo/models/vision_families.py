@@ -1,0 +1,130 @@
+"""What differs between the vision-language families `VisionLanguageModel` serves (vision_language.py).
+
+A prompt's images reach the language tower the same way in every family: the vision tower encodes them once per
+prompt and their embeddings stand where the prompt's image tokens are. A family says the rest:
+
+- `QwenVL` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): images of any size, as patches and a patch grid per image; multimodal
+  rotary positions (time, height, width) from the model's own `get_rope_index`, and a rope delta that every later
+  token's position carries (kept per row in the KV cache); image tokens attend causally, like text.
+- `Gemma3Vision` (Gemma 3): images resized to one square, a fixed number of tokens each (`mm_tokens_per_image`);
+  plain 1-D positions; each image's tokens attend to one another in both directions (transformers' mask from the
+  token types), which the cached attention of the prefill repeats (`image_blocks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+IMAGE_TOKEN_TYPE = 1  # the processors' token types: text 0, image 1 (Qwen-VL: video 2)
+
+
+@dataclass(eq=False)  # hashed by identity: the rows of one prompt share one object, so its images run once
+class ImageInputs:
+    """One prompt's images as the model's processor gives them: `pixel_values` (Qwen-VL: [patches, features];
+    Gemma 3: [images, channels, height, width]) and, for Qwen-VL, `image_grid_thw` [images, 3] (each image's patch
+    grid: time, height, width). `features`: what a frozen vision tower made of them, by the tower's weights
+    (`VisionLanguageModel.frozen_tower_key`), so the sampler's prefill and the update's passes of one step run the
+    tower once."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor | None = None
+    features: dict = field(default_factory=dict, repr=False)
+
+    def to(self, device) -> "ImageInputs":
+        grid = None if self.image_grid_thw is None else self.image_grid_thw.to(device)
+        return ImageInputs(self.pixel_values.to(device), grid)
+
+
+def image_token_types(input_ids: torch.Tensor, image_slots: list[torch.Tensor | None]) -> torch.Tensor:
+    """Token types [B, T] as the processors write them: `IMAGE_TOKEN_TYPE` at each row's image slots, else 0."""
+    types = torch.zeros_like(input_ids, dtype=torch.int)
+    for row, slots in enumerate(image_slots):
+        if slots is not None:
+            types[row, slots] = IMAGE_TOKEN_TYPE
+    return types
+
+
+def image_blocks(token_types: torch.Tensor) -> torch.Tensor:
+    """Each token's image block [B, T]: images numbered from 0 along the row (a block is one run of image tokens),
+    -1 for a text token. Tokens of one block attend to one another in both directions."""
+    is_image = token_types == IMAGE_TOKEN_TYPE
+    starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:, :-1]
+    return torch.where(is_image, starts.long().cumsum(1) - 1, -1)
+
+
+class QwenVL:
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL (Qwen3-VL's deepstack features go into the language tower's first
+    layers)."""
+
+    model_types = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+    names = ("Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL")
+    bidirectional_images = False
+
+    def vision_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules that turn pixels into image embeddings, the tower first (its projector is inside it)."""
+        return [model.model.visual]
+
+    def image_token_count(self, model: nn.Module, images: ImageInputs) -> int:
+        """Each image's patches over the merge window."""
+        merge = model.model.visual.spatial_merge_size
+        return int(images.image_grid_thw.prod(-1).sum()) // merge ** 2
+
+    def image_features(self, model: nn.Module, images: ImageInputs, device):
+        return model.model.get_image_features(images.pixel_values.to(device), images.image_grid_thw.to(device))
+
+    def positions(self, model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None, images: list[ImageInputs | None] | None,
+                  image_slots: list[torch.Tensor | None] | None, offsets) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotary positions [3, B, T], and each row's rope delta [B] when images are given (None without: the
+        positions are the ids plus the rows' kept deltas, `offsets`). A row with images takes the model's own
+        `get_rope_index` (its tokens from index 0), a text row the position ids on all three axes (delta 0)."""
+        if images is None:
+            return (position_ids + offsets)[None].expand(3, *position_ids.shape), None
+        rotary = position_ids[None].expand(3, *position_ids.shape).clone()
+        deltas = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+        token_types = image_token_types(input_ids, image_slots)
+        for row, row_images in enumerate(images):
+            if row_images is None:
+                continue
+            mask = None if attention_mask is None else attention_mask[row: row + 1]
+            positions, delta = model.model.get_rope_index(
+                input_ids[row: row + 1], token_types[row: row + 1],
+                image_grid_thw=row_images.image_grid_thw.to(input_ids.device), attention_mask=mask)
+            rotary[:, row] = positions[:, 0]
+            deltas[row] = delta.reshape(-1)[0]
+        return rotary, deltas
+
+
+class Gemma3Vision:
+    """Gemma 3's vision-language models (a SigLIP tower, a pooling projector, the Gemma 3 language tower)."""
+
+    model_types = ("gemma3",)
+    names = ("Gemma 3",)
+    bidirectional_images = True
+
+    def vision_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [model.model.vision_tower, model.model.multi_modal_projector]
+
+    def image_token_count(self, model: nn.Module, images: ImageInputs) -> int:
+        return images.pixel_values.shape[0] * model.config.mm_tokens_per_image
+
+    def image_features(self, model: nn.Module, images: ImageInputs, device):
+        return model.model.get_image_features(images.pixel_values.to(device))
+
+    def positions(self, model, input_ids, position_ids, attention_mask, images, image_slots, offsets):
+        """Plain positions: the position ids (no rope delta)."""
+        return position_ids, None
+
+    def attention_masks(self, model: nn.Module, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                        position_ids: torch.Tensor, token_types: torch.Tensor) -> dict:
+        """transformers' own masks by layer type for a forward without the engine's cache: causal (within a
+        sliding layer's window), each image's tokens seeing one another."""
+        return type(model).create_masks_for_generate(model.config, embeds, attention_mask, None, position_ids,
+                                                     token_type_ids=token_types)
+
+
+SERVED = (QwenVL(), Gemma3Vision())
+FAMILIES = {model_type: family for family in SERVED for model_type in family.model_types}  # by config.model_type
