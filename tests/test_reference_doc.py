@@ -64,6 +64,9 @@ def test_reference_lists_every_refused_configuration():
     assert named <= FIELDS, named - FIELDS
 
 
+BENCH_SECTION = re.compile(r"^#+ .*`bench/(\w+)\.py`", re.M)
+
+
 def flags(text: str) -> set[str]:
     """--names inside code spans and fenced blocks, dashes read as underscores."""
     blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M)
@@ -72,10 +75,24 @@ def flags(text: str) -> set[str]:
             for name in re.findall(r"(?<![\w-])--([a-z][a-z0-9_-]*)", span)}
 
 
+def sections(text: str) -> list[tuple[str | None, str]]:
+    """The page cut at its `## ` headings: (the benchmark script a heading names as `bench/NAME.py`, or None;
+    the section's text). A benchmark's section names that script's flags, not a command's."""
+    parts = re.split(r"\n(?=## )", text)
+    return [((match.group(1) if (match := BENCH_SECTION.search(part.split("\n", 1)[0])) else None), part)
+            for part in parts]
+
+
 def test_user_pages_name_only_flags_that_exist():
     for page in USER_PAGES:
-        unknown = flags(page.read_text(encoding="utf-8")) - FIELDS - OTHER_FLAGS
-        assert not unknown, f"{page.relative_to(ROOT)} names flags that no command has: {sorted(unknown)}"
+        for script, text in sections(page.read_text(encoding="utf-8")):
+            if script is None:
+                unknown = flags(text) - FIELDS - OTHER_FLAGS
+                assert not unknown, f"{page.relative_to(ROOT)} names flags that no command has: {sorted(unknown)}"
+                continue
+            source = (ROOT / "bench" / f"{script}.py").read_text(encoding="utf-8")
+            unknown = {name for name in flags(text) if f'"--{name}"' not in source}
+            assert not unknown, f"{page.relative_to(ROOT)}: bench/{script}.py has no {sorted(unknown)}"
 
 
 def table_cells(text: str, column: int) -> list[str]:
