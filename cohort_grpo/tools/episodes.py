@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from typing import Awaitable, Callable
 
 from cohort_grpo.errors import CohortError
-from cohort_grpo.tools.turns import tool_loop
+from cohort_grpo.tools.turns import appended_text, tool_loop
 
 EPISODE_END_TIMEOUT_S = 60.0  # an episode's wait for its environment after the model's last turn
 
@@ -157,20 +157,9 @@ class EpisodeTurns:
     def appended_ids(self, history: list[dict], messages: list[dict]) -> list[int]:
         """The tokens the chat template writes after the model's last turn: `messages` and the opening of the
         next assistant turn (and what follows the model's end-of-turn token, such as Qwen's newline)."""
-        render = self.tokenizer.apply_chat_template
-        try:
-            before = render(history, tokenize=False, **self.template_kwargs)
-            after = render(history + messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs)
-        except Exception as e:  # noqa: BLE001 - a template error is the user's to fix, said in one line
-            raise CohortError(f"the chat template cannot render the environment's turn ({type(e).__name__}: {e}); "
-                              "use a chat model's template") from e
-        if not after.startswith(before):
-            raise CohortError("the chat template rewrites earlier turns when the environment's turn is added, so "
-                              "the model's tokens cannot be kept; use a prefix-preserving template")
-        tail = ""
-        if self.eos_text and self.eos_text in before:
-            tail = before[before.rindex(self.eos_text) + len(self.eos_text):]
-        return self.tokenizer(tail + after[len(before):], add_special_tokens=False)["input_ids"]
+        text = appended_text(self.tokenizer.apply_chat_template, history, messages, self.eos_text,
+                             "the environment's turn", "use a chat model's template", **self.template_kwargs)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def model_segments(ids: list[int], sampled: list[int]) -> list[list[int]]:

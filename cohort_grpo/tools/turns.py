@@ -118,21 +118,9 @@ class ToolTurns:
         assistant turn's opening."""
         schemas = [tool.schema for tool in table.values()] or None
         conversation = [{"role": "user", "content": "?"}, assistant_message(calls)]
-        render = self.tokenizer.apply_chat_template
-        try:
-            before = render(conversation, tools=schemas, tokenize=False, **self.template_kwargs)
-            after = render(conversation + messages, tools=schemas, tokenize=False, add_generation_prompt=True,
-                           **self.template_kwargs)
-        except Exception as e:  # noqa: BLE001 - a template error is the user's to fix, said in one line
-            raise CohortError(f"the chat template cannot render a tool turn ({type(e).__name__}: {e}); "
-                              "use a template with a 'tool' role") from e
-        if not after.startswith(before):
-            raise CohortError("the chat template rewrites earlier turns when a tool turn is added, so the model's "
-                              "tokens cannot be kept; use a prefix-preserving template")
-        tail = ""
-        if self.eos_text and self.eos_text in before:  # what follows the end-of-turn token (Qwen: a newline)
-            tail = before[before.rindex(self.eos_text) + len(self.eos_text):]
-        return tail + after[len(before):]
+        return appended_text(self.tokenizer.apply_chat_template, conversation, messages, self.eos_text,
+                             "a tool turn", "use a template with a 'tool' role", tools=schemas,
+                             **self.template_kwargs)
 
     # ---- per completion -----------------------------------------------------------------------------------
     def record(self, index: int) -> CompletionTools:
@@ -176,3 +164,22 @@ class ToolTurns:
                 "tools/turns": sum(r.iterations for r in records) / max(num_completions, 1),
                 "tools/seconds_per_call": sum(r.seconds for r in records) / calls if calls else 0.0}
 
+
+def appended_text(render, conversation: list[dict], messages: list[dict], eos_text: str | None, turn: str,
+                  fix: str, **template_options) -> str:
+    """The text a chat template (`render`: apply_chat_template) writes after the model's last turn when `messages`
+    follow it: those messages and the next assistant turn's opening, after what follows the model's end-of-turn
+    token (Qwen: a newline). A template that cannot render `turn` (a tool turn, an environment's turn) is refused
+    with `fix`; one that rewrites earlier turns too, since the model's own tokens must be kept as sampled."""
+    try:
+        before = render(conversation, tokenize=False, **template_options)
+        after = render(conversation + messages, tokenize=False, add_generation_prompt=True, **template_options)
+    except Exception as e:  # noqa: BLE001 - a template error is the user's to fix, said in one line
+        raise CohortError(f"the chat template cannot render {turn} ({type(e).__name__}: {e}); {fix}") from e
+    if not after.startswith(before):
+        raise CohortError(f"the chat template rewrites earlier turns when {turn} is added, so the model's tokens "
+                          "cannot be kept; use a prefix-preserving template")
+    tail = ""
+    if eos_text and eos_text in before:
+        tail = before[before.rindex(eos_text) + len(eos_text):]
+    return tail + after[len(before):]
