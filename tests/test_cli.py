@@ -75,4 +75,4 @@ def test_cli_flags_override_yaml_and_accept_dashes(tmp_path):
 def test_no_traceback_from_a_real_process():
     out = subprocess.run([sys.executable, "-m", "cohort_grpo", "train", "--task", "nope"], capture_output=True, text=True)
     assert out.returncode == 2
-    assert out.stderr.strip() == "cohort: error: unknown task 'nope'; choose one of arithmetic, calculator, gsm8k, generic or reasoning_gym:NAME (--task)"
+    assert out.stderr.strip() == "cohort: error: unknown task 'nope'; choose one of arithmetic, calculator, gsm8k, generic, shapes, reasoning_gym:NAME or verifiers:NAME (--task)"
