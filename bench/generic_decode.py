@@ -20,7 +20,6 @@ Writes $OUT/generic_decode.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -134,7 +133,7 @@ def measure(name: str, args) -> dict:
                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
     if not args.skip_hf:
         row["hf_tok_s"] = time_generate(hf_model, prompts.to(args.device), args.new_tokens, args.device)
-    generic = TransformersCausalLM.wrap(copy.copy(hf_model))  # the same tensors
+    generic = TransformersCausalLM.wrap(hf_model)  # the same tensors (its attention from now on cohort's)
     engine = make_sampler(generic, max_batch_size=args.sequences)
     row["generic"] = time_engine(engine, prompt_list, args.new_tokens, args.device)
     if args.device == "cuda":

@@ -54,6 +54,18 @@ def extract_answer(completion: str) -> str | None:
     return match.group(1).strip() if match else None
 
 
+SPLIT_OFFSETS = {"train": 0, "test": 1_000_003, "validation": 2_000_003}
+
+
+def split_random(task: str, split: str, seed: int) -> random.Random:
+    """The random stream a generated task draws `split` from: disjoint streams per split, train's following the
+    run's seed and the held-out splits' not (every run is judged on the same problems)."""
+    offset = SPLIT_OFFSETS.get(split)
+    if offset is None:
+        raise CohortError(f"{task} has splits train/test/validation, not {split!r}")
+    return random.Random((seed if split == "train" else 0) * 7919 + offset)
+
+
 def answer_reward(prompts, completions, completion_ids=None, *, solution, **_) -> list[float]:
     """1.0 when the <answer> content equals the exact integer answer, else 0.0."""
     rewards = []
@@ -90,11 +102,7 @@ class ArithmeticTask:
         """Rows {prompt, solution, level}. Train and test draw from disjoint random streams, and
         test problems are removed from train so held-out accuracy is honest."""
         levels = _parse_levels(levels)
-        offset = {"train": 0, "test": 1_000_003, "validation": 2_000_003}.get(split)
-        if offset is None:
-            raise CohortError(f"arithmetic has splits train/test/validation, not {split!r}")
-        # The held-out split does not depend on the run's seed: every run is judged on the same problems.
-        rng = random.Random((seed if split == "train" else 0) * 7919 + offset)
+        rng = split_random("arithmetic", split, seed)
         held_out = set() if split != "train" else {r["question"] for r in self.load("test", levels=levels, size=1000)}
         rows, attempts = [], 0
         while len(rows) < size and attempts < size * 50:

@@ -19,6 +19,7 @@ import re
 from fractions import Fraction
 
 from cohort_grpo.errors import CohortError
+from cohort_grpo.tasks.arithmetic import split_random
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 TOOL_RESPONSE_END = "</tool_response>"
@@ -149,12 +150,9 @@ class CalculatorTask:
     def load(self, split: str = "train", *, size: int = 2000, seed: int = 0, **_) -> list[dict]:
         """Rows {prompt (chat messages), solution, question}. Train and test draw from disjoint random
         streams, test problems are removed from train, and the test split does not depend on the seed."""
-        offset = {"train": 0, "test": 1_000_003, "validation": 2_000_003}.get(split)
-        if offset is None:
-            raise CohortError(f"calculator has splits train/test/validation, not {split!r}")
+        rng = split_random("calculator", split, seed)
         if not isinstance(size, int) or size < 1:
             raise CohortError(f"calculator: size must be a positive number of problems, got {size!r}")
-        rng = random.Random((seed if split == "train" else 0) * 7919 + offset)
         held_out = set() if split == "test" else {r["question"] for r in self.load("test", size=1000)}
         rows, seen = [], set()
         for _ in range(20 * size):  # 6.7 million distinct problems: only an absurd size runs out

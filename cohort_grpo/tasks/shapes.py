@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 
 from cohort_grpo.errors import CohortError
-from cohort_grpo.tasks.arithmetic import answer_reward, extract_answer
+from cohort_grpo.tasks.arithmetic import answer_reward, extract_answer, split_random
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220)}
 KINDS = ("circle", "square", "triangle")
@@ -75,12 +75,9 @@ class ShapesTask:
     def load(self, split: str = "train", *, size: int = 1000, seed: int = 0, **_) -> list[dict]:
         """Rows {prompt (a chat turn with an image part), image, solution, question}. The test split does not depend
         on the seed, and no train row repeats a test row's picture and question."""
-        offset = {"train": 0, "test": 1_000_003, "validation": 2_000_003}.get(split)
-        if offset is None:
-            raise CohortError(f"shapes has splits train/test/validation, not {split!r}")
+        rng = split_random("shapes", split, seed)
         if not isinstance(size, int) or size < 1:
             raise CohortError(f"shapes: size must be a positive number of problems, got {size!r}")
-        rng = random.Random((seed if split == "train" else 0) * 7919 + offset)
         held_out = set() if split == "test" else {row["question"] for row in self.load("test", size=200)}
         rows = []
         for _ in range(50 * size):
