@@ -10,17 +10,17 @@
         μ times: update π_θ on the clipped surrogate − β·KL          (cohort_grpo/update/, objectives.policy_loss)
         update r_φ by continuous training with replay                (learned reward models only)
 
-The trainer keeps the stages that cohort_grpo/run/assembly.py builds, and calls them; each stage takes its
-inputs and returns its result: `PromptStream` (the data order), `RolloutSource` (the rollout: sampled now
-or ahead, on this rank or on sampling ranks, cohort_grpo/rollout/source.py), `RewardRunner` (the rewards),
-`PolicyUpdate` (the update), `MemoryManager` (everything memory), `StepReport` (metrics and display) and
-`RunLifecycle` (resume, signals, checkpoints). Last come the methods of transformers' `Trainer` a TRL
-script calls around `train()` (`save_state`, `log_metrics`, `push_to_hub`, ...), each a delegation to the room
-that does the work: they make the file longer than most, and a ported script's only change its import.
+The trainer keeps the stages that cohort_grpo/run/assembly.py builds and calls them; each takes its inputs and
+returns its result: `PromptStream` (the data order), `RolloutSource` (the rollout: sampled now or ahead, here or on
+sampling ranks), `RewardRunner`, `PolicyUpdate`, `MemoryManager` (everything memory), `StepReport` (metrics and
+display), `RunLifecycle` (signals, when to save) and `Checkpointing` (saving, resuming, the last step kept). The
+methods of transformers' `Trainer` a TRL script calls (`save_model`, `save_state`, `push_to_hub`, ...) are its
+base class's (cohort_grpo/trainer/transformers_methods.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -34,22 +34,22 @@ from cohort_grpo.rewards.model import warm_up_reward_models
 from cohort_grpo.rollout.batch import Batch
 from cohort_grpo.run.assembly import assemble_run
 from cohort_grpo.run.callbacks import CallbackHandler
-from cohort_grpo.run.checkpoint import RunParts, RunState, save_checkpoint
-from cohort_grpo.run.ending import release_run, report_end, save_policy_folder, train_output
-from cohort_grpo.run.failure import StepEnd, discard_unused_output_dir, fail_together, note_step_end
-from cohort_grpo.run import hub
+from cohort_grpo.run.checkpoint import RunState
+from cohort_grpo.run.checkpointing import Checkpointing
+from cohort_grpo.run.ending import release_run, report_end, train_output
+from cohort_grpo.run.failure import StepEnd, discard_unused_output_dir, fail_together
 from cohort_grpo.run.lifecycle import RunLifecycle, claim_output_dir, resuming
-from cohort_grpo.telemetry import results
 from cohort_grpo.tasks.data import row_origins
 from cohort_grpo.telemetry.step_report import StepContext, success_rate
 from cohort_grpo.tools.toolbox import make_toolbox
 from cohort_grpo.update.reference import ReferencePolicy
 from cohort_grpo.run.determinism import run_determinism
 from cohort_grpo.trainer.dynamic_sampling import refill_informative
+from cohort_grpo.trainer.transformers_methods import TransformersTrainerMethods
 from cohort_grpo.algorithm.advantages import group_advantages
 
 
-class GRPOTrainer:
+class GRPOTrainer(TransformersTrainerMethods):
     def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
                  processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
                  tools=None, environment_factory=None, sampler_factory=None, teacher_model=None):
@@ -91,12 +91,12 @@ class GRPOTrainer:
         self.uses_reference, self.ref_model, self.loss_spec = parts.uses_reference, parts.ref_model, parts.loss_spec
         self.layout, self.sampler_correction = parts.layout, parts.sampler_correction
         self.sampler, self.group_sampler, self.rollouts = parts.sampler, parts.group_sampler, parts.rollouts
-        self.engine_copy = parts.engine_copy
-        self.memory, self.policy_update = parts.memory, parts.policy_update
+        self.memory, self.policy_update, self.engine_copy = parts.memory, parts.policy_update, parts.engine_copy
         self.teacher = parts.teacher  # on-policy distillation's π_teacher (cohort_grpo/update/teacher.py), or None
         self.reference = ReferencePolicy(self.model, self.ref_model, self.uses_reference, self.memory.reference_pass,
                                          self.policy_update.logprobs)
         self.report, self.log = parts.report, parts.report.log
+        self.checkpoints = Checkpointing.of_run(parts, self.extra_checkpoint_state, self.load_extra_checkpoint_state)
         self.evaluation = HeldOutEvaluation(
             self.eval_rows, task, self.parallel, self.sampler, self.tokenizer,
             getattr(self.group_sampler, "encode_prompt", None), self.toolbox, self.sample, self.add_rewards,
@@ -106,8 +106,8 @@ class GRPOTrainer:
         self.accuracy_before = self.accuracy_after = None
         self.seconds_before = 0.0  # training time of the attempts a resumed run continues
         if self.group_sampler is not None:  # every training row renders and fits, found before step 1
-            self.group_sampler.check_prompt_lengths(self.prompts.rows, "train_dataset", row_origins(self.args, self.prompts.rows),
-                                                    self.log)
+            rows = self.prompts.rows
+            self.group_sampler.check_prompt_lengths(rows, "train_dataset", row_origins(self.args, rows), self.log)
 
     # ---- Algorithm 1 -------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
@@ -116,33 +116,41 @@ class GRPOTrainer:
         `TrainOutput`; the per-step records are `trainer.history`."""
         args = self.claim_output_dir(resume_from_checkpoint)  # an earlier run there: resumed, replaced or refused
         self.started = time.perf_counter()
-        with self.lifecycle() as run, run_determinism(self.device, args.cpu_threads, args.full_determinism):  # same sums, busy or not
-            try:
-                self.resume(run)  # --resume: continue from the newest complete checkpoint, exactly
-                self.callback_handler.event("on_train_begin")
-                if self.step == 0:
-                    self.accuracy_before = self.evaluate_held_out()
-                    self.warm_up_reward_models()  # r_φ: offline training on the initial policy's labelled samples
-                for step in self.steps():
-                    if self.new_iteration(step):
-                        self.reset_reference()  # π_ref ← π_θ
-                    batch = self.rollouts.take(step)  # π_old ← π_θ (async: max_staleness ago); G per prompt
-                    self.score(batch)  # rewards r_φ(q, o_i)
-                    batch = self.refill_uninformative(batch)  # DAPO dynamic sampling (off by default)
-                    batch.old_logp, batch.ref_logp = self.reference_logprobs(batch)  # log π_old (μ > 1), log π_ref (β > 0)
-                    batch.advantages = self.estimate_advantages(batch)  # A_i = (r_i − mean) / (std + eps)
-                    batch.advantages, batch.teacher_metrics = self.distil(batch)  # A_t += c·(log π_teacher − log π_old)
-                    losses = [self.update(batch) for _ in range(args.num_iterations)]  # μ policy updates
-                    self.update_reward_models(batch)  # r_φ: continuous training with replay (learned r_φ only)
-                    self.end_step(run, batch, losses)  # rollouts.after_update, the record, evaluation, checkpoint
-                self.finish()
-            except BaseException:
-                self.discard_unused_output_dir()
-                raise
-            finally:
-                self.rollouts.close()  # a producer thread, and what it was sampling; the sampling ranks
-                self.memory.close()  # a later run in this process can reclaim this run's objects
+        with (self.lifecycle() as run,  # signals, checkpoints; a failed run's last completed step kept
+              run_determinism(self.device, args.cpu_threads, args.full_determinism),  # same sums, busy or not
+              self.teardown()):  # the stages closed on the way out
+            self.resume(run)  # --resume: continue from the newest complete checkpoint, exactly
+            self.callback_handler.event("on_train_begin")
+            if self.step == 0:
+                self.accuracy_before = self.evaluate_held_out()
+                self.warm_up_reward_models()  # r_φ: offline training on the initial policy's labelled samples
+            for step in self.steps():
+                if self.new_iteration(step):
+                    self.reset_reference()  # π_ref ← π_θ
+                batch = self.rollouts.take(step)  # π_old ← π_θ (async: max_staleness ago); G per prompt
+                self.score(batch)  # rewards r_φ(q, o_i)
+                batch = self.refill_uninformative(batch)  # DAPO dynamic sampling (off by default)
+                batch.old_logp, batch.ref_logp = self.reference_logprobs(batch)  # log π_old (μ > 1), log π_ref (β > 0)
+                batch.advantages = self.estimate_advantages(batch)  # A_i = (r_i − mean) / (std + eps)
+                batch.advantages, batch.teacher_metrics = self.distil(batch)  # A_t += c·(log π_teacher − log π_old)
+                losses = [self.update(batch) for _ in range(args.num_iterations)]  # μ policy updates
+                self.update_reward_models(batch)  # r_φ: continuous training with replay (learned r_φ only)
+                self.end_step(run, batch, losses)  # rollouts.after_update, the record, evaluation, checkpoint
+            self.finish()
         return self.train_output()
+
+    @contextlib.contextmanager
+    def teardown(self):
+        """Around the loop: the stages closed on the way out; on a failure before the first step, the output folder
+        this run made removed."""
+        try:
+            yield
+        except BaseException:
+            self.discard_unused_output_dir()
+            raise
+        finally:
+            self.rollouts.close()  # a producer thread, and what it was sampling; the sampling ranks
+            self.memory.close()  # a later run in this process can reclaim this run's objects
 
     def claim_output_dir(self, resume_from_checkpoint: bool | str | None) -> GRPOConfig:
         """args with transformers' `resume_from_checkpoint` folded in; an earlier run in output_dir is then resumed,
@@ -239,7 +247,7 @@ class GRPOTrainer:
         with self.report.phase("update"):
             return self.update_step(batch)
 
-    def update_step(self, batch: Batch) -> dict:
+    def update_step(self, batch: Batch) -> dict:  # PPO's trainer adds its critic's step
         return self.policy_update(batch, self.step)
 
     def update_reward_models(self, batch: Batch) -> None:
@@ -293,7 +301,7 @@ class GRPOTrainer:
     def resume(self, run: RunLifecycle | None = None) -> None:
         """Load the checkpoint --resume / resume_from_checkpoint names into this trainer (`train()`
         does; call it yourself to inspect a checkpoint's state without training)."""
-        state = (run or self.lifecycle()).resume(self.run_parts, self.enter_curriculum_stage)
+        state = self.checkpoints.resume(run or self.lifecycle(), lambda: self.rewards.funcs, self.enter_curriculum_stage)
         if state is not None:  # the objects are restored in place; the plain values are the trainer's
             self.step, self.accuracy_before, self.seconds_before = state.step, state.accuracy_before, state.seconds
             self.report.history, self.state.log_history = state.history, [dict(r) for r in state.history]
@@ -306,12 +314,7 @@ class GRPOTrainer:
     def save_checkpoint(self, step_end: StepEnd | None = None) -> Path:
         """checkpoint-<step> of the run as it is now, or with `step_end`: of the step it noted, with the weights
         as they are now (a failure in the next step, before its update: cohort_grpo/run/failure.py)."""
-        parts = self.run_parts()
-        saved = self.extra_checkpoint_state()  # on every rank: with rollouts sampled ahead, every rank hands over its
-        parts.extra_state = lambda: saved  # own (a collective) and rank 0 writes them
-        if step_end is not None:
-            parts.reward_funcs = step_end.reward_funcs
-        folder = save_checkpoint(parts, self.run_state() if step_end is None else step_end.state)
+        folder = self.checkpoints.save(self.args, self.rewards.funcs, self.run_state, step_end)
         self.callback_handler.event("on_save")
         return folder
 
@@ -323,17 +326,9 @@ class GRPOTrainer:
                         nonfinite_in_a_row=counters.nonfinite_in_a_row, seconds=self.training_seconds())
 
     def step_end(self) -> StepEnd:
-        """The run at the end of a step, noted in memory (RNG states and logs' sizes too) for a checkpoint that a
-        failure in the next step writes; rollouts sampled ahead cannot be put back to it."""
-        return note_step_end(self.run_state(), Path(self.args.output_dir), self.rewards.funcs,
-                             self.policy_update.optimizer_steps(), self.args.async_rollouts)
-
-    def run_parts(self) -> RunParts:  # what a checkpoint saves and loads
-        return RunParts(args=self.args, model=self.model, tokenizer=self.tokenizer, train_model=self.train_model,
-                        optimizer=self.optimizer, scheduler=self.scheduler, ref_model=self.ref_model,
-                        reference_pass=self.memory.reference_pass, reward_funcs=self.rewards.funcs,
-                        parallel=self.parallel, extra_state=self.extra_checkpoint_state,
-                        load_extra_state=self.load_extra_checkpoint_state, engine_copy=self.engine_copy)
+        """The run at the end of a step, noted for the checkpoint a failure in the next step writes."""
+        steps = self.policy_update.optimizer_steps()
+        return self.checkpoints.note_step_end(self.run_state(), self.args, self.rewards.funcs, steps)
 
     def extra_checkpoint_state(self) -> dict | None:
         """State beyond the model, optimizer and data order: the rollouts sampled ahead (asynchronous
@@ -393,11 +388,6 @@ class GRPOTrainer:
         self.report.metrics.close()
         self.report.progress.close()
 
-    def save_model(self, output_dir: str | None = None) -> Path:
-        """The policy and its tokenizer as a Hugging Face folder (TRL's), written by rank 0 (the others wait for it)."""
-        out = Path(output_dir or self.args.output_dir)
-        return save_policy_folder(self.model, self.tokenizer, out, self.parallel, self.args.dtype)
-
     def discard_unused_output_dir(self) -> None:
         """Remove the output folder this run made, if it failed before finishing a step."""
         report = getattr(self, "report", None)
@@ -408,51 +398,3 @@ class GRPOTrainer:
     def log_line(self, line: str) -> None:
         """What the stages built before the display exists log through (the display's, once it does)."""
         self.log(line)
-
-    # ---- transformers' Trainer methods a TRL script calls ------------------------------------
-    @property
-    def history(self) -> list[dict]:
-        """Every step's metrics record so far."""
-        return self.report.history
-
-    @property
-    def state(self):
-        """transformers' `TrainerState`: global_step, max_steps, log_history (step records and evaluations)."""
-        return self.callback_handler.state
-
-    def add_callback(self, callback) -> None:
-        self.callback_handler.add(callback)
-
-    def pop_callback(self, callback):
-        return self.callback_handler.pop(callback)
-
-    def remove_callback(self, callback) -> None:
-        self.callback_handler.pop(callback)
-
-    def is_world_process_zero(self) -> bool:
-        """Whether this process is the first of the job (the one that writes files and prints)."""
-        return self.parallel.is_main
-
-    def log_metrics(self, split: str, metrics: dict) -> None:
-        """`metrics` printed as one block under `***** <split> metrics *****`, by the first process."""
-        if self.parallel.is_main:
-            results.log_metrics(split, metrics)
-
-    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
-        """`<split>_results.json` in output_dir, and with `combined` the metrics merged into all_results.json."""
-        if self.parallel.is_main:
-            results.save_metrics(self.args.output_dir, split, metrics, combined)
-
-    def save_state(self) -> None:
-        """`trainer.state` as trainer_state.json in output_dir."""
-        if self.parallel.is_main:
-            results.save_state(self.state, self.args.output_dir)
-
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
-                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
-        """The policy saved, then output_dir uploaded to the Hub (cohort_grpo/run/hub.py); `kwargs` taken, unused."""
-        self.save_model()
-        if not self.parallel.is_main:
-            return None
-        return hub.push_to_hub(self.args, commit_message=commit_message, blocking=blocking, token=token,
-                               revision=revision, private=private)
