@@ -13,8 +13,9 @@ import torch
 from cohort_grpo import GRPOConfig, GRPOTrainer
 from cohort_grpo.config.command_line import parse_config
 from cohort_grpo.errors import CohortError
-from cohort_grpo.rewards import runner as runner_module
-from cohort_grpo.rewards.runner import RewardRunner, exception_line
+from cohort_grpo.rewards import sample_workers
+from cohort_grpo.rewards.runner import RewardRunner
+from cohort_grpo.rewards.user_calls import exception_line
 
 torch.set_num_threads(1)
 
@@ -162,7 +163,7 @@ def test_in_process_fallback_follows_the_same_rule(scoring_module, monkeypatch):
     def no_workers(*_):
         raise OSError("cannot start python")
 
-    monkeypatch.setattr(runner_module, "_Worker", no_workers)
+    monkeypatch.setattr(sample_workers, "WorkerProcess", no_workers)
     with pytest.raises(CohortError, match=r"'marker_reward' raised RuntimeError: second line: the last one on "
                                           r"sample 1"):
         quiet_call(RewardRunner([scoring_module.marker_reward]), None, ["5", "RAISE"], None, {"solution": ["5", "5"]})

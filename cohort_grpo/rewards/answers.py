@@ -7,8 +7,8 @@ unit, as a single value), and a change to one is checked against the others by t
 The rules, and what is and is not graded right, are in docs/howto/rewards.md.
 
 math-verify guards its own work with `signal.alarm`, which only works on the main thread; we turn it
-off (`parsing_timeout=None`, `timeout_seconds=None`) and `cohort_grpo.rewards.runner` enforces a time limit
-per sample instead, in a worker process it can kill (see `RewardRunner`). Nothing here imports torch:
+off (`parsing_timeout=None`, `timeout_seconds=None`) and `cohort_grpo.rewards.sample_workers` enforces a time limit
+per sample instead, in a worker process it can kill (see `SampleWorkerPool`). Nothing here imports torch:
 the per-sample scoring worker imports this module.
 """
 

@@ -40,7 +40,7 @@ from cohort_grpo.config.settings import RewardModelSettings
 from cohort_grpo.errors import CohortError
 from cohort_grpo.rewards.replay import MixedBatches, ReplayBuffer, Sample, rng_state, set_rng_state, within_group_pairs
 from cohort_grpo.rewards.completions import completion_text
-from cohort_grpo.rewards.runner import accepted_kwargs
+from cohort_grpo.rewards.user_calls import accepted_kwargs
 from cohort_grpo.rewards.scorers import REWARD_OUTPUT_KEY, as_scorer, load_scorer
 
 REWARD_OUTPUTS = ("probability", "logit")

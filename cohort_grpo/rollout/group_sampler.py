@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from cohort_grpo.errors import CohortError
-from cohort_grpo.rewards.runner import exception_line
+from cohort_grpo.rewards.user_calls import exception_line
 from cohort_grpo.tasks import prompt_text
 from cohort_grpo.tools.environments import reset_environments, with_addition
 from cohort_grpo.tools.toolbox import Toolbox

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 from cohort_grpo.errors import CohortError, in_front_end_words
 from cohort_grpo.parallel.faults import RELAYED, first_line
-from cohort_grpo.rewards.runner import exception_line
+from cohort_grpo.rewards.user_calls import exception_line
 from cohort_grpo.run.checkpoint import RunState, check_checkpoint, list_checkpoints, log_sizes, random_state
 
 RESUME_HINT = "continue the run with --resume"
