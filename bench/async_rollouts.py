@@ -623,7 +623,7 @@ def markdown(summaries: list[dict], header: str) -> str:
 
 def run_curves(args, out: Path) -> dict:
     """Both modes on the built-in arithmetic task, its default model and options, on the CPU."""
-    from cohort_grpo.cli.main import task_rows
+    from cohort_grpo.cli import task_rows
     from cohort_grpo.config.command_line import resolve_config
     from cohort_grpo.tasks import get_task
 

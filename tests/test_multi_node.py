@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from cohort_grpo.cli import main
-from cohort_grpo.cli.main import _unreachable_checkpoint, torchrun_arguments
+from cohort_grpo.cli.launch import torchrun_arguments
+from cohort_grpo.cli.train import unreachable_checkpoint
 from cohort_grpo.config.grpo_config import GRPOConfig
 from cohort_grpo.errors import CohortError
 from cohort_grpo.parallel.distributed import Parallel
@@ -81,7 +82,7 @@ def test_torchrun_arguments_use_the_static_rendezvous_on_several_machines():
 
 
 class FakeTorchrun:
-    """subprocess.Popen for `_launch`: records the command, exits with `code`."""
+    """subprocess.Popen for `launch_job`: records the command, exits with `code`."""
 
     commands: list = []
     code = 0
@@ -173,14 +174,14 @@ def test_a_checkpoint_that_this_machine_cannot_reach_is_one_line(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "2")
     missing = FileNotFoundError(2, "No such file or directory", "/runs/x/checkpoint-20/trainer_state.json")
-    error = _unreachable_checkpoint(missing, GRPOConfig(resume=True))
+    error = unreachable_checkpoint(missing, GRPOConfig(resume=True))
     assert isinstance(error, CohortError) and str(error) == (
         "rank 2 cannot read /runs/x/checkpoint-20/trainer_state.json: rank 0 resumes from that checkpoint, and every "
         "machine must reach it at the same path; put output_dir on a filesystem all machines share, or copy the "
         "checkpoint folder to that path on each machine")
-    assert _unreachable_checkpoint(missing, GRPOConfig()) is missing  # not resuming: another problem
+    assert unreachable_checkpoint(missing, GRPOConfig()) is missing  # not resuming: another problem
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert _unreachable_checkpoint(missing, GRPOConfig(resume=True)) is missing
+    assert unreachable_checkpoint(missing, GRPOConfig(resume=True)) is missing
 
 
 # ---- two "machines" on this host -----------------------------------------------------------------------

@@ -53,7 +53,7 @@ def container_sizes(root, depth: int = 4) -> dict[str, int]:
 def run_job(out: str) -> None:
     """The default job as `cohort-grpo train` runs it (cohort_grpo/cli/main.py), with a callback recording each step."""
     from cohort_grpo.trainer.grpo_trainer import GRPOTrainer
-    from cohort_grpo.cli.main import task_rows
+    from cohort_grpo.cli import task_rows
     from cohort_grpo.config.command_line import resolve_config
     from cohort_grpo.tasks import get_task
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from cohort_grpo.config.command_line import option_pairs
 from cohort_grpo.errors import CohortError
 
+HELP_FLAGS = ("-h", "--help")  # any command's help, wherever they stand among its options
+
 
 @dataclass
 class Option:

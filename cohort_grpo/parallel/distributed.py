@@ -2,7 +2,7 @@
 collectives the trainer needs.
 
 One process per GPU (or CPU process with gloo), started by `torchrun --nproc_per_node=N -m cohort_grpo
-train ...` or by `cohort-grpo train --nproc_per_node N` (cohort_grpo/cli/main.py), on one machine or on each of
+train ...` or by `cohort-grpo train --nproc_per_node N` (cohort_grpo/cli/launch.py), on one machine or on each of
 several (`--nnodes M --node_rank R --master_addr HOST`: M·N ranks). The rank (RANK, global over the
 machines) decides the prompts and who logs and saves (global rank 0 alone); the local rank
 (LOCAL_RANK, the index on its machine) decides the GPU, cuda:LOCAL_RANK. Each rank samples and scores
