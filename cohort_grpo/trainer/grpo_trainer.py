@@ -14,8 +14,8 @@ The trainer keeps the stages that cohort_grpo/run/assembly.py builds and calls t
 returns its result: `PromptStream` (the data order), `RolloutSource` (the rollout: sampled now or ahead, here or on
 sampling ranks), `RewardRunner`, `PolicyUpdate`, `MemoryManager` (everything memory), `StepReport` (metrics and
 display), `RunLifecycle` (signals, when to save) and `Checkpointing` (saving, resuming, the last step kept). The
-methods of transformers' `Trainer` a TRL script calls (`save_model`, `save_state`, `push_to_hub`, ...) are its
-base class's (cohort_grpo/trainer/transformers_methods.py).
+methods of transformers' `Trainer` a TRL script calls (`save_model`, `save_state`, `push_to_hub`, ...) close the
+class: each a delegation to the room that does the work, kept here so that the class owns every field it reads.
 """
 
 from __future__ import annotations
@@ -36,20 +36,21 @@ from cohort_grpo.run.assembly import assemble_run
 from cohort_grpo.run.callbacks import CallbackHandler
 from cohort_grpo.run.checkpoint import RunState
 from cohort_grpo.run.checkpointing import Checkpointing
-from cohort_grpo.run.ending import release_run, report_end, train_output
+from cohort_grpo.run import hub
+from cohort_grpo.run.ending import release_run, report_end, save_policy_folder, train_output
 from cohort_grpo.run.failure import StepEnd, discard_unused_output_dir, fail_together
 from cohort_grpo.run.lifecycle import RunLifecycle, claim_output_dir, resuming
 from cohort_grpo.tasks.data import row_origins
+from cohort_grpo.telemetry import results
 from cohort_grpo.telemetry.step_report import StepContext, success_rate
 from cohort_grpo.tools.toolbox import make_toolbox
 from cohort_grpo.update.reference import ReferencePolicy
 from cohort_grpo.run.determinism import run_determinism
 from cohort_grpo.trainer.dynamic_sampling import refill_informative
-from cohort_grpo.trainer.transformers_methods import TransformersTrainerMethods
 from cohort_grpo.algorithm.advantages import group_advantages
 
 
-class GRPOTrainer(TransformersTrainerMethods):
+class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
                  processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
                  tools=None, environment_factory=None, sampler_factory=None, teacher_model=None):
@@ -398,3 +399,56 @@ class GRPOTrainer(TransformersTrainerMethods):
     def log_line(self, line: str) -> None:
         """What the stages built before the display exists log through (the display's, once it does)."""
         self.log(line)
+
+    # ---- transformers' Trainer methods a TRL script calls around train() (a ported script changes only its import)
+    @property
+    def history(self) -> list[dict]:
+        """Every step's metrics record so far."""
+        return self.report.history
+
+    @property
+    def state(self):
+        """transformers' `TrainerState`: global_step, max_steps, log_history (step records and evaluations)."""
+        return self.callback_handler.state
+
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.pop(callback)
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this process is the first of the job (the one that writes files and prints)."""
+        return self.parallel.is_main
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """The policy and its tokenizer as a Hugging Face folder (TRL's), written by rank 0 (the others wait for it)."""
+        out = Path(output_dir or self.args.output_dir)
+        return save_policy_folder(self.model, self.tokenizer, out, self.parallel, self.args.dtype)
+
+    def log_metrics(self, split: str, metrics: dict) -> None:
+        """`metrics` printed as one block under `***** <split> metrics *****`, by the first process."""
+        if self.parallel.is_main:
+            results.log_metrics(split, metrics)
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """`<split>_results.json` in output_dir, and with `combined` the metrics merged into all_results.json."""
+        if self.parallel.is_main:
+            results.save_metrics(self.args.output_dir, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """`trainer.state` as trainer_state.json in output_dir."""
+        if self.parallel.is_main:
+            results.save_state(self.state, self.args.output_dir)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None, **kwargs):
+        """The policy saved, then output_dir uploaded to the Hub (cohort_grpo/run/hub.py); `kwargs` taken, unused."""
+        self.save_model()
+        if not self.parallel.is_main:
+            return None
+        return hub.push_to_hub(self.args, commit_message=commit_message, blocking=blocking, token=token,
+                               revision=revision, private=private)
