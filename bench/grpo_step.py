@@ -13,6 +13,15 @@ Qwen2.5 shape that trains with full parameters (--max-full-param 3b,7b).
     python bench/grpo_step.py --lora-7b --max-full-param 3b   # the device run (command printed at the top)
     python bench/grpo_step.py --smoke                         # tiny shapes on the CPU: checks the script
 
+A vision-language step: `--models qwen2.5-vl-3b`, a random Qwen2.5-VL-3B shape (bench/grpo_step_vision.py), the
+same batch with one 448 × 448 synthetic image per prompt (256 image tokens before the 128 words), both trainers
+given the processor as processing_class (TRL's VLM path: an `image` column, conversational prompts; TRL's weights
+bf16, as its float32 default does not fit one 80 GB card at this size; both train the vision tower too, TRL's
+default; `--cohort-variants freeze_vision_tower=true` adds cohort's default). It needs Pillow on the device:
+
+    python bench/grpo_step.py --models qwen2.5-vl-3b --trl-steps 2 --cohort-steps 4   # the device run (VISION_CALL)
+    python bench/grpo_step.py --smoke --models qwen2.5-vl-3b --trl-steps 0             # the CPU check
+
 Default steps aim at one 10-minute device call (--time-budget 560 s): TRL 3 steps for 0.5B, 2 for 1.5B
 (the first step is warm-up, about 40 s for 0.5B on an H200), cohort 5, LoRA 3, probes 2.
 
@@ -48,6 +57,9 @@ DEVICE_COMMAND = (
     ".whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit; "
     "python3 bench/grpo_step.py --models 0.5b,1.5b --lora-7b --max-full-param 3b")
 DEVICE_CALL = f'device run, carry [".whl"], timeout_s 600, command: {DEVICE_COMMAND}   (OUT is set by the tool)'
+VISION_CALL = DEVICE_CALL.replace("--models 0.5b,1.5b --lora-7b --max-full-param 3b",
+                                  "--models qwen2.5-vl-3b --trl-steps 2 --cohort-steps 4")
+VISION_SHAPES = ("qwen2.5-vl-3b",)  # compared under their own name (bench/grpo_step_vision.py runs them)
 # Batches: the comparison is issue 5's configuration; LoRA and the full-parameter probe use small ones.
 RUNS = {
     "compare": dict(prompts=32, generations=8, prompt_len=128, completion_len=512, per_device=32, grad_accum=8),
@@ -59,9 +71,10 @@ SMOKE_RUNS = {
     "lora": dict(prompts=2, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=2),
     "probe": dict(prompts=2, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=2),
 }
-SHAPE_NAMES = ("0.5b", "1.5b", "3b", "7b", "qwen3-moe-1b-7b", "qwen3-30b-a3b-half")
+SHAPE_NAMES = ("0.5b", "1.5b", "3b", "7b", "qwen3-moe-1b-7b", "qwen3-30b-a3b-half", *VISION_SHAPES)
 TRL_MODULES = ("trl", "datasets", "dill", "multiprocess", "accelerate", "pandas", "pyarrow", "xxhash", "psutil",
                "jinja2", "yaml")  # TRL 1.16 and datasets 5.2 Requires-Dist, as import names
+VISION_MODULES = ("PIL",)  # the images and the image processor, both trainers
 MIN_START_SECONDS = 20  # a part that cannot get this long is skipped, not started
 
 
@@ -174,8 +187,15 @@ class Bench:
     def compare(self, name: str, trl_steps: int, trl_available: bool) -> None:
         """Build the folder, then cohort and TRL on it (cohort first: if time runs out, the
         measurement of the new code is the one that must exist; TRL's has a published baseline)."""
-        label = f"qwen2.5-{name}"
-        entry: dict = self.results["comparisons"].setdefault(label, {})
+        label = name if name in VISION_SHAPES else f"qwen2.5-{name}"
+        entry: dict = self.results["comparisons"].setdefault(label, {"model": name})
+        if name in VISION_SHAPES:
+            from grpo_step_vision import image_tokens  # beside this file, as the worker's shapes
+            from grpo_step_worker import SHAPES, SMOKE
+
+            shape = (SMOKE if self.args.smoke else SHAPES)[name]
+            self.note(f"{label}: each prompt also holds one {shape['image_side']} x {shape['image_side']} image "
+                      f"({image_tokens(shape)} image tokens and 2 tags before its words)")
         folder = self.scratch / f"{label}-random"
         entry["build"] = self.worker(self.spec("build", f"build-{name}", name, "compare", 0, folder=str(folder)))
         if entry["build"].get("status") == "ok":
@@ -262,7 +282,8 @@ def _options(text: str) -> dict:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=None,
-                        help="comma list of 0.5b, 1.5b, qwen3-moe-1b-7b, qwen3-30b-a3b-half (default 0.5b,1.5b; "
+                        help="comma list of 0.5b, 1.5b, qwen3-moe-1b-7b, qwen3-30b-a3b-half, qwen2.5-vl-3b (a "
+                             "vision-language step: one 448 x 448 image per prompt) (default 0.5b,1.5b; "
                              "--smoke: 0.5b; none: only the extras)")
     parser.add_argument("--trl-steps", default="3,2",
                         help="TRL steps, one number or one per --models entry in order (0 = skip TRL); default 3 for 0.5B, 2 for 1.5B "
@@ -323,7 +344,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    print(f"Run on the device with:\n  {DEVICE_CALL}\n", flush=True)
+    vision = any(name in VISION_SHAPES for name in args.models)
+    print(f"Run on the device with:\n  {VISION_CALL if vision else DEVICE_CALL}\n", flush=True)
     if not args.smoke:
         import torch
 
@@ -335,6 +357,8 @@ def main(argv=None) -> None:
     if missing:
         bench.note(f"not importable: {', '.join(missing)}" + ("" if trl_available else " -> TRL runs skipped")
                    + " (carry .whl and install it as in the command above)")
+    if vision and any(importlib.util.find_spec(m) is None for m in VISION_MODULES):
+        sys.exit("the vision-language shape needs Pillow (import PIL) for its images: pip install pillow")
     print(f"parts: models {args.models or 'none'} (TRL steps {args.trl_steps}, cohort steps {args.cohort_steps}), "
           f"LoRA 7B {'on' if args.lora_7b else 'off'}, full-param probes {args.max_full_param or 'off'}; "
           f"time budget {args.time_budget:.0f} s", flush=True)

@@ -137,9 +137,13 @@ def markdown(results: dict) -> str:
 def unfinished_flags(results: dict, args) -> str:
     """Command-line flags that repeat only the parts that were skipped or cut short."""
     unfinished = ("skipped", "timeout")
-    models = [label.removeprefix("qwen2.5-") for label, entry in results["comparisons"].items()
+    def model(label: str, entry: dict) -> str:  # the --models name (a vision shape's label is its name)
+        return entry.get("model") or label.removeprefix("qwen2.5-")
+
+    compared = {model(label, entry) for label, entry in results["comparisons"].items()}
+    models = [model(label, entry) for label, entry in results["comparisons"].items()
               if any((entry.get(k) or {}).get("status") in unfinished for k in ("build", "cohort", "trl"))]
-    models += [m for m in args.models if f"qwen2.5-{m}" not in results["comparisons"]]
+    models += [m for m in args.models if m not in compared]
     flags = [f"--models {','.join(models)}" if models else "--models none"]
     if args.lora_7b and (results.get("lora_7b") or {}).get("status", "skipped") in unfinished:
         flags.append("--lora-7b")

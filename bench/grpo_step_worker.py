@@ -9,6 +9,7 @@ SPEC["kind"] is one of
 - "cohort": cohort's GRPOTrainer on that folder, or on a model built directly on the device
             (SPEC["source"] == "module": no safetensors written), with LoRA when SPEC["lora"] is set
             (TRL's way: GRPOTrainer(peft_config=LoraConfig(...))).
+A vision-language shape (SHAPES["qwen2.5-vl-3b"]) runs the same kinds in grpo_step_vision.py, with images.
 RESULT.json is rewritten after every step, so a run killed by the time budget still leaves the
 steps it finished. Every number is measured here; the driver only tabulates.
 """
@@ -78,6 +79,32 @@ SMOKE = {
     "qwen3-30b-a3b": _shape(64, 128, 4, 4, 2, 1000, False, "qwen3_moe", head_dim=16, num_experts=16,
                             num_experts_per_tok=4, moe_intermediate_size=16, norm_topk_prob=True),
 }
+
+
+def _vision_shape(text: dict, vision: dict, image_side: int) -> dict:
+    """A Qwen2.5-VL shape: its language tower (`_shape`'s fields), its vision tower, and the side of each prompt's
+    square image in pixels."""
+    return dict(model_type="qwen2_5_vl", vocab_size=text["vocab_size"], tie_word_embeddings=text.pop(
+        "tie_word_embeddings"), text_config={k: v for k, v in text.items() if k != "model_type"},
+        vision_config=vision, image_side=image_side)
+
+
+# Qwen/Qwen2.5-VL-3B-Instruct's config.json: the language tower is the 3b shape above (rope theta 1e6, multimodal
+# rotary sections 16/24/24 of the 64 frequency pairs), the vision tower 32 blocks of width 1280 (MLP 3420, 16
+# heads), windowed attention (112-pixel windows) but in blocks 7, 15, 23 and 31, its merger out to 2048.
+SHAPES["qwen2.5-vl-3b"] = _vision_shape(
+    _shape(2048, 11008, 36, 16, 2, 151936, True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=128000,
+           rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+    dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_chans=3, out_hidden_size=2048,
+         patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112, tokens_per_second=2,
+         fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
+    image_side=448)
+SMOKE["qwen2.5-vl-3b"] = _vision_shape(
+    _shape(64, 128, 2, 4, 2, 1000, True, max_position_embeddings=4096,
+           rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+    dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+         spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+    image_side=56)
 COMMON = dict(max_position_embeddings=32768, rope_theta=1e6)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BETA, LEARNING_RATE = 0.04, 1e-6
@@ -213,51 +240,68 @@ def run_trl(spec: dict, rec: Recorder) -> None:
     """TRL 1.16 GRPOTrainer exactly as trl_baseline.py configures it (output_dir, max_steps and the
     progress bar aside); per-step wall time from a callback around each optimizer step."""
     from datasets import Dataset
-    from transformers import TrainerCallback
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
     device, run = spec["device"], spec["run"]
     vocab = spec["shape"]["vocab_size"]
-    times: list[float] = []
-    log_records: list[dict] = []
+    timer = trl_step_timer(device, rec)
+    rec.save(trl=trl.__version__)
+    dataset = Dataset.from_list(make_prompts(vocab, run["rows"], run["prompt_len"]))
+    bf16 = device == "cuda"  # CPU smoke: fp32 (bf16 autocast on a CPU proves nothing about the GPU run)
+    if not bf16:
+        rec.note("CPU: TRL runs with bf16=False")
+    args = GRPOConfig(**trl_options(run, device, bf16))
+    started = time.perf_counter()
+    trainer = GRPOTrainer(model=spec["folder"], reward_funcs=[make_reward(run["completion_len"])], args=args,
+                          train_dataset=dataset, processing_class=make_tokenizer(vocab), callbacks=[timer])
+    setup = time.perf_counter() - started
+    trainer.train()
+    trl_finish(rec, timer, setup, started)
+    shutil.rmtree(args.output_dir, ignore_errors=True)  # save_strategy="no": nothing of value there
+
+
+def trl_options(run: dict, device: str, bf16: bool) -> dict:
+    """TRL's GRPOConfig fields of every TRL run (trl_baseline.py's)."""
+    return dict(
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=run["per_device"],
+        gradient_accumulation_steps=run["grad_accum"], num_generations=run["generations"],
+        max_completion_length=run["completion_len"], beta=BETA, learning_rate=LEARNING_RATE, bf16=bf16,
+        logging_steps=1, max_steps=run["steps"], report_to=[], save_strategy="no", gradient_checkpointing=True,
+        temperature=1.0, top_k=0, top_p=1.0, disable_tqdm=True, use_cpu=device == "cpu")
+
+
+def trl_step_timer(device: str, rec: Recorder):
+    """A TrainerCallback timing each optimizer step (recorded after every step) and keeping TRL's logs."""
+    from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+            self.log_records: list[dict] = []
+
         def on_step_begin(self, args, state, control, **kwargs):
             synchronize(device)
             self.started = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             synchronize(device)
-            times.append(time.perf_counter() - self.started)
-            print(f"trl step {state.global_step}: {times[-1]:.2f} s", flush=True)
-            rec.save(step_seconds=[round(t, 3) for t in times], steady_seconds=steady(times))
+            self.times.append(time.perf_counter() - self.started)
+            print(f"trl step {state.global_step}: {self.times[-1]:.2f} s", flush=True)
+            rec.save(step_seconds=[round(t, 3) for t in self.times], steady_seconds=steady(self.times))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs:
-                log_records.append(numeric(logs))
+                self.log_records.append(numeric(logs))
 
-    rec.save(trl=trl.__version__)
-    dataset = Dataset.from_list(make_prompts(vocab, run["rows"], run["prompt_len"]))
-    bf16 = device == "cuda"  # CPU smoke: fp32 (bf16 autocast on a CPU proves nothing about the GPU run)
-    if not bf16:
-        rec.note("CPU: TRL runs with bf16=False")
-    args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=run["per_device"],
-        gradient_accumulation_steps=run["grad_accum"], num_generations=run["generations"],
-        max_completion_length=run["completion_len"], beta=BETA, learning_rate=LEARNING_RATE, bf16=bf16,
-        logging_steps=1, max_steps=run["steps"], report_to=[], save_strategy="no", gradient_checkpointing=True,
-        temperature=1.0, top_k=0, top_p=1.0, disable_tqdm=True, use_cpu=device == "cpu")
-    started = time.perf_counter()
-    trainer = GRPOTrainer(model=spec["folder"], reward_funcs=[make_reward(run["completion_len"])], args=args,
-                          train_dataset=dataset, processing_class=make_tokenizer(vocab), callbacks=[StepTimer()])
-    setup = time.perf_counter() - started
-    trainer.train()
-    last = next((r for r in reversed(log_records) if "completions/mean_length" in r), {})  # not the summary log
+    return StepTimer()
+
+
+def trl_finish(rec: Recorder, timer, setup: float, started: float) -> None:
+    last = next((r for r in reversed(timer.log_records) if "completions/mean_length" in r), {})  # not the summary log
     keep = ("completions/mean_length", "completions/clipped_ratio", "reward", "kl", "entropy", "loss")
     rec.save(status="ok", setup_seconds=round(setup, 1), total_seconds=round(time.perf_counter() - started, 1),
              last_log={k: v for k, v in last.items() if k in keep})
-    shutil.rmtree(args.output_dir, ignore_errors=True)  # save_strategy="no": nothing of value there
 
 
 # ---- kind: cohort ------------------------------------------------------------------------------
@@ -395,10 +439,15 @@ def run_cohort(spec: dict, rec: Recorder) -> None:
                                                     target_modules=LORA_TARGETS, lora_dropout=0.0, bias="none")
     if route:
         rec.save(lora_route=route)
+    trainer = bench_trainer(rec)(model=model, reward_funcs=[make_reward(run["completion_len"])], train_dataset=rows,
+                                 args=config, processing_class=tokenizer, **trainer_options)
+    cohort_train(trainer, spec, rec, config, started)
+
+
+def bench_trainer(rec: Recorder):
+    """cohort's GRPOTrainer (unsaved) writing a record after every step."""
 
     class BenchTrainer(unsaved_trainer()):
-        """A record written after every step."""
-
         def log_step(self, batch, losses, seconds):
             rec.observe_peak()  # before the trainer's own metrics reset the CUDA peak
             super().log_step(batch, losses, seconds)
@@ -409,8 +458,11 @@ def run_cohort(spec: dict, rec: Recorder) -> None:
             history = [numeric(r) for r in self.history]
             rec.save(history=history, **cohort_summary(history))  # complete after every step
 
-    trainer = BenchTrainer(model=model, reward_funcs=[make_reward(run["completion_len"])], train_dataset=rows,
-                           args=config, processing_class=tokenizer, **trainer_options)
+    return BenchTrainer
+
+
+def cohort_train(trainer, spec: dict, rec: Recorder, config, started: float) -> None:
+    """Train the built trainer, recording its setup, model, optimizer and engine."""
     setup = time.perf_counter() - started
     describe_model(trainer, spec, rec)
     rec.save(setup_seconds=round(setup, 1), config={k: getattr(trainer.args, k) for k in (
@@ -481,7 +533,12 @@ def main(spec_path: str, result_path: str) -> int:
     rec = Recorder(result_path, spec)
     rec.save()
     try:
-        {"build": run_build, "trl": run_trl, "cohort": run_cohort}[spec["kind"]](spec, rec)
+        import grpo_step_vision as vision  # beside this file; a vision-language shape's runs
+
+        runs = {"build": run_build, "trl": run_trl, "cohort": run_cohort}
+        if vision.is_vision(spec["shape"]):
+            runs = {"build": vision.run_build, "trl": vision.run_trl, "cohort": vision.run_cohort}
+        runs[spec["kind"]](spec, rec)
         return 0
     except Exception as error:  # noqa: BLE001 - the driver reports it; an OOM is a result, not a crash
         traceback.print_exc()

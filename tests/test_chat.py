@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cohort_grpo.cli.chat import (CachedDecoder, ChatSession, TextStream, chat_loop, format_messages, generate_main,
-                         read_prompts)
+from cohort_grpo.cli.chat import CachedDecoder, ChatSession, TextStream, chat_loop, format_messages
+from cohort_grpo.cli.generate import generate_main, read_prompts
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models import from_pretrained, load_tokenizer
 from cohort_grpo.models.tiny import TINY_SPEC, build_model, build_tokenizer
@@ -247,7 +247,8 @@ def test_bad_prompt_files_name_the_file_and_line(tmp_path):
 def test_generate_completes_a_file_of_arithmetic_prompts_as_the_task_does(tmp_path, capsys):
     """The built-in model answers after the prompt's newline: a .txt file of the arithmetic task's prompts
     (one a line) gets exactly the completions of the task's own prompt strings, and they are answers."""
-    from cohort_grpo.cli.chat import generate_rows, load_for_inference
+    from cohort_grpo.cli.chat import load_for_inference
+    from cohort_grpo.cli.generate import generate_rows
     from cohort_grpo.sft.builtin import tiny_model_dir
     from cohort_grpo.tasks import get_task
 

@@ -23,7 +23,7 @@ OTHER_FLAGS = {
     "standalone", "nodes", "ntasks_per_node", "gpus_per_task",  # torchrun and SLURM's srun, in multi-gpu.md
     "index_url",  # pip, in the README's CPU-only note
     "limit", "num_samples", "split", "output",  # cohort-grpo eval
-    "system", "raw", "max_new_tokens", "tool_timeout",  # cohort-grpo chat (and its tools: --tools, --environment)
+    "system", "raw", "max_new_tokens", "tool_timeout", "image",  # cohort-grpo chat (its tools: --tools, --environment)
     "prompts", "chat",  # cohort-grpo generate (with --output)
     "out",  # cohort-grpo report
 }

@@ -1,16 +1,13 @@
-"""`cohort-grpo chat` and `cohort-grpo generate`: talk to a (trained) model, or complete a file of prompts.
+"""`cohort-grpo chat`: talk to a (trained) model.
 
-chat: the conversation is rendered with the tokenizer's chat template (or plain "User:/Assistant:"
+The conversation is rendered with the tokenizer's chat template (or plain "User:/Assistant:"
 lines when it has none) and the reply is streamed as it is sampled. Decoding is incremental: one
 KV-cache row holds the conversation so far, each new token is one single-token forward, and a new
 turn only runs the tokens the cache does not already hold (the longest common prefix is reused).
 Our own models use cohort's `KVCache`; any other model uses Hugging Face's `past_key_values`. Tools
-(--tools, --environment, a model folder's tools.json) are run by `chat_tools.ToolChatSession`.
-
-generate: every prompt of a .txt / .jsonl file through the batched engine (`cohort_grpo.rollout.make_sampler`),
-one JSONL row per completion: `{"index", "prompt", "completion", "finish_reason", "num_tokens"}`. A .txt
-line is a prompt with its newline, as the arithmetic task's prompts (and `chat --raw` lines) end: the
-built-in model answers after the newline, and a file of the task's questions gets the task's completions.
+(--tools, --environment, a model folder's tools.json) are run by `chat_tools.ToolChatSession`; images
+(--image, /image) on a vision-language model are rendered and prefilled as in training (`chat_images`).
+`cohort-grpo generate` is generate.py.
 """
 
 from __future__ import annotations
@@ -25,11 +22,10 @@ import torch
 from cohort_grpo.rollout.sampling import filter_logits, scale_by_temperature
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.lora import base_model
-from cohort_grpo.cli.chat_flags import generate_parser
+from cohort_grpo.cli.chat_images import ChatImages, ConversationImages, holds_images, image_command_path, reusable_prefix
 
 FALLBACK_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 FALLBACK_STOPS = ["\nUser:"]  # the plain format has no end-of-turn token: the next "User:" line ends a reply
-PROMPT_BATCH = 256  # prompts per engine call in `generate` (bounds memory; rows go out as they finish)
 
 
 # ---- model and prompt format ---------------------------------------------------------------------
@@ -104,7 +100,8 @@ def context_length(model) -> int:
 # ---- incremental decoding ------------------------------------------------------------------------
 class CachedDecoder:
     """One sequence's KV cache: `extend(ids)` runs only the new tokens and returns the logits after
-    the last one; `rewind(n)` forgets everything after the first n tokens."""
+    the last one; `rewind(n)` forgets everything after the first n tokens. A vision-language model's
+    conversation with images starts over with them (`start_over`): the run from token 0 takes the images."""
 
     def __init__(self, model):
         from cohort_grpo.models import CausalLM, KVCache
@@ -117,10 +114,18 @@ class CachedDecoder:
         self._kv_cache_type = KVCache
         self.cache = None  # KVCache (our models) or HF past_key_values
         self.forwards = 0  # model calls so far (tests check that a token costs one single-token call)
+        self.images: ConversationImages | None = None  # the images the held tokens stand for
+        self.image_token_id = getattr(self.model, "image_token_id", None) if getattr(
+            self.model, "takes_images", False) else None
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def start_over(self, images: ConversationImages | None) -> None:
+        """Forget every token; the next extend runs from token 0 with `images` (a fresh cache: no rope delta of
+        earlier images left in it)."""
+        self.tokens, self.cache, self.images = [], None, images
 
     def rewind(self, length: int) -> None:
         if length >= len(self.tokens):
@@ -147,7 +152,10 @@ class CachedDecoder:
             start = len(self.tokens)
             input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
             positions = torch.arange(start, end, device=self.device)[None]
-            hidden = self.model(input_ids, positions, kv_cache=self.cache, return_hidden=True, cache_len=end)
+            # the images run with the tokens from 0 (a start over, or the cache grown), as the engine's prefill
+            images = {"images": [self.images.inputs]} if start == 0 and self.images is not None else {}
+            hidden = self.model(input_ids, positions, kv_cache=self.cache, return_hidden=True, cache_len=end,
+                                **images)
             logits = self.model.lm_head(hidden[:, -1])[0]
         else:
             if self.cache is None:  # after a rewind: the kept tokens run again with the new ones
@@ -197,7 +205,8 @@ class TextStream:
 
 
 class ChatSession:
-    """A conversation with a model: `reply(text, on_text)` streams the answer and keeps the history."""
+    """A conversation with a model: `reply(text, on_text)` streams the answer and keeps the history;
+    `attach_image(path)` puts an image in the next message (a vision-language model's)."""
 
     def __init__(self, model, tokenizer, *, model_spec: str | None = None, system: str | None = None,
                  max_new_tokens: int = 256, temperature: float = 0.7, top_p: float = 1.0, seed: int | None = None,
@@ -219,23 +228,38 @@ class ChatSession:
         self.generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, (1,)).item()))
         self.history: list[dict] = []
         self.tool_schemas: list[dict] | None = None  # what the chat template renders as the tools (chat_tools.py)
+        self.images = ChatImages(model)
 
     def reset(self) -> None:
-        """Forget the conversation (the cache is rewound lazily: the next prompt shares no prefix)."""
+        """Forget the conversation and the images waiting for the next message (the cache is rewound lazily: the
+        next prompt shares no prefix)."""
         self.history = []
+        self.images.clear()
 
-    def messages(self, user_text: str) -> list[dict]:
+    def attach_image(self, path: str, option: str = "/image") -> None:
+        """The image file at `path` goes with the next message; `option` names the flag or command in errors."""
+        refusal = ("--raw completes each line as it is, with no chat template to place an image: drop --raw"
+                   if self.raw else "images with tools are not supported yet: chat with --tools none to send "
+                   "images" if self.tool_schemas is not None else None)
+        self.images.attach(path, option, refusal)
+
+    def messages(self, user_content) -> list[dict]:
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return system + self.history + [{"role": "user", "content": user_text}]
+        return system + self.history + [{"role": "user", "content": user_content}]
 
-    def _prompt_ids(self, user_text: str, turns: list[dict] = ()) -> list[int]:
-        """The conversation's tokens, with `turns` (this reply's tool calls and results) after the message; the
-        oldest exchanges (a user message and all up to the next) are dropped when it outgrows the context."""
+    def prompt_for(self, user_content, turns: list[dict] = ()) -> tuple[list[int], ConversationImages | None]:
+        """The conversation's tokens, with `turns` (this reply's tool calls and results) after the message, and its
+        images where it holds some (rendered by the model's processor, as training renders them); the oldest
+        exchanges (a user message and all up to the next) are dropped when it outgrows the context."""
         limit = context_length(self.model) - 1
         while True:  # raw mode has no history: one pass
-            conversation = self.messages(user_text) + list(turns)
-            ids = encode(self.tokenizer, user_text + "\n" if self.raw  # one input line is one prompt line
-                         else format_messages(self.tokenizer, conversation, self.tool_schemas))
+            conversation = self.messages(user_content) + list(turns)
+            images = None
+            if holds_images(conversation):
+                ids, images = self.images.render(conversation)
+            else:
+                ids = encode(self.tokenizer, user_content + "\n" if self.raw  # one input line is one prompt line
+                             else format_messages(self.tokenizer, conversation, self.tool_schemas))
             if len(ids) <= limit or not self.history:
                 break
             later = [i for i, message in enumerate(self.history) if i and message["role"] == "user"]
@@ -243,8 +267,8 @@ class ChatSession:
             self.notice(f"(the conversation outgrew the model's {limit + 1}-token context: dropped the oldest exchange)")
         if len(ids) > limit:
             raise CohortError(f"the message is {len(ids)} tokens, more than the model's {limit + 1}-token context; "
-                              "send a shorter message")
-        return ids
+                              "send a shorter message" + (" or smaller images" if images is not None else ""))
+        return ids, images
 
     def sample(self, logits: torch.Tensor) -> int:
         """The next token: greedy at temperature 0, else temperature + top-p (the engine's filters)."""
@@ -254,14 +278,20 @@ class ChatSession:
         filtered = filter_logits(scale_by_temperature(logits[None], self.temperature), top_p=self.top_p)[0]
         return int(torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=self.generator))
 
-    def generate(self, prompt: list[int], on_text: Callable[[str], None]) -> TextStream:
-        """Sample and stream one turn after `prompt`, running only the tokens the cache does not hold."""
+    def generate(self, prompt: list[int], on_text: Callable[[str], None],
+                 images: ConversationImages | None = None) -> TextStream:
+        """Sample and stream one turn after `prompt` (with its `images`), running only the tokens the cache does
+        not hold."""
         shared = 0
         for cached, new in zip(self.decoder.tokens, prompt[:-1]):  # keep ≥1 token to feed: we need logits
             if cached != new:
                 break
             shared += 1
-        self.decoder.rewind(shared)
+        if reusable_prefix(prompt, shared, images, self.decoder.images, self.decoder.image_token_id):
+            self.decoder.rewind(shared)
+        else:
+            self.decoder.start_over(images)
+            shared = 0
         logits = self.decoder.extend(prompt[shared:])
         stream = TextStream(self.tokenizer, self.stops)
         budget = min(self.max_new_tokens, context_length(self.model) - len(prompt))
@@ -277,9 +307,12 @@ class ChatSession:
         return stream
 
     def reply(self, user_text: str, on_text: Callable[[str], None] = lambda piece: None) -> str:
-        answer = self.generate(self._prompt_ids(user_text), on_text).text().strip()
+        content = self.images.user_content(user_text)  # with the images attached since the last message
+        prompt, images = self.prompt_for(content)
+        answer = self.generate(prompt, on_text, images).text().strip()
+        self.images.clear()
         if not self.raw:
-            self.history += [{"role": "user", "content": user_text}, {"role": "assistant", "content": answer}]
+            self.history += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
         return answer
 
 
@@ -292,7 +325,8 @@ def chat_loop(session: ChatSession, stdin: TextIO, stdout: TextIO, stderr: TextI
             stdout.flush()
 
     if interactive:
-        stderr.write("commands: /reset clears the history, /exit quits (or Ctrl-D)\n")
+        images = ", /image PATH attaches an image to the next message" if session.images.prompts else ""
+        stderr.write(f"commands: /reset clears the history{images}, /exit quits (or Ctrl-D)\n")
     try:
         while True:
             if interactive:
@@ -310,6 +344,14 @@ def chat_loop(session: ChatSession, stdin: TextIO, stdout: TextIO, stderr: TextI
                 session.reset()
                 stderr.write("(history cleared)\n")
                 continue
+            if text == "/image" or text.startswith("/image "):
+                path = image_command_path(text)
+                try:
+                    session.attach_image(path, "/image")
+                    stderr.write(f"(image {path} attached to the next message)\n")
+                except CohortError as error:  # the chat goes on: a typo in a path is not the end of it
+                    stderr.write(f"cohort: error: {error}\n")
+                continue
             if interactive:
                 stdout.write("model> ")
             session.reply(text, show)
@@ -320,105 +362,6 @@ def chat_loop(session: ChatSession, stdin: TextIO, stdout: TextIO, stderr: TextI
     return 0
 
 
-# ---- batch generation ----------------------------------------------------------------------------
-def read_prompts(path: str | Path) -> list:
-    """A .txt file (one prompt per non-empty line, each kept with its newline: the line as a training
-    prompt ends, e.g. the arithmetic task's "12+7=? Reply <answer>N</answer>\n") or JSONL rows with a
-    `prompt` column (a string, completed exactly as written, or a list of chat messages)."""
-    path = Path(path)
-    if not path.is_file():
-        raise CohortError(f"--prompts {path}: no such file; pass a .txt (one prompt a line) or a .jsonl file")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    if path.suffix not in (".jsonl", ".json"):
-        prompts = [line + "\n" for line in lines if line.strip()]
-    else:
-        prompts = []
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise CohortError(f"{path} line {number} is not valid JSON; fix or delete that line") from None
-            prompt = row.get("prompt") if isinstance(row, dict) else None
-            if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt))):
-                raise CohortError(f"{path} line {number} has no 'prompt' string or message list; "
-                                  "each row needs a 'prompt' column")
-            prompts.append(prompt)
-    if not prompts:
-        raise CohortError(f"{path} holds no prompts; write one prompt per line (.txt) or JSONL rows with 'prompt'")
-    return prompts
-
-
-def generate_rows(model, tokenizer, prompts: list, *, model_spec: str | None = None, num_generations: int = 1,
-                  max_new_tokens: int = 256, temperature: float = 0.7, top_p: float = 1.0, seed: int = 0,
-                  system: str | None = None, as_chat: bool = False):
-    """Yield `{"index", "prompt", "completion", "finish_reason", "num_tokens"}` for each completion,
-    prompt by prompt (G rows each); `num_tokens` counts the generated tokens, EOS included.
-    Message-list prompts (and, with `as_chat`, string prompts as one user message, without a trailing
-    newline) are rendered as in training and evaluation (`cohort_grpo.tasks.prompt_text`: the chat template,
-    or the contents one per line without one); other strings are completed exactly as they are."""
-    from cohort_grpo.rollout import make_sampler
-    from cohort_grpo.rollout.sampler import SamplingParams
-    from cohort_grpo.tasks import prompt_text
-
-    sampler = make_sampler(model, tokenizer)
-    eos_ids = stop_token_ids(tokenizer, model_spec)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    limit = context_length(model)
-    for start in range(0, len(prompts), PROMPT_BATCH):
-        chunk = prompts[start : start + PROMPT_BATCH]
-        texts = []
-        for prompt in chunk:
-            if isinstance(prompt, str) and as_chat:
-                prompt = [{"role": "user", "content": prompt.removesuffix("\n")}]
-            if isinstance(prompt, list) and system:
-                prompt = [{"role": "system", "content": system}] + prompt
-            texts.append(prompt_text(tokenizer, prompt))
-        ids = [encode(tokenizer, text) for text in texts]
-        for offset, prompt_ids in enumerate(ids):
-            if not prompt_ids or len(prompt_ids) >= limit:
-                raise CohortError(f"prompt {start + offset} has {len(prompt_ids)} tokens; it needs 1 to {limit - 1} "
-                                  "(the model's context); shorten or drop it")
-        params = SamplingParams(
-            max_new_tokens=min(max_new_tokens, limit - max(len(p) for p in ids)), temperature=temperature,
-            top_p=top_p, eos_token_ids=eos_ids, pad_token_id=pad_id, seed=seed + start,
-        )
-        rollout = sampler.generate(ids, num_generations, params)
-        for row, (completion, mask) in enumerate(zip(rollout.completion_ids, rollout.completion_mask)):
-            text = tokenizer.decode(completion[mask.bool()], skip_special_tokens=True)
-            index = start + row // num_generations
-            yield {"index": index, "prompt": prompts[index], "completion": text,
-                   "finish_reason": rollout.finish_reasons[row], "num_tokens": int(mask.sum())}
-
-
 # ---- command line --------------------------------------------------------------------------------
 def stderr_log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def generate_main(argv: list[str]) -> int:
-    """`cohort-grpo generate [MODEL_DIR] --prompts FILE [--output out.jsonl] [options]`."""
-    parser = generate_parser()
-    args = parser.parse_args(argv)
-    if args.num_generations < 1:
-        raise CohortError(f"--num_generations={args.num_generations}: it must be at least 1")
-    prompts = read_prompts(args.prompts)
-    spec = args.model if args.model is not None else default_model_spec(stderr_log)
-    model, tokenizer, _ = load_for_inference(spec, args.device, args.dtype, log=stderr_log)
-    rows = generate_rows(model, tokenizer, prompts, model_spec=spec, num_generations=args.num_generations,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                         seed=args.seed if args.seed is not None else 0, system=args.system, as_chat=args.chat)
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
-    count = 0
-    try:
-        for row in rows:
-            out.write(json.dumps(row, ensure_ascii=False) + "\n")
-            count += 1
-        out.flush()
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    if args.output:
-        stderr_log(f"cohort: wrote {count} completions to {args.output}")
-    return 0

@@ -13,9 +13,13 @@ DEFAULT_MAX_ITERATIONS = 5
 
 def chat_parser() -> argparse.ArgumentParser:
     """`cohort-grpo chat [MODEL_DIR] [options]`."""
-    parser = argparse.ArgumentParser(prog="cohort-grpo chat", description="Chat with a model; /reset clears, /exit quits.")
+    parser = argparse.ArgumentParser(prog="cohort-grpo chat", description="Chat with a model; /reset clears, "
+                                     "/image PATH attaches an image to the next message, /exit quits.")
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
                         help="HF folder, .gguf file or hub id (default: runs/arithmetic if trained, else the tiny model)")
+    parser.add_argument("--image", action="append", default=[], metavar="PATH",
+                        help="an image file for the first message (repeatable; a vision-language model: Qwen-VL, "
+                        "Gemma 3)")
     common_flags(parser, temperature=0.7)
     add_tool_flags(parser)
     return parser

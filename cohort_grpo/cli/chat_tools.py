@@ -238,7 +238,7 @@ class ToolChatSession(ChatSession):
         display, turns, answer = ReplyDisplay(self.family, on_text), [], ""
         for rounds_run in range(self.settings.max_iterations + 1):
             try:
-                prompt = self._prompt_ids(user_text, turns)
+                prompt, _ = self.prompt_for(user_text, turns)  # images are refused with tools
             except CohortError:
                 if not turns:
                     raise
@@ -279,9 +279,14 @@ def chat_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     spec = args.model if args.model is not None else default_model_spec(stderr_log)
     tools = chat_tools_from_args(args, spec, stderr_log)  # before the model loads: a bad name fails at once
+    for path in args.image:  # before the model loads too: a mistyped path fails at once
+        if not Path(path).expanduser().is_file():
+            raise CohortError(f"--image {path}: no such file; give the path of an image file (PNG, JPEG, ...)")
     model, tokenizer, _ = load_for_inference(spec, args.device, args.dtype, log=stderr_log)
     session = chat_session(model, tokenizer, tools, model_spec=spec, system=args.system, raw=args.raw,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, notice=stderr_log)
+    for path in args.image:  # the first message's images
+        session.attach_image(path, "--image")
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     return chat_loop(session, sys.stdin, sys.stdout, sys.stderr, interactive)

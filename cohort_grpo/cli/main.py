@@ -161,7 +161,7 @@ def _generate(argv: list[str]) -> int:
     from cohort_grpo.cli.chat_flags import generate_parser
 
     generate_parser().parse_args(argv)  # --help and bad options answer here, before torch loads
-    from cohort_grpo.cli.chat import generate_main
+    from cohort_grpo.cli.generate import generate_main
 
     return generate_main(argv)
 

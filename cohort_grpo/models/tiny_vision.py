@@ -10,11 +10,14 @@ characters with Gemma's image tags, its images resized to one small square of a 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cohort_grpo.models.tiny import CHARS, build_tokenizer
 
 TINY_VISION_MODEL = "cohort:tiny-vision"  # built in memory on each use: random weights, nothing to cache
+IMAGE_ONLY_PROCESSOR = "ImageOnlyProcessor"  # the processor class a saved folder of it names
 VISION_TAGS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # A user turn renders its parts in order, then a newline; an assistant turn its text and EOS. The assistant turn
 # needs no opening text, so add_generation_prompt adds nothing.
@@ -40,25 +43,32 @@ def build_vision_processor(chars=CHARS, patch: int | None = None, family: str = 
     """`Qwen2_5_VLProcessor` over the character tokenizer of `chars` plus the vision tags, images only, each image
     resized to between 2 × 2 and 4 × 4 merged tokens of `patch`-pixel patches (PATCHES[family] by default: a few
     tokens, on a CPU); for `family` gemma3, `Gemma3Processor` (`build_gemma3_processor`)."""
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLImageProcessorPil
 
     if family == "gemma3":
         return build_gemma3_processor(chars)
     patch = patch or PATCHES[family]
-
-    class ImageOnlyProcessor(Qwen2_5_VLProcessor):
-        """No video processor (transformers' needs torchvision, which images do not): its sub-processors, which
-        transformers reads from this signature, are the image processor and the tokenizer."""
-
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
     tokenizer = build_tokenizer(chars, tags=["<answer>", "</answer>", *VISION_TAGS])
     tokenizer.chat_template = TINY_VISION_TEMPLATE
     image_processor = Qwen2VLImageProcessorPil(min_pixels=(4 * patch) ** 2, max_pixels=(8 * patch) ** 2,
                                             patch_size=patch, merge_size=2, temporal_patch_size=2)
-    return ImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                               chat_template=TINY_VISION_TEMPLATE)
+    return image_only_processor_class()(image_processor=image_processor, tokenizer=tokenizer,
+                                        chat_template=TINY_VISION_TEMPLATE)
+
+
+@functools.cache
+def image_only_processor_class():
+    """`Qwen2_5_VLProcessor` without its video processor (transformers' needs torchvision, which images do not): its
+    sub-processors, which transformers reads from this signature, are the image processor and the tokenizer. One
+    class (a folder saved with it names it, `IMAGE_ONLY_PROCESSOR`, and loads back through it)."""
+    from transformers import Qwen2_5_VLProcessor
+
+    class ImageOnlyProcessor(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    assert ImageOnlyProcessor.__name__ == IMAGE_ONLY_PROCESSOR
+    return ImageOnlyProcessor
 
 
 def build_gemma3_processor(chars=CHARS):

@@ -25,7 +25,8 @@ from cohort_grpo.models.generic_training import is_mixture_of_experts
 from cohort_grpo.models.loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
                                    missing_path_error, one_line)
 from cohort_grpo.models.lora import apply_lora, lora_config_from_args
-from cohort_grpo.models.tiny_vision import TINY_VISION_MODEL, build_vision_model, build_vision_processor
+from cohort_grpo.models.tiny_vision import (IMAGE_ONLY_PROCESSOR, TINY_VISION_MODEL, build_vision_model,
+                                           build_vision_processor, image_only_processor_class)
 from cohort_grpo.models.vision_language import VisionLanguageModel, is_vision_language
 from cohort_grpo.optim.precision import resolve_dtype
 from cohort_grpo.sft import builtin
@@ -191,9 +192,14 @@ def vision_policy(model, processor, impl: str, log=print):
 
 
 def load_processor(spec: str, trust_remote_code: bool = False):
+    """The model folder's processor; a folder saved from `cohort:tiny-vision` names a class transformers does not
+    know (`IMAGE_ONLY_PROCESSOR`), and loads through it."""
     from transformers import AutoProcessor
 
+    saved = Path(spec) / "processor_config.json"
     try:
+        if saved.is_file() and json.loads(saved.read_text()).get("processor_class") == IMAGE_ONLY_PROCESSOR:
+            return image_only_processor_class().from_pretrained(spec)
         return AutoProcessor.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except Exception as error:  # noqa: BLE001 - transformers' own reasons, in one line
         raise CohortError(f"cannot load the processor of {spec!r} ({one_line(error)}): pass "
