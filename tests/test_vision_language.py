@@ -135,6 +135,10 @@ def test_refusals_name_what_is_not_supported(vision):
         Engine(model).generate([ids[0].tolist()], 1, params, turns=object(), images=[image_inputs(prompts[0])])
     with pytest.raises(CohortError, match="image tokens where its images fill"):
         model(ids[:, 4:], images=[image_inputs(prompts[0])])
+    rows = torch.arange(ids.shape[1])[None]
+    with pytest.raises(CohortError, match="no kv_cache or attention_mask"):
+        model(ids, rows, kv_cache=KVCache.for_model(model, 1, 64), attention_rows=rows,
+              attention_slots=rows[0], images=[image_inputs(prompts[0])])
     other = SimpleNamespace(config=SimpleNamespace(model_type="idefics3", vision_config={}))
     with pytest.raises(CohortError, match="idefics3 is a vision-language family cohort does not serve yet"):
         VisionLanguageModel.wrap(other)

@@ -89,6 +89,7 @@ class AttentionStep:
     served: list = field(default_factory=list)
     states: object | None = None  # linear-attention layers' recurrent states (recurrent_state.StateCache)
     image_blocks: torch.Tensor | None = None
+    image_masks: dict = field(default_factory=dict)  # with `packed` and `image_blocks`: each window's mask
 
 
 ACTIVE_STEP: ContextVar[AttentionStep | None] = ContextVar("cohort_attention_step", default=None)
@@ -174,8 +175,10 @@ def cache_attention(module, query, key, value, attention_mask, scaling=None, dro
     if step.packed is not None:
         if step.image_blocks is None:
             mask = window_mask(step.packed.rows.shape[1], window, query.device)
-        else:  # Gemma 3's image tokens see their whole image: a mask per attention row
-            mask = same_image_or_causal(step.image_blocks, window)
+        else:  # Gemma 3's image tokens see their whole image: a mask per attention row, made once per window
+            mask = step.image_masks.get(window)
+            if mask is None:
+                mask = step.image_masks[window] = same_image_or_causal(step.image_blocks, window)
         packed = step.packed._replace(mask=mask)
         out = shared_prefix.packed_attention(query, key, value, packed,
                                              lambda q, k, v, m: attend(q, k, v, m, scaling, **extras))

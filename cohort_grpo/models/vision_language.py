@@ -136,7 +136,7 @@ class VisionLanguageModel(TransformersCausalLM):
                               "(None for a text row)")
         images = images if images is not None and any(i is not None for i in images) else None
         if attention_rows is not None:
-            hidden = self.shared_prompt_forward(input_ids, position_ids, attention_mask, attention_rows,
+            hidden = self.shared_prompt_forward(input_ids, position_ids, attention_mask, kv_cache, attention_rows,
                                                 attention_slots, images, routing)
             return hidden if return_hidden else self.lm_head(hidden)
         position_ids, step = self.attention_step(input_ids, position_ids, attention_mask, kv_cache, cache_rows,
@@ -161,13 +161,14 @@ class VisionLanguageModel(TransformersCausalLM):
         return hidden if return_hidden else self.lm_head(hidden)
 
     def shared_prompt_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                              attention_mask: torch.Tensor | None, attention_rows: torch.Tensor,
-                              attention_slots: torch.Tensor | None, images: list[ImageInputs | None] | None,
-                              routing) -> torch.Tensor:
+                              attention_mask: torch.Tensor | None, kv_cache: KVCache | None,
+                              attention_rows: torch.Tensor, attention_slots: torch.Tensor | None,
+                              images: list[ImageInputs | None] | None, routing) -> torch.Tensor:
         """The final hidden states [1, N, H] of one flat row of shared prompts and their completions
         (vision_shared_prompts.py): each packed prompt's images through the vision tower once and merged at its
-        image tokens, the positions and the image tokens' attention those of the padded layout, row for row."""
-        position_ids, step = self.attention_step(input_ids, position_ids, attention_mask, None, None, None,
+        image tokens, the positions and the image tokens' attention those of the padded layout, row for row.
+        (`attention_mask` and `kv_cache` must be None: `attention_step` says so.)"""
+        position_ids, step = self.attention_step(input_ids, position_ids, attention_mask, kv_cache, None, None,
                                                  attention_rows, attention_slots, routing)
         placements = [] if images is None else shared_prompt_placements(
             input_ids, attention_rows, images, self.image_token_id, self.image_token_count)
