@@ -135,6 +135,10 @@ def test_refusals_name_what_is_not_supported(vision):
         Engine(model).generate([ids[0].tolist()], 1, params, turns=object(), images=[image_inputs(prompts[0])])
     with pytest.raises(CohortError, match="image tokens where its images fill"):
         model(ids[:, 4:], images=[image_inputs(prompts[0])])
+    rows = torch.arange(ids.shape[1])[None]
+    with pytest.raises(CohortError, match="no kv_cache or attention_mask"):
+        model(ids, rows, kv_cache=KVCache.for_model(model, 1, 64), attention_rows=rows,
+              attention_slots=rows[0], images=[image_inputs(prompts[0])])
     other = SimpleNamespace(config=SimpleNamespace(model_type="idefics3", vision_config={}))
     with pytest.raises(CohortError, match="idefics3 is a vision-language family cohort does not serve yet"):
         VisionLanguageModel.wrap(other)
@@ -144,7 +148,7 @@ def test_update_logprobs_equal_transformers_with_the_images(vision):
     """The update's log-probs (one padded row per completion, the images given with their rows) equal transformers'
     teacher-forced forward with the same pixels; the vision tower runs once per distinct prompt in a forward; with the
     tower frozen its weights get no gradient while the language tower's do."""
-    from cohort_grpo.rollout.layout import PADDED, Layout
+    from cohort_grpo.rollout.layout import PADDED
     from cohort_grpo.update.logprobs import rollout_logprobs
 
     processor, reference, model, prompts = vision
@@ -169,15 +173,68 @@ def test_update_logprobs_equal_transformers_with_the_images(vision):
         logits = logits[0, len(prompt_ids[row]) - 1: -1]
         expected = torch.log_softmax(logits, -1).gather(1, completions[row][:, None])[:, 0] * mask[row]
         assert (logp[row] - expected).abs().max() < 1e-4
-    with pytest.raises(CohortError, match="shared-prompt packing does not carry images"):
-        rollout_logprobs(model, prompt_ids, completions, mask, pad_id=0, max_rows=4,
-                         layout=Layout(shared=True, group=2), images=images)
     trained = copy.deepcopy(model)
     trained.freeze_vision_tower()
     ids = torch.cat([chosen[0]["input_ids"], completions[:1]], dim=1)
     trained(ids, images=[image_inputs(chosen[0])]).logsumexp(-1).sum().backward()
     assert all(p.grad is None for p in trained.vision_parameters())
     assert trained.transformers_model.lm_head.weight.grad is not None
+
+
+def shared_prompt_rollout(processor, model, prompts):
+    """Two completions each of: two prompts of the same tokens and different images, another prompt, and a text prompt
+    (no images); one completion samples an image token (a text token there), one is cut short."""
+    text = processor.tokenizer("no picture: ")["input_ids"]
+    chosen = [1, 1, 2, 2, 3, 3, None, None]
+    prompt_ids = [text if p is None else prompts[p]["input_ids"][0].tolist() for p in chosen]
+    images = [None if p is None else image_inputs(prompts[p]) for p in chosen]
+    images = [images[0], images[0], images[2], images[2], images[4], images[4], None, None]  # one object a prompt
+    torch.manual_seed(5)
+    completions = torch.randint(5, 60, (len(chosen), 6))
+    completions[2, 1] = model.image_token_id
+    mask = torch.ones_like(completions)
+    mask[3, 2:] = 0
+    return prompt_ids, images, completions, mask
+
+
+def test_shared_prompt_layout_equals_the_padded_one(vision):
+    """The shared-prompt layout (each prompt once in a flat row, its images encoded once and merged at its image
+    tokens; Qwen-VL's multimodal positions, Gemma 3's two-way image attention) gives the padded layout's log-probs,
+    and the same loss and gradients through both towers (float32: ≤ 1e-5); prompts of the same tokens with other
+    images stay two prompts."""
+    from cohort_grpo.rollout.layout import PADDED, Layout
+    from cohort_grpo.update.logprobs import micro_batch_logprobs, rollout_logprobs
+    from cohort_grpo.update.packing import pack
+
+    processor, _, model, prompts = vision
+    prompt_ids, images, completions, mask = shared_prompt_rollout(processor, model, prompts)
+    shared = Layout(shared=True, group=2)
+    calls = []
+    hook = model.vision_tower.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        packed = rollout_logprobs(model, prompt_ids, completions, mask, pad_id=0, max_rows=8, layout=shared,
+                                  images=images)
+    finally:
+        hook.remove()
+    assert len(calls) == 3  # one per distinct prompt with images, in one forward
+    padded = rollout_logprobs(model, prompt_ids, completions, mask, pad_id=0, max_rows=8, layout=PADDED,
+                              images=images)
+    assert (packed - padded).abs().max() <= 1e-5 and padded.abs().sum() > 0
+    trained = copy.deepcopy(model)
+    trained.freeze_vision_tower(False)
+    weights = torch.linspace(-1.0, 1.0, completions.numel()).view(completions.shape)
+    losses, grads = [], []
+    for layout in (PADDED, shared):
+        trained.zero_grad()
+        micro = pack(prompt_ids, completions, mask, list(range(len(prompt_ids))), 0, layout, images=images)
+        assert (micro.attention_rows is not None) == layout.shared
+        loss = (micro_batch_logprobs(trained, micro).logp * weights).sum()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append({name: p.grad.clone() for name, p in trained.named_parameters() if p.grad is not None})
+    assert abs(losses[0] - losses[1]) <= 1e-5
+    assert grads[0].keys() == grads[1].keys() and any(".visual." in n or "vision_tower" in n for n in grads[0])
+    assert max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0]) <= 1e-5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: decode steps as captured CUDA graphs")

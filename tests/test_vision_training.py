@@ -63,11 +63,12 @@ def changed(trainer, initial, prefix) -> set[str]:
 
 @pytest.mark.parametrize("family", sorted(VISION_PREFIXES))
 def test_two_steps_train_the_language_tower_with_the_vision_tower_frozen(tmp_path, family):
-    """Two steps: the sampler's log-probs are the update's (the same images in both), the rewards read the answer
-    column, the language tower's weights move and the vision tower's (and its projector's) do not
-    (freeze_vision_tower's default)."""
+    """Two steps in the shared-prompt layout (the default, as for text): the sampler's log-probs are the update's
+    (the same images in both), the rewards read the answer column, the language tower's weights move and the vision
+    tower's (and its projector's) do not (freeze_vision_tower's default)."""
     trainer, initial = train(tmp_path, family)
     assert len(trainer.history) == 2
+    assert trainer.layout.shared  # each prompt once in the log-prob passes and the update, its images with it
     for record in trainer.history:
         assert record["sampling/sampling_logp_difference/max"] < 1e-4
         assert "rewards/reward_answer/mean" in record
@@ -138,3 +139,57 @@ def test_what_images_cannot_do_yet_is_refused_by_name(tmp_path, options, trainer
     with pytest.raises(CohortError, match=refused):
         GRPOTrainer(model=build_vision_model(processor.tokenizer), reward_funcs=[reward_length], args=args,
                     train_dataset=dataset(), processing_class=processor, **trainer_options)
+
+
+REWARD_MODULE = '''
+def digit_share(prompts, completions, completion_ids=None, **_):
+    texts = [c[0]["content"] for c in completions]  # conversational: one assistant message each
+    return [sum(ch.isdigit() for ch in t) / max(1, len(t)) + 0.01 * len(t) for t in texts]
+'''
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_ranks_equals_one_process(tmp_path):
+    """`--nproc_per_node 2` (gloo, CPU) with `--fsdp` trains the tiny Qwen2.5-VL (`--task shapes`) two steps with one
+    process's loss, reward and gradient norm at every step and its final weights (float32), with the vision tower
+    frozen (the default) and trained: FSDP2's units are the language tower's decoder layers, the vision tower is
+    sharded with the root's weights."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    (tmp_path / "rewardmod.py").write_text(REWARD_MODULE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.getcwd()]), OMP_NUM_THREADS="1",
+               MKL_NUM_THREADS="1", CI="1")
+    options = ["--task", "shapes", "--reward_funcs", "rewardmod:digit_share", "--num_generations", "2",
+               "--per_device_train_batch_size", "4", "--max_completion_length", "6", "--max_prompt_length", "128",
+               "--eval_limit", "0", "--learning_rate", "1e-3", "--beta", "0.04", "--num_iterations", "2", "--seed", "3",
+               "--logging_steps", "1", "--device", "cpu", "--quiet", "--max_steps", "2"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+    def run(name, start, extra):
+        done = subprocess.run([*start, "-m", "cohort_grpo", "train", *options, *extra, "--output_dir",
+                               str(tmp_path / name)], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (name, done.stdout[-2000:], done.stderr[-3000:])
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return ([record for record in map(json.loads, lines) if "loss" in record],
+                load_file(tmp_path / name / "model.safetensors"))
+
+    final = {}
+    for frozen in ("true", "false"):
+        expected, final[frozen] = run(f"one-{frozen}", [sys.executable],
+                                      ["--gradient_accumulation_steps", "4", "--freeze_vision_tower", frozen])
+        got, saved = run(f"fsdp-{frozen}", launch,
+                         ["--gradient_accumulation_steps", "2", "--fsdp", "--freeze_vision_tower", frozen])
+        assert [record["step"] for record in got] == [1, 2]
+        for mine, theirs in zip(got, expected):
+            assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 and abs(mine["reward"] - theirs["reward"]) <= 1e-5
+            assert abs(mine["grad_norm"] - theirs["grad_norm"]) <= 1e-4 * max(1.0, theirs["grad_norm"])
+        assert saved.keys() == final[frozen].keys()
+        assert max(float((saved[k] - final[frozen][k]).abs().max()) for k in saved) <= 5e-5, frozen
+    # the trained tower moved (the saved folder names its weights visual.*): they differ from the frozen run's
+    assert any(not torch.equal(final["true"][k], final["false"][k]) for k in final["true"]
+               if k.startswith("visual."))

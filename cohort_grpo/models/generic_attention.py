@@ -77,7 +77,8 @@ class AttentionStep:
     rows (`packed`), or neither for the wrap-time probe, which records what each layer gives (`served`); for a model
     with linear-attention layers, their rows' recurrent states (`states`, passed to the decoder as its cache); for a
     cached forward of prompts whose image tokens see their whole image (Gemma 3), each token's image block
-    (`image_blocks` [B, T], -1 for a text token: vision_families.py)."""
+    (`image_blocks` [B, T], -1 for a text token: vision_families.py), or with `packed`, each attention row's
+    ([b, L])."""
 
     positions: torch.Tensor
     cache: KVCache | None = None
@@ -88,6 +89,7 @@ class AttentionStep:
     served: list = field(default_factory=list)
     states: object | None = None  # linear-attention layers' recurrent states (recurrent_state.StateCache)
     image_blocks: torch.Tensor | None = None
+    image_masks: dict = field(default_factory=dict)  # with `packed` and `image_blocks`: each window's mask
 
 
 ACTIVE_STEP: ContextVar[AttentionStep | None] = ContextVar("cohort_attention_step", default=None)
@@ -171,7 +173,12 @@ def cache_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer = module.layer_idx
     window = layer_window(module, module.config, kwargs)
     if step.packed is not None:
-        mask = window_mask(step.packed.rows.shape[1], window, query.device)
+        if step.image_blocks is None:
+            mask = window_mask(step.packed.rows.shape[1], window, query.device)
+        else:  # Gemma 3's image tokens see their whole image: a mask per attention row, made once per window
+            mask = step.image_masks.get(window)
+            if mask is None:
+                mask = step.image_masks[window] = same_image_or_causal(step.image_blocks, window)
         packed = step.packed._replace(mask=mask)
         out = shared_prefix.packed_attention(query, key, value, packed,
                                              lambda q, k, v, m: attend(q, k, v, m, scaling, **extras))
@@ -207,6 +214,18 @@ def same_image_visible(step: AttentionStep, window: int | None) -> torch.Tensor:
         key_positions = torch.arange(step.cache_len, device=blocks.device)
         same = same & (key_positions > positions[:, :, None] - window)
     return same
+
+
+def same_image_or_causal(blocks: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool [b, 1, L, L] over attention rows whose tokens have image `blocks` [b, L] (-1: text): a query sees the
+    keys at or before it and the keys of its own image, all within a sliding layer's window below it (as
+    `same_image_visible` over the cache)."""
+    index = torch.arange(blocks.shape[1], device=blocks.device)
+    visible = (index[None, :] <= index[:, None])[None] | ((blocks[:, :, None] == blocks[:, None, :])
+                                                         & (blocks[:, :, None] >= 0))
+    if window is not None:
+        visible = visible & (index[None, :] > index[:, None] - window)[None]
+    return visible[:, None]
 
 
 def decode_kernel_serves(step: AttentionStep, query: torch.Tensor, extras: dict, dropout: float) -> bool:

@@ -8,12 +8,18 @@ prompt and their embeddings stand where the prompt's image tokens are. A family 
   token's position carries (kept per row in the KV cache); image tokens attend causally, like text.
 - `Gemma3Vision` (Gemma 3): images resized to one square, a fixed number of tokens each (`mm_tokens_per_image`);
   plain 1-D positions; each image's tokens attend to one another in both directions (transformers' mask from the
-  token types), which the cached attention of the prefill repeats (`image_blocks`).
+  token types), which the cached attention of the prefill and the shared-prompt attention rows repeat
+  (`image_blocks`).
+
+Each family's `positions` serves the forwards of one row per prompt (the prefill, the padded layout);
+`shared_prompt_positions` the shared-prompt layout's flat row (vision_shared_prompts.py), with the padded layout's
+positions token for token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -38,12 +44,20 @@ class ImageInputs:
         return ImageInputs(self.pixel_values.to(device), grid)
 
 
-def image_token_types(input_ids: torch.Tensor, image_slots: list[torch.Tensor | None]) -> torch.Tensor:
-    """Token types [B, T] as the processors write them: `IMAGE_TOKEN_TYPE` at each row's image slots, else 0."""
+class ImagePlacement(NamedTuple):
+    """Where one prompt's images go in a forward's input: row `row` of input_ids, at `columns` (its image tokens,
+    as many as the images fill, in order)."""
+
+    images: ImageInputs
+    row: int
+    columns: torch.Tensor
+
+
+def image_token_types(input_ids: torch.Tensor, placements: list[ImagePlacement]) -> torch.Tensor:
+    """Token types [B, T] as the processors write them: `IMAGE_TOKEN_TYPE` where images are placed, else 0."""
     types = torch.zeros_like(input_ids, dtype=torch.int)
-    for row, slots in enumerate(image_slots):
-        if slots is not None:
-            types[row, slots] = IMAGE_TOKEN_TYPE
+    for placement in placements:
+        types[placement.row, placement.columns] = IMAGE_TOKEN_TYPE
     return types
 
 
@@ -77,15 +91,15 @@ class QwenVL:
 
     def positions(self, model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                   attention_mask: torch.Tensor | None, images: list[ImageInputs | None] | None,
-                  image_slots: list[torch.Tensor | None] | None, offsets) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  token_types: torch.Tensor | None, offsets) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotary positions [3, B, T], and each row's rope delta [B] when images are given (None without: the
         positions are the ids plus the rows' kept deltas, `offsets`). A row with images takes the model's own
-        `get_rope_index` (its tokens from index 0), a text row the position ids on all three axes (delta 0)."""
+        `get_rope_index` over its `token_types` (its tokens from index 0), a text row the position ids on all
+        three axes (delta 0)."""
         if images is None:
             return (position_ids + offsets)[None].expand(3, *position_ids.shape), None
         rotary = position_ids[None].expand(3, *position_ids.shape).clone()
         deltas = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-        token_types = image_token_types(input_ids, image_slots)
         for row, row_images in enumerate(images):
             if row_images is None:
                 continue
@@ -96,6 +110,34 @@ class QwenVL:
             rotary[:, row] = positions[:, 0]
             deltas[row] = delta.reshape(-1)[0]
         return rotary, deltas
+
+    def shared_prompt_positions(self, model: nn.Module, row_ids: torch.Tensor, position_ids: torch.Tensor,
+                                attention_rows: torch.Tensor, attention_slots: torch.Tensor,
+                                images: list[ImageInputs | None] | None, row_types: torch.Tensor) -> torch.Tensor:
+        """Rotary positions [3, 1, N] of a shared-prompt forward's flat row, the padded layout's: `get_rope_index`
+        over each packed prompt's first attention row (`row_ids`, `row_types` [b, L]: its prompt, that completion,
+        then padding of text type) gives that row's tokens and the prompt's rope delta; every other token (the
+        prompt's other completions) takes its position plus that delta, as a padded row's text after its images
+        does; a text prompt's tokens take their positions on all three axes."""
+        width = attention_rows.shape[1]
+        source, column = attention_slots // width, attention_slots % width
+        deltas = torch.zeros(attention_rows.shape[0], dtype=torch.long, device=row_ids.device)
+        computed = {}  # by (images, the prompt's first flat index): (its first row, that row's positions [3, L])
+        for row, row_images in enumerate(images or []):
+            if row_images is None:
+                continue
+            key = (id(row_images), int(attention_rows[row, 0]))
+            if key not in computed:
+                positions, delta = model.model.get_rope_index(
+                    row_ids[row: row + 1], row_types[row: row + 1],
+                    image_grid_thw=row_images.image_grid_thw.to(row_ids.device))
+                computed[key] = (row, positions[:, 0], delta.reshape(-1)[0])
+            deltas[row] = computed[key][2]
+        rotary = (position_ids[0] + deltas[source]).expand(3, -1).clone()
+        for row, positions, _ in computed.values():
+            own = source == row
+            rotary[:, own] = positions[:, column[own]].to(rotary.dtype)
+        return rotary[:, None]
 
 
 class Gemma3Vision:
@@ -114,9 +156,14 @@ class Gemma3Vision:
     def image_features(self, model: nn.Module, images: ImageInputs, device):
         return model.model.get_image_features(images.pixel_values.to(device))
 
-    def positions(self, model, input_ids, position_ids, attention_mask, images, image_slots, offsets):
+    def positions(self, model, input_ids, position_ids, attention_mask, images, token_types, offsets):
         """Plain positions: the position ids (no rope delta)."""
         return position_ids, None
+
+    def shared_prompt_positions(self, model, row_ids, position_ids, attention_rows, attention_slots, images,
+                                row_types):
+        """Plain positions: those the shared layout gives each token (its column in its padded row)."""
+        return position_ids
 
     def attention_masks(self, model: nn.Module, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor, token_types: torch.Tensor) -> dict:

@@ -9,14 +9,16 @@ attention and KV cache. What the images add lives here, and what differs between
   object per prompt, shared by the rows of its completions. A forward given `images` (one per row, None for a text
   row) runs the vision tower once per distinct `ImageInputs` object and writes the image embeddings where the
   prompt's image tokens stand (the first ones of the row: a completion that samples an image token keeps it a text
-  token, as transformers' `generate` does).
+  token, as transformers' `generate` does). The update's shared-prompt layout (one flat row, each prompt once before
+  its completions, `attention_rows`) places each packed prompt's images once (vision_shared_prompts.py).
 - Qwen-VL's multimodal rotary positions: an image's tokens take (time, height, width) positions, so the prompt's
   positions come from the model's own `get_rope_index`, and every later token's rotary position is its index plus
   the prompt's rope delta. The KV cache stores keys by index (`position_ids`, as for a text model) and keeps each
   row's delta (`KVCache.rotary_offsets`, moved and shared with the row), so decode steps need nothing else.
 - Gemma 3's image tokens attend to their whole image (both directions): a cached forward with images (the prefill,
-  which holds each prompt whole) tells cohort's attention each token's image block (`AttentionStep.image_blocks`);
-  a forward without the cache takes transformers' own masks of the token types.
+  which holds each prompt whole) tells cohort's attention each token's image block (`AttentionStep.image_blocks`),
+  and so does a shared-prompt forward (each attention row's blocks); a forward of padded rows takes transformers'
+  own masks of the token types.
 
 The vision tower keeps its own attention implementation; only the language tower's becomes cohort's.
 """
@@ -32,7 +34,9 @@ from torch import nn
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
 from cohort_grpo.models.generic import TransformersCausalLM
-from cohort_grpo.models.vision_families import FAMILIES, SERVED, ImageInputs, image_blocks, image_token_types
+from cohort_grpo.models.vision_families import (FAMILIES, SERVED, ImageInputs, ImagePlacement, image_blocks,
+                                                image_token_types)
+from cohort_grpo.models.vision_shared_prompts import attention_row_types, row_placements, shared_prompt_placements
 
 # The vision-language families this wrapper serves (their model type).
 VISION_LANGUAGE_TYPES = tuple(FAMILIES)
@@ -123,27 +127,31 @@ class VisionLanguageModel(TransformersCausalLM):
                 cache_len: int | None = None, attention_rows: torch.Tensor | None = None,
                 attention_slots: torch.Tensor | None = None, routing=None) -> torch.Tensor:
         """`TransformersCausalLM.forward` with `images`: row b's prompt images (None for a text row), whose
-        tokens start at position 0 of the row. A cached forward with images (a prefill) records each row's rope
-        delta in the cache (Qwen-VL); one without (a decode step) reads it."""
-        if attention_rows is not None:
-            raise CohortError(f"shared-prompt packing does not run {self.model_type} yet (its images and "
-                              "multimodal positions): use --padding_free false")
-        if images is not None and len(images) != input_ids.shape[0]:
-            raise CohortError(f"images has {len(images)} entries for {input_ids.shape[0]} rows: pass one per row "
+        tokens start at position 0 of the row; with `attention_rows` (one flat row of shared prompts), one entry
+        per attention row (`shared_prompt_forward`). A cached forward with images (a prefill) records each row's
+        rope delta in the cache (Qwen-VL); one without (a decode step) reads it."""
+        rows = input_ids.shape[0] if attention_rows is None else attention_rows.shape[0]
+        if images is not None and len(images) != rows:
+            raise CohortError(f"images has {len(images)} entries for {rows} rows: pass one per row "
                               "(None for a text row)")
         images = images if images is not None and any(i is not None for i in images) else None
+        if attention_rows is not None:
+            hidden = self.shared_prompt_forward(input_ids, position_ids, attention_mask, kv_cache, attention_rows,
+                                                attention_slots, images, routing)
+            return hidden if return_hidden else self.lm_head(hidden)
         position_ids, step = self.attention_step(input_ids, position_ids, attention_mask, kv_cache, cache_rows,
                                                  cache_len, None, None, routing)
         rows = cache_rows if cache_rows is not None else torch.arange(input_ids.shape[0], device=input_ids.device)
-        image_slots = None if images is None else self.image_slots(input_ids, images)
+        placements = [] if images is None else row_placements(input_ids, images, self.image_token_id,
+                                                               self.image_token_count)
+        token_types = None if images is None else image_token_types(input_ids, placements)
         offsets = 0 if kv_cache is None else kv_cache.rotary_offsets[rows][:, None]
         rotary, deltas = self.family.positions(self.transformers_model, input_ids, position_ids, attention_mask,
-                                               images, image_slots, offsets)
+                                               images, token_types, offsets)
         if kv_cache is not None and deltas is not None:
             kv_cache.rotary_offsets[rows] = deltas
-        embeds, deepstack = self.merged_embeddings(input_ids, images, image_slots)
+        embeds, deepstack = self.merged_embeddings(input_ids, placements)
         if images is not None and self.family.bidirectional_images:
-            token_types = image_token_types(input_ids, image_slots)
             if step is not None:
                 step.image_blocks = image_blocks(token_types)
             else:
@@ -152,21 +160,26 @@ class VisionLanguageModel(TransformersCausalLM):
         hidden = self.decoder_hidden(input_ids, rotary, attention_mask, step, inputs_embeds=embeds, **deepstack)
         return hidden if return_hidden else self.lm_head(hidden)
 
-    def image_slots(self, input_ids: torch.Tensor, images: list[ImageInputs | None]) -> list[torch.Tensor | None]:
-        """Row by row, the columns its images' embeddings go to: the first image tokens of the row, as many as its
-        images fill (None for a text row). A one-line error where a prompt has fewer image tokens."""
-        slots = []
-        for row, row_images in enumerate(images):
-            if row_images is None:
-                slots.append(None)
-                continue
-            wanted = self.image_token_count(row_images)
-            found = (input_ids[row] == self.image_token_id).nonzero()[:, 0]
-            if len(found) < wanted:
-                raise CohortError(f"row {row}'s prompt has {len(found)} image tokens where its images fill {wanted}: "
-                                  "render prompts with the model's processor (it inserts the image tokens)")
-            slots.append(found[:wanted])
-        return slots
+    def shared_prompt_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                              attention_mask: torch.Tensor | None, kv_cache: KVCache | None,
+                              attention_rows: torch.Tensor, attention_slots: torch.Tensor | None,
+                              images: list[ImageInputs | None] | None, routing) -> torch.Tensor:
+        """The final hidden states [1, N, H] of one flat row of shared prompts and their completions
+        (vision_shared_prompts.py): each packed prompt's images through the vision tower once and merged at its
+        image tokens, the positions and the image tokens' attention those of the padded layout, row for row.
+        (`attention_mask` and `kv_cache` must be None: `attention_step` says so.)"""
+        position_ids, step = self.attention_step(input_ids, position_ids, attention_mask, kv_cache, None, None,
+                                                 attention_rows, attention_slots, routing)
+        placements = [] if images is None else shared_prompt_placements(
+            input_ids, attention_rows, images, self.image_token_id, self.image_token_count)
+        row_types = attention_row_types(image_token_types(input_ids, placements), attention_rows)
+        row_ids = input_ids[0, attention_rows]
+        rotary = self.family.shared_prompt_positions(self.transformers_model, row_ids, position_ids, attention_rows,
+                                                     attention_slots, images, row_types)
+        embeds, deepstack = self.merged_embeddings(input_ids, placements)
+        if placements and self.family.bidirectional_images:
+            step.image_blocks = image_blocks(row_types)
+        return self.decoder_hidden(input_ids, rotary, None, step, inputs_embeds=embeds, **deepstack)
 
     def image_features(self, images: list[ImageInputs | None]) -> dict[int, tuple]:
         """Each distinct `ImageInputs` of `images` through the vision tower once, by the object's id: its embeddings
@@ -202,18 +215,18 @@ class VisionLanguageModel(TransformersCausalLM):
             return None
         return parameters[0].data_ptr(), parameters[0].dtype, str(parameters[0].device)
 
-    def merged_embeddings(self, input_ids: torch.Tensor, images: list[ImageInputs | None] | None,
-                          image_slots: list[torch.Tensor | None] | None) -> tuple[torch.Tensor, dict]:
-        """The token embeddings [B, T, H] with each row's image embeddings at its image slots, and the decoder's
-        deepstack inputs where the model has them (the image slots as a mask, each layer's features in the same
-        row-major order)."""
+    def merged_embeddings(self, input_ids: torch.Tensor,
+                          placements: list[ImagePlacement]) -> tuple[torch.Tensor, dict]:
+        """The token embeddings [B, T, H] with each placed prompt's image embeddings at its columns, and the
+        decoder's deepstack inputs where the model has them (the placed columns as a mask, each layer's features
+        in the same row-major order: `placements` come in that order)."""
         embeds = self.transformers_model.get_input_embeddings()(input_ids)
-        if images is None:
+        if not placements:
             return embeds, {}
-        features = self.image_features(images)
-        rows = torch.cat([torch.full_like(slots, row) for row, slots in enumerate(image_slots) if slots is not None])
-        columns = torch.cat([slots for slots in image_slots if slots is not None])
-        parts = [features[id(row_images)] for row_images in images if row_images is not None]
+        features = self.image_features([placement.images for placement in placements])
+        rows = torch.cat([torch.full_like(placement.columns, placement.row) for placement in placements])
+        columns = torch.cat([placement.columns for placement in placements])
+        parts = [features[id(placement.images)] for placement in placements]
         merged = embeds.index_put((rows, columns), torch.cat([part[0] for part in parts]).to(embeds.dtype))
         if not parts[0][1]:
             return merged, {}

@@ -22,7 +22,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 shards one by one: our `DecoderLayer`s, Hugging Face's
     `*DecoderLayer` / `*Block` modules, outermost only: a mixture of experts' `SparseMoeBlock` inside a
     layer is part of its layer's unit (FSDP2 cannot shard a parameter its layer's unit already sharded). A model on
-    the generic path names its own: its decoder's list of repeated layers, whatever their class is called."""
+    the generic path names its own: its decoder's list of repeated layers, whatever their class is called. A
+    vision-language model's vision tower stays in the root's unit, gathered in every forward on every rank: a frozen
+    tower's kept features skip it in some forwards, so units of its own would gather on some ranks only."""
     if isinstance(model, TransformersCausalLM):
         return list(model.decoder_layers())
     layers, prefixes = [], []

@@ -17,13 +17,27 @@ from dataclasses import dataclass
 from torch import Tensor
 
 
-def prompt_groups(prompt_ids: list[list[int]], max_rows: int) -> list[list[int]]:
+def prompt_groups(prompt_ids: list, max_rows: int) -> list[list[int]]:
     """The rollout's rows grouped by identical prompt (first-seen order, rows in order), each group
-    cut into runs of at most `max_rows` completions."""
+    cut into runs of at most `max_rows` completions. A prompt is its token ids, or any sequence that
+    tells prompts apart (`prompt_keys`: the ids and the prompt's images)."""
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for row, prompt in enumerate(prompt_ids):
         by_prompt.setdefault(tuple(prompt), []).append(row)
     return [rows[i: i + max_rows] for rows in by_prompt.values() for i in range(0, len(rows), max_rows)]
+
+
+def prompt_keys(prompt_ids: list[list[int]], images: list | None = None) -> list:
+    """What makes each row's prompt the same as another's: its token ids, and a vision-language row's images
+    (one `ImageInputs` object per prompt, shared by its rows: two prompts of the same tokens may hold different
+    images, and are then two prompts).
+
+    >>> prompt_keys([[7, 8], [7, 8]], ["a", None])
+    [('a', 7, 8), [7, 8]]
+    """
+    if images is None:
+        return prompt_ids
+    return [ids if row_images is None else (row_images, *ids) for ids, row_images in zip(prompt_ids, images)]
 
 
 def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0,
@@ -85,36 +99,36 @@ class Layout:
                    group=num_generations)
 
     def plan(self, prompt_ids: list[list[int]], completion_mask: Tensor, max_rows: int,
-             max_tokens: int = 0) -> list[list[int]]:
+             max_tokens: int = 0, images: list | None = None) -> list[list[int]]:
         """`plan_micro_batches` over a rollout: rows as long as prompt + completion, or shared prompt groups as
         long as the prompt + their completions (the shared layout has no padding, but the budget stays a bound
         on rows × length, as in the other layout). Returns the rollout rows of each micro-batch (a group's rows
-        stay together)."""
+        stay together; `images`: each row's prompt images, which tell prompts apart as their tokens do)."""
         completion_lengths = completion_mask.sum(dim=1).tolist()
         if not self.shared:
             lengths = [len(p) + int(n) for p, n in zip(prompt_ids, completion_lengths)]
             return plan_micro_batches(lengths, max_rows, max_tokens)
-        groups = prompt_groups(prompt_ids, max_rows)
+        groups = prompt_groups(prompt_keys(prompt_ids, images), max_rows)
         lengths = [len(prompt_ids[g[0]]) + sum(int(completion_lengths[r]) for r in g) for g in groups]
         plans = plan_micro_batches(lengths, max_rows, max_tokens, sizes=[len(g) for g in groups])
         return [[row for unit in plan for row in groups[unit]] for plan in plans]
 
-    def computed_prompt_tokens(self, prompt_ids: list[list[int]], max_rows: int) -> int:
+    def computed_prompt_tokens(self, prompt_ids: list[list[int]], max_rows: int, images: list | None = None) -> int:
         """Prompt tokens the forwards of `plan(..., max_rows)` compute: each prompt once per group run when
         shared, once per completion else."""
         if not self.shared:
             return sum(len(p) for p in prompt_ids)
-        return sum(len(prompt_ids[group[0]]) for group in prompt_groups(prompt_ids, max_rows))
+        return sum(len(prompt_ids[group[0]]) for group in prompt_groups(prompt_keys(prompt_ids, images), max_rows))
 
     def attention_pairs(self, prompt_ids: list[list[int]], completion_lengths: list[int], max_rows: int,
-                        window: int | None = None) -> int:
+                        window: int | None = None, images: list | None = None) -> int:
         """(query, key) pairs one attention layer computes over a rollout laid out as `plan` lays it out:
         [prompt | completion] per row, or when shared each prompt's queries once per group, then every
         completion's queries over the prompt and its own earlier tokens."""
         if not self.shared:
             return sum(causal_pairs(len(p) + n, window) for p, n in zip(prompt_ids, completion_lengths))
         total = 0
-        for group in prompt_groups(prompt_ids, max_rows):
+        for group in prompt_groups(prompt_keys(prompt_ids, images), max_rows):
             prompt = len(prompt_ids[group[0]])
             total += causal_pairs(prompt, window)
             total += sum(causal_pairs(prompt + completion_lengths[r], window) - causal_pairs(prompt, window)

@@ -142,9 +142,9 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     rewards.check_columns(set(train_rows[0]) | provided)
     train_model, optimizer, scheduler, auto_checkpointing, engine_copy = build_training(start)
     model, sampling_model, ref_model = place_policy(start, train_model, engine_copy)
-    # The G completions of a prompt share its forward in the log-prob passes and the update: our
-    # models only (they take attention rows: no linear-attention state, no images), and only where a prompt has
-    # several completions.
+    # The G completions of a prompt share its forward in the log-prob passes and the update: models that take
+    # attention rows (no linear-attention state; a vision-language model's images go in once per prompt), and
+    # only where a prompt has several completions.
     layout = Layout.choose(args.share_prompt_prefix, args.num_generations, takes_attention_rows(model))
     group = parallel.sampling_group
     rollouts = build_rollouts(args, sampling_model, tokenizer, start.pad_id, toolbox, placement=start.placement,

@@ -282,11 +282,12 @@ def attention_layers(model) -> list[tuple[int, int | None]]:
 
 
 def rollout_attention_pairs(model, layout: Layout, prompt_ids: list[list[int]], completion_lengths: list[int],
-                            max_rows: int) -> dict[int | None, int]:
+                            max_rows: int, images: list | None = None) -> dict[int | None, int]:
     """`update_flops`'s `attention_pairs` for a rollout laid out as `layout` lays it out (`Layout.attention_pairs`),
-    for each sliding window (or None) that `model`'s attention layers use."""
+    for each sliding window (or None) that `model`'s attention layers use (`images`: each row's prompt images)."""
     windows = dict.fromkeys(window for _, window in attention_layers(model))
-    return {window: layout.attention_pairs(prompt_ids, completion_lengths, max_rows, window) for window in windows}
+    return {window: layout.attention_pairs(prompt_ids, completion_lengths, max_rows, window, images)
+            for window in windows}
 
 
 def peak_memory_gib(device, reset: bool = True) -> float:

@@ -209,9 +209,9 @@ class StepReport:
         Prompt tokens as the forward passes see them: once per group when the group shares its
         prompt; attention's (query, key) pairs per layer, for each sliding window the layers use."""
         pairs = rollout_attention_pairs(self.model, context.layout, batch.prompt_ids,
-                                        [int(n) for n in lengths.tolist()], context.micro_rows)
+                                        [int(n) for n in lengths.tolist()], context.micro_rows, batch.images)
         prompt_tokens, completion_tokens, *summed_pairs = (int(n) for n in self.parallel.all_reduce_sums(
-            [context.layout.computed_prompt_tokens(batch.prompt_ids, context.micro_rows),
+            [context.layout.computed_prompt_tokens(batch.prompt_ids, context.micro_rows, batch.images),
              float(lengths.sum()), *map(float, pairs.values())]))
         record = throughput_metrics(
             self.model, self.device, self.phase_times, prompt_tokens, completion_tokens, updates,

@@ -264,22 +264,21 @@ def supports_hidden(model) -> bool:
 
 def takes_attention_rows(model) -> bool:
     """Whether `model` runs the shared-prompt layout (one flat row of a prompt and its completions, attention rows
-    saying what each token sees): `supports_hidden`, no layer whose recurrent state would run through the other
-    completions' tokens (linear attention), and no images (a vision-language model's do not travel in the rows yet)."""
+    saying what each token sees): `supports_hidden`, and no layer whose recurrent state would run through the other
+    completions' tokens (linear attention). A vision-language model's images go in once per packed prompt."""
     inner = getattr(model, "module", model)
-    return (supports_hidden(model) and not getattr(inner, "keeps_recurrent_state", False)
-            and not getattr(inner, "takes_images", False))
+    return supports_hidden(model) and not getattr(inner, "keeps_recurrent_state", False)
 
 
 def forward_hidden(model, micro: MicroBatch) -> Tensor:
     """Final normed hidden states [r, L, H] of `micro`'s forward rows: our CausalLM in either layout, or
     any model whose forward takes `return_hidden` in the one-row-per-completion layout."""
     routing = {} if micro.routing is None else {"routing": micro.routing}  # a MoE model's replay (models/moe.py)
+    images = {} if micro.images is None else {"images": micro.images}  # a vision-language model's
     if micro.attention_rows is None:
-        images = {} if micro.images is None else {"images": micro.images}  # a vision-language model's
         return model(micro.input_ids, return_hidden=True, **routing, **images)
     return model(micro.input_ids, position_ids=micro.position_ids, attention_rows=micro.attention_rows,
-                 attention_slots=micro.attention_slots, return_hidden=True, **routing)
+                 attention_slots=micro.attention_slots, return_hidden=True, **routing, **images)
 
 
 def completion_hidden(model, micro: MicroBatch) -> tuple[Tensor, Tensor, Tensor]:
@@ -339,7 +338,7 @@ def rollout_logprobs(model, prompt_ids: list[list[int]], completion_ids: Tensor,
 distribution the log-probs are of. `images`: each row's prompt images, for a vision-language model."""
     device = next(model.parameters()).device
     full = torch.zeros(completion_ids.shape, dtype=torch.float32, device=device)
-    plans = layout.plan(prompt_ids, completion_mask, max_rows, max_tokens)
+    plans = layout.plan(prompt_ids, completion_mask, max_rows, max_tokens, images)
     # FSDP2 gathers into buffers it reuses in training: made under inference mode they could not be written again.
     with torch.no_grad() if is_fully_sharded(model) else torch.inference_mode():
         forwards = agree(len(plans)) if agree is not None else len(plans)

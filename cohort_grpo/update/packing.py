@@ -27,10 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cohort_grpo.errors import CohortError
 from cohort_grpo.models.moe import Routing
 from cohort_grpo.rollout.batch import to_device
-from cohort_grpo.rollout.layout import PADDED, Layout, prompt_groups
+from cohort_grpo.rollout.layout import PADDED, Layout, prompt_groups, prompt_keys
 
 
 @dataclass
@@ -55,7 +54,8 @@ class MicroBatch:
     # a mixture-of-experts rollout's recorded experts, laid out as input_ids ([r, L, MoE layers, k] in
     # `routing.recorded`), and what the forward reports about its routing
     routing: Routing | None = None
-    # a vision-language rollout's prompt images, one per input row (models/vision_language.py; padded layout only)
+    # a vision-language rollout's prompt images, one per completion (models/vision_language.py): the row of its
+    # [prompt | completion], or, in the shared layout, its attention row (the images go in once per prompt)
     images: list | None = None
 
     @property
@@ -116,10 +116,11 @@ def pack_micro_batch(prompt_ids: list[list[int]], completion_ids: Tensor, comple
 
 
 def pack_shared_prompts(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor,
-                        rows: list[int], pad_id: int) -> MicroBatch:
+                        rows: list[int], pad_id: int, images: list | None = None) -> MicroBatch:
     """Rows `rows` as one flat sequence: each distinct prompt once, then its completions, no padding;
     plus the attention rows [prompt | completion] of each completion as indices into it
-    (models/shared_prefix.py). `pad_id` is unused: nothing is padded.
+    (models/shared_prefix.py). `pad_id` is unused: nothing is padded. `images`: each rollout row's prompt
+    images, which tell prompts of the same tokens apart (`prompt_keys`).
 
     >>> mb = pack_shared_prompts([[7, 8], [7, 8]], torch.tensor([[1, 2], [3, 0]]), torch.tensor([[1, 1], [1, 0]]),
     ...                          [0, 1], pad_id=0)
@@ -131,7 +132,8 @@ def pack_shared_prompts(prompt_ids: list[list[int]], completion_ids: Tensor, com
     [1, 2, 1]
     """
     lengths, completions, mask, token_rows, token_cols = _completion_part(completion_ids, completion_mask, rows)
-    units = prompt_groups([prompt_ids[r] for r in rows], max_rows=len(rows))  # positions in `rows`, by prompt
+    keys = prompt_keys([prompt_ids[r] for r in rows], None if images is None else [images[r] for r in rows])
+    units = prompt_groups(keys, max_rows=len(rows))  # positions in `rows`, by prompt
     width = max(len(prompt_ids[r]) + n for r, n in zip(rows, lengths))  # the attention rows' length
     ids, positions, slots = [], [], []  # tensors, concatenated once: this runs for every micro-batch
     attention_rows = torch.zeros((len(rows), width), dtype=torch.long)
@@ -171,11 +173,10 @@ def pack(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: T
     (`Rollout.routed_experts`, [B, S, layers, k] by row and position) the micro-batch's `routing` holds them in
     the same layout as its input_ids, to route by (`replay`) or compare with. `images`: each rollout row's prompt
     images (a vision-language model's), given to the forward with its rows."""
-    if images is not None and layout.shared:
-        raise CohortError("shared-prompt packing does not carry images yet: a vision-language run uses one padded "
-                          "row per completion (--padding_free false)")
-    packer = pack_shared_prompts if layout.shared else pack_micro_batch
-    micro = packer(prompt_ids, completion_ids, completion_mask, rows, pad_id)
+    if layout.shared:
+        micro = pack_shared_prompts(prompt_ids, completion_ids, completion_mask, rows, pad_id, images)
+    else:
+        micro = pack_micro_batch(prompt_ids, completion_ids, completion_mask, rows, pad_id)
     if images is not None:
         micro.images = [images[row] for row in rows]
     if routes is not None or keep_router:

@@ -203,7 +203,7 @@ class PolicyUpdate:
         """Rows of the rollout grouped by length (and prompt) into micro-batches under the memory
         manager's current sizes, as the run's layout plans them (cohort_grpo/rollout/layout.py)."""
         return self.layout.plan(batch.prompt_ids, batch.rollout.completion_mask, self.memory.micro_rows,
-                                self.memory.micro_tokens)
+                                self.memory.micro_tokens, batch.images)
 
     def agreed_forwards(self, model, count: int) -> int:
         """How many micro-batches this rank runs through `model` when it planned `count`: under FSDP2 the most
