@@ -306,9 +306,9 @@ class TransformersCausalLM(nn.Module):
                      if kind in STATELESS_LAYER_TYPES}
         count = layers or len(set(attended) | state_layers | stateless)
         if len(set(attended)) != len(attended) or (set(attended) | state_layers | stateless) != set(range(count)):
+            recurrent = f", recurrent: {sorted(state_layers)}" if state_layers else ""
             raise GenericPathRefused(f"{self.model_type}'s attention does not come through transformers' attention "
-                                     f"interface once per layer (layers served: {attended}, recurrent: "
-                                     f"{sorted(state_layers)}, of {layers})")
+                                     f"interface once per layer (layers served: {attended}{recurrent}, of {layers})")
         shapes = dict.fromkeys(range(count), (0, 0))
         for layer, (key_heads, key_width), (value_heads, value_width) in served:
             if value_heads != key_heads or value_width > key_width:
