@@ -31,8 +31,8 @@ from torch import nn
 
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
-from cohort_grpo.models.generic_attention import (ATTENTION, AttentionStep, GenericPathRefused, LogitHead,
-                                                  STATELESS_LAYER_TYPES, active_step, attention_implementation,
+from cohort_grpo.models.generic_attention import (ATTENTION, STATELESS_LAYER_TYPES, AttentionStep, GenericPathRefused,
+                                                  LogitHead, active_step, attention_implementation,
                                                   keeps_recurrent_state, refusal, register_attention)
 from cohort_grpo.models.generic_training import checkpoint_first_layers, decoder_layer_list
 from cohort_grpo.models.recurrent_state import StateCache, StateShapes
