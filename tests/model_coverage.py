@@ -79,7 +79,17 @@ SMALL = 64
 # A few types whose own fields the names above do not reach, or reach wrongly (their validation's demands).
 OVERRIDES: dict[str, dict] = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
-    "mamba2": dict(expand=1),
+    # state-space layers: Mamba 2 heads of the attention heads' width, a chunk shorter than the longer prompt (its
+    # scan carries a state from chunk to chunk), attention layers between them as the released checkpoints have
+    "mamba2": dict(expand=1, n_groups=1, state_size=16, chunk_size=8),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention", "linear_attention"],
+                             num_hidden_layers=3, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                             mamba_chunk_size=8),
+    "bamba": dict(attn_layer_indices=[1], num_hidden_layers=3, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                  mamba_chunk_size=8),
+    # LFM2's short-convolution layers around an attention layer (its default config attends in every layer)
+    "lfm2": dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3, num_dense_layers=1),
     "zaya": dict(num_experts_per_tok=1),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
     "dots3_note_text": dict(num_key_value_heads=4),

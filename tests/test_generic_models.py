@@ -72,8 +72,24 @@ FAMILIES = {
                         linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         shared_expert_intermediate_size=32, initializer_range=0.2)),
+    # state-space hybrids (the same per-row states): Mamba 2 layers with attention between them, the scan's chunk
+    # shorter than the prompts (its state carries from chunk to chunk), and mixture-of-experts MLPs (Granite 4.0)
+    "granitemoehybrid": (transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM,
+                         dict(GQA, layer_types=["linear_attention", "full_attention"] * 2, mamba_n_heads=8,
+                              mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=4, num_local_experts=4,
+                              num_experts_per_tok=2, initializer_range=0.2)),
+    # LFM2's gated short convolutions (a convolution state, no state matrix) around attention layers
+    "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM,
+             dict(GQA, layer_types=["conv", "full_attention"] * 2, block_auto_adjust_ff_dim=False,
+                  initializer_range=0.2)),
+    # Mamba 1 layers, whose scan over several tokens starts from a zero state (continued token by token)
+    "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM,
+              dict(GQA, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                   num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, initializer_range=0.2)),
 }
-RECURRENT_FAMILIES = {"qwen3_5_text", "qwen3_next"}
+# model types whose layers keep a recurrent state, and the layer types that keep one
+RECURRENT_FAMILIES = {"qwen3_5_text", "qwen3_next", "granitemoehybrid", "lfm2", "jamba"}
+STATE_LAYER_TYPES = {"linear_attention", "conv"}
 # No prompt token is the pad id 0 (generate would take it for padding); the longest exceed the window.
 PROMPTS = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [7, 3], [11, 4, 8, 15, 16, 23, 42, 6, 10, 12, 14, 19], [20, 21, 22],
            [30, 31, 32, 33, 34, 35]]
@@ -154,7 +170,7 @@ def test_shared_prompt_layout_equals_padded_rows(family):
     assert supports_hidden(model) == (model_type not in ("gemma3_text", "granite", "cohere"))
     assert takes_attention_rows(model) == (supports_hidden(model) and model_type not in RECURRENT_FAMILIES)
     if model_type in RECURRENT_FAMILIES:  # one flat row of several sequences would run through one state
-        with pytest.raises(CohortError, match="linear-attention layers"):
+        with pytest.raises(CohortError, match="layers that keep a recurrent state"):
             model(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]]), attention_rows=torch.tensor([[0, 1, 2]]),
                   attention_slots=torch.tensor([0, 1, 2]))
     if not takes_attention_rows(model):
@@ -220,34 +236,41 @@ def test_load_policy_wraps_other_types_and_keeps_native_and_hf(tmp_path):
 
 
 def test_recurrent_and_encoder_decoder_models_are_refused_by_name(tmp_path):
-    """Layers without keys and values (state-space, linear attention) and encoder-decoders are refused by name:
-    auto takes transformers' generate and says why; model_impl cohort is a one-line error."""
+    """Layers whose state the engine cannot keep (outside transformers' cache interface), attention it cannot serve
+    and encoder-decoders are refused by name: auto takes transformers' generate and says why; model_impl cohort is a
+    one-line error. State-space hybrids that keep their state through the interface are not refused."""
     assert "encoder-decoder" in refusal(transformers.T5Config())
-    assert "mamba has recurrent" in refusal(transformers.MambaConfig())
-    assert "falcon_h1 has recurrent" in refusal(transformers.FalconH1Config())
+    assert "rwkv has recurrent layers the engine cannot keep" in refusal(transformers.RwkvConfig())
+    assert "minimax has recurrent layers the engine cannot keep" in refusal(transformers.MiniMaxConfig())
+    assert "zamba's attention block is shared by several layers" in refusal(transformers.ZambaConfig())
+    for config in (transformers.MambaConfig(), transformers.FalconH1Config(), transformers.NemotronHConfig(),
+                   transformers.Lfm2Config(layer_types=["conv", "full_attention"], num_hidden_layers=2)):
+        assert refusal(config) is None, config.model_type
     unknown_hybrid = SimpleNamespace(model_type="some_hybrid", layer_types=["full_attention", "mamba"])
     assert "some_hybrid has layers of type mamba" in refusal(unknown_hybrid)
     assert refusal(transformers.Gemma3TextConfig()) is None
     # Doge's mask holds learned values: wrapped, its logits differed from its own forward's (docs/models.md).
     assert "doge's attention mask carries learned values" in refusal(transformers.DogeConfig())
-    model = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4,
-                                                                   num_hidden_layers=2))
-    with pytest.raises(GenericPathRefused, match="mamba"):
+    model = transformers.RwkvForCausalLM(transformers.RwkvConfig(vocab_size=VOCAB, hidden_size=32,
+                                                                 attention_hidden_size=32, intermediate_size=64,
+                                                                 num_hidden_layers=2))
+    with pytest.raises(GenericPathRefused, match="rwkv"):
         TransformersCausalLM.wrap(model)
-    model.save_pretrained(tmp_path / "mamba")
-    build_tokenizer().save_pretrained(tmp_path / "mamba")
+    model.save_pretrained(tmp_path / "rwkv")
+    build_tokenizer().save_pretrained(tmp_path / "rwkv")
     lines = []
-    kept, _ = load_policy(str(tmp_path / "mamba"), log=lines.append)
-    assert isinstance(kept, transformers.MambaForCausalLM) and "mamba takes transformers' generate" in lines[0]
-    with pytest.raises(CohortError, match="model_impl=cohort cannot serve this model: mamba"):
-        load_policy(str(tmp_path / "mamba"), impl="cohort")
+    kept, _ = load_policy(str(tmp_path / "rwkv"), log=lines.append)
+    assert isinstance(kept, transformers.RwkvForCausalLM) and "rwkv takes transformers' generate" in lines[0]
+    with pytest.raises(CohortError, match="model_impl=cohort cannot serve this model: rwkv"):
+        load_policy(str(tmp_path / "rwkv"), impl="cohort")
 
 
 @pytest.mark.parametrize("model_type", sorted(RECURRENT_FAMILIES))
 def test_linear_attention_prompts_prefill_unpadded(model_type):
-    """A model whose linear-attention layers keep a recurrent state prefills prompts of one length per forward (a
-    pad token after a shorter prompt would run into its state), and its rows' states are the engine's: a cached
-    prefill then single-token steps over rows in another order give transformers' logits of each sequence."""
+    """A model whose layers keep a recurrent state (linear attention, state space, convolution) prefills prompts of
+    one length per forward (a pad token after a shorter prompt would run into its state), and its rows' states are
+    the engine's: a cached prefill then single-token steps over rows in another order give transformers' logits of
+    each sequence."""
     model = wrapped(reference_model(model_type))
     engine = Engine(model, max_batch_size=4)
     engine.generate([[5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15], [16, 17]], 1,
@@ -256,7 +279,7 @@ def test_linear_attention_prompts_prefill_unpadded(model_type):
     cache = KVCache.for_model(model, num_rows=3, max_len=8)
     layer_types = model.config.layer_types
     assert {layer for layer, _, _ in cache.recurrent.tensors} == {
-        index for index, kind in enumerate(layer_types) if kind == "linear_attention"}
+        index for index, kind in enumerate(layer_types) if kind in STATE_LAYER_TYPES}
     torch.manual_seed(4)
     tokens = torch.randint(1, VOCAB, (2, 8))
     with torch.no_grad():
@@ -268,12 +291,15 @@ def test_linear_attention_prompts_prefill_unpadded(model_type):
             assert (logits[:, 0] - expected[[1, 0], position]).abs().max() < 1e-4
 
 
-def test_chat_decoding_of_a_linear_attention_model_through_a_rewind():
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "granitemoehybrid", "jamba"])
+def test_chat_decoding_of_a_linear_attention_model_through_a_rewind(model_type):
     """`cohort-grpo chat`'s cached decoding (several tokens, then one at a time, over a row's recurrent state) gives
-    transformers' logits; a rewind, which cannot undo a recurrent state, runs the kept history again."""
+    transformers' logits; a rewind, which cannot undo a recurrent state, runs the kept history again. Mamba 1's
+    scan over several tokens ignores a carried state: the wrapper continues its rows token by token."""
     from cohort_grpo.cli.chat import CachedDecoder
 
-    model = wrapped(reference_model("qwen3_5_text"))
+    model = wrapped(reference_model(model_type))
+    assert model.continues_by_token == (model_type == "jamba")
     torch.manual_seed(5)
     ids = torch.randint(1, VOCAB, (20,)).tolist()
 
@@ -287,6 +313,7 @@ def test_chat_decoding_of_a_linear_attention_model_through_a_rewind():
         assert (decoder.extend([ids[n - 1]]) - logits_after(ids[:n])).abs().max() < 1e-4
     decoder.rewind(4)
     assert (decoder.extend(ids[12:16]) - logits_after(ids[:4] + ids[12:16])).abs().max() < 1e-4
+    assert (decoder.extend(ids[16:20]) - logits_after(ids[:4] + ids[12:20])).abs().max() < 1e-4
 
 
 def test_frozen_copy_and_state_dict_keep_transformers_names(family):
@@ -294,12 +321,15 @@ def test_frozen_copy_and_state_dict_keep_transformers_names(family):
     deep copy (π_ref) is a separate model that computes the same logits."""
     from cohort_grpo.models.policy import frozen_copy
 
-    _, reference, model = family
+    model_type, reference, model = family
     assert list(model.state_dict()) == list(reference.state_dict())
     ref = frozen_copy(model)
     input_ids = torch.randint(1, VOCAB, (1, 7))
     with torch.no_grad():
-        assert torch.equal(ref(input_ids), model(input_ids))
+        if model_type == "jamba":  # its dt projection is `weight @ x`, which torch folds otherwise without grad
+            assert (ref(input_ids) - model(input_ids)).abs().max() < 1e-4
+        else:
+            assert torch.equal(ref(input_ids), model(input_ids))
     assert ref.transformers_model.get_input_embeddings() is not model.transformers_model.get_input_embeddings()
 
 
@@ -348,3 +378,33 @@ def test_decode_steps_through_the_flash_decoding_kernel(model_type, monkeypatch)
     layers = reference.config.num_hidden_layers
     assert calls and len(calls) % layers == 0 and all(shape[2] == 1 for shape in calls)
     assert len(calls) // layers >= new_tokens - 1  # at least one sequence's decode steps, each layer once
+
+
+def test_state_space_layer_kinds_take_their_cache_entries():
+    """Nemotron-H mixes Mamba 2, attention, MLP-only and mixture-of-experts layers; Falcon-H1 runs attention and
+    Mamba 2 side by side in every layer. Each layer takes keys only where it attends and a state only where it
+    keeps one, and a prompt prefilled then decoded over the cache gives transformers' logits."""
+    heads = dict(GQA, head_dim=16, initializer_range=0.2)
+    nemotron = transformers.NemotronHConfig(**heads, layers_block_type=["linear_attention", "moe",
+                                                                            "full_attention", "mlp"],
+                                            mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
+                                            chunk_size=4, n_routed_experts=4, moe_intermediate_size=32,
+                                            moe_shared_expert_intermediate_size=32)
+    falcon = transformers.FalconH1Config(**dict(heads, num_hidden_layers=2), mamba_d_ssm=128, mamba_n_heads=8,
+                                         mamba_d_state=16, mamba_chunk_size=4)
+    expected_layers = {"nemotron_h": ([(0, 0), (0, 0), (2, 16), (0, 0)], {0}), "falcon_h1": ([(2, 16)] * 2, {0, 1})}
+    for config in (nemotron, falcon):
+        torch.manual_seed(0)
+        reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model = wrapped(reference)
+        shapes, state_layers = expected_layers[config.model_type]
+        assert list(model.kv_cache_layer_shapes) == shapes
+        cache = KVCache.for_model(model, num_rows=2, max_len=12)
+        assert {layer for layer, _, _ in cache.recurrent.tensors} == state_layers
+        torch.manual_seed(6)
+        tokens = torch.randint(1, VOCAB, (2, 12))
+        with torch.no_grad():
+            expected = reference(tokens).logits
+            logits = [model(tokens[:, :9], torch.arange(9).expand(2, 9), kv_cache=cache)]
+            logits += [model(tokens[:, p:p + 1], torch.full((2, 1), p), kv_cache=cache) for p in range(9, 12)]
+        assert (torch.cat(logits, dim=1) - expected).abs().max() < 1e-4, config.model_type

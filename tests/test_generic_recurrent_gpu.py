@@ -1,7 +1,8 @@
-"""Linear-attention layers on a GPU (COHORT_TEST_GPU=1): the engine's CUDA-graph decode steps advance each row's
-recurrent state (models/recurrent_state.py) as its eager steps do. A graph's warm-up and check runs advance the
-states too, so the capture puts them back (`KVCache.step_states`); where it did not, the check would find the
-graph and the eager step apart and decode without graphs, or the tokens would drift from transformers'."""
+"""Linear-attention, state-space and convolution layers on a GPU (COHORT_TEST_GPU=1): the engine's CUDA-graph
+decode steps advance each row's recurrent state (models/recurrent_state.py) as its eager steps do. A graph's
+warm-up and check runs advance the states too, so the capture puts them back (`KVCache.step_states`); where it did
+not, the check would find the graph and the eager step apart and decode without graphs, or the tokens would drift
+from transformers'."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from cohort_grpo.rollout.engine import Engine  # noqa: E402
 from cohort_grpo.rollout.sampler import SamplingParams  # noqa: E402
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "granitemoehybrid", "lfm2", "jamba"])
 def test_graph_decode_keeps_recurrent_states(model_type):
     """Greedy tokens of the engine with checked CUDA graphs (more prompts than rows, prompts of several lengths)
     equal transformers' greedy `generate` on the same GPU, and the graphs stayed on."""

@@ -9,7 +9,7 @@ A mixture-of-experts model's cache may also keep each position's chosen experts 
 and moved with the keys, so the sampler can hand the trainer the routing it sampled with
 (routing replay, `cohort_grpo/models/moe.py`).
 
-A model with linear-attention layers (Qwen3.5's Gated DeltaNet) keeps their recurrent states per row too
+A model with recurrent layers (Gated DeltaNet, Mamba, short convolutions) keeps their recurrent states per row too
 (`recurrent`, recurrent_state.py): a compaction moves them with the keys, and the completions of a prompt take its
 state after the prompt.
 """
@@ -52,7 +52,7 @@ class KVCache:
         # route_shape (MoE layers, k): the expert ids of each row's token at each position, int16
         self.routes = None if route_shape is None else torch.zeros(
             (num_rows, max_len, *route_shape), dtype=torch.int16, device=device)
-        # state_shapes (linear-attention layers, whose keys and values are empty here): each row's recurrent states
+        # state_shapes (recurrent layers, whose keys and values are empty unless they also attend): each row's states
         self.recurrent = None if not state_shapes else RecurrentStates(state_shapes, num_rows, dtype, device)
 
     @property

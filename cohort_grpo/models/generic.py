@@ -8,17 +8,20 @@ head run unchanged, and only attention is cohort's (generic_attention.py). The w
 model's own top-level modules under their own names, so parameter names, state dicts and saved folders are
 transformers' own.
 
-`TransformersCausalLM.wrap` refuses, by name, what it cannot serve: recurrent or linear-attention layers and
-encoder-decoders from the config (`generic_attention.refusal`); then, on a few probe tokens, a model whose
-attention modules do not all come through transformers' attention interface once each, whose keys differ in
+`TransformersCausalLM.wrap` refuses, by name, what it cannot serve: recurrent layers that keep their state outside
+transformers' cache interface, other attention it cannot serve, and encoder-decoders, from the config
+(`generic_attention.refusal`); then, on a few probe tokens, a model whose attention modules do not all come through
+transformers' attention interface once in each layer that attends, whose keys differ in
 shape between layers (a cache row holds one shape; values narrower than keys, as in MLA, are padded to the keys'
 width), whose attention through cohort's path differs from its own, whose logits are not its head (`LogitHead`) on
 its decoder's output, or whose decoding over the cache differs from its full forward (positions that come from
 its own cache's length rather than `position_ids`). Such a model takes transformers' generate.
 
-Linear-attention layers (Qwen3.5's Gated DeltaNet) keep a recurrent state instead of keys and values: during a
+Recurrent layers keep a state instead of keys and values (Gated DeltaNet linear attention, Mamba 1 and 2
+state-space mixers, LFM2's short convolutions; hybrid layers, as Falcon-H1's, keep one beside their keys): during a
 cached forward the model gets a `StateCache` as its transformers cache, which keeps each row's state in the
-engine's `KVCache` (recurrent_state.py); the probe records each state's shape.
+engine's `KVCache` (recurrent_state.py); the probe records each state's shape and dtype, and whether a cached
+forward of several tokens carries a row's state (Mamba 1's scan does not: such rows continue token by token).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from torch import nn
 
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
-from cohort_grpo.models.generic_attention import (ATTENTION, AttentionStep, GenericPathRefused, LogitHead,
-                                                  active_step, attention_implementation, keeps_recurrent_state,
-                                                  refusal, register_attention)
+from cohort_grpo.models.generic_attention import (ATTENTION, STATELESS_LAYER_TYPES, AttentionStep, GenericPathRefused,
+                                                  LogitHead, active_step, attention_implementation,
+                                                  keeps_recurrent_state, refusal, register_attention)
 from cohort_grpo.models.generic_training import checkpoint_first_layers, decoder_layer_list
 from cohort_grpo.models.recurrent_state import StateCache, StateShapes
 from cohort_grpo.models.shared_prefix import PackedRows
@@ -53,10 +56,13 @@ class TransformersCausalLM(nn.Module):
         # Straight into _modules: a child named lm_head (most heads) stays under that name in the state dict, while
         # the attribute `lm_head` is the property below (the head as the model's forward applies it).
         self._modules.update(causal_lm.named_children())
-        # Each layer's (kv heads, head dim) in the engine's cache, from the probe ((0, 0) for a linear-attention layer)
+        # Each layer's (kv heads, head dim) in the engine's cache, from the probe ((0, 0) for a layer without attention)
         self.kv_cache_layer_shapes: tuple[tuple[int, int], ...] | None = None
-        # The recurrent states of its linear-attention layers, from the probe (None without such layers)
+        # The recurrent states of its recurrent layers, from the probe (None without such layers)
         self.recurrent_state_shapes: StateShapes | None = None
+        # Whether a cached forward of several tokens after a row's first must run them one at a time (the probe
+        # finds it: a multi-token forward that ignores the row's carried state, as Mamba 1's scan does)
+        self.continues_by_token = False
 
     @classmethod
     def wrap(cls, causal_lm: nn.Module) -> "TransformersCausalLM":
@@ -110,7 +116,7 @@ class TransformersCausalLM(nn.Module):
 
     @property
     def keeps_recurrent_state(self) -> bool:
-        """Whether some layers keep a recurrent state (linear attention): a cached forward's rows must then be
+        """Whether some layers keep a recurrent state (linear attention, state space): a cached forward's rows must be
         unpadded, and shared-prompt attention rows (one flat row of several sequences) cannot serve it."""
         return keeps_recurrent_state(self.config)
 
@@ -187,8 +193,14 @@ class TransformersCausalLM(nn.Module):
         position `position_ids[b, t]` (pad tokens, `attention_mask` 0, write nothing) and attends to its row's keys
         at positions <= its own (within a sliding layer's window), over the first `cache_len` positions; with
         `attention_rows`/`attention_slots` one flat row of shared-prompt tokens (shared_prefix.py). A model with
-        linear-attention layers keeps each row's recurrent state in `kv_cache` (a row whose first token here is at
+        recurrent layers keeps each row's recurrent state in `kv_cache` (a row whose first token here is at
         position 0 starts afresh) and takes neither pad tokens in a cached forward nor attention rows."""
+        if kv_cache is not None and self.continues_by_token and input_ids.shape[1] > 1 and position_ids is not None \
+                and bool((position_ids[:, 0] != 0).any()):
+            # its multi-token forward starts from a zero state (Mamba 1's scan): continue a row token by token
+            return torch.cat([self(input_ids[:, index:index + 1], position_ids[:, index:index + 1],
+                                   kv_cache=kv_cache, cache_rows=cache_rows, return_hidden=return_hidden,
+                                   cache_len=cache_len) for index in range(input_ids.shape[1])], dim=1)
         position_ids, step = self.attention_step(input_ids, position_ids, attention_mask, kv_cache, cache_rows,
                                                  cache_len, attention_rows, attention_slots, routing)
         hidden = self.decoder_hidden(input_ids, position_ids, attention_mask, step)
@@ -197,7 +209,7 @@ class TransformersCausalLM(nn.Module):
     def attention_step(self, input_ids, position_ids, attention_mask, kv_cache, cache_rows, cache_len,
                        attention_rows, attention_slots, routing) -> tuple[torch.Tensor, AttentionStep | None]:
         """`forward`'s position ids (0..T-1 when None) and the `AttentionStep` its arguments ask for (None: the
-        model's own attention under `attention_mask`), with the rows' recurrent states for linear-attention layers."""
+        model's own attention under `attention_mask`), with the rows' recurrent states for recurrent layers."""
         if routing is not None:
             raise CohortError(f"routing replay needs cohort's own mixture-of-experts models; {self.model_type} runs "
                               "through transformers' modules: use --routing_replay false")
@@ -207,7 +219,7 @@ class TransformersCausalLM(nn.Module):
         step = None
         if self.keeps_recurrent_state and (attention_rows is not None or (kv_cache is not None
                                                                           and attention_mask is not None)):
-            raise CohortError(f"{self.model_type} has linear-attention layers, whose recurrent state would run "
+            raise CohortError(f"{self.model_type} has layers that keep a recurrent state, which would run "
                               "through other sequences' or pad tokens: pass unpadded rows and no attention_rows")
         if attention_rows is not None:
             if kv_cache is not None or attention_mask is not None or batch != 1 or attention_slots is None:
@@ -222,7 +234,7 @@ class TransformersCausalLM(nn.Module):
                                  kv_cache.max_len if cache_len is None else cache_len)
             if self.keeps_recurrent_state:
                 if kv_cache.recurrent is None:
-                    raise CohortError(f"{self.model_type}'s linear-attention layers keep their state in the KVCache: "
+                    raise CohortError(f"{self.model_type}'s recurrent layers keep their state in the KVCache: "
                                       "build it with KVCache.for_model(model, ...)")
                 step.states = StateCache(kv_cache.recurrent, cache_rows, position_ids)
         return position_ids, step
@@ -231,7 +243,7 @@ class TransformersCausalLM(nn.Module):
                        attention_mask: torch.Tensor | None, step: AttentionStep | None,
                        inputs_embeds: torch.Tensor | None = None, **decoder_inputs) -> torch.Tensor:
         """The decoder's final normed hidden states: attention served by `step` (cache or attention rows, and the
-        linear-attention layers' states), or, without one, causal by index under transformers' mask of
+        recurrent layers' states), or, without one, causal by index under transformers' mask of
         `attention_mask` (the one-row-per-completion forwards of the update). `inputs_embeds`, when given, stand in
         for the embedded `input_ids` (a vision-language model's, images merged); `decoder_inputs` go to the decoder
         too (Qwen3-VL's deepstack features)."""
@@ -251,7 +263,7 @@ class TransformersCausalLM(nn.Module):
     def probe(self, own_attention: str) -> tuple[tuple[tuple[int, int], ...], StateShapes | None]:
         """Run a few tokens through cohort's attention and through the model's own (`own_attention`, the
         implementation it was loaded with); refuse (GenericPathRefused) what this path would serve wrong. Returns
-        each layer's (kv heads, head dim) in the KV cache, and the recurrent states of its linear-attention layers
+        each layer's (kv heads, head dim) in the KV cache, and the recurrent states of its recurrent layers
         (None without such layers)."""
         vocab = self.transformers_model.get_input_embeddings().weight.shape[0]
         input_ids = (torch.arange(1, PROBE_TOKENS + 1, device=self.device) % vocab)[None]
@@ -274,34 +286,43 @@ class TransformersCausalLM(nn.Module):
         layer_shapes = self.served_layer_shapes(step.served, set() if states is None else states.state_layers())
         self.check_close(probed, own, "its hidden states through cohort's attention differ from its own")
         self.check_close(head, logits, "its logits are not its head applied to its decoder's output")
-        self.check_close(self.cached_probe(input_ids, positions, layer_shapes, state_shapes), probed,
+        cached = self.cached_probe(input_ids, positions, layer_shapes, state_shapes)
+        if state_shapes and not self.relative_error(cached, probed) <= self.tolerance(probed):
+            self.continues_by_token = True  # its state carries over single tokens only?
+            cached = self.cached_probe(input_ids, positions, layer_shapes, state_shapes)
+        self.check_close(cached, probed,
                          "decoding from cohort's cache differs from its full forward (positions not its position_ids?)")
         return layer_shapes, state_shapes
 
     def served_layer_shapes(self, served: list, state_layers: set[int]) -> tuple[tuple[int, int], ...]:
         """Each layer's cache shape (kv heads, head dim) from what the probe's attention calls recorded (layer, key
-        shape, value shape): every layer served once, by attention or as a recurrent state (`state_layers`, which
-        hold no keys: (0, 0)), its values as many heads as its keys and no wider (narrower values are padded to the
-        keys' width)."""
+        shape, value shape): every layer's attention served at most once, every layer served by attention, by a
+        recurrent state (`state_layers`) or by both (a hybrid layer), but for layers the config calls stateless
+        (an MLP block); a layer without attention holds no keys ((0, 0)); values as many heads as their keys and no
+        wider (narrower values are padded to the keys' width)."""
         layers = getattr(self.config, "num_hidden_layers", None)
-        order = sorted([layer for layer, _, _ in served] + list(state_layers))
-        if order != list(range(layers or len(order))):
+        attended = sorted(layer for layer, _, _ in served)
+        stateless = {index for index, kind in enumerate(getattr(self.config, "layer_types", None) or [])
+                     if kind in STATELESS_LAYER_TYPES}
+        count = layers or len(set(attended) | state_layers | stateless)
+        if len(set(attended)) != len(attended) or (set(attended) | state_layers | stateless) != set(range(count)):
+            recurrent = f", recurrent: {sorted(state_layers)}" if state_layers else ""
             raise GenericPathRefused(f"{self.model_type}'s attention does not come through transformers' attention "
-                                     f"interface once per layer (layers served: {order}, of {layers})")
-        shapes = dict.fromkeys(range(len(order)), (0, 0))
+                                     f"interface once per layer (layers served: {attended}{recurrent}, of {layers})")
+        shapes = dict.fromkeys(range(count), (0, 0))
         for layer, (key_heads, key_width), (value_heads, value_width) in served:
             if value_heads != key_heads or value_width > key_width:
                 raise GenericPathRefused(f"{self.model_type}'s layer {layer} has values of {value_heads} heads of "
                                          f"{value_width} against keys of {key_heads} heads of {key_width}; a cache "
                                          "layer holds keys and values of one shape")
             shapes[layer] = (key_heads, key_width)
-        return tuple(shapes[layer] for layer in range(len(order)))
+        return tuple(shapes[layer] for layer in range(count))
 
     def cached_probe(self, input_ids: torch.Tensor, positions: torch.Tensor, layer_shapes: tuple[tuple[int, int], ...],
                      state_shapes: StateShapes | None) -> torch.Tensor:
         """The probe's hidden states as the engine computes them: the first half prefilled into a cache, the rest
         decoded over it (a model whose positions come from its own cache's length, not `position_ids`, differs). A
-        model with linear-attention layers decodes one token alone first (their single-token path is other code),
+        model with recurrent layers decodes one token alone first (their single-token path is other code),
         and its recurrent state must carry from one forward to the next."""
         (kv_heads, head_dim), layers = layer_shapes[0], len(layer_shapes)
         cache = KVCache(layers, 1, kv_heads, PROBE_TOKENS, head_dim, dtype=self.dtype, device=self.device,
@@ -318,8 +339,15 @@ class TransformersCausalLM(nn.Module):
         finally:
             self.train(was_training)
 
+    @staticmethod
+    def tolerance(reference: torch.Tensor) -> float:
+        return PROBE_TOLERANCE.get(reference.dtype, HALF_PROBE_TOLERANCE)
+
+    @staticmethod
+    def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+        return float((value.float() - reference.float()).norm() / reference.float().norm().clamp_min(1e-30))
+
     def check_close(self, value: torch.Tensor, reference: torch.Tensor, what: str) -> None:
-        tolerance = PROBE_TOLERANCE.get(reference.dtype, HALF_PROBE_TOLERANCE)
-        error = float((value.float() - reference.float()).norm() / reference.float().norm().clamp_min(1e-30))
+        tolerance, error = self.tolerance(reference), self.relative_error(value, reference)
         if not error <= tolerance:
             raise GenericPathRefused(f"{self.model_type}: {what} (relative error {error:.2g} > {tolerance:g})")

@@ -29,16 +29,32 @@ from cohort_grpo.models.cache import KVCache
 
 ATTENTION = "cohort_kv_cache"  # the attention implementation's name in transformers' interfaces
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+SLIDING_LAYER_TYPES = {"sliding_attention", "hybrid_sliding"}
 # Layers whose recurrent state (a convolution's last inputs and a state matrix, through transformers' cache
-# interface) the engine keeps per row beside the KV cache (recurrent_state.py): Gated DeltaNet linear attention.
-RECURRENT_LAYER_TYPES = {"linear_attention"}
-# Layers that keep a recurrent state (state-space, linear attention, RWKV, ...) the engine does not keep, or
-# encoder-decoders: the engine's cache holds neither, so these take transformers' generate.
-RECURRENT_MODEL_TYPES = {
-    "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe",
-    "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5", "qwen3_5_moe",
-    "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2",
+# interface) the engine keeps per row beside the KV cache (recurrent_state.py): Gated DeltaNet and other linear
+# attention, Mamba 1 and 2 mixers (transformers names them linear_attention too), LFM2's short convolution.
+RECURRENT_LAYER_TYPES = {"linear_attention", "conv"}
+# Layers that attend and keep a recurrent state beside (Falcon-H1's parallel attention and Mamba, ZAYA's CCA).
+HYBRID_LAYER_TYPES = {"hybrid", "hybrid_sliding"}
+# Layers with neither keys nor a state (Nemotron-H's MLP and mixture-of-experts blocks): no cache entry.
+STATELESS_LAYER_TYPES = {"mlp", "moe"}
+# Models whose layers keep a recurrent state outside transformers' cache interface: the engine cannot keep it.
+OWN_STATE_MODEL_TYPES = {
+    "minimax": "its lightning-attention layers keep their state through MiniMaxCache's own linear cache",
+    "recurrent_gemma": "its recurrent blocks keep their state in their own modules, not in transformers' cache",
+    "rwkv": "its layers pass their state as an argument, not through transformers' cache",
+    "xlstm": "its layers keep their state in xLSTMCache, not through transformers' cache interface",
 }
+
+# Attention blocks shared by several layers, each call given its layer's index as an argument (Zamba's shared
+# transformer block): cohort's attention function reads a module's own `layer_idx`, one cache layer per module.
+SHARED_ATTENTION_MODEL_TYPES = {"zamba", "zamba2"}
+
+# Attention that adds a learned relative-position bias to its scores (Inkling's), which cohort's attention does not
+# apply; a model that passes one anyway (`position_bias`) is refused at its probe.
+POSITION_BIAS_MODEL_TYPES = {"inkling_text", "inkling2_text", "inkling2_loop_text"}
+POSITION_BIAS_REASON = "'s attention adds a learned relative-position bias to its scores, which cohort's attention " \
+                       "does not apply"
 
 # Attention whose mask carries learned values (Doge's dynamic mask): cohort's cached attention applies only the
 # causal and window structure, so its logits would differ from the model's own.
@@ -55,19 +71,26 @@ def refusal(config) -> str | None:
     model_type = getattr(config, "model_type", "")
     if getattr(config, "is_encoder_decoder", False):
         return f"{model_type} is an encoder-decoder"
-    if model_type in RECURRENT_MODEL_TYPES:
-        return f"{model_type} has recurrent (state-space or linear-attention) layers, which keep no keys and values"
+    if model_type in OWN_STATE_MODEL_TYPES:
+        return f"{model_type} has recurrent layers the engine cannot keep: {OWN_STATE_MODEL_TYPES[model_type]}"
+    if model_type in SHARED_ATTENTION_MODEL_TYPES:
+        return (f"{model_type}'s attention block is shared by several layers that pass their layer index as an "
+                "argument, which cohort's attention function does not get")
+    if model_type in POSITION_BIAS_MODEL_TYPES:
+        return model_type + POSITION_BIAS_REASON
     if model_type in MASK_VALUED_MODEL_TYPES:
         return f"{model_type}'s attention mask carries learned values, which cohort's cached attention does not apply"
-    other = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYER_TYPES - RECURRENT_LAYER_TYPES)
+    other = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYER_TYPES - RECURRENT_LAYER_TYPES
+                   - HYBRID_LAYER_TYPES - STATELESS_LAYER_TYPES)
     if other:
         return f"{model_type} has layers of type {', '.join(other)}, which cohort's KV cache does not hold"
     return None
 
 
 def keeps_recurrent_state(config) -> bool:
-    """Whether a model of `config` has layers whose recurrent state the engine keeps (`RECURRENT_LAYER_TYPES`)."""
-    return bool(set(getattr(config, "layer_types", None) or []) & RECURRENT_LAYER_TYPES)
+    """Whether a model of `config` has layers whose recurrent state the engine keeps (`RECURRENT_LAYER_TYPES`,
+    `HYBRID_LAYER_TYPES`)."""
+    return bool(set(getattr(config, "layer_types", None) or []) & (RECURRENT_LAYER_TYPES | HYBRID_LAYER_TYPES))
 
 
 @dataclass
@@ -75,7 +98,7 @@ class AttentionStep:
     """What the attention modules of one forward need besides their queries, keys and values: the engine's cache
     (`cache`, rows, positions, pad tokens that must not write, the attended length), or shared-prompt attention
     rows (`packed`), or neither for the wrap-time probe, which records what each layer gives (`served`); for a model
-    with linear-attention layers, their rows' recurrent states (`states`, passed to the decoder as its cache); for a
+    with recurrent layers, their rows' recurrent states (`states`, passed to the decoder as its cache); for a
     cached forward of prompts whose image tokens see their whole image (Gemma 3), each token's image block
     (`image_blocks` [B, T], -1 for a text token: vision_families.py), or with `packed`, each attention row's
     ([b, L])."""
@@ -87,7 +110,7 @@ class AttentionStep:
     cache_len: int = 0
     packed: shared_prefix.PackedRows | None = None
     served: list = field(default_factory=list)
-    states: object | None = None  # linear-attention layers' recurrent states (recurrent_state.StateCache)
+    states: object | None = None  # recurrent layers' states (recurrent_state.StateCache)
     image_blocks: torch.Tensor | None = None
     image_masks: dict = field(default_factory=dict)  # with `packed` and `image_blocks`: each window's mask
 
@@ -115,7 +138,7 @@ def layer_window(module, config, given: dict) -> int | None:
         return module.sliding_window
     types = getattr(config, "layer_types", None)
     if types:
-        return getattr(config, "sliding_window", None) if types[module.layer_idx] == "sliding_attention" else None
+        return getattr(config, "sliding_window", None) if types[module.layer_idx] in SLIDING_LAYER_TYPES else None
     if getattr(config, "use_sliding_window", True):  # one window for every layer, in the model's mask (PhiMoE)
         return getattr(config, "sliding_window", None)
     return None
@@ -170,6 +193,8 @@ def cache_attention(module, query, key, value, attention_mask, scaling=None, dro
     width = value.shape[-1]
     if width < key.shape[-1]:  # values narrower than keys (MLA): padded with zeros, so a cache row holds one shape
         value = F.pad(value, (0, key.shape[-1] - width))
+    if kwargs.get("position_bias") is not None:  # a learned bias on the scores (Inkling's relative positions)
+        raise GenericPathRefused(module.config.model_type + POSITION_BIAS_REASON)
     layer = module.layer_idx
     window = layer_window(module, module.config, kwargs)
     if step.packed is not None:

@@ -1,13 +1,15 @@
-"""The recurrent state of linear-attention layers, kept per engine row beside the KV cache.
+"""The recurrent state of linear-attention and state-space layers, kept per engine row beside the KV cache.
 
-A layer that keeps a state instead of keys and values (the Gated DeltaNet layers of Qwen3.5 and Qwen3-Next) reads
-and writes it through transformers' cache interface: `get_conv_state`/`update_conv_state` (the last inputs of its
-causal convolution) and `get_recurrent_state`/`update_recurrent_state` (its state matrices). `RecurrentStates`
-holds each such state for every engine row, one tensor [rows, ...] per (layer, kind, index); `KVCache` moves and
-copies it with its rows. `StateCache` is what one of `TransformersCausalLM`'s cached forwards passes to the model as
-its `cache`: batch row b reads and writes engine row `cache_rows[b]` (row b when None), a row whose first token in
-the forward is at position 0 starts from a zero state (a prefill resets its row), and the attention layers' `update`
-hands their keys and values back untouched (cohort's attention function caches them). Without `RecurrentStates`
+A layer that keeps a state instead of keys and values (the Gated DeltaNet layers of Qwen3.5 and Qwen3-Next, the
+Mamba 1 and 2 mixers of Jamba, Granite 4.0, Falcon-H1, Nemotron-H and Bamba, LFM2's short convolutions) reads and
+writes it through transformers' cache interface: `get_conv_state`/`update_conv_state` (the last inputs of its
+causal convolution) and `get_recurrent_state`/`update_recurrent_state` (its state matrices), by layer and
+`state_idx` (a layer may keep several, each of its own shape and dtype). `RecurrentStates` holds each such state
+for every engine row, one tensor [rows, ...] per (layer, kind, index); `KVCache` moves and copies it with its rows.
+`StateCache` is what one of `TransformersCausalLM`'s cached forwards passes to the model as its `cache`: batch row
+b reads and writes engine row `cache_rows[b]` (row b when None), a row whose first token in the forward is at
+position 0 starts from a zero state (a prefill resets its row), and the attention layers' `update` hands their keys
+and values back untouched (cohort's attention function caches them). Without `RecurrentStates`
 (the wrap-time probe) it serves no state and records the shape and dtype of each state the layers write.
 
 The state after a prompt is the state after its last token: a forward whose rows are right-padded would run the
@@ -83,7 +85,7 @@ class StateCache:
         """The mask over this forward's own tokens (cohort's mask function builds none during a cached step)."""
         return query_length, 0
 
-    # ---- linear-attention layers ---------------------------------------------------------------------------
+    # ---- recurrent layers (linear attention, state space, convolution) ---------------------------------------
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
