@@ -208,6 +208,41 @@ def test_the_command_line_prints_another_exception_as_one_line_naming_the_checkp
     assert failure_line(ValueError("no run kept")) is None
 
 
+def test_noting_a_step_s_end_costs_the_same_at_any_length_of_the_history(tiny_dir, tmp_path):
+    """Every step notes its end (`GRPOTrainer.step_end`); a copy of the per-step history there would be work growing
+    with the steps (a long run's steps slowing). The note shares the history and keeps its length: the bytes it
+    allocates are the same beside 10 records as beside 100,000, and a checkpoint of it holds the records it had."""
+    import tracemalloc
+
+    measured = {}
+
+    class MeasureTheNote:  # in the run, at its step's end, as the loop notes it
+        def on_step_end(self, args, state, control, **_):
+            history = trainer.report.history
+            measured["short"], _ = allocated_by_a_note(history, 10)
+            measured["long"], measured["noted"] = allocated_by_a_note(history, 100_000)
+            history.append({"step": 100_001, "loss": 1.0})  # the run goes on after the note
+            measured["kept"], measured["history"] = measured["noted"].state.records(), list(history)
+            del history[1:]
+
+    def allocated_by_a_note(history: list, records: int) -> tuple[int, object]:
+        history[1:] = [{"step": i + 2, "loss": 0.0} for i in range(records - 1)]
+        trainer.step_end()  # once before: lazily made objects are not the note's
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            noted = trainer.step_end()
+            return tracemalloc.get_traced_memory()[0] - before, noted
+        finally:
+            tracemalloc.stop()
+
+    trainer = GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path / "run", max_steps=1),
+                          callbacks=[MeasureTheNote()])
+    trainer.train()
+    assert abs(measured["long"] - measured["short"]) < 16 * 1024, measured  # a copy of the list alone: 800 KB
+    assert measured["kept"] == measured["history"][:100_000] and len(measured["history"]) == 100_001
+
+
 def test_one_rank_failing_alone_among_several_writes_nothing(tmp_path):
     """The save is a collective the other ranks would not join: the error is left as it is."""
     from cohort_grpo.run.checkpoint import RunState

@@ -271,3 +271,93 @@ def test_colocated_ranks_keep_the_slots_their_update_leaves_room_for(card):
     grouped = training_memory_plan(LLAMA_8B, step, RankShape(ranks=2, fsdp=True, sampling_split=2))
     assert grouped.phases["sampling"]["π_ref"] == parameter_count(LLAMA_8B) * 2 / 2
     assert training_memory_plan(LLAMA_8B, step, layout).phases["sampling"]["π_ref"] == parameter_count(LLAMA_8B) * 2
+
+
+# ---- models with linear-attention layers: each slot's recurrent states ------------------------------------------
+
+# Qwen3.5's and Qwen3-Next's Gated DeltaNet layers, tiny: 2 key heads and 4 value heads of 16, a kernel of 4
+TINY_LINEAR = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=100, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                   layer_types=["linear_attention", "full_attention"] * 2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_s_planned_states_are_what_the_engine_allocates(family, cache_dtype):
+    """The bytes a plan counts for one sequence's recurrent states, from the config alone, are the bytes of one row
+    of the states the engine's cache allocates for the wrapped model (the shapes its probe recorded from the
+    layers' own writes), and the count by hand."""
+    import transformers
+
+    from cohort_grpo.models.cache import KVCache
+    from cohort_grpo.models.generic import TransformersCausalLM
+    from cohort_grpo.models.recurrent_state import linear_attention_state_shapes, row_bytes
+
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=32) if family == "qwen3_next" else {}
+    config_class, model_class = {
+        "qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM)}[family]
+    config = config_class(**TINY_LINEAR, **extra)
+    torch.manual_seed(0)
+    model = TransformersCausalLM.wrap(model_class(config).eval())
+    shapes = linear_attention_state_shapes(config, model.dtype)
+    assert shapes == model.recurrent_state_shapes
+    rows = 3
+    cache = KVCache.for_model(model, rows, 16, dtype=cache_dtype)
+    allocated = sum(tensor.nbytes for tensor in cache.recurrent.tensors.values())
+    assert allocated == rows * row_bytes(shapes, cache_dtype)
+    # by hand, per linear layer: the convolution's 2 × 32 + 64 channels × 4 inputs in the cache's dtype, and a
+    # 4 × 16 × 16 state matrix in float32; two such layers
+    assert row_bytes(shapes, cache_dtype) == 2 * (128 * 4 * cache_dtype.itemsize + 4 * 16 * 16 * 4)
+
+
+# Qwen3-Next-80B-A3B's attention and Gated DeltaNet geometry (config.json; 3 linear layers to 1 full), its
+# weights counted as a dense model of that width: what matters here is one shape counted with and without states
+QWEN3_NEXT = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+                         num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256)
+
+
+def qwen3_next_state_bytes(element_bytes: int) -> int:
+    import transformers
+
+    from cohort_grpo.models.recurrent_state import linear_attention_state_shapes, row_bytes
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[element_bytes]
+    config = transformers.Qwen3NextConfig(
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 * 12 + ["full_attention"] * 12)
+    return row_bytes(linear_attention_state_shapes(config, dtype), dtype)
+
+
+def test_a_model_with_recurrent_states_gets_fewer_slots_than_counted_without(card):
+    """Each slot of a hybrid model holds its sequence's recurrent states too (36 Gated DeltaNet layers: 72 MiB a
+    sequence), so the same card keeps fewer slots: on a sampling rank exactly the widest width whose keys, values
+    and states fit beside the weights, and on a rank that also trains fewer than its plan allowed without them."""
+    from cohort_grpo.plans.training_slots import training_rank_slots
+
+    states = qwen3_next_state_bytes(2)
+    # per layer: 2 × 16 × 128 + 32 × 128 = 8,192 channels × 4 inputs × 2 bytes, and 32 × 128 × 128 × 4 bytes
+    assert states == 36 * (8192 * 4 * 2 + 32 * 128 * 128 * 4)
+    cuda = torch.device("cuda", 0)
+    card.gib = 100
+    args = GRPOConfig(per_device_train_batch_size=32, gradient_accumulation_steps=4, num_generations=8,
+                      max_prompt_length=128, max_completion_length=4096, async_rollouts=True, rollout_gpus=1,
+                      partial_rollouts=True).validate()
+    two = placed(args, 2)  # one trainer, one sampling rank
+    weights = parameter_count(QWEN3_NEXT) * 2
+    slot = kv_cache_bytes(QWEN3_NEXT, rows=1, max_len=4224, element_bytes=2)
+    free = 0.85 * 100 * GIB - weights
+    without = sampling_plan(args, two, QWEN3_NEXT, cuda, 2, sampling_rank=True)
+    hybrid = sampling_plan(args, two, QWEN3_NEXT, cuda, 2, sampling_rank=True, state_bytes=states)
+    assert without.slots == widest(free / GIB, slot / GIB) == 192
+    assert hybrid.slots == widest(free / GIB, (slot + states) / GIB) == 128
+    assert weights + hybrid.slots * (slot + states) <= 0.85 * 100 * GIB
+    one_gpu = GRPOConfig(per_device_train_batch_size=16, gradient_accumulation_steps=16, num_generations=8,
+                         max_prompt_length=512, max_completion_length=4096).validate()
+    card.gib = 141
+    trained_without = training_rank_slots(one_gpu, placed(one_gpu, 1), QWEN3_NEXT, cuda)
+    trained_hybrid = training_rank_slots(one_gpu, placed(one_gpu, 1), QWEN3_NEXT, cuda, state_bytes=states)
+    assert trained_hybrid < trained_without

@@ -124,6 +124,37 @@ def test_the_kv_cache_is_the_engines():
     assert engine_kv_bytes(TINY, step, 2) == cache  # a group of 2 samples 12 rows, half the heads each
 
 
+def test_the_recurrent_states_are_the_engines():
+    """A model with Gated DeltaNet layers (Qwen3.5's): the engine's states after a call of 6 sequences are the
+    plan's term for them, priced from the config alone, and the plan holds them while sampling, not after a
+    release of the sampling memory."""
+    import transformers
+
+    from cohort_grpo.models.generic import TransformersCausalLM
+    from cohort_grpo.models.recurrent_state import linear_attention_state_shapes, row_bytes
+    from cohort_grpo.plans.training_plan import engine_state_bytes
+
+    config = transformers.Qwen3_5TextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=97, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"] * 2)
+    torch.manual_seed(0)
+    model = TransformersCausalLM.wrap(transformers.Qwen3_5ForCausalLM(config).eval())
+    engine = Engine(model, use_cuda_graph=False, compile_kernels=False)
+    engine.generate([[1, 2, 3, 4, 5]] * 3, 2, SamplingParams(max_new_tokens=20, pad_token_id=0, seed=0))
+    allocated = tensor_bytes(engine.cache.recurrent.tensors.values())
+    state_bytes = row_bytes(linear_attention_state_shapes(config, torch.float32), torch.float32)
+    step = StepShape(rows=6, group=2, prompt_len=5, completion_len=20, micro_rows=6, element_bytes=4,
+                     state_bytes=state_bytes)
+    assert engine_state_bytes(step, 1) == allocated == 6 * 2 * (128 * 4 * 4 + 4 * 16 * 16 * 4)
+    plan = training_memory_plan(TINY, step)
+    assert plan.phases["sampling"]["recurrent states"] == allocated
+    assert plan.phases["backward"]["recurrent states"] == allocated  # kept between rollouts, like the KV cache
+    released = training_memory_plan(TINY, replace(step, free_sampling_memory=True))
+    assert "recurrent states" not in released.phases["backward"]
+    assert "recurrent states" not in training_memory_plan(TINY, replace(step, state_bytes=0)).phases["sampling"]
+
+
 @pytest.mark.parametrize("micro_rows, cap", [(8, 0), (8, 100), (2, 0), (3, 40), (16, 1000)])
 def test_the_largest_micro_batch_is_the_packers(micro_rows, cap):
     """Every completion at full length: the packer's largest micro-batch (padded tokens, prompts shared)."""

@@ -18,6 +18,8 @@ pad tokens into it, so the engine prefills such a model's prompts in forwards of
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 CONV, RECURRENT = "conv", "recurrent"
@@ -26,14 +28,45 @@ CONV, RECURRENT = "conv", "recurrent"
 StateShapes = dict[tuple[int, str, int], tuple[tuple[int, ...], torch.dtype]]
 
 
+def stored_dtype(key: tuple[int, str, int], state_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `RecurrentStates` keeps the state `key` in: a convolution's inputs in the cache's `dtype`, a state
+    matrix in the dtype the layer gave it."""
+    return dtype if key[1] == CONV else state_dtype
+
+
+def row_bytes(shapes: StateShapes, dtype: torch.dtype) -> int:
+    """The bytes of one row's states in `RecurrentStates(shapes, rows, dtype)`: what each sequence an engine decodes
+    at once holds beside its keys and values, whatever its length (`cohort_grpo.plans` prices it)."""
+    return sum(math.prod(shape) * stored_dtype(key, state_dtype, dtype).itemsize
+               for key, (shape, state_dtype) in shapes.items())
+
+
+def linear_attention_state_shapes(config, dtype: torch.dtype) -> StateShapes:
+    """The states a transformers `config` with Gated DeltaNet layers (`layer_types` "linear_attention": Qwen3.5,
+    Qwen3-Next) has them write, before any model is built: per such layer its convolution's last
+    `linear_conv_kernel_dim` inputs over its query, key and value channels, and its state matrix of
+    `linear_num_value_heads` × `linear_key_head_dim` × `linear_value_head_dim` in float32 (transformers' kernels
+    compute it so); the shapes the wrap-time probe records. Empty without such layers."""
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    channels = 2 * key_dim + value_dim  # queries and keys, then values
+    shapes: StateShapes = {}
+    for layer, kind in enumerate(getattr(config, "layer_types", None) or []):
+        if kind == "linear_attention":
+            shapes[(layer, CONV, 0)] = ((channels, config.linear_conv_kernel_dim), dtype)
+            shapes[(layer, RECURRENT, 0)] = ((config.linear_num_value_heads, config.linear_key_head_dim,
+                                              config.linear_value_head_dim), torch.float32)
+    return shapes
+
+
 class RecurrentStates:
     """Every row's recurrent states: `tensors[(layer, kind, index)]` [rows, *shape]. Convolution states hold the
     layer's inputs, in the cache's dtype; the state matrices stay in the dtype the layer computes them in
-    (float32 in transformers' kernels), as transformers' own cache keeps them."""
+    (float32 in transformers' kernels), as transformers' own cache keeps them (`stored_dtype`)."""
 
     def __init__(self, shapes: StateShapes, num_rows: int, dtype: torch.dtype, device=None):
         self.tensors = {key: torch.zeros((num_rows, *shape), device=device,
-                                         dtype=dtype if key[1] == CONV else state_dtype)
+                                         dtype=stored_dtype(key, state_dtype, dtype))
                         for key, (shape, state_dtype) in shapes.items()}
 
     def nbytes(self) -> int:

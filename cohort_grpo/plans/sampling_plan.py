@@ -5,7 +5,9 @@ A sampling group of T ranks holds the model split T ways (cohort_grpo/models/ten
 1/T of the weights and 1/T of each sequence's KV cache (its share of the KV heads). An engine allocates the KV
 cache of its slots only, the sequences it decodes at once: the other sequences of a call wait for a slot
 (continuous batching, cohort_grpo/rollout/scheduler.py) and are sampled the same. So the memory a call needs is the
-weights and its slots' KV cache, however many rows the call has.
+weights and its slots' KV cache, however many rows the call has. A model with linear-attention layers (Gated
+DeltaNet) also keeps each slot's recurrent states beside its keys and values, a fixed size a sequence
+(`state_bytes`: cohort_grpo/models/recurrent_state.py `row_bytes`), which a slot's price includes.
 
 `auto` slots: what the weights leave of `FILL` of the card (on a rank that also trains, beside its training
 state) over one slot's KV cache of prompt + completion tokens, at most `ENGINE_SLOTS`, rounded down to a decode
@@ -100,9 +102,10 @@ def slot_length(args) -> int:
     return kv_length(args.max_prompt_length, args.max_completion_length)
 
 
-def slot_bytes(config: ModelConfig, size: int, length: int, element_bytes: int) -> int:
-    """One slot's KV cache on a rank of a group of `size`: its share of the KV heads, `length` tokens."""
-    return math.ceil(kv_cache_bytes(config, 1, length, element_bytes) / size)
+def slot_bytes(config: ModelConfig, size: int, length: int, element_bytes: int, state_bytes: int = 0) -> int:
+    """One slot's cache on a rank of a group of `size`: its share of the KV heads, `length` tokens, and of the
+    sequence's recurrent states (`state_bytes` whole, linear-attention layers only)."""
+    return math.ceil((kv_cache_bytes(config, 1, length, element_bytes) + state_bytes) / size)
 
 
 def widest_width(fits: Callable[[int], bool]) -> int:
@@ -129,12 +132,14 @@ def engine_call_rows(args, placement: Placement, size: int, sampling_rank: bool)
 
 
 def sampling_plan(args, placement: Placement, model_config: ModelConfig | None, device: torch.device,
-                  element_bytes: int, splittable: bool = True, sampling_rank: bool = False) -> SamplingPlan:
+                  element_bytes: int, splittable: bool = True, sampling_rank: bool = False,
+                  state_bytes: int = 0) -> SamplingPlan:
     """`rollout_tensor_parallel_size` and `max_concurrent_sequences` of the run `args` (`auto` settled here; an
     integer kept) placed by `placement` (its split as asked), for the loaded model's `model_config` (None: not a
     model cohort's engine samples) on `device`. `splittable`: no tools and no LoRA adapters. The training ranks
     sample in groups themselves under FSDP2 without sampling ranks (the colocated placement). `sampling_rank`:
-    this rank only samples (`--rollout_gpus`). Refused, in one line, where no group keeps a useful batch (or the
+    this rank only samples (`--rollout_gpus`); `state_bytes`: each sequence's recurrent states (0: the model has no
+    linear-attention layers). Refused, in one line, where no group keeps a useful batch (or the
     slots asked for) beside its weights."""
     asked, slots = args.rollout_tensor_parallel_size, args.max_concurrent_sequences
     if device.type != "cuda" or model_config is None:
@@ -160,18 +165,18 @@ def sampling_plan(args, placement: Placement, model_config: ModelConfig | None, 
         sizes = [1]
     rows = {size: engine_call_rows(args, placement, size, sampling_rank=bool(sampling_ranks)) for size in sizes}
     plan = fitting_plan(args, model_config, device, element_bytes, rows, resident, where, fix,
-                        useful=asked == "auto" and splittable)
+                        useful=asked == "auto" and splittable, state_bytes=state_bytes)
     if sampling_ranks and not sampling_rank:  # a trainer: its own engine only evaluates, beside its training
         return SamplingPlan(plan.size, None if slots == "auto" else slots)
     return plan
 
 
 def fitting_plan(args, model_config: ModelConfig, device: torch.device, element_bytes: int, rows: dict[int, int],
-                 resident: int, where: str, fix: str, useful: bool = True) -> SamplingPlan:
+                 resident: int, where: str, fix: str, useful: bool = True, state_bytes: int = 0) -> SamplingPlan:
     """The first split size of `rows` (size -> sequences its engine samples in one call) that the model's heads
     allow and whose ranks, beside their share of the weights and `resident` bytes, keep room in `FILL` of the card
-    for the KV cache of the slots asked for, else of a useful batch (`useful`: T is auto's to choose; else one
-    slot will do); its slots. Else one line saying what would fit."""
+    for the KV cache (and recurrent states, `state_bytes` a sequence) of the slots asked for, else of a useful
+    batch (`useful`: T is auto's to choose; else one slot will do); its slots. Else one line saying what would fit."""
     card = torch.cuda.get_device_properties(device).total_memory
     length, asked = slot_length(args), args.max_concurrent_sequences
     weights = parameter_count(model_config) * element_bytes
@@ -184,7 +189,7 @@ def fitting_plan(args, model_config: ModelConfig, device: torch.device, element_
                 raise  # the size asked for
             continue  # a split the heads or MLP columns do not allow
         share = math.ceil(weights / size)
-        per_slot = slot_bytes(model_config, size, length, element_bytes)
+        per_slot = slot_bytes(model_config, size, length, element_bytes, state_bytes)
         free = FILL * card - share - resident
         if asked != "auto":
             if asked * per_slot <= free:

@@ -17,7 +17,9 @@ Resident through the step (`resident`):
 - asynchronous rollouts in one process: the producer's copy of the policy (`rollout/setup.py`).
 - the engine's KV cache (`rollout/engine.py`): min(256, the rows of one engine call) slots of prompt +
   completion tokens rounded up to 128, K and V of every layer, split by KV head over a tensor-parallel group;
-  kept between rollouts unless `free_sampling_memory`.
+  kept between rollouts unless `free_sampling_memory`. A model with linear-attention layers adds each slot's
+  recurrent states (`StepShape.state_bytes` a sequence: `models/recurrent_state.row_bytes`), which the
+  gradients do not borrow.
 
 The backward (`backward`) adds the gradients and the largest micro-batch's activations, the optimizer step
 (`optimizer step`) the gradients and the step's scratch:
@@ -109,6 +111,7 @@ class StepShape:
     lend_kv_cache: bool = True
     free_sampling_memory: bool = False
     engine_slots: int = ENGINE_SLOTS
+    state_bytes: int = 0  # each engine slot's recurrent states (linear-attention layers), beside its KV cache
 
     @classmethod
     def from_config(cls, args, placement: Placement) -> "StepShape":
@@ -253,6 +256,11 @@ def engine_kv_bytes(config: ModelConfig, step: StepShape, split: int) -> int:
     return math.ceil(kv_cache_bytes(config, rows, length, step.element_bytes) / split)
 
 
+def engine_state_bytes(step: StepShape, split: int) -> int:
+    """One rank's share of the recurrent states of the engine's slots (`engine_kv_bytes`' rows)."""
+    return math.ceil(min(step.engine_slots, step.rows * split) * step.state_bytes / split)
+
+
 def training_state(config: ModelConfig, step: StepShape,
                    rank: RankShape) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """What the trained weights cost a rank: (resident — the weights, masters and moments kept all step;
@@ -332,9 +340,12 @@ def training_memory_plan(config: ModelConfig, step: StepShape, rank: RankShape =
         resident["π_teacher"] = step.teacher_bytes
     kv = engine_kv_bytes(config, step, rank.sampling_split) if rank.samples else 0
     resident["KV cache"] = kv
+    if step.state_bytes and rank.samples:
+        resident["recurrent states"] = engine_state_bytes(step, rank.sampling_split)
     after_sampling = dict(resident)
     if step.free_sampling_memory:
         after_sampling["KV cache"] = 0  # released after sampling (and then lends nothing)
+        after_sampling.pop("recurrent states", None)
     if rank.sharded and not rank.engine_in_update:
         after_sampling["engine weights"] = 0
     elif step.lend_kv_cache and rank.ranks == 1 and not rank.fsdp and not lora:

@@ -21,11 +21,12 @@ from cohort_grpo.plans.training_plan import RankShape, StepShape, training_memor
 
 
 def training_rank_slots(args, placement: Placement, model_config: ModelConfig, device: torch.device,
-                        sampling_split: int = 1) -> int:
+                        sampling_split: int = 1, state_bytes: int = 0) -> int:
     """The slots of the engine of a training rank of the run `args` (validated, `optimizer_state_dtype` settled)
     placed by `placement`, for the loaded model's `model_config`, on CUDA `device`; `sampling_split`: the ranks of
-    its tensor-parallel sampling group (the colocated placement)."""
-    step = StepShape.from_config(args, placement)
+    its tensor-parallel sampling group (the colocated placement); `state_bytes`: each sequence's recurrent states
+    (linear-attention layers; 0 without)."""
+    step = replace(StepShape.from_config(args, placement), state_bytes=state_bytes)
     rank = replace(RankShape.of(placement), samples=True, sampling_split=sampling_split)
 
     def peak(slots: int) -> int:

@@ -71,7 +71,7 @@ class RunState:
 
     step: int
     prompts: dict  # PromptStream.state_dict(): the data order and its random generator
-    history: list[dict]
+    history: list[dict]  # the per-step records; `history_length` of them where the list is the running run's
     accuracy_before: float | None = None
     skipped_steps: int = 0
     nonfinite_in_a_row: int = 0
@@ -80,6 +80,13 @@ class RunState:
     # this process's RNG states then (`random_state()`) and the logs' sizes then (`log_sizes`); None: as they are now.
     random: dict | None = None
     file_sizes: dict | None = None
+    # A state noted at every step's end shares the run's history, which grows on, rather than copying it (a copy a
+    # step is work that grows with the steps): its records are the list's first `history_length`. None: all of them.
+    history_length: int | None = None
+
+    def records(self) -> list[dict]:
+        """The per-step records as of this state."""
+        return self.history if self.history_length is None else self.history[:self.history_length]
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -172,7 +179,7 @@ def _write_contents(parts: RunParts, run: RunState, folder: Path, shared: dict |
         **(run.random or random_state()),  # rank 0's, and with several ranks each rank's in rank_random
         "world_size": parts.parallel.world_size,
         "rank_random": shared["rank_random"] if shared else None,
-        "history": run.history,
+        "history": run.records(),
         "accuracy_before": run.accuracy_before,
         "skipped_steps": run.skipped_steps,
         "nonfinite_in_a_row": run.nonfinite_in_a_row,

@@ -320,9 +320,10 @@ class GRPOTrainer:
         return folder
 
     def run_state(self) -> RunState:
-        """The run's plain values now (`RunState`)."""
+        """The run's plain values now (`RunState`); its history is the run's list up to its length now."""
         counters = self.policy_update.counters
-        return RunState(step=self.step, prompts=self.prompts.state_dict(), history=list(self.history),
+        return RunState(step=self.step, prompts=self.prompts.state_dict(), history=self.history,
+                        history_length=len(self.history),
                         accuracy_before=self.accuracy_before, skipped_steps=counters.skipped_steps,
                         nonfinite_in_a_row=counters.nonfinite_in_a_row, seconds=self.training_seconds())
 
