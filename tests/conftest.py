@@ -42,6 +42,10 @@ def cpu_pinned(request, monkeypatch):
     if not (marker.args or marker.kwargs.get("reason")):
         pytest.fail("@pytest.mark.cpu needs its reason: why the test's numbers are CPU numbers")
     if os.environ.get("COHORT_TEST_GPU") == "1":
+        if torch.cuda.is_available():
+            # CUDA reads CUDA_VISIBLE_DEVICES once, when it starts: started under the empty value below (by
+            # anything this test calls), it would see no GPU for the rest of this worker's tests
+            torch.cuda.init()
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)

@@ -16,7 +16,7 @@ import transformers
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
 from cohort_grpo.models.generic import TransformersCausalLM
-from cohort_grpo.models.generic_attention import GenericPathRefused, refusal
+from cohort_grpo.models.generic_attention import STATE_INTERFACE_SINCE, GenericPathRefused, has_state_interface, refusal
 from cohort_grpo.models.tiny import build_tokenizer
 from cohort_grpo.rollout import engine_samples, make_sampler
 from cohort_grpo.rollout.engine import Engine
@@ -98,6 +98,8 @@ PROMPTS = [[5, 9, 13, 17, 21, 25, 29, 33, 37], [7, 3], [11, 4, 8, 15, 16, 23, 42
 def reference_model(model_type: str, seed: int = 0):
     """transformers' own model of `model_type`, tiny and random, in eval mode, generating up to its limit."""
     config_class, model_class, arguments = FAMILIES[model_type]
+    if model_type in RECURRENT_FAMILIES and not has_state_interface():
+        pytest.skip(f"{model_type}'s recurrent layers need transformers' state interface ({STATE_INTERFACE_SINCE}+)")
     torch.manual_seed(seed)
     model = model_class(config_class(**arguments)).eval()
     model.generation_config.eos_token_id = None  # both samplers run to max_new_tokens
@@ -245,7 +247,7 @@ def test_recurrent_and_encoder_decoder_models_are_refused_by_name(tmp_path):
     assert "zamba's attention block is shared by several layers" in refusal(transformers.ZambaConfig())
     for config in (transformers.MambaConfig(), transformers.FalconH1Config(), transformers.NemotronHConfig(),
                    transformers.Lfm2Config(layer_types=["conv", "full_attention"], num_hidden_layers=2)):
-        assert refusal(config) is None, config.model_type
+        assert refusal(config) is None if has_state_interface() else "upgrade transformers" in refusal(config)
     unknown_hybrid = SimpleNamespace(model_type="some_hybrid", layer_types=["full_attention", "mamba"])
     assert "some_hybrid has layers of type mamba" in refusal(unknown_hybrid)
     assert refusal(transformers.Gemma3TextConfig()) is None
@@ -380,6 +382,7 @@ def test_decode_steps_through_the_flash_decoding_kernel(model_type, monkeypatch)
     assert len(calls) // layers >= new_tokens - 1  # at least one sequence's decode steps, each layer once
 
 
+@pytest.mark.skipif(not has_state_interface(), reason=f"needs transformers {STATE_INTERFACE_SINCE}+'s state interface")
 def test_state_space_layer_kinds_take_their_cache_entries():
     """Nemotron-H mixes Mamba 2, attention, MLP-only and mixture-of-experts layers; Falcon-H1 runs attention and
     Mamba 2 side by side in every layer. Each layer takes keys only where it attends and a state only where it
@@ -408,3 +411,19 @@ def test_state_space_layer_kinds_take_their_cache_entries():
             logits = [model(tokens[:, :9], torch.arange(9).expand(2, 9), kv_cache=cache)]
             logits += [model(tokens[:, p:p + 1], torch.full((2, 1), p), kv_cache=cache) for p in range(9, 12)]
         assert (torch.cat(logits, dim=1) - expected).abs().max() < 1e-4, config.model_type
+
+
+def test_recurrent_layers_are_refused_where_transformers_has_no_state_interface(monkeypatch):
+    """Before transformers 5.21 a recurrent layer keeps its state in its model's own fields, out of the engine's
+    reach: such a model is refused before it wraps, in one line naming the version it needs."""
+    import transformers
+
+    from cohort_grpo.models import generic_attention
+
+    config = FAMILIES["qwen3_next"][0](**FAMILIES["qwen3_next"][2])
+    assert generic_attention.refusal(config) is None or not generic_attention.has_state_interface()
+    monkeypatch.setattr(generic_attention, "has_state_interface", lambda: False)
+    assert generic_attention.refusal(config) == (
+        "qwen3_next's recurrent layers keep their state through transformers' cache interface of 5.21 and later "
+        f"(installed: {transformers.__version__}): upgrade transformers")
+    assert generic_attention.refusal(FAMILIES["olmo2"][0](**FAMILIES["olmo2"][2])) is None

@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a GPU: run with COHORT_TEST_GPU=1 on a machine with one", allow_module_level=True)
 
-from test_generic_models import PROMPTS, wrapped, reference_model  # noqa: E402
+from test_generic_models import PROMPTS, reference_model, wrapped  # noqa: E402
 
 from cohort_grpo.rollout.engine import Engine  # noqa: E402
 from cohort_grpo.rollout.sampler import SamplingParams  # noqa: E402

@@ -77,6 +77,20 @@ def test_logits_equal_transformers_forward(vision):
             assert (step[:, 0] - expected[:, -1]).abs().max() < 1e-4
 
 
+def assert_greedy_up_to_ties(reference, encoded, tokens: list[int], expected: list[int], row: int) -> None:
+    """`tokens` equal `expected` (transformers' greedy tokens), or equal them up to a step where the two differ and
+    transformers' own logits there (teacher-forced on its tokens) rank both within 1e-5 of each other: a tie of the
+    random model, which another machine's float32 sums may break the other way (the steps after it then differ)."""
+    if tokens == expected:
+        return
+    step = next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
+    with torch.no_grad():
+        prefix = torch.tensor([expected[:step]], dtype=torch.long)
+        logits = reference(**with_completion(encoded, prefix)).logits[0, -1]
+    gap = (logits[expected[step]] - logits[tokens[step]]).item()
+    assert 0 <= gap < 1e-5, f"row {row}: the engine took token {tokens[step]} at step {step}, {gap:.2e} below the best"
+
+
 def test_engine_greedy_tokens_equal_generate(vision):
     """Continuous batching (more prompts than rows, compaction): each prompt's greedy completion in the engine is
     transformers' `generate`'s with the same image, including the two prompts whose tokens are the same."""
@@ -94,7 +108,7 @@ def test_engine_greedy_tokens_equal_generate(vision):
             out = reference.generate(**encoded, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                      do_sample=False)
         expected = out[0, encoded["input_ids"].shape[1]:].tolist()
-        assert rollout.completion_ids[row].tolist() == expected, row
+        assert_greedy_up_to_ties(reference, encoded, rollout.completion_ids[row].tolist(), expected, row)
         generated.append(expected)
     assert generated[1] != generated[2]  # the images, not the tokens, made them differ
 

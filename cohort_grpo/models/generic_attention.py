@@ -59,6 +59,15 @@ POSITION_BIAS_REASON = "'s attention adds a learned relative-position bias to it
 # Attention whose mask carries learned values (Doge's dynamic mask): cohort's cached attention applies only the
 # causal and window structure, so its logits would differ from the model's own.
 MASK_VALUED_MODEL_TYPES = {"doge"}
+# Recurrent layers read and write their state through transformers' cache methods (get_conv_state, ...), which
+# transformers has had since 5.21; before, each model kept it in its own fields, which the engine's rows cannot.
+STATE_INTERFACE_SINCE = "5.21"
+
+
+def has_state_interface() -> bool:
+    from transformers.cache_utils import Cache
+
+    return hasattr(Cache, "get_conv_state")
 
 
 class GenericPathRefused(CohortError):
@@ -80,6 +89,11 @@ def refusal(config) -> str | None:
         return model_type + POSITION_BIAS_REASON
     if model_type in MASK_VALUED_MODEL_TYPES:
         return f"{model_type}'s attention mask carries learned values, which cohort's cached attention does not apply"
+    if keeps_recurrent_state(config) and not has_state_interface():
+        import transformers
+
+        return (f"{model_type}'s recurrent layers keep their state through transformers' cache interface of "
+                f"{STATE_INTERFACE_SINCE} and later (installed: {transformers.__version__}): upgrade transformers")
     other = sorted(set(getattr(config, "layer_types", None) or []) - ATTENTION_LAYER_TYPES - RECURRENT_LAYER_TYPES
                    - HYBRID_LAYER_TYPES - STATELESS_LAYER_TYPES)
     if other:

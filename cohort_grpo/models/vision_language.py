@@ -203,9 +203,8 @@ class VisionLanguageModel(TransformersCausalLM):
     def encode_images(self, images: ImageInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One prompt's images through the vision tower: (embeddings, deepstack features by layer)."""
         outputs = self.family.image_features(self.transformers_model, images, self.device)
-        deepstack = [torch.cat(list(layer), dim=0).to(self.dtype)
-                     for layer in getattr(outputs, "deepstack_features", None) or []]
-        return torch.cat(list(outputs.pooler_output), dim=0).to(self.dtype), deepstack
+        deepstack = [joined(layer).to(self.dtype) for layer in getattr(outputs, "deepstack_features", None) or []]
+        return joined(outputs.pooler_output).to(self.dtype), deepstack
 
     def frozen_tower_key(self) -> tuple | None:
         """Which weights a frozen vision tower computes with (where its first weight lives, and its dtype): the
@@ -234,3 +233,12 @@ class VisionLanguageModel(TransformersCausalLM):
         mask[rows, columns] = True
         layers = [torch.cat([part[1][layer] for part in parts]) for layer in range(len(parts[0][1]))]
         return merged, {"visual_pos_masks": mask, "deepstack_visual_embeds": layers}
+
+
+def joined(features) -> torch.Tensor:
+    """A vision tower's features of one prompt's images as one [tokens, hidden] tensor: transformers returns them
+    split by image (a tuple of [tokens, hidden]) or whole (one tensor, [tokens, hidden] or [images, tokens, hidden]:
+    Qwen3-VL's deepstack features and Gemma 3's embeddings before transformers 5.25)."""
+    if isinstance(features, torch.Tensor):
+        return features.reshape(-1, features.shape[-1])
+    return torch.cat([feature.reshape(-1, feature.shape[-1]) for feature in features], dim=0)
