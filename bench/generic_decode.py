@@ -6,6 +6,8 @@ runs to --new-tokens, as in bench/rollout.py):
 - `generic`: `TransformersCausalLM` (cohort_grpo/models/generic.py) sampled by cohort's `Engine`, its defaults
   (CUDA graphs checked against an eager step, the flash-decoding kernel where the head width allows);
 - `generic_eager`: the same without CUDA graphs (what the path did before graphs);
+- `generic_unfused` (with --unfused): the same graphs without the sampling path's fused norms, MLPs and q/k/v
+  GEMMs (cohort_grpo/models/generic_fusion.py), to measure what they gain;
 - `native`: cohort's own implementation, for the families it has (Qwen2.5 shapes);
 - `hf`: transformers' `generate` on the unwrapped model.
 Prints one JSON line per model with tokens/s and the ratios generic/native and generic/hf, then a markdown table.
@@ -13,6 +15,7 @@ Prints one JSON line per model with tokens/s and the ratios generic/native and g
     python bench/generic_decode.py                                  # every shape, 256 sequences
     python bench/generic_decode.py --models qwen2.5-0.5b --sequences 64
     python bench/generic_decode.py --models tiny --device cpu       # a smoke test of this script
+    python bench/generic_decode.py --unfused --skip-hf              # what the fused sampling forwards gain
 
 Writes $OUT/generic_decode.json when OUT is set.
 """
@@ -136,6 +139,14 @@ def measure(name: str, args) -> dict:
     generic = TransformersCausalLM.wrap(hf_model)  # the same tensors (its attention from now on cohort's)
     engine = make_sampler(generic, max_batch_size=args.sequences)
     row["generic"] = time_engine(engine, prompt_list, args.new_tokens, args.device)
+    row["fusions"] = dict(norms=generic.fusions.norms, mlps=generic.fusions.mlps,
+                          attentions=generic.fusions.attentions)
+    if args.unfused:
+        generic.fusions.on = False  # a new engine: its graphs are captured without them
+        row["generic_unfused"] = time_engine(make_sampler(generic, max_batch_size=args.sequences), prompt_list,
+                                             args.new_tokens, args.device)
+        generic.fusions.on = True
+        row["fusion_gain"] = row["generic"]["tok_s"] / row["generic_unfused"]["tok_s"]
     if args.device == "cuda":
         eager = Engine(generic, max_batch_size=args.sequences, use_cuda_graph=False)
         row["generic_eager"] = time_engine(eager, prompt_list, args.new_tokens, args.device)
@@ -154,14 +165,15 @@ def measure(name: str, args) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | generic tok/s | eager tok/s | native tok/s | generate tok/s | generic / native | "
-             "generic / generate |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | generic tok/s | unfused tok/s | eager tok/s | native tok/s | generate tok/s | generic / native | "
+             "generic / generate |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         def value(key, inner=None, spec=",.0f"):
             item = row.get(key)
             item = item.get(inner) if isinstance(item, dict) and inner else item
             return "—" if item is None else format(item, spec)
-        lines.append(f"| {row['model']} | {value('generic', 'tok_s')} | {value('generic_eager', 'tok_s')} | "
+        lines.append(f"| {row['model']} | {value('generic', 'tok_s')} | {value('generic_unfused', 'tok_s')} | "
+                     f"{value('generic_eager', 'tok_s')} | "
                      f"{value('native', 'tok_s')} | {value('hf_tok_s')} | {value('generic_over_native', spec='.2f')} | "
                      f"{value('generic_over_hf', spec='.1f')}× |")
     return "\n".join(lines)
@@ -174,6 +186,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also time the generic path without its fused norms, MLPs and q/k/v GEMMs")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     rows = []

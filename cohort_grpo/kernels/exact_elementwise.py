@@ -13,11 +13,16 @@ The decode step writes the rotated keys, and the values, straight into the KV ca
 position (`positions`), as `KVCache.write` would.
 
 `rotate` and `swiglu_gate` are differentiable: the backward recomputes the plain torch function.
+`gated_activation_kernel` (SiLU or GELU-tanh of the gate, times up) also serves the generic path's sampling
+forwards (cohort_grpo/models/generic_fusion.py).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from cohort_grpo.kernels.elementwise import swiglu_gate_plain
 from cohort_grpo.kernels.triton_common import tl, triton  # noqa: F401
@@ -63,15 +68,22 @@ def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, pos_ptr, length, stride_xb,
 
 
 @_jit
-def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, rows, cols, stride_g, stride_u, stride_o,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _gated_activation_kernel(gate_ptr, up_ptr, out_ptr, rows, cols, stride_g, stride_u, stride_o,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GELU_TANH: tl.constexpr):
+    """act(gate) * up in float32, rounded once: act SiLU, or GELU's tanh approximation (GELU_TANH)."""
     offs_r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (offs_r < rows)[:, None] & (offs_c < cols)[None, :]
     dtype = gate_ptr.dtype.element_ty
     g = tl.load(gate_ptr + offs_r[:, None] * stride_g + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs_r[:, None] * stride_u + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_r[:, None] * stride_o + offs_c[None, :], (g / (1.0 + tl.exp(-g)) * u).to(dtype), mask=ok)
+    if GELU_TANH:
+        # 0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))), tanh(z) = 1 − 2 / (e^{2z} + 1) (finite at both ends)
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        activated = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+    else:
+        activated = g / (1.0 + tl.exp(-g))
+    tl.store(out_ptr + offs_r[:, None] * stride_o + offs_c[None, :], (activated * u).to(dtype), mask=ok)
 
 
 def rotate_kernel(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, out: torch.Tensor | None = None,
@@ -104,8 +116,17 @@ def rotate_kernel(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor |
 
 def swiglu_kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate/up [..., I] (rows of any stride, unit stride along I)."""
+    return gated_activation_kernel(gate, up, "silu")
+
+
+GATED_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def gated_activation_kernel(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for gate/up [..., I] (rows of any stride, unit stride along I), act one of
+    `GATED_ACTIVATIONS` (the torch function the kernel computes, up to float32 rounding)."""
     if triton is None:
-        raise RuntimeError("the exact SwiGLU kernel needs triton")
+        raise RuntimeError("the gated activation kernel needs triton")
     cols = gate.shape[-1]
     g2, u2 = gate.reshape(-1, cols), up.reshape(-1, cols)
     if g2.stride(-1) != 1 or u2.stride(-1) != 1:
@@ -113,9 +134,9 @@ def swiglu_kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     if g2.shape[0] and cols:
         block_r, block_c = 16, 128
-        _swiglu_kernel[(triton.cdiv(g2.shape[0], block_r), triton.cdiv(cols, block_c))](
+        _gated_activation_kernel[(triton.cdiv(g2.shape[0], block_r), triton.cdiv(cols, block_c))](
             g2, u2, out, g2.shape[0], cols, g2.stride(0), u2.stride(0), out.stride(0), BLOCK_R=block_r,
-            BLOCK_C=block_c, num_warps=4)
+            BLOCK_C=block_c, GELU_TANH=activation == "gelu_tanh", num_warps=4)
     return out.reshape(gate.shape)
 
 

@@ -6,7 +6,8 @@ themselves; any other decoder-only model of transformers gets it here from its o
 decoder layers (rotary, QK-norm, soft-capping, sliding windows, partial rotary, whatever they do), final norm and
 head run unchanged, and only attention is cohort's (generic_attention.py). The wrapper holds the transformers
 model's own top-level modules under their own names, so parameter names, state dicts and saved folders are
-transformers' own.
+transformers' own. On the engine's sampling forwards its RMSNorms, gated MLPs and q/k/v projections take fused
+kernels and GEMMs, each checked at wrap time against the module it serves (generic_fusion.py).
 
 `TransformersCausalLM.wrap` refuses, by name, what it cannot serve: recurrent layers that keep their state outside
 transformers' cache interface, other attention it cannot serve, and encoder-decoders, from the config
@@ -34,6 +35,7 @@ from cohort_grpo.models.cache import KVCache
 from cohort_grpo.models.generic_attention import (ATTENTION, STATELESS_LAYER_TYPES, AttentionStep, GenericPathRefused,
                                                   LogitHead, active_step, attention_implementation,
                                                   keeps_recurrent_state, refusal, register_attention)
+from cohort_grpo.models.generic_fusion import Fusions, install
 from cohort_grpo.models.generic_training import checkpoint_first_layers, decoder_layer_list
 from cohort_grpo.models.recurrent_state import StateCache, StateShapes
 from cohort_grpo.models.shared_prefix import PackedRows
@@ -63,6 +65,8 @@ class TransformersCausalLM(nn.Module):
         # Whether a cached forward of several tokens after a row's first must run them one at a time (the probe
         # finds it: a multi-token forward that ignores the row's carried state, as Mamba 1's scan does)
         self.continues_by_token = False
+        # The sampling path's fused norms, MLPs and projections (generic_fusion.py), installed by `wrap`
+        self.fusions = Fusions()
 
     @classmethod
     def wrap(cls, causal_lm: nn.Module) -> "TransformersCausalLM":
@@ -87,6 +91,7 @@ class TransformersCausalLM(nn.Module):
             failure = (str(error).strip().splitlines() or [""])[0][:120]
             raise GenericPathRefused(f"{model.model_type}'s probe forward fails ({type(error).__name__}: "
                                      f"{failure})") from error
+        model.fusions = install(model.decoder)
         return model
 
     @staticmethod
@@ -154,6 +159,11 @@ class TransformersCausalLM(nn.Module):
         if numerics != "fast":
             raise CohortError(f"rollout_numerics={numerics} needs cohort's own model implementation; "
                               f"{self.model_type} runs through transformers' modules: use --rollout_numerics fast")
+
+    def fuse_projections(self) -> None:
+        """Let the sampling path read q/k/v and gate/up as one matrix each (generic_fusion.py), as
+        `CausalLM.fuse_projections`; idempotent. Call it outside inference mode (it may re-point parameters)."""
+        self.fusions.fuse()
 
     def gradient_checkpointing_enable(self, checkpointed_layers: int | None = None, activation_probe=None,
                                       **_ignored) -> None:
