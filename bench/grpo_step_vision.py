@@ -133,15 +133,8 @@ def run_build(spec: dict, rec) -> None:
     import transformers
 
     started = time.perf_counter()
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(spec["device"]):
-            model = transformers.Qwen2_5_VLForConditionalGeneration(hf_config(spec["shape"]))
-    finally:
-        torch.set_default_dtype(default)
-    model = model.to(torch.bfloat16)
+    config = hf_config(spec["shape"])
+    model = text_bench.built_in_bf16(lambda: transformers.Qwen2_5_VLForConditionalGeneration(config), spec["device"])
     model.save_pretrained(spec["folder"])
     make_processor(spec["shape"]).save_pretrained(spec["folder"])
     vision = sum(p.numel() for p in model.model.visual.parameters())

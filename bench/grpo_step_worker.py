@@ -210,6 +210,19 @@ def is_oom(error: BaseException) -> bool:
 
 # ---- kind: build -------------------------------------------------------------------------------
 
+def built_in_bf16(factory, device: str):
+    """`factory()`'s random-init model, seeded (0) and initialised on `device` in bf16."""
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = factory()
+    finally:
+        torch.set_default_dtype(default)
+    return model.to(torch.bfloat16)
+
+
 def run_build(spec: dict, rec: Recorder) -> None:
     """A random-init transformers model of the shape's family saved as bf16 safetensors + the tokenizer, as trl_baseline.py.
     Initialised on the device in bf16 (trl_baseline.py: fp32 on the CPU, then cast): the same
@@ -217,15 +230,7 @@ def run_build(spec: dict, rec: Recorder) -> None:
     from transformers import AutoModelForCausalLM
 
     started = time.perf_counter()
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(spec["device"]):
-            model = AutoModelForCausalLM.from_config(hf_config(spec["shape"]))
-    finally:
-        torch.set_default_dtype(default)
-    model = model.to(torch.bfloat16)
+    model = built_in_bf16(lambda: AutoModelForCausalLM.from_config(hf_config(spec["shape"])), spec["device"])
     model.save_pretrained(spec["folder"])
     make_tokenizer(spec["shape"]["vocab_size"]).save_pretrained(spec["folder"])
     import transformers
