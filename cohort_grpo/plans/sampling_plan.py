@@ -36,6 +36,7 @@ from cohort_grpo.errors import CohortError
 from cohort_grpo.models.config import ModelConfig
 from cohort_grpo.models.tensor_parallel import check_tensor_parallel_size
 from cohort_grpo.parallel.placement import Placement
+from cohort_grpo.plans.model_shape import ModelShape
 from cohort_grpo.rollout.engine import KV_LENGTH_STEP
 from cohort_grpo.rollout.scheduler import ENGINE_SLOTS, batch_buckets
 
@@ -70,8 +71,11 @@ def layer_parameter_counts(config: ModelConfig) -> list[int]:
             for i in range(config.num_hidden_layers)]
 
 
-def parameter_count(config: ModelConfig) -> int:
-    """The model's weights, counted from its config (projections, embeddings, norms; biases left out)."""
+def parameter_count(config: ModelConfig | ModelShape) -> int:
+    """The model's weights, counted from its config (projections, embeddings, norms; biases left out); a
+    generic-path model's, as it holds them."""
+    if isinstance(config, ModelShape):
+        return config.parameters
     embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     return sum(layer_parameter_counts(config)) + embeddings + config.hidden_size
 
@@ -87,8 +91,11 @@ def active_parameter_count(config: ModelConfig) -> float:
     return parameter_count(config) - idle * len(config.sparse_layers)
 
 
-def kv_cache_bytes(config: ModelConfig, rows: int, max_len: int, element_bytes: int) -> int:
-    """Keys and values of `rows` sequences of `max_len` tokens, every layer."""
+def kv_cache_bytes(config: ModelConfig | ModelShape, rows: int, max_len: int, element_bytes: int) -> int:
+    """Keys and values of `rows` sequences of `max_len` tokens, every layer (a generic-path model's layers each of
+    their own probed shape)."""
+    if isinstance(config, ModelShape):
+        return 2 * config.kv_elements_per_token * rows * max_len * element_bytes
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * rows * max_len * element_bytes
 
 
@@ -131,14 +138,15 @@ def engine_call_rows(args, placement: Placement, size: int, sampling_rank: bool)
     return size * per_rank
 
 
-def sampling_plan(args, placement: Placement, model_config: ModelConfig | None, device: torch.device,
+def sampling_plan(args, placement: Placement, model_config: ModelConfig | ModelShape | None, device: torch.device,
                   element_bytes: int, splittable: bool = True, sampling_rank: bool = False,
                   state_bytes: int = 0) -> SamplingPlan:
     """`rollout_tensor_parallel_size` and `max_concurrent_sequences` of the run `args` (`auto` settled here; an
-    integer kept) placed by `placement` (its split as asked), for the loaded model's `model_config` (None: not a
-    model cohort's engine samples) on `device`. `splittable`: no tools and no LoRA adapters. The training ranks
-    sample in groups themselves under FSDP2 without sampling ranks (the colocated placement). `sampling_rank`:
-    this rank only samples (`--rollout_gpus`); `state_bytes`: each sequence's recurrent states (0: the model has no
+    integer kept) placed by `placement` (its split as asked), for the loaded model's `model_config` (a
+    generic-path model's `ModelShape`; None: not a model cohort's engine samples) on `device`. `splittable`: no
+    tools, no LoRA adapters and a model cohort implements itself. The training ranks sample in groups themselves
+    under FSDP2 without sampling ranks (the colocated placement). `sampling_rank`: this rank only samples
+    (`--rollout_gpus`); `state_bytes`: each sequence's recurrent states (0: the model has no
     linear-attention layers). Refused, in one line, where no group keeps a useful batch (or the
     slots asked for) beside its weights."""
     asked, slots = args.rollout_tensor_parallel_size, args.max_concurrent_sequences

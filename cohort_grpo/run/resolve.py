@@ -34,6 +34,7 @@ from cohort_grpo.config.grpo_config import GRPOConfig
 from cohort_grpo.config.command_line import show_value
 from cohort_grpo.optim.precision import optimizer_state_dtype, resolve_dtype
 from cohort_grpo.parallel.placement import Placement
+from cohort_grpo.plans.model_shape import planned_shape, slot_state_bytes
 from cohort_grpo.plans.sampling_plan import sampling_plan
 from cohort_grpo.plans.training_slots import training_rank_slots
 from cohort_grpo.models.config import ModelConfig
@@ -69,16 +70,21 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, placeme
     replay = config.routing_replay and native and bool(getattr(base_model(model).config, "num_experts", 0))
     changes.update(partial_rollout_settings(config, engine=engine, tools=tools, routing_replay=replay))
     settled = dataclasses.replace(config, **changes)
-    model_config = base_model(model).config if native else None
-    plan = sampling_plan(settled, placement, model_config, device, getattr(torch, changes["dtype"]).itemsize,
-                         splittable=not tools and not has_lora(model), sampling_rank=sampling_rank)
+    # what the plans price: a native config, or a generic-path model's probed cache and its weights (never split)
+    dtype = getattr(torch, changes["dtype"])
+    model_config = planned_shape(base_model(model)) if engine else None
+    state_bytes = slot_state_bytes(base_model(model), dtype) if engine else 0
+    plan = sampling_plan(settled, placement, model_config, device, dtype.itemsize,
+                         splittable=native and not tools and not has_lora(model), sampling_rank=sampling_rank,
+                         state_bytes=state_bytes)
     changes["rollout_tensor_parallel_size"] = plan.size
     slots = plan.slots
     if slots is None or (placement.fsdp_ranks_sample and config.max_concurrent_sequences == "auto"
                          and device.type == "cuda" and model_config is not None):
         # a rank that also trains: its engine's cache is one more term of its training plan (the KV cache stays
         # through the update unless freed, and an asynchronous engine samples during it)
-        training = training_rank_slots(settled, placement, model_config, device, sampling_split=plan.size)
+        training = training_rank_slots(settled, placement, model_config, device, sampling_split=plan.size,
+                                       state_bytes=state_bytes)
         slots = training if slots is None else min(slots, training)
     changes["max_concurrent_sequences"] = slots
     if placement.settled(plan.size).colocated:  # refused before anything is sharded
