@@ -66,7 +66,8 @@ class ModelShape:
         shapes = tuple(model.kv_cache_layer_shapes)
         hidden = text.hidden_size
         kv_heads, head_dim = max(shapes, key=lambda shape: shape[0] * shape[1])
-        heads = config_value(text, "num_attention_heads") or kv_heads
+        # a model of state-space layers only (Mamba) has no heads: one of the hidden width stands for its mixer
+        heads = config_value(text, "num_attention_heads") or kv_heads or 1
         return cls(model_type=model.model_type, vocab_size=text.vocab_size, hidden_size=hidden,
                    intermediate_size=config_value(text, "intermediate_size") or 4 * hidden,
                    num_hidden_layers=len(shapes), num_attention_heads=heads, num_key_value_heads=kv_heads,
