@@ -15,7 +15,7 @@ probed shapes are the whole of a slot's keys and values.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,33 +23,14 @@ from cohort_grpo.models.config import ModelConfig
 from cohort_grpo.models.recurrent_state import row_bytes
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A generic-path model as the plans see it: `ModelConfig`'s field names for the widths the activation and LoRA
-    estimates read (a dense MLP in every layer), `kv_cache_layer_shapes` each layer's (kv heads, head dim) in the
-    engine's cache, `parameters` the weights the model holds (tied ones once)."""
+@dataclass
+class ModelShape(ModelConfig):
+    """A generic-path model as the plans see it: a `ModelConfig` of the widths the activation and LoRA estimates read
+    (a dense MLP in every layer), with `kv_cache_layer_shapes` each layer's (kv heads, head dim) in the engine's
+    cache and `parameters` the weights the model holds (tied ones once)."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    tie_word_embeddings: bool
-    kv_cache_layer_shapes: tuple[tuple[int, int], ...]
-    parameters: int
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-
-    @property
-    def sparse_layers(self) -> list[int]:
-        return []
-
-    def is_sparse_layer(self, layer_index: int) -> bool:
-        return False
+    kv_cache_layer_shapes: tuple[tuple[int, int], ...] = field(default=(), kw_only=True)
+    parameters: int = field(default=0, kw_only=True)
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -88,7 +69,7 @@ def planned_shape(model):
     """What the plans price `model` (its base model, outside LoRA) by: a native `ModelConfig`, a generic-path model's
     `ModelShape`; None for a model cohort's engine does not sample (transformers' generate serves it)."""
     config = getattr(model, "config", None)
-    if isinstance(config, ModelConfig):
+    if isinstance(config, ModelConfig):  # a native model's (a `ModelShape` is made here, never a model's config)
         return config
     if getattr(model, "kv_cache_layer_shapes", None) is not None:
         return ModelShape.of(model)
