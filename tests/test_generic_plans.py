@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from test_generic_models import reference_model, wrapped
+from test_sampling_plan import linear_attention_state_shapes
 
 from cohort_grpo import GRPOConfig
 from cohort_grpo.models.cache import KVCache
-from cohort_grpo.models.recurrent_state import linear_attention_state_shapes, row_bytes
+from cohort_grpo.models.recurrent_state import row_bytes
 from cohort_grpo.parallel.placement import Placement
 from cohort_grpo.plans.model_shape import ModelShape, planned_shape, slot_state_bytes
 from cohort_grpo.plans.sampling_plan import FILL, kv_length, parameter_count, slot_bytes

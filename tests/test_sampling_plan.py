@@ -15,6 +15,7 @@ from cohort_grpo.plans import sampling_plan as plans
 from cohort_grpo.plans.sampling_plan import (SamplingPlan, engine_call_rows, kv_cache_bytes, parameter_count, sampling_plan,
                                          sampling_tensor_parallel_size)
 from cohort_grpo.models import CausalLM, ModelConfig
+from cohort_grpo.models.recurrent_state import CONV, RECURRENT
 from cohort_grpo.parallel.placement import Placement
 
 GIB = 2**30
@@ -282,6 +283,25 @@ TINY_LINEAR = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, nu
                    layer_types=["linear_attention", "full_attention"] * 2)
 
 
+def linear_attention_state_shapes(config, dtype: torch.dtype) -> dict:
+    """The states a transformers `config` with Gated DeltaNet layers (`layer_types` "linear_attention": Qwen3.5,
+    Qwen3-Next) has them write, before any model is built: per such layer its convolution's last
+    `linear_conv_kernel_dim` inputs over its query, key and value channels, and its state matrix of
+    `linear_num_value_heads` × `linear_key_head_dim` × `linear_value_head_dim` in float32 (transformers' kernels
+    compute it so): what the wrap-time probe should record, computed here from the config alone. Empty without such
+    layers."""
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    channels = 2 * key_dim + value_dim  # queries and keys, then values
+    shapes = {}
+    for layer, kind in enumerate(getattr(config, "layer_types", None) or []):
+        if kind == "linear_attention":
+            shapes[(layer, CONV, 0)] = ((channels, config.linear_conv_kernel_dim), dtype)
+            shapes[(layer, RECURRENT, 0)] = ((config.linear_num_value_heads, config.linear_key_head_dim,
+                                              config.linear_value_head_dim), torch.float32)
+    return shapes
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_a_sequence_s_planned_states_are_what_the_engine_allocates(family, cache_dtype):
@@ -292,7 +312,7 @@ def test_a_sequence_s_planned_states_are_what_the_engine_allocates(family, cache
 
     from cohort_grpo.models.cache import KVCache
     from cohort_grpo.models.generic import TransformersCausalLM
-    from cohort_grpo.models.recurrent_state import linear_attention_state_shapes, row_bytes
+    from cohort_grpo.models.recurrent_state import row_bytes
 
     extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                  shared_expert_intermediate_size=32) if family == "qwen3_next" else {}
@@ -322,7 +342,7 @@ QWEN3_NEXT = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=2048
 def qwen3_next_state_bytes(element_bytes: int) -> int:
     import transformers
 
-    from cohort_grpo.models.recurrent_state import linear_attention_state_shapes, row_bytes
+    from cohort_grpo.models.recurrent_state import row_bytes
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[element_bytes]
     config = transformers.Qwen3NextConfig(

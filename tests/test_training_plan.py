@@ -131,7 +131,8 @@ def test_the_recurrent_states_are_the_engines():
     import transformers
 
     from cohort_grpo.models.generic import TransformersCausalLM
-    from cohort_grpo.models.recurrent_state import linear_attention_state_shapes, row_bytes
+    from cohort_grpo.models.recurrent_state import row_bytes
+    from test_sampling_plan import linear_attention_state_shapes
     from cohort_grpo.plans.training_plan import engine_state_bytes
 
     config = transformers.Qwen3_5TextConfig(

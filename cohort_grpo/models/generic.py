@@ -35,7 +35,7 @@ from cohort_grpo.models.cache import KVCache
 from cohort_grpo.models.generic_attention import (ATTENTION, STATELESS_LAYER_TYPES, AttentionStep, GenericPathRefused,
                                                   LogitHead, active_step, attention_implementation,
                                                   keeps_recurrent_state, refusal, register_attention)
-from cohort_grpo.models.generic_fusion import Fusions, install
+from cohort_grpo.models.generic_fusion import Fusions, install, relative_error
 from cohort_grpo.models.generic_training import checkpoint_first_layers, decoder_layer_list
 from cohort_grpo.models.recurrent_state import StateCache, StateShapes
 from cohort_grpo.models.shared_prefix import PackedRows
@@ -297,7 +297,7 @@ class TransformersCausalLM(nn.Module):
         self.check_close(probed, own, "its hidden states through cohort's attention differ from its own")
         self.check_close(head, logits, "its logits are not its head applied to its decoder's output")
         cached = self.cached_probe(input_ids, positions, layer_shapes, state_shapes)
-        if state_shapes and not self.relative_error(cached, probed) <= self.tolerance(probed):
+        if state_shapes and not relative_error(cached, probed) <= self.tolerance(probed):
             self.continues_by_token = True  # its state carries over single tokens only?
             cached = self.cached_probe(input_ids, positions, layer_shapes, state_shapes)
         self.check_close(cached, probed,
@@ -353,11 +353,7 @@ class TransformersCausalLM(nn.Module):
     def tolerance(reference: torch.Tensor) -> float:
         return PROBE_TOLERANCE.get(reference.dtype, HALF_PROBE_TOLERANCE)
 
-    @staticmethod
-    def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-        return float((value.float() - reference.float()).norm() / reference.float().norm().clamp_min(1e-30))
-
     def check_close(self, value: torch.Tensor, reference: torch.Tensor, what: str) -> None:
-        tolerance, error = self.tolerance(reference), self.relative_error(value, reference)
+        tolerance, error = self.tolerance(reference), relative_error(value, reference)
         if not error <= tolerance:
             raise GenericPathRefused(f"{self.model_type}: {what} (relative error {error:.2g} > {tolerance:g})")

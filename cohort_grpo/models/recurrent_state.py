@@ -41,24 +41,6 @@ def row_bytes(shapes: StateShapes, dtype: torch.dtype) -> int:
                for key, (shape, state_dtype) in shapes.items())
 
 
-def linear_attention_state_shapes(config, dtype: torch.dtype) -> StateShapes:
-    """The states a transformers `config` with Gated DeltaNet layers (`layer_types` "linear_attention": Qwen3.5,
-    Qwen3-Next) has them write, before any model is built: per such layer its convolution's last
-    `linear_conv_kernel_dim` inputs over its query, key and value channels, and its state matrix of
-    `linear_num_value_heads` × `linear_key_head_dim` × `linear_value_head_dim` in float32 (transformers' kernels
-    compute it so); the shapes the wrap-time probe records. Empty without such layers."""
-    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
-    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
-    channels = 2 * key_dim + value_dim  # queries and keys, then values
-    shapes: StateShapes = {}
-    for layer, kind in enumerate(getattr(config, "layer_types", None) or []):
-        if kind == "linear_attention":
-            shapes[(layer, CONV, 0)] = ((channels, config.linear_conv_kernel_dim), dtype)
-            shapes[(layer, RECURRENT, 0)] = ((config.linear_num_value_heads, config.linear_key_head_dim,
-                                              config.linear_value_head_dim), torch.float32)
-    return shapes
-
-
 class RecurrentStates:
     """Every row's recurrent states: `tensors[(layer, kind, index)]` [rows, *shape]. Convolution states hold the
     layer's inputs, in the cache's dtype; the state matrices stay in the dtype the layer computes them in
