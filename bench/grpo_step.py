@@ -65,11 +65,14 @@ RUNS = {
     "compare": dict(prompts=32, generations=8, prompt_len=128, completion_len=512, per_device=32, grad_accum=8),
     "lora": dict(prompts=8, generations=8, prompt_len=128, completion_len=256, per_device=16, grad_accum=4),
     "probe": dict(prompts=4, generations=8, prompt_len=128, completion_len=256, per_device=8, grad_accum=4),
+    # full parameters of an 8B shape on one card: 4 prompts × 8 completions of 4,096 tokens
+    "long": dict(prompts=4, generations=8, prompt_len=128, completion_len=4096, per_device=8, grad_accum=4),
 }
 SMOKE_RUNS = {
     "compare": dict(prompts=4, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=4),
     "lora": dict(prompts=2, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=2),
     "probe": dict(prompts=2, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=2),
+    "long": dict(prompts=2, generations=4, prompt_len=16, completion_len=32, per_device=4, grad_accum=2),
 }
 SHAPE_NAMES = ("0.5b", "1.5b", "3b", "7b", "qwen3-moe-1b-7b", "qwen3-30b-a3b-half", *VISION_SHAPES)
 TRL_MODULES = ("trl", "datasets", "dill", "multiprocess", "accelerate", "pandas", "pyarrow", "xxhash", "psutil",
@@ -243,6 +246,20 @@ class Bench:
         print("\n" + lora_text(result) + "\n", flush=True)
         self.save()
 
+    def full_param_8b(self) -> None:
+        """Full-parameter GRPO of the Llama-3.1-8B shape with 4K-token completions on one card, cohort's defaults (the
+        memory plan decides where AdamW's state lives: `offload_optimizer=auto`)."""
+        result = self.worker(self.spec("cohort", "full-8b", "llama3.1-8b", "long",
+                                       self.args.full_param_8b_steps, source="module"))
+        result["batch"] = self.runs["long"]
+        self.results["full_param_8b"] = result
+        steady = result.get("steady") or {}
+        print(f"\nfull-parameter Llama-3.1-8B shape, {self.runs['long']}: {result.get('status')}; step "
+              f"{fmt(result.get('steady_seconds'), '.1f')} s, sampling {fmt(steady.get('time/sampling'), '.1f')} s, "
+              f"update {fmt(steady.get('time/update'), '.1f')} s, peak {fmt(result.get('peak_gib'), '.1f')} GiB; "
+              f"{result.get('optimizer_line')}\n", flush=True)
+        self.save()
+
     def max_full_param(self, sizes: list[str]) -> None:
         """Shapes in the order given; the first that does not fit ends the search."""
         probes: dict = {}
@@ -315,6 +332,9 @@ def parse_args(argv=None):
     parser.add_argument("--lora-steps", type=int, default=3)
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (alpha = 2r)")
     parser.add_argument("--max-full-param", default="", help="then probe full-parameter shapes, e.g. 3b,7b")
+    parser.add_argument("--full-param-8b", action="store_true",
+                        help="then train the Llama-3.1-8B shape with full parameters, 4K-token completions, defaults")
+    parser.add_argument("--full-param-8b-steps", type=int, default=3)
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for the whole run; parts that no longer fit are skipped (default 560, smoke 3600)")
     parser.add_argument("--smoke", action="store_true",
@@ -369,6 +389,8 @@ def main(argv=None) -> None:
             bench.lora_7b()
         if args.max_full_param:
             bench.max_full_param(args.max_full_param)
+        if args.full_param_8b:
+            bench.full_param_8b()
     finally:
         bench.save()
         shutil.rmtree(bench.scratch, ignore_errors=True)

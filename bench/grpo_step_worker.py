@@ -515,7 +515,13 @@ def describe_optimizer(trainer, rec: Recorder) -> None:
     state = optimizer.state.get(first, {}) if first is not None else {}
     moment = state.get("exp_avg")
     rec.save(optimizer_param_dtype=str(first.dtype).removeprefix("torch.") if first is not None else None,
-             optimizer_state_dtype=str(moment.dtype).removeprefix("torch.") if moment is not None else None)
+             optimizer_state_dtype=str(moment.dtype).removeprefix("torch.") if moment is not None else None,
+             offload_optimizer=getattr(trainer.args, "offload_optimizer", None))
+    try:  # how cohort keeps and steps the state, in its own words (where this cohort says it)
+        from cohort_grpo.optim.precision import optimizer_line
+        rec.save(optimizer_line=optimizer_line(optimizer))
+    except ImportError:
+        pass
 
 
 def cohort_summary(history: list[dict]) -> dict:

@@ -165,7 +165,7 @@ def test_print_config_shows_each_value_and_source_and_does_not_train(tmp_path, t
     asked = resolve_config(["--config", config, "--max_steps", "5"])[0]
     assert {name: value for name, value in again.to_dict().items() if asked.to_dict()[name] != value} == {
         "max_staleness": 1, "partial_rollouts": False, "importance_sampling_correction": False,
-        "optimizer_state_dtype": "float32", "gradient_checkpointing": False, "max_tokens_per_micro_batch": 0,
+        "optimizer_state_dtype": "float32", "offload_optimizer": False, "gradient_checkpointing": False, "max_tokens_per_micro_batch": 0,
         "torch_compile": False, "dtype": "float32", "model_impl": "cohort", "cpu_threads": cpu_thread_count(),
         "rollout_tensor_parallel_size": 1, "max_concurrent_sequences": 256, "eval_strategy": "no"}
     assert not (tmp_path / "runs" / "arithmetic").exists()

@@ -51,6 +51,31 @@ def test_one_gpu_terms_are_the_optimizers_state():
     assert "gradients" not in sampling
 
 
+def test_with_the_state_in_host_memory_the_gpu_keeps_weights_and_staging_and_the_host_the_state():
+    """offload_optimizer: the low halves and moments leave every GPU phase for the host, byte for byte the buffers
+    `MasterWeightAdamW(offload=True)` makes, and the optimizer step stages two of the largest tensor's state."""
+    torch.manual_seed(0)
+    model = CausalLM(TINY).to(torch.bfloat16)
+    optimizer = make_optimizer(model, GRPOConfig(dtype="bfloat16", offload_optimizer=True).validate())
+    assert optimizer.host is not None
+    step = StepShape(rows=8, group=4, prompt_len=8, completion_len=8, micro_rows=4, lend_kv_cache=False)
+    kept, moved = (training_memory_plan(TINY, replace(step, offload_optimizer=on)) for on in (False, True))
+    params = sum(p.numel() for p in model.parameters())
+    # the host holds what the device plan dropped (the buffers' per-tensor alignment aside)
+    assert moved.host == {"optimizer state": params * 6}
+    assert params * 6 <= optimizer.host.nbytes <= params * 6 + 3 * 256 * len(optimizer.lows)
+    for phase in ("sampling", "logprobs", "backward"):
+        assert kept.total(phase) - moved.total(phase) == params * 6
+        assert "moments" not in moved.phases[phase] and "master low halves" not in moved.phases[phase]
+    largest = max(p.numel() for p in model.parameters())  # the embedding here: 97 × 64
+    assert moved.phases["optimizer step"]["optimizer staging"] == 2 * largest * 6
+    # LoRA and FSDP2 keep their state as before: the option is for one process training every weight
+    lora = replace(step, offload_optimizer=True, lora_rank=4)
+    assert training_memory_plan(TINY, lora).host == {}
+    assert "optimizer state" not in training_memory_plan(TINY, replace(step, offload_optimizer=True),
+                                                         RankShape(ranks=2, fsdp=True)).host
+
+
 @pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
 def test_sharded_terms_are_the_shard_optimizer_s_split_over_the_ranks(moment_dtype):
     """FSDP2 trains an fp32 copy: its weights and the moments of the optimizer `make_optimizer` builds over it (torch's
@@ -231,7 +256,8 @@ def test_asynchronous_rollouts_price_a_producer_copy_only_where_it_exists(world,
 @pytest.fixture
 def gpu(monkeypatch):
     """A GPU with `gpu.gib` GiB free as far as the capacity check can tell."""
-    state = SimpleNamespace(gib=80.0)
+    state = SimpleNamespace(gib=80.0, host_gib=16.0)
+    monkeypatch.setattr(capacity, "host_memory_available", lambda: int(state.host_gib * GIB))
     monkeypatch.setattr(capacity.torch.cuda, "mem_get_info", lambda device: (int(state.gib * GIB), 0))
     monkeypatch.setattr(capacity.torch.cuda, "memory_reserved", lambda device: 0)
     monkeypatch.setattr(capacity.torch.cuda, "memory_allocated", lambda device: 0)
@@ -269,6 +295,34 @@ def test_a_run_that_cannot_fit_is_refused_with_what_would(gpu, llama_8b_folder):
         Placement.from_config(fsdp, gpus))).peak <= 80 * GIB
     assert training_memory_plan(ModelConfig(**LLAMA_8B), step, RankShape.of(
         Placement.from_config(fsdp, gpus - 1))).peak > 80 * GIB
+
+
+def test_auto_keeps_the_optimizer_state_in_host_memory_where_only_that_fits(gpu, llama_8b_folder):
+    """Llama-3.1-8B, full parameters, 32 completions of 4K tokens on one 80 GB card: with the state on the GPU the
+    engine cannot decode them all at once, with the state in host memory it can; auto takes it where the host has
+    the memory, and the refusal offers it where it is off."""
+    options = dict(max_completion_length=4096, per_device_train_batch_size=1, gradient_accumulation_steps=32)
+    args = GRPOConfig(**options).validate()
+    config, whole = ModelConfig(**LLAMA_8B), step_of(args)  # every completion decoded at once
+    assert training_memory_plan(config, whole).peak > 80 * GIB
+    assert training_memory_plan(config, replace(whole, engine_slots=1)).peak < 80 * GIB  # a one-slot engine fits
+    gpu.host_gib = 100.0
+    plan = check_capacity(str(llama_8b_folder), args, one_gpu(args), CUDA)
+    params = plan.parameters
+    assert plan.step.offload_optimizer and plan.host == {"optimizer state": params * 6}
+    assert training_memory_plan(config, replace(whole, offload_optimizer=True)).peak < 80 * GIB  # and decodes all
+    gpu.gib = 60.0  # a card where the state does not fit at all, even beside a one-slot engine
+    off = GRPOConfig(**options, offload_optimizer=False).validate()
+    with pytest.raises(CohortError, match=r"what would fit: AdamW's state in host memory \((--)?offload_optimizer[= ](true|True)\)"):
+        check_capacity(str(llama_8b_folder), off, one_gpu(off), CUDA)
+    gpu.host_gib = 40.0  # the 44.9 GiB of state cannot wait on this host: auto keeps it off, and nothing offers it
+    with pytest.raises(CohortError) as refused:
+        check_capacity(str(llama_8b_folder), args, one_gpu(args), CUDA)
+    assert "offload_optimizer" not in str(refused.value) and "use_peft" in str(refused.value)
+    asked = GRPOConfig(**options, offload_optimizer=True).validate()  # asked for: refused for the host's sake
+    with pytest.raises(CohortError, match=r"offload_optimizer keeps 44\.9 GiB in host memory \(optimizer state "
+                                          r"44\.9\), more than the 40\.0 GiB available"):
+        check_capacity(str(llama_8b_folder), asked, one_gpu(asked), CUDA)
 
 
 def test_a_run_whose_engine_can_decode_fewer_sequences_at_once_is_not_refused(gpu, llama_8b_folder):

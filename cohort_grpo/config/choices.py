@@ -50,6 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda", "cuda:N"),
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "optimizer_state_dtype": ("auto", "float32", "bfloat16"),
+    "offload_optimizer": ("auto", "true", "false"),
     "model_impl": ("auto", "cohort", "hf"),
     "report_to": ("none", "tensorboard", "wandb", "all"),
     "save_strategy": ("steps", "epoch", "no"),

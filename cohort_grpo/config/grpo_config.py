@@ -294,6 +294,11 @@ class GRPOConfig:
     optimizer_state_dtype: str = field(default="auto", metadata={
         "help": "AdamW's moments: auto (bfloat16, rounded stochastically, where the weights are bf16 with fp32 "
                 "masters, the GPU default; float32 otherwise), float32 or bfloat16."})
+    offload_optimizer: bool | str = field(default="auto", metadata={
+        "help": "Keep AdamW's state (moments, the masters' low halves) in host memory and stream each tensor's "
+                "through the GPU for its step: 6 of the 10 bytes a bf16 parameter costs a GPU. auto: on where a "
+                "one-GPU full-parameter step of our models could not otherwise keep its state and decode all its "
+                "completions at once on the GPU (8B on 80 GB)."})
     max_grad_norm: float = field(default=1.0, metadata={
         "help": "Clip the gradient's global norm to this before each optimizer step."})
     warmup_steps: int | float = field(default=0, metadata={

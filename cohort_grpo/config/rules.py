@@ -260,6 +260,14 @@ RULES: tuple[Rule, ...] = (
          lambda c: refusal("gradient_checkpointing_layers", c.gradient_checkpointing_layers,
                            "does nothing without gradient_checkpointing", "pass --gradient_checkpointing true as "
                            "well")),
+    Rule("`offload_optimizer` true with `fsdp`, `use_peft` or float32 weights",
+         lambda c: c.offload_optimizer is True and (c.fsdp or c.use_peft or c.dtype in ("float32", "float16")),
+         lambda c: refusal("offload_optimizer", True, "keeps the fp32 masters' low halves and the moments of bf16 "
+                           "weights in host memory, for a process that holds the whole model: "
+                           + ("FSDP2 shards that state over the GPUs already" if c.fsdp else
+                              "LoRA's adapters train in float32 and their state is small" if c.use_peft else
+                              f"dtype={c.dtype} has no split masters"),
+                           "leave offload_optimizer auto" + ("" if c.fsdp or c.use_peft else ", or pass --dtype bfloat16"))),
     not_negative("beta", "the KL coefficient must be ≥ 0", problem="is negative"),
     not_negative("distillation_coef", "0 is off; 1 with no reward functions is pure on-policy distillation",
                  problem="is negative"),

@@ -69,7 +69,7 @@ SECTIONS: tuple[Section, ...] = (
              "chat_template_kwargs")),
     Section("Optimisation",
             "",
-            ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "optimizer_state_dtype",
+            ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "optimizer_state_dtype", "offload_optimizer",
              "max_grad_norm", "warmup_steps", "warmup_ratio", "lr_scheduler_type", "per_device_train_batch_size",
              "gradient_accumulation_steps")),
     Section("Memory and speed of the update",

@@ -43,6 +43,7 @@ import torch
 from cohort_grpo.errors import CohortError, in_front_end_words
 from cohort_grpo.kernels.adamw import adamw_bf16_step, fused_adamw_available
 from cohort_grpo.optim.bf16 import join_master, noise_key, round_stochastic, split_master
+from cohort_grpo.optim.host_state import HostState
 from cohort_grpo.optim.sharded_adamw import ShardedAdamW
 
 # fp32 gradient bytes alive at once in the optimizer step; a larger tensor is a chunk of its own.
@@ -94,11 +95,13 @@ class MasterWeightAdamW(torch.optim.AdamW):
     being stepped rebuilds it. Other dtypes (fp16) keep a whole fp32 master. `master_weights()` gives
     every master in fp32; they travel in `state_dict()`, so a resumed run continues from the exact
     fp32 values, not from their bf16 rounding. With `state_dtype=torch.bfloat16` the moments are
-    stored in bf16 and widened to fp32 for their chunk's step (`round_stochastic` narrows them).
+    stored in bf16 and widened to fp32 for their chunk's step (`round_stochastic` narrows them). With
+    `offload=True` the low halves and moments live in host memory (`host_state.py`) and visit the device for
+    their own tensor's step.
     """
 
     def __init__(self, params, chunk_bytes: int = GRADIENT_CHUNK_BYTES, state_dtype: torch.dtype = torch.float32,
-                 seed: int = 0, **kwargs):
+                 seed: int = 0, offload: bool = False, **kwargs):
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise CohortError(f"AdamW's moments can be kept in float32 or bfloat16, not {state_dtype}")
         self.model_params = [p for p in params if p.requires_grad]
@@ -131,13 +134,24 @@ class MasterWeightAdamW(torch.optim.AdamW):
         self.chunks = _chunks_by_bytes(self.model_params, chunk_bytes)
         self.chunk_shrinks = 0  # chunks halved after running out of memory (the trainer logs each)
         self.clip_coefficient: torch.Tensor | None = None  # set by clip_grad_norm, used by the next step
+        self.host: HostState | None = None
+        if offload:
+            if any(low is None for low in self.lows):
+                raise CohortError("offload_optimizer keeps split fp32 masters in host memory, so every trained "
+                                  "weight must be bfloat16: pass --dtype bfloat16, or --offload_optimizer false")
+            names = dict(low=torch.int16, exp_avg=state_dtype, exp_avg_sq=state_dtype)
+            if self.defaults["amsgrad"]:
+                names["max_exp_avg_sq"] = state_dtype
+            self.host = HostState([p.shape for p in self.model_params], names, self.model_params[0].device)
+            self.lows = [state["low"] for state in self.host.tensors]
         self._allocate_state()
 
     def master_weight(self, i: int) -> torch.Tensor:
         """Master `i` in fp32 (rebuilt from its weight and low half when split)."""
         if self.lows[i] is None:
             return self.masters[i].detach()
-        return join_master(self.model_params[i].detach(), self.lows[i])
+        param = self.model_params[i].detach()
+        return join_master(param, self.lows[i].to(param.device))
 
     def master_weights(self) -> list[torch.Tensor]:
         return [self.master_weight(i) for i in range(len(self.masters))]
@@ -214,15 +228,18 @@ class MasterWeightAdamW(torch.optim.AdamW):
         """Every parameter with a gradient stepped by one kernel each: no fp32 copy of anything exists."""
         group = self.param_groups[0]
         (beta1, beta2), stepped = group["betas"], []
-        for i in self._with_grads(range(len(self.model_params))):
-            param, state = self.model_params[i], self.state[self.masters[i]]
+        indices = self._with_grads(range(len(self.model_params)))
+        staged = self.host.one_by_one(indices) if self.host is not None else (
+            (i, dict(self.state[self.masters[i]], low=self.lows[i])) for i in indices)
+        for i, state in staged:
+            param = self.model_params[i]
             self.steps[i] += 1
-            adamw_bf16_step(param.data, self.lows[i], param.grad, state["exp_avg"], state["exp_avg_sq"],
+            adamw_bf16_step(param.data, state["low"], param.grad, state["exp_avg"], state["exp_avg_sq"],
                             step=self.steps[i], lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                             weight_decay=group["weight_decay"], seed=self.noise_seed(i),
                             clip=self.clip_coefficient)
             param.grad = None  # a bf16 gradient not lent from the KV cache is freed here
-            stepped.append(state["step"])
+            stepped.append(self.state[self.masters[i]]["step"])
         if stepped:
             torch._foreach_add_(stepped, 1.0)  # the state's count, as torch's step keeps it
         self.clip_coefficient = None
@@ -241,20 +258,45 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def _chunk_scratch(self, indices: list[int]):
         """Every tensor a chunk's step needs, made before anything changes: the fp32 gradients, the
         rebuilt masters, the fp32 moments widened from bf16 ones, the tie mask `split_master` writes
-        (also the NaN mask of `round_stochastic`), and the rounding's noise."""
+        (also the NaN mask of `round_stochastic`), the rounding's noise, and with the state in host memory
+        its device copies (the chunk steps those, and they go back after it)."""
         grads = self._fp32_grads(indices)
-        full = [self.master_weight(i) if self.lows[i] is not None else None for i in indices]
+        staged = [self.host.on_device(i) for i in indices] if self.host is not None else None
+        lows = [state["low"] for state in staged] if staged else [self.lows[i] for i in indices]
+        states = staged or [self.state[self.masters[i]] for i in indices]
+        full = [join_master(self.model_params[i].detach(), low) if low is not None else None
+                for i, low in zip(indices, lows)]
         narrow = self.state_dtype != torch.float32
-        wide = [{name: self.state[self.masters[i]][name].float() for name in MOMENTS
-                 if name in self.state[self.masters[i]]} if narrow else None for i in indices]
+        wide = [{name: state[name].float() for name in MOMENTS if name in state} if narrow else None
+                for state in states]
         first = self.model_params[indices[0]]
         largest = max([self.model_params[i].numel() for i in indices if self.lows[i] is not None or narrow], default=0)
         tie = first.new_empty(largest, dtype=torch.bool)
         noise = first.new_empty(largest if narrow else 0, dtype=torch.int16)
-        return grads, full, wide, tie, noise
+        return grads, full, wide, tie, noise, staged
 
     def _step_chunk(self, indices: list[int], grads: list[torch.Tensor], full: list, wide: list,
-                    tie: torch.Tensor, noise: torch.Tensor) -> None:
+                    tie: torch.Tensor, noise: torch.Tensor, staged: list | None) -> None:
+        if staged is None:
+            self._step_staged_chunk(indices, grads, full, wide, tie, noise)
+            return
+        # the chunk steps the device copies in the place of the host tensors, which take their new values after
+        on_host = [(self.lows[i], {name: self.state[self.masters[i]][name] for name in MOMENTS
+                                   if name in self.state[self.masters[i]]}) for i in indices]
+        for i, state in zip(indices, staged):
+            self.lows[i] = state["low"]
+            self.state[self.masters[i]].update({name: state[name] for name in MOMENTS if name in state})
+        try:
+            self._step_staged_chunk(indices, grads, full, wide, tie, noise)
+            for i, state in zip(indices, staged):
+                self.host.put_back(i, state)
+        finally:
+            for i, (low, moments) in zip(indices, on_host):
+                self.lows[i] = low
+                self.state[self.masters[i]].update(moments)
+
+    def _step_staged_chunk(self, indices: list[int], grads: list[torch.Tensor], full: list, wide: list,
+                           tie: torch.Tensor, noise: torch.Tensor) -> None:
         if self.clip_coefficient is not None:
             torch._foreach_mul_(grads, self.clip_coefficient.to(grads[0].device))
         for i, grad, master in zip(indices, grads, full):
@@ -313,10 +355,10 @@ class MasterWeightAdamW(torch.optim.AdamW):
             else:
                 scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
                 state["step"] = torch.tensor(0.0, dtype=scalar)
-            state["exp_avg"] = torch.zeros_like(param, **moment)
-            state["exp_avg_sq"] = torch.zeros_like(param, **moment)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(param, **moment)
+            names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+            for name in names:
+                state[name] = (self.host.tensors[i][name].zero_() if self.host is not None
+                               else torch.zeros_like(param, **moment))
             self.state[master] = state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -344,7 +386,10 @@ class MasterWeightAdamW(torch.optim.AdamW):
         super().load_state_dict(state_dict)
         for key, master in enumerate(self.masters):
             for name, value in moments.get(key, {}).items():
-                self.state[master][name] = value.to(device=master.device, dtype=self.state_dtype)
+                if self.host is not None:  # into its place in the host buffer
+                    self.state[master][name] = self.host.tensors[key][name].copy_(value)
+                else:
+                    self.state[master][name] = value.to(device=master.device, dtype=self.state_dtype)
             if "step" in self.state.get(master, {}):
                 self.steps[key] = int(self.state[master]["step"])
         if masters is None:  # a checkpoint from a plain-AdamW run: start from the model's values
@@ -358,7 +403,10 @@ class MasterWeightAdamW(torch.optim.AdamW):
                     master.copy_(saved)
                     param.copy_(saved)
                 else:
-                    split_master(saved.to(device=param.device, dtype=torch.float32, copy=True), param, low)
+                    here = low if low.device == param.device else torch.empty_like(low, device=param.device)
+                    split_master(saved.to(device=param.device, dtype=torch.float32, copy=True), param, here)
+                    if here is not low:
+                        low.copy_(here)
 
 
 def clip_grad_norm(optimizer: torch.optim.Optimizer, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -379,7 +427,8 @@ def optimizer_line(optimizer: torch.optim.Optimizer) -> str:
     if isinstance(optimizer, ShardedAdamW):
         return f"optimizer: AdamW over the fp32 shards (the masters), {moments}, chunked torch step"
     step = "one kernel a parameter" if optimizer.fused_kernel else "chunked torch step"
-    return f"optimizer: AdamW, fp32 masters, {moments}, {step}"
+    where = f", state in {optimizer.host.describe()}" if optimizer.host is not None else ""
+    return f"optimizer: AdamW, fp32 masters, {moments}, {step}{where}"
 
 
 def optimizer_state_dtype(args, model: torch.nn.Module) -> str:
@@ -403,7 +452,8 @@ def make_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
         return ShardedAdamW(params, state_dtype=torch.bfloat16, seed=args.seed, **kwargs)
     if any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
         state_dtype = torch.bfloat16 if args.optimizer_state_dtype in ("auto", "bfloat16") else torch.float32
-        return MasterWeightAdamW(params, state_dtype=state_dtype, seed=args.seed, **kwargs)
+        return MasterWeightAdamW(params, state_dtype=state_dtype, seed=args.seed,
+                                 offload=args.offload_optimizer is True, **kwargs)
     if args.optimizer_state_dtype == "bfloat16":
         raise CohortError("optimizer_state_dtype=bfloat16 needs low-precision weights with fp32 masters (dtype "
                           "bfloat16, the default on a GPU) or --fsdp; with float32 weights on one process pass "

@@ -3,7 +3,11 @@
 `check_capacity` reads the model's shape without its weights (a folder's config.json, a GGUF file's metadata,
 a hub id's config.json alone), plans a training rank's step (`training_plan.py`) and compares the busiest
 phase with the GPU's free memory (`torch.cuda.mem_get_info`). Where the plan is larger it raises one line:
-what the run needs and has, and the nearest runs that fit — FSDP2 over more GPUs, LoRA, or a smaller step.
+what the run needs and has, and the nearest runs that fit — AdamW's state in host memory, FSDP2 over more GPUs,
+LoRA, or a smaller step. With `offload_optimizer=auto` a one-GPU full-parameter step whose state and whole engine
+(every completion decoded at once) do not fit the GPU keeps AdamW's state in host memory where the host has it
+free (the returned plan's `step.offload_optimizer`): the state's copies cost about a second a step, an engine
+decoding a fraction of the step at a time far more.
 
 Only on CUDA, and only for cohort's own model families given by name: on the CPU memory is rarely what
 stops a run, a model object is already loaded, and a transformers model's memory is not this plan's. The
@@ -25,7 +29,7 @@ from cohort_grpo.models.config import ModelConfig, is_supported
 from cohort_grpo.models.loading import hub_offline, is_hub_id
 from cohort_grpo.parallel.placement import Placement
 from cohort_grpo.plans.sampling_plan import parameter_count
-from cohort_grpo.plans.training_plan import GIB, MemoryPlan, RankShape, StepShape, training_memory_plan
+from cohort_grpo.plans.training_plan import GIB, MemoryPlan, RankShape, StepShape, offloaded, training_memory_plan
 
 MOST_GPUS = 64  # the largest FSDP2 group the refusal suggests
 
@@ -88,6 +92,10 @@ def fitting_alternatives(config: ModelConfig, step: StepShape, rank: RankShape, 
     """The nearest runs whose plan fits `free` bytes a GPU, as flags: more GPUs under FSDP2, LoRA, a smaller step."""
     fits = lambda s, p: training_memory_plan(config, s, p).peak <= free  # noqa: E731
     out = []
+    host = replace(step, offload_optimizer=True)
+    if (not step.offload_optimizer and offloaded(host, rank) and fits(host, rank)
+            and sum(training_memory_plan(config, host, rank).host.values()) <= host_memory_available()):
+        out.append("AdamW's state in host memory (--offload_optimizer true)")
     for ranks in range(rank.ranks + 1, MOST_GPUS + 1):
         wider = replace(rank, ranks=ranks, fsdp=True,
                         sampling_split=ranks if rank.samples else rank.sampling_split)
@@ -158,13 +166,17 @@ def check_capacity(model, args, placement: Placement, device: torch.device) -> M
     if config is None:
         return None
     step = replace(StepShape.from_config(args, placement), teacher_bytes=teacher_bytes(args))
+    whole_engine = step  # every completion of the step decoded at once (up to the engine's slots)
     if args.max_concurrent_sequences == "auto":  # sized after loading to what the step leaves: one slot will do
         step = replace(step, engine_slots=1)
     rank = RankShape.of(placement)
     plan = training_memory_plan(config, step, rank)
     free, _total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's cached blocks
+    if args.offload_optimizer == "auto" and args.dtype != "float16" and offload_pays(config, whole_engine, rank, free):
+        plan = training_memory_plan(config, replace(step, offload_optimizer=True), rank)
     if plan.peak <= free:
+        check_host_memory(model, plan)
         return plan
     options = fitting_alternatives(config, step, rank, free)
     how = "LoRA" if step.lora_rank else "full-parameter"
@@ -174,3 +186,39 @@ def check_capacity(model, args, placement: Placement, device: torch.device) -> M
         f"{model}: {how} GRPO of this {plan.parameters / 1e9:.1f}B-parameter {config.model_type} model on {where} "
         f"needs about {plan.peak / GIB:.1f} GiB a GPU ({plan.describe()}), more than the {free / GIB:.1f} GiB free "
         f"on {device}; what would fit: {'; or '.join(options) or 'nothing this plan can find (more GPUs, LoRA)'}")
+
+
+def offload_pays(config: ModelConfig, whole_engine: StepShape, rank: RankShape, budget: int) -> bool:
+    """`offload_optimizer=auto`'s rule: AdamW's state goes to the host where the GPU's `budget` bytes cannot keep it
+    beside an engine decoding the whole step at once (`whole_engine`), and can hold the step without it (one
+    slot at least), and the host has the memory. Its copies cost about a second a step; an engine decoding a
+    fraction of the step at a time costs far more."""
+    if training_memory_plan(config, whole_engine, rank).peak <= budget:
+        return False
+    host = training_memory_plan(config, replace(whole_engine, engine_slots=1, offload_optimizer=True), rank)
+    return offloaded(host.step, rank) and host.peak <= budget and sum(host.host.values()) <= host_memory_available()
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory the kernel says a process can still take without swapping (MemAvailable); a very large
+    number where it cannot be read (not Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 62
+
+
+def check_host_memory(model, plan: MemoryPlan) -> None:
+    """Refuse, before loading, a run whose optimizer state in host memory cannot fit the host's available memory."""
+    state = plan.host.get("optimizer state", 0)
+    if not state:
+        return
+    need, available = sum(plan.host.values()), host_memory_available()
+    if need > available:
+        parts = ", ".join(f"{name} {size / GIB:.1f}" for name, size in plan.host.items())
+        raise CohortError(f"{model}: offload_optimizer keeps {need / GIB:.1f} GiB in host memory ({parts}), more than "
+                          f"the {available / GIB:.1f} GiB available on this machine; pass --offload_optimizer false "
+                          "with more GPU memory, or free host memory")

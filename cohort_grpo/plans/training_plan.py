@@ -6,7 +6,9 @@ comes from a place in the code; the figure and its source:
 Resident through the step (`resident`):
 - full parameters, one GPU or DDP: the bf16 weights (2 bytes a parameter; `--dtype`), the fp32 master's low
   half (2: `precision.MasterWeightAdamW`, `bf16.split_master`) and AdamW's two moments (4 in bf16, the GPU
-  default, or 8: `optimizer_state_dtype`). The engine samples from the same weights.
+  default, or 8: `optimizer_state_dtype`). The engine samples from the same weights. With `offload_optimizer`
+  the low halves and moments wait in host memory (`MemoryPlan.host`, `optim/host_state.py`) and the optimizer
+  step stages two of the largest tensor's state on the GPU at a time (one chunk's, with fp32 moments).
 - FSDP2 over N ranks (`parallel/distributed.py` `_fully_shard`): the engine's copy of the weights in bf16 (a whole
   copy, or 1/T of it where the engine is a T-way tensor-parallel shard), the fp32 master shard (4/N) and AdamW's
   moments on it, as on one GPU (4/N in bf16, the GPU default: `sharded_adamw.ShardedAdamW`; 8/N in fp32).
@@ -112,6 +114,7 @@ class StepShape:
     free_sampling_memory: bool = False
     engine_slots: int = ENGINE_SLOTS
     state_bytes: int = 0  # each engine slot's recurrent states (linear-attention layers), beside its KV cache
+    offload_optimizer: bool = False  # one process, full parameters: AdamW's state in host memory
 
     @classmethod
     def from_config(cls, args, placement: Placement) -> "StepShape":
@@ -126,7 +129,7 @@ class StepShape:
                    lora_rank=args.lora_r if args.use_peft else 0, reference=args.beta > 0 and not args.use_peft,
                    offload_reference=args.offload_ref_model,
                    async_copy=placement.producer_copy, lend_kv_cache=args.lend_kv_cache,
-                   free_sampling_memory=args.free_sampling_memory,
+                   free_sampling_memory=args.free_sampling_memory, offload_optimizer=args.offload_optimizer is True,
                    engine_slots=slots if isinstance(slots := args.max_concurrent_sequences, int) else ENGINE_SLOTS)
 
     @property
@@ -173,6 +176,8 @@ class MemoryPlan:
     parameters: int
     rank: RankShape
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    step: StepShape | None = None  # the step planned
+    host: dict[str, int] = field(default_factory=dict)  # what waits in host memory: π_ref, the optimizer's state
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -198,6 +203,21 @@ class MemoryPlan:
                     phases={phase: {"total_gib": round(self.total(phase) / GIB, 2),
                                     **{name: round(size / GIB, 3) for name, size in terms.items()}}
                             for phase, terms in self.phases.items()})
+
+
+def offloaded(step: StepShape, rank: RankShape) -> bool:
+    """Whether AdamW's state waits in host memory: asked, 16-bit weights, full parameters, one process (the config's
+    rules and `run/resolve.py` refuse it elsewhere)."""
+    return step.offload_optimizer and step.element_bytes == 2 and not step.lora_rank and rank.ranks == 1
+
+
+def largest_tensor_elements(config: ModelConfig) -> int:
+    """The elements of the model's largest weight tensor: the embedding, an MLP projection, or a mixture of experts'
+    fused gate and up projections (every expert's in one tensor)."""
+    hidden = config.hidden_size
+    experts = config.num_experts * 2 * config.moe_intermediate_size * hidden if config.num_experts else 0
+    return max(config.vocab_size * hidden, config.intermediate_size * hidden, experts,
+               config.num_attention_heads * config.head_dim * hidden)
 
 
 def layer_parameter_count(config: ModelConfig) -> int:
@@ -288,8 +308,16 @@ def training_state(config: ModelConfig, step: StepShape,
             resident["moments"] = lora * 8
             gradients["gradients"] = lora * 4
         else:
-            resident["master low halves"] = params * 2 if w == 2 else 0
-            resident["moments"] = params * step.moment_bytes
+            if offloaded(step, rank):  # each tensor's state visits the GPU for its own step: two slots of it
+                per_element = 2 + step.moment_bytes
+                if step.moment_bytes == 4:  # the kernel's: two of the largest tensor's state
+                    optimizer["optimizer staging"] = 2 * largest_tensor_elements(config) * per_element
+                else:  # the chunked torch step's: one chunk of state
+                    optimizer["optimizer staging"] = max(GRADIENT_CHUNK_BYTES // 4,
+                                                         largest_tensor_elements(config)) * per_element
+            else:
+                resident["master low halves"] = params * 2 if w == 2 else 0
+                resident["moments"] = params * step.moment_bytes
             gradients["gradients"] = params * w
             if rank.ranks > 1:
                 gradients["DDP buckets"] = params * w
@@ -355,7 +383,11 @@ def training_memory_plan(config: ModelConfig, step: StepShape, rank: RankShape =
     tokens = micro_batch_tokens(config, step)
     per_token = activation_bytes_per_token(config, w)
 
-    plan = MemoryPlan(params, rank)
+    plan = MemoryPlan(params, rank, step=step)
+    if step.reference and not rank.sharded and step.offload_reference:
+        plan.host["π_ref"] = copy
+    if offloaded(step, rank):
+        plan.host["optimizer state"] = params * (2 + step.moment_bytes)
     plan.phases["sampling"] = resident
     logprobs = dict(after_sampling)
     if step.reference:

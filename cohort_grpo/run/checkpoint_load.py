@@ -55,7 +55,9 @@ def load_checkpoint(parts: RunParts, folder: Path, log=print) -> RunState:
         load_adapter_state_dict(parts.model, read_safetensors([folder / ADAPTER_WEIGHTS]), folder)
     elif not sharded(parts.model):  # an FSDP2-sharded policy takes its fp32 weights with the optimizer's below
         _load_weights(parts.model, read_safetensors(safetensors_files(folder)), folder)  # sharded files or not
-    saved = _torch_load(folder / OPTIMIZER_FILE)
+    # mapped, not read whole: an 8B model's masters and moments are tens of GiB, which the optimizer copies tensor by
+    # tensor into its own (on the GPU, or its host buffers) — read whole, they would double the host's peak
+    saved = _torch_load(folder / OPTIMIZER_FILE, mmap=True)
     if parallel.fsdp:  # the full state and fp32 weights into this rank's shards, then into the engine's copy
         parallel.load_optimizer_state(parts.train_model, parts.optimizer, saved["optimizer"])
         if parts.engine_copy is not None:
@@ -124,10 +126,11 @@ def _load_weights(model, state: dict, folder: Path) -> None:
                           f"unexpected {sorted(unexpected)[:3]}); resume with the --model it was trained from")
 
 
-def _torch_load(path: Path):
-    """Tensors and plain containers only: weights_only=True refuses pickled code."""
+def _torch_load(path: Path, mmap: bool = False):
+    """Tensors and plain containers only: weights_only=True refuses pickled code. `mmap`: the tensors are pages of the
+    file, read as they are used."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as error:  # UnpicklingError for anything but tensors / plain data
         raise CohortError(f"cannot load {path} with torch.load(weights_only=True): {type(error).__name__}; "
                           "it is damaged or holds more than tensors and plain data") from None

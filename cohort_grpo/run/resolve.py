@@ -9,7 +9,8 @@ run's final configuration, in one place and in this order:
 2. what the device alone decides: `device` (this rank's), `dtype` (the same rule `load_policy` is given,
    `cohort_grpo.optim.precision.resolve_dtype`, so the loaded weights and the config agree);
 3. what the loaded model decides (after LoRA, which changes what trains): `model_impl`, the update's speed
-   options (`cohort_grpo.update.fast_path`), `optimizer_state_dtype`, the sampler correction, `partial_rollouts`
+   options (`cohort_grpo.update.fast_path`), `optimizer_state_dtype`, `offload_optimizer` (chosen before loading
+   by the memory plan where it can read the model's shape, else off), the sampler correction, `partial_rollouts`
    and `max_staleness` (`cohort_grpo.rollout.partial`), and how many sampling ranks share one engine
    (`rollout_tensor_parallel_size`, `cohort_grpo.plans.sampling_plan`; with `--fsdp` and no sampling ranks, the
    training ranks' own groups, refused here where the model cannot be split), and how many sequences this
@@ -32,10 +33,13 @@ import torch
 from cohort_grpo.run.determinism import cpu_thread_count
 from cohort_grpo.config.grpo_config import GRPOConfig
 from cohort_grpo.config.command_line import show_value
+from cohort_grpo.errors import CohortError
 from cohort_grpo.optim.precision import optimizer_state_dtype, resolve_dtype
 from cohort_grpo.parallel.placement import Placement
 from cohort_grpo.plans.model_shape import planned_shape, slot_state_bytes
-from cohort_grpo.plans.sampling_plan import sampling_plan
+from cohort_grpo.plans.capacity import offload_pays
+from cohort_grpo.plans.sampling_plan import FILL, sampling_plan
+from cohort_grpo.plans.training_plan import RankShape, StepShape
 from cohort_grpo.plans.training_slots import training_rank_slots
 from cohort_grpo.models.config import ModelConfig
 from cohort_grpo.models.lora import has_lora
@@ -63,6 +67,7 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, placeme
         changes["model_impl"] = "cohort" if engine else "hf"
     changes.update(fast_path_settings(config, model, device, compiles=compiles))
     changes["optimizer_state_dtype"] = optimizer_state_dtype(config, model)
+    changes["offload_optimizer"] = offload_optimizer(config, model, changes["dtype"], placement.trainers)
     if config.importance_sampling_correction is None:
         changes["importance_sampling_correction"] = sampler_correction_mode(config, model, device) is not None
     # our own implementation (a transformers model behind the engine's interface has no ModelConfig, records no routes)
@@ -73,6 +78,14 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, placeme
     # what the plans price: a native config, or a generic-path model's probed cache and its weights (never split)
     dtype = getattr(torch, changes["dtype"])
     model_config = planned_shape(base_model(model)) if engine else None
+    if (config.offload_optimizer == "auto" and model_config is not None and device.type == "cuda"
+            and changes["dtype"] == "bfloat16"):
+        # a model given as an object, whose shape the check before loading could not read: the same rule, on the
+        # share of the card the plans fill
+        budget = int(FILL * torch.cuda.get_device_properties(device).total_memory)
+        changes["offload_optimizer"] = not has_lora(model) and offload_pays(
+            model_config, StepShape.from_config(settled, placement), RankShape.of(placement), budget)
+        settled = dataclasses.replace(config, **changes)
     state_bytes = slot_state_bytes(base_model(model), dtype) if engine else 0
     plan = sampling_plan(settled, placement, model_config, device, dtype.itemsize,
                          splittable=native and not tools and not has_lora(model), sampling_rank=sampling_rank,
@@ -91,6 +104,26 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, placeme
         check_splittable(model, plan.size, tools)
         check_tensor_parallel_size(model.config, plan.size)  # the heads, KV heads and MLP columns split T ways
     return dataclasses.replace(config, **changes).freeze()
+
+
+def offload_optimizer(args: GRPOConfig, model, dtype: str, trainers: int) -> bool:
+    """`offload_optimizer` as the run keeps it (`dtype`: the run's, settled; `trainers`: its training processes):
+    auto is off here (the memory plan may turn it on: `plans/capacity.py`, and below for a model object); true is
+    refused where the optimizer keeps no split fp32 masters (LoRA's float32 adapters, other dtypes) and on several
+    processes, where each would take its own copy of the host memory and FSDP2 shards the state instead."""
+    if args.offload_optimizer != True:  # noqa: E712  (auto or False)
+        return False
+    if trainers > 1:
+        raise CohortError(f"offload_optimizer=True keeps one process's optimizer state in host memory, and this run "
+                          f"trains on {trainers} processes (each would keep a whole copy there); pass --fsdp true to "
+                          "shard the state over the GPUs instead, or leave offload_optimizer auto")
+    lora = has_lora(model)
+    if lora or dtype != "bfloat16":
+        raise CohortError("offload_optimizer=True keeps the split fp32 masters and moments of bf16 weights in host "
+                          f"memory, and this run trains {'LoRA adapters' if lora else dtype + ' weights'}; "
+                          + ("leave offload_optimizer auto" if lora else "pass --dtype bfloat16, or leave "
+                             "offload_optimizer auto"))
+    return True
 
 
 def resolved_sources(settled: GRPOConfig, resolved: GRPOConfig, sources: dict[str, str]) -> dict[str, str]:
