@@ -518,7 +518,7 @@ def describe_optimizer(trainer, rec: Recorder) -> None:
              optimizer_state_dtype=str(moment.dtype).removeprefix("torch.") if moment is not None else None,
              offload_optimizer=getattr(trainer.args, "offload_optimizer", None))
     try:  # how cohort keeps and steps the state, in its own words (where this cohort says it)
-        from cohort_grpo.optim.precision import optimizer_line
+        from cohort_grpo.optim.optimizer import optimizer_line
         rec.save(optimizer_line=optimizer_line(optimizer))
     except ImportError:
         pass

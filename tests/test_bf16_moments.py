@@ -11,7 +11,8 @@ import torch
 from cohort_grpo.config.grpo_config import GRPOConfig
 from cohort_grpo.errors import CohortError
 from cohort_grpo.optim.bf16 import round_stochastic
-from cohort_grpo.optim.precision import MasterWeightAdamW, make_optimizer, optimizer_line
+from cohort_grpo.optim.precision import MasterWeightAdamW
+from cohort_grpo.optim.optimizer import make_optimizer, optimizer_line
 
 SHAPES = [(64, 32), (32,), (128, 16), (7,)]
 

@@ -10,7 +10,8 @@ import torch
 
 from cohort_grpo.errors import CohortError
 from cohort_grpo.optim.host_state import HostState
-from cohort_grpo.optim.precision import MasterWeightAdamW, optimizer_line
+from cohort_grpo.optim.precision import MasterWeightAdamW
+from cohort_grpo.optim.optimizer import optimizer_line
 
 SHAPES = [(64, 32), (32,), (128, 16), (7,), (40, 40)]
 

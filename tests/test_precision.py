@@ -13,7 +13,8 @@ import torch
 
 import cohort_grpo.optim.precision as precision
 from cohort_grpo.errors import CohortError
-from cohort_grpo.optim.precision import MasterWeightAdamW, _chunks_by_bytes, clip_grad_norm, join_master, split_master
+from cohort_grpo.optim.precision import MasterWeightAdamW, _chunks_by_bytes, join_master, split_master
+from cohort_grpo.optim.optimizer import clip_grad_norm
 
 SHAPES = [(64, 32), (32,), (128, 16), (7,), (256, 8), (16, 16)]  # 2,048 + 32 + 2,048 + 7 + 2,048 + 256 elements
 

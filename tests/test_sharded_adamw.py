@@ -17,7 +17,7 @@ import cohort_grpo.optim.sharded_adamw as sharded_adamw
 from cohort_grpo.config.grpo_config import GRPOConfig
 from cohort_grpo.errors import CohortError
 from cohort_grpo.optim.bf16 import element_noise, round_with_noise
-from cohort_grpo.optim.precision import make_optimizer, optimizer_line
+from cohort_grpo.optim.optimizer import make_optimizer, optimizer_line
 from cohort_grpo.optim.sharded_adamw import ShardedAdamW
 
 HYPER = dict(lr=3e-2, weight_decay=0.1, betas=(0.9, 0.99))
@@ -175,7 +175,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import test_sharded_adamw as t
 from cohort_grpo.config.grpo_config import GRPOConfig
-from cohort_grpo.optim.precision import make_optimizer
+from cohort_grpo.optim.optimizer import make_optimizer
 from cohort_grpo.optim.sharded_adamw import ShardedAdamW
 from cohort_grpo.parallel.distributed import Parallel
 

@@ -14,7 +14,7 @@ from cohort_grpo.errors import CohortError
 from cohort_grpo.plans import capacity
 from cohort_grpo.parallel.placement import Placement
 from cohort_grpo.plans.capacity import check_capacity, config_before_loading
-from cohort_grpo.optim.precision import make_optimizer
+from cohort_grpo.optim.optimizer import make_optimizer
 from cohort_grpo.optim.sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT, ShardedAdamW
 from cohort_grpo.plans.training_plan import (GIB, RankShape, StepShape, activation_bytes_per_token, engine_kv_bytes,
                                          lora_parameter_count, micro_batch_tokens, training_memory_plan)

@@ -10,7 +10,8 @@ from cohort_grpo.errors import CohortError
 from cohort_grpo.update.logprobs import lm_head_logprobs, micro_batch_logprobs, rollout_logprobs, selected_logprobs
 from cohort_grpo.rollout.layout import plan_micro_batches
 from cohort_grpo.update.packing import pack_micro_batch
-from cohort_grpo.optim.precision import MasterWeightAdamW, make_optimizer
+from cohort_grpo.optim.precision import MasterWeightAdamW
+from cohort_grpo.optim.optimizer import make_optimizer
 from helpers import synthetic_batch as _synthetic_batch, update_trainer as _trainer, variable_batch as _variable_batch
 from update_gradients import update_gradient
 
@@ -280,7 +281,7 @@ def test_master_weights_round_trip_through_state_dict():
 class _Args:
     def __init__(self, lr):
         self.learning_rate, self.weight_decay, self.adam_beta1, self.adam_beta2 = lr, 0.0, 0.9, 0.999
-        self.optimizer_state_dtype, self.seed = "auto", 0
+        self.optimizer_state_dtype, self.offload_optimizer, self.seed = "auto", False, 0
 
 
 def test_compiled_training_layers_give_the_same_gradient(tiny_dir, tmp_path):

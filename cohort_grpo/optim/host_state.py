@@ -23,7 +23,7 @@ steps to the same bits as one without (`tests/test_host_state.py`).
 from __future__ import annotations
 
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -126,7 +126,7 @@ class HostState:
         finally:
             if cuda:  # the host copies are whole before anything reads them (a checkpoint), the slots free to go
                 self.stream.synchronize()
-            del slots
+            slots.clear()  # the staging buffers go back to the allocator
 
     def on_device(self, i: int) -> dict[str, torch.Tensor]:
         """Tensor `i`'s state copied to the device (the chunked step's: it writes them back with `put_back`)."""

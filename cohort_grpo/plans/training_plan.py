@@ -34,7 +34,7 @@ The backward (`backward`) adds the gradients and the largest micro-batch's activ
   backward, two decoder layers at a time (the one computing, the one prefetched), and one layer's gradient in
   bf16 and in fp32 for its reduce-scatter; its optimizer step with bf16 moments widens one slice of a tensor
   at a time (`sharded_adamw.CHUNK_ELEMENTS`, `SCRATCH_BYTES_PER_ELEMENT`), with fp32 moments it is torch's
-  fused AdamW (`precision.make_optimizer`), which makes no temporary (torch's foreach step would make one the
+  fused AdamW (`optimizer.make_optimizer`), which makes no temporary (torch's foreach step would make one the
   size of the shard, √v̂ + ε: `optimizer_temporary`);
 - tokens: a micro-batch is `per_device_train_batch_size` rows and at most `max_tokens_per_micro_batch`
   tokens (`auto`: `fast_path.micro_batch_tokens`), but never less than one unit, a prompt with the group's

@@ -29,7 +29,8 @@ from cohort_grpo.errors import CohortError
 from cohort_grpo.plans.capacity import check_capacity
 from cohort_grpo.memory.checkpointed_layers import AutoCheckpointing
 from cohort_grpo.memory.manager import MemoryManager
-from cohort_grpo.optim.precision import cpu_precision_line, make_optimizer, optimizer_line
+from cohort_grpo.optim.precision import cpu_precision_line
+from cohort_grpo.optim.optimizer import make_optimizer, optimizer_line
 from cohort_grpo.parallel.placement import Placement, launched_rank, launched_world_size
 from cohort_grpo.models.lora import has_lora
 from cohort_grpo.models.policy import frozen_copy

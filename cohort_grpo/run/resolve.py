@@ -34,7 +34,8 @@ from cohort_grpo.run.determinism import cpu_thread_count
 from cohort_grpo.config.grpo_config import GRPOConfig
 from cohort_grpo.config.command_line import show_value
 from cohort_grpo.errors import CohortError
-from cohort_grpo.optim.precision import optimizer_state_dtype, resolve_dtype
+from cohort_grpo.optim.precision import resolve_dtype
+from cohort_grpo.optim.optimizer import optimizer_state_dtype
 from cohort_grpo.parallel.placement import Placement
 from cohort_grpo.plans.model_shape import planned_shape, slot_state_bytes
 from cohort_grpo.plans.capacity import offload_pays

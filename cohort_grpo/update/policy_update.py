@@ -24,7 +24,7 @@ import torch
 from cohort_grpo.algorithm.loss_spec import BatchShare, LossSpec
 from cohort_grpo.algorithm.objectives import MICRO_BATCH_MEAN, aggregate_loss
 from cohort_grpo.memory.manager import MemoryManager
-from cohort_grpo.optim.precision import clip_grad_norm
+from cohort_grpo.optim.optimizer import clip_grad_norm
 from cohort_grpo.rollout.batch import Batch, to_device
 from cohort_grpo.rollout.layout import Layout
 from cohort_grpo.rollout.sampling import Truncation
