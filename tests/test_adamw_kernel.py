@@ -164,9 +164,9 @@ def _kernel_params(seed: int = 0) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(s, generator=generator).to(torch.bfloat16).to(DEVICE)) for s in SHAPES]
 
 
-def _on_the_kernel(module, monkeypatch, params, seed: int = 3) -> MasterWeightAdamW:
+def _on_the_kernel(module, monkeypatch, params, seed: int = 3, **options) -> MasterWeightAdamW:
     monkeypatch.setattr(precision, "adamw_bf16_step", module.adamw_bf16_step)  # interpreted on CPU
-    optimizer = MasterWeightAdamW(params, state_dtype=torch.bfloat16, seed=seed, **OPTIMIZER)
+    optimizer = MasterWeightAdamW(params, state_dtype=torch.bfloat16, seed=seed, **OPTIMIZER, **options)
     optimizer.fused_kernel = True  # what a GPU gets by itself
     return optimizer
 
@@ -214,6 +214,31 @@ def test_the_kernel_path_counts_its_steps_for_the_bias_corrections(module, monke
     want = torch.cat([w.flatten() for w in _adamw_float64(starts, range(8))])
     moved = (want - torch.cat([s.double().flatten() for s in starts])).norm()
     assert (got - want).norm() < 0.01 * moved, f"{(got - want).norm() / moved:.4f} of the movement off AdamW's"
+
+
+def test_the_kernel_steps_state_in_host_memory_slice_by_slice_to_the_same_bits(module, monkeypatch):
+    """offload_optimizer: each tensor's state staged piece by piece (slices of 500 elements here: the 48 × 32 tensor
+    in four, the 33 × 7 one in one), the kernel told where each slice starts, gives the bits of whole tensors on
+    the device, and each tensor's step is counted once."""
+    kept_params, moved_params = _kernel_params(), _kernel_params()
+    kept = _on_the_kernel(module, monkeypatch, kept_params)
+    moved = _on_the_kernel(module, monkeypatch, moved_params, offload=True, piece_elements=500)
+    _kernel_steps(kept, kept_params, range(5))
+    _kernel_steps(moved, moved_params, range(5))
+    assert moved.steps == kept.steps == [5] * len(SHAPES)
+    for a, b in zip(kept.master_weights(), moved.master_weights()):
+        assert torch.equal(a, b)
+    for m, n in zip(kept.masters, moved.masters):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(kept.state[m][name].cpu(), moved.state[n][name].cpu())
+    # a slice stepped with the noise of its own first element instead of its place would differ
+    wrong_params = _kernel_params()
+    wrong = _on_the_kernel(module, monkeypatch, wrong_params, offload=True, piece_elements=500)
+    step = module.adamw_bf16_step
+    monkeypatch.setattr(precision, "adamw_bf16_step", lambda *a, start=0, **k: step(*a, start=0, **k))
+    _kernel_steps(wrong, wrong_params, range(5))
+    assert not all(torch.equal(kept.state[m]["exp_avg_sq"].cpu(), wrong.state[n]["exp_avg_sq"].cpu())
+                   for m, n in zip(kept.masters, wrong.masters))
 
 
 def test_the_kernel_paths_step_count_survives_a_checkpoint(module, monkeypatch):

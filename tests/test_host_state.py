@@ -101,22 +101,25 @@ def test_a_checkpoint_moves_between_host_and_device_state_and_continues_bit_for_
         assert _same(_state(straight), _state(resumed))
 
 
-def test_one_by_one_hands_each_tensor_its_state_and_keeps_what_the_step_wrote():
+def test_one_by_one_hands_each_piece_its_state_and_keeps_what_the_step_wrote():
     shapes = [torch.Size(s) for s in SHAPES]
     host = HostState(shapes, {"low": torch.int16, "exp_avg": torch.bfloat16}, torch.device("cpu"))
     for i, state in enumerate(host.tensors):
-        state["low"].fill_(i)
+        state["low"].copy_(torch.arange(shapes[i].numel()).view(shapes[i]))
+    # whole tensors, and tensor 2 (2,048 elements) in slices of 700 as a large tensor is staged
+    pieces = [(0, 0, 2048), (2, 0, 700), (2, 700, 1400), (2, 1400, 2048), (3, 0, 7), (4, 0, 1600)]
     seen = []
-    for i, staged in host.one_by_one([0, 2, 3, 4]):
-        assert staged["low"].shape == shapes[i] and torch.all(staged["low"] == i)  # its own, not a slot's leftover
-        assert staged["low"].data_ptr() != host.tensors[i]["low"].data_ptr()  # a staging copy
-        staged["low"].add_(100)
+    for (i, start, stop), staged in host.one_by_one(pieces):
+        assert staged["low"].shape == (stop - start,)
+        assert torch.equal(staged["low"], torch.arange(start, stop, dtype=torch.int16))  # its own, no leftover
+        staged["low"].add_(1)
         staged["exp_avg"].fill_(i + 0.5)
-        seen.append(i)
-    assert seen == [0, 2, 3, 4]
+        seen.append((i, start, stop))
+    assert seen == pieces
     for i, state in enumerate(host.tensors):
+        numbers = torch.arange(shapes[i].numel(), dtype=torch.int16)
         stepped = i != 1
-        assert torch.all(state["low"] == (i + 100 if stepped else i))
+        assert torch.equal(state["low"].view(-1), numbers + 1 if stepped else numbers)
         assert torch.all(state["exp_avg"] == (i + 0.5 if stepped else 0))
 
 

@@ -30,7 +30,7 @@ BLOCK = 1024
 
 
 @jit
-def _adamw_bf16_kernel(weight_ptr, low_ptr, grad_ptr, m_ptr, v_ptr, clip_ptr, n, seed, decay_factor, beta2,
+def _adamw_bf16_kernel(weight_ptr, low_ptr, grad_ptr, m_ptr, v_ptr, clip_ptr, n, start, seed, decay_factor, beta2,
                        one_minus_beta1, one_minus_beta2, eps, step_size, bias_correction2_sqrt, HAS_CLIP: tl.constexpr,
                        BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -68,7 +68,8 @@ def _adamw_bf16_kernel(weight_ptr, low_ptr, grad_ptr, m_ptr, v_ptr, clip_ptr, n,
     # 32 random bits per element: Wellons' lowbias32 mixer (as cohort's sampler) over (seed, index), in
     # uint32 so shifts are logical and products wrap.
     key = tl.full([], 0, tl.uint32) + seed  # a tensor also when triton passed the seed as a constant
-    noise = offsets.to(tl.uint32) * tl.full([], 0x9E3779B9, tl.uint32) ^ key
+    index = (offsets + start).to(tl.uint32)  # the element's place in its whole tensor: a slice draws its own noise
+    noise = index * tl.full([], 0x9E3779B9, tl.uint32) ^ key
     noise = noise ^ (noise >> 16)
     noise = noise * tl.full([], 0x7FEB352D, tl.uint32)
     noise = noise ^ (noise >> 15)
@@ -89,10 +90,12 @@ def fused_adamw_available(tensor: torch.Tensor) -> bool:
 
 def adamw_bf16_step(weight: torch.Tensor, low: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                     exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
-                    weight_decay: float, seed: int, clip: torch.Tensor | None = None) -> None:
+                    weight_decay: float, seed: int, clip: torch.Tensor | None = None, start: int = 0) -> None:
     """Step one parameter in place: `weight` (bf16) and `low` (int16) hold its fp32 master, `exp_avg` and
     `exp_avg_sq` (bf16) its moments, `grad` (bf16) its gradient, `clip` (a 0-d fp32 tensor) the factor
-    clipping scales it by, `step` the step count after this step (≥ 1), `seed` the noise's key."""
+    clipping scales it by, `step` the step count after this step (≥ 1), `seed` the noise's key. `start`: where
+    these tensors begin in the flattened parameter when they are a slice of it, so that stepping a parameter
+    slice by slice draws the same noise, and gives the same bits, as stepping it whole."""
     n = weight.numel()
     if n == 0:
         return
@@ -102,5 +105,5 @@ def adamw_bf16_step(weight: torch.Tensor, low: torch.Tensor, grad: torch.Tensor,
     grid = (triton.cdiv(n, BLOCK),)
     _adamw_bf16_kernel[grid](
         weight.view(torch.int16), low, grad, exp_avg.view(torch.int16), exp_avg_sq.view(torch.int16),
-        clip if clip is not None else grad, n, seed, 1.0 - lr * weight_decay, beta2, 1.0 - beta1, 1.0 - beta2, eps,
+        clip if clip is not None else grad, n, start, seed, 1.0 - lr * weight_decay, beta2, 1.0 - beta1, 1.0 - beta2, eps,
         lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), HAS_CLIP=clip is not None, BLOCK=BLOCK)

@@ -6,11 +6,13 @@ is 75 GiB before a single activation or cached key: more than an 80 GB card has 
 up. The optimizer's 6 of those bytes are read once a step, by the optimizer step alone, so they can wait in
 host memory (ZeRO-Offload's split, Ren et al. 2021, with the step kept on the GPU): per tensor, its low half and
 moments come over PCIe, the same one kernel (or chunked torch step) updates them, and they go back. On the GPU
-this leaves the weights and gradients, 4 bytes a parameter, and a staging buffer of two of the largest
-tensor's state.
+this leaves the weights and gradients, 4 bytes a parameter, and two staging slots.
 
-The copies are overlapped with the update: while tensor k steps, tensor k+1's state comes in on a side stream and
-tensor k−1's goes back (two staging slots, used in turn). PCIe moves a 8B model's 45 GiB of state each way in
+The copies are overlapped with the update: while piece k steps, piece k+1's state comes in on a side stream and
+piece k−1's goes back (two staging slots, used in turn). A piece is a tensor, or a slice of at most
+`PIECE_ELEMENTS` of a larger one (the kernel steps a slice with the noise of its place in the whole tensor, so
+the bits do not change): the slots stay 0.75 GiB where the largest tensor's state (Llama-3.1-8B's embedding)
+would make them 5.9 GiB. PCIe moves a 8B model's 45 GiB of state each way in
 about a second at Gen5 rates, a small part of a step that samples thousands of tokens per sequence.
 
 The host copy is one flat allocation for each kind of state (the low halves, each moment), registered with CUDA
@@ -30,6 +32,7 @@ import torch
 from cohort_grpo.errors import CohortError
 
 ALIGN = 256  # bytes: each tensor's view starts on this boundary (vectorised copies and kernels)
+PIECE_ELEMENTS = 1 << 26  # the largest slice of a tensor staged at once by the kernel's step (6 bytes an element)
 
 
 def _aligned(nbytes: int) -> int:
@@ -67,62 +70,67 @@ class HostState:
         self.page_locked = device.type == "cuda" and all(_page_lock(buffer) for buffer in self.buffers.values())
         self.tensors = [{name: buffer[starts[name][i]:starts[name][i] + shape.numel()].view(shape)
                          for name, buffer in self.buffers.items()} for i, shape in enumerate(shapes)]
-        self.largest = max((shape.numel() for shape in shapes), default=0)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def describe(self) -> str:
         how = "page-locked" if self.page_locked else "pageable"
         return f"{self.nbytes / 2**30:.1f} GiB of {how} host memory"
 
-    def _slot(self) -> dict[str, torch.Tensor]:
-        """A staging buffer on the device that holds any one tensor's state."""
-        return {name: torch.empty(self.largest, dtype=dtype, device=self.device) for name, dtype in self.dtypes.items()}
+    def _slot(self, elements: int) -> dict[str, torch.Tensor]:
+        """A staging buffer on the device that holds `elements` of each kind of state."""
+        return {name: torch.empty(elements, dtype=dtype, device=self.device) for name, dtype in self.dtypes.items()}
 
-    def one_by_one(self, indices: list[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """(i, its state on the device) for each of `indices` in turn, for the caller to step in place before asking
-        for the next; what it wrote goes back to the host. On a GPU tensor k+1's state comes in while k steps."""
-        if not indices:
+    def one_by_one(self, pieces: list[tuple[int, int, int]]) -> Iterator[tuple[tuple[int, int, int],
+                                                                               dict[str, torch.Tensor]]]:
+        """For each piece (i, start, stop) in turn — elements start:stop of tensor `i`, flattened — that piece's state
+        on the device, for the caller to step in place before asking for the next; what it wrote goes back to the
+        host. On a GPU the next piece's state comes in while this one steps, and the last one's goes back."""
+        if not pieces:
             return
-        slots = [self._slot(), self._slot()] if len(indices) > 1 else [self._slot()]
+        largest = max(stop - start for _, start, stop in pieces)
+        slots = [self._slot(largest) for _ in range(min(2, len(pieces)))]
         cuda = self.stream is not None
         compute = torch.cuda.current_stream(self.device) if cuda else None
         if cuda:  # the slots come from blocks the compute stream may still be using
             self.stream.wait_stream(compute)
 
+        def host_views(k: int) -> dict[str, torch.Tensor]:
+            i, start, stop = pieces[k]
+            return {name: host.view(-1)[start:stop] for name, host in self.tensors[i].items()}
+
         def bring(k: int):
-            i = indices[k]
-            views = {name: slot[: self.tensors[i][name].numel()].view_as(self.tensors[i][name])
-                     for name, slot in slots[k % len(slots)].items()}
+            i, start, stop = pieces[k]
+            views = {name: slot[: stop - start] for name, slot in slots[k % len(slots)].items()}
             if not cuda:
-                for name, view in views.items():
-                    view.copy_(self.tensors[i][name])
+                for name, host in host_views(k).items():
+                    views[name].copy_(host)
                 return views, None
-            with torch.cuda.stream(self.stream):  # after the copy back of the tensor that used this slot last
-                for name, view in views.items():
-                    view.copy_(self.tensors[i][name], non_blocking=True)
+            with torch.cuda.stream(self.stream):  # after the copy back of the piece that used this slot last
+                for name, host in host_views(k).items():
+                    views[name].copy_(host, non_blocking=True)
                 arrived = torch.cuda.Event()
                 arrived.record(self.stream)
             return views, arrived
 
         try:
             pending = bring(0)
-            for k, i in enumerate(indices):
+            for k, piece in enumerate(pieces):
                 views, arrived = pending
-                if k + 1 < len(indices):
+                if k + 1 < len(pieces):
                     pending = bring(k + 1)
                 if arrived is not None:
                     compute.wait_event(arrived)
-                yield i, views
+                yield piece, views
                 if not cuda:
-                    for name, view in views.items():
-                        self.tensors[i][name].copy_(view)
+                    for name, host in host_views(k).items():
+                        host.copy_(views[name])
                     continue
                 stepped = torch.cuda.Event()
                 stepped.record(compute)
                 with torch.cuda.stream(self.stream):
                     self.stream.wait_event(stepped)
-                    for name, view in views.items():
-                        self.tensors[i][name].copy_(view, non_blocking=True)
+                    for name, host in host_views(k).items():
+                        host.copy_(views[name], non_blocking=True)
         finally:
             if cuda:  # the host copies are whole before anything reads them (a checkpoint), the slots free to go
                 self.stream.synchronize()

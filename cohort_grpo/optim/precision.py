@@ -43,7 +43,7 @@ import torch
 from cohort_grpo.errors import CohortError, in_front_end_words
 from cohort_grpo.kernels.adamw import adamw_bf16_step, fused_adamw_available
 from cohort_grpo.optim.bf16 import join_master, noise_key, round_stochastic, split_master
-from cohort_grpo.optim.host_state import HostState
+from cohort_grpo.optim.host_state import PIECE_ELEMENTS, HostState
 
 # fp32 gradient bytes alive at once in the optimizer step; a larger tensor is a chunk of its own.
 GRADIENT_CHUNK_BYTES = 1 << 30
@@ -100,7 +100,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     """
 
     def __init__(self, params, chunk_bytes: int = GRADIENT_CHUNK_BYTES, state_dtype: torch.dtype = torch.float32,
-                 seed: int = 0, offload: bool = False, **kwargs):
+                 seed: int = 0, offload: bool = False, piece_elements: int = PIECE_ELEMENTS, **kwargs):
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise CohortError(f"AdamW's moments can be kept in float32 or bfloat16, not {state_dtype}")
         self.model_params = [p for p in params if p.requires_grad]
@@ -134,6 +134,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         self.chunk_shrinks = 0  # chunks halved after running out of memory (the trainer logs each)
         self.clip_coefficient: torch.Tensor | None = None  # set by clip_grad_norm, used by the next step
         self.host: HostState | None = None
+        self.piece_elements = piece_elements  # with the state in host memory: the kernel's largest slice at once
         if offload:
             if any(low is None for low in self.lows):
                 raise CohortError("offload_optimizer keeps split fp32 masters in host memory, so every trained "
@@ -224,21 +225,31 @@ class MasterWeightAdamW(torch.optim.AdamW):
         return loss
 
     def _fused_step(self) -> None:
-        """Every parameter with a gradient stepped by one kernel each: no fp32 copy of anything exists."""
+        """Every parameter with a gradient stepped by one kernel each: no fp32 copy of anything exists. With the state
+        in host memory, piece by piece (a tensor, or a slice of a large one) as `HostState.one_by_one` brings it."""
         group = self.param_groups[0]
         (beta1, beta2), stepped = group["betas"], []
+        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], clip=self.clip_coefficient)
         indices = self._with_grads(range(len(self.model_params)))
-        staged = self.host.one_by_one(indices) if self.host is not None else (
-            (i, dict(self.state[self.masters[i]], low=self.lows[i])) for i in indices)
-        for i, state in staged:
+        if self.host is None:
+            pieces = [((i, 0, self.model_params[i].numel()), dict(self.state[self.masters[i]], low=self.lows[i]))
+                      for i in indices]
+        else:
+            pieces = self.host.one_by_one([(i, start, min(start + self.piece_elements, n)) for i in indices
+                                           for n in [self.model_params[i].numel()]
+                                           for start in range(0, n, self.piece_elements)])
+        for (i, start, stop), state in pieces:
             param = self.model_params[i]
-            self.steps[i] += 1
-            adamw_bf16_step(param.data, state["low"], param.grad, state["exp_avg"], state["exp_avg_sq"],
-                            step=self.steps[i], lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                            weight_decay=group["weight_decay"], seed=self.noise_seed(i),
-                            clip=self.clip_coefficient)
-            param.grad = None  # a bf16 gradient not lent from the KV cache is freed here
-            stepped.append(self.state[self.masters[i]]["step"])
+            if start == 0:
+                self.steps[i] += 1
+            # the piece of the weight and gradient; the state is the piece's already (or the whole tensor's)
+            adamw_bf16_step(param.data.view(-1)[start:stop], state["low"].view(-1), param.grad.view(-1)[start:stop],
+                            state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), step=self.steps[i],
+                            seed=self.noise_seed(i), start=start, **hyper)
+            if stop == param.numel():
+                param.grad = None  # a bf16 gradient not lent from the KV cache is freed here
+                stepped.append(self.state[self.masters[i]]["step"])
         if stepped:
             torch._foreach_add_(stepped, 1.0)  # the state's count, as torch's step keeps it
         self.clip_coefficient = None

@@ -8,7 +8,8 @@ Resident through the step (`resident`):
   half (2: `precision.MasterWeightAdamW`, `bf16.split_master`) and AdamW's two moments (4 in bf16, the GPU
   default, or 8: `optimizer_state_dtype`). The engine samples from the same weights. With `offload_optimizer`
   the low halves and moments wait in host memory (`MemoryPlan.host`, `optim/host_state.py`) and the optimizer
-  step stages two of the largest tensor's state on the GPU at a time (one chunk's, with fp32 moments).
+  step stages two pieces of state on the GPU at a time (a tensor, or a slice of at most
+  `host_state.PIECE_ELEMENTS` of a larger one; one chunk's, with fp32 moments).
 - FSDP2 over N ranks (`parallel/distributed.py` `_fully_shard`): the engine's copy of the weights in bf16 (a whole
   copy, or 1/T of it where the engine is a T-way tensor-parallel shard), the fp32 master shard (4/N) and AdamW's
   moments on it, as on one GPU (4/N in bf16, the GPU default: `sharded_adamw.ShardedAdamW`; 8/N in fp32).
@@ -82,6 +83,7 @@ from cohort_grpo.rollout.layout import Layout
 from cohort_grpo.rollout.scheduler import ENGINE_SLOTS
 from cohort_grpo.update.fast_path import tokens_for_work
 from cohort_grpo.update.logprobs import CHUNK_BYTES
+from cohort_grpo.optim.host_state import PIECE_ELEMENTS
 from cohort_grpo.optim.precision import GRADIENT_CHUNK_BYTES
 from cohort_grpo.plans.sampling_plan import active_parameter_count, kv_cache_bytes, kv_length, layer_parameter_counts, parameter_count
 from cohort_grpo.optim.sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT
@@ -310,8 +312,9 @@ def training_state(config: ModelConfig, step: StepShape,
         else:
             if offloaded(step, rank):  # each tensor's state visits the GPU for its own step: two slots of it
                 per_element = 2 + step.moment_bytes
-                if step.moment_bytes == 4:  # the kernel's: two of the largest tensor's state
-                    optimizer["optimizer staging"] = 2 * largest_tensor_elements(config) * per_element
+                if step.moment_bytes == 4:  # the kernel's: two pieces (a tensor, or a slice of a larger one)
+                    optimizer["optimizer staging"] = 2 * min(largest_tensor_elements(config),
+                                                             PIECE_ELEMENTS) * per_element
                 else:  # the chunked torch step's: one chunk of state
                     optimizer["optimizer staging"] = max(GRADIENT_CHUNK_BYTES // 4,
                                                          largest_tensor_elements(config)) * per_element
