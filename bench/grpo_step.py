@@ -22,6 +22,12 @@ default; `--cohort-variants freeze_vision_tower=true` adds cohort's default). It
     python bench/grpo_step.py --models qwen2.5-vl-3b --trl-steps 2 --cohort-steps 4   # the device run (VISION_CALL)
     python bench/grpo_step.py --smoke --models qwen2.5-vl-3b --trl-steps 0             # the CPU check
 
+One card at 8B (Llama-3.1-8B shape): full parameters with 4,096-token completions and cohort's defaults (the memory
+plan keeps AdamW's state in host memory where it must: `offload_optimizer=auto`), and LoRA against TRL + PEFT:
+
+    python bench/grpo_step.py --models none --full-param-8b --full-param-8b-steps 2
+    python bench/grpo_step.py --models none --lora-8b --lora-steps 3 --lora-8b-trl-steps 2
+
 Default steps aim at one 10-minute device call (--time-budget 560 s): TRL 3 steps for 0.5B, 2 for 1.5B
 (the first step is warm-up, about 40 s for 0.5B on an H200), cohort 5, LoRA 3, probes 2.
 
@@ -67,12 +73,15 @@ RUNS = {
     "probe": dict(prompts=4, generations=8, prompt_len=128, completion_len=256, per_device=8, grad_accum=4),
     # full parameters of an 8B shape on one card: 4 prompts × 8 completions of 4,096 tokens
     "long": dict(prompts=4, generations=8, prompt_len=128, completion_len=4096, per_device=8, grad_accum=4),
+    # LoRA at the 8B shape, cohort against TRL + PEFT: completions TRL's generate finishes in a call
+    "lora8b": dict(prompts=4, generations=8, prompt_len=128, completion_len=1024, per_device=8, grad_accum=4),
 }
 SMOKE_RUNS = {
     "compare": dict(prompts=4, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=4),
     "lora": dict(prompts=2, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=2),
     "probe": dict(prompts=2, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=2),
     "long": dict(prompts=2, generations=4, prompt_len=16, completion_len=32, per_device=4, grad_accum=2),
+    "lora8b": dict(prompts=2, generations=4, prompt_len=16, completion_len=16, per_device=4, grad_accum=2),
 }
 SHAPE_NAMES = ("0.5b", "1.5b", "3b", "7b", "qwen3-moe-1b-7b", "qwen3-30b-a3b-half", *VISION_SHAPES)
 TRL_MODULES = ("trl", "datasets", "dill", "multiprocess", "accelerate", "pandas", "pyarrow", "xxhash", "psutil",
@@ -260,6 +269,35 @@ class Bench:
               f"{result.get('optimizer_line')}\n", flush=True)
         self.save()
 
+    def lora_8b(self, trl_steps: int, trl_available: bool) -> None:
+        """LoRA (r 16 on every projection) at the Llama-3.1-8B shape: cohort, then TRL 1.16 + PEFT on the same folder
+        and batch."""
+        lora = dict(r=self.args.lora_r, alpha=2 * self.args.lora_r)
+        entry: dict = {"batch": self.runs["lora8b"], "lora": lora}
+        self.results["lora_8b"] = entry
+        folder = self.scratch / "llama3.1-8b-random"
+        entry["build"] = self.worker(self.spec("build", "build-8b", "llama3.1-8b", "lora8b", 0, folder=str(folder)))
+        if entry["build"].get("status") == "ok":
+            entry["cohort"] = self.worker(self.spec("cohort", "cohort-lora-8b", "llama3.1-8b", "lora8b",
+                                                    self.args.lora_steps, folder=str(folder), source="folder",
+                                                    lora=lora))
+            self.save()
+            if not trl_available or importlib.util.find_spec("peft") is None:
+                entry["trl"] = dict(status="skipped", reason="trl, datasets or peft not importable")
+            else:
+                entry["trl"] = self.worker(self.spec("trl", "trl-lora-8b", "llama3.1-8b", "lora8b", trl_steps,
+                                                     folder=str(folder), lora=lora))
+        shutil.rmtree(folder, ignore_errors=True)
+        cohort, trl = (entry.get(k) or {} for k in ("cohort", "trl"))
+        speedup = (trl["steady_seconds"] / cohort["steady_seconds"]
+                   if trl.get("steady_seconds") and cohort.get("steady_seconds") else None)
+        entry["speedup"] = speedup
+        print(f"\nLoRA at the Llama-3.1-8B shape, {self.runs['lora8b']}: cohort {fmt(cohort.get('steady_seconds'), '.1f')}"
+              f" s/step (peak {fmt(cohort.get('peak_gib'), '.1f')} GiB), TRL + PEFT "
+              f"{fmt(trl.get('steady_seconds'), '.1f')} s/step (peak {fmt(trl.get('peak_gib'), '.1f')} GiB): "
+              f"{fmt(speedup, '.2f')}x\n", flush=True)
+        self.save()
+
     def max_full_param(self, sizes: list[str]) -> None:
         """Shapes in the order given; the first that does not fit ends the search."""
         probes: dict = {}
@@ -335,6 +373,9 @@ def parse_args(argv=None):
     parser.add_argument("--full-param-8b", action="store_true",
                         help="then train the Llama-3.1-8B shape with full parameters, 4K-token completions, defaults")
     parser.add_argument("--full-param-8b-steps", type=int, default=3)
+    parser.add_argument("--lora-8b", action="store_true",
+                        help="then LoRA at the Llama-3.1-8B shape, cohort against TRL + PEFT (1,024-token completions)")
+    parser.add_argument("--lora-8b-trl-steps", type=int, default=2)
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for the whole run; parts that no longer fit are skipped (default 560, smoke 3600)")
     parser.add_argument("--smoke", action="store_true",
@@ -391,6 +432,8 @@ def main(argv=None) -> None:
             bench.max_full_param(args.max_full_param)
         if args.full_param_8b:
             bench.full_param_8b()
+        if args.lora_8b:
+            bench.lora_8b(args.lora_8b_trl_steps, trl_available)
     finally:
         bench.save()
         shutil.rmtree(bench.scratch, ignore_errors=True)

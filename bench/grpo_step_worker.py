@@ -257,9 +257,16 @@ def run_trl(spec: dict, rec: Recorder) -> None:
     if not bf16:
         rec.note("CPU: TRL runs with bf16=False")
     args = GRPOConfig(**trl_options(run, device, bf16))
+    extra = {}
+    if spec.get("lora"):  # TRL's LoRA: GRPOTrainer(peft_config=LoraConfig(...)), the adapters of cohort's run
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=spec["lora"]["r"], lora_alpha=spec["lora"]["alpha"],
+                                          target_modules=LORA_TARGETS, lora_dropout=0.0, bias="none")
+        rec.save(lora=spec["lora"])
     started = time.perf_counter()
     trainer = GRPOTrainer(model=spec["folder"], reward_funcs=[make_reward(run["completion_len"])], args=args,
-                          train_dataset=dataset, processing_class=make_tokenizer(vocab), callbacks=[timer])
+                          train_dataset=dataset, processing_class=make_tokenizer(vocab), callbacks=[timer], **extra)
     setup = time.perf_counter() - started
     trainer.train()
     trl_finish(rec, timer, setup, started)
