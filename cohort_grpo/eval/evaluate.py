@@ -97,7 +97,7 @@ class EvalResult:
 def _answer_of(task, text: str) -> str | None:
     extract = getattr(task, "extract_answer", None)
     if extract is None:
-        from cohort_grpo.rewards.answers import extract_answer as extract
+        from cohort_grpo.rewards.answer_extraction import extract_answer as extract
     return extract(text)
 
 

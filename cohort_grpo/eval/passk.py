@@ -66,7 +66,7 @@ def pass_k_values(n: int) -> list[int]:
 def majority_vote(answers: Sequence[str | None], verdicts: Sequence[bool]) -> bool:
     """maj@k correctness of one problem from its k samples.
 
-    `answers[i]` is sample i's final answer in a normal form (e.g. `cohort_grpo.rewards.answers.
+    `answers[i]` is sample i's final answer in a normal form (e.g. `cohort_grpo.rewards.grading.
     canonical_answer`, so "18.00" and "$18" vote together), None when it gave none; `verdicts[i]`
     is whether sample i is correct. The most frequent non-None answer wins; ties go to the answer that
     appeared first; the problem is solved when the winner's sample is correct. No answers: not solved.

@@ -1,5 +1,5 @@
-"""Reward functions (`rules`), the grader of math answers (`answers`), and the runner that calls them
-safely and combines them (`runner`).
+"""Reward functions (`rules`), the grader of math answers (`grading`, its steps in `answer_extraction`,
+`answer_reading` and `answer_comparison`), and the runner that calls them safely and combines them (`runner`).
 
 `RewardRunner` / `RewardOutput` are imported lazily: they need torch, and the per-sample scoring
 worker processes import this package without wanting torch.

@@ -10,7 +10,7 @@ so TRL's examples run unchanged; `accuracy_reward` takes `solution` by keyword o
 The format rewards follow DeepSeek-R1 (2025, §2.2.2 "Reward Modeling": accuracy and format rewards)
 and the open-r1 reproduction's `tag_count` / `reasoning_steps` shaping rewards. `think_format_reward`,
 `accuracy_reward` and `get_soft_overlong_punishment` carry TRL's names and contracts. The accuracy
-reward grades each completion's final answer against the gold one in `cohort_grpo.rewards.answers`.
+reward grades each completion's final answer against the gold one in `cohort_grpo.rewards.grading`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import re
 from typing import Callable
 
 from cohort_grpo.errors import CohortError
-from cohort_grpo.rewards.answers import canonical_answer, extract_answer, score_accuracy
+from cohort_grpo.rewards.answer_extraction import extract_answer
 from cohort_grpo.rewards.completions import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, completion_text
+from cohort_grpo.rewards.grading import canonical_answer, score_accuracy
 
 __all__ = ["REWARD_FUNCS", "accuracy_reward", "canonical_answer", "completion_text", "extract_answer",
            "format_reward", "get_soft_overlong_punishment", "lenient_format_reward", "reasoning_steps_reward",
