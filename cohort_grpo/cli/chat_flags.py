@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cohort_grpo.tools.calls import DEFAULT_TIMEOUT_S
+from cohort_grpo.tools.call_execution import DEFAULT_TIMEOUT_S
 from cohort_grpo.tools.toolbox import TOOLS_FILE
 
 DEFAULT_MAX_ITERATIONS = 5

@@ -30,7 +30,8 @@ from typing import Any, Callable
 from cohort_grpo.errors import CohortError
 from cohort_grpo.tools import (ToolCall, ToolCallError, ToolResult, assistant_message, environment_tools, family_of_template,
                      make_tools, resolve_environment, resolve_tools, run_tool_call, split_turn, tool_result_messages)
-from cohort_grpo.tools.calls import CLOSE_TAG, DEFAULT_TIMEOUT_S, OPEN_TAG
+from cohort_grpo.tools.call_execution import DEFAULT_TIMEOUT_S
+from cohort_grpo.tools.call_text import CLOSE_TAG, OPEN_TAG
 from cohort_grpo.tools.toolbox import TOOLS_FILE, read_tools_file
 from cohort_grpo.cli.chat import ChatSession, chat_loop, default_model_spec, load_for_inference, stderr_log
 from cohort_grpo.cli.chat_flags import DEFAULT_MAX_ITERATIONS, chat_parser

@@ -4,31 +4,28 @@
   `sandbox_report()` says what is contained on this machine, measured.
 * `schema`: the JSON schema of a typed, documented function (transformers' `get_json_schema`), and the
   tools of an environment object.
-* `calls`: tool calls in the model family's text format (Qwen/Hermes `<tool_call>`, Llama 3 JSON):
-  parse a turn, detect a complete call while generating, execute it with a timeout, render the result
-  as the chat template's tool turn.
+* tool calls, one module a step: `call_text` reads and writes them in the model family's text format
+  (Qwen/Hermes `<tool_call>`, Llama 3 JSON: parse a turn, detect a complete call while generating);
+  `call_validation` checks a call against its tool's schema; `call_execution` runs it with a timeout;
+  `call_messages` renders the calls and a result as the chat template's assistant and tool turns;
+  `call_records` holds what they pass along (`ToolCall`, `ToolCallError`, `ToolResult`).
 
 docs/howto/tools.md has the details, and what the sandbox does and does not contain.
 """
 
-from cohort_grpo.tools.calls import (
+from cohort_grpo.tools.call_execution import execute_tool_call, run_tool_call
+from cohort_grpo.tools.call_messages import assistant_message, tool_result_messages
+from cohort_grpo.tools.call_records import ToolCall, ToolCallError, ToolResult, error_text
+from cohort_grpo.tools.call_text import (
     FAMILIES,
     ParsedTurn,
-    ToolCall,
-    ToolCallError,
-    ToolResult,
-    assistant_message,
     detect_tool_call,
-    error_text,
-    execute_tool_call,
     family_of_template,
     format_tool_calls,
     parse_tool_calls,
-    run_tool_call,
     split_turn,
-    tool_result_messages,
-    validate_tool_call,
 )
+from cohort_grpo.tools.call_validation import validate_tool_call
 from cohort_grpo.tools.loading import resolve_environment, resolve_tools, tool_spec
 from cohort_grpo.tools.sandbox import DEFAULT_SANDBOX, Sandbox, SandboxResult, run_python, sandbox_report
 from cohort_grpo.tools.schema import Tool, environment_tools, make_tool, make_tools, tool_schema

@@ -20,8 +20,9 @@ import threading
 from dataclasses import dataclass, field
 
 from cohort_grpo.errors import CohortError
-from cohort_grpo.tools.calls import (DEFAULT_TIMEOUT_S, assistant_message, execute_tool_call, family_name, family_of_template,
-                    split_turn, tool_result_messages)
+from cohort_grpo.tools.call_execution import DEFAULT_TIMEOUT_S, execute_tool_call
+from cohort_grpo.tools.call_messages import assistant_message, tool_result_messages
+from cohort_grpo.tools.call_text import family_name, family_of_template, split_turn
 from cohort_grpo.tools.schema import environment_tools, make_tools
 
 _loop: asyncio.AbstractEventLoop | None = None
