@@ -182,6 +182,36 @@ def test_asynchronous_rollouts_are_distilled_too(models, tmp_path):
     assert [math.isfinite(r["distillation/reverse_kl"]) for r in trainer.history] == [True, True]
 
 
+def test_teachers_served_by_transformers_modules_and_vision_language_teachers_train(models, tmp_path):
+    """A teacher of a family cohort does not implement (OLMo 2: transformers' own modules, the generic path) and a
+    vision-language teacher of a vision-language student, each two steps with the log of a real run (loading such a
+    teacher logs which path serves it, while the run is still being built)."""
+    from cohort_grpo.models.tiny_vision import build_vision_model, build_vision_processor
+    from cohort_grpo.tasks.shapes import ShapesTask
+    from test_generic_models import save_folder
+
+    lines: list[str] = []
+    olmo = save_folder("olmo2", tmp_path / "olmo2-teacher")  # the built-in tokenizer's vocabulary, as the student's
+    text = GRPOTrainer(str(models / "student"), [], rows(), processing_class=build_tokenizer(), log=lines.append,
+                       args=small_args(tmp_path / "text", distillation_coef=1.0, teacher_model=olmo, max_steps=2))
+    text.train()
+    assert type(text.teacher.model).__name__ == "TransformersCausalLM"
+    assert [r["distillation/reverse_kl"] != 0 and r["distillation/teacher_logp"] < 0 for r in text.history] == [True] * 2
+
+    processor = build_vision_processor()
+    teacher = tmp_path / "vision-teacher"
+    build_vision_model(processor.tokenizer, seed=1).save_pretrained(teacher)  # the student's shape, other weights
+    processor.save_pretrained(teacher)
+    task = ShapesTask()
+    vision = GRPOTrainer("cohort:tiny-vision", task.reward_funcs, task.load("train", size=16), task=task,
+                         log=lines.append, args=small_args(tmp_path / "vision", distillation_coef=1.0, max_steps=2,
+                                                           teacher_model=str(teacher), max_prompt_length=128))
+    vision.train()
+    assert [r["distillation/reverse_kl"] != 0 and r["distillation/teacher_logp"] < 0
+            for r in vision.history] == [True] * 2
+    assert any("vision-language path" in line for line in lines)
+
+
 # ---- refusals, one line each -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, expected", [

@@ -61,6 +61,7 @@ class GRPOTrainer:
         # A run that fails before its first step leaves no folder behind (when it made the folder).
         self.new_output_dir = not Path(args.output_dir).exists()
         self.step = 0
+        self.log = log  # what the stages log through while they are built; the display's once it exists
         try:
             # Tools the model may call while sampling (TRL's `tools` / `environment_factory`).
             self.toolbox = make_toolbox(tools, environment_factory, args, task)
