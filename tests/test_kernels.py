@@ -19,7 +19,8 @@ from cohort_grpo.rollout import Engine
 from cohort_grpo.rollout import engine as engine_module
 from cohort_grpo.models import KVCache
 from cohort_grpo.kernels import elementwise as kernels
-from cohort_grpo.models.modeling import RMSNorm, _cache_mask
+from cohort_grpo.models.causal_lm import _cache_mask
+from cohort_grpo.models.decoder import RMSNorm
 from cohort_grpo.rollout.sampler import SamplingParams
 from helpers import KERNEL_FAMILIES as FAMILIES, KERNEL_TINY as TINY, build_kernel_model as build, decode_run
 

@@ -30,7 +30,7 @@ def engine_samples(model) -> bool:
     """Whether `make_sampler` gives `model` cohort's engine: it is our `CausalLM` or a transformers model behind
     its interface (`TransformersCausalLM`), also inside a PEFT wrapper."""
     from cohort_grpo.models.generic import TransformersCausalLM
-    from cohort_grpo.models.modeling import CausalLM
+    from cohort_grpo.models.causal_lm import CausalLM
 
     return isinstance(base_model(model), (CausalLM, TransformersCausalLM))
 
