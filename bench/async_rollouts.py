@@ -334,7 +334,7 @@ def drawn_length_samplers(lengths: LengthDraws):
 def precapture(engine: Engine, sequences: int, prompt_len: int, config, pad_id: int) -> tuple[int, float]:
     """Capture every decode graph a call of `sequences` completions of `prompt_len`-token prompts can use
     (every width bucket × KV-length bucket), now, while nothing else runs. (graphs, seconds); 0 off CUDA."""
-    from cohort_grpo.rollout.engine import KV_LENGTH_STEP, sampling_mode
+    from cohort_grpo.rollout.engine_setup import KV_LENGTH_STEP, sampling_mode
     from cohort_grpo.rollout.sampling import sampling_key
     from cohort_grpo.rollout.sampler import SamplingParams
     from cohort_grpo.rollout.scheduler import batch_buckets

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cohort_grpo.kernels import elementwise as kernels# noqa: E402
 from cohort_grpo.kernels.decode_attention import decode_attention, default_launch# noqa: E402
-from cohort_grpo.models.modeling import grouped_query_attention# noqa: E402
+from cohort_grpo.models.decoder import grouped_query_attention  # noqa: E402
 
 SHAPES = {"0.5b": (14, 2, 64), "1.5b": (12, 2, 128)}
 

@@ -326,7 +326,7 @@ def render(rows: list[dict]) -> str:
         "`PYTHONPATH=$PWD python tests/model_coverage.py --write docs/models.md`; `tests/test_model_coverage.py` "
         "fails when this page is out of date.",
         "",
-        "Path: `native` — cohort's own implementation (`cohort_grpo/models/modeling.py`); `generic` — "
+        "Path: `native` — cohort's own implementation (`cohort_grpo/models/causal_lm.py`, `decoder.py`); `generic` — "
         "transformers' "
         "own modules with cohort's attention and KV cache ([speed.md](howto/speed.md#other-decoder-only-models-the-"
         "generic-path)), sampled by cohort's engine; `hf` — transformers' model and `generate` (`--model_impl auto` "

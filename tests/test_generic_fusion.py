@@ -20,7 +20,7 @@ from cohort_grpo.models import generic_fusion  # noqa: E402
 from cohort_grpo.models.cache import KVCache  # noqa: E402
 from cohort_grpo.models.generic import TransformersCausalLM  # noqa: E402
 from cohort_grpo.models.generic_fusion import FusedNorm, NormVariant, ProjectionGroup  # noqa: E402
-from cohort_grpo.rollout import engine as engine_module  # noqa: E402
+from cohort_grpo.rollout import engine_setup  # noqa: E402
 from cohort_grpo.rollout.engine import Engine  # noqa: E402
 from cohort_grpo.rollout.sampler import SamplingParams  # noqa: E402
 
@@ -58,7 +58,7 @@ def kernels(monkeypatch):
     monkeypatch.setattr(gate_kernels, "gated_activation_kernel", counted("gate", gate))
     monkeypatch.setattr(ProjectionGroup, "outputs", counted_outputs)
     # the engine's sampling switch, its compiled pieces (the sampler's) left plain on the CPU
-    monkeypatch.setattr(engine_module, "fused_kernels", lambda on: fused_kernels(on, compile=False))
+    monkeypatch.setattr(engine_setup, "fused_kernels", lambda on: fused_kernels(on, compile=False))
     return counts
 
 

@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cohort_grpo.rollout import Engine
-from cohort_grpo.rollout import engine as engine_module
+from cohort_grpo.rollout import engine_setup
 from cohort_grpo.models import KVCache
 from cohort_grpo.kernels import elementwise as kernels
-from cohort_grpo.models.modeling import RMSNorm, _cache_mask
+from cohort_grpo.models.causal_lm import _cache_mask
+from cohort_grpo.models.decoder import RMSNorm
 from cohort_grpo.rollout.sampler import SamplingParams
 from helpers import KERNEL_FAMILIES as FAMILIES, KERNEL_TINY as TINY, build_kernel_model as build, decode_run
 
@@ -190,7 +191,7 @@ def test_engine_decodes_through_the_regrouped_path(monkeypatch):
     calls = []
     plain = kernels.rotate_and_cache_plain
     monkeypatch.setattr(kernels, "rotate_and_cache_plain", lambda *args: calls.append(1) or plain(*args))
-    monkeypatch.setattr(engine_module, "fused_kernels", functools.partial(kernels.fused_kernels, compile=False))
+    monkeypatch.setattr(engine_setup, "fused_kernels", functools.partial(kernels.fused_kernels, compile=False))
     got = Engine(model, max_batch_size=4, compile_kernels=True).generate(prompts, 1, params)
     assert len(calls) >= 9 * model.config.num_hidden_layers  # every decode step, every layer
     assert torch.equal(got.completion_ids, expected.completion_ids)

@@ -138,21 +138,21 @@ def _reference_gqa(q, k, v, mask):
 
 @pytest.mark.parametrize("native_gqa", [False, True])
 def test_grouped_query_attention_matches_repeated_heads(monkeypatch, native_gqa):
-    from cohort_grpo.models import modeling
+    from cohort_grpo.models import decoder
 
-    monkeypatch.setattr(modeling, "_native_gqa_is_fast", lambda q: native_gqa)  # CPU math runs enable_gqa too
+    monkeypatch.setattr(decoder, "_native_gqa_is_fast", lambda q: native_gqa)  # CPU math runs enable_gqa too
     generator = torch.Generator().manual_seed(3)
     q = torch.randn(2, 6, 5, 8, generator=generator)
     k, v = torch.randn(2, 2, 9, 8, generator=generator), torch.randn(2, 2, 9, 8, generator=generator)
     causal_q = q[:, :, :5]
-    assert torch.allclose(modeling.grouped_query_attention(causal_q, k[:, :, :5], v[:, :, :5], None),
+    assert torch.allclose(decoder.grouped_query_attention(causal_q, k[:, :, :5], v[:, :, :5], None),
                           _reference_gqa(causal_q, k[:, :, :5], v[:, :, :5], None), atol=1e-5)
     per_query_mask = torch.rand(2, 1, 5, 9, generator=generator) < 0.7
     per_query_mask[..., 0] = True  # every query sees at least one key
-    assert torch.allclose(modeling.grouped_query_attention(q, k, v, per_query_mask),
+    assert torch.allclose(decoder.grouped_query_attention(q, k, v, per_query_mask),
                           _reference_gqa(q, k, v, per_query_mask), atol=1e-5)
     decode_mask = torch.arange(9)[None, None, None] <= torch.tensor([3, 8])[:, None, None, None]  # [B, 1, 1, S]
-    assert torch.allclose(modeling.grouped_query_attention(q[:, :, :1], k, v, decode_mask),
+    assert torch.allclose(decoder.grouped_query_attention(q[:, :, :1], k, v, decode_mask),
                           _reference_gqa(q[:, :, :1], k, v, decode_mask), atol=1e-5)
 
 

@@ -22,7 +22,7 @@ from helpers import KERNEL_FAMILIES as FAMILIES, KERNEL_TINY as TINY, build_kern
 from triton_interpreter import kernel_module  # noqa: E402
 
 from cohort_grpo.rollout import sampling# noqa: E402
-from cohort_grpo.models import CausalLM, ModelConfig, modeling
+from cohort_grpo.models import CausalLM, KVCache, ModelConfig, decoder
 from cohort_grpo.kernels import elementwise as kernels# noqa: E402
 
 torch.set_num_threads(1)  # as tests/test_kernels.py, whose models these are
@@ -51,7 +51,7 @@ def triton_path(monkeypatch):
         return triton_sampling.gumbel_sample(*args, **kwargs)
 
     monkeypatch.setattr(kernels, "triton_kernel_on", on_any_device)
-    monkeypatch.setattr(modeling, "decode_attention", counted_decode_attention)
+    monkeypatch.setattr(decoder, "decode_attention", counted_decode_attention)
     monkeypatch.setattr(sampling, "triton_kernel_on", on_any_device)
     monkeypatch.setattr(sampling, "gumbel_sample", counted_gumbel_sample)
     return calls
@@ -78,7 +78,7 @@ def test_prefill_and_training_forwards_never_take_the_decode_kernel(triton_path)
     ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode(), kernels.fused_kernels(True, compile=False):
         model(ids)  # full-sequence forward
-        model(ids, kv_cache=modeling.KVCache.for_model(model, 2, 16), cache_rows=torch.arange(2))  # prefill
+        model(ids, kv_cache=KVCache.for_model(model, 2, 16), cache_rows=torch.arange(2))  # prefill
     with kernels.fused_kernels(True, compile=False):
         model(ids).sum().backward()  # autograd on: the plain math
     assert triton_path == dict(attention=[], sampling=0)

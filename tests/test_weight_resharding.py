@@ -54,7 +54,7 @@ def addresses(shard) -> dict[str, int]:
 
 
 def reads_fused(shard) -> bool:
-    """Whether a no-grad forward takes the fused matrices (modeling.py's test: same address as q / gate)."""
+    """Whether a no-grad forward takes the fused matrices (decoder.py's test: same address as q / gate)."""
     return all(layer.self_attn.fused_qkv is not None and layer.mlp.fused_gate_up is not None
                and layer.self_attn.fused_qkv[0].data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
                and layer.mlp.fused_gate_up[0].data_ptr() == layer.mlp.gate_proj.weight.data_ptr()

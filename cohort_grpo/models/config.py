@@ -2,7 +2,7 @@
 
 One dataclass covers the supported families; what differs between them is derived here
 (q/k/v bias, per-head q/k norm, which layers use a sliding window, which layers are mixtures of
-experts) so `modeling.py` needs no `model_type` branches. Mixtral is read as a Mistral whose every MLP is a
+experts) so `decoder.py` needs no `model_type` branches. Mixtral is read as a Mistral whose every MLP is a
 mixture of experts of `intermediate_size` with renormalised top-k weights, the block Qwen3-MoE has. Both
 `config.json` RoPE layouts are read: transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`).
 """

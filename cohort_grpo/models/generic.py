@@ -1,7 +1,7 @@
 """`TransformersCausalLM`: any transformers decoder-only LM behind the call interface of cohort's own `CausalLM`.
 
 cohort's engine and update call a model as `model(input_ids, position_ids, kv_cache=..., cache_rows=...,
-cache_len=..., return_hidden=...)` (docs/architecture.md, "Model"). The six families of `modeling.py` implement it
+cache_len=..., return_hidden=...)` (docs/architecture.md, "Model"). The six families of `causal_lm.py` implement it
 themselves; any other decoder-only model of transformers gets it here from its own modules: its embedding,
 decoder layers (rotary, QK-norm, soft-capping, sliding windows, partial rotary, whatever they do), final norm and
 head run unchanged, and only attention is cohort's (generic_attention.py). The wrapper holds the transformers

@@ -5,7 +5,7 @@ kernel, and an attention's q, k and v as one GEMM.
 Written as torch ops, transformers' RMSNorm is six to eight kernels (upcast, square, mean, add, rsqrt, two products,
 downcast), act(gate)·up two, and q/k/v and gate/up separate GEMMs; at a decode step each launch costs a few
 microseconds whatever its size, so a layer spends more on them than on its arithmetic. cohort's own layers
-(modeling.py) compute each of these pieces as one; here the same kernels (kernels/exact_rms_norm.py,
+(decoder.py) compute each of these pieces as one; here the same kernels (kernels/exact_rms_norm.py,
 kernels/exact_elementwise.py) and the same fused weights (fusion.py) serve transformers' modules.
 
 Each module keeps its class, its parameters and their names (state dicts, the optimizer's parameters, LoRA's targets,

@@ -1,7 +1,7 @@
 """Model files into `CausalLM`: find them (local folder, hub id, GGUF file), read them, check them.
 
 Weights are read only from safetensors (or GGUF, `gguf.py`), never from pickle files. Writing goes
-the other way in `modeling.save_pretrained`; turning whatever the user named (nothing, a model
+the other way in `causal_lm.save_pretrained`; turning whatever the user named (nothing, a model
 object, a model transformers implements) into a policy and its tokenizer is `policy.py`.
 """
 
@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, is_supported
-from cohort_grpo.models.modeling import CausalLM
+from cohort_grpo.models.causal_lm import CausalLM
 from cohort_grpo.models.moe import fuse_expert_weights
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cohort_grpo.models.files import give_usual_mode
 from cohort_grpo.models.lora import has_lora, merged_state_dict, save_adapter
-from cohort_grpo.models.modeling import CausalLM
+from cohort_grpo.models.causal_lm import CausalLM
 
 
 def save_policy(model, tokenizer, out_dir: Path, state: dict | None = None) -> Path:

@@ -49,7 +49,7 @@ from torch import nn
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.config import ModelConfig
 from cohort_grpo.models.lora import has_lora
-from cohort_grpo.models.modeling import CausalLM
+from cohort_grpo.models.causal_lm import CausalLM
 from cohort_grpo.models.moe import SparseMoeBlock
 
 # Weights split by output rows (their biases too) and by input columns; the rest is replicated.

@@ -37,7 +37,7 @@ from cohort_grpo.models.config import ModelConfig
 from cohort_grpo.models.tensor_parallel import check_tensor_parallel_size
 from cohort_grpo.parallel.placement import Placement
 from cohort_grpo.plans.model_shape import ModelShape
-from cohort_grpo.rollout.engine import KV_LENGTH_STEP
+from cohort_grpo.rollout.engine_setup import KV_LENGTH_STEP
 from cohort_grpo.rollout.scheduler import ENGINE_SLOTS, batch_buckets
 
 # The share of a card the weights and KV cache may take: the rest holds a decode step's activations and

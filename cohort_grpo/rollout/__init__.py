@@ -1,10 +1,11 @@
 """Rollout: prompts in, G completions per prompt out (Algorithm 1's "sample G outputs from π_old").
 
 `sampler.py` is the interface (`Sampler`, `SamplingParams`, `Rollout`) and the Hugging Face
-`generate` fallback; the rest of the folder is the fast engine for cohort's own models: KV cache
-slots (`scheduler.py`), per-sequence state (`sequence.py`), device-side sampling (`sampling.py`; over
-vocabulary slices on a tensor-parallel shard, `token_sampler.py`), CUDA-graph decode (`cuda_graphs.py`)
-and the overlapped host checks (`overlap.py`).
+`generate` fallback; the rest of the folder is the fast engine for cohort's own models: its calls and
+decode loop (`engine.py`), the checks of a call's inputs (`request_checks.py`), the model's sampling mode and
+the KV cache's length and reuse (`engine_setup.py`), KV cache slots (`scheduler.py`), per-sequence state
+(`sequence.py`), device-side sampling (`sampling.py`; over vocabulary slices on a tensor-parallel shard,
+`token_sampler.py`), CUDA-graph decode (`cuda_graphs.py`) and the overlapped host checks (`overlap.py`).
 
 What a rollout is, once sampled: `Rollout` and the step's `Batch` (`batch.py`), per-row records whose fields
 declare their layout (`records.py`), and the `Layout` of the passes over it (`layout.py`).
@@ -30,7 +31,7 @@ def engine_samples(model) -> bool:
     """Whether `make_sampler` gives `model` cohort's engine: it is our `CausalLM` or a transformers model behind
     its interface (`TransformersCausalLM`), also inside a PEFT wrapper."""
     from cohort_grpo.models.generic import TransformersCausalLM
-    from cohort_grpo.models.modeling import CausalLM
+    from cohort_grpo.models.causal_lm import CausalLM
 
     return isinstance(base_model(model), (CausalLM, TransformersCausalLM))
 

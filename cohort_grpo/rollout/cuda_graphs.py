@@ -48,6 +48,7 @@ class DecodeGraphs:
         self.side_stream = None  # the warm-up stream, created on first capture
         self.captures = 0
         self.max_verify_error = 0.0
+        self.weights_key = None  # the addresses of the weights the graphs read (`follow_weights`)
 
     def __call__(self, *key) -> tuple[torch.Tensor, ...]:
         if not self.enabled:
@@ -121,3 +122,11 @@ class DecodeGraphs:
         """Drop every captured graph (the cache or state they read was reallocated)."""
         self.graphs.clear()
         self.pool = None
+
+    def follow_weights(self, model) -> None:
+        """Graphs read the weights by address too: recapture if the model's tensors were replaced
+        (in-place optimizer updates keep the addresses, so the usual case recaptures nothing)."""
+        weights_key = tuple(p.data_ptr() for p in model.parameters())
+        if weights_key != self.weights_key:
+            self.clear()
+            self.weights_key = weights_key

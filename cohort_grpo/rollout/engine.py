@@ -1,77 +1,62 @@
 """`Engine`: the fast `Sampler` for cohort's own `CausalLM`.
 
-One preallocated `KVCache` (a row per slot), batched prefill of admitted prompts into their rows,
-then decode steps over the occupied slots with sampling on the device. Finished sequences are
-noticed every `check_interval` steps (one host sync), retired, and waiting sequences take their
-rows (continuous batching, see `scheduler.py`). The next chunk of steps is enqueued before the
-host waits for the last one's progress, so the GPU does not idle during that round trip
-(`overlap.py`). On CUDA each decode step (forward, sampling and slot-state update) is a captured
-CUDA graph (`cuda_graphs.py`) whose elementwise pieces are torch.compile'd fused kernels
+One preallocated `KVCache` (a row per slot), batched prefill of admitted prompts into their rows, then decode steps
+over the occupied slots with sampling on the device. Finished sequences are noticed every `check_interval` steps
+(one host sync), retired, and waiting sequences take their rows (continuous batching, see `scheduler.py`). The next
+chunk of steps is enqueued before the host waits for the last one's progress, so the GPU does not idle during that
+round trip (`overlap.py`). On CUDA each decode step (forward, sampling and slot-state update) is a captured CUDA
+graph (`cuda_graphs.py`) whose elementwise pieces are torch.compile'd fused kernels
 (`cohort_grpo.kernels.elementwise`), whose attention is a Triton flash-decoding kernel
 (`cohort_grpo.kernels.decode_attention`) and whose sampling is one Triton pass over the logits
-(`cohort_grpo.kernels.sampling`), so it launches a few kernels per layer. The model's own weights are used
-in place: no copy, so the policy being trained samples its rollouts, as GRPO requires
-(DeepSeekMath 2024, Algorithm 1, step "sample G outputs"). On a tensor-parallel shard
-(cohort_grpo/models/tensor_parallel.py) every rank runs the engine on its slice of the vocabulary's logits, and
-the ranks sample over their slices without gathering them (`token_sampler.py`, `vocab_parallel.py`).
+(`cohort_grpo.kernels.sampling`), so it launches a few kernels per layer. The model's own weights are used in place:
+no copy, so the policy being trained samples its rollouts, as GRPO requires (DeepSeekMath 2024, Algorithm 1, step
+"sample G outputs"). On a tensor-parallel shard (cohort_grpo/models/tensor_parallel.py) every rank runs the engine
+on its slice of the vocabulary's logits, and the ranks sample over their slices without gathering them
+(`token_sampler.py`, `vocab_parallel.py`). Here: the calls and their loop; a call's inputs are checked by
+`request_checks.py`, and the model's mode and the KV cache's length and reuse are `engine_setup.py`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Callable
 
 import torch
 
 from cohort_grpo.rollout.cuda_graphs import DecodeGraphs
+from cohort_grpo.rollout.engine_setup import (KV_LENGTH_STEP, cache_fits, fuse_projections, sampling_mode,
+                                             sequence_capacity)
 from cohort_grpo.rollout.overlap import HostProgress, Retirement, Snapshot, to_device
 from cohort_grpo.rollout.prefill import prefill
+from cohort_grpo.rollout.request_checks import check_images, check_limits, check_request, check_turns
 from cohort_grpo.rollout.sampling import sampling_key
 from cohort_grpo.rollout.scheduler import ENGINE_SLOTS, Scheduler, batch_buckets, round_up_to_bucket
 from cohort_grpo.rollout.sequence import Sequence, SlotState, assemble_rollout
-from cohort_grpo.rollout.token_sampler import graph_capturable, shared_seed, tensor_parallel_size, token_sampler
+from cohort_grpo.rollout.token_sampler import graph_capturable, shared_seed, token_sampler
 from cohort_grpo.rollout.turns import TurnHandler, TurnKeeper
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
-from cohort_grpo.kernels.elementwise import fused_kernels, triton_available
+from cohort_grpo.kernels.elementwise import triton_available
 from cohort_grpo.rollout.sampler import Rollout, SamplingParams, find_stop_string
-
-KV_LENGTH_STEP = 128  # cache lengths are rounded up to this so few (width, length) graphs exist
-
-
-@contextlib.contextmanager
-def sampling_mode(model: torch.nn.Module, fused: bool = False):
-    """Eval mode, inference mode and (when asked) the compiled fused kernels while sampling; the
-    caller's train/eval mode afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode(), fused_kernels(fused):
-            yield
-    finally:
-        model.train(was_training)
-
 
 class Engine:
     """KV-cache sampler with continuous batching; implements `cohort_grpo.rollout.Sampler`.
 
     max_batch_size: most sequences decoded at once (KV-cache rows).
-    max_seq_len: prompt + completion tokens per row; None sizes the cache per call to the longest
-        prompt + max_new_tokens (rounded up to 128 so later calls can reuse it).
+    max_seq_len: prompt + completion tokens per row; None sizes the cache per call to the longest prompt +
+        max_new_tokens (rounded up to 128 so later calls can reuse it).
     use_cuda_graph: None = on when the model is on CUDA.
     check_interval: decode steps between host syncs (finished rows are retired at these points).
-    overlap_checks: enqueue the next chunk of decode steps before waiting for the previous one's
-        progress (False: wait, then launch, the original order). The tokens are the same either
-        way; so are the log-probs, up to float rounding where early stops change batch shapes.
+    overlap_checks: enqueue the next chunk of decode steps before waiting for the previous one's progress (False:
+        wait, then launch, the original order). The tokens are the same either way; so are the log-probs, up to
+        float rounding where early stops change batch shapes.
     prefill_tokens: most (padded) prompt tokens per prefill forward.
     verify_graphs: compare each captured CUDA graph with an eager step (a self-check; slower).
     check_graphs: compare each captured graph's first replay with an eager step and decode without graphs from then
         on where they differ, with one notice (for modules cohort did not write, e.g. `TransformersCausalLM`'s: a
         value they take from the host during capture would be baked into the graph unseen).
-    compile_kernels: use torch.compile'd fused kernels for norms, rotary, SwiGLU and sampling (None =
-        on with CUDA graphs when triton is importable). If compilation fails, one notice is
-        printed and the plain ops are used.
+    compile_kernels: use torch.compile'd fused kernels for norms, rotary, SwiGLU and sampling (None = on with CUDA
+        graphs when triton is importable). If compilation fails, one notice is printed and the plain ops are used.
     """
 
     def __init__(self, model, tokenizer=None, max_batch_size: int = ENGINE_SLOTS, max_seq_len: int | None = None,
@@ -105,9 +90,7 @@ class Engine:
         self.compile_kernels = compile_kernels
         self.graphs = DecodeGraphs(self._decode_step, enabled=use_cuda_graph,
                                    state=lambda: self.state.step_tensors() + self.cache.step_states(),
-                                   verify=verify_graphs,
-                                   check=check_graphs)
-        self._weights_key = None
+                                   verify=verify_graphs, check=check_graphs)
         self.stats: dict[str, float] = {}
         self._progress, self._retired = HostProgress(), []  # per generate() call (see _run)
         self._turns: TurnKeeper | None = None  # per multi-turn generate() call
@@ -124,15 +107,11 @@ class Engine:
         result is appended and the sequence rejoins the batch, while the others keep decoding. `images`: a
         vision-language model's images of each prompt (models/vision_language.py's `ImageInputs`, None for a
         text prompt), encoded once per prompt at its prefill."""
-        self._check_images(images, len(prompt_ids), turns)
-        # On a shard every rank would run each tool call itself, and when an answer is taken up depends on
-        # timing, so the ranks could schedule apart and their collectives stop matching.
-        if turns is not None and tensor_parallel_size(self.model) > 1:
-            raise CohortError("multi-turn rollouts (turns=) do not run on a tensor-parallel shard: every rank would "
-                              "run the tools; use --rollout_tensor_parallel_size 1 for tool-using rollouts")
-        self._validate(prompt_ids, num_generations, params)
+        check_images(self.model, images, len(prompt_ids), turns)
+        check_turns(self.model, turns)
+        check_request(prompt_ids, num_generations, params, self.tokenizer)
         longest = max(len(p) for p in prompt_ids)
-        max_len = self._sequence_capacity(longest, longest + params.max_new_tokens)
+        max_len = sequence_capacity(self.max_seq_len, self.cache, longest, longest + params.max_new_tokens)
         sequences = [
             Sequence(index=i * num_generations + g, prompt=list(prompt),
                      limit=min(params.max_new_tokens, max_len - len(prompt)), images=images[i] if images else None)
@@ -148,13 +127,10 @@ class Engine:
         each comes back with the tokens and log-probs it has, `finish_reason` None (partial rollouts,
         cohort_grpo/rollout/partial.py, continue them later from prompt + those tokens). The stop falls at a check,
         so where it falls depends on the tokens, never on timing."""
-        self._validate(prompt_ids, 1, params)
-        if len(limits) != len(prompt_ids) or min(limits, default=0) < 1 or max(limits) > params.max_new_tokens:
-            raise CohortError(f"generate_until needs one limit per prompt, from 1 to max_new_tokens="
-                              f"{params.max_new_tokens}; got {len(limits)} for {len(prompt_ids)} prompts "
-                              f"(from {min(limits, default=0)} to {max(limits, default=0)})")
-        max_len = self._sequence_capacity(max(len(p) for p in prompt_ids),
-                                          max(len(p) + n for p, n in zip(prompt_ids, limits)))
+        check_request(prompt_ids, 1, params, self.tokenizer)
+        check_limits(prompt_ids, limits, params)
+        max_len = sequence_capacity(self.max_seq_len, self.cache, max(len(p) for p in prompt_ids),
+                                    max(len(p) + n for p, n in zip(prompt_ids, limits)))
         sequences = [Sequence(index=i, prompt=list(prompt), limit=min(limit, max_len - len(prompt)))
                      for i, (prompt, limit) in enumerate(zip(prompt_ids, limits))]
         self._sample(sequences, max_len, params, enough=enough)
@@ -214,63 +190,13 @@ class Engine:
         self.cache = self.state = None
 
     # ---- setup -------------------------------------------------------------------------------
-    def _validate(self, prompt_ids, num_generations: int, params: SamplingParams) -> None:
-        if num_generations < 1:
-            raise CohortError(f"num_generations={num_generations}: it must be at least 1")
-        if not prompt_ids:
-            raise CohortError("generate() got no prompts; pass at least one list of token ids")
-        if params.max_new_tokens < 1:
-            raise CohortError(f"max_new_tokens={params.max_new_tokens}: it must be at least 1")
-        if params.temperature < 0:
-            raise CohortError(f"temperature={params.temperature}: it must be >= 0 (0 = greedy)")
-        if not 0.0 < params.top_p <= 1.0:
-            raise CohortError(f"top_p={params.top_p}: it must be in (0, 1]")
-        if not 0.0 <= params.min_p < 1.0:
-            raise CohortError(f"min_p={params.min_p}: it must be in [0, 1)")
-        if params.stop and self.tokenizer is None:
-            raise CohortError("stop strings need a tokenizer: pass tokenizer= to the Engine or drop `stop`")
-        for i, prompt in enumerate(prompt_ids):
-            if len(prompt) == 0:
-                raise CohortError(f"prompt {i} is empty; every prompt needs at least one token")
-
-    def _check_images(self, images: list | None, prompts: int, turns: TurnHandler | None) -> None:
-        if images is None:
-            return
-        if not getattr(self.model, "takes_images", False):
-            raise CohortError(f"images were given to a model without a vision tower ({type(self.model).__name__}): "
-                              "load a vision-language model or drop the images")
-        if len(images) != prompts:
-            raise CohortError(f"images has {len(images)} entries for {prompts} prompts: pass one per prompt "
-                              "(None for a text prompt)")
-        if turns is not None:
-            raise CohortError("tool turns with images are not supported yet: drop the tools for a vision-language run")
-        if tensor_parallel_size(self.model) > 1:
-            raise CohortError("a vision-language model does not sample on a tensor-parallel shard yet: use "
-                              "--rollout_tensor_parallel_size 1")
-
-    def _sequence_capacity(self, longest_prompt: int, needed: int) -> int:
-        """KV length per row for prompts of up to `longest_prompt` tokens that need `needed` in all."""
-        if self.max_seq_len is not None:
-            if longest_prompt >= self.max_seq_len:
-                raise CohortError(f"a prompt has {longest_prompt} tokens, max_seq_len is {self.max_seq_len}: "
-                                  "shorten the prompts or raise max_seq_len")
-            return self.max_seq_len
-        if self.cache is not None and self.cache.max_len >= needed:
-            return self.cache.max_len
-        return -(-needed // KV_LENGTH_STEP) * KV_LENGTH_STEP
-
     def _prepare(self, rows: int, max_len: int, params: SamplingParams) -> None:
         """Reuse the cache, slot state and graphs when they fit, else reallocate them."""
         if self.device.type != "cuda":  # the model moved off the GPU after the Engine was built
             self.graphs.enabled = self.use_cuda_graph = False
-        elif hasattr(self.model, "fuse_projections"):
-            # Fewer, larger GEMMs per step; a no-op once fused. It may re-point parameters, which
-            # must not become inference tensors (training uses them next), hence outside inference mode.
-            with torch.inference_mode(False):
-                self.model.fuse_projections()
-        cache_fits = (self.cache is not None and self.cache.num_rows >= rows and self.cache.max_len == max_len
-                      and self.cache.dtype == self.model.dtype and self.cache.device == self.device)
-        if not cache_fits:
+        else:
+            fuse_projections(self.model)
+        if not cache_fits(self.cache, self.model, rows, max_len):
             self.release()  # drop the old cache (and the graphs reading it) before allocating anew
             with torch.inference_mode(False):  # a normal tensor: the update may borrow it (idle_buffers)
                 self.cache = KVCache.for_model(self.model, rows, max_len)
@@ -278,12 +204,7 @@ class Engine:
             width = max(params.max_new_tokens, self.state.max_new_tokens if self.state is not None else 0)
             self.graphs.clear()
             self.state = SlotState(self.cache.num_rows, width, params.pad_token_id, self.device)
-        # Graphs read the weights by address too: recapture if the model's tensors were replaced
-        # (in-place optimizer updates keep the addresses, so the usual case recaptures nothing).
-        weights_key = tuple(p.data_ptr() for p in self.model.parameters())
-        if weights_key != self._weights_key:
-            self.graphs.clear()
-            self._weights_key = weights_key
+        self.graphs.follow_weights(self.model)
 
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self, scheduler: Scheduler, params: SamplingParams, enough: Callable | None = None) -> None:
