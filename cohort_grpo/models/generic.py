@@ -191,6 +191,21 @@ class TransformersCausalLM(nn.Module):
         """transformers' `save_pretrained` of the wrapped model (the names of our state dict are its own)."""
         return self.transformers_model.save_pretrained(out_dir, **options)
 
+    def saved_names(self) -> dict[str, str]:
+        """Each key of this model's state dict and the name `save_pretrained` writes its tensor under: transformers
+        saves in a family's original checkpoint format (a Qwen2.5-VL's `model.language_model.layers.0...` is written
+        `model.layers.0...`), which a resumed run reads back. Found by transformers' own reverse renaming applied to
+        the state dict, each name matched to its tensor; a key whose tensor that renaming rebuilds (a split or merge
+        of tensors) keeps its name."""
+        state = self.transformers_model.state_dict()
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:  # a transformers without renamings: the names are written as they are
+            return {key: key for key in state}
+        written = revert_weight_conversion(self.transformers_model, dict(state))
+        by_tensor = {(tensor.data_ptr(), tuple(tensor.shape)): name for name, tensor in written.items()}
+        return {key: by_tensor.get((tensor.data_ptr(), tuple(tensor.shape)), key) for key, tensor in state.items()}
+
     # ---- forward -----------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, *, kv_cache: KVCache | None = None,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cohort_grpo.rollout.images import restored_images, restored_rows, stored_images, stored_rows
 from cohort_grpo.rollout.records import COMPLETION, WHOLE, RowRecord, record_field
 from cohort_grpo.rollout.sampler import Rollout
 
@@ -33,7 +34,8 @@ class Batch(RowRecord):
     selecting and joining rows carry each of them; `state` keeps what sampling made (a rollout sampled ahead, in a
     checkpoint or a message between ranks), the environments excepted (live objects)."""
 
-    rows: list[dict] = record_field()  # the dataset row of each completion (repeated G times)
+    # the dataset row of each completion (repeated G times); its images saved as PNG bytes
+    rows: list[dict] = record_field(stored=(stored_rows, restored_rows))
     prompt_ids: list[list[int]] = record_field()  # [B] prompt token ids
     rollout: Rollout = record_field(record=Rollout)  # completion ids [B, T], mask [B, T], finish reasons
     completions: list = record_field()  # decoded completions (str, or chat messages for chat prompts)
@@ -51,7 +53,7 @@ class Batch(RowRecord):
     # text appended); None when every one is its row's
     sampled_prompts: list | None = record_field(default=None, absent=lambda part: part.prompts)
     # a vision-language model's prompt images, one `ImageInputs` per row (shared by a prompt's G rows)
-    images: list | None = record_field(default=None, state=False)
+    images: list | None = record_field(default=None, stored=(stored_images, restored_images))
     # tools/* of a tool-calling rollout, async/* of one sampled ahead (joined: the first part's)
     rollout_metrics: dict | None = record_field(WHOLE, default=None)
     # distillation/* of a step with a teacher (cohort_grpo/update/teacher.py)

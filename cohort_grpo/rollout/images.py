@@ -15,6 +15,8 @@ import copy
 import io
 from pathlib import Path
 
+import torch
+
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.vision_language import ImageInputs
 
@@ -109,3 +111,68 @@ def encode_rows(rows: list[dict], encode_prompt, images: "ImagePrompts | None") 
         ids.append(encoded[0])
         inputs.append(encoded[1])
     return ids, {"images": inputs}
+
+
+# ---- in a checkpoint ---------------------------------------------------------------------------------------------
+# Rollouts sampled ahead are saved with the step's checkpoint and loaded with torch.load(weights_only=True), which
+# takes tensors and plain containers only: a row's PIL images travel as their PNG bytes (lossless, mode and palette
+# kept), and the processor's `ImageInputs` as their tensors, each prompt's once.
+
+def stored_rows(rows: list[dict]) -> list[dict]:
+    """`rows` with each PIL image of their image columns as {"png": uint8 tensor of its PNG file}."""
+    return [{key: stored_image_value(value) if key in IMAGE_COLUMNS else value for key, value in row.items()}
+            if isinstance(row, dict) else row for row in rows]
+
+
+def restored_rows(rows: list[dict]) -> list[dict]:
+    """Inverse of `stored_rows`: the PIL images back."""
+    return [{key: restored_image_value(value) if key in IMAGE_COLUMNS else value for key, value in row.items()}
+            if isinstance(row, dict) else row for row in rows]
+
+
+def stored_image_value(value):
+    from PIL import Image
+
+    if isinstance(value, (list, tuple)):
+        return [stored_image_value(item) for item in value]
+    if isinstance(value, Image.Image):
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return {"png": torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)}
+    return value
+
+
+def restored_image_value(value):
+    from PIL import Image
+
+    if isinstance(value, list):
+        return [restored_image_value(item) for item in value]
+    if isinstance(value, dict) and set(value) == {"png"}:
+        image = Image.open(io.BytesIO(value["png"].numpy().tobytes()))
+        image.load()
+        return image
+    return value
+
+
+def stored_images(images: list) -> dict | list:
+    """A batch's `ImageInputs` per row (a prompt's rows share one) as tensors: each distinct one once, and which of
+    them each row has (-1: a row without images). Values of another kind are kept as they are."""
+    if not all(inputs is None or isinstance(inputs, ImageInputs) for inputs in images):
+        return images
+    distinct: dict[int, int] = {}
+    order = []
+    for inputs in images:
+        if inputs is not None and id(inputs) not in distinct:
+            distinct[id(inputs)] = len(order)
+            order.append(inputs)
+    return {"pixel_values": [inputs.pixel_values for inputs in order],
+            "image_grid_thw": [inputs.image_grid_thw for inputs in order],
+            "of_row": [-1 if inputs is None else distinct[id(inputs)] for inputs in images]}
+
+
+def restored_images(state: dict | list) -> list:
+    """Inverse of `stored_images`: one `ImageInputs` per distinct entry, shared again by the rows that had it."""
+    if not isinstance(state, dict):
+        return state
+    made = [ImageInputs(pixels, grid) for pixels, grid in zip(state["pixel_values"], state["image_grid_thw"])]
+    return [None if index < 0 else made[index] for index in state["of_row"]]

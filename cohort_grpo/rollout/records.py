@@ -33,13 +33,15 @@ PAD_TOKEN = "pad token"  # a COMPLETION field padded with the pad token id given
 
 def record_field(layout: str = ROWS, *, pad: Any = 0, absent: Callable[[Any], Any] | None = None,
                  merge: Callable[[list], Any] | None = None, state: bool = True, record: type | None = None,
-                 **options) -> Any:
+                 stored: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None, **options) -> Any:
     """A `dataclasses.field` of a `RowRecord` (`options`: default, default_factory). `absent(part)`: what a part
     whose value is None stands for when joined with parts that have one; `state`: kept by `RowRecord.state`;
-    `record`: the `RowRecord` class the field holds."""
+    `record`: the `RowRecord` class the field holds; `stored`: (to, back), the field's value as the plain values a
+    checkpoint loads with `weights_only=True` (tensors, numbers, strings, containers) and back again."""
     if layout not in (ROWS, COMPLETION, POSITION, WHOLE):
         raise ValueError(f"layout={layout!r}: one of {ROWS!r}, {COMPLETION!r}, {POSITION!r}, {WHOLE!r}")
-    metadata = {"layout": layout, "pad": pad, "absent": absent, "merge": merge, "state": state, "record": record}
+    metadata = {"layout": layout, "pad": pad, "absent": absent, "merge": merge, "state": state, "record": record,
+                "stored": stored}
     return field(metadata=metadata, **options)
 
 
@@ -131,10 +133,11 @@ class RowRecord:
             if not declared.metadata.get("state", True):
                 continue
             value = getattr(self, declared.name)
+            stored = declared.metadata.get("stored")
             if declared.metadata.get("record") is not None:
                 out.update(value.state())
             else:
-                out[declared.name] = value
+                out[declared.name] = stored[0](value) if stored and value is not None else value
         return out
 
     @classmethod
@@ -144,9 +147,10 @@ class RowRecord:
         for declared in fields(cls):
             if not declared.metadata.get("state", True):
                 continue
-            record = declared.metadata.get("record")
+            record, stored = declared.metadata.get("record"), declared.metadata.get("stored")
             if record is not None:
                 values[declared.name] = record.from_state(item)
             elif declared.name in item:
-                values[declared.name] = item[declared.name]
+                value = item[declared.name]
+                values[declared.name] = stored[1](value) if stored and value is not None else value
         return cls(**values)

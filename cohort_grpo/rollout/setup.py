@@ -80,12 +80,13 @@ def build_rollouts(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None 
             # a producer thread samples later steps on the engine's own copy (the whole model or this rank's
             # shard), which the trainer refreshes in place between its rollouts
             ahead_sampler = sampler
-            ahead = AsyncRollouts(None, GroupSampler(sampler, tokenizer, args, pad_id, toolbox), args.max_staleness)
+            ahead = AsyncRollouts(None, GroupSampler(sampler, tokenizer, args, pad_id, toolbox, images=images),
+                                  args.max_staleness)
         else:  # a producer thread samples later steps on its own copy of the policy
             sampler_policy = frozen_copy(model)
             ahead_sampler = sampler_factory(sampler_policy, tokenizer)
-            ahead = AsyncRollouts(sampler_policy, GroupSampler(ahead_sampler, tokenizer, args, pad_id, toolbox),
-                                  args.max_staleness)
+            ahead = AsyncRollouts(sampler_policy, GroupSampler(ahead_sampler, tokenizer, args, pad_id, toolbox,
+                                                               images=images), args.max_staleness)
     return Rollouts(sampler, group_sampler, ahead=ahead, ahead_sampler=ahead_sampler,
                     sequence_offset=args.prompts_per_step * rank * args.num_generations)
 
@@ -95,8 +96,6 @@ def refuse_with_images(args, toolbox: Toolbox | None, link, sampling_group) -> N
     if toolbox is not None:
         raise CohortError("tool turns with images are not supported yet: drop tools / environment_factory for a "
                           "vision-language model")
-    if args.async_rollouts:
-        raise CohortError("async_rollouts with a vision-language model is not supported yet: use --async_rollouts false")
     if link is not None or sampling_group is not None:
         raise CohortError("a vision-language model samples on the training ranks only for now: drop --rollout_gpus "
                           "and the colocated sampling placement")

@@ -116,6 +116,11 @@ def _load_weights(model, state: dict, folder: Path) -> None:
     from cohort_grpo.models.moe import fuse_expert_weights
 
     state = fuse_expert_weights(state)  # a MoE model's folder holds a matrix per expert; the model stacks them
+    names = model.saved_names() if hasattr(model, "saved_names") else {}
+    if any(key != written and written in state and key not in state for key, written in names.items()):
+        # transformers wrote the folder in the family's original names: each tensor back under the model's own
+        renamed = {written: key for key, written in names.items() if written in state}
+        state = {renamed.get(name, name): tensor for name, tensor in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     # A tied lm_head is stored once (as the embedding it shares storage with); loading that fills it.
     current = model.state_dict()
