@@ -62,18 +62,32 @@ def test_local_path_or_hub_id(workdir, spec, local, hub):
     assert is_hub_id(spec) is hub
 
 
-@pytest.mark.parametrize("command", ["train", "eval", "chat", "generate"])
+@pytest.mark.parametrize("command", ["train", "eval", "chat", "generate", "chat --model", "generate --model"])
 def test_a_mistyped_local_path_is_one_line_naming_the_folder(workdir, command, capsys, monkeypatch):
     monkeypatch.setattr(loading, "hub_unreachable", no_hub)
     monkeypatch.setattr(loading, "_download", no_hub)
     (workdir / "prompts.txt").write_text("1+1=?\n")
     argv = {"train": ["train", "--model", "runs/nope"], "eval": ["eval", "--model", "runs/nope"],
-            "chat": ["chat", "runs/nope"], "generate": ["generate", "runs/nope", "--prompts", "prompts.txt"]}[command]
+            "chat": ["chat", "runs/nope"], "generate": ["generate", "runs/nope", "--prompts", "prompts.txt"],
+            # chat and generate take the model as --model too, as train and eval name it
+            "chat --model": ["chat", "--model", "runs/nope"],
+            "generate --model": ["generate", "--model", "runs/nope", "--prompts", "prompts.txt"]}[command]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["cohort: error: model folder 'runs/nope' does not exist (runs/ has: arithmetic, cohort); "
                    "pass an existing folder or a hub id"]
     assert not (workdir / "runs" / "eval").exists()  # eval created no results folder for it
+
+
+def test_the_model_given_twice_or_without_its_flag_is_one_line(workdir, capsys):
+    (workdir / "prompts.txt").write_text("1+1=?\n")
+    with pytest.raises(SystemExit):
+        main(["generate", "runs/arithmetic", "--model", "runs/cohort", "--prompts", "prompts.txt"])
+    assert ("the model is given twice ('runs/arithmetic' and --model 'runs/cohort'): give one"
+            in capsys.readouterr().err)
+    assert main(["eval", "runs/arithmetic"]) == 2  # eval names it --model: the line says so for an existing path
+    assert capsys.readouterr().err.strip() == ("cohort: error: cohort eval: unexpected argument 'runs/arithmetic'; "
+                                               "options look like --name value (a model: --model runs/arithmetic)")
 
 
 @pytest.mark.parametrize("spec, fragment", [

@@ -15,8 +15,7 @@ def chat_parser() -> argparse.ArgumentParser:
     """`cohort-grpo chat [MODEL_DIR] [options]`."""
     parser = argparse.ArgumentParser(prog="cohort-grpo chat", description="Chat with a model; /reset clears, "
                                      "/image PATH attaches an image to the next message, /exit quits.")
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
-                        help="HF folder, .gguf file or hub id (default: runs/arithmetic if trained, else the tiny model)")
+    model_flags(parser)
     parser.add_argument("--image", action="append", default=[], metavar="PATH",
                         help="an image file for the first message (repeatable; a vision-language model: Qwen-VL, "
                         "Gemma 3)")
@@ -28,8 +27,7 @@ def chat_parser() -> argparse.ArgumentParser:
 def generate_parser() -> argparse.ArgumentParser:
     """`cohort-grpo generate [MODEL_DIR] --prompts FILE [--output out.jsonl] [options]`."""
     parser = argparse.ArgumentParser(prog="cohort-grpo generate", description="Complete every prompt of a file.")
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
-                        help="HF folder, .gguf file or hub id (default: runs/arithmetic if trained, else the tiny model)")
+    model_flags(parser)
     parser.add_argument("--prompts", required=True, help=".txt (one prompt a line, completed after the line's "
                         "newline, as training prompts end) or .jsonl with a 'prompt' column (completed exactly as "
                         "written)")
@@ -39,6 +37,23 @@ def generate_parser() -> argparse.ArgumentParser:
                         "with the chat template (message-list prompts always get it)")
     common_flags(parser, temperature=0.7)
     return parser
+
+
+def model_flags(parser: argparse.ArgumentParser) -> None:
+    """The model, given as the first argument or as --model (train's and eval's spelling); `parsed` settles it."""
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
+                        help="HF folder, .gguf file or hub id (default: runs/arithmetic if trained, else the tiny model)")
+    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL_DIR",
+                        help="the same as MODEL_DIR, as train and eval name it")
+
+
+def parsed(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`parser`'s arguments, the model settled from MODEL_DIR or --model (both, when they differ, is an error)."""
+    args = parser.parse_args(argv)
+    if args.model is not None and args.model_option is not None and args.model != args.model_option:
+        parser.error(f"the model is given twice ({args.model!r} and --model {args.model_option!r}): give one")
+    args.model = args.model if args.model is not None else args.model_option
+    return args
 
 
 def common_flags(parser: argparse.ArgumentParser, temperature: float) -> None:

@@ -34,7 +34,7 @@ from cohort_grpo.tools.call_execution import DEFAULT_TIMEOUT_S
 from cohort_grpo.tools.call_text import CLOSE_TAG, OPEN_TAG
 from cohort_grpo.tools.toolbox import TOOLS_FILE, read_tools_file
 from cohort_grpo.cli.chat import ChatSession, chat_loop, default_model_spec, load_for_inference, stderr_log
-from cohort_grpo.cli.chat_flags import DEFAULT_MAX_ITERATIONS, chat_parser
+from cohort_grpo.cli.chat_flags import DEFAULT_MAX_ITERATIONS, chat_parser, parsed
 
 SHOWN_CHARS = 300  # a tool line shows at most this much of the arguments, and of the result
 
@@ -276,8 +276,7 @@ def chat_session(model, tokenizer, tools: ChatTools | None, **options) -> ChatSe
 
 def chat_main(argv: list[str]) -> int:
     """`cohort-grpo chat [MODEL_DIR] [options]`; reads stdin, so it works from a pipe too."""
-    parser = chat_parser()
-    args = parser.parse_args(argv)
+    args = parsed(chat_parser(), argv)
     spec = args.model if args.model is not None else default_model_spec(stderr_log)
     tools = chat_tools_from_args(args, spec, stderr_log)  # before the model loads: a bad name fails at once
     for path in args.image:  # before the model loads too: a mistyped path fails at once

@@ -13,7 +13,7 @@ from pathlib import Path
 from cohort_grpo.errors import CohortError
 from cohort_grpo.cli.chat import (context_length, default_model_spec, encode, load_for_inference, stderr_log,
                                   stop_token_ids)
-from cohort_grpo.cli.chat_flags import generate_parser
+from cohort_grpo.cli.chat_flags import generate_parser, parsed
 
 PROMPT_BATCH = 256  # prompts per engine call in `generate` (bounds memory; rows go out as they finish)
 
@@ -92,8 +92,7 @@ def generate_rows(model, tokenizer, prompts: list, *, model_spec: str | None = N
 
 def generate_main(argv: list[str]) -> int:
     """`cohort-grpo generate [MODEL_DIR] --prompts FILE [--output out.jsonl] [options]`."""
-    parser = generate_parser()
-    args = parser.parse_args(argv)
+    args = parsed(generate_parser(), argv)
     if args.num_generations < 1:
         raise CohortError(f"--num_generations={args.num_generations}: it must be at least 1")
     prompts = read_prompts(args.prompts)

@@ -149,18 +149,18 @@ def _report(argv: list[str]) -> int:
 
 
 def _chat(argv: list[str]) -> int:
-    from cohort_grpo.cli.chat_flags import chat_parser
+    from cohort_grpo.cli.chat_flags import chat_parser, parsed
 
-    chat_parser().parse_args(argv)  # --help and bad options answer here, before torch loads
+    parsed(chat_parser(), argv)  # --help and bad options answer here, before torch loads
     from cohort_grpo.cli.chat_tools import chat_main
 
     return chat_main(argv)
 
 
 def _generate(argv: list[str]) -> int:
-    from cohort_grpo.cli.chat_flags import generate_parser
+    from cohort_grpo.cli.chat_flags import generate_parser, parsed
 
-    generate_parser().parse_args(argv)  # --help and bad options answer here, before torch loads
+    parsed(generate_parser(), argv)  # --help and bad options answer here, before torch loads
     from cohort_grpo.cli.generate import generate_main
 
     return generate_main(argv)

@@ -109,7 +109,8 @@ def option_pairs(argv: list[str], command: str = ""):
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise CohortError(f"{prefix}unexpected argument {arg!r}; options look like --name value")
+            named = f" (a model: --model {arg})" if i == 0 and Path(arg).expanduser().exists() else ""
+            raise CohortError(f"{prefix}unexpected argument {arg!r}; options look like --name value{named}")
         key, has_inline, inline = arg[2:].partition("=")
         value = None
         if has_inline:
