@@ -116,3 +116,16 @@ def test_one_wording_of_a_refused_value():
     with pytest.raises(CohortError) as caught:
         choose("loss_type", "ppo2")
     assert str(caught.value) == "loss_type='ppo2' is not one of its values; pass grpo, bnpo, dapo or dr_grpo (loss_type)"
+
+
+def test_true_and_false_as_strings_are_booleans_for_the_options_that_also_take_auto():
+    """From Python or YAML "true" means what --name true means on the command line; "auto" stays auto."""
+    from cohort_grpo.config.choices import CHOICES
+
+    three_way = [name for name, values in CHOICES.items() if set(values) >= {"auto", "true", "false"}]
+    assert {"gradient_checkpointing", "torch_compile", "partial_rollouts", "offload_optimizer"} <= set(three_way)
+    for name in three_way:
+        for text, value in (("true", True), ("False", False), ("TRUE", True)):
+            options = {name: text, **({"async_rollouts": True, "rollout_gpus": 1} if name == "partial_rollouts" else {})}
+            assert getattr(GRPOConfig(**options).validate(), name) is value, (name, text)
+        assert getattr(GRPOConfig(**{name: "auto"}).validate(), name) == "auto"

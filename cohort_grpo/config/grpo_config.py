@@ -502,6 +502,10 @@ class GRPOConfig:
         if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
             # TRL's booleans, from Python, YAML (True) or the command line (true): True is group, False none.
             changes["scale_rewards"] = "group" if str(self.scale_rewards).lower() == "true" else "none"
+        for name, values in CHOICES.items():  # "true"/"false" from Python or YAML as the command line reads them
+            value = getattr(self, name)
+            if "true" in values and isinstance(value, str) and value.lower() in ("true", "false"):
+                changes[name] = value.lower() == "true"
         for alias, name in ALIASES:
             if getattr(self, alias) is not None:  # TRL's names: they set cohort's, then step aside
                 changes[name], changes[alias] = getattr(self, alias), None
