@@ -144,25 +144,11 @@ def test_on_the_gpu_the_fused_kernel_steps_host_state_to_the_same_bits_with_page
 
 # ---- through the trainer ---------------------------------------------------------------------------------------
 
-SPEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            max_position_embeddings=64)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from cohort_grpo.models.tiny import build_model, build_tokenizer
-    path = tmp_path_factory.mktemp("tiny-bf16")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, seed=0, spec=SPEC).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def _digits(completions, **_):
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
 
 
-def _trainer(model_dir, out, lines=None, **overrides):
+def _trainer(tiny_dir, out, lines=None, **overrides):
     from cohort_grpo import GRPOConfig, GRPOTrainer
     from cohort_grpo.tasks.arithmetic import ArithmeticTask
     options = dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=5, max_prompt_length=64,
@@ -178,13 +164,13 @@ def _losses(trainer) -> list:
     return [(r["step"], r["loss"], r["reward"]) for r in trainer.history]
 
 
-def test_a_run_with_its_state_in_host_memory_trains_and_resumes_as_one_without(model_dir, tmp_path):
-    offloaded = _trainer(model_dir, tmp_path / "host", offload_optimizer=True)
+def test_a_run_with_its_state_in_host_memory_trains_and_resumes_as_one_without(tiny_dir, tmp_path):
+    offloaded = _trainer(tiny_dir, tmp_path / "host", offload_optimizer=True)
     assert offloaded.args.offload_optimizer is True and offloaded.optimizer.host is not None
     offloaded.train()
     assert re.fullmatch(r"optimizer: AdamW, fp32 masters, bf16 moments \(stochastic rounding\), chunked torch step, "
                         r"state in 0\.0 GiB of pageable host memory", optimizer_line(offloaded.optimizer))
-    kept = _trainer(model_dir, tmp_path / "device")
+    kept = _trainer(tiny_dir, tmp_path / "device")
     assert kept.args.offload_optimizer is False and kept.optimizer.host is None  # auto, on a CPU: off
     kept.train()
     assert _losses(offloaded) == _losses(kept) and len(_losses(kept)) == 4
@@ -192,7 +178,7 @@ def test_a_run_with_its_state_in_host_memory_trains_and_resumes_as_one_without(m
         assert torch.equal(a, b)
     # the offloaded run's checkpoint resumes with the state on the device, to the same end
     lines: list[str] = []
-    resumed = _trainer(model_dir, tmp_path / "host", lines,
+    resumed = _trainer(tiny_dir, tmp_path / "host", lines,
                        resume_from_checkpoint=str(tmp_path / "host" / "checkpoint-2"), output_dir=str(tmp_path / "r"))
     resumed.train()
     assert any(re.search(r"resumed from .*checkpoint-2 at step 2", line) for line in lines), lines
@@ -200,9 +186,9 @@ def test_a_run_with_its_state_in_host_memory_trains_and_resumes_as_one_without(m
         assert torch.equal(a, b)
 
 
-def test_offload_is_refused_where_nothing_would_be_offloaded(model_dir, tmp_path):
+def test_offload_is_refused_where_nothing_would_be_offloaded(tiny_dir, tmp_path):
     with pytest.raises(CohortError, match=r"offload_optimizer=True .* this run trains float32 weights"):
-        _trainer(model_dir, tmp_path / "fp32", offload_optimizer=True, dtype="auto")  # auto is float32 on a CPU
+        _trainer(tiny_dir, tmp_path / "fp32", offload_optimizer=True, dtype="auto")  # auto is float32 on a CPU
 
 
 def test_offload_is_refused_on_several_processes_and_for_lora():
