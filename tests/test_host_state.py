@@ -148,7 +148,7 @@ def _digits(completions, **_):
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
 
 
-def _trainer(tiny_dir, out, lines=None, **overrides):
+def _trainer(model_dir, out, lines=None, **overrides):
     from cohort_grpo import GRPOConfig, GRPOTrainer
     from cohort_grpo.tasks.arithmetic import ArithmeticTask
     options = dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=5, max_prompt_length=64,
