@@ -128,7 +128,6 @@ def add(a: int, b: int) -> int:
 
 
 @pytest.mark.parametrize("options, trainer_options, refused", [
-    (dict(async_rollouts=True), {}, "async_rollouts with a vision-language model is not supported yet"),
     (dict(rollout_numerics="exact"), {}, "rollout_numerics=exact needs cohort's own models"),
     ({}, dict(tools=[add]), "tool turns with images are not supported yet"),
 ])
