@@ -17,9 +17,9 @@ about a second at Gen5 rates, a small part of a step that samples thousands of t
 
 The host copy is one flat allocation for each kind of state (the low halves, each moment), registered with CUDA
 as page-locked (`cudaHostRegister`) so the copies run asynchronously at full rate; torch's pinned allocator
-rounds each allocation up to a power of two, which at these sizes could waste up to half the host's memory. The arithmetic is unchanged: the same kernel reads
-and writes the same bits, only the address it finds them at moves, so a run with its state in host memory
-steps to the same bits as one without (`tests/test_host_state.py`).
+rounds each allocation up to a power of two, which at these sizes could waste up to half the host's memory. The
+arithmetic is unchanged: the same kernel reads and writes the same bits, only the address it finds them at moves,
+so a run with its state in host memory steps to the same bits as one without (`tests/test_host_state.py`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def _aligned(nbytes: int) -> int:
 
 
 class HostState:
-    """Each trainable tensor's optimizer state (`names`, each of `dtypes[name]`, the shape of its parameter) in one
-    host buffer; `tensors[i][name]` is tensor `i`'s host view. `device`: where the step runs (on a CPU the copies
+    """Each trainable tensor's optimizer state (each kind `name` of `dtypes[name]`, in the shape of its parameter) in
+    host memory, one buffer a kind (`buffers[name]`); `tensors[i][name]` is tensor `i`'s view of it. `device`: where the step runs (on a CPU the copies
     are plain copies between two CPU tensors, which the tests use to check the bookkeeping)."""
 
     def __init__(self, shapes: list[torch.Size], dtypes: dict[str, torch.dtype], device: torch.device):

@@ -291,11 +291,10 @@ class MasterWeightAdamW(torch.optim.AdamW):
             self._step_staged_chunk(indices, grads, full, wide, tie, noise)
             return
         # the chunk steps the device copies in the place of the host tensors, which take their new values after
-        on_host = [(self.lows[i], {name: self.state[self.masters[i]][name] for name in MOMENTS
-                                   if name in self.state[self.masters[i]]}) for i in indices]
+        on_host = [(self.lows[i], self._swap_moments(i, {name: state[name] for name in MOMENTS if name in state}))
+                   for i, state in zip(indices, staged)]
         for i, state in zip(indices, staged):
             self.lows[i] = state["low"]
-            self.state[self.masters[i]].update({name: state[name] for name in MOMENTS if name in state})
         try:
             self._step_staged_chunk(indices, grads, full, wide, tie, noise)
             for i, state in zip(indices, staged):
@@ -303,7 +302,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         finally:
             for i, (low, moments) in zip(indices, on_host):
                 self.lows[i] = low
-                self.state[self.masters[i]].update(moments)
+                self._swap_moments(i, moments)
 
     def _step_staged_chunk(self, indices: list[int], grads: list[torch.Tensor], full: list, wide: list,
                            tie: torch.Tensor, noise: torch.Tensor) -> None:

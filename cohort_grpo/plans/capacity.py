@@ -92,9 +92,8 @@ def fitting_alternatives(config: ModelConfig, step: StepShape, rank: RankShape, 
     """The nearest runs whose plan fits `free` bytes a GPU, as flags: more GPUs under FSDP2, LoRA, a smaller step."""
     fits = lambda s, p: training_memory_plan(config, s, p).peak <= free  # noqa: E731
     out = []
-    host = replace(step, offload_optimizer=True)
-    if (not step.offload_optimizer and offloaded(host, rank) and fits(host, rank)
-            and sum(training_memory_plan(config, host, rank).host.values()) <= host_memory_available()):
+    host = training_memory_plan(config, replace(step, offload_optimizer=True), rank)
+    if not step.offload_optimizer and offloaded(host.step, rank) and host.peak <= free and host_holds(host):
         out.append("AdamW's state in host memory (--offload_optimizer true)")
     for ranks in range(rank.ranks + 1, MOST_GPUS + 1):
         wider = replace(rank, ranks=ranks, fsdp=True,
@@ -196,7 +195,7 @@ def offload_pays(config: ModelConfig, whole_engine: StepShape, rank: RankShape, 
     if training_memory_plan(config, whole_engine, rank).peak <= budget:
         return False
     host = training_memory_plan(config, replace(whole_engine, engine_slots=1, offload_optimizer=True), rank)
-    return offloaded(host.step, rank) and host.peak <= budget and sum(host.host.values()) <= host_memory_available()
+    return offloaded(host.step, rank) and host.peak <= budget and host_holds(host)
 
 
 def host_memory_available() -> int:
@@ -211,14 +210,17 @@ def host_memory_available() -> int:
     return 1 << 62
 
 
+def host_holds(plan: MemoryPlan) -> bool:
+    """Whether what `plan` keeps in host memory fits the host's available memory."""
+    return sum(plan.host.values()) <= host_memory_available()
+
+
 def check_host_memory(model, plan: MemoryPlan) -> None:
     """Refuse, before loading, a run whose optimizer state in host memory cannot fit the host's available memory."""
-    state = plan.host.get("optimizer state", 0)
-    if not state:
+    if "optimizer state" not in plan.host or host_holds(plan):
         return
     need, available = sum(plan.host.values()), host_memory_available()
-    if need > available:
-        parts = ", ".join(f"{name} {size / GIB:.1f}" for name, size in plan.host.items())
-        raise CohortError(f"{model}: offload_optimizer keeps {need / GIB:.1f} GiB in host memory ({parts}), more than "
-                          f"the {available / GIB:.1f} GiB available on this machine; pass --offload_optimizer false "
-                          "with more GPU memory, or free host memory")
+    parts = ", ".join(f"{name} {size / GIB:.1f}" for name, size in plan.host.items())
+    raise CohortError(f"{model}: offload_optimizer keeps {need / GIB:.1f} GiB in host memory ({parts}), more than "
+                      f"the {available / GIB:.1f} GiB available on this machine; pass --offload_optimizer false "
+                      "with more GPU memory, or free host memory")

@@ -12,9 +12,7 @@ after it.
 
 from __future__ import annotations
 
-import dataclasses
-
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -133,7 +131,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
             log("device: cpu, the built-in tiny model's step is faster there than on a GPU (--device cuda to use it)")
         plan = check_capacity(model, args, placement, parallel.device)  # refused before loading: what would fit
         if args.offload_optimizer == "auto" and plan is not None:  # the plan's choice: host memory where only it fits
-            args = dataclasses.replace(args, offload_optimizer=plan.step.offload_optimizer)
+            args = replace(args, offload_optimizer=plan.step.offload_optimizer)
         train_rows = training_rows(train_dataset, args, toolbox, parallel.world_size)
         # TRL's epochs, strategies and fractions of the run: whole step counts, before the config is frozen.
         return with_step_counts(args, len(train_rows), parallel.world_size)
