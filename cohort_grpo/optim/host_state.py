@@ -35,6 +35,13 @@ ALIGN = 256  # bytes: each tensor's view starts on this boundary (vectorised cop
 PIECE_ELEMENTS = 1 << 26  # the largest slice of a tensor staged at once by the kernel's step (6 bytes an element)
 
 
+def holds_split_masters(dtype: str) -> bool:
+    """Whether weights of `dtype` (the run's, settled: `optim.precision.resolve_dtype`) train with the split fp32
+    masters and bf16 moments whose state can wait in host memory: bf16 only (float32 weights are their own
+    masters; float16 trains with a loss scaler and whole fp32 masters)."""
+    return dtype == "bfloat16"
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 

@@ -34,6 +34,7 @@ from cohort_grpo.run.determinism import cpu_thread_count
 from cohort_grpo.config.grpo_config import GRPOConfig
 from cohort_grpo.config.command_line import show_value
 from cohort_grpo.errors import CohortError
+from cohort_grpo.optim.host_state import holds_split_masters
 from cohort_grpo.optim.precision import resolve_dtype
 from cohort_grpo.optim.optimizer import optimizer_state_dtype
 from cohort_grpo.parallel.placement import Placement
@@ -80,7 +81,7 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, placeme
     dtype = getattr(torch, changes["dtype"])
     model_config = planned_shape(base_model(model)) if engine else None
     if (config.offload_optimizer == "auto" and model_config is not None and device.type == "cuda"
-            and changes["dtype"] == "bfloat16"):
+            and holds_split_masters(changes["dtype"])):
         # a model given as an object, whose shape the check before loading could not read: the same rule, on the
         # share of the card the plans fill
         budget = int(FILL * torch.cuda.get_device_properties(device).total_memory)
@@ -119,7 +120,7 @@ def offload_optimizer(args: GRPOConfig, model, dtype: str, trainers: int) -> boo
                           f"trains on {trainers} processes (each would keep a whole copy there); pass --fsdp true to "
                           "shard the state over the GPUs instead, or leave offload_optimizer auto")
     lora = has_lora(model)
-    if lora or dtype != "bfloat16":
+    if lora or not holds_split_masters(dtype):
         raise CohortError("offload_optimizer=True keeps the split fp32 masters and moments of bf16 weights in host "
                           f"memory, and this run trains {'LoRA adapters' if lora else dtype + ' weights'}; "
                           + ("leave offload_optimizer auto" if lora else "pass --dtype bfloat16, or leave "
