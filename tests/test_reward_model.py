@@ -298,7 +298,8 @@ def test_trainer_takes_a_folder_in_reward_funcs_and_trains_it_each_step(tokenize
     history = trainer.history
     assert len(rm.buffer) == 16 and rm.steps_seen == 2
     for record in history:
-        assert {"rm/online_accuracy", "rm/loss", "rm/train_loss", "rewards/reward_model/mean"} <= record.keys()
+        # named as TRL names a reward model: its folder's name
+        assert {"rm/online_accuracy", "rm/loss", "rm/train_loss", "rewards/policy/mean"} <= record.keys()
     assert history[0]["rm/online_accuracy"] == 1 - history[0]["rm/label_mean"]  # zero head says "wrong" to all
 
 

@@ -179,8 +179,8 @@ def test_a_tiny_run_obeys_trls_meanings(tiny_dir, arithmetic, tmp_path):
     assert {name: getattr(trainer.args, name) for name in SETTLED} == dict(
         logging_steps=2, log_completions_steps=10, save_strategy="no", save_steps=0, eval_strategy="steps",
         eval_steps=5, warmup_steps=2, warmup_ratio=0.0)
-    base = 1e-3  # linear warm-up over 2 steps: step 1's update takes half the rate, step 2's the whole of it
-    assert trainer.scheduler.get_last_lr() == pytest.approx([base / 2])
+    base = 1e-3  # transformers' linear warm-up over 2 steps: from 0 at step 1's update, half the rate at step 2's
+    assert trainer.scheduler.get_last_lr() == pytest.approx([0.0])
     trainer.train()
     history = trainer.history
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -189,7 +189,7 @@ def test_a_tiny_run_obeys_trls_meanings(tiny_dir, arithmetic, tmp_path):
     assert not list((tmp_path / "run").glob("checkpoint-*"))  # save_strategy no: not even after the last step
     assert (tmp_path / "run" / "model.safetensors").is_file()  # the trained policy, as trainer.save_model() writes
     assert list((tmp_path / "run" / "tensorboard").iterdir())  # report_to, a list
-    assert [r["learning_rate"] for r in history] == pytest.approx([base] * 20)  # the next update's: warmed up
+    assert [r["learning_rate"] for r in history] == pytest.approx([base / 2] + [base] * 19)  # the next update's
 
 
 def test_a_stop_still_saves_with_save_strategy_no(tmp_path):

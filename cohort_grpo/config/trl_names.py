@@ -41,6 +41,7 @@ FIXED: dict[str, tuple] = {
     "ds3_gather_for_generation": (ANY, "no DeepSpeed"),
     "shuffle_dataset": ((True,), "the prompts are always shuffled from seed"),
     "pad_to_multiple_of": (("auto", None), "a Neuron (Trainium) option; cohort runs on CUDA GPUs and CPUs"),
+    # these two also take the value of TRL's default written out (`batch_shape`): what cohort does
     "generation_batch_size": ((None,), "a step's completions are per_device_train_batch_size × "
                               "gradient_accumulation_steps; set those"),
     "steps_per_generation": ((None,), "cohort takes one optimizer step per rollout; set gradient_accumulation_steps "
@@ -87,6 +88,24 @@ FIXED: dict[str, tuple] = {
 }
 
 
+# TRL's GRPOTrainer keywords that cohort's trainer cannot honour unless left at TRL's default: why, and the fix.
+TRAINER_KEYWORDS = {
+    "optimizers": ((None, None), "cohort builds its own AdamW and schedule; set learning_rate, adam_beta1, "
+                   "adam_beta2, weight_decay and lr_scheduler_type in GRPOConfig"),
+    "quantization_config": (None, "cohort trains unquantised weights; load the model in dtype (GRPOConfig(dtype=...))"),
+    "rollout_func": (None, "cohort samples with its own engine; pass tools= or environment_factory= for multi-turn "
+                     "rollouts"),
+}
+
+
+def check_trainer_keywords(**given) -> None:
+    """A one-line `CohortError` for a TRL GRPOTrainer keyword (`TRAINER_KEYWORDS`) set to other than its default."""
+    for name, value in given.items():
+        default, why = TRAINER_KEYWORDS[name]
+        if not (value is None or (isinstance(value, tuple) and value == default)):
+            raise CohortError(f"cohort cannot honour GRPOTrainer({name}=...): {why}")
+
+
 def translate(kwargs: dict, defaults: dict) -> dict:
     """`kwargs` as cohort's dataclass takes them (`defaults`: each cohort field's default): TRL's names
     turned into cohort's settings or dropped, anything cohort cannot honour a one-line `CohortError`."""
@@ -106,6 +125,8 @@ def translate(kwargs: dict, defaults: dict) -> dict:
         elif name == "disable_tqdm":
             if value:
                 setting(out, given, "quiet", True, f"disable_tqdm={value!r}")
+        elif name in BATCH_SHAPE and value == batch_shape(name, out, defaults):
+            continue  # TRL's default written out: one rollout per optimizer step, as cohort samples
         elif name in FIXED:
             accepted, why = FIXED[name]
             if accepted is not ANY and not any(value == v and type(value) is type(v) or value is v for v in accepted):
@@ -114,11 +135,25 @@ def translate(kwargs: dict, defaults: dict) -> dict:
             refuse_unknown(name, value, defaults)
     if out.get("min_p", 0.0) is None:  # TRL's spelling of off
         out["min_p"] = 0.0
+    if "top_k" in out and out["top_k"] is None:  # off in TRL too (its generate's and vLLM's)
+        out["top_k"] = 0
     if out.get("max_steps") == -1:  # transformers' "train for num_train_epochs" (3 unless given)
         del out["max_steps"]
         if out.get("num_train_epochs") is None:
             out["num_train_epochs"] = transformers_defaults().get("num_train_epochs", 3.0)
     return out
+
+
+BATCH_SHAPE = ("steps_per_generation", "generation_batch_size")
+
+
+def batch_shape(name: str, out: dict, defaults: dict) -> int:
+    """What TRL's steps_per_generation or generation_batch_size is when it samples as cohort does, one rollout per
+    optimizer step: gradient_accumulation_steps, or per_device_train_batch_size × that (one process)."""
+    steps = out.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
+    if name == "steps_per_generation":
+        return steps
+    return out.get("per_device_train_batch_size", defaults["per_device_train_batch_size"]) * steps
 
 
 def precision(out: dict, kwargs: dict, given: set) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 from cohort_grpo.algorithm.advantages import overlong_penalty
 
 
-def add_rewards(rewards, batch, args) -> None:
-    """`batch`'s rewards, per-function scores and metrics from `rewards` (a `RewardRunner`); with
-    `args.overlong_buffer_length`, DAPO's soft overlong punishment added to the rewards."""
-    out = rewards(batch.prompts, batch.completions, batch.completion_token_ids(), batch.columns)
+def add_rewards(rewards, batch, args, trainer_state=None) -> None:
+    """`batch`'s rewards, per-function scores and metrics from `rewards` (a `RewardRunner`, which hands the reward
+    functions `trainer_state`, as TRL does); with `args.overlong_buffer_length`, DAPO's soft overlong punishment
+    added to the rewards."""
+    out = rewards(batch.prompts, batch.completions, batch.completion_token_ids(), batch.columns,
+                  trainer_state=trainer_state)
     batch.rewards, batch.per_function, batch.reward_metrics = out.rewards, out.per_function, out.metrics
     if args.overlong_buffer_length:  # DAPO soft overlong punishment, part of the reward
         penalty = overlong_penalty(batch.rollout.completion_mask.sum(dim=1), args.max_completion_length,

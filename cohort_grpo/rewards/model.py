@@ -368,10 +368,12 @@ def warm_up_reward_models(reward_funcs: list, args, rows: list[dict], sample: Ca
             f"{100 * metrics.get('rm/warmup_online_accuracy_after', float('nan')):.1f}%")
 
 
-def resolve_reward_funcs(reward_funcs, args, task, tokenizer, device) -> tuple[list, list[float] | None]:
+def resolve_reward_funcs(reward_funcs, args, task, tokenizer, device,
+                         processing_classes=None) -> tuple[list, list[float] | None]:
     """The run's reward functions and their weights: `reward_funcs` as given, else --reward_funcs, else the task's
     (with its weights, unless reward_weights are set); model folders and objects become r_φ
-    (`prepare_reward_funcs`). `args` is read, never changed."""
+    (`prepare_reward_funcs`), each reading its entry of `processing_classes` (TRL's reward_processing_classes)
+    where that is not None. `args` is read, never changed."""
     weights = args.reward_weights
     if reward_funcs is None and args.reward_funcs is not None:
         reward_funcs = list(args.reward_funcs)  # --reward_funcs: names, module:function, reward-model folders; [] none
@@ -382,22 +384,33 @@ def resolve_reward_funcs(reward_funcs, args, task, tokenizer, device) -> tuple[l
         reward_funcs = list(task.reward_funcs)
         weights = weights or list(task.reward_weights)
     reward_funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    return prepare_reward_funcs(list(reward_funcs), args=args, tokenizer=tokenizer, device=device, task=task), weights
+    if processing_classes is not None:
+        processing_classes = processing_classes if isinstance(processing_classes, (list, tuple)) else [processing_classes]
+        if len(processing_classes) != len(reward_funcs):
+            raise CohortError(f"{len(processing_classes)} reward_processing_classes for {len(reward_funcs)} reward "
+                              "functions; pass one per function (None for a function that is not a model)")
+    prepared = prepare_reward_funcs(list(reward_funcs), args=args, tokenizer=tokenizer, device=device, task=task,
+                                    processing_classes=processing_classes)
+    return prepared, weights
 
 
-def prepare_reward_funcs(reward_funcs: list, *, args, tokenizer, device, task=None) -> list:
+def prepare_reward_funcs(reward_funcs: list, *, args, tokenizer, device, task=None, processing_classes=None) -> list:
     """Turn the reward-model entries of `reward_funcs` into `RewardModelReward`s, as TRL does: a folder
-    path is loaded, a model object is wrapped (reading text with its own tokenizer if it names one, else
-    the policy's). Every trainable r_φ without a `label_fn` gets the task's verifier. Others pass as is."""
+    path is loaded, a model object is wrapped (reading text with its entry of `processing_classes`, else its own
+    tokenizer if it names one, else the policy's), each named in the metrics as TRL names it (the last part of
+    its folder or hub id). Every trainable r_φ without a `label_fn` gets the task's verifier. Others pass as is."""
     from torch import nn
 
     prepared = []
-    for spec in reward_funcs:
+    for i, spec in enumerate(reward_funcs):
         if isinstance(spec, (str, Path)) and Path(spec).expanduser().is_dir():
-            spec = RewardModelReward.from_pretrained(spec, args.reward_model(), device=device, seed=args.seed)
+            spec = RewardModelReward.from_pretrained(spec, args.reward_model(), device=device, seed=args.seed,
+                                                     name=Path(spec).expanduser().resolve().name)
         elif isinstance(spec, nn.Module):
-            spec = RewardModelReward(spec, _own_tokenizer(spec) or tokenizer, args.reward_model(), device=device,
-                                     seed=args.seed)
+            given = processing_classes[i] if processing_classes is not None else None
+            name = str(getattr(getattr(spec, "config", None), "_name_or_path", "") or "").rstrip("/").split("/")[-1]
+            spec = RewardModelReward(spec, given or _own_tokenizer(spec) or tokenizer, args.reward_model(),
+                                     device=device, seed=args.seed, name=name or "reward_model")
         if isinstance(spec, RewardModelReward) and spec.label_fn is None and spec.updates_per_step > 0:
             if task is None or not hasattr(task, "is_correct"):
                 raise CohortError("a trained reward model needs labels: pass a task with a verifier, or build "

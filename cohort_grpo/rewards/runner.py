@@ -68,6 +68,9 @@ def unscored_rows(per_function: torch.Tensor) -> torch.Tensor:
 
 
 _FIXED_ARGUMENTS = ("prompts", "completions", "completion_ids")
+# What TRL 1.16 passes every reward function besides the columns: transformers' TrainerState, and the
+# functions that log a scalar metric (averaged into the step's metrics) and an extra completions-table column.
+_TRAINER_ARGUMENTS = ("trainer_state", "log_metric", "log_extra")
 
 
 def _function_name(func: Callable) -> str:
@@ -120,7 +123,7 @@ class RewardRunner:
             return []
         return [p.name for p in params
                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
-                and p.name not in _FIXED_ARGUMENTS]
+                and p.name not in _FIXED_ARGUMENTS + _TRAINER_ARGUMENTS]
 
     def check_columns(self, columns) -> None:
         """Raise `CohortError` when a reward function needs a dataset column that is missing. The trainer
@@ -135,9 +138,11 @@ class RewardRunner:
     # ------------------------------------------------------------------------------------- calling
 
     def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]] | None,
-                 columns: dict[str, list]) -> RewardOutput:
+                 columns: dict[str, list], trainer_state=None) -> RewardOutput:
+        """`trainer_state`: transformers' TrainerState the functions get as TRL's do (None outside a trainer)."""
         # TRL passes every dataset column but these; a column with one of their names would collide.
-        columns = {k: v for k, v in (columns or {}).items() if k not in _FIXED_ARGUMENTS + ("prompt",)}
+        columns = {k: v for k, v in (columns or {}).items()
+                   if k not in _FIXED_ARGUMENTS + _TRAINER_ARGUMENTS + ("prompt",)}
         self.check_columns(columns)
         batch = len(completions)
         for column, values in columns.items():
@@ -148,12 +153,17 @@ class RewardRunner:
             return RewardOutput(rewards=torch.zeros(batch), per_function=table, metrics={})
         nonfinite: dict[str, dict[int, float]] = {}  # each function's NaN / inf values, by sample
         self._error_counts = {name: 0 for name in self.names}
+        logged: dict[str, list[float]] = {}  # log_metric's values by name, averaged into the metrics
         for j, (name, func) in enumerate(zip(self.names, self.funcs)):
             if importable_elsewhere(getattr(func, "score_sample", None)) and self._pool.available:
                 values = self._pool.score(name, func.score_sample, completions, columns)
             else:
+                trainer = dict(trainer_state=trainer_state, log_metric=lambda key, value: logged.setdefault(
+                    key, []).append(float(value)), log_extra=lambda column, values, name=name: self._warn(
+                    name, "log_extra", f"reward {name!r} called log_extra({column!r}, ...): completions.jsonl "
+                    "takes no extra columns, so those values are not logged"))
                 kwargs = accepted_kwargs(func, dict(prompts=prompts, completions=completions,
-                                                     completion_ids=completion_ids, **columns))
+                                                     completion_ids=completion_ids, **columns, **trainer))
                 values = self._call_with_timeout(name, func, kwargs, completions)
             scores, nonfinite[name] = self._check_values(name, values, batch)
             table[:, j] = torch.tensor(scores, dtype=torch.float32)
@@ -166,7 +176,8 @@ class RewardRunner:
             self._warn("*", "unscored", f"no reward function scored {int(unscored.sum())} of {batch} samples; "
                        "they are left out of their group's baseline and get advantage 0", completions[first])
         rewards = (table * self.weights).nansum(dim=1)
-        return RewardOutput(rewards=rewards, per_function=table, metrics=self._metrics(table, rewards, unscored))
+        metrics = {**self._metrics(table, rewards, unscored), **{k: sum(v) / len(v) for k, v in logged.items()}}
+        return RewardOutput(rewards=rewards, per_function=table, metrics=metrics)
 
     def _call_with_timeout(self, name, func, kwargs, completions) -> list:
         """Call `func(**kwargs)` in a daemon thread; all-None if it raises or outlives `timeout_s`."""

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 from typing import Callable
@@ -21,13 +22,15 @@ def accepted_kwargs(func: Callable, kwargs: dict) -> dict:
 
 
 def call_in_thread(func: Callable, kwargs: dict, timeout_s: float, name: str) -> dict | None:
-    """`func(**kwargs)` in a daemon thread: {"values": ...} or {"error": exception}; None if it is still
-    running after `timeout_s` (Python cannot stop it: it runs on in the background)."""
+    """`func(**kwargs)` in a daemon thread (awaited there when it is async): {"values": ...} or {"error": exception};
+    None if it is still running after `timeout_s` (Python cannot stop it: it runs on in the background)."""
     box: dict = {}
 
     def target():
         try:
-            box["values"] = func(**kwargs)
+            value = func(**kwargs)
+            # an async function (TRL awaits them): run to its end on this thread's own event loop
+            box["values"] = asyncio.run(value) if inspect.iscoroutine(value) else value
         except BaseException as e:  # noqa: BLE001 — any failure of user code is reported, not raised here
             box["error"] = e
 

@@ -106,14 +106,16 @@ class RunAssembly:
 
 def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_dataset, processing_class, task,
                  toolbox: Toolbox | None, peft_config, sampler_factory, next_prompts: Callable[[], list[dict]],
-                 log: Callable[[str], None], stage_log: Callable[[str], None], teacher_model=None) -> RunAssembly:
+                 log: Callable[[str], None], stage_log: Callable[[str], None], teacher_model=None,
+                 reward_processing_classes=None) -> RunAssembly:
     """The run `args` (validated, not yet resolved) describes, from `GRPOTrainer`'s arguments (TRL's names).
 
     next_prompts(): this rank's block of the next prompt batch, which the rollouts draw (the trainer's own: a
     curriculum switches its stages there). log: where lines go until the display exists (the returned report's
     `log` after). stage_log: what the memory manager and the policy update log through for the whole run; the
     trainer passes its own, which reaches the display once the trainer has it. teacher_model: a distillation
-    teacher given as an argument (a model object, or a name) rather than in the config."""
+    teacher given as an argument (a model object, or a name) rather than in the config. reward_processing_classes:
+    TRL's, the tokenizer each reward model reads (None: its own, else the policy's)."""
     # Which ranks train and sample, and on which copy: decided once, before anything starts (parallel/placement.py).
     placement = Placement.from_config(args, launched_world_size())
     if placement.samples_here(launched_rank()):
@@ -139,7 +141,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     start = start_rank(model, args, processing_class, placement=placement, toolbox=toolbox, peft_config=peft_config,
                        log=log, before_loading=before_loading)
     args, parallel, device, tokenizer = start.args, start.parallel, start.device, start.tokenizer
-    curriculum, rewards = build_rewards(args, reward_funcs, task, tokenizer, device, toolbox)
+    curriculum, rewards = build_rewards(args, reward_funcs, task, tokenizer, device, toolbox, reward_processing_classes)
     eval_rows = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
     provided = {"environments"} if toolbox is not None and toolbox.environment_factory else set()
     rewards.check_columns(set(train_rows[0]) | provided)
@@ -179,7 +181,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
 
 
 def build_rewards(args: GRPOConfig, reward_funcs, task, tokenizer, device: torch.device,
-                  toolbox: Toolbox | None) -> tuple[Curriculum | None, RewardRunner]:
+                  toolbox: Toolbox | None, processing_classes=None) -> tuple[Curriculum | None, RewardRunner]:
     """The curriculum (its stages switch the prompt source and, unless reward_funcs are given, the rewards) and
     the run's `RewardRunner`: the reward functions asked for, and an environment's get_reward() beside them."""
     curriculum = Curriculum.from_config(args, keep_rewards=reward_funcs is not None or bool(args.reward_funcs))
@@ -187,7 +189,7 @@ def build_rewards(args: GRPOConfig, reward_funcs, task, tokenizer, device: torch
     if env_reward is not None and reward_funcs is None and not args.reward_funcs and task is None:
         funcs, weights = [], None  # TRL: an environment's get_reward() may be the whole reward
     else:
-        funcs, weights = resolve_reward_funcs(reward_funcs, args, task, tokenizer, device)
+        funcs, weights = resolve_reward_funcs(reward_funcs, args, task, tokenizer, device, processing_classes)
     if env_reward is not None:  # the environment's get_reward(): one more reward, weight 1 (TRL)
         funcs, weights = funcs + [env_reward], None if weights is None else list(weights) + [1.0]
     return curriculum, RewardRunner(funcs, weights, timeout_s=args.reward_timeout, errors=args.reward_errors,

@@ -28,6 +28,7 @@ import torch
 from transformers.trainer_utils import TrainOutput
 
 from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.config.trl_names import check_trainer_keywords
 from cohort_grpo.eval.held_out import HeldOutEvaluation
 from cohort_grpo.rewards.batch_rewards import add_rewards, learned_reward_models, train_reward_models
 from cohort_grpo.rewards.model import warm_up_reward_models
@@ -53,9 +54,12 @@ from cohort_grpo.algorithm.advantages import group_advantages
 class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, train_dataset=None, args: GRPOConfig | None = None,
                  processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
-                 tools=None, environment_factory=None, sampler_factory=None, teacher_model=None):
+                 tools=None, environment_factory=None, sampler_factory=None, teacher_model=None,
+                 reward_processing_classes=None, optimizers=(None, None), quantization_config=None, rollout_func=None):
         # The raw values checked before anything loads, on a copy: the caller's config is never changed.
         self.args = args = (args or GRPOConfig()).validate()
+        check_trainer_keywords(optimizers=optimizers, quantization_config=quantization_config, rollout_func=rollout_func)
+        self.reward_processing_classes = reward_processing_classes  # TRL's: the tokenizer each reward model reads
         # A benchmark or test samples with its own engine through this; None: cohort_grpo.rollout.make_sampler.
         self.sampler_factory = sampler_factory
         # A run that fails before its first step leaves no folder behind (when it made the folder).
@@ -84,7 +88,7 @@ class GRPOTrainer:
                              eval_dataset=eval_dataset, processing_class=processing_class, task=task,
                              toolbox=self.toolbox, peft_config=peft_config, sampler_factory=self.sampler_factory,
                              next_prompts=self.next_prompts, log=log, stage_log=self.log_line,
-                             teacher_model=teacher_model)
+                             teacher_model=teacher_model, reward_processing_classes=self.reward_processing_classes)
         self.args, self.parallel, self.device = parts.args, parts.parallel, parts.device
         self.model, self.tokenizer, self.pad_id = parts.model, parts.tokenizer, parts.pad_id
         self.eval_rows, self.prompts = parts.eval_rows, parts.prompts  # prompts.rows: the training rows in use
@@ -207,7 +211,7 @@ class GRPOTrainer:
 
     def add_rewards(self, batch: Batch) -> None:
         """The batch's rewards from the run's reward functions (cohort_grpo/rewards/batch_rewards.py)."""
-        add_rewards(self.rewards, batch, self.args)
+        add_rewards(self.rewards, batch, self.args, trainer_state=self.state)
 
     def refill_uninformative(self, batch: Batch) -> Batch:
         """DAPO dynamic sampling: swap all-equal-reward groups for freshly sampled informative ones."""
@@ -262,12 +266,12 @@ class GRPOTrainer:
     def end_step(self, run: RunLifecycle, batch: Batch, losses: list[dict]) -> None:
         """After the algorithm's lines: the engine's weights, the record, evaluation, the checkpoint."""
         self.rollouts.after_update(self.model)  # the engine's copy refreshed (FSDP2); what is sampled ahead started
+        self.state.global_step = self.step  # counted before its record is logged, as transformers' Trainer does
         self.log_step(batch, losses, time.perf_counter() - self.step_started)
         if self.step == self.first_step:  # the run's long-lived objects exist now
             self.memory.after_first_step()  # full collections stop walking them (cohort_grpo/memory/gc_pauses.py)
             self.report.restart_gc_clock()
-        state, control = self.state, self.callback_handler.control
-        state.global_step = self.step
+        control = self.callback_handler.control
         self.callback_handler.event("on_step_end")
         due = self.args.eval_steps and self.step % self.args.eval_steps == 0 and (
             self.step < self.args.max_steps or self.task is None)  # a task's last evaluation is finish()'s

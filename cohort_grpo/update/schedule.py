@@ -1,7 +1,9 @@
 """The learning-rate schedule of the policy's optimizer: linear warm-up, then cosine, linear or constant.
 
 It advances with real optimizer steps only (a skipped non-finite update does not count), as
-transformers' Trainer does.
+transformers' Trainer does, and spans every one of the run: num_iterations (μ) of them a step, so max_steps × μ,
+the warm-up warmup_steps × μ. The formulas are transformers' (`get_scheduler`, which TRL's trainer uses), the
+warm-up's first update at 0 included.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ def lr_scheduler(optimizer, args) -> torch.optim.lr_scheduler.LambdaLR:
 
 
 def lr_factor(args, step: int) -> float:
-    """The learning rate's multiplier at optimizer step `step`: linear warm-up, then cosine, linear or constant."""
-    if args.warmup_steps and step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    """The learning rate's multiplier at optimizer step `step` (from 0): linear warm-up, then cosine, linear or
+    constant."""
+    updates, warmup = args.max_steps * args.num_iterations, args.warmup_steps * args.num_iterations
+    if step < warmup:
+        return step / warmup
+    progress = min(1.0, (step - warmup) / max(1, updates - warmup))
     if args.lr_scheduler_type == "cosine":
         return 0.5 * (1 + math.cos(math.pi * progress))
     if args.lr_scheduler_type == "linear":
