@@ -194,3 +194,15 @@ def test_reward_processing_classes_of_the_wrong_length_are_refused(tiny_dir, tmp
     with pytest.raises(CohortError, match="reward_processing_classes"):
         GRPOTrainer(tiny_dir, reward_funcs=[length], train_dataset=ROWS, args=small(tmp_path),
                     reward_processing_classes=[None, None])
+
+
+def test_trls_positional_order_trains_as_the_keyword_call(tiny_dir, tmp_path):
+    """TRL's signature is (model, reward_funcs, args, train_dataset): a script that passes them by position trains
+    the same run as cohort's keyword call."""
+    by_position = GRPOTrainer(tiny_dir, length, small(tmp_path / "a"), ROWS)
+    by_position.train()
+    by_keyword = GRPOTrainer(tiny_dir, reward_funcs=length, train_dataset=ROWS, args=small(tmp_path / "b"))
+    by_keyword.train()
+    assert str(by_position.args.output_dir).endswith("a")
+    assert [r["loss"] for r in by_position.history] == [r["loss"] for r in by_keyword.history]
+    assert [r["reward"] for r in by_position.history] == [r["reward"] for r in by_keyword.history]

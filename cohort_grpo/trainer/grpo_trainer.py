@@ -56,6 +56,9 @@ class GRPOTrainer:
                  processing_class=None, eval_dataset=None, task=None, log=print, peft_config=None, callbacks=None,
                  tools=None, environment_factory=None, sampler_factory=None, teacher_model=None,
                  reward_processing_classes=None, optimizers=(None, None), quantization_config=None, rollout_func=None):
+        if isinstance(train_dataset, GRPOConfig) and not isinstance(args, GRPOConfig):
+            # TRL's positional order, GRPOTrainer(model, reward_funcs, args, train_dataset): the config is never data
+            train_dataset, args = args, train_dataset
         # The raw values checked before anything loads, on a copy: the caller's config is never changed.
         self.args = args = (args or GRPOConfig()).validate()
         check_trainer_keywords(optimizers=optimizers, quantization_config=quantization_config, rollout_func=rollout_func)
