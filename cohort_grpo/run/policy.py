@@ -24,7 +24,8 @@ from cohort_grpo.models.generic import GenericPathRefused, TransformersCausalLM
 from cohort_grpo.models.generic_training import is_mixture_of_experts
 from cohort_grpo.models.loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
                                    missing_path_error, one_line)
-from cohort_grpo.models.lora import apply_lora, lora_config_from_args
+from cohort_grpo.models.causal_lm import CausalLM
+from cohort_grpo.models.lora import apply_lora, base_model, has_lora, lora_config_from_args
 from cohort_grpo.models.tiny_vision import (IMAGE_ONLY_PROCESSOR, TINY_VISION_MODEL, build_vision_model,
                                            build_vision_processor, image_only_processor_class)
 from cohort_grpo.models.vision_language import VisionLanguageModel, is_vision_language
@@ -125,7 +126,7 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
     if isinstance(model, torch.nn.Module):
         if processing_class is None:
             raise CohortError("a model object needs its tokenizer: pass processing_class=tokenizer")
-        return model.to(device), processing_class
+        return loaded_policy(model.to(device), impl, log), processing_class
     if model == TINY_VISION_MODEL:
         processor = processing_class or build_vision_processor()
         return vision_policy(build_vision_model(processor.tokenizer).to(device), processor, impl, log)
@@ -155,6 +156,22 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
     return policy, tokenizer
 
 
+def loaded_policy(model: torch.nn.Module, impl: str, log=print) -> torch.nn.Module:
+    """A model object as the user gave it; under `impl` cohort a transformers model that is not yet behind the
+    engine's interface is wrapped for it (`generic_policy`: the user's own modules, sampled by the engine), or
+    refused in one line. auto and hf keep it as given (sampled with generate unless it is cohort's)."""
+    if impl != "cohort" or isinstance(base_model(model), (CausalLM, TransformersCausalLM)):
+        return model
+    if has_lora(model) or hasattr(model, "get_base_model"):
+        raise CohortError("model_impl=cohort takes a model object without adapters: pass the base model with "
+                          "peft_config (or --use_peft), or use model_impl auto")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None:
+        raise CohortError(f"model_impl=cohort serves transformers causal LMs; a {type(model).__name__} object is not "
+                          "one: use model_impl auto")
+    return generic_policy(model, model_type, impl, log)
+
+
 def generic_policy(model, model_type: str, impl: str, log=print):
     """A transformers model of a type cohort does not implement itself, behind the engine's interface
     (`TransformersCausalLM`: its own modules, cohort's attention and KV cache), with one line saying so. One the
@@ -167,8 +184,10 @@ def generic_policy(model, model_type: str, impl: str, log=print):
             raise CohortError(f"model_impl=cohort cannot serve this model: {refused}; use --model_impl hf") from None
         log(f"cohort: {model_type} takes transformers' generate (model_impl hf): {refused}")
         return model
-    log(f"cohort: {model_type} is not one of cohort's own implementations; it samples in cohort's engine through "
-        "transformers' own modules (the generic path)")
+    what = "a loaded model object" if is_supported({"model_type": model_type}) else \
+        "not one of cohort's own implementations"
+    log(f"cohort: {model_type} is {what}; it samples in cohort's engine through transformers' own modules "
+        "(the generic path)")
     return wrapped
 
 
