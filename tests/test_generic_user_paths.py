@@ -3,6 +3,7 @@ does not implement, given as a folder or as a loaded object, through the options
 random models of transformers' own classes (test_generic_models.py), float32, CPU."""
 
 import pytest
+import torch
 
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.generic import TransformersCausalLM
@@ -29,3 +30,36 @@ def test_model_impl_cohort_samples_a_loaded_model_object_in_the_engine():
     peft_model = get_peft_model(reference_model("olmo2"), LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(CohortError, match="model_impl=cohort"):
         load_policy(peft_model, build_tokenizer(), impl="cohort")
+
+
+def test_what_only_cohorts_own_models_take_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    """A folder of a type cohort does not implement, with an option only cohort's own models take
+    (rollout_numerics=exact, torch_compile=true: it compiles their decoder layers), is refused in one line naming
+    the option before any weights load; with model_impl hf torch_compile=true is refused by the config alone, and a
+    loaded transformers model with it after loading."""
+    from cohort_grpo import GRPOConfig
+    from cohort_grpo.run import policy
+    from tests.test_generic_models import save_folder
+
+    folder = save_folder("olmo2", tmp_path / "olmo2")
+
+    def args(**options):
+        return GRPOConfig(output_dir=str(tmp_path / "run"), **options)
+
+    def no_loading(*_, **__):
+        raise AssertionError("the weights were loaded")
+
+    for options, named in [(dict(rollout_numerics="exact"), "rollout_numerics=exact"),
+                           (dict(torch_compile=True), "torch_compile=true")]:
+        with monkeypatch.context() as patch:
+            patch.setattr(policy, "load_policy", no_loading)
+            with pytest.raises(CohortError, match=named) as refused:
+                policy.load_run_policy(folder, None, args(**options), torch.device("cpu"))
+        assert "olmo2 runs through transformers' modules" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(CohortError, match="torch_compile=true"):
+        args(torch_compile=True, model_impl="hf").validate()
+    with pytest.raises(CohortError, match="torch_compile=true"):
+        policy.load_run_policy(reference_model("olmo2"), build_tokenizer(), args(torch_compile=True),
+                               torch.device("cpu"))
+    model, _, _ = policy.load_run_policy(folder, None, args(torch_compile="auto"), torch.device("cpu"))
+    assert isinstance(model, TransformersCausalLM)

@@ -68,10 +68,13 @@ def load_run_policy(model, processing_class, args, device: torch.device, *, peft
     `args` says (dtype, implementation, remote code), with LoRA adapters injected in place when asked (`peft_config`,
     else the config's lora options). Padding uses EOS where the tokenizer has no pad token; a tokenizer without
     EOS is refused, since completions could never end."""
+    refused = generic_path_refusal(generic_path_type(model, args.model_impl), args)
+    if refused is not None:  # the folder's config alone shows it: refused before its weights load
+        raise CohortError(refused)
     model, tokenizer = load_policy(model, processing_class, device=device, log=log,
                                    dtype=resolve_dtype(args.dtype, device), trust_remote_code=args.trust_remote_code,
                                    impl=args.model_impl)
-    refused, notice = generic_path_refusal(model, args), generic_path_notice(model, args)
+    refused, notice = loaded_policy_refusal(model, args), generic_path_notice(model, args)
     if refused is not None:
         raise CohortError(refused)
     if notice is not None:
@@ -101,18 +104,52 @@ def generic_path_notice(model, args) -> str | None:
     return None
 
 
-def generic_path_refusal(model, args) -> str | None:
-    """Why the run `args` asks the generic path (`TransformersCausalLM`) for what only cohort's own models do, in
-    one line naming the option and the fix; None for a native or bare transformers model, or nothing refused."""
-    if not isinstance(model, TransformersCausalLM):
+def generic_path_type(model, impl: str) -> str | None:
+    """The model type of a folder or hub id `model` that will load through transformers' modules (the generic
+    path, or generate where that refuses it), read from its config.json alone; None for a native type, a vision
+    folder, a .gguf file, a model object, `impl` hf, or where there is no config to read."""
+    if impl == "hf" or not isinstance(model, (str, Path)) or tiny.is_builtin_model(str(model)):
         return None
-    where = f"{model.model_type} runs through transformers' modules (the generic path)"
+    spec = str(model)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        model_type = None if _has_vision_tower(path) else _hf_model_type(path)
+    else:
+        model_type = hub_model_type(spec) if is_hub_id(spec) and not path.exists() else None
+    return None if model_type is None or is_supported({"model_type": model_type}) else model_type
+
+
+def loaded_policy_refusal(model, args) -> str | None:
+    """Why the loaded policy cannot run as `args` ask, in one line naming the option and the fix: what only
+    cohort's own models do, asked of the generic path (`generic_path_refusal`) or of transformers' model."""
+    base = base_model(model)
+    if isinstance(base, TransformersCausalLM):
+        return generic_path_refusal(base.model_type, args)
+    if args.torch_compile is True and not hasattr(base, "compile_for_training"):
+        return (f"torch_compile=true compiles the decoder layers of cohort's own models; {type(base).__name__} is "
+                "transformers' (sampled with generate): use --torch_compile auto")
+    return None
+
+
+def generic_path_refusal(model, args) -> str | None:
+    """Why the run `args` asks the generic path for what only cohort's own models do, in one line naming the option
+    and the fix; None where nothing is refused, or for a native or bare transformers model. `model`: a loaded
+    model, or the model type the generic path will serve (`generic_path_type`, None: nothing to refuse)."""
+    if isinstance(model, torch.nn.Module):
+        if not isinstance(model, TransformersCausalLM):
+            return None
+        model = model.model_type
+    if model is None:
+        return None
+    where = f"{model} runs through transformers' modules (the generic path)"
     if args.rollout_numerics == "exact":
         return f"rollout_numerics=exact needs cohort's own models; {where}: use --rollout_numerics fast"
     size = args.rollout_tensor_parallel_size
     if size != "auto" and int(size) > 1:
         return (f"rollout_tensor_parallel_size={size} needs cohort's own models (Llama, Mistral, Qwen2, Qwen3, "
                 f"Qwen3-MoE, Mixtral); {where}: use --rollout_tensor_parallel_size 1")
+    if args.torch_compile is True:
+        return f"torch_compile=true compiles the decoder layers of cohort's own models; {where}: use --torch_compile auto"
     return None
 
 
