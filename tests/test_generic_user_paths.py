@@ -63,3 +63,19 @@ def test_what_only_cohorts_own_models_take_is_refused_before_the_weights_load(tm
                                torch.device("cpu"))
     model, _, _ = policy.load_run_policy(folder, None, args(torch_compile="auto"), torch.device("cpu"))
     assert isinstance(model, TransformersCausalLM)
+
+
+def test_a_vision_folder_with_model_impl_hf_is_refused_before_its_weights_load(tmp_path):
+    """transformers' generate does not take the images: a vision-language folder with model_impl hf is refused in
+    one line naming the option, from its config.json, before the weights load."""
+    from cohort_grpo.models.tiny_vision import build_vision_model, build_vision_processor
+    from cohort_grpo.run import policy
+
+    processor = build_vision_processor()
+    build_vision_model(processor.tokenizer).save_pretrained(tmp_path / "vl")
+    processor.save_pretrained(tmp_path / "vl")
+
+    (tmp_path / "vl" / "model.safetensors").write_bytes(b"not weights: loading them fails otherwise")
+    with pytest.raises(CohortError, match="qwen2_5_vl with model_impl=hf") as refused:
+        policy.load_policy(str(tmp_path / "vl"), impl="hf")
+    assert "\n" not in str(refused.value)

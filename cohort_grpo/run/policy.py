@@ -177,6 +177,8 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
         raise missing_path_error(spec)
     torch_dtype = None if dtype == "auto" else dtype
     if path.is_dir() and _has_vision_tower(path):
+        if impl == "hf":
+            raise hf_vision_refusal(_hf_model_type(path))
         loaded = _load_hf(spec, torch_dtype, device, trust_remote_code, vision=True)
         return vision_policy(loaded, processing_class or load_processor(spec, trust_remote_code), impl, log)
     tokenizer = processing_class or load_tokenizer(spec, trust_remote_code=trust_remote_code)
@@ -232,8 +234,7 @@ def vision_policy(model, processor, impl: str, log=print):
     """A vision-language model as the engine samples it (`VisionLanguageModel`, its processor kept on it) and the
     processor's tokenizer; one line saying so. Other families, and `impl` hf, are refused by name."""
     if impl == "hf":
-        raise CohortError(f"{model.config.model_type} with model_impl=hf: transformers' generate does not take the "
-                          "images here; use --model_impl auto")
+        raise hf_vision_refusal(model.config.model_type)
     if processor is None or getattr(processor, "tokenizer", None) is None:
         raise CohortError("a vision-language model needs its processor: pass processing_class=AutoProcessor."
                           "from_pretrained(model)")
@@ -245,6 +246,11 @@ def vision_policy(model, processor, impl: str, log=print):
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return wrapped, tokenizer
+
+
+def hf_vision_refusal(model_type: str) -> CohortError:
+    return CohortError(f"{model_type} with model_impl=hf: transformers' generate does not take the images here; use "
+                       "--model_impl auto")
 
 
 def load_processor(spec: str, trust_remote_code: bool = False):
