@@ -79,3 +79,29 @@ def test_a_vision_folder_with_model_impl_hf_is_refused_before_its_weights_load(t
     with pytest.raises(CohortError, match="qwen2_5_vl with model_impl=hf") as refused:
         policy.load_policy(str(tmp_path / "vl"), impl="hf")
     assert "\n" not in str(refused.value)
+
+
+def test_a_saved_lora_adapter_folder_given_as_the_model_names_what_to_pass(tmp_path):
+    """A LoRA run saves its merged policy and, in adapter/, the adapters alone (peft's format). That adapter/
+    folder given as the model is refused in one line that says it is an adapter and names the run's folder of
+    merged weights; an adapter folder elsewhere names its base model."""
+    import json
+    import shutil
+
+    from cohort_grpo import GRPOConfig
+    from cohort_grpo.models.lora import apply_lora, lora_config_from_args
+    from cohort_grpo.models.policy import save_policy
+
+    model = TransformersCausalLM.wrap(reference_model("olmo2"))
+    apply_lora(model, lora_config_from_args(GRPOConfig(use_peft=True, lora_r=2)))
+    run = save_policy(model, build_tokenizer(), tmp_path / "run")
+    with pytest.raises(CohortError, match="LoRA adapter") as refused:
+        load_policy(str(run / "adapter"))
+    assert f"pass {run}" in str(refused.value) and "\n" not in str(refused.value)
+    alone = shutil.copytree(run / "adapter", tmp_path / "alone")
+    config = json.loads((alone / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "/models/olmo2-base"
+    (alone / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(CohortError, match="LoRA adapter") as refused:
+        load_policy(str(alone))
+    assert "/models/olmo2-base" in str(refused.value) and "\n" not in str(refused.value)
