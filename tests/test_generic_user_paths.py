@@ -105,3 +105,27 @@ def test_a_saved_lora_adapter_folder_given_as_the_model_names_what_to_pass(tmp_p
     with pytest.raises(CohortError, match="LoRA adapter") as refused:
         load_policy(str(alone))
     assert "/models/olmo2-base" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_resuming_a_lora_run_without_its_adapters_names_use_peft(tmp_path):
+    """A checkpoint of a LoRA run resumed without --use_peft (or a full run resumed with it, or with another rank)
+    is the same model with other adapters: one line naming use_peft (lora_r), not "saved from another model"."""
+    from cohort_grpo import GRPOConfig, GRPOTrainer
+    from tests.test_generic_models import save_folder
+
+    folder = save_folder("olmo2", tmp_path / "olmo2")
+    rows = [{"prompt": f"{a}+{a}="} for a in range(4)]
+
+    def trainer(out, **options):
+        args = GRPOConfig(output_dir=str(out), **{"max_steps": 2, **options}, num_generations=2, per_device_train_batch_size=4,
+                          max_completion_length=4, device="cpu", save_steps=1, report_to="none", quiet=True)
+        return GRPOTrainer(folder, reward_funcs=[lambda completions, **_: [float(len(c)) for c in completions]],
+                           train_dataset=rows, args=args, log=lambda *_: None)
+
+    trainer(tmp_path / "lora", use_peft=True, lora_r=2, max_steps=1).train()
+    trainer(tmp_path / "full", max_steps=1).train()
+    for run, options, named in [("lora", {}, "use_peft"), ("full", dict(use_peft=True, lora_r=2), "use_peft"),
+                                ("lora", dict(use_peft=True, lora_r=4), "lora_r")]:
+        with pytest.raises(CohortError, match=named) as refused:
+            trainer(tmp_path / run, **options).train(resume_from_checkpoint=str(tmp_path / run / "checkpoint-1"))
+        assert "another model" not in str(refused.value) and "\n" not in str(refused.value)
