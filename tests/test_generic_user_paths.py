@@ -129,3 +129,28 @@ def test_resuming_a_lora_run_without_its_adapters_names_use_peft(tmp_path):
         with pytest.raises(CohortError, match=named) as refused:
             trainer(tmp_path / run, **options).train(resume_from_checkpoint=str(tmp_path / run / "checkpoint-1"))
         assert "another model" not in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_lora_on_a_family_whose_projections_are_transformers_conv1d():
+    """GPT-2's projections are transformers' Conv1D (a linear layer with its weight transposed), not nn.Linear:
+    --use_peft puts the adapters on them, and the merged weights give the adapted model's logits."""
+    import transformers
+
+    from cohort_grpo import GRPOConfig
+    from cohort_grpo.models.lora import apply_lora, lora_config_from_args, merged_state_dict
+
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=len(build_tokenizer()))
+    torch.manual_seed(0)
+    model = TransformersCausalLM.wrap(transformers.GPT2LMHeadModel(config)).eval()  # no dropout
+    fresh = TransformersCausalLM.wrap(transformers.GPT2LMHeadModel(config)).eval()
+    fresh.load_state_dict(model.state_dict())
+    apply_lora(model, lora_config_from_args(GRPOConfig(use_peft=True, lora_r=2, lora_dropout=0.0)))
+    adapted = {name.split(".")[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == {"c_attn", "c_fc", "c_proj"}
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1)  # B starts at zero: give the adapters an effect
+        input_ids = torch.tensor([[5, 9, 13, 17, 21]])
+        fresh.load_state_dict(merged_state_dict(model))
+        assert (model(input_ids) - fresh(input_ids)).abs().max() < 1e-4
