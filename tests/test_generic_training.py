@@ -56,6 +56,32 @@ def test_checkpointing_the_first_layers_leaves_gradients_unchanged(model_type):
         model.gradient_checkpointing_enable(checkpointed_layers=len(layers) + 1)
 
 
+@pytest.mark.parametrize("model_type", ["olmo2", "gpt_neox"])
+def test_checkpointed_shared_prompt_forward_recomputes_over_the_same_attention_rows(model_type):
+    """The update's shared-prompt layout (one flat row, attention rows saying what each token sees) under gradient
+    checkpointing: the backward's recomputation attends over the same attention rows as the forward, so the
+    gradients equal those of a forward without checkpointing (a recomputation under the model's own causal mask
+    over the flat row would save other tensors, or other values)."""
+    from cohort_grpo.update.packing import pack_shared_prompts
+
+    micro = pack_shared_prompts([[5, 6, 7, 8], [5, 6, 7, 8], [9, 10]], torch.tensor([[11, 12, 13], [14, 15, 16],
+                                [17, 18, 0]]), torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]]), [0, 1, 2], pad_id=0)
+    model = TransformersCausalLM.wrap(reference_model(model_type)).train()
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        logits = model(micro.input_ids, micro.position_ids, attention_rows=micro.attention_rows,
+                       attention_slots=micro.attention_slots)
+        torch.log_softmax(logits.float(), -1)[0, :-1].gather(-1, micro.input_ids[0, 1:, None]).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads()
+    model.gradient_checkpointing_enable()
+    got = grads()
+    assert got.keys() == want.keys()
+    assert max(float((got[n] - want[n]).abs().max()) for n in want) <= 1e-6
+
+
 def first_char_digit(completions, **kwargs):
     return [1.0 if c[:1].isdigit() else 0.0 for c in completions]
 

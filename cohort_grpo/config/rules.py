@@ -242,6 +242,10 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.rollout_numerics == "exact" and c.model_impl == "hf",
          lambda c: "rollout_numerics=exact needs cohort's own models; leave out --model_impl hf or use "
                    "--rollout_numerics fast"),
+    Rule("`torch_compile` true with `model_impl` hf",
+         lambda c: c.torch_compile is True and c.model_impl == "hf",
+         lambda c: "torch_compile=true compiles the decoder layers of cohort's own models, not transformers' "
+                   "(model_impl hf): use --torch_compile auto, or leave out --model_impl hf"),
     Rule("`use_peft` with `lora_r` < 1",
          lambda c: c.use_peft and c.lora_r < 1,
          lambda c: refusal("lora_r", c.lora_r, ": the LoRA rank must be at least 1")),

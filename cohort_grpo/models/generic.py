@@ -34,7 +34,8 @@ from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
 from cohort_grpo.models.generic_attention import (ATTENTION, STATELESS_LAYER_TYPES, AttentionStep, GenericPathRefused,
                                                   LogitHead, active_step, attention_implementation,
-                                                  keeps_recurrent_state, refusal, register_attention)
+                                                  keeps_recurrent_state, recompute_in_the_same_step, refusal,
+                                                  register_attention)
 from cohort_grpo.models.generic_fusion import Fusions, install, relative_error
 from cohort_grpo.models.generic_training import checkpoint_first_layers, decoder_layer_list
 from cohort_grpo.models.recurrent_state import StateCache, StateShapes
@@ -170,10 +171,11 @@ class TransformersCausalLM(nn.Module):
         """Recompute decoder layers in the backward through transformers' own checkpointing: every layer, or the
         first `checkpointed_layers` (generic_training.py); `activation_probe` measures the first kept one."""
         model = self.transformers_model
+        options = {"use_reentrant": False, "context_fn": recompute_in_the_same_step}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name for it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
         checkpoint_first_layers(self.decoder_layers(), checkpointed_layers, activation_probe)
 
     @property

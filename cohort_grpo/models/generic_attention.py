@@ -142,6 +142,13 @@ def active_step(step: AttentionStep):
         ACTIVE_STEP.reset(token)
 
 
+def recompute_in_the_same_step():
+    """torch checkpoint's `context_fn`: a checkpointed layer's recomputation in the backward runs under the
+    `AttentionStep` its forward ran under (the shared-prompt attention rows of the update's forward), not under
+    none, as the backward would otherwise (the context variable is unset there)."""
+    return contextlib.nullcontext(), active_step(ACTIVE_STEP.get())
+
+
 def layer_window(module, config, given: dict) -> int | None:
     """The sliding window of `module`'s layer: what the module passed, else its own attribute, else the config's
     layer type, else the config's one window (transformers' windows: a query at p sees keys at positions

@@ -64,6 +64,8 @@ def _find_model(path_or_id, gguf_file: str | None) -> tuple[str, Path]:
         if ggufs:
             names = ", ".join(p.name for p in ggufs)
             raise CohortError(f"{path} holds several GGUF files ({names}): name one, e.g. {path / ggufs[0].name}")
+        if (path / "adapter_config.json").is_file():
+            raise adapter_folder_error(path)
         raise CohortError(f"{path} is not a model folder: it has no config.json (nor a .gguf file)")
     if path.exists():
         raise CohortError(f"{path} is not a model: give a folder with config.json + *.safetensors or a .gguf file")
@@ -79,6 +81,21 @@ def _find_model(path_or_id, gguf_file: str | None) -> tuple[str, Path]:
 
 
 # ---- local path or hub id ------------------------------------------------------------------------
+def adapter_folder_error(path: Path) -> CohortError:
+    """A peft adapter folder given as a model: the folder of merged weights beside it (a LoRA run's output folder
+    holds its merged policy and, in adapter/, the adapters alone), else the base model its config names."""
+    if (path.parent / "config.json").is_file():
+        fix = f"pass {path.parent}, the run's policy with the adapters merged"
+    else:
+        try:
+            base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError):
+            base = None
+        fix = (f"pass its base model{f' ({base})' if base else ''} and merge the adapters into it with peft "
+               "(merge_and_unload) first")
+    return CohortError(f"{path} is a LoRA adapter (peft's adapter_config.json), not a whole model: {fix}")
+
+
 def is_hub_id(spec: str) -> bool:
     """Shaped like a hub repository id, `org/name`, and not like a local path (`looks_local`)."""
     return bool(HUB_ID.match(spec)) and not looks_local(spec)

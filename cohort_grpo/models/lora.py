@@ -66,6 +66,8 @@ def apply_lora(model: torch.nn.Module, peft_config) -> torch.nn.Module:
             peft_config = copy.copy(peft_config)
             peft_config.target_modules = set(layer_linears)
             targets = peft_config.target_modules
+            # transformers' Conv1D (GPT-2's) stores its weight as [in, out]: peft's name for that layout
+            peft_config.fan_in_fan_out = any(type(module).__name__ == "Conv1D" for module in model.modules())
     if isinstance(targets, (set, list, tuple)) and not set(targets) & names:
         raise CohortError(f"lora_target_modules {sorted(targets)} match no module of this model; "
                           f"its linear layers are named like {sorted(n for n in names if n.endswith('proj'))[:8]}")
@@ -82,9 +84,11 @@ def apply_lora(model: torch.nn.Module, peft_config) -> torch.nn.Module:
 
 def layer_linear_names(model: torch.nn.Module) -> set[str]:
     """The names of the linear layers inside the model's repeated layers (a numbered module on their path): the
-    projections, not the embedding's or the head's."""
+    projections, not the embedding's or the head's. transformers' Conv1D (GPT-2's projections) is a linear layer
+    with its weight transposed, and peft adapts it as one."""
     return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and any(part.isdigit() for part in name.split(".")[:-1])}
+            if (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D")
+            and any(part.isdigit() for part in name.split(".")[:-1])}
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -105,11 +105,35 @@ def _report_changed_options(saved: dict, current: dict, log) -> None:
 
 def _check_same_model(model, saved_shapes: dict, folder: Path) -> None:
     current = {k: list(v.shape) for k, v in model.state_dict().items()}
+    adapters = adapter_difference(saved_shapes, current)
+    if adapters is not None:
+        raise CohortError(f"{folder} {adapters}")
     for name in sorted(set(current) | set(saved_shapes)):
         if current.get(name) != saved_shapes.get(name):
             raise CohortError(f"{folder} was saved from another model ({name}: shape {saved_shapes.get(name)} there, "
                               f"{current.get(name)} here); resume with the --model it was trained from, or use "
                               "another --output_dir")
+
+
+def adapter_difference(saved_shapes: dict, current: dict) -> str | None:
+    """How the LoRA adapters of a checkpoint (its tensors' shapes by name) differ from the model's, as the rest
+    of a one-line refusal naming the option; None where they agree (the same model with other adapters is
+    not another model)."""
+    def ranks(shapes: dict) -> dict:  # each adapted module's rank, from its lora_A matrix [r, in]
+        return {name.split(".lora_A.")[0]: shape[0] for name, shape in shapes.items() if ".lora_A." in name}
+
+    saved, now = ranks(saved_shapes), ranks(current)
+    if saved and not now:
+        return "was saved by a run with LoRA adapters: resume with --use_peft true and the lora options it used"
+    if now and not saved:
+        return "was saved by a run without LoRA adapters: resume without --use_peft"
+    if saved.keys() != now.keys():
+        return ("holds LoRA adapters on other modules than this run's: resume with the lora_target_modules it "
+                "was trained with")
+    if saved != now:
+        rank = next(iter(saved.values()))
+        return f"holds LoRA adapters of rank {rank}, not {next(iter(now.values()))}: resume with --lora_r {rank}"
+    return None
 
 
 def _load_weights(model, state: dict, folder: Path) -> None:

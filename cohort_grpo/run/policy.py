@@ -24,7 +24,8 @@ from cohort_grpo.models.generic import GenericPathRefused, TransformersCausalLM
 from cohort_grpo.models.generic_training import is_mixture_of_experts
 from cohort_grpo.models.loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
                                    missing_path_error, one_line)
-from cohort_grpo.models.lora import apply_lora, lora_config_from_args
+from cohort_grpo.models.causal_lm import CausalLM
+from cohort_grpo.models.lora import apply_lora, base_model, has_lora, lora_config_from_args
 from cohort_grpo.models.tiny_vision import (IMAGE_ONLY_PROCESSOR, TINY_VISION_MODEL, build_vision_model,
                                            build_vision_processor, image_only_processor_class)
 from cohort_grpo.models.vision_language import VisionLanguageModel, is_vision_language
@@ -67,10 +68,13 @@ def load_run_policy(model, processing_class, args, device: torch.device, *, peft
     `args` says (dtype, implementation, remote code), with LoRA adapters injected in place when asked (`peft_config`,
     else the config's lora options). Padding uses EOS where the tokenizer has no pad token; a tokenizer without
     EOS is refused, since completions could never end."""
+    refused = generic_path_refusal(generic_path_type(model, args.model_impl), args)
+    if refused is not None:  # the folder's config alone shows it: refused before its weights load
+        raise CohortError(refused)
     model, tokenizer = load_policy(model, processing_class, device=device, log=log,
                                    dtype=resolve_dtype(args.dtype, device), trust_remote_code=args.trust_remote_code,
                                    impl=args.model_impl)
-    refused, notice = generic_path_refusal(model, args), generic_path_notice(model, args)
+    refused, notice = loaded_policy_refusal(model, args), generic_path_notice(model, args)
     if refused is not None:
         raise CohortError(refused)
     if notice is not None:
@@ -100,18 +104,52 @@ def generic_path_notice(model, args) -> str | None:
     return None
 
 
-def generic_path_refusal(model, args) -> str | None:
-    """Why the run `args` asks the generic path (`TransformersCausalLM`) for what only cohort's own models do, in
-    one line naming the option and the fix; None for a native or bare transformers model, or nothing refused."""
-    if not isinstance(model, TransformersCausalLM):
+def generic_path_type(model, impl: str) -> str | None:
+    """The model type of a folder or hub id `model` that will load through transformers' modules (the generic
+    path, or generate where that refuses it), read from its config.json alone; None for a native type, a vision
+    folder, a .gguf file, a model object, `impl` hf, or where there is no config to read."""
+    if impl == "hf" or not isinstance(model, (str, Path)) or tiny.is_builtin_model(str(model)):
         return None
-    where = f"{model.model_type} runs through transformers' modules (the generic path)"
+    spec = str(model)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        model_type = None if _has_vision_tower(path) else _hf_model_type(path)
+    else:
+        model_type = hub_model_type(spec) if is_hub_id(spec) and not path.exists() else None
+    return None if model_type is None or is_supported({"model_type": model_type}) else model_type
+
+
+def loaded_policy_refusal(model, args) -> str | None:
+    """Why the loaded policy cannot run as `args` ask, in one line naming the option and the fix: what only
+    cohort's own models do, asked of the generic path (`generic_path_refusal`) or of transformers' model."""
+    base = base_model(model)
+    if isinstance(base, TransformersCausalLM):
+        return generic_path_refusal(base.model_type, args)
+    if args.torch_compile is True and not hasattr(base, "compile_for_training"):
+        return (f"torch_compile=true compiles the decoder layers of cohort's own models; {type(base).__name__} is "
+                "transformers' (sampled with generate): use --torch_compile auto")
+    return None
+
+
+def generic_path_refusal(model, args) -> str | None:
+    """Why the run `args` asks the generic path for what only cohort's own models do, in one line naming the option
+    and the fix; None where nothing is refused, or for a native or bare transformers model. `model`: a loaded
+    model, or the model type the generic path will serve (`generic_path_type`, None: nothing to refuse)."""
+    if isinstance(model, torch.nn.Module):
+        if not isinstance(model, TransformersCausalLM):
+            return None
+        model = model.model_type
+    if model is None:
+        return None
+    where = f"{model} runs through transformers' modules (the generic path)"
     if args.rollout_numerics == "exact":
         return f"rollout_numerics=exact needs cohort's own models; {where}: use --rollout_numerics fast"
     size = args.rollout_tensor_parallel_size
     if size != "auto" and int(size) > 1:
         return (f"rollout_tensor_parallel_size={size} needs cohort's own models (Llama, Mistral, Qwen2, Qwen3, "
                 f"Qwen3-MoE, Mixtral); {where}: use --rollout_tensor_parallel_size 1")
+    if args.torch_compile is True:
+        return f"torch_compile=true compiles the decoder layers of cohort's own models; {where}: use --torch_compile auto"
     return None
 
 
@@ -125,7 +163,7 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
     if isinstance(model, torch.nn.Module):
         if processing_class is None:
             raise CohortError("a model object needs its tokenizer: pass processing_class=tokenizer")
-        return model.to(device), processing_class
+        return loaded_policy(model.to(device), impl, log), processing_class
     if model == TINY_VISION_MODEL:
         processor = processing_class or build_vision_processor()
         return vision_policy(build_vision_model(processor.tokenizer).to(device), processor, impl, log)
@@ -139,6 +177,8 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
         raise missing_path_error(spec)
     torch_dtype = None if dtype == "auto" else dtype
     if path.is_dir() and _has_vision_tower(path):
+        if impl == "hf":
+            raise hf_vision_refusal(_hf_model_type(path))
         loaded = _load_hf(spec, torch_dtype, device, trust_remote_code, vision=True)
         return vision_policy(loaded, processing_class or load_processor(spec, trust_remote_code), impl, log)
     tokenizer = processing_class or load_tokenizer(spec, trust_remote_code=trust_remote_code)
@@ -155,6 +195,22 @@ def load_policy(model, processing_class=None, *, device=None, dtype="auto", impl
     return policy, tokenizer
 
 
+def loaded_policy(model: torch.nn.Module, impl: str, log=print) -> torch.nn.Module:
+    """A model object as the user gave it; under `impl` cohort a transformers model that is not yet behind the
+    engine's interface is wrapped for it (`generic_policy`: the user's own modules, sampled by the engine), or
+    refused in one line. auto and hf keep it as given (sampled with generate unless it is cohort's)."""
+    if impl != "cohort" or isinstance(base_model(model), (CausalLM, TransformersCausalLM)):
+        return model
+    if has_lora(model) or hasattr(model, "get_base_model"):
+        raise CohortError("model_impl=cohort takes a model object without adapters: pass the base model with "
+                          "peft_config (or --use_peft), or use model_impl auto")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None:
+        raise CohortError(f"model_impl=cohort serves transformers causal LMs; a {type(model).__name__} object is not "
+                          "one: use model_impl auto")
+    return generic_policy(model, model_type, impl, log)
+
+
 def generic_policy(model, model_type: str, impl: str, log=print):
     """A transformers model of a type cohort does not implement itself, behind the engine's interface
     (`TransformersCausalLM`: its own modules, cohort's attention and KV cache), with one line saying so. One the
@@ -167,8 +223,10 @@ def generic_policy(model, model_type: str, impl: str, log=print):
             raise CohortError(f"model_impl=cohort cannot serve this model: {refused}; use --model_impl hf") from None
         log(f"cohort: {model_type} takes transformers' generate (model_impl hf): {refused}")
         return model
-    log(f"cohort: {model_type} is not one of cohort's own implementations; it samples in cohort's engine through "
-        "transformers' own modules (the generic path)")
+    what = "a loaded model object" if is_supported({"model_type": model_type}) else \
+        "not one of cohort's own implementations"
+    log(f"cohort: {model_type} is {what}; it samples in cohort's engine through transformers' own modules "
+        "(the generic path)")
     return wrapped
 
 
@@ -176,8 +234,7 @@ def vision_policy(model, processor, impl: str, log=print):
     """A vision-language model as the engine samples it (`VisionLanguageModel`, its processor kept on it) and the
     processor's tokenizer; one line saying so. Other families, and `impl` hf, are refused by name."""
     if impl == "hf":
-        raise CohortError(f"{model.config.model_type} with model_impl=hf: transformers' generate does not take the "
-                          "images here; use --model_impl auto")
+        raise hf_vision_refusal(model.config.model_type)
     if processor is None or getattr(processor, "tokenizer", None) is None:
         raise CohortError("a vision-language model needs its processor: pass processing_class=AutoProcessor."
                           "from_pretrained(model)")
@@ -189,6 +246,11 @@ def vision_policy(model, processor, impl: str, log=print):
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return wrapped, tokenizer
+
+
+def hf_vision_refusal(model_type: str) -> CohortError:
+    return CohortError(f"{model_type} with model_impl=hf: transformers' generate does not take the images here; use "
+                       "--model_impl auto")
 
 
 def load_processor(spec: str, trust_remote_code: bool = False):
