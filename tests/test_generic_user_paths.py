@@ -154,3 +154,32 @@ def test_lora_on_a_family_whose_projections_are_transformers_conv1d():
         input_ids = torch.tensor([[5, 9, 13, 17, 21]])
         fresh.load_state_dict(merged_state_dict(model))
         assert (model(input_ids) - fresh(input_ids)).abs().max() < 1e-4
+
+
+def test_disable_dropout_makes_the_updates_log_probs_those_of_the_no_grad_passes(tmp_path):
+    """GPT-2's config keeps dropout (0.1 on the residuals, embeddings and attention): in train mode the update's
+    logits are then a random draw unlike the eval-mode passes of π_old and π_ref, and the run says so in one line.
+    TRL's disable_dropout turns every one off (LoRA's included), after which train-mode logits equal eval-mode's."""
+    import transformers
+
+    from cohort_grpo import GRPOConfig
+    from cohort_grpo.models.dropout import active_dropouts
+    from cohort_grpo.run.policy import load_run_policy
+
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=len(build_tokenizer()))
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    build_tokenizer().save_pretrained(tmp_path / "gpt2")
+    input_ids = torch.tensor([[5, 9, 13, 17, 21]])
+    for disable in (False, True):
+        lines = []
+        args = GRPOConfig(output_dir=str(tmp_path / "run"), disable_dropout=disable, use_peft=True, lora_r=2)
+        model, _, _ = load_run_policy(str(tmp_path / "gpt2"), None, args, torch.device("cpu"), log=lines.append)
+        said = [line for line in lines if line.startswith("dropout:")]
+        assert len(said) == (0 if disable else 1) and (disable or "--disable_dropout true" in said[0])
+        assert bool(active_dropouts(model)) != disable
+        with torch.no_grad():
+            evaluated = model.eval()(input_ids)
+            torch.manual_seed(1)
+            trained = model.train()(input_ids)
+        assert torch.equal(trained, evaluated) == disable

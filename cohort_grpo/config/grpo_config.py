@@ -312,6 +312,10 @@ class GRPOConfig:
         "help": "Completions per micro-batch of the update; × gradient_accumulation_steps = completions per step."})
     gradient_accumulation_steps: int = field(default=4, metadata={
         "help": "Micro-batches per optimizer step; the step samples per_device_train_batch_size × this completions."})
+    disable_dropout: bool = field(default=False, metadata={
+        "help": "TRL's: turn off every dropout of the policy (its dropout layers, attention dropout and LoRA's), so "
+                "the update's log π_θ is not a noisy draw beside π_old's and π_ref's, which run without it. "
+                "cohort's own models have none; a transformers model keeps its config's unless this is set."})
 
     # Memory and speed of the update.
     gradient_checkpointing: bool | str = field(default="auto", metadata={

@@ -71,7 +71,7 @@ SECTIONS: tuple[Section, ...] = (
             "",
             ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "optimizer_state_dtype", "offload_optimizer",
              "max_grad_norm", "warmup_steps", "warmup_ratio", "lr_scheduler_type", "per_device_train_batch_size",
-             "gradient_accumulation_steps")),
+             "gradient_accumulation_steps", "disable_dropout")),
     Section("Memory and speed of the update",
             "Memory and speed of the update (docs/howto/memory.md, docs/howto/speed.md).",
             ("gradient_checkpointing", "gradient_checkpointing_layers", "max_memory_gib",

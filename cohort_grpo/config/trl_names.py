@@ -33,7 +33,6 @@ FIXED: dict[str, tuple] = {
     "model_init_kwargs": ((None, {}), "cohort loads the model with dtype, trust_remote_code and model_impl; pass "
                           "those, or load the model yourself and pass the object"),
     "router_aux_loss_coef": ((None,), "cohort has no mixture-of-experts load-balancing loss"),
-    "disable_dropout": ((False,), "cohort's own models have no dropout and a transformers model keeps its config's"),
     "cast_lm_head_to_fp32": ((False,), "the LM head runs in dtype; log-softmax and entropy are float32 already"),
     "remove_unused_columns": ((False,), "every column reaches the reward functions"),
     "num_generations_eval": ((None,), "evaluation samples num_generations completions per prompt (TRL's default; "

@@ -25,6 +25,7 @@ from cohort_grpo.models.generic_training import is_mixture_of_experts
 from cohort_grpo.models.loading import (from_pretrained, hub_offline, hub_unreachable, is_hub_id, load_tokenizer, looks_local,
                                    missing_path_error, one_line)
 from cohort_grpo.models.causal_lm import CausalLM
+from cohort_grpo.models.dropout import active_dropouts, disable_dropout
 from cohort_grpo.models.lora import apply_lora, base_model, has_lora, lora_config_from_args
 from cohort_grpo.models.tiny_vision import (IMAGE_ONLY_PROCESSOR, TINY_VISION_MODEL, build_vision_model,
                                            build_vision_processor, image_only_processor_class)
@@ -86,6 +87,12 @@ def load_run_policy(model, processing_class, args, device: torch.device, *, peft
             peft_config = model.language_lora_config(peft_config)
     if peft_config is not None:  # π_ref is then the base model (adapters off)
         apply_lora(model, peft_config)
+    if args.disable_dropout:
+        disable_dropout(model)
+    elif active := [name for name in active_dropouts(model) if "lora_dropout" not in name]:  # LoRA's: asked for
+        log(f"dropout: {len(active)} dropout layers of this model act in the update (e.g. {active[0]}) but not in "
+            "the passes of π_old and π_ref, which adds noise to the ratio and the KL; --disable_dropout true "
+            "turns them off (TRL's option)")
     if args.rollout_numerics == "exact":
         use_exact_numerics(model, device)
     if tokenizer.eos_token_id is None:
