@@ -167,9 +167,10 @@ def test_sampling_logprobs_equal_teacher_forced(family):
 def test_shared_prompt_layout_equals_padded_rows(family):
     """The update's shared-prompt forward (attention rows through cohort's attention) gives the log-probs of
     one padded row per completion (transformers' own attention); a head with soft-capping or a logit scale
-    takes the logits path instead of the chunked LM head."""
-    model_type, _, model = family
-    assert supports_hidden(model) == (model_type not in ("gemma3_text", "granite", "cohere"))
+    takes the logits path instead of the chunked LM head, and a head that scales its logits (Granite, Cohere) gives the
+    log-probs of transformers' own logits, at a sampling temperature too."""
+    model_type, reference, model = family
+    assert supports_hidden(model) == (model_type != "gemma3_text")  # soft-capped: the logits path
     assert takes_attention_rows(model) == (supports_hidden(model) and model_type not in RECURRENT_FAMILIES)
     if model_type in RECURRENT_FAMILIES:  # one flat row of several sequences would run through one state
         with pytest.raises(CohortError, match="layers that keep a recurrent state"):
@@ -186,6 +187,13 @@ def test_shared_prompt_layout_equals_padded_rows(family):
     shared = rollout_logprobs(model, prompts, completions, mask, pad_id=0, max_rows=4,
                               layout=Layout(shared=True, group=2))
     assert (padded - shared).abs().max() < 1e-4
+    temperature = 0.7
+    warm = rollout_logprobs(model, prompts[:1], completions[:1], mask[:1], pad_id=0, max_rows=1, layout=PADDED,
+                            temperature=temperature)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompts[0] + completions[0].tolist()])).logits[0]
+    expected = torch.log_softmax(logits[len(prompts[0]) - 1: -1] / temperature, dim=-1).gather(1, completions[0][:, None])
+    assert (warm[0] - expected[:, 0]).abs().max() < 1e-4
 
 
 def test_qwen2_matches_the_native_implementation(tmp_path):

@@ -128,7 +128,8 @@ class TransformersCausalLM(nn.Module):
 
     @property
     def plain_head(self) -> bool:
-        """Whether logits are hidden @ lm_head.weightᵀ alone, so the update may take the chunked LM-head path."""
+        """Whether logits are a multiple (`lm_head.scale`) of hidden @ lm_head.weightᵀ, so the update may take the
+        chunked LM-head path."""
         return self.lm_head.plain
 
     @property

@@ -329,10 +329,16 @@ class LogitHead:
         return self.linear.weight
 
     @property
+    def scale(self) -> float:
+        """The logits' factor: `scale` × hidden @ weightᵀ is this head's output where it is `plain`."""
+        return (1.0 if self.multiply in (None, 1) else float(self.multiply)) / (
+            1.0 if self.divide in (None, 1) else float(self.divide))
+
+    @property
     def plain(self) -> bool:
-        """Whether the logits are hidden @ weightᵀ alone (the update's chunked LM-head path needs that)."""
-        transforms = (self.multiply not in (None, 1), self.divide not in (None, 1), self.softcap is not None)
-        return not any(transforms) and getattr(self.linear, "bias", None) is None
+        """Whether the logits are `scale` × hidden @ weightᵀ, no soft-capping and no bias: the update's chunked
+        LM-head path then takes them (the scale folded into its temperature)."""
+        return self.softcap is None and getattr(self.linear, "bias", None) is None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.linear(hidden)

@@ -29,7 +29,8 @@ from cohort_grpo.algorithm.loss_spec import BatchShare, LossSpec
 from cohort_grpo.algorithm.objectives import DEFAULT_SPEC, PolicyLossOutput, policy_loss
 from cohort_grpo.rollout.sampling import Truncation
 from cohort_grpo.update.logprobs import (accumulate_chunk_grads, chunk_rows_for, completion_hidden, head_functions,
-                       micro_batch_logprobs, model_numerics, scatter_to_rows, supports_hidden, truncated_stats)
+                                         head_temperature, micro_batch_logprobs, model_numerics, scatter_to_rows,
+                                         supports_hidden, truncated_stats)
 from cohort_grpo.update.packing import MicroBatch
 
 # ℓ(log π, entropy, token rows, token cols) for the tokens of one chunk, in the micro-batch's [b, T] layout
@@ -115,7 +116,8 @@ class FusedHead:
 
         hidden, weight, tokens = completion_hidden(self.model, micro)
         loss, token_logp, token_entropy = head_with_token_loss(hidden, weight, tokens, weights[rows, cols], chunk_loss,
-                                                               self.temperature, self.chunk_rows,
+                                                               head_temperature(self.model, self.temperature),
+                                                               self.chunk_rows,
                                                                model_numerics(self.model), self.truncation)
         return loss, scatter_to_rows(token_logp, micro), scatter_to_rows(token_entropy, micro)
 

@@ -254,12 +254,21 @@ def is_fully_sharded(model) -> bool:
 
 def supports_hidden(model) -> bool:
     """Our CausalLM can return its final hidden states instead of logits, and so can a `TransformersCausalLM` whose
-    logits are its head's GEMM alone (no soft-capping or logit scale for the chunked head to miss)."""
+    logits are its head's GEMM times a scale (`head_temperature` folds it in; no soft-capping for the chunked head
+    to miss)."""
     from cohort_grpo.models import CausalLM
     from cohort_grpo.models.generic import TransformersCausalLM
 
     inner = getattr(model, "module", model)
     return isinstance(inner, CausalLM) or (isinstance(inner, TransformersCausalLM) and inner.plain_head)
+
+
+def head_temperature(model, temperature: float) -> float:
+    """What the chunked LM head divides hidden @ weightᵀ by to give `model`'s logits over `temperature`: the
+    temperature over the head's logit scale (Granite divides its logits, Cohere multiplies them:
+    `LogitHead.scale`; cohort's own models have none)."""
+    inner = getattr(model, "module", model)
+    return temperature / getattr(inner.lm_head, "scale", 1.0)
 
 
 def takes_attention_rows(model) -> bool:
@@ -307,7 +316,8 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
     there); the LM head weight is read from the wrapped module."""
     if supports_hidden(model):
         hidden, weight, tokens = completion_hidden(model, micro)
-        token_logp, token_entropy = lm_head_logprobs(hidden, weight, tokens, temperature, chunk_rows, with_entropy,
+        token_logp, token_entropy = lm_head_logprobs(hidden, weight, tokens, head_temperature(model, temperature),
+                                                     chunk_rows, with_entropy,
                                                      model_numerics(model), truncation)
     else:
         if micro.attention_rows is not None:
