@@ -77,6 +77,28 @@ def test_on_log_sees_the_step_it_logs(tiny_dir, tmp_path):
     assert Steps.logged == [(1, 1), (2, 2)]
 
 
+def test_callbacks_hear_a_step_in_transformers_order(tiny_dir, tmp_path):
+    """transformers' Trainer calls on_step_end, then on_log (when logging_steps says, or when a callback set
+    control.should_log in on_step_end), then evaluates and saves."""
+    class Events(TrainerCallback):
+        heard = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.heard.append(("step_end", state.global_step))
+            control.should_log = state.global_step == 1  # a step logging_steps would not log
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.heard.append(("log", logs["step"]))
+
+        def on_save(self, args, state, control, **kwargs):
+            self.heard.append(("save", state.global_step))
+
+    args = small(tmp_path, max_steps=3, logging_steps=2, save_strategy="steps", save_steps=1)
+    GRPOTrainer(tiny_dir, reward_funcs=length, train_dataset=ROWS, args=args, callbacks=[Events()]).train()
+    assert Events.heard == [("step_end", 1), ("log", 1), ("save", 1), ("step_end", 2), ("log", 2), ("save", 2),
+                            ("step_end", 3), ("log", 3), ("save", 3)]
+
+
 # ---- the learning-rate schedule ---------------------------------------------------------------------
 
 def factors(scheduler, optimizer, steps: int) -> list[float]:

@@ -270,12 +270,14 @@ class GRPOTrainer:
         """After the algorithm's lines: the engine's weights, the record, evaluation, the checkpoint."""
         self.rollouts.after_update(self.model)  # the engine's copy refreshed (FSDP2); what is sampled ahead started
         self.state.global_step = self.step  # counted before its record is logged, as transformers' Trainer does
-        self.log_step(batch, losses, time.perf_counter() - self.step_started)
+        record = self.log_step(batch, losses, time.perf_counter() - self.step_started)
         if self.step == self.first_step:  # the run's long-lived objects exist now
             self.memory.after_first_step()  # full collections stop walking them (cohort_grpo/memory/gc_pauses.py)
             self.report.restart_gc_clock()
-        control = self.callback_handler.control
-        self.callback_handler.event("on_step_end")
+        control = self.callback_handler.event("on_step_end")  # then on_log, evaluate, save: transformers' order
+        if self.step % self.args.logging_steps == 0 or self.step == self.args.max_steps or control.should_log:
+            control.should_log = False
+            control = self.callback_handler.event("on_log", logs=record)
         due = self.args.eval_steps and self.step % self.args.eval_steps == 0 and (
             self.step < self.args.max_steps or self.task is None)  # a task's last evaluation is finish()'s
         if due or control.should_evaluate:
@@ -298,8 +300,6 @@ class GRPOTrainer:
             extra=self.curriculum.metrics() if self.curriculum is not None else {})
         record = self.report.record(self.step, batch, losses, seconds, context)
         self.state.log_history.append(record)
-        if self.step % self.args.logging_steps == 0 or self.step == self.args.max_steps:
-            self.callback_handler.event("on_log", logs=record)
         return record
 
     # ---- around the loop ---------------------------------------------------------------------
