@@ -63,6 +63,23 @@ def test_an_async_reward_function_is_awaited(tiny_dir, tmp_path):
         assert sample["rewards"]["answer_length"] == len(sample["completion"]) + len(row["answer"])
 
 
+def test_log_extra_columns_reach_each_completions_line(tiny_dir, tmp_path, capsys):
+    """TRL's log_extra(column, values): one value per completion, shown beside it in completions.jsonl; a call with
+    the wrong count is a notice, and the run goes on."""
+    def judged(completions, log_extra, **_):
+        log_extra("verdict", [f"{len(c)} chars" for c in completions])
+        log_extra("short", ["x"])  # one value for the whole batch: not a column
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(tiny_dir, reward_funcs=[length, judged], train_dataset=ROWS, args=small(tmp_path))
+    trainer.train()
+    samples = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert samples and all(sample["verdict"] == f"{len(sample['completion'])} chars" for sample in samples)
+    assert not any("short" in sample for sample in samples)
+    notice = capsys.readouterr().err
+    assert "log_extra('short', ...) with 1 values for 4 completions; pass one per completion" in notice
+
+
 # ---- callbacks --------------------------------------------------------------------------------------
 
 def test_on_log_sees_the_step_it_logs(tiny_dir, tmp_path):

@@ -43,7 +43,7 @@ def trainer_stub(reward_funcs, **config) -> types.SimpleNamespace:
     """What `GRPOTrainer.add_rewards` and `estimate_advantages` read of the trainer, nothing more: the
     trainer's own methods run on it exactly as `train()` calls them."""
     args = GRPOConfig(num_generations=4, **config).validate()
-    return types.SimpleNamespace(args=args, rewards=RewardRunner(reward_funcs, timeout_s=30, errors=args.reward_errors))
+    return types.SimpleNamespace(args=args, state=None, rewards=RewardRunner(reward_funcs, timeout_s=30, errors=args.reward_errors))
 
 
 def score_and_estimate(stub, completions: list[str]) -> tuple[Batch, torch.Tensor]:

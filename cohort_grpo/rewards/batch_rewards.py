@@ -17,6 +17,8 @@ def add_rewards(rewards, batch, args, trainer_state=None) -> None:
     out = rewards(batch.prompts, batch.completions, batch.completion_token_ids(), batch.columns,
                   trainer_state=trainer_state)
     batch.rewards, batch.per_function, batch.reward_metrics = out.rewards, out.per_function, out.metrics
+    batch.reward_extras = [{column: values[i] for column, values in out.extras.items()}
+                           for i in range(len(batch.rows))] if out.extras else None
     if args.overlong_buffer_length:  # DAPO soft overlong punishment, part of the reward
         penalty = overlong_penalty(batch.rollout.completion_mask.sum(dim=1), args.max_completion_length,
                                    args.overlong_buffer_length, args.overlong_penalty_factor)

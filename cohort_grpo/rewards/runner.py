@@ -31,7 +31,7 @@ import inspect
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -55,6 +55,8 @@ class RewardOutput:
     # rewards/unscored_frac (the fraction of samples no function scored); with errors="warn" also
     # rewards/<name>/errors (how many samples the function raised on in this call)
     metrics: dict[str, float]
+    # TRL's log_extra(column, values): each column a reward function logged, one value per sample
+    extras: dict[str, list] = field(default_factory=dict)
 
     @property
     def unscored(self) -> torch.Tensor:
@@ -154,14 +156,12 @@ class RewardRunner:
         nonfinite: dict[str, dict[int, float]] = {}  # each function's NaN / inf values, by sample
         self._error_counts = {name: 0 for name in self.names}
         logged: dict[str, list[float]] = {}  # log_metric's values by name, averaged into the metrics
+        extras: dict[str, list] = {}  # log_extra's columns
         for j, (name, func) in enumerate(zip(self.names, self.funcs)):
             if importable_elsewhere(getattr(func, "score_sample", None)) and self._pool.available:
                 values = self._pool.score(name, func.score_sample, completions, columns)
             else:
-                trainer = dict(trainer_state=trainer_state, log_metric=lambda key, value: logged.setdefault(
-                    key, []).append(float(value)), log_extra=lambda column, values, name=name: self._warn(
-                    name, "log_extra", f"reward {name!r} called log_extra({column!r}, ...): completions.jsonl "
-                    "takes no extra columns, so those values are not logged"))
+                trainer = self._trainer_arguments(name, trainer_state, logged, extras, batch)
                 kwargs = accepted_kwargs(func, dict(prompts=prompts, completions=completions,
                                                      completion_ids=completion_ids, **columns, **trainer))
                 values = self._call_with_timeout(name, func, kwargs, completions)
@@ -177,7 +177,24 @@ class RewardRunner:
                        "they are left out of their group's baseline and get advantage 0", completions[first])
         rewards = (table * self.weights).nansum(dim=1)
         metrics = {**self._metrics(table, rewards, unscored), **{k: sum(v) / len(v) for k, v in logged.items()}}
-        return RewardOutput(rewards=rewards, per_function=table, metrics=metrics)
+        return RewardOutput(rewards=rewards, per_function=table, metrics=metrics, extras=extras)
+
+    def _trainer_arguments(self, name: str, trainer_state, logged: dict, extras: dict, batch: int) -> dict:
+        """What TRL 1.16 hands reward function `name` besides the columns: `trainer_state`, `log_metric(key, value)`
+        (into `logged`, averaged into the step's metrics) and `log_extra(column, values)` (one value per sample,
+        into `extras`: a column of the step's lines in completions.jsonl)."""
+        def log_metric(key: str, value) -> None:
+            logged.setdefault(key, []).append(float(value))
+
+        def log_extra(column: str, values) -> None:
+            values = list(values)
+            if len(values) != batch:
+                self._warn(name, "log_extra", f"reward {name!r} called log_extra({column!r}, ...) with {len(values)} "
+                           f"values for {batch} completions; pass one per completion (that column is not logged)")
+                return
+            extras[str(column)] = values
+
+        return dict(trainer_state=trainer_state, log_metric=log_metric, log_extra=log_extra)
 
     def _call_with_timeout(self, name, func, kwargs, completions) -> list:
         """Call `func(**kwargs)` in a daemon thread; all-None if it raises or outlives `timeout_s`."""

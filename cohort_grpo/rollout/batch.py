@@ -47,6 +47,8 @@ class Batch(RowRecord):
     # [B, F] each reward function's score (NaN = not scored)
     per_function: torch.Tensor | None = record_field(default=None, state=False)
     reward_metrics: dict | None = record_field(WHOLE, default=None, state=False, merge=mean_per_key)
+    # [B] the columns reward functions logged for each completion (TRL's log_extra): {column: value}; None if none
+    reward_extras: list | None = record_field(default=None, state=False, absent=lambda part: [{}] * len(part.rows))
     # [B] each completion's environment (environment_factory), or None
     environments: list | None = record_field(default=None, state=False)
     # [B] each completion's prompt as the model saw it, where that is not the row's own (an environment's reset()

@@ -264,4 +264,6 @@ def completion_samples(batch: Batch, reward_names: list[str], limit: int = 8) ->
         rows.append({"prompt": (batch.sampled_prompts or batch.prompts)[i], "completion": batch.completions[i],
                      "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(reward_names, scores)},
                      "reward": float(batch.rewards[i]), "advantage": float(advantages[i])})
+        for column, value in (batch.reward_extras[i] if batch.reward_extras else {}).items():
+            rows[-1][column if column not in rows[-1] else f"extra/{column}"] = value  # TRL's log_extra
     return rows
