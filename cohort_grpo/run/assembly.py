@@ -168,7 +168,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     report = open_report(args, model, optimizer, toolbox, parallel, start.placement, asked_split, log)
     source = rollout_source(rollouts, memory=memory, phases=report, next_rows=next_prompts,
                             next_seed=prompts.next_seed, engine_copy=engine_copy, policy=model, parallel=parallel,
-                            max_steps=args.max_steps)
+                            max_steps=args.max_steps, past_end=args.save_strategy != "no", log=stage_log)
     return RunAssembly(args=args, parallel=parallel, placement=start.placement, device=device, model=model, tokenizer=tokenizer,
                        pad_id=start.pad_id, train_rows=train_rows, eval_rows=eval_rows, curriculum=curriculum,
                        rewards=rewards, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
