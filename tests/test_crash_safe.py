@@ -129,6 +129,30 @@ def test_a_failure_in_step_3_saves_the_state_at_the_end_of_step_2_exactly(tiny_d
         assert records(tmp_path / "failed" / name) == records(tmp_path / "saved" / name)
 
 
+def test_with_asynchronous_rollouts_a_failure_in_step_3_keeps_step_2_and_resume_gives_the_uninterrupted_run(
+        tiny_dir, tmp_path):
+    """The rollouts sampled ahead at step 2's end (step 3's, in hand when it failed, and step 4's, still sampling)
+    go into the failure checkpoint as a save at step 2 would have kept them."""
+    ahead = dict(async_rollouts=True, max_staleness=1, max_steps=5, logging_steps=1)
+    GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path / "whole", **ahead)).train()
+    calls = []
+
+    def fails_in_step_3(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("the reward service is down")
+        return noisy_reward(completions, **kwargs)
+
+    fails_in_step_3.__name__ = "noisy_reward"  # the metrics' names are the function's
+    with pytest.raises(TrainingFailed) as raised:
+        GRPOTrainer(tiny_dir, fails_in_step_3, UPDATE_PROMPTS, args=config(tmp_path / "run", **ahead)).train()
+    assert raised.value.checkpoint == tmp_path / "run" / "checkpoint-2" and "checkpoint-2 saved" in str(raised.value)
+    GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path / "run", resume=True, **ahead)).train()
+    assert records(tmp_path / "run" / "metrics.jsonl") == records(tmp_path / "whole" / "metrics.jsonl")
+    final = load_file(tmp_path / "whole" / "model.safetensors")
+    assert all(torch.equal(final[k], v) for k, v in load_file(tmp_path / "run" / "model.safetensors").items())
+
+
 def test_a_reward_function_that_raises_is_a_cohort_error_naming_the_checkpoint(tiny_dir, tmp_path):
     calls = []
 

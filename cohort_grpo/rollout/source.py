@@ -14,13 +14,15 @@ either way. The trainer sees a `RolloutSource` only:
 - `sample(rows)`: rows sampled now on this rank's engine (dynamic sampling's extra rounds, the reward models'
   warm-up); `wait_for_engine()`: before the trainer evaluates on that engine;
 - `state_dict()` / `load_state_dict()`: the rollouts sampled ahead, which a checkpoint keeps (trainer_extra.pt);
+  `sampled_ahead()` notes them as they stand at a step's end (not waited for), and `state_dict()` inside
+  `as_of(noted)` gives them as noted then (the checkpoint of that step, written after the next step failed);
 - `close()`: the producer thread stops, or the sampling ranks are told this trainer is done.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Callable, Protocol
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 from torch import nn
 
@@ -58,6 +60,10 @@ class RolloutSource(Protocol):
     def state_dict(self) -> dict | None: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def sampled_ahead(self) -> dict | None: ...
+
+    def as_of(self, noted: dict | None) -> AbstractContextManager[None]: ...
 
     def close(self) -> None: ...
 
@@ -112,6 +118,12 @@ class SampleNow:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def sampled_ahead(self) -> dict | None:
+        return None
+
+    def as_of(self, noted: dict | None) -> AbstractContextManager[None]:
+        return nullcontext()
+
     def close(self) -> None:
         pass
 
@@ -137,6 +149,7 @@ class SampledAhead:
         self.ahead, self.now, self.policy, self.parallel = ahead, now, policy, parallel
         self.max_steps, self.sampler, self.past_end, self.log = max_steps, sampler, past_end, log
         self.step = 0  # the step last taken: the policy's version once it is updated
+        self.noted: dict | None = None  # what `state_dict` gives inside `as_of`; None: the rollouts as they are
 
     def take(self, step: int) -> Batch:
         """The rollout of `step` and how stale it is (`async/staleness`). The first one taken (of a run, or of a
@@ -195,7 +208,20 @@ class SampledAhead:
     def state_dict(self) -> dict:
         """Every rank samples its own block of each step: all ranks' rollouts sampled ahead, gathered (a collective,
         on every rank) for rank 0 to write."""
-        return {"async_rollouts": self.parallel.gather_objects(self.ahead.state_dict())}
+        return {"async_rollouts": self.parallel.gather_objects(self.ahead.state_dict(self.noted))}
+
+    def sampled_ahead(self) -> dict | None:
+        """The rollouts sampled ahead as they stand now, not waited for (None where they cannot be noted)."""
+        return self.ahead.sampled_ahead()
+
+    @contextmanager
+    def as_of(self, noted: dict | None) -> Iterator[None]:
+        """Inside, `state_dict` gives the rollouts `sampled_ahead()` noted (None: as they are)."""
+        self.noted = noted
+        try:
+            yield
+        finally:
+            self.noted = None
 
     def load_state_dict(self, state: dict) -> None:
         """This rank's rollouts of what `state_dict` saved; without them (another layout of ranks) the first step

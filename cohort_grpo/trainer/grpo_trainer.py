@@ -315,8 +315,10 @@ class GRPOTrainer:
 
     def save_checkpoint(self, step_end: StepEnd | None = None) -> Path:
         """checkpoint-<step> of the run as it is now, or with `step_end`: of the step it noted, with the weights
-        as they are now (a failure in the next step, before its update: cohort_grpo/run/failure.py)."""
-        folder = self.checkpoints.save(self.args, self.rewards.funcs, self.run_state, step_end)
+        as they are now (a failure in the next step, before its update: cohort_grpo/run/failure.py), and the rollouts
+        sampled ahead as they stood then."""
+        with self.rollouts.as_of(None if step_end is None else step_end.sampled_ahead):
+            folder = self.checkpoints.save(self.args, self.rewards.funcs, self.run_state, step_end)
         self.callback_handler.event("on_save")
         return folder
 
@@ -331,7 +333,8 @@ class GRPOTrainer:
     def step_end(self) -> StepEnd:
         """The run at the end of a step, noted for the checkpoint a failure in the next step writes."""
         steps = self.policy_update.optimizer_steps()
-        return self.checkpoints.note_step_end(self.run_state(), self.args, self.rewards.funcs, steps)
+        return self.checkpoints.note_step_end(self.run_state(), self.args, self.rewards.funcs, steps,
+                                              self.rollouts.sampled_ahead())
 
     def extra_checkpoint_state(self) -> dict | None:
         """State beyond the model, optimizer and data order: the rollouts sampled ahead (asynchronous
