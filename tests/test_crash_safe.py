@@ -372,6 +372,33 @@ def test_rows_given_to_the_trainer_are_named_by_index(tiny_dir, tmp_path):
         GRPOTrainer(tiny_dir, noisy_reward, rows, args=config(tmp_path / "out", max_prompt_length=32))
 
 
+def scores_answer(completions, answer, **_):
+    return [float(c.strip() == a) + len(c) / 10 for c, a in zip(completions, answer)]
+
+
+def test_a_row_without_a_column_a_reward_needs_is_named_before_step_1(tiny_dir, tmp_path):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3="}]
+    with pytest.raises(CohortError) as raised:
+        GRPOTrainer(tiny_dir, scores_answer, rows, args=config(tmp_path / "out"))
+    assert str(raised.value) == ("train_dataset row 2 has no 'answer' column, which reward 'scores_answer' needs (its "
+                                 "columns: ['prompt']); add it to every row, or drop the reward")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_column_only_some_rows_have_reaches_the_rewards_as_none_elsewhere(tiny_dir, tmp_path):
+    """As in a Hugging Face Dataset made from such rows (`Dataset.from_list`): the column exists, None where a row
+    lacks it."""
+    seen = []
+
+    def reads_hint(completions, hint=None, **_):
+        seen.extend(hint)
+        return [len(c) / 10 for c in completions]
+
+    rows = [{"prompt": f"{a}+1="} if a % 2 else {"prompt": f"{a}+1=", "hint": f"h{a}"} for a in range(8)]
+    GRPOTrainer(tiny_dir, reads_hint, rows, args=config(tmp_path / "out", max_steps=2)).train()
+    assert seen and set(seen) <= {None, "h0", "h2", "h4", "h6"} and None in seen and len(set(seen)) > 1
+
+
 def test_truncate_left_keeps_the_last_max_prompt_length_tokens(tiny_dir, tmp_path):
     """TRL up to 0.27 cut a long prompt to its last max_prompt_length tokens; long_prompts=truncate_left does."""
     _, rows = rows_file(tmp_path / "rows.jsonl")

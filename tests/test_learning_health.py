@@ -61,13 +61,16 @@ PROBLEMS = {  # check → (the values that show it, words its line must hold: wh
     "equal_rewards": ({"frac_reward_zero_std": 1.0, "reward": 0.0},
                       ("rewards were equal", "reward 0.000 at every step", "--num_generations (now 4)")),
     "reward_errors": ({"rewards/accuracy_reward/errors": 16.0}, ("'accuracy_reward' raised on 100%", "--reward_errors")),
+    "unscored": ({"rewards/unscored_frac": 1.0, "frac_reward_zero_std": 1.0, "reward": 0.0},
+                 ("no reward function scored any completion", "None or NaN", "--reward_timeout (now 10 s)")),
     "tool_failures": ({"tools/failure_frequency": 1.0}, ("most tool calls failed", "1.00 at every step",
                                                          "--tool_timeout (now 5 s)")),
     "kl": ({"kl": 2.5}, ("above 1 nat per token", "kl 2.500 at every step", "beta=0.04", "--beta")),
     "clip": ({"clip_ratio/region_mean": 0.8}, ("clip_ratio/region_mean 0.80", "--num_iterations (now 2)",
                                                 "--epsilon (now 0.2)")),
 }
-OPTIONS = HealthOptions(max_completion_length=64, num_generations=4, beta=0.04, num_iterations=2, tool_timeout=5.0)
+OPTIONS = HealthOptions(max_completion_length=64, num_generations=4, beta=0.04, num_iterations=2, tool_timeout=5.0,
+                        reward_timeout=10.0)
 
 
 def test_a_healthy_run_gets_no_warning():
@@ -120,6 +123,15 @@ def test_empty_completions_are_named_as_the_cause_not_the_equal_rewards_they_mak
     given = feed(LearningHealth(OPTIONS), run_of(bad, set(range(1, 65)), steps=64))
     assert [line.split(" for ")[0] for lines in given.values() for line in lines] == [
         "warning: every completion was empty"]
+
+
+def test_rewards_no_function_scored_are_named_as_the_cause_not_as_equal_rewards():
+    """Every reward None or NaN leaves every group without a spread (its advantages 0): one warning, about the
+    scoring."""
+    bad, _ = PROBLEMS["unscored"]
+    given = feed(LearningHealth(OPTIONS), run_of(bad, set(range(1, 65)), steps=64))
+    assert [line.split(" for ")[0] for lines in given.values() for line in lines] == [
+        "warning: no reward function scored any completion"]
 
 
 def test_a_ported_environment_run_with_reward_and_gradient_zero_for_44_steps_is_told_once():
