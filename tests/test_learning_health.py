@@ -291,3 +291,36 @@ def test_success_counts_the_accuracy_reward_not_the_format_reward(tiny_dir, tmp_
     shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Step ")]
     assert len(shown) == 3 and all(", Success=" in line for line in shown)
     assert any(line.startswith("Legend:") and "accuracy_reward scores above 0" in line for line in lines)
+
+
+class FailsAt:
+    """A callback that raises at the start of step `step` (the run keeps the step before: run/failure.py)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **_):
+        if state.global_step + 1 == self.step:
+            raise KeyError("stopped")
+
+
+@pytest.mark.parametrize("stopped_after", [WINDOW - 4, WINDOW + 1])
+def test_a_resumed_run_warns_as_the_uninterrupted_one(tiny_dir, tmp_path, stopped_after):
+    """The checks go on from where the checkpoint's steps left them: a run stopped inside the window warns at the
+    same step, one stopped after the warning (given at a step metrics.jsonl did not log) does not warn again and
+    still writes it on the next logged line."""
+    every_third = dict(logging_steps=3, save_steps=0)
+    GRPOTrainer(tiny_dir, zero_reward, PROMPTS, args=tiny_args(tmp_path / "whole", **every_third)).train()
+    with pytest.raises(KeyError):
+        GRPOTrainer(tiny_dir, zero_reward, PROMPTS, args=tiny_args(tmp_path / "run", **every_third),
+                    callbacks=[FailsAt(stopped_after + 1)]).train()
+    lines = []
+    GRPOTrainer(tiny_dir, zero_reward, PROMPTS, log=lines.append,
+                args=tiny_args(tmp_path / "run", **every_third, resume=True)).train()
+    whole = {r["step"]: r.get("warnings") for r in read_metrics(tmp_path / "whole") if "reward" in r}
+    resumed = {r["step"]: r.get("warnings") for r in read_metrics(tmp_path / "run") if "reward" in r}
+    assert resumed == whole and any(whole.values())
+    told = [line for line in lines if line.startswith("warning:")]
+    assert len(told) == (stopped_after < WINDOW)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())["warnings"]
+    assert summary == json.loads((tmp_path / "whole" / "summary.json").read_text())["warnings"]

@@ -3,8 +3,8 @@ the option to change.
 
 It reads each step's metrics record (the names of docs/reference.md, averaged over the ranks) and nothing
 else, so a check can be tried on made-up records. A check fires when its condition holds at `WINDOW`
-consecutive steps, and never again in the run (a resumed run counts afresh); a step that does not show the
-problem (or does not log the metric) restarts its count.
+consecutive steps, and never again in the run (a resumed run goes on from its checkpoint's steps:
+`StepReport.resumed`); a step that does not show the problem (or does not log the metric) restarts its count.
 
 - every completion empty (`completions/empty_ratio` = 1): the model ends each answer at once;
 - every completion cut at max_completion_length (`completions/clipped_ratio` = 1);

@@ -306,7 +306,8 @@ class GRPOTrainer:
         state = self.checkpoints.resume(run or self.lifecycle(), lambda: self.rewards.funcs, self.enter_curriculum_stage)
         if state is not None:  # the objects are restored in place; the plain values are the trainer's
             self.step, self.accuracy_before, self.seconds_before = state.step, state.accuracy_before, state.seconds
-            self.report.history, self.state.log_history = state.history, [dict(r) for r in state.history]
+            self.report.resumed(state.history)  # the records, and the learning-health checks where they left them
+            self.state.log_history = [dict(r) for r in state.history]
             self.prompts.load_state_dict(state.prompts)
             counters = self.policy_update.counters
             counters.skipped_steps, counters.nonfinite_in_a_row = state.skipped_steps, state.nonfinite_in_a_row
