@@ -399,6 +399,22 @@ def test_a_column_only_some_rows_have_reaches_the_rewards_as_none_elsewhere(tiny
     assert seen and set(seen) <= {None, "h0", "h2", "h4", "h6"} and None in seen and len(set(seen)) > 1
 
 
+def test_a_resume_with_fewer_training_rows_says_so_and_starts_a_fresh_epoch(tiny_dir, tmp_path):
+    """The checkpoint's place in its epoch indexes rows that may not exist any more (a bad row deleted from the data
+    file, then --resume): one line, and a fresh epoch over the rows there are, not an IndexError mid-step."""
+    GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path, max_steps=1, save_steps=1)).train()
+    assert max(json.loads((tmp_path / "checkpoint-1" / TRAINER_STATE).read_text())["data_order"]) >= 10
+    lines = []
+    trainer = GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS[:10], log=lines.append,
+                          args=config(tmp_path, max_steps=3, resume=True))
+    trainer.train()
+    assert trainer.step == 3
+    assert [line for line in lines if "training rows" in line] == [
+        "the training rows changed since checkpoint-1 (24 rows then, 10 now): its place in the epoch cannot be "
+        "continued, so a fresh epoch over the 10 rows starts at step 2, and the run differs from an uninterrupted "
+        "one from there"]
+
+
 def test_truncate_left_keeps_the_last_max_prompt_length_tokens(tiny_dir, tmp_path):
     """TRL up to 0.27 cut a long prompt to its last max_prompt_length tokens; long_prompts=truncate_left does."""
     _, rows = rows_file(tmp_path / "rows.jsonl")

@@ -180,6 +180,7 @@ def _write_contents(parts: RunParts, run: RunState, folder: Path, shared: dict |
         "model_shapes": {k: list(v.shape) for k, v in parts.model.state_dict().items()},
         "data_order": list(run.prompts["data_order"]),
         "data_rng": python_state(run.prompts["data_rng"]),
+        "data_rows": run.prompts.get("rows"),  # how many rows data_order indexes (a resume may be given others)
         **(run.random or random_state()),  # rank 0's, and with several ranks each rank's in rank_random
         "world_size": parts.parallel.world_size,
         "rank_random": shared["rank_random"] if shared else None,

@@ -35,6 +35,7 @@ from cohort_grpo.rollout.batch import Batch
 from cohort_grpo.run.assembly import assemble_run
 from cohort_grpo.run.callbacks import CallbackHandler
 from cohort_grpo.run.checkpoint import RunState
+from cohort_grpo.run.checkpoint_load import data_position
 from cohort_grpo.run.checkpointing import Checkpointing
 from cohort_grpo.run import hub
 from cohort_grpo.run.ending import release_run, report_end, save_policy_folder, train_output
@@ -308,7 +309,7 @@ class GRPOTrainer:
             self.step, self.accuracy_before, self.seconds_before = state.step, state.accuracy_before, state.seconds
             self.report.resumed(state.history)  # the records, and the learning-health checks where they left them
             self.state.log_history = [dict(r) for r in state.history]
-            self.prompts.load_state_dict(state.prompts)
+            self.prompts.load_state_dict(data_position(state.prompts, state.step, len(self.prompts.rows), self.log))
             counters = self.policy_update.counters
             counters.skipped_steps, counters.nonfinite_in_a_row = state.skipped_steps, state.nonfinite_in_a_row
             self.state.global_step = self.step
@@ -326,7 +327,8 @@ class GRPOTrainer:
     def run_state(self) -> RunState:
         """The run's plain values now (`RunState`); its history is the run's list up to its length now."""
         counters = self.policy_update.counters
-        return RunState(step=self.step, prompts=self.prompts.state_dict(), history=self.history,
+        prompts = {**self.prompts.state_dict(), "rows": len(self.prompts.rows)}
+        return RunState(step=self.step, prompts=prompts, history=self.history,
                         history_length=len(self.history),
                         accuracy_before=self.accuracy_before, skipped_steps=counters.skipped_steps,
                         nonfinite_in_a_row=counters.nonfinite_in_a_row, seconds=self.training_seconds())
