@@ -122,8 +122,9 @@ METRICS: list[tuple[str, str, str]] = [
     ("value_loss", "PPOTrainer", "the critic's clipped value loss"),
     ("critic_grad_norm", "PPOTrainer", "the critic's gradient norm before clipping"),
     ("warnings", "a learning-health check fired", "the warning lines given since the previous line, each "
-                                                  "once a run: every completion empty or clipped, every group's "
-                                                  "rewards equal, a reward function or the tools failing on most "
+                                                  "once a run: every completion empty or clipped, no completion "
+                                                  "scored, every group's rewards equal, a reward function or the "
+                                                  "tools failing on most "
                                                   "calls, the KL or the clipped share running away, each for 10 "
                                                   "steps in a row (cohort_grpo/telemetry/health.py); a list of strings"),
     ("eval/accuracy", "evaluations", "greedy held-out accuracy (before training, every eval_steps, after)"),

@@ -95,3 +95,37 @@ def test_settings_that_cannot_work_are_refused(tiny_dir, tmp_path):
         config(tmp_path, max_staleness=0).validate()
     with pytest.raises(CohortError, match="leave importance_sampling_correction on"):
         config(tmp_path, importance_sampling_correction=False).validate()
+
+
+@pytest.mark.cpu("bitwise-equal runs: the CPU sums in a fixed order, a GPU's atomics do not")
+def test_a_finished_run_resumed_with_more_steps_continues_as_the_longer_run(tiny_dir, tmp_path):
+    """The rollouts of the steps after max_steps are sampled ahead as in a longer run (from the policy
+    max_staleness updates before), so the last checkpoint holds them and a resume with a larger max_steps trains
+    what the longer run trains."""
+    longer = config(tmp_path / "longer", max_steps=5, max_staleness=2, save_steps=0)
+    GRPOTrainer(tiny_dir, odd_length, UPDATE_PROMPTS, args=longer).train()
+    shorter = config(tmp_path / "run", max_steps=3, max_staleness=2, save_steps=0)
+    GRPOTrainer(tiny_dir, odd_length, UPDATE_PROMPTS, args=shorter).train()
+    GRPOTrainer(tiny_dir, odd_length, UPDATE_PROMPTS, args=config(tmp_path / "run", max_steps=5, max_staleness=2,
+                                                                  save_steps=0, resume=True)).train()
+    assert [r["loss"] for r in records(tmp_path / "run")] == [r["loss"] for r in records(tmp_path / "longer")]
+    final = load_file(tmp_path / "longer" / "model.safetensors")
+    assert all(torch.equal(final[k], v) for k, v in load_file(tmp_path / "run" / "model.safetensors").items())
+
+
+class WithoutRolloutsSampledAhead(GRPOTrainer):
+    """Resumes as from a checkpoint that holds no rollouts sampled ahead (one of an older version)."""
+
+    def load_extra_checkpoint_state(self, state):
+        pass
+
+
+def test_a_resume_without_rollouts_sampled_ahead_says_in_one_line_that_its_steps_differ(tiny_dir, tmp_path):
+    GRPOTrainer(tiny_dir, odd_length, UPDATE_PROMPTS, args=config(tmp_path, max_steps=2, save_steps=0)).train()
+    lines = []
+    WithoutRolloutsSampledAhead(tiny_dir, odd_length, UPDATE_PROMPTS, log=lines.append,
+                                args=config(tmp_path, max_steps=4, save_steps=0, resume=True)).train()
+    said = [line for line in lines if "sampled ahead" in line]
+    assert said == ["asynchronous rollouts: the checkpoint of step 2 holds no rollouts sampled ahead, so step 3's "
+                    "rollout is sampled from its weights, not from those max_staleness=1 updates before: the resumed "
+                    "run differs from an uninterrupted one from step 3 on"], lines

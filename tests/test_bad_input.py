@@ -279,6 +279,28 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(files, tmp_path, c
     assert not list(out.glob(".tmp-*"))
 
 
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 300 KiB tmpfs: room for the weights of the suite's model's checkpoint, not for its optimizer.pt (its
+    checkpoint has 448 KiB), so that torch.save's write really fails with ENOSPC; skipped
+    where this process may not mount one (it needs root)."""
+    folder = tmp_path / "small-disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()})")
+    yield folder
+    subprocess.run(["umount", "--lazy", str(folder)], check=True)  # the failed run's logs may still be open
+
+
+def test_a_real_disk_full_while_saving_is_the_disk_full_line(files, small_filesystem, capsys):
+    """torch.save's own error on a full disk (its zip writer's "unexpected pos", no OSError) reads as disk full."""
+    out = small_filesystem / "run"
+    one_error_line(capsys, small_run(files, out), f"disk full while saving checkpoint-1 in {out}", "free space",
+                   "--resume", "no earlier checkpoint exists")
+    assert not list(out.glob(".tmp-*")) and not ckpt.list_checkpoints(out)
+
+
 @pytest.mark.slow
 def test_no_traceback_from_a_real_process(files, tmp_path):
     """The same contract in a real process: stderr is the single line, exit code 2."""

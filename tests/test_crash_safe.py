@@ -129,6 +129,30 @@ def test_a_failure_in_step_3_saves_the_state_at_the_end_of_step_2_exactly(tiny_d
         assert records(tmp_path / "failed" / name) == records(tmp_path / "saved" / name)
 
 
+def test_with_asynchronous_rollouts_a_failure_in_step_3_keeps_step_2_and_resume_gives_the_uninterrupted_run(
+        tiny_dir, tmp_path):
+    """The rollouts sampled ahead at step 2's end (step 3's, in hand when it failed, and step 4's, still sampling)
+    go into the failure checkpoint as a save at step 2 would have kept them."""
+    ahead = dict(async_rollouts=True, max_staleness=1, max_steps=5, logging_steps=1)
+    GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path / "whole", **ahead)).train()
+    calls = []
+
+    def fails_in_step_3(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("the reward service is down")
+        return noisy_reward(completions, **kwargs)
+
+    fails_in_step_3.__name__ = "noisy_reward"  # the metrics' names are the function's
+    with pytest.raises(TrainingFailed) as raised:
+        GRPOTrainer(tiny_dir, fails_in_step_3, UPDATE_PROMPTS, args=config(tmp_path / "run", **ahead)).train()
+    assert raised.value.checkpoint == tmp_path / "run" / "checkpoint-2" and "checkpoint-2 saved" in str(raised.value)
+    GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path / "run", resume=True, **ahead)).train()
+    assert records(tmp_path / "run" / "metrics.jsonl") == records(tmp_path / "whole" / "metrics.jsonl")
+    final = load_file(tmp_path / "whole" / "model.safetensors")
+    assert all(torch.equal(final[k], v) for k, v in load_file(tmp_path / "run" / "model.safetensors").items())
+
+
 def test_a_reward_function_that_raises_is_a_cohort_error_naming_the_checkpoint(tiny_dir, tmp_path):
     calls = []
 
@@ -346,6 +370,49 @@ def test_rows_given_to_the_trainer_are_named_by_index(tiny_dir, tmp_path):
     with pytest.raises(CohortError, match=r"^train_dataset row 2: the prompt has \d+ tokens, more than "
                                           r"max_prompt_length=32; .*long_prompts='truncate_left'"):
         GRPOTrainer(tiny_dir, noisy_reward, rows, args=config(tmp_path / "out", max_prompt_length=32))
+
+
+def scores_answer(completions, answer, **_):
+    return [float(c.strip() == a) + len(c) / 10 for c, a in zip(completions, answer)]
+
+
+def test_a_row_without_a_column_a_reward_needs_is_named_before_step_1(tiny_dir, tmp_path):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3="}]
+    with pytest.raises(CohortError) as raised:
+        GRPOTrainer(tiny_dir, scores_answer, rows, args=config(tmp_path / "out"))
+    assert str(raised.value) == ("train_dataset row 2 has no 'answer' column, which reward 'scores_answer' needs (its "
+                                 "columns: ['prompt']); add it to every row, or drop the reward")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_column_only_some_rows_have_reaches_the_rewards_as_none_elsewhere(tiny_dir, tmp_path):
+    """As in a Hugging Face Dataset made from such rows (`Dataset.from_list`): the column exists, None where a row
+    lacks it."""
+    seen = []
+
+    def reads_hint(completions, hint=None, **_):
+        seen.extend(hint)
+        return [len(c) / 10 for c in completions]
+
+    rows = [{"prompt": f"{a}+1="} if a % 2 else {"prompt": f"{a}+1=", "hint": f"h{a}"} for a in range(8)]
+    GRPOTrainer(tiny_dir, reads_hint, rows, args=config(tmp_path / "out", max_steps=2)).train()
+    assert seen and set(seen) <= {None, "h0", "h2", "h4", "h6"} and None in seen and len(set(seen)) > 1
+
+
+def test_a_resume_with_fewer_training_rows_says_so_and_starts_a_fresh_epoch(tiny_dir, tmp_path):
+    """The checkpoint's place in its epoch indexes rows that may not exist any more (a bad row deleted from the data
+    file, then --resume): one line, and a fresh epoch over the rows there are, not an IndexError mid-step."""
+    GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS, args=config(tmp_path, max_steps=1, save_steps=1)).train()
+    assert max(json.loads((tmp_path / "checkpoint-1" / TRAINER_STATE).read_text())["data_order"]) >= 10
+    lines = []
+    trainer = GRPOTrainer(tiny_dir, noisy_reward, UPDATE_PROMPTS[:10], log=lines.append,
+                          args=config(tmp_path, max_steps=3, resume=True))
+    trainer.train()
+    assert trainer.step == 3
+    assert [line for line in lines if "training rows" in line] == [
+        "the training rows changed since checkpoint-1 (24 rows then, 10 now): its place in the epoch cannot be "
+        "continued, so a fresh epoch over the 10 rows starts at step 2, and the run differs from an uninterrupted "
+        "one from there"]
 
 
 def test_truncate_left_keeps_the_last_max_prompt_length_tokens(tiny_dir, tmp_path):

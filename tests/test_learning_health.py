@@ -61,13 +61,16 @@ PROBLEMS = {  # check → (the values that show it, words its line must hold: wh
     "equal_rewards": ({"frac_reward_zero_std": 1.0, "reward": 0.0},
                       ("rewards were equal", "reward 0.000 at every step", "--num_generations (now 4)")),
     "reward_errors": ({"rewards/accuracy_reward/errors": 16.0}, ("'accuracy_reward' raised on 100%", "--reward_errors")),
+    "unscored": ({"rewards/unscored_frac": 1.0, "frac_reward_zero_std": 1.0, "reward": 0.0},
+                 ("no reward function scored any completion", "None or NaN", "--reward_timeout (now 10 s)")),
     "tool_failures": ({"tools/failure_frequency": 1.0}, ("most tool calls failed", "1.00 at every step",
                                                          "--tool_timeout (now 5 s)")),
     "kl": ({"kl": 2.5}, ("above 1 nat per token", "kl 2.500 at every step", "beta=0.04", "--beta")),
     "clip": ({"clip_ratio/region_mean": 0.8}, ("clip_ratio/region_mean 0.80", "--num_iterations (now 2)",
                                                 "--epsilon (now 0.2)")),
 }
-OPTIONS = HealthOptions(max_completion_length=64, num_generations=4, beta=0.04, num_iterations=2, tool_timeout=5.0)
+OPTIONS = HealthOptions(max_completion_length=64, num_generations=4, beta=0.04, num_iterations=2, tool_timeout=5.0,
+                        reward_timeout=10.0)
 
 
 def test_a_healthy_run_gets_no_warning():
@@ -120,6 +123,15 @@ def test_empty_completions_are_named_as_the_cause_not_the_equal_rewards_they_mak
     given = feed(LearningHealth(OPTIONS), run_of(bad, set(range(1, 65)), steps=64))
     assert [line.split(" for ")[0] for lines in given.values() for line in lines] == [
         "warning: every completion was empty"]
+
+
+def test_rewards_no_function_scored_are_named_as_the_cause_not_as_equal_rewards():
+    """Every reward None or NaN leaves every group without a spread (its advantages 0): one warning, about the
+    scoring."""
+    bad, _ = PROBLEMS["unscored"]
+    given = feed(LearningHealth(OPTIONS), run_of(bad, set(range(1, 65)), steps=64))
+    assert [line.split(" for ")[0] for lines in given.values() for line in lines] == [
+        "warning: no reward function scored any completion"]
 
 
 def test_a_ported_environment_run_with_reward_and_gradient_zero_for_44_steps_is_told_once():
@@ -279,3 +291,36 @@ def test_success_counts_the_accuracy_reward_not_the_format_reward(tiny_dir, tmp_
     shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Step ")]
     assert len(shown) == 3 and all(", Success=" in line for line in shown)
     assert any(line.startswith("Legend:") and "accuracy_reward scores above 0" in line for line in lines)
+
+
+class FailsAt:
+    """A callback that raises at the start of step `step` (the run keeps the step before: run/failure.py)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **_):
+        if state.global_step + 1 == self.step:
+            raise KeyError("stopped")
+
+
+@pytest.mark.parametrize("stopped_after", [WINDOW - 4, WINDOW + 1])
+def test_a_resumed_run_warns_as_the_uninterrupted_one(tiny_dir, tmp_path, stopped_after):
+    """The checks go on from where the checkpoint's steps left them: a run stopped inside the window warns at the
+    same step, one stopped after the warning (given at a step metrics.jsonl did not log) does not warn again and
+    still writes it on the next logged line."""
+    every_third = dict(logging_steps=3, save_steps=0)
+    GRPOTrainer(tiny_dir, zero_reward, PROMPTS, args=tiny_args(tmp_path / "whole", **every_third)).train()
+    with pytest.raises(KeyError):
+        GRPOTrainer(tiny_dir, zero_reward, PROMPTS, args=tiny_args(tmp_path / "run", **every_third),
+                    callbacks=[FailsAt(stopped_after + 1)]).train()
+    lines = []
+    GRPOTrainer(tiny_dir, zero_reward, PROMPTS, log=lines.append,
+                args=tiny_args(tmp_path / "run", **every_third, resume=True)).train()
+    whole = {r["step"]: r.get("warnings") for r in read_metrics(tmp_path / "whole") if "reward" in r}
+    resumed = {r["step"]: r.get("warnings") for r in read_metrics(tmp_path / "run") if "reward" in r}
+    assert resumed == whole and any(whole.values())
+    told = [line for line in lines if line.startswith("warning:")]
+    assert len(told) == (stopped_after < WINDOW)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())["warnings"]
+    assert summary == json.loads((tmp_path / "whole" / "summary.json").read_text())["warnings"]

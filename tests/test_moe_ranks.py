@@ -162,6 +162,6 @@ def test_a_sampling_rank_ships_its_routes_and_trains_what_one_process_trains(roo
     reference = one_process(root, moe_dir, "async_one", *asynchronous)
     split = root / "split"
     output = run(root, launcher(3, *options(moe_dir, split, 2, *asynchronous, "--rollout_gpus", "1")))
-    assert "cohort: rank 2 sampled 6 rollouts for trainer rank(s) 0, 1" in output
+    assert "cohort: rank 2 sampled 8 rollouts for trainer rank(s) 0, 1" in output  # (3 steps + 1 ahead) × 2 trainers
     assert_same_training(split, reference)
     assert [r["async/staleness"] for r in step_records(split)] == [0.0, 1.0, 1.0]

@@ -204,6 +204,16 @@ def test_wrong_length_is_an_error_naming_the_function():
         runner(PROMPTS, COMPLETIONS, IDS, {})
 
 
+@pytest.mark.parametrize("returned, kind", [({"score": 1.0}, "dict"), ("1.00", "str"), ({1.0, 0.0}, "set")])
+def test_a_mapping_a_string_or_a_set_is_not_read_as_a_list(returned, kind):
+    """Each has a length (a string of 4 characters would pass for 4 scores) but no score per completion in order."""
+    def returns_whole(prompts, completions, **_):
+        return returned
+
+    with pytest.raises(CohortError, match=rf"^reward 'returns_whole' returned a {kind}, not a list of floats; "):
+        RewardRunner([returns_whole])(PROMPTS, COMPLETIONS, IDS, {})
+
+
 def test_non_numeric_value_is_an_error():
     runner = RewardRunner([text_reward])
     with pytest.raises(CohortError, match=r"'text_reward' returned 'good'"):

@@ -162,7 +162,8 @@ def test_two_trainers_and_a_sampler_train_what_one_process_trains_and_resume(roo
 
     split = root / "split"
     output = run(root, three_ranks(*options(tiny_dir, split, 2, "--rollout_gpus", "1")), timeout=600)
-    assert "cohort: rank 2 sampled 6 rollouts for trainer rank(s) 0, 1" in output  # 3 steps × 2 trainers
+    # (3 steps + step 4's, which a longer run samples ahead before update 3, for the last checkpoint) × 2 trainers
+    assert "cohort: rank 2 sampled 8 rollouts for trainer rank(s) 0, 1" in output
     assert_same_training(split, reference)
     assert not (split / "rank2").exists() and (split / "summary.json").is_file()
 
@@ -185,8 +186,8 @@ def test_a_tensor_parallel_sampling_group_trains_what_one_process_trains(root, t
                                              "--rollout_tensor_parallel_size", "2")), timeout=600)
     assert ("rollouts: sampled on 2 rank(s) in 1 tensor-parallel group(s) of 2 (rollout_tensor_parallel_size), "
             "max_staleness 1") in output
-    assert "cohort: rank 1 sampled 3 rollouts for trainer rank(s) 0" in output
-    assert "cohort: rank 2 sampled 3 rollouts for trainer rank(s) 0" in output  # the same calls, not sent
+    assert "cohort: rank 1 sampled 4 rollouts for trainer rank(s) 0" in output  # 3 steps + step 4's, sampled ahead
+    assert "cohort: rank 2 sampled 4 rollouts for trainer rank(s) 0" in output  # the same calls, not sent
     assert_same_training(out, reference)
     # Version 0 arrives for step 1 and serves step 2 too (0.0: nothing to receive); version 1 arrives for step 3.
     synced = [r["time/weight_sync"] for r in step_records(out)]
@@ -365,7 +366,9 @@ def test_partial_rollouts_on_a_sampling_rank_stay_within_max_staleness_and_resum
                "--max_completion_length", "16", "--max_steps", "5")
     whole = root / "partial"
     output = run(root, three_ranks(*options(tiny_dir, whole, 2, *partial)), timeout=600)
-    assert "cohort: rank 2 sampled 10 rollouts for trainer rank(s) 0, 1" in output  # 5 steps × 2 trainers
+    # 5 steps and the 2 after them, requested ahead for the last checkpoint, × 2 trainers, less the calls the
+    # carried-over groups spared
+    assert "cohort: rank 2 sampled 12 rollouts for trainer rank(s) 0, 1" in output
     records = step_records(whole)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert all(r["async/staleness"] <= 2 for r in records) and records[0]["async/staleness"] == 0.0
@@ -376,8 +379,9 @@ def test_partial_rollouts_on_a_sampling_rank_stay_within_max_staleness_and_resum
     resumed.mkdir()
     shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
     output = run(root, three_ranks(*options(tiny_dir, resumed, 2, *partial, "--resume", "true")), timeout=600)
-    # Steps 3 and 4 come back from the checkpoint; step 5 is sampled from the pool it kept.
-    assert "cohort: rank 2 sampled 2 rollouts" in output
+    # Steps 3 and 4 come back from the checkpoint; step 5 is sampled from the pool it kept, then the 2 steps after
+    # max_steps, as in the uninterrupted run.
+    assert "cohort: rank 2 sampled 4 rollouts" in output
     assert_same_training(resumed, whole, slice(-3, None))
 
 

@@ -260,6 +260,33 @@ def test_a_tool_that_times_out_fails_at_its_timeout():
     assert failed and "timed out after 0.2 s" in text
 
 
+HANGS_FOREVER = """
+import threading
+from cohort_grpo.tools import ToolCall, run_tool_call
+
+def wait_forever() -> str:
+    \"\"\"Never returns.\"\"\"
+    threading.Event().wait()
+
+print(run_tool_call(ToolCall("wait_forever", {}), [wait_forever], timeout_s=0.2).text, flush=True)
+"""
+
+
+def test_a_tool_that_never_returns_does_not_keep_the_process_from_exiting(tmp_path):
+    """Its thread cannot be stopped; it must not be one the interpreter waits for at exit (a run that ended would
+    hang there forever)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGS_FOREVER)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=20, env=os.environ)
+    assert done.returncode == 0, done.stderr
+    assert "timed out after 0.2 s" in done.stdout and time.monotonic() - started < 20
+
+
 def test_a_tool_that_raises_fails_with_its_message():
     text, failed, _ = run(ToolCall("divide", {"a": 1, "b": 0}))
     assert failed and text == "{'error': 'ZeroDivisionError: division by zero'}"

@@ -262,6 +262,8 @@ class RewardRunner:
         """`values` as floats, NaN where None or not finite, after checking the function's contract; and the
         NaN / inf values by sample (scored None, with a notice of their own)."""
         try:
+            if isinstance(values, (str, bytes, dict, set, frozenset)):  # a length, but no score per completion
+                raise TypeError(type(values).__name__)
             values = list(values.tolist() if hasattr(values, "tolist") else values)
         except TypeError:
             raise CohortError(f"reward {name!r} returned a {type(values).__name__}, not a list of floats; "

@@ -116,11 +116,18 @@ class AsyncRollouts:
         """Batches of prompts each submission carries (partial rollouts, on sampling ranks only, want more)."""
         return 1
 
-    def state_dict(self) -> dict:
+    def state_dict(self, noted: dict | None = None) -> dict:
         """The rollouts sampled ahead (waited for), as plain values, so a checkpoint resumes exactly: they
-        were drawn from the data stream and the weights the checkpoint has already moved past."""
+        were drawn from the data stream and the weights the checkpoint has already moved past. `noted`: those
+        `sampled_ahead` noted earlier (None: those pending now)."""
+        pending = self.pending if noted is None else noted
         return {"pending": [{"step": step, "version": version, **future.result().state()}
-                            for step, (future, version) in sorted(self.pending.items())]}
+                            for step, (future, version) in sorted(pending.items())]}
+
+    def sampled_ahead(self) -> dict:
+        """The rollouts pending now (the batches to come), not waited for: a step that takes one and then fails can
+        still save them as they were at the end of the step before."""
+        return dict(self.pending)
 
     def load_state_dict(self, state: dict) -> None:
         """Put back the rollouts a checkpoint saved, as if just sampled."""

@@ -68,8 +68,10 @@ class Batch(RowRecord):
 
     @property
     def columns(self) -> dict[str, list]:
-        """The dataset's other columns, one list of B values each (reward functions take them as keywords)."""
-        columns = {k: [r[k] for r in self.rows] for k in self.rows[0] if k != "prompt"}
+        """The dataset's other columns, one list of B values each (reward functions take them as keywords); a
+        column some rows lack is None there, as in a Hugging Face Dataset made from such rows."""
+        names = dict.fromkeys(name for row in self.rows for name in row if name != "prompt")
+        columns = {k: [r.get(k) for r in self.rows] for k in names}
         if self.environments is not None:  # TRL passes them to reward functions as `environments`
             columns["environments"] = self.environments
         return columns

@@ -92,7 +92,12 @@ class RemoteRollouts:
         in flight beyond a step's), else 1."""
         return 2 if self.partial and self.pool is None and not self.pending else 1
 
-    def state_dict(self) -> dict:
+    def sampled_ahead(self) -> None:
+        """None: what the sampling ranks hold at a step's end (the pool of groups in flight) is not noted, so a
+        failure in the next step cannot write that step's checkpoint."""
+        return None
+
+    def state_dict(self, noted: None = None) -> dict:
         """The rollouts requested and not yet trained on (waited for), and with partial rollouts the sampling
         rank's pool after them, for a checkpoint."""
         if self.pending:

@@ -102,7 +102,7 @@ def refuse_with_images(args, toolbox: Toolbox | None, link, sampling_group) -> N
 
 
 def rollout_source(rollouts: Rollouts, *, memory, phases, next_rows, next_seed, engine_copy, policy, parallel,
-                   max_steps: int) -> RolloutSource:
+                   max_steps: int, past_end: bool = True, log=print) -> RolloutSource:
     """The `RolloutSource` a trainer rank takes each step's rollout from, over what `build_rollouts` made:
     `SampleNow`, or with rollouts sampled ahead `SampledAhead` (the arguments are theirs, cohort_grpo/rollout/source.py)."""
     now = SampleNow(rollouts.group_sampler, memory=memory, phases=phases, next_rows=next_rows, next_seed=next_seed,
@@ -110,7 +110,7 @@ def rollout_source(rollouts: Rollouts, *, memory, phases, next_rows, next_seed, 
     if rollouts.ahead is None:
         return now
     return SampledAhead(rollouts.ahead, now, policy=policy, parallel=parallel, max_steps=max_steps,
-                        sampler=rollouts.ahead_sampler)
+                        sampler=rollouts.ahead_sampler, past_end=past_end, log=log)
 
 
 def build_rollout_server(args, model, tokenizer, pad_id: int, toolbox: Toolbox | None, link,

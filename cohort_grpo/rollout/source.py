@@ -14,13 +14,15 @@ either way. The trainer sees a `RolloutSource` only:
 - `sample(rows)`: rows sampled now on this rank's engine (dynamic sampling's extra rounds, the reward models'
   warm-up); `wait_for_engine()`: before the trainer evaluates on that engine;
 - `state_dict()` / `load_state_dict()`: the rollouts sampled ahead, which a checkpoint keeps (trainer_extra.pt);
+  `sampled_ahead()` notes them as they stand at a step's end (not waited for), and `state_dict()` inside
+  `as_of(noted)` gives them as noted then (the checkpoint of that step, written after the next step failed);
 - `close()`: the producer thread stops, or the sampling ranks are told this trainer is done.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Callable, Protocol
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 from torch import nn
 
@@ -58,6 +60,10 @@ class RolloutSource(Protocol):
     def state_dict(self) -> dict | None: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def sampled_ahead(self) -> dict | None: ...
+
+    def as_of(self, noted: dict | None) -> AbstractContextManager[None]: ...
 
     def close(self) -> None: ...
 
@@ -112,6 +118,12 @@ class SampleNow:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def sampled_ahead(self) -> dict | None:
+        return None
+
+    def as_of(self, noted: dict | None) -> AbstractContextManager[None]:
+        return nullcontext()
+
     def close(self) -> None:
         pass
 
@@ -123,20 +135,32 @@ class SampledAhead:
 
     now: this rank's own sampling (`SampleNow`: the trainer's extra rounds, and under FSDP2 the engine's copy it
     refreshes); policy: π_θ, whose weights the first rollouts are sampled from; parallel: the training ranks (a
-    checkpoint holds every rank's rollouts); max_steps: the run's last step (nothing is started beyond it);
-    sampler: the engine that samples the rollouts on this rank (None: on sampling ranks)."""
+    checkpoint holds every rank's rollouts); max_steps: the run's last step; sampler: the engine that samples the
+    rollouts on this rank (None: on sampling ranks); log: where a resume that cannot continue exactly says so.
+
+    past_end: the rollouts of the steps after max_steps that a longer run would start from the policy before its
+    last update are started too, so that the last step's checkpoint holds them and a resume with a larger max_steps
+    trains what the longer run trains (False: nothing starts beyond max_steps, as when no checkpoint is written
+    there). They cost the sampling of max_staleness rollouts that overlap the last updates."""
 
     def __init__(self, ahead: AsyncRollouts | RemoteRollouts, now: SampleNow, *, policy: nn.Module,
-                 parallel: Parallel, max_steps: int, sampler: Sampler | None = None):
+                 parallel: Parallel, max_steps: int, sampler: Sampler | None = None, past_end: bool = True,
+                 log: Callable[[str], None] = print):
         self.ahead, self.now, self.policy, self.parallel = ahead, now, policy, parallel
-        self.max_steps, self.sampler = max_steps, sampler
+        self.max_steps, self.sampler, self.past_end, self.log = max_steps, sampler, past_end, log
         self.step = 0  # the step last taken: the policy's version once it is updated
+        self.noted: dict | None = None  # what `state_dict` gives inside `as_of`; None: the rollouts as they are
 
     def take(self, step: int) -> Batch:
         """The rollout of `step` and how stale it is (`async/staleness`). The first one taken (of a run, or of a
-        resumed run whose checkpoint kept none) starts the first L + 1 from the weights as they are."""
+        resumed run whose checkpoint kept none, which says so) starts the first L + 1 from the weights as they are; the
+        first one after a resume from the last step of a run starts the one its last update would have."""
         if not self.ahead.pending:
+            if step > 1:
+                self.log(self.inexact_resume_line(step))
             self.start(step - 1, self.policy)
+        elif any(ahead not in self.ahead.pending for ahead in self.ahead.steps_ahead(step - 1)):
+            self.start(step - 1, self.policy)  # what the update of the checkpoint's step started in a longer run
         self.step = step
         with self.now.phases.phase("sampling"):  # only the wait: the sampling itself overlapped earlier steps
             batch, version = self.ahead.take(step)
@@ -154,13 +178,21 @@ class SampledAhead:
     def start(self, version: int, model: nn.Module) -> None:
         """Start sampling, from `model`'s weights as they are now (the policy after `version` updates), the
         rollouts of the steps that must use them: the first L + 1 at the start, then one per update."""
-        steps = [ahead for ahead in self.ahead.steps_ahead(version) if ahead <= self.max_steps]
+        steps = [ahead for ahead in self.ahead.steps_ahead(version)
+                 if ahead <= self.max_steps or (self.past_end and version < self.max_steps)]
         if not steps:
             return
         weights = self.ahead.snapshot(model)
         for ahead in steps:  # partial rollouts: the first request brings the groups in flight beyond a step's
             rows = [row for _ in range(self.ahead.prompt_batches()) for row in self.now.next_rows()]
             self.ahead.submit(ahead, version, weights, rows, self.now.next_seed(), self.now.sequence_offset)
+
+    def inexact_resume_line(self, step: int) -> str:
+        lag = len(self.ahead.steps_ahead(step - 1)) - 1  # L + 1 rollouts start at once
+        rollouts = f"step {step}'s rollout is" if lag == 1 else f"the rollouts of steps {step}-{step + lag - 1} are"
+        return (f"asynchronous rollouts: the checkpoint of step {step - 1} holds no rollouts sampled ahead, so "
+                f"{rollouts} sampled from its weights, not from those max_staleness={lag} updates before: the resumed "
+                f"run differs from an uninterrupted one from step {step} on")
 
     def sample(self, rows: list[dict]) -> Batch:
         self.wait_for_engine()
@@ -176,7 +208,20 @@ class SampledAhead:
     def state_dict(self) -> dict:
         """Every rank samples its own block of each step: all ranks' rollouts sampled ahead, gathered (a collective,
         on every rank) for rank 0 to write."""
-        return {"async_rollouts": self.parallel.gather_objects(self.ahead.state_dict())}
+        return {"async_rollouts": self.parallel.gather_objects(self.ahead.state_dict(self.noted))}
+
+    def sampled_ahead(self) -> dict | None:
+        """The rollouts sampled ahead as they stand now, not waited for (None where they cannot be noted)."""
+        return self.ahead.sampled_ahead()
+
+    @contextmanager
+    def as_of(self, noted: dict | None) -> Iterator[None]:
+        """Inside, `state_dict` gives the rollouts `sampled_ahead()` noted (None: as they are)."""
+        self.noted = noted
+        try:
+            yield
+        finally:
+            self.noted = None
 
     def load_state_dict(self, state: dict) -> None:
         """This rank's rollouts of what `state_dict` saved; without them (another layout of ranks) the first step

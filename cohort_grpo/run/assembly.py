@@ -41,7 +41,7 @@ from cohort_grpo.rollout.group_sampler import GroupSampler
 from cohort_grpo.rollout.sampler import Sampler
 from cohort_grpo.rollout.setup import build_rollouts, rollout_source
 from cohort_grpo.rollout.source import RolloutSource
-from cohort_grpo.tasks.data import dataset_rows
+from cohort_grpo.tasks.data import dataset_rows, row_origins
 from cohort_grpo.telemetry.step_report import StepReport, open_step_report
 from cohort_grpo.tools.environments import environment_reward
 from cohort_grpo.tools.toolbox import Toolbox
@@ -144,7 +144,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     curriculum, rewards = build_rewards(args, reward_funcs, task, tokenizer, device, toolbox, reward_processing_classes)
     eval_rows = dataset_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
     provided = {"environments"} if toolbox is not None and toolbox.environment_factory else set()
-    rewards.check_columns(set(train_rows[0]) | provided)
+    check_reward_columns(rewards, train_rows, provided, row_origins(args, train_rows))
     train_model, optimizer, scheduler, auto_checkpointing, engine_copy = build_training(start)
     model, sampling_model, ref_model = place_policy(start, train_model, engine_copy)
     # The G completions of a prompt share its forward in the log-prob passes and the update: models that take
@@ -170,7 +170,7 @@ def assemble_run(model, args: GRPOConfig, *, reward_funcs, train_dataset, eval_d
     report = open_report(args, model, optimizer, toolbox, parallel, start.placement, asked_split, log)
     source = rollout_source(rollouts, memory=memory, phases=report, next_rows=next_prompts,
                             next_seed=prompts.next_seed, engine_copy=engine_copy, policy=model, parallel=parallel,
-                            max_steps=args.max_steps)
+                            max_steps=args.max_steps, past_end=args.save_strategy != "no", log=stage_log)
     return RunAssembly(args=args, parallel=parallel, placement=start.placement, device=device, model=model, tokenizer=tokenizer,
                        pad_id=start.pad_id, train_rows=train_rows, eval_rows=eval_rows, curriculum=curriculum,
                        rewards=rewards, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
@@ -244,6 +244,20 @@ def open_report(args: GRPOConfig, model: nn.Module, optimizer, toolbox: Toolbox 
     for line in filter(None, lines):
         report.log(line)
     return report
+
+
+def check_reward_columns(rewards, rows: list[dict], provided: set[str], origins: Callable[[int], str]) -> None:
+    """Every training row has the columns the reward functions need, found before step 1 (rows given as dicts may
+    differ: a row without one would fail its step). `provided`: columns the run adds itself; `origins(i)`: row i's
+    place, for the message."""
+    rewards.check_columns(set(rows[0]) | provided)
+    needs = {column: name for name, func in zip(rewards.names, rewards.funcs)
+             for column in rewards.required_columns(func) if column not in provided}
+    for index, row in enumerate(rows):
+        missing = next((column for column in needs if column not in row), None)
+        if missing is not None:
+            raise CohortError(f"{origins(index)} has no {missing!r} column, which reward {needs[missing]!r} needs "
+                              f"(its columns: {sorted(row)}); add it to every row, or drop the reward")
 
 
 def training_rows(train_dataset, args: GRPOConfig, toolbox: Toolbox | None, world_size: int) -> list[dict]:

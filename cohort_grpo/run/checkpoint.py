@@ -89,6 +89,9 @@ class RunState:
         return self.history if self.history_length is None else self.history[:self.history_length]
 
 
+FULL_BELOW = 1 << 20  # bytes free under which a failed write is taken for a full disk
+
+
 # ---- writing -----------------------------------------------------------------------------------
 
 def save_checkpoint(parts: RunParts, state: RunState) -> Path:
@@ -127,10 +130,11 @@ def _write_checkpoint(parts: RunParts, state: RunState, out: Path, final: Path, 
         _write_manifest(temp, step)
         _replace_folder(temp, final)
     except Exception as error:
+        disk_full = _is_disk_full(error, out)  # asked while the half-written folder still fills the disk
         shutil.rmtree(temp, ignore_errors=True)
         previous = [c.name for c in list_checkpoints(out) if c != final]
         kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
-        if _is_disk_full(error):
+        if disk_full:
             raise CohortError(f"disk full while saving {final.name} in {out}: free space there (or lower "
                               f"--save_total_limit), then continue with --resume; {kept}") from error
         if isinstance(error, OSError):
@@ -176,6 +180,7 @@ def _write_contents(parts: RunParts, run: RunState, folder: Path, shared: dict |
         "model_shapes": {k: list(v.shape) for k, v in parts.model.state_dict().items()},
         "data_order": list(run.prompts["data_order"]),
         "data_rng": python_state(run.prompts["data_rng"]),
+        "data_rows": run.prompts.get("rows"),  # how many rows data_order indexes (a resume may be given others)
         **(run.random or random_state()),  # rank 0's, and with several ranks each rank's in rank_random
         "world_size": parts.parallel.world_size,
         "rank_random": shared["rank_random"] if shared else None,
@@ -382,11 +387,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _is_disk_full(error: BaseException) -> bool:
-    """ENOSPC / EDQUOT, also when a library wrapped it (torch.save: "file write failed", safetensors:
-    "No space left on device")."""
+def _is_disk_full(error: BaseException, out: Path) -> bool:
+    """ENOSPC / EDQUOT, also when a library wrapped it (torch.save: "file write failed", or its zip writer's
+    "unexpected pos" after a short write; safetensors: "No space left on device"), or any failure of a write
+    that left less than `FULL_BELOW` bytes free in `out`."""
     for e in (error, error.__cause__, error.__context__):
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
     text = str(error)
-    return "No space left" in text or "os error 28" in text or "file write failed" in text
+    if any(words in text for words in ("No space left", "os error 28", "file write failed", "unexpected pos")):
+        return True
+    try:
+        return shutil.disk_usage(out).free < FULL_BELOW
+    except OSError:
+        return False

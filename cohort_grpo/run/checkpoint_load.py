@@ -87,11 +87,25 @@ def load_checkpoint(parts: RunParts, folder: Path, log=print) -> RunState:
         truncate_logs(Path(parts.args.output_dir), state.get("file_sizes", {}), log)
     return RunState(step=int(state["step"]),
                     prompts={"data_order": [int(i) for i in state["data_order"]],
-                             "data_rng": python_state(state["data_rng"], restore=True)},
+                             "data_rng": python_state(state["data_rng"], restore=True), "rows": state.get("data_rows")},
                     history=state["history"], accuracy_before=state.get("accuracy_before"),
                     skipped_steps=int(state.get("skipped_steps", 0)),
                     nonfinite_in_a_row=int(state.get("nonfinite_in_a_row", 0)),
                     seconds=float(state.get("seconds", 0.0)))
+
+
+def data_position(saved: dict, step: int, rows: int, log) -> dict:
+    """The checkpoint's place in its epoch (`saved`, of checkpoint-`step`), for a run over `rows` training rows: as it
+    is, or, when the rows changed in number since (a bad row deleted from the data file), a fresh epoch with the data
+    generator kept, said in one line: the saved order indexes rows that may not exist."""
+    then = saved.get("rows")
+    if (then is None or then == rows) and all(index < rows for index in saved["data_order"]):
+        return saved
+    counts = f"{then} rows then, {rows} now" if then is not None else f"{rows} rows now, fewer than its order needs"
+    log(f"the training rows changed since checkpoint-{step} ({counts}): its place in the epoch cannot be continued, so "
+        f"a fresh epoch over the {rows} rows starts at step {step + 1}, and the run differs from an uninterrupted one "
+        "from there")
+    return {**saved, "data_order": []}
 
 
 def _report_changed_options(saved: dict, current: dict, log) -> None:

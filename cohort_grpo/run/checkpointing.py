@@ -57,11 +57,13 @@ class Checkpointing:
         parts = dataclasses.replace(parts, extra_state=lambda: saved)  # own (a collective) and rank 0 writes them
         return save_checkpoint(parts, run_state() if step_end is None else step_end.state)
 
-    def note_step_end(self, state: RunState, args, reward_funcs: list, optimizer_steps: int) -> StepEnd:
-        """The run at the end of a step (its plain values `state`, the optimizer steps taken so far), noted in memory
-        with the RNG states and the logs' sizes for the checkpoint a failure in the next step writes; rollouts
-        sampled ahead cannot be put back to it."""
-        return note_step_end(state, Path(args.output_dir), reward_funcs, optimizer_steps, args.async_rollouts)
+    def note_step_end(self, state: RunState, args, reward_funcs: list, optimizer_steps: int,
+                      sampled_ahead: dict | None = None) -> StepEnd:
+        """The run at the end of a step (its plain values `state`, the optimizer steps taken so far, the rollouts
+        sampled ahead then), noted in memory with the RNG states and the logs' sizes for the checkpoint a failure in
+        the next step writes."""
+        return note_step_end(state, Path(args.output_dir), reward_funcs, optimizer_steps, args.async_rollouts,
+                             sampled_ahead)
 
     def resume(self, run: RunLifecycle, reward_funcs: Callable[[], list],
                enter_stage: Callable[[int], None]) -> RunState | None:

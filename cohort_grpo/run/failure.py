@@ -4,9 +4,10 @@ An exception out of the training loop — a reward function's, a tool's, a bad r
 that could not be recovered — loses nothing once a step has completed: `RunLifecycle.__exit__` writes
 checkpoint-<step> of the last completed step and the error's one line says where it is. The weights and the
 optimizer's state are that step's until the failing step's first optimizer step (`PolicyUpdate.optimizer_steps`);
-what the failing step moved before it — the RNG states, the data position, the logs' ends — is put back from
-`StepEnd`, noted in memory at each step's end. A failure after the weights changed, or with rollouts sampled ahead
-(they have moved past the step), writes nothing: its line names the newest checkpoint there is instead.
+what the failing step moved before it — the RNG states, the data position, the logs' ends, the rollouts sampled
+ahead (the failing step's own among them) — is put back from `StepEnd`, noted in memory at each step's end. A
+failure after the weights changed, or with rollouts sampled ahead that could not be noted (on sampling ranks), writes
+nothing: its line names the newest checkpoint there is instead.
 
 Several ranks save together (the save is a collective), so a checkpoint is written only when every rank failed
 alike: a failure while scoring is made every rank's (`fail_together`); any other failure on one rank writes
@@ -34,13 +35,14 @@ RESUME_HINT = "continue the run with --resume"
 class StepEnd:
     """A run at the end of a step, as a checkpoint written later needs it: its plain values (`RunState`, with the
     RNG states and the logs' sizes), the reward functions then (a curriculum stage may swap them), the optimizer
-    steps taken so far (`PolicyUpdate.optimizer_steps`), and why a checkpoint of it would not resume exactly
-    (None: it would)."""
+    steps taken so far (`PolicyUpdate.optimizer_steps`), the rollouts sampled ahead then (`RolloutSource.sampled_ahead`,
+    None: none), and why a checkpoint of it would not resume exactly (None: it would)."""
 
     state: RunState
     reward_funcs: list
     optimizer_steps: int
     inexact: str | None = None
+    sampled_ahead: dict | None = None
 
 
 class TrainingFailed(CohortError):
@@ -53,14 +55,15 @@ class TrainingFailed(CohortError):
         self.checkpoint, self.step = checkpoint, step
 
 
-def note_step_end(state: RunState, out: Path, reward_funcs: list, optimizer_steps: int,
-                  async_rollouts: bool) -> StepEnd:
+def note_step_end(state: RunState, out: Path, reward_funcs: list, optimizer_steps: int, async_rollouts: bool,
+                  sampled_ahead: dict | None = None) -> StepEnd:
     """The run at the end of a step (its plain values `state`), noted in memory with the RNG states and the logs'
-    sizes in `out` for a checkpoint that a failure in the next step writes; rollouts sampled ahead
-    (`async_rollouts`) cannot be put back to it."""
+    sizes in `out` for a checkpoint that a failure in the next step writes, with the rollouts sampled ahead then
+    (`sampled_ahead`); with `async_rollouts` and none noted (sampling ranks), it cannot be put back to them."""
     state.random, state.file_sizes = random_state(), log_sizes(out)
-    inexact = "the rollouts sampled ahead (--async_rollouts) have moved past it" if async_rollouts else None
-    return StepEnd(state, list(reward_funcs), optimizer_steps, inexact)
+    unnoted = async_rollouts and sampled_ahead is None
+    inexact = "the rollouts sampled ahead (--async_rollouts) have moved past it" if unnoted else None
+    return StepEnd(state, list(reward_funcs), optimizer_steps, inexact, sampled_ahead)
 
 
 def discard_unused_output_dir(out: Path, *, made_by_run: bool, step_done: bool,

@@ -3,13 +3,15 @@ the option to change.
 
 It reads each step's metrics record (the names of docs/reference.md, averaged over the ranks) and nothing
 else, so a check can be tried on made-up records. A check fires when its condition holds at `WINDOW`
-consecutive steps, and never again in the run (a resumed run counts afresh); a step that does not show the
-problem (or does not log the metric) restarts its count.
+consecutive steps, and never again in the run (a resumed run goes on from its checkpoint's steps:
+`StepReport.resumed`); a step that does not show the problem (or does not log the metric) restarts its count.
 
 - every completion empty (`completions/empty_ratio` = 1): the model ends each answer at once;
 - every completion cut at max_completion_length (`completions/clipped_ratio` = 1);
+- no reward function scoring any completion (`rewards/unscored_frac` = 1: each returned None or NaN, or timed
+  out): all advantages 0;
 - every group's rewards equal (`frac_reward_zero_std` = 1): all advantages 0, no gradient from the reward
-  (not counted while every completion is empty: that check names the cause);
+  (not counted while every completion is empty or none is scored: those checks name the cause);
 - a reward function raising on most of its samples (`rewards/<func>/errors` over the samples scored);
 - most tool calls failing (`tools/failure_frequency` above `MOST`);
 - the KL to the reference above `KL_LIMIT`, or the clipped share of tokens above `CLIP_LIMIT`.
@@ -54,6 +56,7 @@ class HealthOptions:
     num_iterations: int = 1
     epsilon: float = 0.2
     tool_timeout: float = 30.0
+    reward_timeout: float = 10.0
 
     @classmethod
     def from_config(cls, args) -> "HealthOptions":
@@ -137,9 +140,13 @@ class LearningHealth:
             yield Reading("empty", empty >= 1.0, empty)
         if clipped is not None:
             yield Reading("clipped", clipped >= 1.0, clipped)
+        unscored = number(record, "rewards/unscored_frac")
+        if unscored is not None:
+            yield Reading("unscored", unscored >= 1.0, unscored)
         equal, reward = number(record, "frac_reward_zero_std"), number(record, "reward")
         if equal is not None and "distillation/reverse_kl" not in record:  # a teacher's signal is learnt from still
-            yield Reading("equal_rewards", equal >= 1.0 and (empty or 0.0) < 1.0, reward or 0.0)
+            named = (empty or 0.0) >= 1.0 or (unscored or 0.0) >= 1.0  # a cause another check names
+            yield Reading("equal_rewards", equal >= 1.0 and not named, reward or 0.0)
         for key in record:
             errors = number(record, key) if key.startswith("rewards/") and key.endswith("/errors") else None
             if errors is not None:
@@ -180,6 +187,13 @@ def equal_rewards_message(o: HealthOptions, streak: Streak, _) -> str:
             f"(now {o.temperature:g})")
 
 
+def unscored_message(o: HealthOptions, streak: Streak, _) -> str:
+    return (f"no reward function scored any completion for {streak.span()}: each returned None or NaN for every "
+            "sample, or timed out, so every advantage is 0 and the policy learns nothing. Fix the reward functions "
+            "(the line above quotes a sample they left unscored; completions.jsonl shows each function's score), or "
+            f"raise --reward_timeout (now {o.reward_timeout:g} s) if they time out")
+
+
 def reward_errors_message(o: HealthOptions, streak: Streak, name: str) -> str:
     return (f"reward {name!r} raised on {100 * min(streak.values):.0f}% or more of its samples for {streak.span()}: "
             "those samples score None. Fix the function (the RewardWarning above quotes its error and a sample); "
@@ -207,7 +221,7 @@ def clip_message(o: HealthOptions, streak: Streak, _) -> str:
 
 
 MESSAGES: dict[str, Callable[[HealthOptions, Streak, str], str]] = {
-    "empty": empty_message, "clipped": clipped_message, "equal_rewards": equal_rewards_message,
+    "empty": empty_message, "clipped": clipped_message, "equal_rewards": equal_rewards_message, "unscored": unscored_message,
     "reward_errors": reward_errors_message, "tool_failures": tool_failures_message, "kl": kl_message,
     "clip": clip_message,
 }

@@ -106,6 +106,17 @@ class StepReport:
         self.unlogged_warnings: list[str] = []  # given at a step metrics.jsonl did not log: on its next line
         self.measure: SuccessMeasure | None = None  # what the success column counts, once the legend said it
 
+    def resumed(self, history: list[dict]) -> None:
+        """A resumed run's report: the checkpoint's per-step records, and the learning-health checks where those
+        steps left them (a warning given then is not given again; one given at a step metrics.jsonl did not log
+        still goes on its next line), so the resumed run warns as the uninterrupted one does."""
+        self.history, self.health, self.unlogged_warnings = history, LearningHealth.from_config(self.args), []
+        for record in history:
+            step = int(record["step"])
+            self.unlogged_warnings += self.health.observe(record, self.args.generation_batch_size)
+            if step % self.args.logging_steps == 0 or step == self.args.max_steps:
+                self.unlogged_warnings = []
+
     @contextmanager
     def phase(self, name: str):
         """Time one phase of the step (device work included) and show it on the progress display."""

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 
 from cohort_grpo.tools.call_records import ToolCallError, ToolResult, error_text, result_text
 from cohort_grpo.tools.call_validation import validate_tool_call
@@ -17,13 +19,49 @@ from cohort_grpo.tools.schema import Tool, make_tools
 
 DEFAULT_TIMEOUT_S = 30.0
 
-_executor: ThreadPoolExecutor | None = None
+class DaemonThreads(Executor):
+    """Sync tools' calls on at most `workers` daemon threads. A call that never returns keeps its thread (Python
+    cannot stop one), so the threads must be daemons: the interpreter waits at exit for a ThreadPoolExecutor's,
+    and a run that ended would then hang there forever."""
+
+    def __init__(self, workers: int = 32, name: str = "cohort-tool"):
+        self.workers, self.name = workers, name
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
+        self.idle = 0
+        self.lock = threading.Lock()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        with self.lock:
+            self.calls.put((future, fn, args, kwargs))
+            if self.idle <= 0 and len(self.threads) < self.workers:
+                thread = threading.Thread(target=self.work, name=f"{self.name}_{len(self.threads)}", daemon=True)
+                self.threads.append(thread)
+                thread.start()
+            else:
+                self.idle -= 1  # a waiting thread takes this call
+        return future
+
+    def work(self) -> None:
+        while True:
+            future, fn, args, kwargs = self.calls.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as error:  # noqa: BLE001 - handed to the caller's await
+                    future.set_exception(error)
+            with self.lock:
+                self.idle += 1
 
 
-def _tool_executor() -> ThreadPoolExecutor:
+_executor: DaemonThreads | None = None
+
+
+def _tool_executor() -> DaemonThreads:
     global _executor
     if _executor is None:
-        _executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="cohort-tool")
+        _executor = DaemonThreads()
     return _executor
 
 

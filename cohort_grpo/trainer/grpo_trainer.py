@@ -36,6 +36,7 @@ from cohort_grpo.rollout.batch import Batch
 from cohort_grpo.run.assembly import assemble_run
 from cohort_grpo.run.callbacks import CallbackHandler
 from cohort_grpo.run.checkpoint import RunState
+from cohort_grpo.run.checkpoint_load import data_position
 from cohort_grpo.run.checkpointing import Checkpointing
 from cohort_grpo.run import hub
 from cohort_grpo.run.ending import release_run, report_end, save_policy_folder, train_output
@@ -313,8 +314,9 @@ class GRPOTrainer:
         state = self.checkpoints.resume(run or self.lifecycle(), lambda: self.rewards.funcs, self.enter_curriculum_stage)
         if state is not None:  # the objects are restored in place; the plain values are the trainer's
             self.step, self.accuracy_before, self.seconds_before = state.step, state.accuracy_before, state.seconds
-            self.report.history, self.state.log_history = state.history, [dict(r) for r in state.history]
-            self.prompts.load_state_dict(state.prompts)
+            self.report.resumed(state.history)  # the records, and the learning-health checks where they left them
+            self.state.log_history = [dict(r) for r in state.history]
+            self.prompts.load_state_dict(data_position(state.prompts, state.step, len(self.prompts.rows), self.log))
             counters = self.policy_update.counters
             counters.skipped_steps, counters.nonfinite_in_a_row = state.skipped_steps, state.nonfinite_in_a_row
             self.state.global_step = self.step
@@ -322,15 +324,18 @@ class GRPOTrainer:
 
     def save_checkpoint(self, step_end: StepEnd | None = None) -> Path:
         """checkpoint-<step> of the run as it is now, or with `step_end`: of the step it noted, with the weights
-        as they are now (a failure in the next step, before its update: cohort_grpo/run/failure.py)."""
-        folder = self.checkpoints.save(self.args, self.rewards.funcs, self.run_state, step_end)
+        as they are now (a failure in the next step, before its update: cohort_grpo/run/failure.py), and the rollouts
+        sampled ahead as they stood then."""
+        with self.rollouts.as_of(None if step_end is None else step_end.sampled_ahead):
+            folder = self.checkpoints.save(self.args, self.rewards.funcs, self.run_state, step_end)
         self.callback_handler.event("on_save")
         return folder
 
     def run_state(self) -> RunState:
         """The run's plain values now (`RunState`); its history is the run's list up to its length now."""
         counters = self.policy_update.counters
-        return RunState(step=self.step, prompts=self.prompts.state_dict(), history=self.history,
+        prompts = {**self.prompts.state_dict(), "rows": len(self.prompts.rows)}
+        return RunState(step=self.step, prompts=prompts, history=self.history,
                         history_length=len(self.history),
                         accuracy_before=self.accuracy_before, skipped_steps=counters.skipped_steps,
                         nonfinite_in_a_row=counters.nonfinite_in_a_row, seconds=self.training_seconds())
@@ -338,7 +343,8 @@ class GRPOTrainer:
     def step_end(self) -> StepEnd:
         """The run at the end of a step, noted for the checkpoint a failure in the next step writes."""
         steps = self.policy_update.optimizer_steps()
-        return self.checkpoints.note_step_end(self.run_state(), self.args, self.rewards.funcs, steps)
+        return self.checkpoints.note_step_end(self.run_state(), self.args, self.rewards.funcs, steps,
+                                              self.rollouts.sampled_ahead())
 
     def extra_checkpoint_state(self) -> dict | None:
         """State beyond the model, optimizer and data order: the rollouts sampled ahead (asynchronous
