@@ -7,6 +7,8 @@ import asyncio
 import json
 import time
 
+from pathlib import Path
+
 import pytest
 
 from cohort_grpo.models.tiny import build_tokenizer
@@ -282,7 +284,9 @@ def test_a_tool_that_never_returns_does_not_keep_the_process_from_exiting(tmp_pa
     script = tmp_path / "hangs.py"
     script.write_text(HANGS_FOREVER)
     started = time.monotonic()
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=20, env=os.environ)
+    repo = Path(__file__).resolve().parents[1]  # this checkout's cohort_grpo, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=20, env=env)
     assert done.returncode == 0, done.stderr
     assert "timed out after 0.2 s" in done.stdout and time.monotonic() - started < 20
 
