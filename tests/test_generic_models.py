@@ -167,10 +167,10 @@ def test_sampling_logprobs_equal_teacher_forced(family):
 def test_shared_prompt_layout_equals_padded_rows(family):
     """The update's shared-prompt forward (attention rows through cohort's attention) gives the log-probs of
     one padded row per completion (transformers' own attention); a head with soft-capping or a logit scale
-    takes the logits path instead of the chunked LM head, and a head that scales its logits (Granite, Cohere) gives the
-    log-probs of transformers' own logits, at a sampling temperature too."""
+    and a head that scales its logits (Granite, Cohere) or soft-caps them (this Gemma 3) gives through the chunked LM
+    head the log-probs of transformers' own logits, at a sampling temperature too."""
     model_type, reference, model = family
-    assert supports_hidden(model) == (model_type != "gemma3_text")  # soft-capped: the logits path
+    assert supports_hidden(model)
     assert takes_attention_rows(model) == (supports_hidden(model) and model_type not in RECURRENT_FAMILIES)
     if model_type in RECURRENT_FAMILIES:  # one flat row of several sequences would run through one state
         with pytest.raises(CohortError, match="layers that keep a recurrent state"):

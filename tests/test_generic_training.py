@@ -294,11 +294,12 @@ def test_olmo2_on_two_ranks_with_fsdp_and_ddp_equals_one_process(tmp_path):
         assert max(float((saved[k] - weights[k]).abs().max()) for k in weights) <= 1e-5, name
 
 
-@pytest.mark.parametrize("model_type", ["granite", "cohere"])
+@pytest.mark.parametrize("model_type", ["granite", "cohere", "gemma3_text"])
 def test_a_scaled_head_trains_through_the_fused_head_as_through_its_own_logits(model_type):
-    """Granite divides its logits and Cohere multiplies them: the fused LM-head loss (hidden states, the scale folded
-    into the temperature) gives the loss and gradients of the policy loss over the logits the model's own forward
-    returns, at a sampling temperature."""
+    """Granite divides its logits, Cohere multiplies them and this Gemma 3 soft-caps them (at 30): the fused LM-head
+    loss and the chunked log-probs (hidden states; the scale folded into the temperature, the cap applied per chunk
+    and differentiated through) give the loss and gradients of the policy loss over the logits the model's own
+    forward returns, at a sampling temperature."""
     from cohort_grpo.algorithm.loss_spec import LossSpec
     from cohort_grpo.algorithm.objectives import policy_loss
     from cohort_grpo.update.fused_head import micro_batch_policy_loss
@@ -306,7 +307,7 @@ def test_a_scaled_head_trains_through_the_fused_head_as_through_its_own_logits(m
     from cohort_grpo.update.packing import pack_micro_batch
 
     model = TransformersCausalLM.wrap(reference_model(model_type)).train()
-    assert supports_hidden(model) and model.lm_head.scale != 1.0
+    assert supports_hidden(model) and (model.lm_head.scale != 1.0 or model.lm_head.softcap is not None)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, VOCAB, (4,), generator=g).tolist() for _ in range(3)]
     completions = torch.randint(1, VOCAB, (3, 5), generator=g)
@@ -316,11 +317,12 @@ def test_a_scaled_head_trains_through_the_fused_head_as_through_its_own_logits(m
     spec = LossSpec(epsilon=0.2, epsilon_high=0.28, beta=0.0, loss_type="grpo", max_completion_length=5)
     advantages, temperature = torch.randn(3, generator=g), 0.7
 
-    def run(fused: bool):
+    def run(path: str):
         model.zero_grad(set_to_none=True)
-        if fused:
+        if path != "own":  # the fused head, or the chunked log-probs under the plain loss
             loss, _ = micro_batch_policy_loss(model, micro, old_logp=None, ref_logp=None, advantages=advantages,
-                                              loss_mask=mask, spec=spec, temperature=temperature, fused=True)
+                                              loss_mask=mask, spec=spec, temperature=temperature,
+                                              fused=path == "fused")
         else:  # the model's own logits (its forward applies the scale), one row per completion
             logits = model(micro.input_ids)
             rows, cols = micro.token_rows, micro.token_cols
@@ -331,8 +333,11 @@ def test_a_scaled_head_trains_through_the_fused_head_as_through_its_own_logits(m
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    (fused_loss, fused_grads), (own_loss, own_grads) = run(True), run(False)
-    assert torch.allclose(fused_loss, own_loss, atol=1e-5)
-    assert fused_grads.keys() == own_grads.keys()
-    for name, grad in own_grads.items():
-        assert torch.allclose(fused_grads[name], grad, atol=1e-5, rtol=1e-4), name
+    own_loss, own_grads = run("own")
+    assert max(grad.abs().max() for grad in own_grads.values()) > 1e-3  # a gradient to compare at all
+    for path in ("fused", "chunked"):
+        loss, grads = run(path)
+        assert torch.allclose(loss, own_loss, atol=1e-5), path
+        assert grads.keys() == own_grads.keys()
+        for name, grad in own_grads.items():
+            assert torch.allclose(grads[name], grad, atol=1e-5, rtol=1e-4), (path, name)

@@ -128,8 +128,8 @@ class TransformersCausalLM(nn.Module):
 
     @property
     def plain_head(self) -> bool:
-        """Whether logits are a multiple (`lm_head.scale`) of hidden @ lm_head.weightᵀ, so the update may take the
-        chunked LM-head path."""
+        """Whether logits are hidden @ lm_head.weightᵀ under the head's scale and soft-capping alone (no bias), so the
+        update may take the chunked LM-head path."""
         return self.lm_head.plain
 
     @property

@@ -336,9 +336,9 @@ class LogitHead:
 
     @property
     def plain(self) -> bool:
-        """Whether the logits are `scale` × hidden @ weightᵀ, no soft-capping and no bias: the update's chunked
-        LM-head path then takes them (the scale folded into its temperature)."""
-        return self.softcap is None and getattr(self.linear, "bias", None) is None
+        """Whether the logits are hidden @ weightᵀ under `scale` and `softcap` alone, no bias: the update's chunked
+        LM-head path then computes them (`update.logprobs.head_temperature`, `head_softcap`)."""
+        return getattr(self.linear, "bias", None) is None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.linear(hidden)

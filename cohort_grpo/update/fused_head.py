@@ -28,9 +28,10 @@ from torch import Tensor
 from cohort_grpo.algorithm.loss_spec import BatchShare, LossSpec
 from cohort_grpo.algorithm.objectives import DEFAULT_SPEC, PolicyLossOutput, policy_loss
 from cohort_grpo.rollout.sampling import Truncation
-from cohort_grpo.update.logprobs import (accumulate_chunk_grads, chunk_rows_for, completion_hidden, head_functions,
-                                         head_temperature, micro_batch_logprobs, model_numerics, scatter_to_rows,
-                                         supports_hidden, truncated_stats)
+from cohort_grpo.update.logprobs import (SoftCap, accumulate_chunk_grads, capped_logits, chunk_rows_for,
+                                         completion_hidden, head_functions, head_softcap, head_temperature,
+                                         micro_batch_logprobs, model_numerics, scatter_to_rows, supports_hidden,
+                                         truncated_stats)
 from cohort_grpo.update.packing import MicroBatch
 
 # ℓ(log π, entropy, token rows, token cols) for the tokens of one chunk, in the micro-batch's [b, T] layout
@@ -43,7 +44,8 @@ class _HeadWithTokenLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, weights: Tensor, token_loss: Callable,
-                temperature: float, chunk: int, numerics: str, truncation: Truncation | None):
+                temperature: float, chunk: int, numerics: str, truncation: Truncation | None,
+                softcap: SoftCap | None):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp)
@@ -54,7 +56,7 @@ class _HeadWithTokenLoss(torch.autograd.Function):
         inv_temperature = 1.0 / temperature
         for start in range(0, n, chunk):
             part = slice(start, start + chunk)
-            logits = logits_of(hidden[part], weight)
+            logits = capped_logits(logits_of(hidden[part], weight), softcap)
             chunk_logp, chunk_entropy, lse, kept_lse = truncated_stats(stats, logits, tokens[part], inv_temperature,
                                                                        truncation)
             logp[part], entropy[part] = chunk_logp, chunk_entropy
@@ -69,7 +71,7 @@ class _HeadWithTokenLoss(torch.autograd.Function):
                 grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp
                 accumulate_chunk_grads(logits, hidden, weight, tokens[part], lse, chunk_entropy, grad_logp,
                                        grad_entropy, inv_temperature, part, grad_hidden, grad_weight, truncation,
-                                       kept_lse)
+                                       kept_lse, softcap)
         ctx.grads = grad_hidden, grad_weight
         ctx.mark_non_differentiable(logp, entropy)
         return loss, logp, entropy
@@ -83,19 +85,20 @@ class _HeadWithTokenLoss(torch.autograd.Function):
             grad_hidden.mul_(scale.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight.mul_(scale.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def head_with_token_loss(hidden: Tensor, weight: Tensor, tokens: Tensor, weights: Tensor,
                          token_loss: Callable[[Tensor, Tensor, slice], Tensor], temperature: float = 1.0,
                          chunk_rows: int | None = None, numerics: str = "fast",
-                         truncation: Truncation | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                         truncation: Truncation | None = None,
+                         softcap: SoftCap | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, log π [N], entropy [N]) with loss = Σ_t weights_t · token_loss(log π, H, chunk)_t over the
     head's softmax(hidden W^T / temperature) (log π over the tokens `truncation` keeps, when given); log π
-    and H carry no gradient, the loss does."""
+    and H carry no gradient, the loss does; the logits soft-capped by `softcap` when given."""
     chunk = chunk_rows or chunk_rows_for(weight.shape[0])
     return _HeadWithTokenLoss.apply(hidden, weight, tokens, weights, token_loss, float(temperature), int(chunk),
-                                    numerics, truncation)
+                                    numerics, truncation, softcap)
 
 
 class FusedHead:
@@ -118,7 +121,8 @@ class FusedHead:
         loss, token_logp, token_entropy = head_with_token_loss(hidden, weight, tokens, weights[rows, cols], chunk_loss,
                                                                head_temperature(self.model, self.temperature),
                                                                self.chunk_rows,
-                                                               model_numerics(self.model), self.truncation)
+                                                               model_numerics(self.model), self.truncation,
+                                                               head_softcap(self.model))
         return loss, scatter_to_rows(token_logp, micro), scatter_to_rows(token_entropy, micro)
 
 

@@ -152,6 +152,21 @@ def chunk_logits_plain(hidden: Tensor, weight: Tensor) -> Tensor:
     return hidden @ weight.T
 
 
+@dataclass(frozen=True)
+class SoftCap:
+    """A head that soft-caps its logits (Gemma 2, Gemma 3n, ...): y = cap · tanh(scale · z / cap) for z = hidden @ Wᵀ,
+    `scale` the head's logit scale, which comes before the cap."""
+    cap: float
+    scale: float = 1.0
+
+
+def capped_logits(logits: Tensor, softcap: SoftCap | None) -> Tensor:
+    """`logits` as a soft-capping head gives them (unchanged without one)."""
+    if softcap is None:
+        return logits
+    return (torch.tanh(logits.float() * (softcap.scale / softcap.cap)) * softcap.cap).to(logits.dtype)
+
+
 def head_functions(numerics: str, hidden: Tensor):
     """(logits of a chunk of hidden rows, its (log π, entropy, logsumexp)). Under exact numerics: the
     batch-invariant matmul and the one-pass Triton statistics, which the engine's sampler also runs on
@@ -177,7 +192,7 @@ class _ChunkedLMHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, chunk: int,
-                with_entropy: bool, numerics: str, truncation: Truncation | None):
+                with_entropy: bool, numerics: str, truncation: Truncation | None, softcap: SoftCap | None):
         ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) gets None, not zeros
         logp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropy, lse, kept_lse = torch.empty_like(logp), torch.empty_like(logp), torch.empty_like(logp)
@@ -185,11 +200,12 @@ class _ChunkedLMHead(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
             logp[part], entropy[part], lse[part], kept_lse[part] = truncated_stats(
-                stats, logits_of(hidden[part], weight), tokens[part], 1.0 / temperature, truncation)
+                stats, capped_logits(logits_of(hidden[part], weight), softcap), tokens[part], 1.0 / temperature,
+                truncation)
         if not with_entropy:
             entropy.zero_()
         ctx.save_for_backward(hidden, weight, tokens, entropy, lse, kept_lse)
-        ctx.temperature, ctx.chunk, ctx.truncation = temperature, chunk, truncation
+        ctx.temperature, ctx.chunk, ctx.truncation, ctx.softcap = temperature, chunk, truncation, softcap
         return logp, entropy
 
     @staticmethod
@@ -200,21 +216,22 @@ class _ChunkedLMHead(torch.autograd.Function):
         grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.float()
         for start in range(0, hidden.shape[0], ctx.chunk):
             part = slice(start, start + ctx.chunk)
-            accumulate_chunk_grads(hidden[part] @ weight.T, hidden, weight, tokens[part], lse[part], entropy[part],
-                                   grad_logp[part], None if grad_entropy is None else grad_entropy[part],
-                                   1.0 / ctx.temperature, part, grad_hidden, grad_weight,
-                                   ctx.truncation, kept_lse[part])
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+            accumulate_chunk_grads(capped_logits(hidden[part] @ weight.T, ctx.softcap), hidden, weight, tokens[part],
+                                   lse[part], entropy[part], grad_logp[part],
+                                   None if grad_entropy is None else grad_entropy[part], 1.0 / ctx.temperature, part,
+                                   grad_hidden, grad_weight, ctx.truncation, kept_lse[part], ctx.softcap)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def accumulate_chunk_grads(logits: Tensor, hidden: Tensor, weight: Tensor, tokens: Tensor, lse: Tensor,
                            entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor | None, inv_temperature: float,
                            part: slice, grad_hidden: Tensor | None, grad_weight: Tensor | None,
-                           truncation: Truncation | None = None, kept_lse: Tensor | None = None) -> None:
+                           truncation: Truncation | None = None, kept_lse: Tensor | None = None,
+                           softcap: SoftCap | None = None) -> None:
     """One chunk's share of ∂loss/∂hidden (written to `grad_hidden[part]`) and of ∂loss/∂W (added to
-    `grad_weight`), from its logits [n, V] = hidden[part] Wᵀ and the chunk's tokens, logsumexps,
-    entropies and ∂loss/∂log π, ∂loss/∂H (None when the entropy is only logged), each [n]. With a
-    `truncation`, log π's term is the truncated distribution's (over `kept_logits`, normalised by `kept_lse`)."""
+    `grad_weight`), from its logits [n, V] = hidden[part] Wᵀ (soft-capped by `softcap` when given) and the chunk's
+    tokens, logsumexps, entropies and ∂loss/∂log π, ∂loss/∂H (None when the entropy is only logged), each [n]. With
+    a `truncation`, log π's term is the truncated distribution's (over `kept_logits`, normalised by `kept_lse`)."""
     if truncation is not None:  # ∂log π/∂z = onehot − the kept tokens' renormalised probabilities
         kept = kept_logits(logits, tokens, inv_temperature, truncation)
         grad_logits = _maybe_compiled("backward_logp", _chunk_backward_logp_only, kept)(
@@ -228,6 +245,9 @@ def accumulate_chunk_grads(logits: Tensor, hidden: Tensor, weight: Tensor, token
     else:
         grad_logits = _maybe_compiled("backward", _chunk_backward, logits)(
             logits, tokens, lse, entropy, grad_logp, grad_entropy.float(), inv_temperature)
+    if softcap is not None:  # through y = cap · tanh(scale · z / cap): ∂y/∂z = scale · (1 − (y / cap)²)
+        slope = softcap.scale * (1 - (logits.float() / softcap.cap) ** 2)
+        grad_logits = (grad_logits.float() * slope).to(grad_logits.dtype)
     if grad_hidden is not None:
         grad_hidden[part] = grad_logits @ weight
     if grad_weight is not None:  # accumulated in the GEMM itself, in the weight's dtype (bf16 on a GPU)
@@ -236,13 +256,14 @@ def accumulate_chunk_grads(logits: Tensor, hidden: Tensor, weight: Tensor, token
 
 def lm_head_logprobs(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float = 1.0,
                      chunk_rows: int | None = None, with_entropy: bool = True,
-                     numerics: str = "fast", truncation: Truncation | None = None) -> tuple[Tensor, Tensor]:
+                     numerics: str = "fast", truncation: Truncation | None = None,
+                     softcap: SoftCap | None = None) -> tuple[Tensor, Tensor]:
     """Chunked (log π(token), entropy), each [N] float32, for hidden states [N, H] and tokens [N]
     (the entropy is zeros unless `with_entropy`; `numerics` as in `head_functions`; log π over the tokens
-    `truncation` keeps when given)."""
+    `truncation` keeps when given; the logits soft-capped by `softcap` when given)."""
     chunk = chunk_rows or chunk_rows_for(weight.shape[0])
     return _ChunkedLMHead.apply(hidden, weight, tokens, float(temperature), int(chunk), bool(with_entropy), numerics,
-                                truncation)
+                                truncation, softcap)
 
 
 def is_fully_sharded(model) -> bool:
@@ -254,8 +275,7 @@ def is_fully_sharded(model) -> bool:
 
 def supports_hidden(model) -> bool:
     """Our CausalLM can return its final hidden states instead of logits, and so can a `TransformersCausalLM` whose
-    logits are its head's GEMM times a scale (`head_temperature` folds it in; no soft-capping for the chunked head
-    to miss)."""
+    logits are its head's GEMM under a scale and soft-capping (`head_temperature`, `head_softcap`), no bias."""
     from cohort_grpo.models import CausalLM
     from cohort_grpo.models.generic import TransformersCausalLM
 
@@ -266,9 +286,19 @@ def supports_hidden(model) -> bool:
 def head_temperature(model, temperature: float) -> float:
     """What the chunked LM head divides hidden @ weightᵀ by to give `model`'s logits over `temperature`: the
     temperature over the head's logit scale (Granite divides its logits, Cohere multiplies them:
-    `LogitHead.scale`; cohort's own models have none)."""
+    `LogitHead.scale`; cohort's own models have none), unless the head soft-caps, where the scale comes first
+    (`head_softcap`)."""
+    if head_softcap(model) is not None:
+        return temperature
     inner = getattr(model, "module", model)
     return temperature / getattr(inner.lm_head, "scale", 1.0)
+
+
+def head_softcap(model) -> SoftCap | None:
+    """`model`'s final logit soft-capping (`LogitHead.softcap`, with its scale), None where its head has none."""
+    head = getattr(getattr(model, "module", model), "lm_head", None)
+    cap = getattr(head, "softcap", None)
+    return None if cap is None else SoftCap(float(cap), getattr(head, "scale", 1.0))
 
 
 def takes_attention_rows(model) -> bool:
@@ -317,8 +347,8 @@ def micro_batch_logprobs(model, micro: MicroBatch, *, temperature: float = 1.0, 
     if supports_hidden(model):
         hidden, weight, tokens = completion_hidden(model, micro)
         token_logp, token_entropy = lm_head_logprobs(hidden, weight, tokens, head_temperature(model, temperature),
-                                                     chunk_rows, with_entropy,
-                                                     model_numerics(model), truncation)
+                                                     chunk_rows, with_entropy, model_numerics(model), truncation,
+                                                     head_softcap(model))
     else:
         if micro.attention_rows is not None:
             raise ValueError("a shared-prompt micro-batch needs our CausalLM (attention rows); pack it one row per completion")
