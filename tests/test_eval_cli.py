@@ -95,6 +95,18 @@ def test_arithmetic_eval_writes_jsonl_and_consistent_metrics(tiny_dir, tmp_path,
     assert re.search(r"mean length\s+[\d.]+ tokens", printed)
 
 
+def test_model_impl_hf_grades_what_the_engine_grades(tiny_dir, tmp_path, capsys):
+    """--model_impl hf (transformers and generate) greedy-decodes the same completions as the engine does."""
+    records = {}
+    for impl in ("cohort", "hf"):
+        out_file = tmp_path / f"{impl}.jsonl"
+        assert main(["eval", "--model", tiny_dir, "--task", "arithmetic", "--limit", "6", "--levels", "1",
+                     "--output", str(out_file), "--device", "cpu", "--model_impl", impl]) == 0
+        records[impl] = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert [r["completion"] for r in records["hf"]] == [r["completion"] for r in records["cohort"]]
+    assert len(records["hf"]) == 6
+
+
 class ScriptedSampler:
     """Arithmetic completions chosen in advance, whatever the model: the greedy completion is right
     when the answer is even; of the n samples of a question, `answer % (n + 1)` are right (at random
@@ -258,6 +270,7 @@ def test_no_model_means_the_built_in_model(tiny_dir, tmp_path, monkeypatch, caps
     (["eval", "--num_samples", "0"], "--num_samples 0 must be at least 1"),
     (["eval", "--limits", "3"], "unknown option --limits"),
     (["eval", "--limit", "x"], "--limit expects int"),
+    (["eval", "--model_impl", "vllm"], "--model_impl 'vllm' is not one of auto, cohort, hf"),
     (["eval", "--task", "gsm8k", "--data_files", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
 ])
 def test_bad_input_is_one_line(argv, fragment, capsys):

@@ -44,8 +44,9 @@ def default_model_spec(log: Callable[[str], None]) -> str | None:
     return None
 
 
-def load_for_inference(spec: str | None, device: str = "auto", dtype: str = "auto", log=print):
-    """(model in eval mode, tokenizer, device) for chat / generate; bf16 on CUDA unless told otherwise."""
+def load_for_inference(spec: str | None, device: str = "auto", dtype: str = "auto", log=print, impl: str = "auto"):
+    """(model in eval mode, tokenizer, device) for chat / generate; bf16 on CUDA unless told otherwise; `impl`:
+    --model_impl, as in train."""
     from cohort_grpo.run.policy import load_policy
 
     if device == "auto":
@@ -54,7 +55,7 @@ def load_for_inference(spec: str | None, device: str = "auto", dtype: str = "aut
         raise CohortError(f"--device {device} asked for, but no CUDA GPU is available; use --device cpu")
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "auto"
-    model, tokenizer = load_policy(spec, device=device, dtype=dtype, log=log)
+    model, tokenizer = load_policy(spec, device=device, dtype=dtype, log=log, impl=impl)
     model.eval()
     return model, tokenizer, torch.device(device)
 

@@ -64,6 +64,9 @@ def common_flags(parser: argparse.ArgumentParser, temperature: float) -> None:
     parser.add_argument("--system", default=None, help="a system message put before the conversation")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16")
+    parser.add_argument("--model_impl", default="auto", choices=("auto", "cohort", "hf"),
+                        help="as in train: cohort's engine (its own models, or transformers' modules for other "
+                        "decoder-only types) or hf (transformers and generate); default auto")
     if "chat" in parser.prog:
         parser.add_argument("--raw", action="store_true", help="no chat format and no history: each line is "
                             "completed as it is (base models, the built-in arithmetic model)")

@@ -282,7 +282,7 @@ def chat_main(argv: list[str]) -> int:
     for path in args.image:  # before the model loads too: a mistyped path fails at once
         if not Path(path).expanduser().is_file():
             raise CohortError(f"--image {path}: no such file; give the path of an image file (PNG, JPEG, ...)")
-    model, tokenizer, _ = load_for_inference(spec, args.device, args.dtype, log=stderr_log)
+    model, tokenizer, _ = load_for_inference(spec, args.device, args.dtype, log=stderr_log, impl=args.model_impl)
     session = chat_session(model, tokenizer, tools, model_spec=spec, system=args.system, raw=args.raw,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            seed=args.seed, notice=stderr_log)

@@ -46,6 +46,8 @@ EVAL_OPTIONS = {
     "seed": Option(int, 0, "seed of the n samples"),
     "device": Option(str, "auto", "auto, cpu or cuda"),
     "dtype": Option(str, "auto", "auto (float32), float32 or bfloat16"),
+    "model_impl": Option(str, "auto", "as in train: auto, cohort (the engine, also over transformers' modules for "
+                                      "other decoder-only types) or hf (transformers and generate)"),
     "output": Option(str, None, "per-question JSONL; the summary goes beside it as <stem>.summary.json",
                      "<output_dir>/<task>_<split>.jsonl"),
     "output_dir": Option(str, None, "folder of the results",
@@ -182,6 +184,8 @@ def run_eval(argv: list[str], log=print):
         raise CohortError(f"cohort-grpo eval: --num_samples {o['num_samples']} must be at least 1")
     if o["limit"] is not None and o["limit"] < 1:
         raise CohortError(f"cohort-grpo eval: --limit {o['limit']} must be at least 1")
+    if o["model_impl"] not in ("auto", "cohort", "hf"):
+        raise CohortError(f"cohort-grpo eval: --model_impl {o['model_impl']!r} is not one of auto, cohort, hf")
     if o["output"] and o["output_dir"]:
         raise CohortError("cohort-grpo eval: --output names the file and --output_dir the folder of the results; "
                           "pass one of them")
@@ -206,7 +210,7 @@ def run_eval(argv: list[str], log=print):
     started = time.perf_counter()
     device = pick_device(o["device"])
     model_spec = o["model"] or getattr(task, "default_config", {}).get("model")  # a task's own built-in model
-    model, tokenizer = load_policy(model_spec, device=device, dtype=o["dtype"], log=log)
+    model, tokenizer = load_policy(model_spec, device=device, dtype=o["dtype"], log=log, impl=o["model_impl"])
     model.eval()
     sampler = make_sampler(model, tokenizer)
     # The tools the model was trained with (tools.json beside it), else the task's: it answers through them.

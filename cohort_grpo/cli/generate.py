@@ -97,7 +97,7 @@ def generate_main(argv: list[str]) -> int:
         raise CohortError(f"--num_generations={args.num_generations}: it must be at least 1")
     prompts = read_prompts(args.prompts)
     spec = args.model if args.model is not None else default_model_spec(stderr_log)
-    model, tokenizer, _ = load_for_inference(spec, args.device, args.dtype, log=stderr_log)
+    model, tokenizer, _ = load_for_inference(spec, args.device, args.dtype, log=stderr_log, impl=args.model_impl)
     rows = generate_rows(model, tokenizer, prompts, model_spec=spec, num_generations=args.num_generations,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          seed=args.seed if args.seed is not None else 0, system=args.system, as_chat=args.chat)
