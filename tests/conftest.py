@@ -46,6 +46,9 @@ def cpu_pinned(request, monkeypatch):
             # CUDA reads CUDA_VISIBLE_DEVICES once, when it starts: started under the empty value below (by
             # anything this test calls), it would see no GPU for the rest of this worker's tests
             torch.cuda.init()
+        # torch caches the device count it computes once CUDA has started, from CUDA_VISIBLE_DEVICES as it is
+        # then: a count taken while the GPU is hidden would stay 0 for this worker's later GPU tests
+        monkeypatch.setattr(torch.cuda, "_cached_device_count", None)
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)

@@ -208,3 +208,24 @@ def test_offload_is_refused_on_several_processes_and_for_lora():
         GRPOConfig(offload_optimizer=True, fsdp=True).validate()
     with pytest.raises(CohortError, match="LoRA's adapters train in float32"):
         GRPOConfig(offload_optimizer=True, use_peft=True).validate()
+
+
+def test_each_buffer_is_registered_whole(monkeypatch):
+    """cudaHostRegister counts bytes: each buffer is registered from its first byte to its last (a count of
+    elements would page-lock a half or a quarter of it, and the asynchronous copies beyond would fail)."""
+    import cohort_grpo.optim.host_state as host_state
+
+    registered = []
+
+    class Runtime:
+        def cudaHostRegister(self, pointer, size, flags):
+            registered.append((pointer, size))
+            return 0
+
+        def cudaHostUnregister(self, pointer):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    buffers = {"low": torch.zeros(1000, dtype=torch.bfloat16), "exp_avg": torch.zeros(300, dtype=torch.float32)}
+    assert all(host_state.page_lock(buffer) for buffer in buffers.values())
+    assert registered == [(b.data_ptr(), b.numel() * b.element_size()) for b in buffers.values()]

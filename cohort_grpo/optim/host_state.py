@@ -74,7 +74,7 @@ class HostState:
                               f"memory and could not get it ({error}); pass --offload_optimizer false, or free host "
                               "memory") from None
         self.nbytes = wanted
-        self.page_locked = device.type == "cuda" and all(_page_lock(buffer) for buffer in self.buffers.values())
+        self.page_locked = device.type == "cuda" and all(page_lock(buffer) for buffer in self.buffers.values())
         self.tensors = [{name: buffer[starts[name][i]:starts[name][i] + shape.numel()].view(shape)
                          for name, buffer in self.buffers.items()} for i, shape in enumerate(shapes)]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -152,13 +152,13 @@ class HostState:
             self.tensors[i][name].copy_(value)
 
 
-def _page_lock(buffer: torch.Tensor) -> bool:
+def page_lock(buffer: torch.Tensor) -> bool:
     """Register `buffer` with CUDA as page-locked for as long as it lives; False where CUDA refuses (the copies
     then still run, synchronously)."""
     if buffer.numel() == 0:
         return False
     cudart = torch.cuda.cudart()
-    pointer, size = buffer.data_ptr(), buffer.numel()
+    pointer, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()  # cudaHostRegister counts bytes
     if int(cudart.cudaHostRegister(pointer, size, 0)) != 0:
         return False
     weakref.finalize(buffer, cudart.cudaHostUnregister, pointer)
