@@ -176,6 +176,22 @@ def test_a_colocated_split_must_divide_the_training_ranks(world, split):
                                   f"a divisor of {world}, or start a multiple of {split} processes")
 
 
+@pytest.mark.parametrize("world, options", [
+    (2, dict(fsdp=True, rollout_tensor_parallel_size=2)),  # colocated groups
+    (3, dict(rollout_gpus=2, async_rollouts=True, rollout_tensor_parallel_size=2)),  # a group of sampling ranks
+])
+def test_lora_adapters_cannot_be_split_over_a_sampling_group(world, options):
+    """Refused from the options alone (before torchrun starts a rank), not in each rank once the model is loaded."""
+    with pytest.raises(CohortError) as refused:
+        placed(world, use_peft=True, **options)
+    assert refused.value.args[0] == ("rollout_tensor_parallel_size=2 with LoRA adapters is not supported (their layers "
+                                     "are not split); use --rollout_tensor_parallel_size 1 (LoRA's memory need is the "
+                                     "base model's, bf16) or train the full model")
+    placed(world, **options)  # the full model splits
+    placed(world, use_peft=True, **{**options, "rollout_tensor_parallel_size": 1})  # one whole copy a rank
+    assert placed(world, use_peft=True, **{**options, "rollout_tensor_parallel_size": "auto"}).split == "auto"
+
+
 @pytest.mark.parametrize("options, what", [
     (dict(scale_rewards="batch"), "scale_rewards='batch' with 2 ranks would divide by each rank's own reward std"),
     (dict(dynamic_sampling=True), "dynamic_sampling with 2 ranks is not supported"),
