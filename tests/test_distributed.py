@@ -62,6 +62,26 @@ def test_average_records_means_numbers_keeps_agreeing_ints_and_rank0_others():
     assert isinstance(out["step"], int)
 
 
+def test_means_over_the_samples_a_rank_scored_are_weighted_by_their_counts():
+    """A reward function that fails on every sample of one rank (`--reward_errors warn`): the job's mean is the
+    other rank's, not NaN (null) nor halved; unequal counts weigh each rank's mean by its count, as one process
+    pooling the samples would; equal counts keep the plain average."""
+    scored = [2.0, 4.0, 6.0]  # rank 0 scored these; rank 1 none
+    records = [{"reward": float(np.mean(scored)), "rewards/f/mean": float(np.mean(scored)), "loss": 1.0},
+               {"reward": 0.0, "rewards/f/mean": float("nan"), "loss": 3.0}]
+    counts = [{"reward": 3, "rewards/f/mean": 3}, {"reward": 0, "rewards/f/mean": 0}]
+    out = average_records(records, counts=counts)
+    assert out == {"reward": 4.0, "rewards/f/mean": 4.0, "loss": 2.0}
+    pooled = [1.0, 2.0, 3.0, 10.0]  # rank 0 scored 3 samples, rank 1 one
+    records = [{"reward": float(np.mean(pooled[:3]))}, {"reward": pooled[3]}]
+    out = average_records(records, counts=[{"reward": 3}, {"reward": 1}])
+    assert out["reward"] == pytest.approx(float(np.mean(pooled)), abs=1e-12)
+    nothing = [{"reward": 0.0}, {"reward": 0.0}]  # no rank scored any: as one process says it (0)
+    assert average_records(nothing, counts=[{"reward": 0}, {"reward": 0}]) == {"reward": 0.0}
+    same = [{"reward": 0.1}, {"reward": 0.7}]
+    assert average_records(same, counts=[{"reward": 4}, {"reward": 4}]) == average_records(same)
+
+
 def test_one_process_parallel_is_a_no_op():
     parallel = Parallel()
     module = torch.nn.Linear(2, 2)
@@ -302,6 +322,30 @@ def test_a_rank_that_dies_stops_the_job_with_a_message(setup, tiny_dir):
         "cohort: error: rank 1 (trainer) was killed by SIGKILL; the job stopped — continue from the newest checkpoint "
         "with --resume"], output[-3000:]
     assert len(step_records(out)) < 1000
+
+
+FAILING_ON_RANK_ONE = '''
+import os
+
+def half_on_rank_zero(prompts, completions, **_):
+    if os.environ["RANK"] == "1":
+        raise ValueError("unreachable from rank 1")
+    return [0.5] * len(completions)
+'''
+
+
+def test_a_reward_function_failing_on_one_rank_only_logs_the_other_rank_s_mean(setup, tiny_dir):
+    """`--reward_errors warn` and a function that raises on rank 1 alone: the job finishes, and the logged means
+    are over the samples rank 0 scored (all 0.5), as one process pooling them would say, not null nor halved."""
+    (setup / "failing_reward.py").write_text(FAILING_ON_RANK_ONE)
+    out = setup / "one-rank-fails"
+    options = train_options(tiny_dir, out, 1, "--max_steps", "1", "--eval_limit", "0", "--reward_errors", "warn")
+    options[options.index("rewardmod:digit_share")] = "failing_reward:half_on_rank_zero"
+    output = run(setup, [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", *options], timeout=120)
+    assert "unreachable from rank 1" in output
+    record, = step_records(out)
+    assert record["rewards/half_on_rank_zero/mean"] == 0.5 and record["reward"] == 0.5, record
+    assert record["rewards/half_on_rank_zero/std"] == 0.0 and record["rewards/unscored_frac"] == 0.5
 
 
 def rank_one_pid(tag: str) -> int:
