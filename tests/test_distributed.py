@@ -348,6 +348,36 @@ def test_a_reward_function_failing_on_one_rank_only_logs_the_other_rank_s_mean(s
     assert record["rewards/half_on_rank_zero/std"] == 0.0 and record["rewards/unscored_frac"] == 0.5
 
 
+def test_sigint_to_the_launcher_alone_stops_the_job_with_a_checkpoint_and_resume_goes_on(setup, tiny_dir):
+    """`kill -INT <cohort-grpo's pid>` (a supervisor or `timeout -s INT`, not a terminal's whole process group):
+    the ranks finish their step and save, the launcher exits 130 in one line naming --resume, and --resume
+    continues from that checkpoint to the end."""
+    out = setup / "interrupted"
+    options = train_options(tiny_dir, out, 1, "--max_steps", "40", "--eval_limit", "0")
+    process = subprocess.Popen([sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", *options],
+                               env=environment(setup), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # the signal reaches the launcher alone
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "metrics.jsonl").is_file() or not step_records(out):
+            assert process.poll() is None and time.monotonic() < deadline, "the job did not reach step 1"
+            time.sleep(0.2)
+        os.kill(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, output[-3000:]
+    assert "cohort: the 2 training processes stopped on SIGINT; continue from the newest checkpoint with --resume" \
+        in output, output[-3000:]
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert saved and saved[-1] < 40, saved
+    run(setup, [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", *options, "--resume", "true"],
+        timeout=120)
+    steps = [r["step"] for r in step_records(out)]
+    assert steps == list(range(1, 41)), steps  # the interrupted run's steps, then the resumed ones after them
+
+
 def rank_one_pid(tag: str) -> int:
     """The pid of the rank-1 worker of the job whose environment holds COHORT_TEST_TAG=tag."""
     for entry in os.listdir("/proc"):

@@ -95,23 +95,23 @@ def launch_job(argv: list[str], launcher: list[str], args, processes: str, nodes
     reports = Path(tempfile.mkdtemp(prefix="cohort-faults-"))
     command = [sys.executable, "-m", "cohort_grpo.parallel.faults", str(reports / "torchrun.json"), *launcher, "-m", "cohort_grpo",
                "train", *argv]
-    child = subprocess.Popen(command, env={**os.environ, REPORT_ENV: str(reports)})
+    # torchrun runs in a session (process group) of its own, so that a signal reaches it once, through us, whether a
+    # terminal sent it to our whole group (Ctrl-C) or a supervisor to our pid alone (`kill -INT`).
+    child = subprocess.Popen(command, env={**os.environ, REPORT_ENV: str(reports)},
+                             start_new_session=True)
     stops: list[int] = []
 
-    def forward(signum, frame):  # SIGTERM to us reaches the ranks, which finish their step and save
+    def forward(signum, frame):  # SIGINT / SIGTERM to us reach the ranks, which finish their step and save
         stops.append(signum)
         child.send_signal(signum)
 
-    previous = signal.signal(signal.SIGTERM, forward)
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, forward) for signum in forwarded}
     try:
-        while True:
-            try:
-                code = child.wait()
-                break
-            except KeyboardInterrupt:  # Ctrl-C reached torchrun too (same process group): wait for it
-                continue
+        code = child.wait()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     failure = job_failure_line(reports, placement) if code != 0 else None
     shutil.rmtree(reports, ignore_errors=True)
     if failure is not None and not stops:
