@@ -230,3 +230,27 @@ def test_cohort_train_refuses_a_placement_before_torchrun_starts(tmp_path):
     for launcher_word in ("torchrun", "WARNING", "SIGTERM", "--resume", "OMP_NUM_THREADS"):
         assert launcher_word not in done.stdout
     assert not out.exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--use_peft", "true"], "rollout_tensor_parallel_size=2 with LoRA adapters is not supported (their layers are "
+                             "not split); use --rollout_tensor_parallel_size 1 (LoRA's memory need is the base "
+                             "model's, bf16) or train the full model"),
+    (["--task", "calculator"], "rollout_tensor_parallel_size=2 with tools is not supported (every rank of a sampling "
+                               "group would run each tool call); use --rollout_tensor_parallel_size 1"),
+])
+def test_cohort_train_refuses_a_split_the_options_rule_out_before_torchrun_starts(options, message, tmp_path):
+    """LoRA adapters and tool calls cannot be split over a sampling group; both are known from the options, so the
+    launcher refuses them in one line (exit 2), not each rank once its model is loaded (exit 1, with a --resume
+    hint that does not apply)."""
+    out = tmp_path / "out"
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", "--fsdp", "true",
+                           "--rollout_tensor_parallel_size", "2", "--device", "cpu", *options, "--output_dir", str(out)],
+                          env=dict(os.environ, PYTHONPATH=path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == f"cohort: error: {message}", done.stdout[-3000:]
+    for launcher_word in ("torchrun", "--resume", "OMP_NUM_THREADS"):
+        assert launcher_word not in done.stdout
+    assert not out.exists()

@@ -64,6 +64,18 @@ def whole_number(value: str) -> int | None:
     return int(value) if value.isascii() and value.isdigit() else None
 
 
+def check_split_tools(args, split) -> None:
+    """Refuse sampling groups of `split` ranks for a run whose completions call tools (`--tools`, else the task's),
+    known from the options: before torchrun starts a rank rather than in each once its model is loaded."""
+    if not isinstance(split, int) or split <= 1:
+        return
+    from cohort_grpo.models.tensor_parallel import tools_split_refusal
+    from cohort_grpo.tasks import get_task
+
+    if args.tools if args.tools is not None else getattr(get_task(args.task), "tools", None):
+        raise tools_split_refusal(split)
+
+
 def launch_job(argv: list[str], launcher: list[str], args, processes: str, nodes: dict[str, str], placement) -> int:
     """`cohort-grpo train --nproc_per_node N [--nnodes M --node_rank R --master_addr HOST ...] ...`: run
     `torchrun <launcher> -m cohort_grpo train ...` on this machine (torch.distributed.run, PyTorch's launcher
@@ -75,6 +87,7 @@ def launch_job(argv: list[str], launcher: list[str], args, processes: str, nodes
     if os.environ.get("WORLD_SIZE"):
         raise CohortError("--nproc_per_node launches torchrun, but this process already runs under torchrun; "
                           "leave --nproc_per_node (and --nnodes, --node_rank, --master_addr, --master_port) out")
+    check_split_tools(args, placement.split)
     from cohort_grpo.models.tiny import is_builtin_model
     from cohort_grpo.sft.builtin import builtin_model_dir, tiny_model_dir
 

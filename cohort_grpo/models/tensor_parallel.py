@@ -94,6 +94,13 @@ def lora_split_refusal(size: int) -> CohortError:
                        "bf16) or train the full model")
 
 
+def tools_split_refusal(size: int) -> CohortError:
+    """The refusal of tool turns sampled by a group of `size` ranks (also raised from the options alone, before any
+    rank starts: cohort_grpo.cli.launch)."""
+    return CohortError(f"rollout_tensor_parallel_size={size} with tools is not supported (every rank of a sampling "
+                       "group would run each tool call); use --rollout_tensor_parallel_size 1")
+
+
 def check_splittable(model, size: int, tools: bool) -> None:
     """Refuse, in one line, a split of `model` into `size` ranks for sampling that cannot work: a model cohort
     does not implement itself (sampled through Hugging Face `generate`), LoRA adapters (peft's wrappers are not
@@ -105,8 +112,7 @@ def check_splittable(model, size: int, tools: bool) -> None:
     if has_lora(model):
         raise lora_split_refusal(size)
     if tools:
-        raise CohortError(f"rollout_tensor_parallel_size={size} with tools is not supported (every rank of a "
-                          "sampling group would run each tool call); use --rollout_tensor_parallel_size 1")
+        raise tools_split_refusal(size)
 
 
 def local_vocab_size(vocab_size: int, size: int) -> int:
