@@ -112,6 +112,28 @@ def test_launcher_refuses_to_nest_under_torchrun(tiny_dir, capsys, tmp_path, mon
     assert "already runs under torchrun" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("processes, gpus, expected", [
+    ("2", 0, "device 'cuda' asked for, but no CUDA GPU is available; use --device cpu"),
+    ("4", 2, "this node runs 4+ processes but has 2 GPU(s); pass --nproc_per_node at most the number of GPUs"),
+])
+def test_launcher_refuses_more_processes_than_gpus_before_torchrun_starts(processes, gpus, expected, tiny_dir, capsys,
+                                                                         tmp_path, monkeypatch):
+    """Each rank would refuse it once started (exit 1, with a --resume hint that does not apply): the launcher
+    does, in one line, exit 2, no torchrun started."""
+    import subprocess as subprocesses
+
+    from cohort_grpo.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    started = []
+    monkeypatch.setattr(subprocesses, "Popen", lambda *a, **k: started.append(a))
+    assert main(["train", "--nproc_per_node", processes, "--device", "cuda", "--model", tiny_dir,
+                 "--output_dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == f"cohort: error: {expected}"
+    assert started == [] and not (tmp_path / "out").exists()
+
+
 # ---- sampling independent of the batch split ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):

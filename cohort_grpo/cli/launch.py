@@ -88,6 +88,11 @@ def launch_job(argv: list[str], launcher: list[str], args, processes: str, nodes
         raise CohortError("--nproc_per_node launches torchrun, but this process already runs under torchrun; "
                           "leave --nproc_per_node (and --nnodes, --node_rank, --master_addr, --master_port) out")
     check_split_tools(args, placement.split)
+    from cohort_grpo.parallel.distributed import pick_device
+
+    # the device of this machine's last process, as it will pick it: no GPU, or fewer GPUs than processes, is
+    # refused here once rather than by every rank after torchrun started them
+    pick_device(args.device, local_rank=int(processes) - 1, world_size=placement.world_size)
     from cohort_grpo.models.tiny import is_builtin_model
     from cohort_grpo.sft.builtin import builtin_model_dir, tiny_model_dir
 
