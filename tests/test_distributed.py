@@ -370,6 +370,7 @@ def test_a_reward_function_failing_on_one_rank_only_logs_the_other_rank_s_mean(s
     assert record["rewards/half_on_rank_zero/std"] == 0.0 and record["rewards/unscored_frac"] == 0.5
 
 
+@pytest.mark.slow
 def test_sigint_to_the_launcher_alone_stops_the_job_with_a_checkpoint_and_resume_goes_on(setup, tiny_dir):
     """`kill -INT <cohort-grpo's pid>` (a supervisor or `timeout -s INT`, not a terminal's whole process group):
     the ranks finish their step and save, the launcher exits 130 in one line naming --resume, and --resume
