@@ -62,6 +62,26 @@ def test_average_records_means_numbers_keeps_agreeing_ints_and_rank0_others():
     assert isinstance(out["step"], int)
 
 
+def test_means_over_the_samples_a_rank_scored_are_weighted_by_their_counts():
+    """A reward function that fails on every sample of one rank (`--reward_errors warn`): the job's mean is the
+    other rank's, not NaN (null) nor halved; unequal counts weigh each rank's mean by its count, as one process
+    pooling the samples would; equal counts keep the plain average."""
+    scored = [2.0, 4.0, 6.0]  # rank 0 scored these; rank 1 none
+    records = [{"reward": float(np.mean(scored)), "rewards/f/mean": float(np.mean(scored)), "loss": 1.0},
+               {"reward": 0.0, "rewards/f/mean": float("nan"), "loss": 3.0}]
+    counts = [{"reward": 3, "rewards/f/mean": 3}, {"reward": 0, "rewards/f/mean": 0}]
+    out = average_records(records, counts=counts)
+    assert out == {"reward": 4.0, "rewards/f/mean": 4.0, "loss": 2.0}
+    pooled = [1.0, 2.0, 3.0, 10.0]  # rank 0 scored 3 samples, rank 1 one
+    records = [{"reward": float(np.mean(pooled[:3]))}, {"reward": pooled[3]}]
+    out = average_records(records, counts=[{"reward": 3}, {"reward": 1}])
+    assert out["reward"] == pytest.approx(float(np.mean(pooled)), abs=1e-12)
+    nothing = [{"reward": 0.0}, {"reward": 0.0}]  # no rank scored any: as one process says it (0)
+    assert average_records(nothing, counts=[{"reward": 0}, {"reward": 0}]) == {"reward": 0.0}
+    same = [{"reward": 0.1}, {"reward": 0.7}]
+    assert average_records(same, counts=[{"reward": 4}, {"reward": 4}]) == average_records(same)
+
+
 def test_one_process_parallel_is_a_no_op():
     parallel = Parallel()
     module = torch.nn.Linear(2, 2)
@@ -90,6 +110,28 @@ def test_launcher_refuses_to_nest_under_torchrun(tiny_dir, capsys, tmp_path, mon
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["train", "--nproc_per_node", "2", "--model", tiny_dir, "--output_dir", str(tmp_path)]) == 2
     assert "already runs under torchrun" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("processes, gpus, expected", [
+    ("2", 0, "device 'cuda' asked for, but no CUDA GPU is available; use --device cpu"),
+    ("4", 2, "this node runs 4+ processes but has 2 GPU(s); pass --nproc_per_node at most the number of GPUs"),
+])
+def test_launcher_refuses_more_processes_than_gpus_before_torchrun_starts(processes, gpus, expected, tiny_dir, capsys,
+                                                                         tmp_path, monkeypatch):
+    """Each rank would refuse it once started (exit 1, with a --resume hint that does not apply): the launcher
+    does, in one line, exit 2, no torchrun started."""
+    import subprocess as subprocesses
+
+    from cohort_grpo.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    started = []
+    monkeypatch.setattr(subprocesses, "Popen", lambda *a, **k: started.append(a))
+    assert main(["train", "--nproc_per_node", processes, "--device", "cuda", "--model", tiny_dir,
+                 "--output_dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == f"cohort: error: {expected}"
+    assert started == [] and not (tmp_path / "out").exists()
 
 
 # ---- sampling independent of the batch split ----------------------------------------------------------
@@ -302,6 +344,61 @@ def test_a_rank_that_dies_stops_the_job_with_a_message(setup, tiny_dir):
         "cohort: error: rank 1 (trainer) was killed by SIGKILL; the job stopped — continue from the newest checkpoint "
         "with --resume"], output[-3000:]
     assert len(step_records(out)) < 1000
+
+
+FAILING_ON_RANK_ONE = '''
+import os
+
+def half_on_rank_zero(prompts, completions, **_):
+    if os.environ["RANK"] == "1":
+        raise ValueError("unreachable from rank 1")
+    return [0.5] * len(completions)
+'''
+
+
+def test_a_reward_function_failing_on_one_rank_only_logs_the_other_rank_s_mean(setup, tiny_dir):
+    """`--reward_errors warn` and a function that raises on rank 1 alone: the job finishes, and the logged means
+    are over the samples rank 0 scored (all 0.5), as one process pooling them would say, not null nor halved."""
+    (setup / "failing_reward.py").write_text(FAILING_ON_RANK_ONE)
+    out = setup / "one-rank-fails"
+    options = train_options(tiny_dir, out, 1, "--max_steps", "1", "--eval_limit", "0", "--reward_errors", "warn")
+    options[options.index("rewardmod:digit_share")] = "failing_reward:half_on_rank_zero"
+    output = run(setup, [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", *options], timeout=120)
+    assert "unreachable from rank 1" in output
+    record, = step_records(out)
+    assert record["rewards/half_on_rank_zero/mean"] == 0.5 and record["reward"] == 0.5, record
+    assert record["rewards/half_on_rank_zero/std"] == 0.0 and record["rewards/unscored_frac"] == 0.5
+
+
+@pytest.mark.slow
+def test_sigint_to_the_launcher_alone_stops_the_job_with_a_checkpoint_and_resume_goes_on(setup, tiny_dir):
+    """`kill -INT <cohort-grpo's pid>` (a supervisor or `timeout -s INT`, not a terminal's whole process group):
+    the ranks finish their step and save, the launcher exits 130 in one line naming --resume, and --resume
+    continues from that checkpoint to the end."""
+    out = setup / "interrupted"
+    options = train_options(tiny_dir, out, 1, "--max_steps", "40", "--eval_limit", "0")
+    process = subprocess.Popen([sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", *options],
+                               env=environment(setup), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # the signal reaches the launcher alone
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "metrics.jsonl").is_file() or not step_records(out):
+            assert process.poll() is None and time.monotonic() < deadline, "the job did not reach step 1"
+            time.sleep(0.2)
+        os.kill(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, output[-3000:]
+    assert "cohort: the 2 training processes stopped on SIGINT; continue from the newest checkpoint with --resume" \
+        in output, output[-3000:]
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert saved and saved[-1] < 40, saved
+    run(setup, [sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", *options, "--resume", "true"],
+        timeout=120)
+    steps = [r["step"] for r in step_records(out)]
+    assert steps == list(range(1, 41)), steps  # the interrupted run's steps, then the resumed ones after them
 
 
 def rank_one_pid(tag: str) -> int:

@@ -176,6 +176,22 @@ def test_a_colocated_split_must_divide_the_training_ranks(world, split):
                                   f"a divisor of {world}, or start a multiple of {split} processes")
 
 
+@pytest.mark.parametrize("world, options", [
+    (2, dict(fsdp=True, rollout_tensor_parallel_size=2)),  # colocated groups
+    (3, dict(rollout_gpus=2, async_rollouts=True, rollout_tensor_parallel_size=2)),  # a group of sampling ranks
+])
+def test_lora_adapters_cannot_be_split_over_a_sampling_group(world, options):
+    """Refused from the options alone (before torchrun starts a rank), not in each rank once the model is loaded."""
+    with pytest.raises(CohortError) as refused:
+        placed(world, use_peft=True, **options)
+    assert refused.value.args[0] == ("rollout_tensor_parallel_size=2 with LoRA adapters is not supported (their layers "
+                                     "are not split); use --rollout_tensor_parallel_size 1 (LoRA's memory need is the "
+                                     "base model's, bf16) or train the full model")
+    placed(world, **options)  # the full model splits
+    placed(world, use_peft=True, **{**options, "rollout_tensor_parallel_size": 1})  # one whole copy a rank
+    assert placed(world, use_peft=True, **{**options, "rollout_tensor_parallel_size": "auto"}).split == "auto"
+
+
 @pytest.mark.parametrize("options, what", [
     (dict(scale_rewards="batch"), "scale_rewards='batch' with 2 ranks would divide by each rank's own reward std"),
     (dict(dynamic_sampling=True), "dynamic_sampling with 2 ranks is not supported"),
@@ -212,5 +228,29 @@ def test_cohort_train_refuses_a_placement_before_torchrun_starts(tmp_path):
                          "sample in groups of that many (--fsdp without --rollout_gpus); give a divisor of 2, or start "
                          "a multiple of 3 processes")
     for launcher_word in ("torchrun", "WARNING", "SIGTERM", "--resume", "OMP_NUM_THREADS"):
+        assert launcher_word not in done.stdout
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--use_peft", "true"], "rollout_tensor_parallel_size=2 with LoRA adapters is not supported (their layers are "
+                             "not split); use --rollout_tensor_parallel_size 1 (LoRA's memory need is the base "
+                             "model's, bf16) or train the full model"),
+    (["--task", "calculator"], "rollout_tensor_parallel_size=2 with tools is not supported (every rank of a sampling "
+                               "group would run each tool call); use --rollout_tensor_parallel_size 1"),
+])
+def test_cohort_train_refuses_a_split_the_options_rule_out_before_torchrun_starts(options, message, tmp_path):
+    """LoRA adapters and tool calls cannot be split over a sampling group; both are known from the options, so the
+    launcher refuses them in one line (exit 2), not each rank once its model is loaded (exit 1, with a --resume
+    hint that does not apply)."""
+    out = tmp_path / "out"
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "cohort_grpo", "train", "--nproc_per_node", "2", "--fsdp", "true",
+                           "--rollout_tensor_parallel_size", "2", "--device", "cpu", *options, "--output_dir", str(out)],
+                          env=dict(os.environ, PYTHONPATH=path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == f"cohort: error: {message}", done.stdout[-3000:]
+    for launcher_word in ("torchrun", "--resume", "OMP_NUM_THREADS"):
         assert launcher_word not in done.stdout
     assert not out.exists()

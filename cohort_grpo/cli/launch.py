@@ -64,6 +64,18 @@ def whole_number(value: str) -> int | None:
     return int(value) if value.isascii() and value.isdigit() else None
 
 
+def check_split_tools(args, split) -> None:
+    """Refuse sampling groups of `split` ranks for a run whose completions call tools (`--tools`, else the task's),
+    known from the options: before torchrun starts a rank rather than in each once its model is loaded."""
+    if not isinstance(split, int) or split <= 1:
+        return
+    from cohort_grpo.models.tensor_parallel import tools_split_refusal
+    from cohort_grpo.tasks import get_task
+
+    if args.tools if args.tools is not None else getattr(get_task(args.task), "tools", None):
+        raise tools_split_refusal(split)
+
+
 def launch_job(argv: list[str], launcher: list[str], args, processes: str, nodes: dict[str, str], placement) -> int:
     """`cohort-grpo train --nproc_per_node N [--nnodes M --node_rank R --master_addr HOST ...] ...`: run
     `torchrun <launcher> -m cohort_grpo train ...` on this machine (torch.distributed.run, PyTorch's launcher
@@ -75,6 +87,12 @@ def launch_job(argv: list[str], launcher: list[str], args, processes: str, nodes
     if os.environ.get("WORLD_SIZE"):
         raise CohortError("--nproc_per_node launches torchrun, but this process already runs under torchrun; "
                           "leave --nproc_per_node (and --nnodes, --node_rank, --master_addr, --master_port) out")
+    check_split_tools(args, placement.split)
+    from cohort_grpo.parallel.distributed import pick_device
+
+    # the device of this machine's last process, as it will pick it: no GPU, or fewer GPUs than processes, is
+    # refused here once rather than by every rank after torchrun started them
+    pick_device(args.device, local_rank=int(processes) - 1, world_size=placement.world_size)
     from cohort_grpo.models.tiny import is_builtin_model
     from cohort_grpo.sft.builtin import builtin_model_dir, tiny_model_dir
 
@@ -95,23 +113,23 @@ def launch_job(argv: list[str], launcher: list[str], args, processes: str, nodes
     reports = Path(tempfile.mkdtemp(prefix="cohort-faults-"))
     command = [sys.executable, "-m", "cohort_grpo.parallel.faults", str(reports / "torchrun.json"), *launcher, "-m", "cohort_grpo",
                "train", *argv]
-    child = subprocess.Popen(command, env={**os.environ, REPORT_ENV: str(reports)})
+    # torchrun runs in a session (process group) of its own, so that a signal reaches it once, through us, whether a
+    # terminal sent it to our whole group (Ctrl-C) or a supervisor to our pid alone (`kill -INT`).
+    child = subprocess.Popen(command, env={**os.environ, REPORT_ENV: str(reports)},
+                             start_new_session=True)
     stops: list[int] = []
 
-    def forward(signum, frame):  # SIGTERM to us reaches the ranks, which finish their step and save
+    def forward(signum, frame):  # SIGINT / SIGTERM to us reach the ranks, which finish their step and save
         stops.append(signum)
         child.send_signal(signum)
 
-    previous = signal.signal(signal.SIGTERM, forward)
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, forward) for signum in forwarded}
     try:
-        while True:
-            try:
-                code = child.wait()
-                break
-            except KeyboardInterrupt:  # Ctrl-C reached torchrun too (same process group): wait for it
-                continue
+        code = child.wait()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     failure = job_failure_line(reports, placement) if code != 0 else None
     shutil.rmtree(reports, ignore_errors=True)
     if failure is not None and not stops:

@@ -86,6 +86,21 @@ def check_tensor_parallel_size(config: ModelConfig, size: int, group_size: int |
                           f"{group_size}; pass a group of {size} ranks (torch.distributed.new_subgroups)")
 
 
+def lora_split_refusal(size: int) -> CohortError:
+    """The refusal of LoRA adapters split over `size` sampling ranks (also raised from the options alone, before
+    any rank starts: cohort_grpo.parallel.placement)."""
+    return CohortError(f"rollout_tensor_parallel_size={size} with LoRA adapters is not supported (their layers are "
+                       "not split); use --rollout_tensor_parallel_size 1 (LoRA's memory need is the base model's, "
+                       "bf16) or train the full model")
+
+
+def tools_split_refusal(size: int) -> CohortError:
+    """The refusal of tool turns sampled by a group of `size` ranks (also raised from the options alone, before any
+    rank starts: cohort_grpo.cli.launch)."""
+    return CohortError(f"rollout_tensor_parallel_size={size} with tools is not supported (every rank of a sampling "
+                       "group would run each tool call); use --rollout_tensor_parallel_size 1")
+
+
 def check_splittable(model, size: int, tools: bool) -> None:
     """Refuse, in one line, a split of `model` into `size` ranks for sampling that cannot work: a model cohort
     does not implement itself (sampled through Hugging Face `generate`), LoRA adapters (peft's wrappers are not
@@ -95,12 +110,9 @@ def check_splittable(model, size: int, tools: bool) -> None:
                           f"Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral); {type(model).__name__} is sampled through "
                           "Hugging Face generate: use --rollout_tensor_parallel_size 1")
     if has_lora(model):
-        raise CohortError(f"rollout_tensor_parallel_size={size} with LoRA adapters is not supported (their layers "
-                          "are not split); use --rollout_tensor_parallel_size 1 (LoRA's memory need is the base "
-                          "model's, bf16) or train the full model")
+        raise lora_split_refusal(size)
     if tools:
-        raise CohortError(f"rollout_tensor_parallel_size={size} with tools is not supported (every rank of a "
-                          "sampling group would run each tool call); use --rollout_tensor_parallel_size 1")
+        raise tools_split_refusal(size)
 
 
 def local_vocab_size(vocab_size: int, size: int) -> int:

@@ -77,23 +77,39 @@ def pick_device(spec: str, local_rank: int = 0, world_size: int = 1) -> torch.de
     return torch.device(spec)
 
 
-def average_records(records: Sequence[dict], maximum: tuple[str, ...] = ()) -> dict:
+def average_records(records: Sequence[dict], maximum: tuple[str, ...] = (),
+                    counts: Sequence[dict] | None = None) -> dict:
     """One metrics record from every rank's: numbers averaged (the `maximum` keys: their largest),
     integers kept as integers when every rank agrees (step, counters), anything else (None,
-    strings) as rank 0 has it. Keys are rank 0's, in its order."""
+    strings) as rank 0 has it. Keys are rank 0's, in its order.
+
+    `counts` (one dict per rank): for a key that is a mean over only some of a rank's samples (those a reward
+    function scored), how many; the ranks' means are weighted by them, as one process pooling the samples
+    would, and a rank with none is left out (its value says nothing). Equal counts keep the plain average."""
     out = {}
     for key, first in records[0].items():
         values = [r.get(key) for r in records]
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        weights = [c.get(key) for c in counts] if counts is not None else [None]
         if not numeric:
             out[key] = first
         elif all(isinstance(v, int) for v in values) and len(set(values)) == 1:
             out[key] = first
         elif key in maximum:
             out[key] = max(values)
+        elif None not in weights and len(set(weights)) > 1:
+            out[key] = weighted_mean(values, weights, first)
         else:
             out[key] = math.fsum(values) / len(values)
     return out
+
+
+def weighted_mean(values: Sequence[float], weights: Sequence[float], fallback: float) -> float:
+    """The mean of `values` weighted by `weights`, leaving out those of weight 0; `fallback` when all are 0."""
+    kept = [(v, w) for v, w in zip(values, weights) if w > 0]
+    if not kept:
+        return fallback
+    return math.fsum(v * w for v, w in kept) / math.fsum(w for _, w in kept)
 
 
 class Parallel:
@@ -313,11 +329,14 @@ class Parallel:
         dist.broadcast_object_list(box, src=0, group=self.group)  # global rank 0 trains in every layout
         return box[0]
 
-    def mean_metrics(self, record: dict, maximum: tuple[str, ...] = ("peak_memory_gib",)) -> dict:
-        """`record` averaged over ranks (see `average_records`), the same on every rank; rank 0 logs it."""
+    def mean_metrics(self, record: dict, maximum: tuple[str, ...] = ("peak_memory_gib",),
+                     counts: dict | None = None) -> dict:
+        """`record` averaged over ranks (see `average_records`; `counts`: this rank's samples behind its keys that
+        are means over some of them), the same on every rank; rank 0 logs it."""
         if self.world_size == 1:
             return record
-        return average_records(self.gather_objects(record), maximum)
+        gathered = self.gather_objects((record, counts or {}))
+        return average_records([r for r, _ in gathered], maximum, [c for _, c in gathered])
 
     def shard(self, items: list) -> list:
         """This rank's contiguous block of `items` (see `shard_bounds`)."""

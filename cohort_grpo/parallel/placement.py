@@ -70,6 +70,10 @@ class Placement:
                               f"--rollout_gpus {'0' if world == 1 else '1' if world == 2 else f'1 to {world - 1}'}")
         if size == "auto":
             return  # settled once the model is loaded
+        if self.lora and size > 1:  # known from the options: refused before torchrun starts a rank
+            from cohort_grpo.models.tensor_parallel import lora_split_refusal
+
+            raise lora_split_refusal(size)
         if k and k % size:
             raise CohortError(f"rollout_tensor_parallel_size={size} with rollout_gpus={k}: the sampling ranks form "
                               f"groups of that many ranks, so it must divide rollout_gpus (e.g. --rollout_gpus "

@@ -64,6 +64,18 @@ def success_measure(verified: bool, reward_names: list[str]) -> SuccessMeasure:
                                       f"{ACCURACY_REWARD} counts correct answers here)")
 
 
+def scored_counts(batch: Batch, reward_names: list[str]) -> dict[str, int]:
+    """How many of the batch's samples each reward metric's mean is over: `reward` over those some function
+    scored, `rewards/<name>/*` over those that function scored (the others returned None or failed)."""
+    if batch.per_function is None:
+        return {}
+    scored = ~torch.isnan(batch.per_function)
+    counts = {"reward": int(scored.any(dim=1).sum())}
+    for j, name in enumerate(reward_names):
+        counts[f"rewards/{name}/mean"] = counts[f"rewards/{name}/std"] = int(scored[:, j].sum())
+    return counts
+
+
 def rewarded_rate(batch: Batch, reward_names: list[str]) -> float:
     """`success` without a verifier: the share of the completions `accuracy_reward` scored that it scored
     above 0 (0 when it scored none), else the share whose total reward is above 0."""
@@ -187,7 +199,8 @@ class StepReport:
             record.update({f"memory/{k}_gib": v for k, v in self.phase_peaks.items()})
             record["peak_memory_gib"] = max([*self.phase_peaks.values(), record.get("peak_memory_gib") or 0.0])
         self.phase_times, self.phase_peaks = {}, {}
-        record = self.parallel.mean_metrics(record)  # every rank's numbers averaged: global means
+        # every rank's numbers averaged: global means (those over the scored samples weighted by their counts)
+        record = self.parallel.mean_metrics(record, counts=scored_counts(batch, context.reward_names))
         self.history.append(record)
         warnings = self.health.observe(record, len(batch.rows))
         self.unlogged_warnings += warnings
