@@ -132,3 +132,17 @@ def test_explicit_reward_funcs_are_kept_for_every_stage(tiny_dir, tmp_path):
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     informative = _check_informative(trainer, {r["step"]: r for r in metrics if "loss" in r})
     assert any(0 < v for v in informative)  # a random policy's digit-or-not reward splits some groups
+
+
+@pytest.mark.parametrize("max_steps, refused", [(4, True), (5, True), (6, False), (9, False)])
+def test_a_stage_that_max_steps_never_reaches_is_refused(max_steps, refused):
+    # stages 1-2 cover steps 1-5: the last stage starts at step 6, so max_steps below 6 would never train it
+    stages = parse_curriculum("arithmetic:2,calculator:3,gsm8k:4")
+    if not refused:
+        assert GRPOConfig(curriculum=stages, max_steps=max_steps).curriculum == stages
+        return
+    with pytest.raises(CohortError) as error:
+        GRPOConfig(curriculum=stages, max_steps=max_steps)
+    message = str(error.value)
+    assert "\n" not in message and f"max_steps={max_steps}" in message and "stage 3 (gsm8k)" in message
+    assert "step 6" in message

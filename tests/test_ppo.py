@@ -112,6 +112,28 @@ def test_ppo_config_validation(tiny_dir, tmp_path):
         PPOTrainer(tiny_dir, digit_first, PROMPTS, args=GRPOConfig(output_dir=str(tmp_path)))
 
 
+@pytest.mark.parametrize("options, fragment", [
+    (dict(lam=1.5), "lam=1.5"),  # PPO's own options, refused where written as GRPOConfig's are
+    (dict(gamma=float("nan")), "gamma=nan"),
+    (dict(cliprange_value=float("nan")), "cliprange_value=nan"),
+    (dict(critic_learning_rate=float("nan")), "critic_learning_rate=nan"),
+    (dict(critic_learning_rate=-1e-5), "critic_learning_rate=-1e-05"),
+    (dict(beta=-1.0), "beta=-1.0"),  # GRPOConfig's options and rules, inherited
+    (dict(max_completion_length=0), "max_completion_length=0"),
+    (dict(kl_coef=0.1, beta=0.2), "kl_coef"),
+])
+def test_ppo_config_refuses_a_bad_value_where_it_is_written(options, fragment):
+    with pytest.raises(CohortError) as error:
+        PPOConfig(**options)
+    assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_ppo_config_takes_trl_names():
+    assert PPOConfig(kl_coef=0.25).beta == 0.25  # TRL's PPOConfig name of the KL coefficient
+    assert PPOConfig(bf16=True, lam=0.9).lam == 0.9
+    assert PPOConfig().validate().loss_type == "dapo"
+
+
 @pytest.mark.cpu("bitwise-equal resume: the CPU sums in a fixed order, a GPU's atomics do not")
 @pytest.mark.slow
 def test_ppo_resume_restores_the_critic_exactly(tiny_dir, tmp_path):

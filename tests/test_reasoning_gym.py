@@ -210,6 +210,6 @@ def test_a_curriculum_stage_can_be_a_reasoning_gym_task(capsys):
     assert switch is not None and curriculum.task.name == "reasoning_gym:chain_sum"
     assert {r["source_dataset"] for r in switch.rows} == {"chain_sum"}
     # a misspelt stage stops the command before anything loads, not at its first step
-    assert main(["train", "--curriculum", "arithmetic:2,reasoning_gym:chain_sums:3", "--max_steps", "1"]) == 2
+    assert main(["train", "--curriculum", "arithmetic:2,reasoning_gym:chain_sums:3", "--max_steps", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "unknown reasoning-gym task 'chain_sums' (close names: chain_sum" in err, err

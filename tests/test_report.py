@@ -276,3 +276,24 @@ def test_two_evaluations_are_two_points_not_a_line(tmp_path):
     figures = json.loads((page.parent / "figures.json").read_text())
     assert [c["joined"] for c in figures["accuracy.png"]["curves"]] == [False]
     assert [c["joined"] for c in figures["reward.png"]["curves"]] == [True]
+
+
+def test_a_run_stopped_mid_write_shows_its_first_evaluation_and_says_it_is_unfinished(tmp_path):
+    """A crash leaves no summary.json and may cut metrics.jsonl's last line: the accuracy before training is
+    still the step-0 evaluation the run logged, the cut line is left out, and the table says the run did not end."""
+    run = tmp_path / "run"
+    with MetricsLogger(run) as logger:
+        logger.log(0, {"eval/accuracy": 0.25})
+        for step in (1, 2, 3):
+            logger.log(step, {"reward": step / 10})
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 4, "reward": 0.')  # killed while writing step 4
+    text = build_report([run]).read_text()
+    row = re.search(r"<tbody><tr>(.*?)</tr>", text).group(1)
+    cells = re.findall(r"<td>(.*?)</td>", row)
+    assert cells[1] == "3 <span class='note'>(unfinished: no summary.json)</span>"
+    assert cells[3] == "0.25" and cells[4] == "–"  # before: the step-0 evaluation; after: never measured
+    finished = write_run(tmp_path / "done", lambda step: 0.5, summary={"steps": 40, "seconds": 9.0,
+                                                                      "accuracy_before": 0.1, "accuracy_after": 0.2})
+    cells = re.findall(r"<td>(.*?)</td>", re.search(r"<tbody><tr>(.*?)</tr>", build_report([finished]).read_text()).group(1))
+    assert cells[1:5] == ["40", "9", "0.1", "0.2"]

@@ -50,6 +50,15 @@ def first_refusal(rules: Iterable[Rule], config) -> str | None:
     return next((rule.message(config) for rule in rules if rule.refuses(config)), None)
 
 
+def last_stage_start(config) -> int | None:
+    """The training step where a curriculum's last stage starts (None without a curriculum, or where
+    num_train_epochs sets max_steps later): a run that stops before it never trains that stage."""
+    stages = config.curriculum
+    if not stages or config.num_train_epochs is not None or not is_number(config.max_steps):
+        return None
+    return 1 + sum(int(stage["steps"]) for stage in stages[:-1])
+
+
 def is_number(value) -> bool:
     """A count or a float given for an option; None, `auto` and the booleans are no numbers here."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -296,6 +305,11 @@ RULES: tuple[Rule, ...] = (
          lambda c: bool(c.curriculum) and "epoch" in (c.save_strategy, c.eval_strategy),
          lambda c: f"{epoch_strategy(c)}='epoch' with a curriculum: each stage counts its own steps and rows; give "
                    f"{epoch_strategy(c).replace('strategy', 'steps')} instead"),
+    Rule("a `curriculum` stage that `max_steps` never reaches",
+         lambda c: last_stage_start(c) is not None and c.max_steps < last_stage_start(c),
+         lambda c: refusal("max_steps", c.max_steps, f"ends before curriculum stage {len(c.curriculum)} "
+                           f"({c.curriculum[-1]['task']}) starts at step {last_stage_start(c)}",
+                           f"give --max_steps {last_stage_start(c)} or more, or shorten the stages before it")),
     at_least("max_consecutive_nonfinite", 1),
     Rule("`hub_model_id` not a Hub repository id",
          lambda c: c.hub_model_id is not None and not is_repo_id(c.hub_model_id),

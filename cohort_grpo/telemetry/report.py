@@ -97,6 +97,12 @@ class Run:
         return [(record.get("step"), str(line)) for record in self.metrics
                 if isinstance(record.get("warnings"), list) for line in record["warnings"]]
 
+    def first_evaluation(self) -> float | None:
+        """The held-out accuracy logged before training (step 0): what summary.json's accuracy_before holds
+        once the run ends."""
+        return next((record["eval/accuracy"] for record in self.metrics
+                     if record.get("step") == 0 and "eval/accuracy" in record), None)
+
     def series(self, name: str) -> tuple[list[float], list[float]]:
         """(steps, values) of one metric, leaving out steps where it is missing or non-finite."""
         steps, values = [], []
@@ -197,9 +203,9 @@ def _summary_table(runs: Sequence[Run]) -> str:
         steps, rewards = run.series("reward")
         rows.append((
             html.escape(run.label),
-            _number(run.summary.get("steps", run.metrics[-1].get("step"))),
+            _steps_cell(run),
             _number(run.summary.get("seconds")),
-            _number(run.summary.get("accuracy_before")),
+            _number(run.summary.get("accuracy_before", run.first_evaluation())),
             _number(run.summary.get("accuracy_after")),
             _at_step(rewards[0], steps[0]) if rewards else _number(None),
             _at_step(rewards[-1], steps[-1]) if rewards else _number(None),
@@ -215,6 +221,13 @@ def _warnings_section(runs: Sequence[Run]) -> str:
     items = [f"<li>{html.escape(run.label)}, step {_number(step)}: {html.escape(line)}</li>"
              for run in runs for step, line in run.warnings()]
     return f"<h2>Warnings</h2><ul>{''.join(items)}</ul>" if items else ""
+
+
+def _steps_cell(run: Run) -> str:
+    # summary.json is written when a run ends: without it, the run stopped (or still runs) at its last logged step
+    if run.summary:
+        return _number(run.summary.get("steps", run.metrics[-1].get("step")))
+    return f"{_number(run.metrics[-1].get('step'))} <span class='note'>(unfinished: no summary.json)</span>"
 
 
 def _at_step(value: float, step: float) -> str:

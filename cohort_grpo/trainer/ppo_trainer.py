@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +32,8 @@ from torch import nn
 
 from cohort_grpo.algorithm.advantages import gae_advantages, whiten
 from cohort_grpo.algorithm.objectives import kl_penalty, value_loss
-from cohort_grpo.config.grpo_config import GRPOConfig
+from cohort_grpo.config.grpo_config import GRPOConfig, accepting_trl_names
+from cohort_grpo.config.rules import refusal
 from cohort_grpo.errors import CohortError
 from cohort_grpo.update.logprobs import forward_hidden, scatter_to_rows, supports_hidden
 from cohort_grpo.rollout.batch import to_device
@@ -51,13 +54,38 @@ class PPOConfig(GRPOConfig):
 
     def check(self) -> None:
         super().check()
-        for name in ("gamma", "lam"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise CohortError(f"{name}={getattr(self, name)} must lie in [0, 1]")
-        if self.cliprange_value <= 0:
-            raise CohortError(f"cliprange_value={self.cliprange_value} must be positive")
-        if self.critic_learning_rate is not None and self.critic_learning_rate <= 0:
-            raise CohortError(f"critic_learning_rate={self.critic_learning_rate} must be positive")
+        for name, ok, problem in (("gamma", lambda v: 0 <= v <= 1, "must lie in [0, 1]"),
+                                  ("lam", lambda v: 0 <= v <= 1, "must lie in [0, 1]"),
+                                  ("cliprange_value", lambda v: v > 0, "must be positive"),
+                                  ("critic_learning_rate", lambda v: v > 0, "must be positive, or None for learning_rate")):
+            value = getattr(self, name)
+            if value is None and name == "critic_learning_rate":
+                continue
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or math.isnan(value) or not ok(value):
+                raise CohortError(refusal(name, value, problem))
+
+
+def checking_where_written(init):
+    """PPOConfig's constructor as GRPOConfig's (TRL's names, each value checked where it is written), with
+    PPO's own options passed through and TRL PPOConfig's `kl_coef` taken as `beta`."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if "kl_coef" in kwargs:
+            if "beta" in kwargs:
+                raise CohortError("PPOConfig(kl_coef=..., beta=...) gives the KL coefficient twice; give one of them")
+            kwargs["beta"] = kwargs.pop("kl_coef")
+        own = {name: kwargs.pop(name) for name in ppo_options() if name in kwargs}
+        accepting_trl_names(functools.partial(init, **own))(self, *args, **kwargs)
+    return __init__
+
+
+def ppo_options() -> set[str]:
+    """The options PPOConfig adds to GRPOConfig's."""
+    return {f.name for f in dataclasses.fields(PPOConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+
+
+PPOConfig.__init__ = checking_where_written(PPOConfig.__init__)
 
 
 class ValueModel(nn.Module):
