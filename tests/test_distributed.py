@@ -134,6 +134,57 @@ def test_launcher_refuses_more_processes_than_gpus_before_torchrun_starts(proces
     assert started == [] and not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_torchrun_in_its_own_session_dies_with_a_launcher_killed_outright(tmp_path):
+    """The launcher starts torchrun in a session of its own (signals reach it once, through the launcher); a launcher
+    killed by SIGKILL forwards nothing, so its child is asked by the kernel to stop (SIGTERM) instead of running on."""
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import os, signal, subprocess, sys\n"
+        "from cohort_grpo.cli.launch import stop_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True,\n"
+        "                         preexec_fn=stop_with_parent)\n"
+        "print(child.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(parent)], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    child = int(done.stdout.split()[0])
+
+    def alive() -> bool:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return state != "Z"  # a zombie has ended; whoever adopted it reaps it
+
+    deadline = time.monotonic() + 20
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive()
+
+
+def test_the_launcher_starts_torchrun_in_its_own_session_bound_to_its_life(tiny_dir, tmp_path, monkeypatch):
+    from cohort_grpo.cli import main
+    from cohort_grpo.cli.launch import stop_with_parent
+
+    class Started(Exception):
+        pass
+
+    asked = {}
+
+    def popen(command, **options):
+        asked.update(options)
+        raise Started
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(Started):
+        main(["train", "--nproc_per_node", "2", "--device", "cpu", "--model", tiny_dir,
+              "--output_dir", str(tmp_path / "out")])
+    assert asked["start_new_session"] is True and asked["preexec_fn"] is stop_with_parent
+
+
 # ---- sampling independent of the batch split ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):

@@ -64,6 +64,18 @@ def whole_number(value: str) -> int | None:
     return int(value) if value.isascii() and value.isdigit() else None
 
 
+def stop_with_parent() -> None:
+    """In a child process before it runs its program: ask Linux to send it SIGTERM when its parent dies
+    (`PR_SET_PDEATHSIG`); nothing on other systems."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
 def check_split_tools(args, split) -> None:
     """Refuse sampling groups of `split` ranks for a run whose completions call tools (`--tools`, else the task's),
     known from the options: before torchrun starts a rank rather than in each once its model is loaded."""
@@ -115,8 +127,10 @@ def launch_job(argv: list[str], launcher: list[str], args, processes: str, nodes
                "train", *argv]
     # torchrun runs in a session (process group) of its own, so that a signal reaches it once, through us, whether a
     # terminal sent it to our whole group (Ctrl-C) or a supervisor to our pid alone (`kill -INT`).
+    # Outside our group, it must still not outlive us: killed outright (SIGKILL, which no handler forwards), we
+    # leave it SIGTERM, and it stops as after any SIGTERM (Linux; elsewhere it runs on to its end).
     child = subprocess.Popen(command, env={**os.environ, REPORT_ENV: str(reports)},
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=stop_with_parent)
     stops: list[int] = []
 
     def forward(signum, frame):  # SIGINT / SIGTERM to us reach the ranks, which finish their step and save
