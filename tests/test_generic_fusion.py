@@ -5,6 +5,7 @@ Each family is a tiny random float32 transformers model (test_generic_models.py'
 are held to the same model's own modules and to transformers' forward and `generate`."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -37,11 +38,12 @@ EXPECTED_NORMS = {"gemma3_text": GEMMA_NORM, "olmo2": OLMO_NORM}  # the others r
 @pytest.fixture
 def kernels(monkeypatch):
     """The kernels run here (the interpreter stands in for CUDA), each call counted: norms, gated activations, and
-    the projection groups' fused GEMMs."""
+    the projection groups' fused GEMMs, rotaries (one call for q, one for k)."""
     if ON_CUDA:
         pytest.skip("runs the kernels on CPU tensors in Triton's interpreter; on a GPU, the kernels' own test below")
-    counts = dict(norm=0, gate=0, gemm=0)
+    counts = dict(norm=0, gate=0, gemm=0, rotate=0)
     norm, gate, outputs = norm_kernels.rms_norm_kernel, gate_kernels.gated_activation_kernel, ProjectionGroup.outputs
+    rotate = gate_kernels.rotate_kernel
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -56,6 +58,7 @@ def kernels(monkeypatch):
     monkeypatch.setattr(generic_fusion, "triton_allowed", lambda tensor: True)
     monkeypatch.setattr(norm_kernels, "rms_norm_kernel", counted("norm", norm))
     monkeypatch.setattr(gate_kernels, "gated_activation_kernel", counted("gate", gate))
+    monkeypatch.setattr(gate_kernels, "rotate_kernel", counted("rotate", rotate))
     monkeypatch.setattr(ProjectionGroup, "outputs", counted_outputs)
     # the engine's sampling switch, its compiled pieces (the sampler's) left plain on the CPU
     monkeypatch.setattr(engine_setup, "fused_kernels", lambda on: fused_kernels(on, compile=False))
@@ -124,6 +127,9 @@ def test_fused_decoding_equals_the_modules_own(model_type, kernels):
     assert kernels["norm"] - before["norm"] == forwards * fusions.norms
     assert kernels["gate"] - before["gate"] == forwards * fusions.mlps
     assert kernels["gemm"] - before["gemm"] == forwards * len(fusions.groups)
+    assert fusions.rotaries == 1
+    rotary_layers = sum(getattr(reference.config, "no_rope_layers", [1] * reference.config.num_hidden_layers))
+    assert kernels["rotate"] - before["rotate"] == forwards * 2 * rotary_layers
     during = dict(kernels)
     plain = cached_logits(model, tokens, fused=False)
     assert kernels == during
@@ -234,3 +240,106 @@ def test_kernels_compute_their_references_on_cuda(variant):
     for activation, fn in gate_kernels.GATED_ACTIVATIONS.items():
         expected = fn(gate.float()) * up.float()
         assert relative(gate_kernels.gated_activation_kernel(gate, up, activation).float(), expected) < 4e-3
+
+
+def interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """Rotary of the interleaved convention (pairs 2i, 2i+1), not transformers' rotate-half."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rotated(x):
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+    return q * cos + rotated(q) * sin, k * cos + rotated(k) * sin
+
+
+def modeling_module(model):
+    return sys.modules[type(model.decoder.layers[0].self_attn).__module__]
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "llama", "olmo2", "qwen2", "smollm3"])
+def test_rotary_kernel_equals_transformers_rotary(model_type, kernels):
+    """The modeling module's rotary runs as the kernel (one call for q, one for k, per attention layer and forward)
+    on the sampling path only: the logits equal those of the same model with only the rotary left to transformers,
+    and a forward with gradients or off the sampling path never calls it."""
+    reference, model = build(model_type)
+    model.fuse_projections()
+    dispatch = modeling_module(model).apply_rotary_pos_emb
+    assert isinstance(dispatch, generic_fusion.RotaryDispatch) and model.fusions.rotaries == 1
+    torch.manual_seed(5)
+    tokens = torch.randint(1, VOCAB, (2, 9))
+    before = kernels["rotate"]
+    fused = cached_logits(model, tokens, fused=True)
+    layers = sum(getattr(reference.config, "no_rope_layers", [1] * reference.config.num_hidden_layers))  # SmolLM3's
+    assert kernels["rotate"] - before == (1 + tokens.shape[1] - 6) * 2 * layers
+    counted = kernels["rotate"]
+    served = model.fusions.rotary_modules
+    model.fusions.rotary_modules = frozenset()  # every other fusion as it was
+    unrotated = cached_logits(model, tokens, fused=True)
+    assert kernels["rotate"] == counted and relative(fused, unrotated) < 1e-5
+    model.fusions.rotary_modules = served
+    cached_logits(model, tokens, fused=False)
+    model.train()
+    with fused_kernels(True, compile=False):
+        model(tokens).sum().backward()
+    assert kernels["rotate"] == counted
+    with torch.no_grad(), fused_kernels(True, compile=False):  # transformers' own model, not wrapped: the original
+        assert torch.equal(reference(tokens).logits, reference(tokens).logits)
+    assert kernels["rotate"] == counted
+
+
+def test_a_wrong_rotary_convention_is_refused(kernels, monkeypatch):
+    """A modeling module whose rotary pairs interleaved dimensions keeps its function; transformers' own passes."""
+    from transformers.models.llama import modeling_llama
+
+    config = transformers.LlamaConfig(**GQA)
+    head_dim = config.hidden_size // config.num_attention_heads
+    shapes = (config.num_attention_heads, config.num_key_value_heads, head_dim, torch.device("cpu"))
+    current = modeling_llama.apply_rotary_pos_emb
+    original = getattr(current, "original", current)
+    assert generic_fusion.rotary_agrees(original, *shapes)
+    assert not generic_fusion.rotary_agrees(interleaved_rotary, *shapes)
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", interleaved_rotary)
+    _, model = build("llama")
+    assert model.fusions.rotaries == 0 and modeling_llama.apply_rotary_pos_emb is interleaved_rotary
+    before = kernels["rotate"]
+    cached_logits(model, torch.randint(1, VOCAB, (2, 8)), fused=True)
+    assert kernels["rotate"] == before
+
+
+def test_a_second_model_shares_the_one_dispatch(kernels):
+    """Two models of one class: the modeling module's rotary is wrapped once, and each model's forwards (its copy's
+    too, as a reference policy's) are served by it, each under its own switch."""
+    _, first = build("llama")
+    dispatch = modeling_module(first).apply_rotary_pos_emb
+    _, second = build("llama", seed=1)
+    copied = copy.deepcopy(second)
+    assert modeling_module(second).apply_rotary_pos_emb is dispatch
+    assert not isinstance(dispatch.original, generic_fusion.RotaryDispatch)
+    tokens = torch.randint(1, VOCAB, (2, 7))
+    for model in (first, second, copied):
+        before = kernels["rotate"]
+        cached_logits(model, tokens, fused=True)
+        assert kernels["rotate"] - before == 2 * 2 * model.config.num_hidden_layers
+    first.fusions.on = False
+    before = kernels["rotate"]
+    cached_logits(first, tokens, fused=True)
+    assert kernels["rotate"] == before
+    cached_logits(copied, tokens, fused=True)
+    assert kernels["rotate"] > before
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="bfloat16 rounding as a GPU's; the interpreter's differs")
+def test_rotary_kernel_computes_transformers_rotary_on_cuda():
+    """In bfloat16 on CUDA the rotary kernel gives transformers' rotate-half rotary within a rounding (the kernel
+    rounds once, transformers' each product)."""
+    from transformers.models.llama import modeling_llama
+
+    current = modeling_llama.apply_rotary_pos_emb
+    original = getattr(current, "original", current)
+    generator = torch.Generator("cuda").manual_seed(0)
+    q, k = (torch.randn(4, heads, 1, 128, generator=generator, device="cuda", dtype=torch.bfloat16)
+            for heads in (14, 2))
+    angles = torch.rand(4, 1, 64, generator=generator, device="cuda") * 100
+    cos, sin = (torch.cat((t, t), dim=-1).bfloat16() for t in (angles.cos(), angles.sin()))
+    for ours, own in zip(generic_fusion.rotary_kernel(q, k, cos, sin), original(q, k, cos, sin)):
+        assert ours.dtype == own.dtype and relative(ours.float(), own.float()) < 4e-3
