@@ -17,7 +17,7 @@ from test_generic_models import GQA, PROMPTS, VOCAB, reference_model  # noqa: E4
 from triton_interpreter import ON_CUDA, kernel_module  # noqa: E402
 
 from cohort_grpo.kernels.elementwise import fused_kernels  # noqa: E402
-from cohort_grpo.models import generic_fusion  # noqa: E402
+from cohort_grpo.models import generic_fusion, generic_rotary  # noqa: E402
 from cohort_grpo.models.cache import KVCache  # noqa: E402
 from cohort_grpo.models.generic import TransformersCausalLM  # noqa: E402
 from cohort_grpo.models.generic_fusion import FusedNorm, NormVariant, ProjectionGroup  # noqa: E402
@@ -264,7 +264,7 @@ def test_rotary_kernel_equals_transformers_rotary(model_type, kernels):
     reference, model = build(model_type)
     model.fuse_projections()
     dispatch = modeling_module(model).apply_rotary_pos_emb
-    assert isinstance(dispatch, generic_fusion.RotaryDispatch) and model.fusions.rotaries == 1
+    assert isinstance(dispatch, generic_rotary.RotaryDispatch) and model.fusions.rotaries == 1
     torch.manual_seed(5)
     tokens = torch.randint(1, VOCAB, (2, 9))
     before = kernels["rotate"]
@@ -296,8 +296,8 @@ def test_a_wrong_rotary_convention_is_refused(kernels, monkeypatch):
     shapes = (config.num_attention_heads, config.num_key_value_heads, head_dim, torch.device("cpu"))
     current = modeling_llama.apply_rotary_pos_emb
     original = getattr(current, "original", current)
-    assert generic_fusion.rotary_agrees(original, *shapes)
-    assert not generic_fusion.rotary_agrees(interleaved_rotary, *shapes)
+    assert generic_rotary.rotary_agrees(original, *shapes)
+    assert not generic_rotary.rotary_agrees(interleaved_rotary, *shapes)
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", interleaved_rotary)
     _, model = build("llama")
     assert model.fusions.rotaries == 0 and modeling_llama.apply_rotary_pos_emb is interleaved_rotary
@@ -314,7 +314,7 @@ def test_a_second_model_shares_the_one_dispatch(kernels):
     _, second = build("llama", seed=1)
     copied = copy.deepcopy(second)
     assert modeling_module(second).apply_rotary_pos_emb is dispatch
-    assert not isinstance(dispatch.original, generic_fusion.RotaryDispatch)
+    assert not isinstance(dispatch.original, generic_rotary.RotaryDispatch)
     tokens = torch.randint(1, VOCAB, (2, 7))
     for model in (first, second, copied):
         before = kernels["rotate"]

@@ -37,6 +37,7 @@ from cohort_grpo.models.generic_attention import (ATTENTION, STATELESS_LAYER_TYP
                                                   keeps_recurrent_state, recompute_in_the_same_step, refusal,
                                                   register_attention)
 from cohort_grpo.models.generic_fusion import Fusions, install, relative_error
+from cohort_grpo.models.generic_rotary import install_rotary
 from cohort_grpo.models.generic_training import checkpoint_first_layers, decoder_layer_list
 from cohort_grpo.models.recurrent_state import StateCache, StateShapes
 from cohort_grpo.models.shared_prefix import PackedRows
@@ -93,6 +94,7 @@ class TransformersCausalLM(nn.Module):
             raise GenericPathRefused(f"{model.model_type}'s probe forward fails ({type(error).__name__}: "
                                      f"{failure})") from error
         model.fusions = install(model.decoder)
+        install_rotary(model.decoder, model.fusions)
         return model
 
     @staticmethod
