@@ -56,6 +56,7 @@ def kernels(monkeypatch):
         return outputs(group, x)
 
     monkeypatch.setattr(generic_fusion, "triton_allowed", lambda tensor: True)
+    monkeypatch.setattr(generic_rotary, "triton_allowed", lambda tensor: True)
     monkeypatch.setattr(norm_kernels, "rms_norm_kernel", counted("norm", norm))
     monkeypatch.setattr(gate_kernels, "gated_activation_kernel", counted("gate", gate))
     monkeypatch.setattr(gate_kernels, "rotate_kernel", counted("rotate", rotate))
