@@ -8,6 +8,7 @@ source the very rollouts it had sampled ahead."""
 
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from cohort_grpo.parallel.distributed import Parallel
@@ -88,7 +89,7 @@ def linear(value: float) -> torch.nn.Module:
     return model
 
 
-def ahead_source(policy, staleness, max_steps, prompts):
+def ahead_source(policy, staleness, max_steps, prompts, past_end=True):
     producer = linear(-1.0)  # the producer's copy: each rollout loads its version's weights into it
 
     def sample(rows, seed, sequence_offset):
@@ -96,13 +97,16 @@ def ahead_source(policy, staleness, max_steps, prompts):
 
     now = source_now(prompts, lambda rows, seed, sequence_offset: None)
     return SampledAhead(AsyncRollouts(producer, sample, staleness), now, policy=policy, parallel=Parallel(),
-                        max_steps=max_steps)
+                        max_steps=max_steps, past_end=past_end)
 
 
-def test_step_t_samples_the_weights_after_update_t_minus_1_minus_l_and_nothing_past_the_last_step():
+@pytest.mark.parametrize("past_end", [False, True])
+def test_step_t_samples_the_weights_after_update_t_minus_1_minus_l_and_past_the_last_step_only_when_asked(past_end):
+    """Step t's rollout is sampled from the weights after update t − 1 − L; past the last step, with `past_end`, the
+    L rollouts a longer run would start before its last update (kept by the last checkpoint), else none."""
     for staleness in (1, 2):
         policy, prompts = linear(0.0), Prompts()
-        source = ahead_source(policy, staleness, max_steps=5, prompts=prompts)
+        source = ahead_source(policy, staleness, max_steps=5, prompts=prompts, past_end=past_end)
         sampled, stale = {}, {}
         for step in range(1, 6):
             batch = source.take(step)
@@ -112,7 +116,9 @@ def test_step_t_samples_the_weights_after_update_t_minus_1_minus_l_and_nothing_p
             source.after_update(policy)
         assert sampled == {t: float(max(0, t - 1 - staleness)) for t in range(1, 6)}
         assert stale == {t: float(min(t - 1, staleness)) for t in range(1, 6)}
-        assert not source.ahead.pending and prompts.rows_drawn == prompts.seeds_drawn == 5  # none beyond step 5
+        beyond = {t: t - 1 - staleness for t in range(6, 6 + staleness)} if past_end else {}
+        assert {t: version for t, (_, version) in source.ahead.pending.items()} == beyond
+        assert prompts.rows_drawn == prompts.seeds_drawn == 5 + len(beyond)
         source.close()
 
 

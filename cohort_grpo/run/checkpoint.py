@@ -300,13 +300,16 @@ def check_checkpoint(folder: Path, hashes: bool = True) -> str | None:
         return f"corrupt ({MARKER} lists no {TRAINER_STATE})"
     for name, expected in files.items():
         path = folder / name
-        if not path.is_file():
+        try:  # a checkpoint a live run rotates away (save_total_limit) may lose its files while it is read
+            size = path.stat().st_size if path.is_file() else None
+            if size is None:
+                return f"corrupt ({name} is missing)"
+            if size != expected["bytes"]:
+                return f"corrupt ({name} has {size} bytes, its manifest says {expected['bytes']})"
+            if hashes and _sha256(path) != expected["sha256"]:
+                return f"corrupt ({name} differs from its manifest's sha256)"
+        except FileNotFoundError:
             return f"corrupt ({name} is missing)"
-        size = path.stat().st_size
-        if size != expected["bytes"]:
-            return f"corrupt ({name} has {size} bytes, its manifest says {expected['bytes']})"
-        if hashes and _sha256(path) != expected["sha256"]:
-            return f"corrupt ({name} differs from its manifest's sha256)"
     return None
 
 
