@@ -5,27 +5,30 @@ none; transformers models keep their config's (GPT-2's 0.1, for one)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from torch import nn
 
 
-def active_dropouts(model: nn.Module) -> list[str]:
-    """The names of `model`'s dropouts that act in train mode: `nn.Dropout` modules with p > 0 (LoRA's adapters'
-    included) and attention modules whose `attention_dropout` (transformers' float) is above 0."""
-    names = []
+def acting_dropouts(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    """(name, module, the attribute holding its rate) of each of `model`'s dropouts that acts in train mode:
+    `nn.Dropout` modules with p > 0 (LoRA's adapters' included) and attention modules whose `attention_dropout`
+    (transformers' float) is above 0."""
     for name, module in model.named_modules():
         if isinstance(module, nn.Dropout) and module.p > 0:
-            names.append(name)
+            yield name, module, "p"
         elif isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
-            names.append(f"{name} (attention)")
-    return names
+            yield f"{name} (attention)", module, "attention_dropout"
+
+
+def active_dropouts(model: nn.Module) -> list[str]:
+    """The names of `model`'s dropouts that act in train mode (`acting_dropouts`)."""
+    return [name for name, _, _ in acting_dropouts(model)]
 
 
 def disable_dropout(model: nn.Module) -> int:
-    """Every dropout `active_dropouts` finds set to 0, in place; how many there were."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, nn.Dropout) and module.p > 0:
-            module.p, count = 0.0, count + 1
-        elif isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
-            module.attention_dropout, count = 0.0, count + 1
-    return count
+    """Every dropout `acting_dropouts` finds set to 0, in place; how many there were."""
+    found = list(acting_dropouts(model))
+    for _, module, rate in found:
+        setattr(module, rate, 0.0)
+    return len(found)

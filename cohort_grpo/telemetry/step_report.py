@@ -126,8 +126,12 @@ class StepReport:
         for record in history:
             step = int(record["step"])
             self.unlogged_warnings += self.health.observe(record, self.args.generation_batch_size)
-            if step % self.args.logging_steps == 0 or step == self.args.max_steps:
+            if self.logged_step(step):
                 self.unlogged_warnings = []
+
+    def logged_step(self, step: int) -> bool:
+        """Whether `step`'s record is logged (every logging_steps, and the last step)."""
+        return step % self.args.logging_steps == 0 or step == self.args.max_steps
 
     @contextmanager
     def phase(self, name: str):
@@ -204,7 +208,7 @@ class StepReport:
         self.history.append(record)
         warnings = self.health.observe(record, len(batch.rows))
         self.unlogged_warnings += warnings
-        logged = step % self.args.logging_steps == 0 or step == self.args.max_steps
+        logged = self.logged_step(step)
         if logged:
             self.metrics.log(step, {**record, "warnings": self.unlogged_warnings} if self.unlogged_warnings else record)
             self.unlogged_warnings = []

@@ -276,7 +276,7 @@ class GRPOTrainer:
             self.memory.after_first_step()  # full collections stop walking them (cohort_grpo/memory/gc_pauses.py)
             self.report.restart_gc_clock()
         control = self.callback_handler.event("on_step_end")  # then on_log, evaluate, save: transformers' order
-        if self.step % self.args.logging_steps == 0 or self.step == self.args.max_steps or control.should_log:
+        if self.report.logged_step(self.step) or control.should_log:
             control.should_log = False
             control = self.callback_handler.event("on_log", logs=record)
         due = self.args.eval_steps and self.step % self.args.eval_steps == 0 and (
