@@ -7,8 +7,10 @@ checkpoint on every node.
 The process tests reuse tests/test_distributed.py's set-up (imported from it): the built-in tiny model
 (random init), the arithmetic task with a dense reward, the same options and tolerance."""
 
+import json
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +25,8 @@ from cohort_grpo.cli.train import unreachable_checkpoint
 from cohort_grpo.config.grpo_config import GRPOConfig
 from cohort_grpo.errors import CohortError
 from cohort_grpo.parallel.distributed import Parallel
+from cohort_grpo.parallel.faults import REPORT_ENV
+from cohort_grpo.run.checkpoint import MARKER, TRAINER_STATE
 from test_distributed import REWARD_MODULE, assert_same_training, environment, step_records, train_options
 
 NODE = ["--nnodes", "2", "--master_addr", "10.0.0.1"]
@@ -115,6 +119,71 @@ def test_the_launcher_starts_this_machines_torchrun(code, tiny_dir, capsys, tmp_
                                "code 1 (the log above shows why; a rank that lost a collective points to another "
                                "machine's line)")
     assert not (tmp_path / "out").exists()  # the launcher itself writes nothing
+
+
+def complete_checkpoint(out: Path, step: int) -> Path:
+    """A checkpoint folder that `check_checkpoint` (without hashes) reads as complete."""
+    folder = out / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    state = json.dumps({"step": step, "config": {"max_steps": step}})
+    (folder / TRAINER_STATE).write_text(state)
+    (folder / MARKER).write_text(json.dumps({"files": {TRAINER_STATE: {"bytes": len(state), "sha256": ""}}}))
+    return folder
+
+
+class FailingTorchrun(FakeTorchrun):
+    """A job whose rank 1 fails with a line, after writing the checkpoints `saves` names into `out`."""
+
+    out: Path = Path()
+    saves: tuple = ()
+
+    def __init__(self, command, env, **_):
+        super().__init__(command)
+        for step in FailingTorchrun.saves:
+            complete_checkpoint(FailingTorchrun.out, step)
+        record = {"time": 1.0, "line": "rank 1 reward function broke: ValueError: no"}
+        (Path(env[REPORT_ENV]) / "rank-1.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("before,saves,resume,node,ending", [
+    ((), (), False, None, "; the job stopped before it saved a checkpoint"),
+    ((), (2,), False, None, "; the job stopped — continue from the newest checkpoint with --resume"),
+    ((4,), (), False, None, "; the job stopped before it saved a checkpoint"),  # a finished run it did not replace
+    ((4,), (), True, None, "; the job stopped — continue from the newest checkpoint with --resume"),
+    ((), (), False, "1", " on node 1; the job stopped — node 0's line says whether a checkpoint to continue from was "
+                         "saved"),
+])
+def test_a_failed_job_names_resume_only_when_it_left_a_checkpoint(before, saves, resume, node, ending, tiny_dir,
+                                                                  capsys, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    for step in before:
+        complete_checkpoint(out, step)
+    FakeTorchrun.commands, FakeTorchrun.code = [], 1
+    FailingTorchrun.out, FailingTorchrun.saves = out, saves
+    monkeypatch.setattr(subprocess, "Popen", FailingTorchrun)
+    nodes = [*NODE, "--node_rank", node] if node else []
+    assert main(["train", "--nproc_per_node", "2", *nodes, "--model", tiny_dir, "--output_dir", str(out),
+                 *["--resume"] * resume]) == 1
+    assert capsys.readouterr().err.strip() == f"cohort: error: rank 1 (trainer) reward function broke: ValueError: no{ending}"
+
+
+@pytest.mark.parametrize("saves,ending", [((), " before it saved a checkpoint"),
+                                          ((1,), "; continue from the newest checkpoint with --resume")])
+def test_a_job_stopped_by_a_signal_names_resume_only_when_it_saved(saves, ending, tiny_dir, capsys, tmp_path,
+                                                                  monkeypatch):
+    out = tmp_path / "out"
+
+    class InterruptedTorchrun(FakeTorchrun):
+        def wait(self):  # SIGINT reaches the launcher while torchrun runs; the ranks save `saves`, then stop
+            signal.raise_signal(signal.SIGINT)
+            for step in saves:
+                complete_checkpoint(out, step)
+            return 1
+
+    FakeTorchrun.commands = []
+    monkeypatch.setattr(subprocess, "Popen", InterruptedTorchrun)
+    assert main(["train", "--nproc_per_node", "2", "--model", tiny_dir, "--output_dir", str(out)]) == 130
+    assert capsys.readouterr().err.strip() == f"cohort: the 2 training processes stopped on SIGINT{ending}"
 
 
 def test_help_accepts_the_node_options(capsys):
@@ -277,7 +346,9 @@ def test_resume_needs_the_checkpoint_on_every_node(setup, two_nodes, one_process
     node0, node1 = nodes(setup, resume, succeed=False)
     assert ("cohort: error: rank 1 (trainer) cannot read run/checkpoint-2/trainer_state.json: rank 0 resumes from that "
             "checkpoint, and every machine must reach it at the same path") in node1, node1[-3000:]
-    assert "on node 1; the job stopped — continue from the newest checkpoint with --resume" in node1
+    assert "on node 1; the job stopped — node 0's line says whether a checkpoint to continue from was saved" in node1
+    assert "on node 0; the job stopped — continue from the newest checkpoint with --resume" in node0 or \
+        "of node 0 (of 2 machines) stopped" in node0, node0[-3000:]
     assert re.search(r"cohort: error: .* on node 0; the job stopped|of node 0 \(of 2 machines\) stopped", node0), node0[-3000:]
     assert files_in(out1) == [] and not (out0 / "checkpoint-3").exists()
     shutil.copytree(out0 / "checkpoint-2", out1 / "checkpoint-2")
@@ -291,6 +362,8 @@ FSDP_SCRIPT = '''
 import torch
 from torch import nn
 from cohort_grpo.parallel.distributed import Parallel
+from cohort_grpo.parallel.faults import REPORT_ENV
+from cohort_grpo.run.checkpoint import MARKER, TRAINER_STATE
 
 class Block(nn.Module):
     def __init__(self):

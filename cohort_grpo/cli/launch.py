@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from cohort_grpo.errors import CohortError
 
@@ -116,13 +117,15 @@ def launch_job(argv: list[str], launcher: list[str], args, processes: str, nodes
     elif is_builtin_model(args.model):
         builtin_model_dir(args.model)
     import tempfile
-    from pathlib import Path
 
     from cohort_grpo.parallel.faults import REPORT_ENV, job_failure_line
 
     # torchrun runs inside cohort_grpo.parallel.faults, which keeps its failures for the one line below; the ranks leave
     # their own error lines in the same folder.
     reports = Path(tempfile.mkdtemp(prefix="cohort-faults-"))
+    from cohort_grpo.run.failure import checkpoint_marks
+
+    before = checkpoint_marks(Path(args.output_dir))  # a checkpoint the job stops with is one it wrote (or resumed)
     command = [sys.executable, "-m", "cohort_grpo.parallel.faults", str(reports / "torchrun.json"), *launcher, "-m", "cohort_grpo",
                "train", *argv]
     # torchrun runs in a session (process group) of its own, so that a signal reaches it once, through us, whether a
@@ -150,12 +153,12 @@ def launch_job(argv: list[str], launcher: list[str], args, processes: str, nodes
         from cohort_grpo.run.failure import RESUME_HINT
 
         where = f" on node {nodes['node_rank']}" if int(nodes.get("nnodes", "1")) > 1 else ""
-        ending = "" if RESUME_HINT in failure else "; the job stopped — continue from the newest checkpoint with --resume"
+        ending = "" if RESUME_HINT in failure else f"; the job stopped{kept(args, before, nodes, ' — ')}"
         print(f"cohort: error: {failure}{where}{ending}", file=sys.stderr)
         return code
     if stops and code != 0:  # the ranks' own lines say what they saved
-        print(f"cohort: the {processes} training processes stopped on {signal.Signals(stops[0]).name}; continue "
-              "from the newest checkpoint with --resume", file=sys.stderr)
+        print(f"cohort: the {processes} training processes stopped on {signal.Signals(stops[0]).name}"
+              f"{kept(args, before, nodes, '; ')}", file=sys.stderr)
         return 128 + stops[0]
     if code != 0 and int(nodes.get("nnodes", "1")) > 1:
         print(f"cohort: error: the {processes} training process(es) of node {nodes['node_rank']} (of "
@@ -165,3 +168,16 @@ def launch_job(argv: list[str], launcher: list[str], args, processes: str, nodes
         print(f"cohort: error: the {processes} training processes stopped with exit code {code} (the log above "
               "shows why)", file=sys.stderr)
     return code
+
+
+def kept(args, before: dict[str, int], nodes: dict[str, str], then: str) -> str:
+    """How a stopped job's line ends: `--resume` when this machine sees a checkpoint in output_dir to continue from
+    (`job_checkpoint`; `before`: output_dir when the job started), else that the job saved none; a machine other than
+    node 0, which alone writes output_dir, may not see it, and points to node 0's line. `then` leads a clause."""
+    from cohort_grpo.run.failure import job_checkpoint
+
+    if job_checkpoint(Path(args.output_dir), before, bool(args.resume or args.resume_from_checkpoint)) is not None:
+        return f"{then}continue from the newest checkpoint with --resume"
+    if int(nodes.get("node_rank", "0")) > 0:
+        return f"{then}node 0's line says whether a checkpoint to continue from was saved"
+    return " before it saved a checkpoint"

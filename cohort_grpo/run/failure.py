@@ -89,6 +89,29 @@ def newest_line(out: Path, why: str, newest: Path | None) -> str:
     return f"{why}; no checkpoint exists, the run starts again from step 0"
 
 
+def checkpoint_marks(out: Path) -> dict[str, int]:
+    """Each checkpoint folder in `out` now, with its modification time (ns): what `out` held when a job started,
+    for `job_checkpoint`."""
+    marks = {}
+    for folder in list_checkpoints(out):
+        with contextlib.suppress(OSError):
+            marks[folder.name] = folder.stat().st_mtime_ns
+    return marks
+
+
+def job_checkpoint(out: Path, before: dict[str, int], resuming: bool) -> Path | None:
+    """The newest complete checkpoint in `out` that --resume continues a stopped job from, for a job that started
+    when `out` held `before` (`checkpoint_marks`): any, when the job resumed (the one it continued is still
+    there); else one the job wrote. None: the job kept nothing to continue from (it stopped before its first
+    save; a finished run's checkpoints that it did not get to replace are not its own)."""
+    for folder in reversed(list_checkpoints(out)):
+        with contextlib.suppress(OSError):
+            written = before.get(folder.name) != folder.stat().st_mtime_ns
+            if (resuming or written) and check_checkpoint(folder, hashes=False) is None:
+                return folder
+    return None
+
+
 def newest_checkpoint(out: Path) -> Path | None:
     complete = [f for f in list_checkpoints(out) if check_checkpoint(f, hashes=False) is None]
     return complete[-1] if complete else None
