@@ -49,6 +49,31 @@ def test_stage_boundaries():
     assert [curriculum.stage_at(s) for s in range(1, 9)] == [0, 0, 1, 1, 1, 1, 1, 1]
 
 
+def test_the_held_out_rows_of_a_curriculum_run_are_its_last_stage_s_task():
+    """`cohort-grpo train --curriculum arithmetic:2,calculator:3` (--task left at arithmetic): the held-out rows
+    are the calculator's test problems, the task the curriculum leads to, said in one line."""
+    from cohort_grpo.cli.train import task_rows
+
+    args = parse_config(["--curriculum", "arithmetic:2,calculator:3", "--eval_limit", "7"])
+    lines = []
+    train, held_out = task_rows(get_task(args.task), args, log=lines.append)
+    assert held_out == get_task("calculator").load("test", size=7, seed=args.seed)
+    assert train == get_task("arithmetic").load("train", seed=args.seed, levels=args.levels)  # the run's rows as before
+    assert lines == ["held-out evaluation on calculator, the curriculum's last stage (not --task arithmetic)"]
+
+
+def test_a_last_stage_s_levels_are_those_of_the_held_out_rows(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("curriculum:\n  - {task: calculator, steps: 2}\n  - {task: arithmetic, steps: 3, levels: '1'}\n")
+    from cohort_grpo.cli.train import task_rows
+
+    args = parse_config(["--config", str(yaml_file), "--eval_limit", "9"])
+    lines = []
+    _, held_out = task_rows(get_task(args.task), args, log=lines.append)
+    assert held_out == get_task("arithmetic").load("test", levels="1", size=9, seed=args.seed)
+    assert {row["level"] for row in held_out} == {1} and lines == []  # --task is the last stage's: no line
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_curriculum")
@@ -115,6 +140,21 @@ def _check_informative(trainer, steps) -> list[float]:
         assert steps[step]["frac_reward_zero_std"] == pytest.approx(1 - expected)
         values.append(expected)
     return values
+
+
+def test_the_trainer_scores_the_held_out_rows_with_the_last_stage_s_verifier(tiny_dir, tmp_path):
+    """A curriculum ending on GSM8K, the run's task arithmetic: eval_dataset is scored by GSM8K's verifier."""
+    stages = [{"task": "arithmetic", "steps": 1}, {"task": "gsm8k", "steps": 1}]
+    task = get_task("arithmetic")
+    rows = get_task("arithmetic").load("train", size=8)
+    held_out = [{"prompt": "Add 2 and 2.", "question": "Add 2 and 2.", "solution": "4"}]
+    trainer = GRPOTrainer(tiny_dir, None, rows, task=task, eval_dataset=held_out,
+                          args=_args(tmp_path, curriculum=stages, max_steps=2), log=lambda *_: None)
+    verifier = trainer.evaluation.task
+    assert verifier.name == "gsm8k" and verifier.is_correct("<answer>\n4\n</answer>", held_out[0])
+    trainer.close_logs()
+    trainer.discard_unused_output_dir()
+    trainer.parallel.close()
 
 
 def first_char_is_digit(prompts, completions, **_):

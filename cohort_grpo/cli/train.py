@@ -163,15 +163,13 @@ def task_rows(task, args, log=print):
     train = task.load(args.dataset_train_split, **options)
     if not args.eval_limit:
         return train, None
-    if not hasattr(task, "is_correct"):
-        log(f"no held-out evaluation: the {task.name} task has no verifier to score answers with (--task "
+    held_out_task, held_out_options = held_out_source(task, args, options, log)
+    if not hasattr(held_out_task, "is_correct"):
+        log(f"no held-out evaluation: the {held_out_task.name} task has no verifier to score answers with (--task "
             "arithmetic or gsm8k have one); training goes on")
         return train, None
-    held_out_options = {**options, "data_files": args.eval_data_files, "subset": None, "size": args.eval_limit}
-    if args.eval_data_files is not None:
-        held_out_options.pop("dataset_name", None)
     try:
-        held_out = task.load(args.dataset_test_split, **held_out_options)
+        held_out = held_out_task.load(args.dataset_test_split, **held_out_options)
     except CohortError as error:
         if args.eval_data_files is not None:
             raise
@@ -179,6 +177,28 @@ def task_rows(task, args, log=print):
             "pass --eval_data_files to evaluate on a file")
         return train, None
     return train, held_out[: args.eval_limit]
+
+
+def held_out_source(task, args, options: dict, log=print) -> tuple[object, dict]:
+    """The task whose held-out rows the run evaluates on and its load options (`options`: the training rows'):
+    `task`, or in a curriculum run its last stage's task (cohort_grpo/tasks/curriculum.py), which takes the data
+    options of `task` only when it is that task, and the stage's own `levels`."""
+    from cohort_grpo.tasks.curriculum import Curriculum
+
+    held_out = {**options, "data_files": args.eval_data_files, "subset": None, "size": args.eval_limit}
+    if args.eval_data_files is not None:
+        held_out.pop("dataset_name", None)
+    curriculum = Curriculum.from_config(args)
+    if curriculum is None:
+        return task, held_out
+    stage = curriculum.held_out_stage
+    if "levels" in stage.options:
+        held_out["levels"] = stage.options["levels"]
+    if stage.task != args.task:
+        for name in ("dataset_name", "dataset_config", "prompt_column"):  # --task's data, not this task's
+            held_out.pop(name, None)
+        log(f"held-out evaluation on {stage.task}, the curriculum's last stage (not --task {args.task})")
+    return curriculum.held_out_task(), held_out
 
 
 def import_user_rewards_from_cwd(args) -> None:

@@ -461,7 +461,8 @@ class GRPOConfig:
 
     # Curriculum.
     curriculum: list[dict] | None = field(default=None, metadata={
-        "help": "Stages trained in turn, a YAML list or arithmetic:50,gsm8k:200; None trains the one task above."})
+        "help": "Stages trained in turn, a YAML list or arithmetic:50,gsm8k:200 (held-out evaluation: the last "
+                "stage's task); None trains the one task above."})
 
     @property
     def generation_batch_size(self) -> int:

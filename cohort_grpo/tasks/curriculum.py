@@ -13,6 +13,11 @@ A curriculum is a list of stages, each `{task, steps, <load options>}`:
 or on the command line `--curriculum arithmetic:50,gsm8k:200`. Stage i covers the `steps` training
 steps after those of the stages before it; after the last stage's steps the last stage continues.
 
+Held-out evaluation (before training, every `eval_steps`, after training) is on the last stage's task: the task
+the curriculum leads to, the same problems before and after, whatever `task` is. `cohort-grpo train` loads that
+task's held-out rows (its test split, or `eval_data_files`; the stage's `levels` where it gives them) and the
+trainer scores `eval_dataset` with that task's verifier (`held_out_task`).
+
 Rewards: each stage brings its task's reward functions (a `RewardRunner` per stage, switched with the
 prompts), so no function ever scores another task's rows. A trainer given explicit `reward_funcs`
 keeps those for every stage instead. Load options not given in a stage come from the run's config
@@ -55,6 +60,17 @@ class Curriculum:
     @classmethod
     def from_config(cls, args, keep_rewards: bool = False) -> "Curriculum | None":
         return cls(args.curriculum, args, keep_rewards) if args.curriculum else None
+
+    @property
+    def held_out_stage(self) -> Stage:
+        """The stage whose task the run's held-out evaluation measures: the last one, where the curriculum leads."""
+        return self.stages[-1]
+
+    def held_out_task(self):
+        """The task object of `held_out_stage` (its verifier scores the held-out rows)."""
+        from cohort_grpo.tasks import get_task
+
+        return get_task(self.held_out_stage.task)
 
     def stage_at(self, step: int) -> int:
         """0-based stage of a 1-based training step; past the end, the last stage."""

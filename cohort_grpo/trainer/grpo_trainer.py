@@ -107,8 +107,9 @@ class GRPOTrainer:
                                          self.policy_update.logprobs)
         self.report, self.log = parts.report, parts.report.log
         self.checkpoints = Checkpointing.of_run(parts, self.extra_checkpoint_state, self.load_extra_checkpoint_state)
+        held_out_task = task if task is None or self.curriculum is None else self.curriculum.held_out_task()
         self.evaluation = HeldOutEvaluation(
-            self.eval_rows, task, self.parallel, self.sampler, self.tokenizer,
+            self.eval_rows, held_out_task, self.parallel, self.sampler, self.tokenizer,
             getattr(self.group_sampler, "encode_prompt", None), self.toolbox, self.sample, self.add_rewards,
             self.prompts.unchanged, max_new_tokens=self.args.max_completion_length,
             prompts_per_call=self.args.prompts_per_step, group_size=self.args.num_generations, pad_id=self.pad_id,
