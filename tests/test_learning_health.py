@@ -34,7 +34,7 @@ def feed(health: LearningHealth, records: list[dict]) -> dict[int, list[str]]:
     """The warnings of each step that gave any."""
     given = {}
     for record in records:
-        lines = health.observe(record, SAMPLES)
+        lines = health.observe(record)
         if lines:
             given[record["step"]] = lines
     return given
@@ -70,7 +70,7 @@ PROBLEMS = {  # check → (the values that show it, words its line must hold: wh
                                                 "--epsilon (now 0.2)")),
 }
 OPTIONS = HealthOptions(max_completion_length=64, num_generations=4, beta=0.04, num_iterations=2, tool_timeout=5.0,
-                        reward_timeout=10.0)
+                        reward_timeout=10.0, generation_batch_size=SAMPLES)
 
 
 def test_a_healthy_run_gets_no_warning():
@@ -162,12 +162,47 @@ def test_the_advice_quotes_the_run_s_settings():
     args = GRPOConfig(max_completion_length=48, num_generations=6, per_device_train_batch_size=12, temperature=0.7,
                       learning_rate=3e-6, num_iterations=3, epsilon=0.1, beta=0.02, tool_timeout=12.0)
     options = HealthOptions.from_config(args)
-    assert options == HealthOptions(48, 6, 0.7, 0.02, 3e-6, 3, 0.1, 12.0)
+    assert options == HealthOptions(48, 6, 0.7, 0.02, 3e-6, 3, 0.1, 12.0, generation_batch_size=12 * 4)  # × accumulation
     health = LearningHealth.from_config(args)
     lines = [line for lines in feed(health, run_of({"clip_ratio/region_mean": 0.9, "kl": 5.0},
                                                    set(range(1, 41)))).values() for line in lines]
     assert any("beta=0.02" in line and "--learning_rate (now 3e-06)" in line for line in lines)
     assert any("--num_iterations (now 3)" in line and "--epsilon (now 0.1)" in line for line in lines)
+
+
+def test_a_live_step_and_its_replay_on_resume_count_reward_errors_out_of_the_same_completions(tmp_path):
+    """Steps that train on fewer rows than a reward call scored (dynamic sampling kept 8 of the 16 completions):
+    6 errors are 6 of the call's 16, not most — live (`StepReport.record`) and replayed from a checkpoint's records
+    (`StepReport.resumed`) alike; 9 errors are most, in both."""
+    import os
+
+    from cohort_grpo.models.tiny import build_model, build_tokenizer
+    from cohort_grpo.parallel.distributed import Parallel, SilentMetrics
+    from cohort_grpo.rollout.layout import Layout
+    from cohort_grpo.telemetry.progress import Progress
+    from cohort_grpo.telemetry.step_report import StepContext, StepReport
+
+    args = GRPOConfig(num_generations=4, per_device_train_batch_size=16, gradient_accumulation_steps=1,
+                      max_steps=2 * WINDOW, logging_steps=1, output_dir=str(tmp_path), device="cpu").validate()
+    model = build_model(build_tokenizer(), seed=0)
+
+    def report(lines: list) -> StepReport:
+        with open(os.devnull, "w") as devnull:
+            return StepReport(args, model=model, device=torch.device("cpu"), parallel=Parallel(),
+                              metrics=SilentMetrics(), progress=Progress(0, True, devnull), log=lines.append)
+
+    context = StepContext(success=None, learning_rate=1e-6, uses_reference=False, micro_rows=8,
+                          layout=Layout.choose(False, 4), reward_names=["f"])
+    for errors, warned in ((6.0, False), (9.0, True)):
+        live = report([])
+        for step in range(1, WINDOW + 1):
+            batch = batch_of(["12"] * 8, [0.0, 1.0] * 4, [[0.0], [1.0]] * 4)  # 2 informative groups of 4
+            batch.advantages, batch.reward_metrics = torch.zeros(8), {"rewards/f/errors": errors}
+            live.record(step, batch, [{"loss": 0.0}], 1.0, context)
+        assert bool(live.health.lines) == warned, live.health.lines
+        replayed = report([])
+        replayed.resumed(live.history)
+        assert replayed.health.lines == live.health.lines
 
 
 # ---- what the success column counts ------------------------------------------------------------------------

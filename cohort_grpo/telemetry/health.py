@@ -12,7 +12,8 @@ consecutive steps, and never again in the run (a resumed run goes on from its ch
   out): all advantages 0;
 - every group's rewards equal (`frac_reward_zero_std` = 1): all advantages 0, no gradient from the reward
   (not counted while every completion is empty or none is scored: those checks name the cause);
-- a reward function raising on most of its samples (`rewards/<func>/errors` over the samples scored);
+- a reward function raising on most of its samples (`rewards/<func>/errors` over the completions a call scores,
+  `generation_batch_size`);
 - most tool calls failing (`tools/failure_frequency` above `MOST`);
 - the KL to the reference above `KL_LIMIT`, or the clipped share of tokens above `CLIP_LIMIT`.
 
@@ -57,6 +58,9 @@ class HealthOptions:
     epsilon: float = 0.2
     tool_timeout: float = 30.0
     reward_timeout: float = 10.0
+    # the completions a rank's reward functions score in one call, which `rewards/<func>/errors` counts out of
+    # (dynamic sampling's rounds, each one call, average their counts)
+    generation_batch_size: int = 64
 
     @classmethod
     def from_config(cls, args) -> "HealthOptions":
@@ -112,11 +116,10 @@ class LearningHealth:
     def from_config(cls, args) -> "LearningHealth":
         return cls(HealthOptions.from_config(args))
 
-    def observe(self, record: dict, samples: int) -> list[str]:
-        """The warnings `record` (one step's metrics) completes. `samples`: the completions each rank scored
-        this step, which `rewards/<func>/errors` counts out of."""
+    def observe(self, record: dict) -> list[str]:
+        """The warnings `record` (one step's metrics) completes."""
         step, lines, seen = int(record["step"]), [], set()
-        for reading in self.readings(record, samples):
+        for reading in self.readings(record):
             seen.add(reading.key)
             if reading.key in self.fired:
                 continue
@@ -134,7 +137,7 @@ class LearningHealth:
         self.lines += lines
         return lines
 
-    def readings(self, record: dict, samples: int) -> Iterator[Reading]:
+    def readings(self, record: dict) -> Iterator[Reading]:
         empty, clipped = number(record, "completions/empty_ratio"), number(record, "completions/clipped_ratio")
         if empty is not None:
             yield Reading("empty", empty >= 1.0, empty)
@@ -150,7 +153,7 @@ class LearningHealth:
         for key in record:
             errors = number(record, key) if key.startswith("rewards/") and key.endswith("/errors") else None
             if errors is not None:
-                share = min(1.0, errors / max(samples, 1))
+                share = min(1.0, errors / max(self.options.generation_batch_size, 1))
                 yield Reading("reward_errors:" + key[len("rewards/"):-len("/errors")], share > MOST, share)
         failures, calls = number(record, "tools/failure_frequency"), number(record, "tools/call_frequency")
         if failures is not None:

@@ -125,7 +125,7 @@ class StepReport:
         self.history, self.health, self.unlogged_warnings = history, LearningHealth.from_config(self.args), []
         for record in history:
             step = int(record["step"])
-            self.unlogged_warnings += self.health.observe(record, self.args.generation_batch_size)
+            self.unlogged_warnings += self.health.observe(record)
             if self.logged_step(step):
                 self.unlogged_warnings = []
 
@@ -206,7 +206,7 @@ class StepReport:
         # every rank's numbers averaged: global means (those over the scored samples weighted by their counts)
         record = self.parallel.mean_metrics(record, counts=scored_counts(batch, context.reward_names))
         self.history.append(record)
-        warnings = self.health.observe(record, len(batch.rows))
+        warnings = self.health.observe(record)
         self.unlogged_warnings += warnings
         logged = self.logged_step(step)
         if logged:
