@@ -1,7 +1,7 @@
 """Where models come from and where results go: a mistyped local model path is one line naming the
 folder (never a hub error), a hub that cannot be reached fails at once in one line (models and
-datasets), and `cohort-grpo eval` writes beside the model it scored, so two models never overwrite each
-other's results."""
+datasets), and `cohort-grpo eval` writes beside a model cohort wrote (a run, a checkpoint, an SFT output), so
+two runs never overwrite each other's results, and under runs/eval/ for any other (never into a downloaded folder)."""
 
 import http.server
 import json
@@ -198,17 +198,22 @@ def eval_argv(model, *extra):
     return ["eval", "--model", str(model), "--limit", "3", "--max_completion_length", "4", "--device", "cpu", *extra]
 
 
-def test_two_models_write_beside_themselves(tmp_path, monkeypatch, capsys):
+def saved_model(folder: Path, seed: int = 0, marker: str | None = None) -> Path:
+    """A tiny model saved in `folder`, with cohort's `marker` file beside it (None: a plain Hugging Face folder)."""
     from cohort_grpo.models.tiny import build_model, build_tokenizer
 
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=seed).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if marker is not None:
+        (folder / marker).write_text("{}\n")
+    return folder
+
+
+def test_two_runs_write_beside_themselves(tmp_path, monkeypatch, capsys):
+    """A training run's folder (its metrics.jsonl) and an SFT output (sft_losses.json): each its own eval/."""
     monkeypatch.chdir(tmp_path)
-    folders = []
-    for seed in (0, 1):
-        folder = tmp_path / f"model-{seed}"
-        tokenizer = build_tokenizer()
-        build_model(tokenizer, seed=seed).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        folders.append(folder)
+    folders = [saved_model(tmp_path / "run-0", 0, "metrics.jsonl"), saved_model(tmp_path / "sft-1", 1, "sft_losses.json")]
     printed = []
     for folder in folders:
         assert main(eval_argv(folder)) == 0
@@ -219,6 +224,18 @@ def test_two_models_write_beside_themselves(tmp_path, monkeypatch, capsys):
         assert json.loads((folder / "eval" / "arithmetic_test.summary.json").read_text())["model"] == str(folder)
         assert f"per-question results: {results}" in out
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_folder_cohort_did_not_write_is_not_written_into(tmp_path, monkeypatch, capsys):
+    """A downloaded model folder: the results go under runs/eval/<its name>, the folder stays as it was."""
+    monkeypatch.chdir(tmp_path)
+    folder = saved_model(tmp_path / "downloads" / "smol")
+    before = sorted(path.name for path in folder.iterdir())
+    assert main(eval_argv(folder)) == 0
+    expected = Path("runs") / "eval" / "smol" / "arithmetic_test.jsonl"
+    assert len((tmp_path / expected).read_text().splitlines()) == 3
+    assert f"per-question results: {expected}" in capsys.readouterr().out
+    assert sorted(path.name for path in folder.iterdir()) == before
 
 
 def test_output_dir_and_output(tiny_dir, tmp_path, monkeypatch, capsys):
@@ -253,9 +270,15 @@ def test_default_places_for_hub_ids_gguf_files_and_unwritable_folders(tmp_path, 
     gguf = tmp_path / "models" / "smol.Q4.gguf"
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF")
-    assert default_output_dir(str(gguf)) == tmp_path / "models" / "eval" / "smol.Q4"
+    assert default_output_dir(str(gguf)) == Path("runs/eval/smol.Q4.gguf")  # a file cohort did not write
+    checkpoint = tmp_path / "run" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    assert default_output_dir(str(checkpoint)) == Path("runs/eval/checkpoint-4")  # no complete.json: not cohort's
+    (checkpoint / "complete.json").write_text("{}")
+    assert default_output_dir(str(checkpoint)) == checkpoint / "eval"
     locked = tmp_path / "locked-model"
     locked.mkdir()
+    (locked / "metrics.jsonl").write_text("")
     monkeypatch.setattr("cohort_grpo.cli.eval.os.access", lambda path, mode: Path(path) != locked)
     assert default_output_dir(str(locked)) == Path("runs/eval/locked-model")  # not writable: under runs/eval
     with pytest.raises(CohortError, match=r"cannot write .*locked-model/x.jsonl \(permission denied\)"):

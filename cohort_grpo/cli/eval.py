@@ -10,10 +10,11 @@ al. 2021) for k = 1, 2, 4, … up to n and n itself (pass@1 = the samples' mean 
 (Wang et al. 2023, self-consistency). Writes one JSON line per question (question, gold answer,
 completion(s), verdicts, that question's pass@k) and, beside it, `<output stem>.summary.json`: the
 metrics under the keys training logs (`eval/greedy_accuracy`, `eval/pass@4`, `eval/maj@8`, ...), what
-each key means, and the settings. The results go beside the model, so two models never overwrite each
-other's: `<model folder>/eval/<task>_<split>.jsonl` (a .gguf file: `<its folder>/eval/<file stem>/...`);
-for the built-in tiny model or a hub id, `runs/eval/<model name>/<task>_<split>.jsonl`; `--output_dir DIR`
-puts them in DIR, `--output FILE` names the file. The scoring itself is `cohort_grpo.eval.evaluate.evaluate`, which the
+each key means, and the settings. The results of a model cohort wrote (a run's folder,
+a checkpoint, an SFT output) go beside it, so two runs never overwrite each other's: `<model folder>/eval/
+<task>_<split>.jsonl`; any other model (a downloaded folder, which is not written into, a .gguf file, a hub id,
+the built-in tiny model) puts them in `runs/eval/<model name>/<task>_<split>.jsonl`; `--output_dir DIR` puts
+them in DIR, `--output FILE` names the file. The scoring itself is `cohort_grpo.eval.evaluate.evaluate`, which the
 trainer also runs every `eval_steps`. Without --model the built-in tiny model (warm-started on
 arithmetic) is evaluated.
 """
@@ -51,8 +52,8 @@ EVAL_OPTIONS = {
     "output": Option(str, None, "per-question JSONL; the summary goes beside it as <stem>.summary.json",
                      "<output_dir>/<task>_<split>.jsonl"),
     "output_dir": Option(str, None, "folder of the results",
-                         "<model folder>/eval (beside the model), or runs/eval/<model name> for the built-in model "
-                         "or a hub id"),
+                         "<model folder>/eval for a run, checkpoint or SFT folder cohort wrote; else "
+                         "runs/eval/<model name>"),
 }
 
 BUILTIN_NAME = "builtin-tiny"  # the folder name of the built-in model's results under runs/eval/
@@ -91,20 +92,28 @@ def record_of(row: dict, record: dict, index: int) -> dict:
 
 def default_output_dir(model: str | None) -> Path:
     """Where `cohort-grpo eval` writes when neither --output nor --output_dir is given: beside the model
-    (`<folder>/eval`, `<.gguf's folder>/eval/<stem>`) when that folder can be written, else, and for
-    the built-in model and hub ids, `runs/eval/<model name>` under the working directory."""
+    (`<folder>/eval`) when it is a folder cohort wrote (`written_by_cohort`: a run, a checkpoint, an SFT output)
+    and that folder can be written; else — any other folder (a downloaded model is not written into), a .gguf
+    file, the built-in model, a hub id — `runs/eval/<model name>` under the working directory."""
     if model is not None:
         path = Path(model).expanduser()
-        if path.is_dir() or path.is_file():
-            folder = path if path.is_dir() else path.parent
-            out = folder / "eval" if path.is_dir() else folder / "eval" / path.stem
-            if _writable(folder):
-                return out
+        if path.is_dir() and written_by_cohort(path) and _writable(path):
+            return path / "eval"
         name = (path.name if path.is_file() else path.resolve().name) if path.exists() else \
             model.replace("/", "--").replace(":", "-")  # a hub id or a built-in name (cohort:tiny-tools)
     else:
         name = BUILTIN_NAME
     return Path("runs") / "eval" / (name or "model")
+
+
+def written_by_cohort(folder: Path) -> bool:
+    """Whether `folder` is one that cohort wrote a model into: a training run's output folder (its metrics.jsonl),
+    one of its checkpoints (complete.json) or `cohort-grpo sft`'s output (sft_losses.json)."""
+    from cohort_grpo.cli.sft import SFT_LOSSES
+    from cohort_grpo.run.checkpoint import MARKER
+    from cohort_grpo.telemetry.metrics import METRICS_FILE
+
+    return any((folder / name).is_file() for name in (METRICS_FILE, MARKER, SFT_LOSSES))
 
 
 def _writable(folder: Path) -> bool:

@@ -17,6 +17,8 @@ from cohort_grpo.sft.sft_config import SFTConfig
 from cohort_grpo.errors import CohortError
 from cohort_grpo.cli.flags import Option, mapping, options_help, parse_options, pick_device
 
+SFT_LOSSES = "sft_losses.json"  # beside the fine-tuned model: its losses; marks the folder as cohort's
+
 SFT_OPTIONS = {
     "model": Option(str, None, "HF folder, .gguf file or hub id to fine-tune (required)"),
     "data_files": Option(str, None, "rows {prompt, completion} or {messages}: .jsonl/.json/.parquet/.csv, comma-separated"),
@@ -89,6 +91,6 @@ def run_sft(argv: list[str], log=print) -> Path | None:
     torch.manual_seed(config.seed)
     losses = sft_train(model, tokenizer, rows, config, log=log)
     out = save_policy(model, tokenizer, Path(o["output_dir"]))
-    (out / "sft_losses.json").write_text(json.dumps({"losses": losses, "rows": len(rows)}) + "\n")
+    (out / SFT_LOSSES).write_text(json.dumps({"losses": losses, "rows": len(rows)}) + "\n")
     log(f"cohort-grpo sft: loss {losses[0]:.4f} -> {losses[-1]:.4f}; saved {out} (GRPO: cohort-grpo train --model {out} ...)")
     return out
