@@ -7,9 +7,12 @@ import pytest
 
 from cohort_grpo.errors import CohortError
 from cohort_grpo.rewards.rules import accuracy_reward, format_reward, tag_count_reward
-from cohort_grpo.tasks.gsm8k import GSM8KTask, default_data_files, gold_number
+from cohort_grpo.tasks.gsm8k import DATA_DIR_ENV, GSM8KTask, default_data_files, gold_number
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+# the main checkout's ../shared copy, found from this checkout or a git worktree beside it (any folder above)
+SHARED = next((folder / "shared" / "data" / "gsm8k" for folder in Path(__file__).resolve().parents
+               if (folder / "shared" / "data" / "gsm8k" / "test.jsonl").is_file()), None)
+NO_SHARED = "no shared/data/gsm8k/ (the main checkout's ../shared copy of GSM8K) in any folder above this checkout"
 
 ROWS = [
     {"question": "Tom has 3 boxes of 400 pens. How many pens?", "answer": "3*400=<<3*400=1200>>1200\n#### 1,200"},
@@ -139,8 +142,9 @@ def test_rows_missing_columns_and_bad_split(tmp_path):
         GSM8KTask().load("dev")
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="../shared/data/gsm8k is not present")
-def test_default_files_and_real_test_split():
+@pytest.mark.skipif(SHARED is None, reason=NO_SHARED)
+def test_default_files_and_real_test_split(monkeypatch):
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
     assert default_data_files("test") == str(SHARED / "test.jsonl")
     assert default_data_files("no_such_split") is None
     rows = GSM8KTask().load("test")  # no data_files: the shared copy
@@ -170,7 +174,29 @@ def test_hub_is_the_fallback_source(monkeypatch):
                           "with --data_files")
 
     monkeypatch.setattr(gsm8k, "load_hub_dataset", offline_hub)
-    with pytest.raises(CohortError, match="no local gsm8k 'train' file.*data_files"):
+    with pytest.raises(CohortError, match=r"^no local gsm8k 'train' file \(pass data_files=FILE, or set "
+                                          r"COHORT_GSM8K_DIR to a folder holding train.jsonl\), and could not"):
+        GSM8KTask().load("train")
+
+
+def test_the_local_files_are_found_above_the_working_directory(tmp_path, monkeypatch):
+    """A git worktree or an installed package: `shared/data/gsm8k` in the working directory or any folder above
+    it; `COHORT_GSM8K_DIR` before it."""
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    shared = tmp_path / "shared" / "data" / "gsm8k"
+    shared.mkdir(parents=True)
+    test_file = _write_rows(shared / "test.jsonl", ROWS[:3])
+    worktree = tmp_path / "wt" / "branch" / "sub"
+    worktree.mkdir(parents=True)
+    monkeypatch.chdir(worktree)
+    assert default_data_files("test") == test_file
+    assert [r["question"] for r in GSM8KTask().load("test")] == [r["question"] for r in ROWS[:3]]
+    (tmp_path / "mine").mkdir()
+    elsewhere = _write_rows(tmp_path / "mine" / "test.jsonl", ROWS[3:])
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "mine"))
+    assert default_data_files("test") == elsewhere
+    with pytest.raises(CohortError, match=rf"^{DATA_DIR_ENV}=.*mine holds no train.jsonl; point it to a folder with "
+                                          r"GSM8K's train.jsonl and test.jsonl, or pass data_files=FILE$"):  # Python's words
         GSM8KTask().load("train")
 
 
@@ -202,7 +228,7 @@ def test_training_file_is_never_the_held_out_split(tmp_path, monkeypatch):
     assert len(lines) == 1 and "--eval_data_files" in lines[0]
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="../shared/data/gsm8k is not present")
+@pytest.mark.skipif(SHARED is None, reason=NO_SHARED)
 def test_held_out_defaults_to_the_real_test_split_not_the_training_file(tmp_path):
     from cohort_grpo.cli import task_rows
     from cohort_grpo.config.grpo_config import GRPOConfig

@@ -19,7 +19,9 @@ from cohort_grpo.rewards.rules import (
     tag_count_reward,
 )
 
-GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+# the main checkout's ../shared copy, found from this checkout or a git worktree beside it (any folder above)
+GSM8K_TEST = next((folder / "shared" / "data" / "gsm8k" / "test.jsonl" for folder in Path(__file__).resolve().parents
+                   if (folder / "shared" / "data" / "gsm8k" / "test.jsonl").is_file()), None)
 
 STRICT = "<think>\nadd 2 and 3\n</think>\n<answer>\n5\n</answer>"
 
@@ -208,7 +210,8 @@ def _gold(answer: str) -> str:
     return answer.split("####")[-1].strip().replace(",", "")
 
 
-@pytest.mark.skipif(not GSM8K_TEST.exists(), reason="../shared/data/gsm8k/test.jsonl is not present")
+@pytest.mark.skipif(GSM8K_TEST is None, reason="no shared/data/gsm8k/test.jsonl (the main checkout's ../shared copy "
+                                                 "of GSM8K) in any folder above this checkout")
 def test_every_gsm8k_test_gold_parses_to_its_number():
     from math_verify import parse
 

@@ -9,6 +9,8 @@ removed) becomes the `solution` column that `accuracy_reward` checks. The model 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import re
 from collections.abc import Mapping
@@ -37,10 +39,38 @@ def gold_number(answer: str) -> str:
     return answer.split("####")[-1].strip().replace(",", "")
 
 
+DATA_DIR_ENV = "COHORT_GSM8K_DIR"  # a folder holding train.jsonl and test.jsonl
+SHARED_DATA = Path("shared") / "data" / "gsm8k"
+
+
+def default_data_dir() -> Path | None:
+    """The folder of GSM8K's local split files: `$COHORT_GSM8K_DIR` when set; else the first `shared/data/gsm8k`
+    in the working directory or a folder above it, then in this package's folder or one above it (a checkout's
+    `../shared`, also from a git worktree beside the checkout); None when there is none."""
+    given = os.environ.get(DATA_DIR_ENV)
+    if given:
+        return Path(given).expanduser()
+    starts = [Path(__file__).resolve().parent]
+    with contextlib.suppress(OSError):  # a working directory that was deleted
+        starts.insert(0, Path.cwd())
+    for start in starts:
+        for folder in (start, *start.parents):
+            if (folder / SHARED_DATA).is_dir():
+                return folder / SHARED_DATA
+    return None
+
+
 def default_data_files(split: str) -> str | None:
-    """`../shared/data/gsm8k/<split>.jsonl` next to the repository checkout, if it is there."""
-    path = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / f"{split}.jsonl"
-    return str(path) if path.is_file() else None
+    """`<default_data_dir()>/<split>.jsonl` when it is there, else None; a `$COHORT_GSM8K_DIR` without it is a
+    one-line `CohortError` (the variable was set to be used)."""
+    folder = default_data_dir()
+    path = None if folder is None else folder / f"{split}.jsonl"
+    if path is not None and path.is_file():
+        return str(path)
+    if os.environ.get(DATA_DIR_ENV):
+        raise CohortError(f"{DATA_DIR_ENV}={os.environ[DATA_DIR_ENV]} holds no {split}.jsonl; point it to a folder "
+                          f"with GSM8K's train.jsonl and test.jsonl, or pass --data_files FILE")
+    return None
 
 
 class GSM8KTask:
@@ -61,7 +91,7 @@ class GSM8KTask:
         """Rows {prompt, solution, question, answer}; `prompt` is [system, user] chat messages.
 
         Source: `data_files` when given; else the hub dataset `dataset_name` (config `dataset_config`)
-        when given; else `../shared/data/gsm8k/<split>.jsonl` when present (no network needed); else the
+        when given; else `<split>.jsonl` in `default_data_dir()` when present (no network needed); else the
         hub dataset `openai/gsm8k`. With a `tokenizer`, rows whose prompt (chat template applied)
         exceeds `max_prompt_tokens` or whose reference answer exceeds `max_answer_tokens` are dropped.
         `subset=N` then keeps N rows chosen by `seed`, in file order."""
@@ -77,7 +107,8 @@ class GSM8KTask:
             try:
                 raw, source = load_hub_dataset(HUB_ID, HUB_CONFIG, split), HUB_ID
             except CohortError as e:
-                raise CohortError(f"no local gsm8k {split!r} file, and {e}") from None
+                raise CohortError(f"no local gsm8k {split!r} file (pass --data_files FILE, or set {DATA_DIR_ENV} to a "
+                                  f"folder holding {split}.jsonl), and {e}") from None
         rows = [self._row(r, i, source) for i, r in enumerate(raw)]
         if tokenizer is not None and (max_prompt_tokens or max_answer_tokens):
             rows = [r for r in rows
