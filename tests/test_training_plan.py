@@ -144,7 +144,7 @@ def test_the_kv_cache_is_the_engines():
     engine = Engine(model, use_cuda_graph=False, compile_kernels=False)
     engine.generate([[1, 2, 3, 4, 5]] * 3, 2, SamplingParams(max_new_tokens=20, pad_token_id=0, seed=0))
     cache = tensor_bytes(engine.cache.k_layers + engine.cache.v_layers)
-    step = StepShape(rows=6, group=2, prompt_len=5, completion_len=20, micro_rows=6, element_bytes=4)
+    step = StepShape(rows=6, group=2, prompt_len=5, completion_len=20, micro_rows=6, dtype="float32")
     assert engine_kv_bytes(TINY, step, 1) == cache
     assert engine_kv_bytes(TINY, step, 2) == cache  # a group of 2 samples 12 rows, half the heads each
 
@@ -170,7 +170,7 @@ def test_the_recurrent_states_are_the_engines():
     engine.generate([[1, 2, 3, 4, 5]] * 3, 2, SamplingParams(max_new_tokens=20, pad_token_id=0, seed=0))
     allocated = tensor_bytes(engine.cache.recurrent.tensors.values())
     state_bytes = row_bytes(linear_attention_state_shapes(config, torch.float32), torch.float32)
-    step = StepShape(rows=6, group=2, prompt_len=5, completion_len=20, micro_rows=6, element_bytes=4,
+    step = StepShape(rows=6, group=2, prompt_len=5, completion_len=20, micro_rows=6, dtype="float32",
                      state_bytes=state_bytes)
     assert engine_state_bytes(step, 1) == allocated == 6 * 2 * (128 * 4 * 4 + 4 * 16 * 16 * 4)
     plan = training_memory_plan(TINY, step)
@@ -435,3 +435,23 @@ def test_a_model_with_dense_and_sparse_layers_keeps_each_layer_s_activations():
     tokens = micro_batch_tokens(config, step)
     assert training_memory_plan(config, step).phases["backward"]["activations"] == tokens * (2 * sparse + dense)
     assert activation_bytes_per_token(config, 2) == sparse
+
+
+@pytest.mark.parametrize("dtype, offloads", [("bfloat16", True), ("auto", True), ("float16", False),
+                                             ("float32", False)])
+def test_only_weights_with_split_masters_are_planned_with_their_state_in_host_memory(dtype, offloads):
+    """The one rule of `run/resolve.py` (`holds_split_masters`: bf16, which `auto` is on a GPU): a float16 step
+    asked to offload keeps its state on the GPU in the plan, and the plan never offers --offload_optimizer true
+    for it; float16 and bfloat16 weights weigh the same."""
+    from cohort_grpo.plans.capacity import fitting_alternatives
+    from cohort_grpo.plans.training_plan import offloaded
+
+    step = replace(step_of(GRPOConfig(dtype=dtype, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                                      num_generations=4).validate()), offload_optimizer=True)
+    assert step.element_bytes == (4 if dtype == "float32" else 2)
+    assert offloaded(step, RankShape()) is offloads
+    on_gpu = training_memory_plan(TINY, replace(step, offload_optimizer=False))
+    asked = training_memory_plan(TINY, step)
+    assert (asked.peak < on_gpu.peak) is offloads
+    offered = fitting_alternatives(TINY, replace(step, offload_optimizer=False), RankShape(), asked.peak)
+    assert any("--offload_optimizer true" in line for line in offered) is offloads

@@ -28,7 +28,6 @@ from cohort_grpo.errors import CohortError
 from cohort_grpo.models.config import ModelConfig, is_supported
 from cohort_grpo.models.loading import hub_offline, is_hub_id
 from cohort_grpo.optim.host_state import holds_split_masters
-from cohort_grpo.optim.precision import resolve_dtype
 from cohort_grpo.parallel.placement import Placement
 from cohort_grpo.plans.sampling_plan import parameter_count
 from cohort_grpo.plans.training_plan import GIB, MemoryPlan, RankShape, StepShape, offloaded, training_memory_plan
@@ -174,7 +173,7 @@ def check_capacity(model, args, placement: Placement, device: torch.device) -> M
     plan = training_memory_plan(config, step, rank)
     free, _total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # this process's cached blocks
-    if (args.offload_optimizer == "auto" and holds_split_masters(resolve_dtype(args.dtype, device))
+    if (args.offload_optimizer == "auto" and holds_split_masters(step.dtype)
             and offload_pays(config, whole_engine, rank, free)):
         plan = training_memory_plan(config, replace(step, offload_optimizer=True), rank)
     if plan.peak <= free:

@@ -77,14 +77,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from cohort_grpo.models.config import ModelConfig
 from cohort_grpo.parallel.placement import Placement
 from cohort_grpo.rollout.layout import Layout
 from cohort_grpo.rollout.scheduler import ENGINE_SLOTS
 from cohort_grpo.update.fast_path import tokens_for_work
 from cohort_grpo.update.logprobs import CHUNK_BYTES
-from cohort_grpo.optim.host_state import PIECE_ELEMENTS
-from cohort_grpo.optim.precision import GRADIENT_CHUNK_BYTES
+from cohort_grpo.optim.host_state import PIECE_ELEMENTS, holds_split_masters
+from cohort_grpo.optim.precision import GRADIENT_CHUNK_BYTES, resolve_dtype
 from cohort_grpo.plans.sampling_plan import active_parameter_count, kv_cache_bytes, kv_length, layer_parameter_counts, parameter_count
 from cohort_grpo.optim.sharded_adamw import CHUNK_ELEMENTS, SCRATCH_BYTES_PER_ELEMENT
 
@@ -105,7 +107,7 @@ class StepShape:
     micro_tokens: int | str = "auto"  # 0: rows only
     checkpointing: bool = True
     share_prompt_prefix: bool = True
-    element_bytes: int = 2  # bf16 weights; 4 with --dtype float32
+    dtype: str = "bfloat16"  # the weights' dtype on the GPU (`auto` is bfloat16 there): their bytes, the optimizer's kind
     moment_bytes: int = 4  # AdamW's two moments, one GPU or FSDP2's shard: bf16 (8 for fp32)
     lora_rank: int = 0  # 0: full parameters
     reference: bool = False  # β > 0 and no LoRA: a π_ref copy
@@ -121,18 +123,24 @@ class StepShape:
     @classmethod
     def from_config(cls, args, placement: Placement) -> "StepShape":
         """The step of the run `args` (a validated `GRPOConfig`) on a GPU, placed by `placement`."""
-        fp32 = args.dtype == "float32"
+        dtype = resolve_dtype(args.dtype, torch.device("cuda"))  # a plan is of a GPU's step
+        fp32 = dtype == "float32"
         return cls(rows=args.per_device_train_batch_size * args.gradient_accumulation_steps, group=args.num_generations,
                    prompt_len=args.max_prompt_length, completion_len=args.max_completion_length,
                    micro_rows=args.per_device_train_batch_size, micro_tokens=args.max_tokens_per_micro_batch,
                    checkpointing=args.gradient_checkpointing is not False,
-                   share_prompt_prefix=args.share_prompt_prefix, element_bytes=4 if fp32 else 2,
+                   share_prompt_prefix=args.share_prompt_prefix, dtype=dtype,
                    moment_bytes=8 if fp32 or args.optimizer_state_dtype == "float32" else 4,
                    lora_rank=args.lora_r if args.use_peft else 0, reference=args.beta > 0 and not args.use_peft,
                    offload_reference=args.offload_ref_model,
                    async_copy=placement.producer_copy, lend_kv_cache=args.lend_kv_cache,
                    free_sampling_memory=args.free_sampling_memory, offload_optimizer=args.offload_optimizer is True,
                    engine_slots=slots if isinstance(slots := args.max_concurrent_sequences, int) else ENGINE_SLOTS)
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of a weight (and of an activation, a KV-cache entry): 4 in float32, else 2."""
+        return 4 if self.dtype == "float32" else 2
 
     @property
     def layout(self) -> Layout:
@@ -208,9 +216,9 @@ class MemoryPlan:
 
 
 def offloaded(step: StepShape, rank: RankShape) -> bool:
-    """Whether AdamW's state waits in host memory: asked, 16-bit weights, full parameters, one process (the config's
-    rules and `run/resolve.py` refuse it elsewhere)."""
-    return step.offload_optimizer and step.element_bytes == 2 and not step.lora_rank and rank.ranks == 1
+    """Whether AdamW's state waits in host memory: asked, weights whose optimizer keeps split masters (bf16:
+    `holds_split_masters`, the rule `run/resolve.py` refuses the rest by), full parameters, one process."""
+    return step.offload_optimizer and holds_split_masters(step.dtype) and not step.lora_rank and rank.ranks == 1
 
 
 def largest_tensor_elements(config: ModelConfig) -> int:

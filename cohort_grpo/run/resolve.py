@@ -69,25 +69,19 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, placeme
         changes["model_impl"] = "cohort" if engine else "hf"
     changes.update(fast_path_settings(config, model, device, compiles=compiles))
     changes["optimizer_state_dtype"] = optimizer_state_dtype(config, model)
-    changes["offload_optimizer"] = offload_optimizer(config, model, changes["dtype"], placement.trainers)
+    check_offload_optimizer(config, model, changes["dtype"], placement.trainers)
     if config.importance_sampling_correction is None:
         changes["importance_sampling_correction"] = sampler_correction_mode(config, model, device) is not None
     # our own implementation (a transformers model behind the engine's interface has no ModelConfig, records no routes)
     native = engine and isinstance(base_model(model).config, ModelConfig)
     replay = config.routing_replay and native and bool(getattr(base_model(model).config, "num_experts", 0))
     changes.update(partial_rollout_settings(config, engine=engine, tools=tools, routing_replay=replay))
-    settled = dataclasses.replace(config, **changes)
     # what the plans price: a native config, or a generic-path model's probed cache and its weights (never split)
     dtype = getattr(torch, changes["dtype"])
     model_config = planned_shape(base_model(model)) if engine else None
-    if (config.offload_optimizer == "auto" and model_config is not None and device.type == "cuda"
-            and holds_split_masters(changes["dtype"])):
-        # a model given as an object, whose shape the check before loading could not read: the same rule, on the
-        # share of the card the plans fill
-        budget = int(FILL * torch.cuda.get_device_properties(device).total_memory)
-        changes["offload_optimizer"] = not has_lora(model) and offload_pays(
-            model_config, StepShape.from_config(settled, placement), RankShape.of(placement), budget)
-        settled = dataclasses.replace(config, **changes)
+    changes["offload_optimizer"] = offload_optimizer(dataclasses.replace(config, **changes), model, placement, device,
+                                                     model_config)
+    settled = dataclasses.replace(config, **changes)
     state_bytes = slot_state_bytes(base_model(model), dtype) if engine else 0
     plan = sampling_plan(settled, placement, model_config, device, dtype.itemsize,
                          splittable=native and not tools and not has_lora(model), sampling_rank=sampling_rank,
@@ -108,13 +102,28 @@ def resolve_run_config(args: GRPOConfig, *, model, device: torch.device, placeme
     return dataclasses.replace(config, **changes).freeze()
 
 
-def offload_optimizer(args: GRPOConfig, model, dtype: str, trainers: int) -> bool:
-    """`offload_optimizer` as the run keeps it (`dtype`: the run's, settled; `trainers`: its training processes):
-    auto is off here (the memory plan may turn it on: `plans/capacity.py`, and below for a model object); true is
-    refused where the optimizer keeps no split fp32 masters (LoRA's float32 adapters, other dtypes) and on several
-    processes, where each would take its own copy of the host memory and FSDP2 shards the state instead."""
-    if args.offload_optimizer != True:  # noqa: E712  (auto or False)
+def offload_optimizer(settled: GRPOConfig, model, placement: Placement, device: torch.device,
+                      model_config) -> bool:
+    """`offload_optimizer` as the run keeps it, decided once, from the run's config `settled` with every other value
+    settled (its offload_optimizer as asked): true and false as asked (`check_offload_optimizer` refused true where
+    it cannot be); auto — which the check before loading already settled where it could read the model's shape
+    (`plans/capacity.py`) — for a model given as an object with a shape to plan (`model_config`) on a GPU: the
+    same rule (`offload_pays`), on the share of the card the plans fill; else off."""
+    if settled.offload_optimizer != "auto":
+        return settled.offload_optimizer is True
+    step = StepShape.from_config(settled, placement)
+    if model_config is None or device.type != "cuda" or not holds_split_masters(step.dtype) or has_lora(model):
         return False
+    budget = int(FILL * torch.cuda.get_device_properties(device).total_memory)
+    return offload_pays(model_config, step, RankShape.of(placement), budget)
+
+
+def check_offload_optimizer(args: GRPOConfig, model, dtype: str, trainers: int) -> None:
+    """`offload_optimizer=True` refused (`dtype`: the run's, settled; `trainers`: its training processes) where the
+    optimizer keeps no split fp32 masters (LoRA's float32 adapters, other dtypes) and on several processes, where
+    each would take its own copy of the host memory and FSDP2 shards the state instead."""
+    if args.offload_optimizer != True:  # noqa: E712  (auto or False)
+        return
     if trainers > 1:
         raise CohortError(f"offload_optimizer=True keeps one process's optimizer state in host memory, and this run "
                           f"trains on {trainers} processes (each would keep a whole copy there); pass --fsdp true to "
@@ -125,7 +134,6 @@ def offload_optimizer(args: GRPOConfig, model, dtype: str, trainers: int) -> boo
                           f"memory, and this run trains {'LoRA adapters' if lora else dtype + ' weights'}; "
                           + ("leave offload_optimizer auto" if lora else "pass --dtype bfloat16, or leave "
                              "offload_optimizer auto"))
-    return True
 
 
 def resolved_sources(settled: GRPOConfig, resolved: GRPOConfig, sources: dict[str, str]) -> dict[str, str]:
