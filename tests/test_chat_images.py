@@ -127,7 +127,8 @@ def test_images_are_refused_in_one_line_where_they_cannot_go(vision, tiny_text, 
     model, tokenizer = vision
     path = write_image(tmp_path / "a.png", 0)
     text_model, text_tokenizer = tiny_text
-    with pytest.raises(CohortError, match=r"^--image needs a vision-language model \(Qwen-VL or Gemma 3\); this llama "
+    with pytest.raises(CohortError, match=r"^--image needs a vision-language model \(Qwen-VL, Gemma 3, SmolVLM, LLaVA, \.\.\.\); "
+                                          r"this llama "
                                           r"model reads text only: chat with a vision-language model folder, or drop --image$"):
         ChatSession(text_model, text_tokenizer).attach_image(path, "--image")
     session = ChatSession(model, tokenizer)
@@ -187,4 +188,4 @@ def test_chat_command_with_a_saved_vision_folder_and_image_flags(tiny_text, tmp_
     text = chat_command([str(text_folder), "--image", first], "")
     assert text.returncode == 2
     assert text.stderr.decode().strip().splitlines()[-1].startswith(
-        "cohort: error: --image needs a vision-language model (Qwen-VL or Gemma 3);")
+        "cohort: error: --image needs a vision-language model (Qwen-VL, Gemma 3, SmolVLM, LLaVA, ...);")

@@ -1,7 +1,7 @@
-"""Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL, Qwen2-VL, Qwen3-VL and
-Gemma 3 and their processor, built with no download (float32, CPU), checked against transformers itself: the logits
-of its own forward with the same images, the tokens of its own greedy `generate`, the teacher-forced log-probs of the
-engine's samples."""
+"""Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL, Qwen2-VL, Qwen3-VL,
+Gemma 3, Idefics3, SmolVLM and LLaVA and their processor (Mistral 3 with its image processor), built with no download
+(float32, CPU), checked against transformers itself: the logits of its own forward with the same images, the tokens
+of its own greedy `generate`, the teacher-forced log-probs of the engine's samples."""
 
 import copy
 from types import SimpleNamespace
@@ -46,7 +46,7 @@ def vision(request):
 
 
 def image_inputs(encoded) -> ImageInputs:
-    return ImageInputs(encoded["pixel_values"], encoded.get("image_grid_thw"))
+    return ImageInputs.from_processor(encoded)
 
 
 def with_completion(encoded, completion: torch.Tensor) -> dict:
@@ -57,6 +57,18 @@ def with_completion(encoded, completion: torch.Tensor) -> dict:
         if types in encoded:
             extended[types] = torch.cat([encoded[types], torch.zeros_like(completion)], dim=1)
     return extended
+
+
+def teacher_forced_logits(reference, encoded, completion: torch.Tensor) -> torch.Tensor:
+    """transformers' logits over a prompt with its images followed by `completion` [1, n]: one forward, or, where
+    the completion holds an image token (a text token there, as `generate` has it; transformers' forward would count
+    it as an image's), the prompt's forward and then the completion over its cache, as `generate` runs them."""
+    if not bool((completion == reference.config.image_token_id).any()):
+        return reference(**with_completion(encoded, completion)).logits
+    prompt = reference(**encoded, use_cache=True)
+    mask = torch.ones(1, encoded["input_ids"].shape[1] + completion.shape[1], dtype=torch.long)
+    rest = reference(input_ids=completion, attention_mask=mask, cache=prompt.cache, use_cache=True)
+    return torch.cat([prompt.logits, rest.logits], dim=1)
 
 
 def test_logits_equal_transformers_forward(vision):
@@ -86,7 +98,7 @@ def assert_greedy_up_to_ties(reference, encoded, tokens: list[int], expected: li
     step = next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
     with torch.no_grad():
         prefix = torch.tensor([expected[:step]], dtype=torch.long)
-        logits = reference(**with_completion(encoded, prefix)).logits[0, -1]
+        logits = teacher_forced_logits(reference, encoded, prefix)[0, -1]
     gap = (logits[expected[step]] - logits[tokens[step]]).item()
     assert 0 <= gap < 1e-5, f"row {row}: the engine took token {tokens[step]} at step {step}, {gap:.2e} below the best"
 
@@ -133,7 +145,7 @@ def test_group_shares_one_prefill_and_logprobs_are_teacher_forced(vision):
         prompt_length = prompts[row // 3]["input_ids"].shape[1]
         completion = rollout.completion_ids[row]
         with torch.no_grad():
-            logits = reference(**with_completion(prompts[row // 3], completion[None])).logits[0, prompt_length - 1: -1]
+            logits = teacher_forced_logits(reference, prompts[row // 3], completion[None])[0, prompt_length - 1: -1]
         logp = torch.log_softmax(logits, dim=-1).gather(1, completion[:, None])[:, 0]
         worst = max(worst, float((logp - rollout.logprobs[row]).abs().max()))
     assert worst < 1e-4
@@ -153,8 +165,8 @@ def test_refusals_name_what_is_not_supported(vision):
     with pytest.raises(CohortError, match="no kv_cache or attention_mask"):
         model(ids, rows, kv_cache=KVCache.for_model(model, 1, 64), attention_rows=rows,
               attention_slots=rows[0], images=[image_inputs(prompts[0])])
-    other = SimpleNamespace(config=SimpleNamespace(model_type="idefics3", vision_config={}))
-    with pytest.raises(CohortError, match="idefics3 is a vision-language family cohort does not serve yet"):
+    other = SimpleNamespace(config=SimpleNamespace(model_type="mllama", vision_config={}))
+    with pytest.raises(CohortError, match="mllama is a vision-language family cohort does not serve yet.*SmolVLM"):
         VisionLanguageModel.wrap(other)
 
 
@@ -183,7 +195,7 @@ def test_update_logprobs_equal_transformers_with_the_images(vision):
     assert len(calls) == 2
     for row, encoded in enumerate(chosen):
         with torch.no_grad():
-            logits = reference(**with_completion(encoded, completions[row: row + 1])).logits
+            logits = teacher_forced_logits(reference, encoded, completions[row: row + 1])
         logits = logits[0, len(prompt_ids[row]) - 1: -1]
         expected = torch.log_softmax(logits, -1).gather(1, completions[row][:, None])[:, 0] * mask[row]
         assert (logp[row] - expected).abs().max() < 1e-4
@@ -247,7 +259,9 @@ def test_shared_prompt_layout_equals_the_padded_one(vision):
         losses.append(float(loss.detach()))
         grads.append({name: p.grad.clone() for name, p in trained.named_parameters() if p.grad is not None})
     assert abs(losses[0] - losses[1]) <= 1e-5
-    assert grads[0].keys() == grads[1].keys() and any(".visual." in n or "vision_tower" in n for n in grads[0])
+    vision = {id(p) for p in trained.vision_parameters()}
+    assert grads[0].keys() == grads[1].keys() and any(id(p) in vision for n, p in trained.named_parameters()
+                                                      if n in grads[0])
     assert max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0]) <= 1e-5
 
 
@@ -329,3 +343,47 @@ def test_gemma3_image_tokens_see_their_whole_image():
                                              pad_token_id=processor.tokenizer.pad_token_id), images=images)
     for row in range(2):
         assert rollout.completion_ids[row].tolist() == out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("family", ["mistral3", "llava"])
+def test_pixtral_towers_take_each_images_own_size(family):
+    """Mistral 3, and LLaVA over a Pixtral tower, take images of their own size (`image_sizes` beside the padded
+    pixels): a prompt with two images of different shapes equals transformers' forward without the cache and
+    prefilled into it, a decode step its next position, and the engine's greedy tokens `generate`'s. (Their
+    processor, transformers' PixtralProcessor, needs torchvision: the pixels are its image processor's, the
+    image tokens laid out as it lays them.)"""
+    from transformers import PixtralImageProcessorPil
+
+    from cohort_grpo.models.tiny_vision import (MISTRAL3_LONGEST, PIXTRAL_PATCH, build_plain_model,
+                                                pixtral_image_tokens, pixtral_tokenizer)
+
+    tokenizer = pixtral_tokenizer()
+    reference = build_plain_model(tokenizer, family, pixtral_tower=True).eval()
+    model = VisionLanguageModel.wrap(copy.deepcopy(reference)).eval()
+    merged = PIXTRAL_PATCH * getattr(reference.config, "spatial_merge_size", 1)
+    pixels = PixtralImageProcessorPil(size={"longest_edge": MISTRAL3_LONGEST},
+                                      patch_size={"height": merged, "width": merged})(
+        [random_image(60, 90, 0), random_image(100, 40, 1)], return_tensors="pt")
+    assert pixels["image_sizes"][0].tolist() != pixels["image_sizes"][1].tolist()
+    first, second = pixtral_image_tokens(tokenizer, pixels["image_sizes"], merged)
+    text = tokenizer("and ")["input_ids"], tokenizer("same? \n")["input_ids"]
+    ids = torch.tensor([first + text[0] + second + text[1]])
+    encoded = dict(input_ids=ids, attention_mask=torch.ones_like(ids), **pixels)
+    images = [image_inputs(encoded)]
+    assert model.image_token_count(images[0]) == int((ids == reference.config.image_token_id).sum())
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        expected = reference(**encoded).logits
+        assert (model(ids, images=images) - expected).abs().max() < 1e-4
+        cache = KVCache.for_model(model, 1, 128)
+        prefilled = model(ids[:, :-1], positions[:, :-1], kv_cache=cache, images=images, cache_len=ids.shape[1] - 1)
+        assert (prefilled - expected[:, :-1]).abs().max() < 1e-4
+        step = model(ids[:, -1:], positions[:, -1:], kv_cache=cache, cache_len=ids.shape[1])
+        assert (step[:, 0] - expected[:, -1]).abs().max() < 1e-4
+        out = reference.generate(**encoded, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    rollout = Engine(model, max_batch_size=2).generate(
+        [ids[0].tolist()], 2, SamplingParams(max_new_tokens=10, temperature=0.0, pad_token_id=tokenizer.pad_token_id),
+        images=images)
+    for row in range(2):
+        assert_greedy_up_to_ties(reference, encoded, rollout.completion_ids[row].tolist(),
+                                 out[0, ids.shape[1]:].tolist(), row)

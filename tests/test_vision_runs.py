@@ -103,3 +103,27 @@ def test_rows_and_image_inputs_travel_as_plain_values_a_weights_only_load_takes(
     assert torch.equal(inputs[0].pixel_values, shared.pixel_values) and torch.equal(inputs[0].image_grid_thw,
                                                                                      shared.image_grid_thw)
     assert inputs[3].image_grid_thw is None and torch.equal(inputs[3].pixel_values, images[3].pixel_values)
+
+
+def test_the_processors_other_image_tensors_travel_with_their_pixels(tmp_path):
+    """A family's other image tensors (Idefics3's pixel_attention_mask, Mistral 3's image_sizes) come back with
+    their pixels from a weights-only load, and `.to` moves them; a batch without them stores what it stored before."""
+    from cohort_grpo.models.vision_language import ImageInputs
+    from cohort_grpo.rollout.images import restored_images, stored_images
+
+    tiles = ImageInputs.from_processor({"input_ids": torch.ones(1, 3), "pixel_values": torch.rand(1, 2, 3, 4, 4),
+                                        "pixel_attention_mask": torch.ones(1, 2, 4, 4, dtype=torch.long)})
+    sized = ImageInputs.from_processor({"pixel_values": torch.rand(2, 3, 4, 4), "image_sizes": torch.tensor([[4, 4],
+                                                                                                           [2, 4]])})
+    assert set(tiles.extra_tensors) == {"pixel_attention_mask"} and tiles.image_grid_thw is None
+    assert set(stored_images([ImageInputs(torch.rand(2, 6))])) == {"pixel_values", "image_grid_thw", "of_row"}
+    path = tmp_path / "state.pt"
+    torch.save(stored_images([tiles, tiles, None, sized]), path)
+    inputs = restored_images(torch.load(path, weights_only=True))
+    assert inputs[0] is inputs[1] and inputs[2] is None
+    for before, after in [(tiles, inputs[0]), (sized, inputs[3])]:
+        assert torch.equal(after.pixel_values, before.pixel_values) and after.extra_tensors.keys() == \
+            before.extra_tensors.keys()
+        assert all(torch.equal(after.extra_tensors[name], tensor) for name, tensor in before.extra_tensors.items())
+    moved = sized.to("meta")
+    assert moved.extra_tensors["image_sizes"].device.type == "meta" and moved.pixel_values.device.type == "meta"

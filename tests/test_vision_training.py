@@ -1,6 +1,6 @@
-"""A TRL-style vision-language GRPO script on a CPU: a tiny random Qwen2.5-VL or Gemma 3 and its processor, a dataset
-with an `image` column and conversational prompts holding an image part, a reward that reads another column, and
-`from cohort_grpo import GRPOConfig, GRPOTrainer` as the script would import TRL's."""
+"""A TRL-style vision-language GRPO script on a CPU: a tiny random Qwen2.5-VL, Gemma 3, Idefics3, SmolVLM or LLaVA and
+its processor, a dataset with an `image` column and conversational prompts holding an image part, a reward that reads
+another column, and `from cohort_grpo import GRPOConfig, GRPOTrainer` as the script would import TRL's."""
 
 import copy
 
@@ -39,7 +39,13 @@ def reward_length(completions, **kwargs):
 
 
 # Where each family keeps the weights that turn pixels into image embeddings (frozen by default).
-VISION_PREFIXES = {"qwen2_5_vl": ("model.visual.",), "gemma3": ("model.vision_tower.", "model.multi_modal_projector.")}
+VISION_PREFIXES = {"qwen2_5_vl": ("model.visual.",), "gemma3": ("model.vision_tower.", "model.multi_modal_projector."),
+                   "idefics3": ("model.vision_model.", "model.connector."),
+                   "smolvlm": ("model.vision_model.", "model.connector."),
+                   "llava": ("model.vision_tower.", "model.multi_modal_projector.")}
+# Where it keeps its language tower's (Idefics3's and SmolVLM's under another name).
+LANGUAGE_TOWERS = {family: "language_model" for family in VISION_PREFIXES} | {"idefics3": "text_model",
+                                                                               "smolvlm": "text_model"}
 
 
 def train(tmp_path, family: str = "qwen2_5_vl", **options):
@@ -73,7 +79,7 @@ def test_two_steps_train_the_language_tower_with_the_vision_tower_frozen(tmp_pat
         assert record["sampling/sampling_logp_difference/max"] < 1e-4
         assert "rewards/reward_answer/mean" in record
     assert trainer.history[1]["kl"] > 0
-    assert changed(trainer, initial, "model.language_model.")
+    assert changed(trainer, initial, f"model.{LANGUAGE_TOWERS[family]}.")
     assert not changed(trainer, initial, VISION_PREFIXES[family])
     # The saved folder (model, tokenizer, processor files) loads back as the vision-language policy it was.
     folder = tmp_path / "run"
@@ -93,7 +99,7 @@ def test_vision_tower_trains_when_asked_and_lora_adapts_the_language_tower_only(
     assert all(changed(trainer, initial, prefix) for prefix in VISION_PREFIXES[family])
     trainer, _ = train(tmp_path / "lora", family, use_peft=True, lora_r=4)
     adapted = [name for name, _ in trainer.model.named_parameters() if "lora_" in name]
-    assert adapted and all(".language_model." in name for name in adapted)
+    assert adapted and all(f".{LANGUAGE_TOWERS[family]}." in name for name in adapted)
     assert len(trainer.history) == 2
 
 

@@ -65,7 +65,7 @@ class ChatImages:
         """Load the image at `path` for the next message; `option` (--image or /image) names where it came from in
         a one-line error, as `refusal` does what the session cannot do with images."""
         if self.prompts is None:
-            raise CohortError(f"{option} needs a vision-language model (Qwen-VL or Gemma 3); this {self.model_name} "
+            raise CohortError(f"{option} needs a vision-language model (Qwen-VL, Gemma 3, SmolVLM, LLaVA, ...); this {self.model_name} "
                               f"model reads text only: chat with a vision-language model folder, or drop {option}")
         if refusal is not None:
             raise CohortError(f"{option}: {refusal}")

@@ -82,8 +82,8 @@ SECTIONS: tuple[Section, ...] = (
             "models.",
             ("routing_replay", "router_aux_loss_coef")),
     Section("Vision-language models",
-            "Vision-language models (Qwen-VL, Gemma 3: cohort_grpo/models/vision_language.py; docs/howto/vision.md); "
-            "ignored for text models.",
+            "Vision-language models (Qwen-VL, Gemma 3, SmolVLM, LLaVA, ...: cohort_grpo/models/vision_language.py; "
+            "docs/howto/vision.md); ignored for text models.",
             ("freeze_vision_tower",)),
     Section("LoRA through peft, with TRL's ModelConfig names",
             "LoRA through peft, with TRL's ModelConfig names; π_ref is then the same model with the adapters "

@@ -1,11 +1,14 @@
-"""A tiny random Qwen-VL (Qwen2.5-VL by default) or Gemma 3 and its processor, built with no download (tests, the
-vision task).
+"""A tiny random Qwen-VL (Qwen2.5-VL by default), Gemma 3, Idefics3, SmolVLM, LLaVA or Mistral 3 and its processor,
+built with no download (tests, the vision task).
 
 The processor is transformers' own `Qwen2_5_VLProcessor`: its image processor resizes an image to a few patches, and
 its tokenizer is cohort's character tokenizer (models/tiny.py) with Qwen-VL's vision tags as single tokens and a chat
 template that renders a `{"type": "image"}` part as `<|vision_start|><|image_pad|><|vision_end|>` (the processor
 expands the pad to one token per merged patch). Gemma 3's is transformers' `Gemma3Processor` over the same
-characters with Gemma's image tags, its images resized to one small square of a few tokens.
+characters with Gemma's image tags, its images resized to one small square of a few tokens. Idefics3's and
+SmolVLM's is `Idefics3Processor` (tiles of 28 pixels, 4 tokens each), LLaVA's `LlavaProcessor` over CLIP's image
+processor (one square of 16 tokens); Mistral 3's, `PixtralProcessor`, needs torchvision, so its tests take the pixels
+from `PixtralImageProcessorPil` and lay out the image tokens themselves (`pixtral_image_tokens`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ TINY_VISION_TEMPLATE = (
     "{%- endfor %}"
 )
 PATCH = 14  # Qwen2(.5)-VL's patch side (Qwen3-VL's is 16); 2 × 2 patches merge into one image token
-PATCHES = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16, "gemma3": 7}
+PATCHES = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16, "gemma3": 7, "idefics3": 7, "smolvlm": 7, "llava": 7}
 GEMMA_TAGS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 # Gemma 3's tiny image: a 6 × 6 grid of 7-pixel patches, pooled 2 × 2 into 3 × 3 = 9 image tokens; its sliding
 # layers' window (4) is shorter than an image, so the window cuts into the image's two-way attention.
@@ -47,6 +50,8 @@ def build_vision_processor(chars=CHARS, patch: int | None = None, family: str = 
 
     if family == "gemma3":
         return build_gemma3_processor(chars)
+    if family in PLAIN_FAMILIES:
+        return build_plain_processor(chars, family)
     patch = patch or PATCHES[family]
     tokenizer = build_tokenizer(chars, tags=["<answer>", "</answer>", *VISION_TAGS])
     tokenizer.chat_template = TINY_VISION_TEMPLATE
@@ -123,6 +128,8 @@ def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: 
 
     if family == "gemma3":
         return build_gemma3_model(tokenizer, seed, hidden_size)
+    if family in PLAIN_FAMILIES:
+        return build_plain_model(tokenizer, family, seed, hidden_size, layers)
 
     ids = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in VISION_TAGS}
     heads = 4
@@ -168,3 +175,138 @@ def mrope_sections(head_dim: int) -> list[int]:
     time = pairs // 4
     height = (pairs - time) // 2
     return [time, height, pairs - time - height]
+
+
+# ---- families of plain positions and causal image tokens: Idefics3 / SmolVLM, LLaVA, Mistral 3 -----------------
+PLAIN_FAMILIES = ("idefics3", "smolvlm", "llava", "mistral3")
+IDEFICS3_TAGS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                 *(f"<row_{row}_col_{column}>" for row in range(1, 7) for column in range(1, 7))]
+# Idefics3's tiny tile: 28 pixels, 4 × 4 patches of 7, shuffled 2 × 2 into 4 image tokens; an image up to 56 pixels
+# on its long side splits into up to 2 × 2 tiles, plus the whole image shrunk to one.
+IDEFICS3_TILE, IDEFICS3_LONGEST, IDEFICS3_TOKENS = 28, 56, 4
+PIXTRAL_TAGS = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
+LLAVA_IMAGE = 28  # LLaVA's tiny image: one square of 4 × 4 patches of 7, one image token each
+# Pixtral's tiny images (Mistral 3's): their own size, up to 42 pixels a side, patches of 7 (Mistral 3: one token per
+# 2 × 2 of them)
+MISTRAL3_LONGEST, PIXTRAL_PATCH = 42, 7
+
+
+def plain_tokenizer(chars, tags: list[str], image_tag: str):
+    """The character tokenizer with `tags` as single tokens and the tiny chat template, an image part rendered as
+    `image_tag` (the processor expands it)."""
+    tokenizer = build_tokenizer(chars, tags=["<answer>", "</answer>", *tags])
+    tokenizer.chat_template = TINY_VISION_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", image_tag)
+    return tokenizer
+
+
+def build_plain_processor(chars=CHARS, family: str = "idefics3"):
+    """The processor of a tiny model of `family` (one of PLAIN_FAMILIES but Mistral 3, whose `PixtralProcessor`
+    needs torchvision: `pixtral_tokenizer`)."""
+    if family in ("idefics3", "smolvlm"):
+        return build_idefics3_processor(chars)
+    if family == "llava":
+        return build_llava_processor(chars)
+    raise ValueError(f"{family}'s processor (transformers' PixtralProcessor) needs torchvision: build the tokenizer "
+                     "with pixtral_tokenizer, the pixels with PixtralImageProcessorPil")
+
+
+def build_idefics3_processor(chars=CHARS):
+    """`Idefics3Processor` over the character tokenizer with Idefics3's tags, images only, for Idefics3 and SmolVLM
+    alike (SmolVLM's own processor lays out an image's tokens the same way, and needs num2words and torchvision
+    for its videos)."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    tokenizer = plain_tokenizer(chars, IDEFICS3_TAGS, "<image>")
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": IDEFICS3_LONGEST},
+                                                max_image_size={"longest_edge": IDEFICS3_TILE})
+    return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=IDEFICS3_TOKENS,
+                             chat_template=tokenizer.chat_template)
+
+
+def build_llava_processor(chars=CHARS):
+    """`LlavaProcessor` over the character tokenizer with `<image>`, CLIP's image processor to one small square."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    tokenizer = plain_tokenizer(chars, ["<image>"], "<image>")
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE},
+                                            crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE})
+    return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCHES["llava"],
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          chat_template=tokenizer.chat_template)
+
+
+def pixtral_tokenizer(chars=CHARS):
+    """The character tokenizer with Pixtral's image tags (Mistral 3's, and LLaVA's over a Pixtral tower).
+    transformers' `PixtralProcessor` needs torchvision, which images here do without: tests lay out an image's
+    tokens themselves (`pixtral_image_tokens`) and take the pixels from `PixtralImageProcessorPil`."""
+    return plain_tokenizer(chars, list(PIXTRAL_TAGS.values()), PIXTRAL_TAGS["image_token"])
+
+
+def pixtral_image_tokens(tokenizer, image_sizes: torch.Tensor, merged_patch: int) -> list[list[int]]:
+    """Each image's tokens as Pixtral lays them out: a row of image tokens per `merged_patch` pixels of height,
+    one per `merged_patch` of width, each row ended by `[IMG_BREAK]`, the last by `[IMG_END]`."""
+    ids = {name: tokenizer.convert_tokens_to_ids(tag) for name, tag in PIXTRAL_TAGS.items()}
+    laid_out = []
+    for height, width in (image_sizes // merged_patch).tolist():
+        tokens = ([ids["image_token"]] * width + [ids["image_break_token"]]) * height
+        laid_out.append(tokens[:-1] + [ids["image_end_token"]])
+    return laid_out
+
+
+def text_tower(tokenizer, hidden_size: int, layers: int, **more) -> dict:
+    """A Llama-shaped language tower's config for `tokenizer`."""
+    return dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=1024,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **more)
+
+
+def build_plain_model(tokenizer, family: str, seed: int = 0, hidden_size: int = 64, layers: int = 2,
+                      pixtral_tower: bool = False):
+    """A random Idefics3, SmolVLM, LLaVA or Mistral 3 `...ForConditionalGeneration` for the tokenizer of
+    `build_vision_processor(family=family)` (Mistral 3, and LLaVA with `pixtral_tower`: `pixtral_tokenizer`),
+    float32: a two-layer vision tower of width 32 (LLaVA's a CLIP one, or a Pixtral one), its projector, a Llama
+    (Mistral 3: Mistral) language tower."""
+    import transformers
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  patch_size=PIXTRAL_PATCH if family == "mistral3" or pixtral_tower else PATCHES[family])
+    common = dict(text_config=text_tower(tokenizer, hidden_size, layers), pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False)
+    if family in ("idefics3", "smolvlm"):
+        config_class, model_class = {"idefics3": (transformers.Idefics3Config,
+                                                  transformers.Idefics3ForConditionalGeneration),
+                                     "smolvlm": (transformers.SmolVLMConfig,
+                                                 transformers.SmolVLMForConditionalGeneration)}[family]
+        config = config_class(vision_config=dict(vision, image_size=IDEFICS3_TILE), scale_factor=2,
+                              image_token_id=tokenizer.convert_tokens_to_ids("<image>"), **common)
+    elif family == "llava" and pixtral_tower:
+        config_class, model_class = transformers.LlavaConfig, transformers.LlavaForConditionalGeneration
+        config = config_class(vision_config=dict(vision, model_type="pixtral", head_dim=16,
+                                                 image_size=MISTRAL3_LONGEST),
+                              image_token_id=tokenizer.convert_tokens_to_ids(PIXTRAL_TAGS["image_token"]),
+                              vision_feature_layer=-1, vision_feature_select_strategy="full", **common)
+    elif family == "llava":
+        config_class, model_class = transformers.LlavaConfig, transformers.LlavaForConditionalGeneration
+        config = config_class(vision_config=dict(vision, model_type="clip_vision_model", image_size=LLAVA_IMAGE),
+                              image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                              image_seq_length=(LLAVA_IMAGE // PATCHES[family]) ** 2, **common)
+    elif family == "mistral3":
+        config_class, model_class = transformers.Mistral3Config, transformers.Mistral3ForConditionalGeneration
+        common["text_config"].update(model_type="mistral", head_dim=hidden_size // 4, sliding_window=None)
+        config = config_class(vision_config=dict(vision, model_type="pixtral", head_dim=16,
+                                                 image_size=MISTRAL3_LONGEST),
+                              image_token_id=tokenizer.convert_tokens_to_ids(PIXTRAL_TAGS["image_token"]),
+                              spatial_merge_size=2, **common)
+    else:
+        raise ValueError(f"family={family!r}: one of {sorted(PLAIN_FAMILIES)}")
+    torch.manual_seed(seed)
+    model = model_class(config)
+    if family in ("llava", "mistral3"):
+        with torch.no_grad():  # transformers' small start would leave the images' mark on the tokens faint
+            for weight in model.model.multi_modal_projector.parameters():
+                if weight.dim() == 2:
+                    weight.normal_(0.0, 0.2)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+

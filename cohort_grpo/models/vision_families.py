@@ -10,6 +10,11 @@ prompt and their embeddings stand where the prompt's image tokens are. A family 
   plain 1-D positions; each image's tokens attend to one another in both directions (transformers' mask from the
   token types), which the cached attention of the prefill and the shared-prompt attention rows repeat
   (`image_blocks`).
+- `Idefics3Vision` (Idefics3, SmolVLM), `LlavaVision` (LLaVA), `Mistral3Vision` (Mistral 3): plain 1-D positions
+  (`PlainPositions`) and image tokens that attend causally, like text; what differs is how many tokens an image
+  fills and what the tower takes beside the pixels (`ImageInputs.extra_tensors`): Idefics3's tiles of one size,
+  each a fixed number of tokens, and their pixel masks; LLaVA's one square per image (a Pixtral tower: images of
+  their own size); Mistral 3's images of their own size (`image_sizes`), one token per merged patch.
 
 Each family's `positions` serves the forwards of one row per prompt (the prefill, the padded layout);
 `shared_prompt_positions` the shared-prompt layout's flat row (vision_shared_prompts.py), with the padded layout's
@@ -27,21 +32,35 @@ from torch import nn
 IMAGE_TOKEN_TYPE = 1  # the processors' token types: text 0, image 1 (Qwen-VL: video 2)
 
 
+# The processor's image tensors beyond `pixel_values` and `image_grid_thw` that a family's vision tower reads, by the
+# name the processor gives them: Idefics3's and SmolVLM's padded pixels of each tile, Mistral 3's image sizes.
+EXTRA_IMAGE_TENSORS = ("pixel_attention_mask", "image_sizes")
+
+
 @dataclass(eq=False)  # hashed by identity: the rows of one prompt share one object, so its images run once
 class ImageInputs:
     """One prompt's images as the model's processor gives them: `pixel_values` (Qwen-VL: [patches, features];
-    Gemma 3: [images, channels, height, width]) and, for Qwen-VL, `image_grid_thw` [images, 3] (each image's patch
-    grid: time, height, width). `features`: what a frozen vision tower made of them, by the tower's weights
-    (`VisionLanguageModel.frozen_tower_key`), so the sampler's prefill and the update's passes of one step run the
-    tower once."""
+    Gemma 3, LLaVA, Mistral 3: [images, channels, height, width]; Idefics3: [1, tiles, channels, height, width]),
+    for Qwen-VL `image_grid_thw` [images, 3] (each image's patch grid: time, height, width), and `extra_tensors`,
+    the processor's other image tensors by name (`EXTRA_IMAGE_TENSORS`). `features`: what a frozen vision tower
+    made of them, by the tower's weights (`VisionLanguageModel.frozen_tower_key`), so the sampler's prefill and the
+    update's passes of one step run the tower once."""
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor | None = None
+    extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     features: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_processor(cls, encoded) -> "ImageInputs":
+        """The image tensors of a processor's output for one prompt (its `input_ids` and text tensors left out)."""
+        extra = {name: encoded[name] for name in EXTRA_IMAGE_TENSORS if encoded.get(name) is not None}
+        return cls(encoded["pixel_values"], encoded.get("image_grid_thw"), extra)
 
     def to(self, device) -> "ImageInputs":
         grid = None if self.image_grid_thw is None else self.image_grid_thw.to(device)
-        return ImageInputs(self.pixel_values.to(device), grid)
+        extra = {name: tensor.to(device) for name, tensor in self.extra_tensors.items()}
+        return ImageInputs(self.pixel_values.to(device), grid, extra)
 
 
 class ImagePlacement(NamedTuple):
@@ -140,7 +159,23 @@ class QwenVL:
         return rotary[:, None]
 
 
-class Gemma3Vision:
+class PlainPositions:
+    """What families with plain 1-D positions share: a token's rotary position is its index in the row, images
+    or not (no rope delta)."""
+
+    bidirectional_images = False
+
+    def positions(self, model, input_ids, position_ids, attention_mask, images, token_types, offsets):
+        """Plain positions: the position ids (no rope delta)."""
+        return position_ids, None
+
+    def shared_prompt_positions(self, model, row_ids, position_ids, attention_rows, attention_slots, images,
+                                row_types):
+        """Plain positions: those the shared layout gives each token (its column in its padded row)."""
+        return position_ids
+
+
+class Gemma3Vision(PlainPositions):
     """Gemma 3's vision-language models (a SigLIP tower, a pooling projector, the Gemma 3 language tower)."""
 
     model_types = ("gemma3",)
@@ -156,15 +191,6 @@ class Gemma3Vision:
     def image_features(self, model: nn.Module, images: ImageInputs, device):
         return model.model.get_image_features(images.pixel_values.to(device))
 
-    def positions(self, model, input_ids, position_ids, attention_mask, images, token_types, offsets):
-        """Plain positions: the position ids (no rope delta)."""
-        return position_ids, None
-
-    def shared_prompt_positions(self, model, row_ids, position_ids, attention_rows, attention_slots, images,
-                                row_types):
-        """Plain positions: those the shared layout gives each token (its column in its padded row)."""
-        return position_ids
-
     def attention_masks(self, model: nn.Module, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor, token_types: torch.Tensor) -> dict:
         """transformers' own masks by layer type for a forward without the engine's cache: causal (within a
@@ -173,5 +199,73 @@ class Gemma3Vision:
                                                      token_type_ids=token_types)
 
 
-SERVED = (QwenVL(), Gemma3Vision())
+class Idefics3Vision(PlainPositions):
+    """Idefics3 and SmolVLM (a SigLIP tower, a pixel-shuffle connector, a Llama language tower): the processor
+    splits an image into tiles of one size plus the whole image shrunk to one tile, each `image_seq_len` image
+    tokens between text tags; a tile's padded pixels are masked out (`pixel_attention_mask`)."""
+
+    model_types = ("idefics3", "smolvlm")
+    names = ("Idefics3", "SmolVLM")
+
+    def vision_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [model.model.vision_model, model.model.connector]
+
+    def image_token_count(self, model: nn.Module, images: ImageInputs) -> int:
+        """`image_seq_len` tokens for each tile the tower encodes: transformers drops all-zero tiles (a batch's
+        padding)."""
+        tiles = images.pixel_values.flatten(0, 1).flatten(1)
+        return int((tiles != 0).any(-1).sum()) * model.model.image_seq_len
+
+    def image_features(self, model: nn.Module, images: ImageInputs, device):
+        mask = images.extra_tensors.get("pixel_attention_mask")
+        return model.model.get_image_features(images.pixel_values.to(device),
+                                              None if mask is None else mask.to(device))
+
+
+class LlavaVision(PlainPositions):
+    """LLaVA (a CLIP, SigLIP or Pixtral tower, an MLP projector, any language tower): each image resized to the
+    tower's square, one image token per patch (the tower's class token too under the `full` feature strategy);
+    a Pixtral tower takes images of their own size (`image_sizes`), one token per patch of each."""
+
+    model_types = ("llava",)
+    names = ("LLaVA",)
+
+    def vision_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [model.model.vision_tower, model.model.multi_modal_projector]
+
+    def image_token_count(self, model: nn.Module, images: ImageInputs) -> int:
+        vision = model.config.vision_config
+        sizes = images.extra_tensors.get("image_sizes")
+        if sizes is not None:
+            return int((sizes // vision.patch_size).prod(-1).sum())
+        per_image = (vision.image_size // vision.patch_size) ** 2
+        per_image += int(model.config.vision_feature_select_strategy == "full")
+        return images.pixel_values.shape[0] * per_image
+
+    def image_features(self, model: nn.Module, images: ImageInputs, device):
+        sizes = images.extra_tensors.get("image_sizes")
+        extra = {} if sizes is None else {"image_sizes": sizes.to(device)}
+        return model.model.get_image_features(images.pixel_values.to(device), **extra)
+
+
+class Mistral3Vision(PlainPositions):
+    """Mistral 3 (a Pixtral tower over images of their own size, a patch merger, the Mistral language tower): one
+    image token per merged patch, rows of them ended by text tags (`[IMG_BREAK]`, `[IMG_END]`)."""
+
+    model_types = ("mistral3",)
+    names = ("Mistral 3",)
+
+    def vision_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [model.model.vision_tower, model.model.multi_modal_projector]
+
+    def image_token_count(self, model: nn.Module, images: ImageInputs) -> int:
+        merged_patch = model.model.vision_tower.patch_size * model.config.spatial_merge_size
+        return int((images.extra_tensors["image_sizes"] // merged_patch).prod(-1).sum())
+
+    def image_features(self, model: nn.Module, images: ImageInputs, device):
+        return model.model.get_image_features(images.pixel_values.to(device),
+                                              images.extra_tensors["image_sizes"].to(device))
+
+
+SERVED = (QwenVL(), Gemma3Vision(), Idefics3Vision(), LlavaVision(), Mistral3Vision())
 FAMILIES = {model_type: family for family in SERVED for model_type in family.model_types}  # by config.model_type

@@ -1,14 +1,15 @@
-"""`VisionLanguageModel`: a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3) behind cohort's model
-interface.
+"""`VisionLanguageModel`: a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, Idefics3, SmolVLM, LLaVA,
+Mistral 3) behind cohort's model interface.
 
 The language tower is served as the generic path serves any decoder (generic.py): its own modules, cohort's
 attention and KV cache. What the images add lives here, and what differs between families in vision_families.py
 (the vision tower's call, the image token count, the positions, how image tokens attend):
 
-- A prompt's images come as `ImageInputs` (the processor's `pixel_values`, and Qwen-VL's `image_grid_thw`), one
-  object per prompt, shared by the rows of its completions. A forward given `images` (one per row, None for a text
-  row) runs the vision tower once per distinct `ImageInputs` object and writes the image embeddings where the
-  prompt's image tokens stand (the first ones of the row: a completion that samples an image token keeps it a text
+- A prompt's images come as `ImageInputs` (the processor's `pixel_values`, Qwen-VL's `image_grid_thw`, and the
+  other image tensors a family's tower takes, such as Idefics3's `pixel_attention_mask`), one object per prompt,
+  shared by the rows of its completions. A forward given `images` (one per row, None for a text row) runs the
+  vision tower once per distinct `ImageInputs` object and writes the image embeddings where the prompt's image
+  tokens stand (the first ones of the row: a completion that samples an image token keeps it a text
   token, as transformers' `generate` does). The update's shared-prompt layout (one flat row, each prompt once before
   its completions, `attention_rows`) places each packed prompt's images once (vision_shared_prompts.py).
 - Qwen-VL's multimodal rotary positions: an image's tokens take (time, height, width) positions, so the prompt's
@@ -107,14 +108,21 @@ class VisionLanguageModel(TransformersCausalLM):
 
     def language_lora_config(self, peft_config):
         """`peft_config` with its target modules narrowed to the language tower's (the vision tower's layers share
-        their names): a list of names becomes a pattern over the language model's layers; a pattern stays."""
+        their names): a list of names becomes a pattern over the language tower's layers; a pattern stays."""
         targets = peft_config.target_modules
         if not isinstance(targets, (list, tuple, set)):
             return peft_config
         narrowed = copy.copy(peft_config)
         names = "|".join(sorted(re.escape(name) for name in targets))
-        narrowed.target_modules = rf".*language_model\..*\.({names})"
+        narrowed.target_modules = rf".*{re.escape(self.language_tower_name)}\..*\.({names})"
         return narrowed
+
+    @property
+    def language_tower_name(self) -> str:
+        """The language tower's attribute name in its parent (`language_model`; Idefics3's and SmolVLM's
+        `text_model`)."""
+        return next(name.rsplit(".", 1)[-1] for name, module in self.transformers_model.named_modules()
+                    if module is self.decoder)
 
     def image_token_count(self, images: ImageInputs) -> int:
         """How many image tokens of the prompt `images` fill."""

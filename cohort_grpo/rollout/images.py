@@ -96,7 +96,7 @@ class ImagePrompts:
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                   **self.template_kwargs)
         encoded = self.processor(text=[text], images=images, return_tensors="pt")
-        return encoded["input_ids"][0].tolist(), ImageInputs(encoded["pixel_values"], encoded.get("image_grid_thw"))
+        return encoded["input_ids"][0].tolist(), ImageInputs.from_processor(encoded)
 
 
 def encode_rows(rows: list[dict], encode_prompt, images: "ImagePrompts | None") -> tuple[list[list[int]], dict]:
@@ -156,7 +156,8 @@ def restored_image_value(value):
 
 def stored_images(images: list) -> dict | list:
     """A batch's `ImageInputs` per row (a prompt's rows share one) as tensors: each distinct one once, and which of
-    them each row has (-1: a row without images). Values of another kind are kept as they are."""
+    them each row has (-1: a row without images); the processor's other image tensors only where a family has
+    them. Values of another kind are kept as they are."""
     if not all(inputs is None or isinstance(inputs, ImageInputs) for inputs in images):
         return images
     distinct: dict[int, int] = {}
@@ -165,14 +166,19 @@ def stored_images(images: list) -> dict | list:
         if inputs is not None and id(inputs) not in distinct:
             distinct[id(inputs)] = len(order)
             order.append(inputs)
-    return {"pixel_values": [inputs.pixel_values for inputs in order],
-            "image_grid_thw": [inputs.image_grid_thw for inputs in order],
-            "of_row": [-1 if inputs is None else distinct[id(inputs)] for inputs in images]}
+    state = {"pixel_values": [inputs.pixel_values for inputs in order],
+             "image_grid_thw": [inputs.image_grid_thw for inputs in order],
+             "of_row": [-1 if inputs is None else distinct[id(inputs)] for inputs in images]}
+    if any(inputs.extra_tensors for inputs in order):
+        state["extra_tensors"] = [dict(inputs.extra_tensors) for inputs in order]
+    return state
 
 
 def restored_images(state: dict | list) -> list:
     """Inverse of `stored_images`: one `ImageInputs` per distinct entry, shared again by the rows that had it."""
     if not isinstance(state, dict):
         return state
-    made = [ImageInputs(pixels, grid) for pixels, grid in zip(state["pixel_values"], state["image_grid_thw"])]
+    extra = state.get("extra_tensors") or [{}] * len(state["pixel_values"])
+    made = [ImageInputs(pixels, grid, dict(tensors))
+            for pixels, grid, tensors in zip(state["pixel_values"], state["image_grid_thw"], extra)]
     return [None if index < 0 else made[index] for index in state["of_row"]]
