@@ -14,6 +14,7 @@ from cohort_grpo.models.tiny_vision import build_vision_model, build_vision_proc
 from cohort_grpo.models.vision_language import VisionLanguageModel
 from cohort_grpo.rollout.images import load_image, row_images, with_image_parts
 from cohort_grpo.run.policy import load_policy
+from test_vision_language import processor_or_skip
 
 pytestmark = pytest.mark.cpu("two training steps of a tiny vision-language model")
 
@@ -49,7 +50,7 @@ LANGUAGE_TOWERS = {family: "language_model" for family in VISION_PREFIXES} | {"i
 
 
 def train(tmp_path, family: str = "qwen2_5_vl", **options):
-    processor = build_vision_processor(family=family)
+    processor = processor_or_skip(family)
     model = build_vision_model(processor.tokenizer, family=family)
     initial = copy.deepcopy(model.state_dict())
     args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=2, num_generations=2, per_device_train_batch_size=4,
