@@ -5,7 +5,8 @@ field name, `SIZES`, plus a few per-type `OVERRIDES`; float32, seed 0) and recor
 `AutoModelForCausalLM.from_config` loads it, whether the generic path (cohort_grpo/models/generic.py) serves it or
 the refusal's reason, whether its logits equal transformers' forward, whether the engine's greedy tokens equal
 transformers' greedy `generate`, and whether two GRPO steps run on it. The six families cohort implements itself
-are rows too (path `native`), not walked here (their own tests cover them).
+are rows too (path `native`), not walked here (their own tests cover them), and so are the vision-language types
+the vision-language path serves (path `vision`: tests/test_vision_language.py checks them with images).
 
     PYTHONPATH=$PWD python tests/model_coverage.py --write docs/models.md    # regenerate the page
     PYTHONPATH=$PWD python tests/model_coverage.py llama4_text olmo           # print rows
@@ -33,6 +34,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from cohort_grpo.models.config import SUPPORTED_MODEL_TYPES
+from cohort_grpo.models.vision_families import FAMILIES as VISION_FAMILIES
 
 VOCAB = 128  # above the built-in character tokenizer's 83 ids, so the training steps run on its tokenizer
 WINDOW = 8  # sliding windows: shorter than the longer prompt below
@@ -206,6 +208,8 @@ def walk(model_type: str) -> dict:
     from cohort_grpo.models.generic_attention import GenericPathRefused, refusal
 
     row = dict(type=model_type)
+    if model_type in VISION_FAMILIES:
+        return dict(row, path="vision", result="served with its images (tests/test_vision_language.py)")
     try:
         config = tiny_config(model_type)
     except Exception as error:  # noqa: BLE001 - the reason is the row's
@@ -330,7 +334,10 @@ def render(rows: list[dict]) -> str:
         "transformers' "
         "own modules with cohort's attention and KV cache ([speed.md](howto/speed.md#other-decoder-only-models-the-"
         "generic-path)), sampled by cohort's engine; `hf` — transformers' model and `generate` (`--model_impl auto` "
-        "says why; `--model_impl cohort` refuses it); `skipped` — not walked.",
+        "says why; `--model_impl cohort` refuses it); `vision` — a vision-language model on the vision-language path "
+        "([vision.md](howto/vision.md): the language tower as the generic path serves it, the images through the "
+        "vision tower once per prompt), checked with images by its own tests, not walked here; `skipped` — not "
+        "walked.",
         "",
         f"`{PASS}`: the logits of the wrapped model (full and cached forwards) equal transformers' within "
         f"{LOGIT_TOLERANCE:g}, the engine's greedy tokens equal `generate`'s (prompts of {len(PROMPTS[0])} and "

@@ -1,7 +1,7 @@
 """Images in `cohort-grpo chat` (cli/chat_images.py): a reply with an image is the engine's greedy completion of the
 same prompt and image as training renders it (rollout/images.py), turn after turn (a text turn after an image runs
-only its new tokens, a turn with a new image starts over with both), for a tiny random Qwen2.5-VL and Gemma 3; the
-flag and the /image command, and the one-line errors of a text model, a missing file, --raw and tools."""
+only its new tokens, a turn with a new image starts over with both), for a tiny random Qwen2.5-VL, Gemma 3 and
+Qwen3.5; the flag and the /image command, and the one-line errors of a text model, a missing file, --raw and tools."""
 
 import io
 import os
@@ -17,7 +17,7 @@ from cohort_grpo.cli.chat import ChatSession, chat_loop
 from cohort_grpo.cli.chat_images import image_command_path
 from cohort_grpo.errors import CohortError, command_line
 from cohort_grpo.models.policy import save_policy
-from cohort_grpo.models.tiny_vision import build_vision_model, build_vision_processor
+from cohort_grpo.models.tiny_vision import build_vision_model, build_vision_processor, family_unavailable
 from cohort_grpo.rollout.engine import Engine
 from cohort_grpo.rollout.images import ImagePrompts, load_image
 from cohort_grpo.rollout.sampler import SamplingParams
@@ -36,8 +36,10 @@ def write_image(path: Path, seed: int, size=(70, 84)) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "gemma3", "qwen3_5"])
 def vision(request):
+    if family_unavailable(request.param):
+        pytest.skip(family_unavailable(request.param))
     torch.set_num_threads(1)
     processor = build_vision_processor(family=request.param)
     model, tokenizer = load_policy(build_vision_model(processor.tokenizer, seed=3, family=request.param).eval(),

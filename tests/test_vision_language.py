@@ -1,5 +1,5 @@
 """Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL, Qwen2-VL, Qwen3-VL,
-Gemma 3, Idefics3, SmolVLM and LLaVA and their processor (Mistral 3 with its image processor), built with no download
+Qwen3.5 (dense and MoE), Gemma 3, Idefics3, SmolVLM and LLaVA and their processor (Mistral 3 with its image processor), built with no download
 (float32, CPU), checked against transformers itself: the logits of its own forward with the same images, the tokens
 of its own greedy `generate`, the teacher-forced log-probs of the engine's samples."""
 
@@ -12,7 +12,8 @@ import torch
 
 from cohort_grpo.errors import CohortError
 from cohort_grpo.models.cache import KVCache
-from cohort_grpo.models.tiny_vision import PATCHES, build_vision_model, build_vision_processor
+from cohort_grpo.models.tiny_vision import (PATCHES, RECURRENT_FAMILIES, build_vision_model, build_vision_processor,
+                                            family_unavailable)
 from cohort_grpo.models.vision_language import ImageInputs, VisionLanguageModel
 from cohort_grpo.rollout.engine import Engine
 from cohort_grpo.rollout.sampler import SamplingParams
@@ -43,6 +44,8 @@ def processor_or_skip(family: str):
 
 @pytest.fixture(scope="module", params=sorted(PATCHES))
 def vision(request):
+    if family_unavailable(request.param):
+        pytest.skip(family_unavailable(request.param))
     processor = processor_or_skip(request.param)
     reference = build_vision_model(processor.tokenizer, family=request.param).eval()
     model = VisionLanguageModel.wrap(copy.deepcopy(reference)).eval()
@@ -173,7 +176,8 @@ def test_refusals_name_what_is_not_supported(vision):
     with pytest.raises(CohortError, match="image tokens where its images fill"):
         model(ids[:, 4:], images=[image_inputs(prompts[0])])
     rows = torch.arange(ids.shape[1])[None]
-    with pytest.raises(CohortError, match="no kv_cache or attention_mask"):
+    flat = "keep a recurrent state" if model.model_type in RECURRENT_FAMILIES else "no kv_cache or attention_mask"
+    with pytest.raises(CohortError, match=flat):
         model(ids, rows, kv_cache=KVCache.for_model(model, 1, 64), attention_rows=rows,
               attention_slots=rows[0], images=[image_inputs(prompts[0])])
     other = SimpleNamespace(config=SimpleNamespace(model_type="mllama", vision_config={}))
@@ -244,6 +248,9 @@ def test_shared_prompt_layout_equals_the_padded_one(vision):
     from cohort_grpo.update.packing import pack
 
     processor, _, model, prompts = vision
+    if model.model_type in RECURRENT_FAMILIES:
+        pytest.skip("a recurrent language tower takes one padded row per completion: "
+                    "test_a_recurrent_language_tower_takes_the_padded_layout")
     prompt_ids, images, completions, mask = shared_prompt_rollout(processor, model, prompts)
     shared = Layout(shared=True, group=2)
     calls = []
@@ -274,6 +281,48 @@ def test_shared_prompt_layout_equals_the_padded_one(vision):
     assert grads[0].keys() == grads[1].keys() and any(id(p) in vision for n, p in trained.named_parameters()
                                                       if n in grads[0])
     assert max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0]) <= 1e-5
+
+
+def test_a_recurrent_language_tower_takes_the_padded_layout(vision):
+    """Qwen3.5's Gated DeltaNet layers would run a flat row's state through the other completions' tokens: the
+    update's layout is one padded row per completion (as for its text-only models), a shared-prompt forward is
+    refused by name, and the padded log-probs of prompts of other lengths with their images are the full forward's
+    of each row alone."""
+    from cohort_grpo.rollout.layout import PADDED, Layout
+    from cohort_grpo.update.logprobs import rollout_logprobs, takes_attention_rows
+
+    processor, _, model, prompts = vision
+    if model.model_type not in RECURRENT_FAMILIES:
+        pytest.skip("its language tower keeps no recurrent state: test_shared_prompt_layout_equals_the_padded_one")
+    assert not takes_attention_rows(model) and not Layout.choose(True, 2, takes_attention_rows(model)).shared
+    prompt_ids, images, completions, mask = shared_prompt_rollout(processor, model, prompts)
+    with pytest.raises(CohortError, match="keep a recurrent state"):
+        rollout_logprobs(model, prompt_ids, completions, mask, pad_id=0, max_rows=8,
+                         layout=Layout(shared=True, group=2), images=images)
+    padded = rollout_logprobs(model, prompt_ids, completions, mask, pad_id=0, max_rows=8, layout=PADDED, images=images)
+    for row in (0, 4, 6):  # prompts of three lengths, the last without images
+        ids = torch.cat([torch.tensor([prompt_ids[row]]), completions[row: row + 1]], dim=1)
+        with torch.no_grad():
+            logits = model(ids, images=[images[row]])[0, len(prompt_ids[row]) - 1: -1]
+        alone = torch.log_softmax(logits, -1).gather(1, completions[row][:, None])[:, 0] * mask[row]
+        assert (padded[row] - alone).abs().max() < 1e-5
+
+
+def test_qwen3_5_is_refused_by_name_without_the_state_interface(monkeypatch):
+    """Below transformers 5.21 the Gated DeltaNet layers keep their states in their own fields, which the engine's
+    rows cannot: wrapping a Qwen3.5 vision-language model says so in one line (a later transformers made to look
+    like one without the state interface)."""
+    import transformers
+
+    from cohort_grpo.models import generic_attention
+
+    if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3.5")
+    processor = build_vision_processor(family="qwen3_5")
+    model = build_vision_model(processor.tokenizer, family="qwen3_5")
+    monkeypatch.setattr(generic_attention, "has_state_interface", lambda: False)
+    with pytest.raises(CohortError, match=r"recurrent layers .* 5\.21 and later .*: upgrade transformers"):
+        VisionLanguageModel.wrap(model)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: decode steps as captured CUDA graphs")

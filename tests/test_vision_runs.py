@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from cohort_grpo import GRPOConfig, GRPOTrainer
+from cohort_grpo.models.tiny_vision import build_vision_model, build_vision_processor, family_unavailable
 from cohort_grpo.tasks.shapes import ShapesTask
 
 torch.set_num_threads(1)
@@ -31,8 +32,13 @@ def config(out, **overrides) -> GRPOConfig:
     return GRPOConfig(**base)
 
 
-def train(out, **overrides) -> GRPOTrainer:
-    trainer = GRPOTrainer("cohort:tiny-vision", odd_length, ROWS, args=config(out, **overrides), task=TASK,
+def train(out, family: str | None = None, **overrides) -> GRPOTrainer:
+    """A run of `cohort:tiny-vision` (a Qwen2.5-VL), or of a tiny random model of `family` (tiny_vision.py)."""
+    model, processor = "cohort:tiny-vision", None
+    if family is not None:
+        processor = build_vision_processor(family=family)
+        model = build_vision_model(processor.tokenizer, family=family)
+    trainer = GRPOTrainer(model, odd_length, ROWS, args=config(out, **overrides), task=TASK, processing_class=processor,
                           log=lambda *_: None)
     trainer.train()
     return trainer
@@ -47,11 +53,11 @@ def completions(out, step: int) -> list:
     return [r["completion"] for r in rows if r["step"] == step]
 
 
-def resume_from(run, step: int, out, **overrides) -> dict:
+def resume_from(run, step: int, out, family: str | None = None, **overrides) -> dict:
     """A new folder holding `run`'s checkpoint of `step` alone, resumed to the end: its final weights."""
     out.mkdir()
     shutil.copytree(run / f"checkpoint-{step}", out / f"checkpoint-{step}")
-    train(out, resume=True, **overrides)
+    train(out, family, resume=True, **overrides)
     return load_file(out / "model.safetensors")
 
 
@@ -75,6 +81,22 @@ def test_a_resumed_vision_language_run_ends_where_the_uninterrupted_one_did(tmp_
         synchronous = tmp_path / "synchronous"
         train(synchronous, max_steps=1)  # the same prompts, images and policy: the producer samples what it does
         assert completions(straight, 1) == completions(synchronous, 1) and completions(straight, 1)
+
+
+@pytest.mark.cpu("bitwise-equal runs: the CPU sums in a fixed order, a GPU's atomics do not")
+@pytest.mark.slow
+def test_a_resumed_qwen3_5_moe_run_ends_where_the_uninterrupted_one_did(tmp_path):
+    """Qwen3.5-MoE (a hybrid language tower, one padded row per completion): its checkpoint holds the experts as
+    transformers writes them, one matrix per expert, in the family's original names; resumed at step 2, the run
+    ends with the uninterrupted run's weights and last loss."""
+    if family_unavailable("qwen3_5_moe"):
+        pytest.skip(family_unavailable("qwen3_5_moe"))
+    straight = tmp_path / "straight"
+    train(straight, "qwen3_5_moe", max_steps=3)
+    final = load_file(straight / "model.safetensors")
+    assert not same_weights(final, load_file(straight / "checkpoint-1" / "model.safetensors"))
+    assert same_weights(resume_from(straight, 2, tmp_path / "resumed", "qwen3_5_moe", max_steps=3), final)
+    assert [r["loss"] for r in records(tmp_path / "resumed")][-1:] == [r["loss"] for r in records(straight)][-1:]
 
 
 def test_rows_and_image_inputs_travel_as_plain_values_a_weights_only_load_takes(tmp_path):

@@ -1,6 +1,6 @@
-"""A TRL-style vision-language GRPO script on a CPU: a tiny random Qwen2.5-VL, Gemma 3, Idefics3, SmolVLM or LLaVA and
-its processor, a dataset with an `image` column and conversational prompts holding an image part, a reward that reads
-another column, and `from cohort_grpo import GRPOConfig, GRPOTrainer` as the script would import TRL's."""
+"""A TRL-style vision-language GRPO script on a CPU: a tiny random Qwen2.5-VL, Qwen3.5 (dense, MoE), Gemma 3, Idefics3,
+SmolVLM or LLaVA and its processor, a dataset with an `image` column and conversational prompts holding an image part,
+a reward that reads another column, and `from cohort_grpo import GRPOConfig, GRPOTrainer` as the script would import TRL's."""
 
 import copy
 
@@ -10,7 +10,8 @@ import torch
 
 from cohort_grpo import GRPOConfig, GRPOTrainer
 from cohort_grpo.errors import CohortError
-from cohort_grpo.models.tiny_vision import build_vision_model, build_vision_processor
+from cohort_grpo.models.tiny_vision import (RECURRENT_FAMILIES, build_vision_model, build_vision_processor,
+                                            family_unavailable)
 from cohort_grpo.models.vision_language import VisionLanguageModel
 from cohort_grpo.rollout.images import load_image, row_images, with_image_parts
 from cohort_grpo.run.policy import load_policy
@@ -43,13 +44,16 @@ def reward_length(completions, **kwargs):
 VISION_PREFIXES = {"qwen2_5_vl": ("model.visual.",), "gemma3": ("model.vision_tower.", "model.multi_modal_projector."),
                    "idefics3": ("model.vision_model.", "model.connector."),
                    "smolvlm": ("model.vision_model.", "model.connector."),
-                   "llava": ("model.vision_tower.", "model.multi_modal_projector.")}
+                   "llava": ("model.vision_tower.", "model.multi_modal_projector."),
+                   "qwen3_5": ("model.visual.",), "qwen3_5_moe": ("model.visual.",)}
 # Where it keeps its language tower's (Idefics3's and SmolVLM's under another name).
 LANGUAGE_TOWERS = {family: "language_model" for family in VISION_PREFIXES} | {"idefics3": "text_model",
                                                                                "smolvlm": "text_model"}
 
 
 def train(tmp_path, family: str = "qwen2_5_vl", **options):
+    if family_unavailable(family):
+        pytest.skip(family_unavailable(family))
     processor = processor_or_skip(family)
     model = build_vision_model(processor.tokenizer, family=family)
     initial = copy.deepcopy(model.state_dict())
@@ -70,12 +74,14 @@ def changed(trainer, initial, prefix) -> set[str]:
 
 @pytest.mark.parametrize("family", sorted(VISION_PREFIXES))
 def test_two_steps_train_the_language_tower_with_the_vision_tower_frozen(tmp_path, family):
-    """Two steps in the shared-prompt layout (the default, as for text): the sampler's log-probs are the update's
-    (the same images in both), the rewards read the answer column, the language tower's weights move and the vision
-    tower's (and its projector's) do not (freeze_vision_tower's default)."""
+    """Two steps in the shared-prompt layout (the default, as for text; Qwen3.5's recurrent language tower: one padded
+    row per completion): the sampler's log-probs are the update's (the same images in both), the rewards read the
+    answer column, the language tower's weights move and the vision tower's (and its projector's) do not
+    (freeze_vision_tower's default)."""
     trainer, initial = train(tmp_path, family)
     assert len(trainer.history) == 2
-    assert trainer.layout.shared  # each prompt once in the log-prob passes and the update, its images with it
+    # each prompt once in the log-prob passes and the update, its images with it
+    assert trainer.layout.shared == (family not in RECURRENT_FAMILIES)
     for record in trainer.history:
         assert record["sampling/sampling_logp_difference/max"] < 1e-4
         assert "rewards/reward_answer/mean" in record

@@ -1,5 +1,5 @@
-"""A tiny random Qwen-VL (Qwen2.5-VL by default), Gemma 3, Idefics3, SmolVLM, LLaVA or Mistral 3 and its processor,
-built with no download (tests, the vision task).
+"""A tiny random Qwen-VL (Qwen2.5-VL by default; Qwen3.5 too), Gemma 3, Idefics3, SmolVLM, LLaVA or Mistral 3
+and its processor, built with no download (tests, the vision task).
 
 The processor is transformers' own `Qwen2_5_VLProcessor`: its image processor resizes an image to a few patches, and
 its tokenizer is cohort's character tokenizer (models/tiny.py) with Qwen-VL's vision tags as single tokens and a chat
@@ -35,7 +35,10 @@ TINY_VISION_TEMPLATE = (
     "{%- endfor %}"
 )
 PATCH = 14  # Qwen2(.5)-VL's patch side (Qwen3-VL's is 16); 2 × 2 patches merge into one image token
-PATCHES = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16, "gemma3": 7, "idefics3": 7, "smolvlm": 7, "llava": 7}
+PATCHES = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16, "gemma3": 7, "idefics3": 7, "smolvlm": 7, "llava": 7,
+           "qwen3_5": 16, "qwen3_5_moe": 16}
+# Families whose language tower keeps a recurrent state (Qwen3.5's Gated DeltaNet layers): transformers 5.21+.
+RECURRENT_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 GEMMA_TAGS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 # Gemma 3's tiny image: a 6 × 6 grid of 7-pixel patches, pooled 2 × 2 into 3 × 3 = 9 image tokens; its sliding
 # layers' window (4) is shorter than an image, so the window cuts into the image's two-way attention.
@@ -123,13 +126,16 @@ def build_gemma3_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: 
 def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2,
                        family: str = "qwen2_5_vl"):
     """A random Qwen-VL `...ForConditionalGeneration` of `family` (a key of PATCHES; its processor's patch side is
-    PATCHES[family]) for `tokenizer` (its vision tags' ids), float32; for gemma3, `build_gemma3_model`."""
+    PATCHES[family]) for `tokenizer` (its vision tags' ids), float32; for gemma3, `build_gemma3_model`; for the
+    `RECURRENT_FAMILIES`, `build_qwen3_5_model`."""
     import transformers
 
     if family == "gemma3":
         return build_gemma3_model(tokenizer, seed, hidden_size)
     if family in PLAIN_FAMILIES:
         return build_plain_model(tokenizer, family, seed, hidden_size, layers)
+    if family in RECURRENT_FAMILIES:
+        return build_qwen3_5_model(tokenizer, seed, hidden_size, layers, family)
 
     ids = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in VISION_TAGS}
     heads = 4
@@ -162,6 +168,59 @@ def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: 
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def family_unavailable(family: str) -> str | None:
+    """Why the installed transformers cannot build or serve a tiny model of `family` (a test's skip reason), or
+    None."""
+    from cohort_grpo.models.generic_attention import STATE_INTERFACE_SINCE, has_state_interface
+
+    if family in RECURRENT_FAMILIES and not has_state_interface():
+        import transformers
+
+        return (f"{family}'s Gated DeltaNet layers need transformers' state interface ({STATE_INTERFACE_SINCE}+; "
+                f"installed: {transformers.__version__})")
+    return None
+
+
+def build_qwen3_5_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2,
+                        family: str = "qwen3_5"):
+    """A random `Qwen3_5ForConditionalGeneration` (or, for qwen3_5_moe, `Qwen3_5MoeForConditionalGeneration`) for
+    `tokenizer`, float32: Qwen3-VL's vision tower without deepstack features, and a language tower whose Gated
+    DeltaNet and full-attention layers alternate (MoE: 4 experts, 2 a token); both towers' weights drawn wide (0.2)
+    enough that the images, and a recurrent state run wrong, change the tokens."""
+    import transformers
+
+    ids = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in VISION_TAGS}
+    heads, head_dim = 4, hidden_size // 4  # rotary over half of each head, as Qwen3.5's partial rotary
+    layer_types = ["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] * (layers % 2)
+    text = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+                layer_types=layer_types, vocab_size=len(tokenizer), max_position_embeddings=1024,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                initializer_range=0.2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                                 "mrope_section": mrope_sections(head_dim // 2), "partial_rotary_factor": 0.5})
+    vision = dict(depth=2, num_heads=2, patch_size=PATCHES[family], spatial_merge_size=2, temporal_patch_size=2,
+                  hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size, num_position_embeddings=64,
+                  initializer_range=0.2)
+    if family == "qwen3_5_moe":
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2,
+                    shared_expert_intermediate_size=hidden_size // 2)
+        config_class, model_class = transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration
+    else:
+        config_class, model_class = transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration
+    config = config_class(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
