@@ -104,17 +104,33 @@ def test_logits_equal_transformers_forward(vision):
 
 
 def assert_greedy_up_to_ties(reference, encoded, tokens: list[int], expected: list[int], row: int) -> None:
-    """`tokens` equal `expected` (transformers' greedy tokens), or equal them up to a step where the two differ and
-    transformers' own logits there (teacher-forced on its tokens) rank both within 1e-5 of each other: a tie of the
-    random model, which another machine's float32 sums may break the other way (the steps after it then differ)."""
+    """`tokens`, the engine's greedy completion, are greedy under transformers' own forward teacher-forced on them
+    (each within 1e-5 of that step's best logit: a tie of the random model, which another machine's float32 sums may
+    break the other way), and equal `expected`, transformers' greedy `generate`, up to a step where the two differ and
+    the forward ranks generate's token no higher than the engine's (within 1e-5). `generate` is not always its own
+    forward's greedy choice: Gemma 3's cached decoding with a sliding window shorter than an image departs from its
+    full forward (0.014-0.094 below the best logit with seeds 3, 6, 14 and 15 of the tiny model)."""
+    image_token = reference.config.image_token_id  # up to the first one the engine samples: a text token there
+    checked = tokens.index(image_token) + 1 if image_token in tokens else len(tokens)
+    completion = torch.tensor([tokens[:checked]], dtype=torch.long)
+    start = encoded["input_ids"].shape[1] - 1
+    with torch.no_grad():
+        logits = teacher_forced_logits(reference, encoded, completion[:, :-1])[0, start:]
+    below = logits.max(-1).values - logits.gather(1, completion[0, :, None])[:, 0]
+    assert float(below.max()) < 1e-5, f"row {row}: the engine's token at step {int(below.argmax())} is " \
+                                      f"{float(below.max()):.2e} below the best of transformers' forward"
     if tokens == expected:
         return
     step = next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
-    with torch.no_grad():
-        prefix = torch.tensor([expected[:step]], dtype=torch.long)
-        logits = teacher_forced_logits(reference, encoded, prefix)[0, -1]
-    gap = (logits[expected[step]] - logits[tokens[step]]).item()
-    assert 0 <= gap < 1e-5, f"row {row}: the engine took token {tokens[step]} at step {step}, {gap:.2e} below the best"
+    if step >= checked:  # past an image token the engine sampled: its prefix's forward is generate's own
+        with torch.no_grad():
+            prefix = torch.tensor([expected[:step]], dtype=torch.long)
+            last = teacher_forced_logits(reference, encoded, prefix)[0, -1]
+        gap = (last[expected[step]] - last[tokens[step]]).item()
+        assert 0 <= gap < 1e-5, f"row {row}: the engine took token {tokens[step]} at step {step}, {gap:.2e} below"
+        return
+    gap = (logits[step, expected[step]] - logits[step, tokens[step]]).item()
+    assert gap < 1e-5, f"row {row}: generate's token at step {step} is {gap:.2e} above the engine's"
 
 
 def test_engine_greedy_tokens_equal_generate(vision):
