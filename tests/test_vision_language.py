@@ -1,5 +1,5 @@
 """Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL, Qwen2-VL, Qwen3-VL,
-Qwen3.5 (dense and MoE), Gemma 3, Idefics3, SmolVLM and LLaVA and their processor (Mistral 3 with its image processor), built with no download
+Qwen3-VL-MoE, Qwen3.5 (dense and MoE), Gemma 3, Idefics3, SmolVLM and LLaVA and their processor (Mistral 3 with its image processor), built with no download
 (float32, CPU), checked against transformers itself: the logits of its own forward with the same images, the tokens
 of its own greedy `generate`, the teacher-forced log-probs of the engine's samples."""
 

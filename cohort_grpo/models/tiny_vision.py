@@ -1,4 +1,4 @@
-"""A tiny random Qwen-VL (Qwen2.5-VL by default; Qwen3.5 too), Gemma 3, Idefics3, SmolVLM, LLaVA or Mistral 3
+"""A tiny random Qwen-VL (Qwen2.5-VL by default; Qwen3-VL-MoE, Qwen3.5 too), Gemma 3, Idefics3, SmolVLM, LLaVA or Mistral 3
 and its processor, built with no download (tests, the vision task).
 
 The processor is transformers' own `Qwen2_5_VLProcessor`: its image processor resizes an image to a few patches, and
@@ -36,7 +36,7 @@ TINY_VISION_TEMPLATE = (
 )
 PATCH = 14  # Qwen2(.5)-VL's patch side (Qwen3-VL's is 16); 2 × 2 patches merge into one image token
 PATCHES = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16, "gemma3": 7, "idefics3": 7, "smolvlm": 7, "llava": 7,
-           "qwen3_5": 16, "qwen3_5_moe": 16}
+           "qwen3_5": 16, "qwen3_5_moe": 16, "qwen3_vl_moe": 16}
 # Families whose language tower keeps a recurrent state (Qwen3.5's Gated DeltaNet layers): transformers 5.21+.
 RECURRENT_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 GEMMA_TAGS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
@@ -152,7 +152,7 @@ def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: 
     elif family == "qwen2_vl":
         vision.update(embed_dim=32, hidden_size=hidden_size, mlp_ratio=2)
         config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
-    elif family == "qwen3_vl":  # interleaved multimodal rotary sections, deepstack features into decoder layer 0
+    elif family in ("qwen3_vl", "qwen3_vl_moe"):  # interleaved rotary sections, deepstack features into layer 0
         text.pop("rope_scaling")
         text.update(head_dim=hidden_size // heads, rope_parameters={
             "rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
@@ -160,6 +160,10 @@ def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: 
         vision.update(patch_size=PATCHES[family], hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size,
                       num_position_embeddings=64, deepstack_visual_indexes=[0])
         config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+        if family == "qwen3_vl_moe":  # an MoE language tower: 4 experts, 2 a token
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
+            config_class = transformers.Qwen3VLMoeConfig
+            model_class = transformers.Qwen3VLMoeForConditionalGeneration
     else:
         raise ValueError(f"family={family!r}: one of {sorted(PATCHES)}")
     config = config_class(

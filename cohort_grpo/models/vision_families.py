@@ -3,7 +3,7 @@
 A prompt's images reach the language tower the same way in every family: the vision tower encodes them once per
 prompt and their embeddings stand where the prompt's image tokens are. A family says the rest:
 
-- `QwenVL` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 dense and MoE): images of any size, as patches and a patch grid
+- `QwenVL` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense and MoE, Qwen3.5 dense and MoE): images of any size, as patches and a patch grid
   per image; multimodal rotary positions (time, height, width) from the model's own `get_rope_index`, and a rope
   delta that every later token's position carries (kept per row in the KV cache); image tokens attend causally, like
   text. Qwen3.5's vision tower is Qwen3-VL's without deepstack features, and its language tower is a hybrid whose
@@ -92,11 +92,12 @@ def image_blocks(token_types: torch.Tensor) -> torch.Tensor:
 
 
 class QwenVL:
-    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL (its deepstack features go into the language tower's first layers) and
-    Qwen3.5 (the same positions and image features; a hybrid language tower)."""
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL (its deepstack features go into the language tower's first layers; Qwen3-VL-MoE
+    the same with an MoE language tower) and Qwen3.5 (the same positions and image features; a hybrid language
+    tower)."""
 
-    model_types = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
-    names = ("Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL", "Qwen3.5")
+    model_types = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+    names = ("Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL", "Qwen3-VL-MoE", "Qwen3.5")
     bidirectional_images = False
 
     def vision_modules(self, model: nn.Module) -> list[nn.Module]:
