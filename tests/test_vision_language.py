@@ -1,5 +1,6 @@
 """Vision-language models (cohort_grpo/models/vision_language.py): a tiny random Qwen2.5-VL, Qwen2-VL, Qwen3-VL,
-Qwen3.5 (dense and MoE), Gemma 3, Idefics3, SmolVLM and LLaVA and their processor (Mistral 3 with its image processor), built with no download
+Qwen3-VL-MoE, Qwen3.5 (dense and MoE), Gemma 3, Idefics3, SmolVLM, LLaVA, LLaVA-NeXT and LLaVA-OneVision and their
+processor (Mistral 3 with its image processor), built with no download
 (float32, CPU), checked against transformers itself: the logits of its own forward with the same images, the tokens
 of its own greedy `generate`, the teacher-forced log-probs of the engine's samples."""
 
@@ -463,3 +464,33 @@ def test_pixtral_towers_take_each_images_own_size(family):
     for row in range(2):
         assert_greedy_up_to_ties(reference, encoded, rollout.completion_ids[row].tolist(),
                                  out[0, ids.shape[1]:].tolist(), row)
+
+
+@pytest.mark.parametrize("family", ["llava_next", "llava_onevision"])
+def test_anyres_image_tokens_follow_the_models_unpadding(family):
+    """LLaVA-NeXT's and LLaVA-OneVision's image token count (tiles, unpadded grid, a newline per row; OneVision's
+    grid shrunk past its aspect ratio, a prompt of several images untiled) equals the tokens the processor inserts and
+    the rows transformers' vision tower gives, over images of many shapes; a prompt of two images of different
+    shapes equals transformers' forward."""
+    processor = processor_or_skip(family)
+    reference = build_vision_model(processor.tokenizer, family=family).eval()
+    model = VisionLanguageModel.wrap(copy.deepcopy(reference)).eval()
+    shapes = [[(20, 200)], [(200, 20)], [(31, 33)], [(14, 14)], [(90, 60)], [(57, 29)], [(60, 90), (100, 40)]]
+    counts = set()
+    for seed, sizes in enumerate(shapes):
+        content = [{"type": "image"}] * len(sizes) + [{"type": "text", "text": "same? "}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)
+        encoded = processor(text=[text], images=[[random_image(h, w, seed) for h, w in sizes]], return_tensors="pt")
+        images = image_inputs(encoded)
+        inserted = int((encoded["input_ids"] == reference.config.image_token_id).sum())
+        with torch.no_grad():
+            rows = sum(part.shape[0] for part in reference.model.get_image_features(
+                encoded["pixel_values"], **images.extra_tensors).pooler_output)
+        assert model.image_token_count(images) == inserted == rows
+        counts.add(inserted)
+        if len(sizes) > 1:
+            with torch.no_grad():
+                expected = reference(**encoded).logits
+                assert (model(encoded["input_ids"], images=[images]) - expected).abs().max() < 1e-4
+    assert len(counts) >= 4

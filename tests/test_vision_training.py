@@ -45,7 +45,10 @@ VISION_PREFIXES = {"qwen2_5_vl": ("model.visual.",), "gemma3": ("model.vision_to
                    "idefics3": ("model.vision_model.", "model.connector."),
                    "smolvlm": ("model.vision_model.", "model.connector."),
                    "llava": ("model.vision_tower.", "model.multi_modal_projector."),
-                   "qwen3_5": ("model.visual.",), "qwen3_5_moe": ("model.visual.",)}
+                   "qwen3_5": ("model.visual.",), "qwen3_5_moe": ("model.visual.",),
+                   "qwen3_vl_moe": ("model.visual.",),
+                   "llava_next": ("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline"),
+                   "llava_onevision": ("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline")}
 # Where it keeps its language tower's (Idefics3's and SmolVLM's under another name).
 LANGUAGE_TOWERS = {family: "language_model" for family in VISION_PREFIXES} | {"idefics3": "text_model",
                                                                                "smolvlm": "text_model"}

@@ -1,5 +1,5 @@
-"""A tiny random Qwen-VL (Qwen2.5-VL by default; Qwen3.5 too), Gemma 3, Idefics3, SmolVLM, LLaVA or Mistral 3
-and its processor, built with no download (tests, the vision task).
+"""A tiny random Qwen-VL (Qwen2.5-VL by default; Qwen3-VL-MoE, Qwen3.5 too), Gemma 3, Idefics3, SmolVLM, LLaVA,
+LLaVA-NeXT, LLaVA-OneVision or Mistral 3 and its processor, built with no download (tests, the vision task).
 
 The processor is transformers' own `Qwen2_5_VLProcessor`: its image processor resizes an image to a few patches, and
 its tokenizer is cohort's character tokenizer (models/tiny.py) with Qwen-VL's vision tags as single tokens and a chat
@@ -7,8 +7,9 @@ template that renders a `{"type": "image"}` part as `<|vision_start|><|image_pad
 expands the pad to one token per merged patch). Gemma 3's is transformers' `Gemma3Processor` over the same
 characters with Gemma's image tags, its images resized to one small square of a few tokens. Idefics3's and
 SmolVLM's is `Idefics3Processor` (tiles of 28 pixels, 4 tokens each), LLaVA's `LlavaProcessor` over CLIP's image
-processor (one square of 16 tokens); Mistral 3's, `PixtralProcessor`, needs torchvision, so its tests take the pixels
-from `PixtralImageProcessorPil` and lay out the image tokens themselves (`pixtral_image_tokens`).
+processor (one square of 16 tokens), LLaVA-NeXT's and LLaVA-OneVision's their own over anyres tiles
+(tiny_anyres.py); Mistral 3's, `PixtralProcessor`, needs torchvision, so its tests take the pixels from
+`PixtralImageProcessorPil` and lay out the image tokens themselves (`pixtral_image_tokens`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import functools
 import torch
 
 from cohort_grpo.models.tiny import CHARS, build_tokenizer
+from cohort_grpo.models.tiny_anyres import ANYRES_FAMILIES, anyres_config, build_anyres_processor
 
 TINY_VISION_MODEL = "cohort:tiny-vision"  # built in memory on each use: random weights, nothing to cache
 IMAGE_ONLY_PROCESSOR = "ImageOnlyProcessor"  # the processor class a saved folder of it names
@@ -36,7 +38,8 @@ TINY_VISION_TEMPLATE = (
 )
 PATCH = 14  # Qwen2(.5)-VL's patch side (Qwen3-VL's is 16); 2 × 2 patches merge into one image token
 PATCHES = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16, "gemma3": 7, "idefics3": 7, "smolvlm": 7, "llava": 7,
-           "qwen3_5": 16, "qwen3_5_moe": 16}
+           "qwen3_5": 16, "qwen3_5_moe": 16, "qwen3_vl_moe": 16, "llava_next": 7,
+           "llava_onevision": 7}
 # Families whose language tower keeps a recurrent state (Qwen3.5's Gated DeltaNet layers): transformers 5.21+.
 RECURRENT_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 GEMMA_TAGS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
@@ -152,7 +155,7 @@ def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: 
     elif family == "qwen2_vl":
         vision.update(embed_dim=32, hidden_size=hidden_size, mlp_ratio=2)
         config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
-    elif family == "qwen3_vl":  # interleaved multimodal rotary sections, deepstack features into decoder layer 0
+    elif family in ("qwen3_vl", "qwen3_vl_moe"):  # interleaved rotary sections, deepstack features into layer 0
         text.pop("rope_scaling")
         text.update(head_dim=hidden_size // heads, rope_parameters={
             "rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
@@ -160,6 +163,10 @@ def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: 
         vision.update(patch_size=PATCHES[family], hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size,
                       num_position_embeddings=64, deepstack_visual_indexes=[0])
         config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+        if family == "qwen3_vl_moe":  # an MoE language tower: 4 experts, 2 a token
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
+            config_class = transformers.Qwen3VLMoeConfig
+            model_class = transformers.Qwen3VLMoeForConditionalGeneration
     else:
         raise ValueError(f"family={family!r}: one of {sorted(PATCHES)}")
     config = config_class(
@@ -237,7 +244,7 @@ def mrope_sections(head_dim: int) -> list[int]:
 
 
 # ---- families of plain positions and causal image tokens: Idefics3 / SmolVLM, LLaVA, Mistral 3 -----------------
-PLAIN_FAMILIES = ("idefics3", "smolvlm", "llava", "mistral3")
+PLAIN_FAMILIES = ("idefics3", "smolvlm", "llava", "mistral3", *ANYRES_FAMILIES)
 IDEFICS3_TAGS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
                  *(f"<row_{row}_col_{column}>" for row in range(1, 7) for column in range(1, 7))]
 # Idefics3's tiny tile: 28 pixels, 4 × 4 patches of 7, shuffled 2 × 2 into 4 image tokens; an image up to 56 pixels
@@ -260,11 +267,13 @@ def plain_tokenizer(chars, tags: list[str], image_tag: str):
 
 def build_plain_processor(chars=CHARS, family: str = "idefics3"):
     """The processor of a tiny model of `family` (one of PLAIN_FAMILIES but Mistral 3, whose `PixtralProcessor`
-    needs torchvision: `pixtral_tokenizer`)."""
+    needs torchvision: `pixtral_tokenizer`; LLaVA-NeXT's and LLaVA-OneVision's, tiny_anyres.py's)."""
     if family in ("idefics3", "smolvlm"):
         return build_idefics3_processor(chars)
     if family == "llava":
         return build_llava_processor(chars)
+    if family in ANYRES_FAMILIES:
+        return build_anyres_processor(plain_tokenizer(chars, ["<image>", "<video>"], "<image>"), family)
     raise ValueError(f"{family}'s processor (transformers' PixtralProcessor) needs torchvision: build the tokenizer "
                      "with pixtral_tokenizer, the pixels with PixtralImageProcessorPil")
 
@@ -321,10 +330,10 @@ def text_tower(tokenizer, hidden_size: int, layers: int, **more) -> dict:
 
 def build_plain_model(tokenizer, family: str, seed: int = 0, hidden_size: int = 64, layers: int = 2,
                       pixtral_tower: bool = False):
-    """A random Idefics3, SmolVLM, LLaVA or Mistral 3 `...ForConditionalGeneration` for the tokenizer of
-    `build_vision_processor(family=family)` (Mistral 3, and LLaVA with `pixtral_tower`: `pixtral_tokenizer`),
-    float32: a two-layer vision tower of width 32 (LLaVA's a CLIP one, or a Pixtral one), its projector, a Llama
-    (Mistral 3: Mistral) language tower."""
+    """A random Idefics3, SmolVLM, LLaVA, LLaVA-NeXT, LLaVA-OneVision or Mistral 3 `...ForConditionalGeneration`
+    for the tokenizer of `build_vision_processor(family=family)` (Mistral 3, and LLaVA with `pixtral_tower`:
+    `pixtral_tokenizer`), float32: a two-layer vision tower of width 32 (LLaVA's a CLIP one, or a Pixtral one;
+    LLaVA-NeXT's CLIP, OneVision's SigLIP), its projector, a Llama (Mistral 3: Mistral) language tower."""
     import transformers
 
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -349,6 +358,8 @@ def build_plain_model(tokenizer, family: str, seed: int = 0, hidden_size: int = 
         config = config_class(vision_config=dict(vision, model_type="clip_vision_model", image_size=LLAVA_IMAGE),
                               image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
                               image_seq_length=(LLAVA_IMAGE // PATCHES[family]) ** 2, **common)
+    elif family in ANYRES_FAMILIES:
+        config, model_class = anyres_config(family, tokenizer, vision, common)
     elif family == "mistral3":
         config_class, model_class = transformers.Mistral3Config, transformers.Mistral3ForConditionalGeneration
         common["text_config"].update(model_type="mistral", head_dim=hidden_size // 4, sliding_window=None)
@@ -360,7 +371,7 @@ def build_plain_model(tokenizer, family: str, seed: int = 0, hidden_size: int = 
         raise ValueError(f"family={family!r}: one of {sorted(PLAIN_FAMILIES)}")
     torch.manual_seed(seed)
     model = model_class(config)
-    if family in ("llava", "mistral3"):
+    if family in ("llava", "mistral3", *ANYRES_FAMILIES):
         with torch.no_grad():  # transformers' small start would leave the images' mark on the tokens faint
             for weight in model.model.multi_modal_projector.parameters():
                 if weight.dim() == 2:

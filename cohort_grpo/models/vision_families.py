@@ -3,7 +3,7 @@
 A prompt's images reach the language tower the same way in every family: the vision tower encodes them once per
 prompt and their embeddings stand where the prompt's image tokens are. A family says the rest:
 
-- `QwenVL` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 dense and MoE): images of any size, as patches and a patch grid
+- `QwenVL` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL dense and MoE, Qwen3.5 dense and MoE): images of any size, as patches and a patch grid
   per image; multimodal rotary positions (time, height, width) from the model's own `get_rope_index`, and a rope
   delta that every later token's position carries (kept per row in the KV cache); image tokens attend causally, like
   text. Qwen3.5's vision tower is Qwen3-VL's without deepstack features, and its language tower is a hybrid whose
@@ -18,6 +18,8 @@ prompt and their embeddings stand where the prompt's image tokens are. A family 
   fills and what the tower takes beside the pixels (`ImageInputs.extra_tensors`): Idefics3's tiles of one size,
   each a fixed number of tokens, and their pixel masks; LLaVA's one square per image (a Pixtral tower: images of
   their own size); Mistral 3's images of their own size (`image_sizes`), one token per merged patch.
+- `LlavaNextVision` (LLaVA-NeXT, LLaVA-OneVision): plain positions, causal image tokens, anyres tiles; an image's
+  token count is what the model's own `pack_image_features` makes of its tiles (unpadding, a newline per row).
 
 Each family's `positions` serves the forwards of one row per prompt (the prefill, the padded layout);
 `shared_prompt_positions` the shared-prompt layout's flat row (vision_shared_prompts.py), with the padded layout's
@@ -26,6 +28,7 @@ positions token for token.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -36,8 +39,9 @@ IMAGE_TOKEN_TYPE = 1  # the processors' token types: text 0, image 1 (Qwen-VL: v
 
 
 # The processor's image tensors beyond `pixel_values` and `image_grid_thw` that a family's vision tower reads, by the
-# name the processor gives them: Idefics3's and SmolVLM's padded pixels of each tile, Mistral 3's image sizes.
-EXTRA_IMAGE_TENSORS = ("pixel_attention_mask", "image_sizes")
+# name the processor gives them: Idefics3's and SmolVLM's padded pixels of each tile, Mistral 3's and LLaVA-NeXT's
+# image sizes, LLaVA-OneVision's count of a prompt's images.
+EXTRA_IMAGE_TENSORS = ("pixel_attention_mask", "image_sizes", "batch_num_images")
 
 
 @dataclass(eq=False)  # hashed by identity: the rows of one prompt share one object, so its images run once
@@ -92,16 +96,21 @@ def image_blocks(token_types: torch.Tensor) -> torch.Tensor:
 
 
 class QwenVL:
-    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL (its deepstack features go into the language tower's first layers) and
-    Qwen3.5 (the same positions and image features; a hybrid language tower)."""
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL (its deepstack features go into the language tower's first layers; Qwen3-VL-MoE
+    the same with an MoE language tower) and Qwen3.5 (the same positions and image features; a hybrid language
+    tower)."""
 
-    model_types = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
-    names = ("Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL", "Qwen3.5")
+    model_types = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+    names = ("Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL", "Qwen3-VL-MoE", "Qwen3.5")
     bidirectional_images = False
 
     def vision_modules(self, model: nn.Module) -> list[nn.Module]:
         """The modules that turn pixels into image embeddings, the tower first (its projector is inside it)."""
         return [model.model.visual]
+
+    def loose_vision_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """Weights that make image embeddings outside `vision_modules` (none)."""
+        return []
 
     def image_token_count(self, model: nn.Module, images: ImageInputs) -> int:
         """Each image's patches over the merge window."""
@@ -167,6 +176,10 @@ class PlainPositions:
     or not (no rope delta)."""
 
     bidirectional_images = False
+
+    def loose_vision_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """Weights that make image embeddings outside `vision_modules` (none)."""
+        return []
 
     def positions(self, model, input_ids, position_ids, attention_mask, images, token_types, offsets):
         """Plain positions: the position ids (no rope delta)."""
@@ -270,5 +283,55 @@ class Mistral3Vision(PlainPositions):
                                               images.extra_tensors["image_sizes"].to(device))
 
 
-SERVED = (QwenVL(), Gemma3Vision(), Idefics3Vision(), LlavaVision(), Mistral3Vision())
+class LlavaNextVision(PlainPositions):
+    """LLaVA-NeXT and LLaVA-OneVision (a CLIP or SigLIP tower, an MLP projector, any language tower): anyres tiling.
+    The processor resizes an image to the best of `image_grid_pinpoints`, cuts it into tiles of the tower's square
+    and adds the whole image shrunk to one (`pixel_values` [images, tiles, channels, height, width], `image_sizes`);
+    the model lays the tiles' patches out as one grid, cuts the rows or columns of padding away (unpadding;
+    OneVision shrinks a grid over its `vision_aspect_ratio`) and ends each row with `image_newline`. A OneVision
+    prompt of several images takes each image whole, untiled (`batch_num_images`)."""
+
+    model_types = ("llava_next", "llava_onevision")
+    names = ("LLaVA-NeXT", "LLaVA-OneVision")
+
+    def vision_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [model.model.vision_tower, model.model.multi_modal_projector]
+
+    def loose_vision_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """The embedding that ends each row of an image's grid (`image_newline`), a part of its image embeddings."""
+        return [model.model.image_newline]
+
+    def image_token_count(self, model: nn.Module, images: ImageInputs) -> int:
+        """What the model's own `pack_image_features` makes of stand-in features (one channel of zeros per patch of
+        each tile): the unpadded grid, its newlines and the whole image's patches."""
+        config, inner = model.config, model.model
+        side = config.vision_config.image_size // config.vision_config.patch_size
+        sizes = images.extra_tensors["image_sizes"]
+        stand_ins = [torch.zeros(tiles, side * side, 1) for tiles in self.tiles(model, images)]
+        newline = torch.zeros(1)
+        if config.model_type == "llava_onevision":
+            _, lengths = inner.pack_image_features(stand_ins, sizes.cpu(), newline, config.vision_aspect_ratio)
+        else:
+            _, lengths = inner.pack_image_features(stand_ins, sizes.cpu(), config.vision_feature_select_strategy,
+                                                   newline)
+        return int(lengths.sum())
+
+    @staticmethod
+    def tiles(model: nn.Module, images: ImageInputs) -> list[int]:
+        """How many tiles the tower encodes of each image, by the model's own `image_size_to_num_patches` (one, the
+        image whole, for each image of a OneVision prompt of several)."""
+        count = sys.modules[type(model.model).__module__].image_size_to_num_patches
+        config = model.config
+        several = images.extra_tensors.get("batch_num_images")
+        if several is not None and int(several.sum()) > 1:
+            return [1] * int(several.sum())
+        return [count(size, config.image_grid_pinpoints, config.vision_config.image_size)
+                for size in images.extra_tensors["image_sizes"].cpu()]
+
+    def image_features(self, model: nn.Module, images: ImageInputs, device):
+        extra = {name: tensor.to(device) for name, tensor in images.extra_tensors.items()}
+        return model.model.get_image_features(images.pixel_values.to(device), **extra)
+
+
+SERVED = (QwenVL(), Gemma3Vision(), Idefics3Vision(), LlavaVision(), Mistral3Vision(), LlavaNextVision())
 FAMILIES = {model_type: family for family in SERVED for model_type in family.model_types}  # by config.model_type

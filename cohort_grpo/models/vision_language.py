@@ -1,5 +1,5 @@
-"""`VisionLanguageModel`: a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, Idefics3, SmolVLM, LLaVA,
-Mistral 3) behind cohort's model interface.
+"""`VisionLanguageModel`: a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, Idefics3, SmolVLM,
+LLaVA, LLaVA-NeXT, LLaVA-OneVision, Mistral 3) behind cohort's model interface.
 
 The language tower is served as the generic path serves any decoder (generic.py): its own modules, cohort's
 attention and KV cache. What the images add lives here, and what differs between families in vision_families.py
@@ -94,8 +94,11 @@ class VisionLanguageModel(TransformersCausalLM):
         return self.family.vision_modules(self.transformers_model)[0]
 
     def vision_parameters(self) -> list[nn.Parameter]:
-        """The weights that turn pixels into image embeddings: the vision tower's and its projector's."""
-        return [p for module in self.family.vision_modules(self.transformers_model) for p in module.parameters()]
+        """The weights that turn pixels into image embeddings: the vision tower's and its projector's (and LLaVA-NeXT's
+        row-end embedding)."""
+        modules = self.family.vision_modules(self.transformers_model)
+        return [p for module in modules for p in module.parameters()] + self.family.loose_vision_parameters(
+            self.transformers_model)
 
     @property
     def image_token_id(self) -> int:
