@@ -103,13 +103,10 @@ def build_gemma3_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: 
     language tower whose sliding and full layers alternate."""
     import transformers
 
-    heads = 4
-    text = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=2, head_dim=hidden_size // heads,
-                query_pre_attn_scalar=hidden_size // heads, sliding_window=GEMMA_WINDOW,
-                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-                vocab_size=len(tokenizer), max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    head_dim = hidden_size // 4  # text_tower's 4 heads
+    text = text_tower(tokenizer, hidden_size, layers, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                      sliding_window=GEMMA_WINDOW,
+                      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   image_size=GEMMA_IMAGE, patch_size=PATCHES["gemma3"])
     ids = {name: tokenizer.convert_tokens_to_ids(tag) for name, tag in GEMMA_TAGS.items()}
@@ -141,12 +138,9 @@ def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: 
         return build_qwen3_5_model(tokenizer, seed, hidden_size, layers, family)
 
     ids = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in VISION_TAGS}
-    heads = 4
-    text = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=2, vocab_size=len(tokenizer),
-                max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                bos_token_id=None,
-                rope_scaling={"type": "mrope", "mrope_section": mrope_sections(hidden_size // heads)})
+    heads = 4  # text_tower's
+    text = text_tower(tokenizer, hidden_size, layers,
+                      rope_scaling={"type": "mrope", "mrope_section": mrope_sections(hidden_size // heads)})
     vision = dict(depth=2, num_heads=2, patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2)
     if family == "qwen2_5_vl":
         vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size, window_size=4 * PATCH,
@@ -204,16 +198,13 @@ def build_qwen3_5_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers:
     import transformers
 
     ids = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in VISION_TAGS}
-    heads, head_dim = 4, hidden_size // 4  # rotary over half of each head, as Qwen3.5's partial rotary
+    head_dim = hidden_size // 4  # text_tower's 4 heads; rotary over half of each, as Qwen3.5's partial rotary
     layer_types = ["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] * (layers % 2)
-    text = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim, linear_num_key_heads=2,
-                linear_num_value_heads=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
-                layer_types=layer_types, vocab_size=len(tokenizer), max_position_embeddings=1024,
-                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-                initializer_range=0.2,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
-                                 "mrope_section": mrope_sections(head_dim // 2), "partial_rotary_factor": 0.5})
+    text = text_tower(tokenizer, hidden_size, layers, head_dim=head_dim, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+                      layer_types=layer_types, initializer_range=0.2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                                       "mrope_section": mrope_sections(head_dim // 2), "partial_rotary_factor": 0.5})
     vision = dict(depth=2, num_heads=2, patch_size=PATCHES[family], spatial_merge_size=2, temporal_patch_size=2,
                   hidden_size=32, intermediate_size=64, out_hidden_size=hidden_size, num_position_embeddings=64,
                   initializer_range=0.2)

@@ -95,22 +95,27 @@ def image_blocks(token_types: torch.Tensor) -> torch.Tensor:
     return torch.where(is_image, starts.long().cumsum(1) - 1, -1)
 
 
-class QwenVL:
+class VisionFamily:
+    """What a family has unless it says otherwise: image tokens attend causally, and no weight outside
+    `vision_modules` makes image embeddings."""
+
+    bidirectional_images = False
+
+    def loose_vision_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """Weights that make image embeddings outside `vision_modules` (none)."""
+        return []
+
+
+class QwenVL(VisionFamily):
     """Qwen2-VL, Qwen2.5-VL, Qwen3-VL (its deepstack features go into the language tower's first layers; Qwen3-VL-MoE
     the same with an MoE language tower) and Qwen3.5 (the same positions and image features; a hybrid language
     tower)."""
 
     model_types = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
     names = ("Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL", "Qwen3-VL-MoE", "Qwen3.5")
-    bidirectional_images = False
-
     def vision_modules(self, model: nn.Module) -> list[nn.Module]:
         """The modules that turn pixels into image embeddings, the tower first (its projector is inside it)."""
         return [model.model.visual]
-
-    def loose_vision_parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        """Weights that make image embeddings outside `vision_modules` (none)."""
-        return []
 
     def image_token_count(self, model: nn.Module, images: ImageInputs) -> int:
         """Each image's patches over the merge window."""
@@ -171,15 +176,9 @@ class QwenVL:
         return rotary[:, None]
 
 
-class PlainPositions:
+class PlainPositions(VisionFamily):
     """What families with plain 1-D positions share: a token's rotary position is its index in the row, images
     or not (no rope delta)."""
-
-    bidirectional_images = False
-
-    def loose_vision_parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        """Weights that make image embeddings outside `vision_modules` (none)."""
-        return []
 
     def positions(self, model, input_ids, position_ids, attention_mask, images, token_types, offsets):
         """Plain positions: the position ids (no rope delta)."""
