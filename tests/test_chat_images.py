@@ -17,11 +17,12 @@ from cohort_grpo.cli.chat import ChatSession, chat_loop
 from cohort_grpo.cli.chat_images import image_command_path
 from cohort_grpo.errors import CohortError, command_line
 from cohort_grpo.models.policy import save_policy
-from cohort_grpo.models.tiny_vision import build_vision_model, build_vision_processor, family_unavailable
+from cohort_grpo.models.tiny_vision import build_vision_model
 from cohort_grpo.rollout.engine import Engine
 from cohort_grpo.rollout.images import ImagePrompts, load_image
 from cohort_grpo.rollout.sampler import SamplingParams
 from cohort_grpo.run.policy import load_policy
+from test_vision_language import processor_or_skip
 
 pytestmark = pytest.mark.cpu("float32 greedy tokens of CPU forwards")
 
@@ -38,10 +39,8 @@ def write_image(path: Path, seed: int, size=(70, 84)) -> str:
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "gemma3", "qwen3_5"])
 def vision(request):
-    if family_unavailable(request.param):
-        pytest.skip(family_unavailable(request.param))
     torch.set_num_threads(1)
-    processor = build_vision_processor(family=request.param)
+    processor = processor_or_skip(request.param)
     model, tokenizer = load_policy(build_vision_model(processor.tokenizer, seed=3, family=request.param).eval(),
                                    processor, log=lambda line: None)
     return model.eval(), tokenizer

@@ -35,8 +35,11 @@ def random_image(height, width, seed):
 
 
 def processor_or_skip(family: str):
-    """The tiny processor of `family`, or a skip where the installed transformers builds it only with a package
-    that is not installed (before 5.2x, Idefics3's image processor needs torchvision even in its PIL form)."""
+    """The tiny processor of `family`, or a skip where the installed transformers cannot serve the family
+    (`family_unavailable`) or builds its processor only with a package that is not installed (before 5.2x,
+    Idefics3's image processor needs torchvision even in its PIL form)."""
+    if family_unavailable(family):
+        pytest.skip(family_unavailable(family))
     try:
         return build_vision_processor(family=family)
     except ImportError as error:
@@ -45,8 +48,6 @@ def processor_or_skip(family: str):
 
 @pytest.fixture(scope="module", params=sorted(PATCHES))
 def vision(request):
-    if family_unavailable(request.param):
-        pytest.skip(family_unavailable(request.param))
     processor = processor_or_skip(request.param)
     reference = build_vision_model(processor.tokenizer, family=request.param).eval()
     model = VisionLanguageModel.wrap(copy.deepcopy(reference)).eval()
